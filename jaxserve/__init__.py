@@ -1,0 +1,31 @@
+"""jaxserve: disaggregated prefill/decode LLM serving on JAX.
+
+Heavy pieces (the engine, JAX) load lazily, so `import jaxserve.plan` or the
+planner never starts an accelerator runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "jaxserve.llm",
+    "SamplingParams": "jaxserve.request",
+}
+
+if TYPE_CHECKING:
+    from jaxserve.llm import LLM
+    from jaxserve.request import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

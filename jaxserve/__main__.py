@@ -1,0 +1,5 @@
+import sys
+
+from jaxserve.cli import main
+
+sys.exit(main())

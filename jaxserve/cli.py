@@ -1,0 +1,53 @@
+"""The `jaxserve` command line: a thin dispatcher over library functions.
+
+Each subcommand lives in `jaxserve/commands/<name>.py` and exposes
+`add_arguments(parser)` and `run(args) -> int`. Command modules import heavy
+libraries (JAX, Ray, gRPC) inside `run`, so `jaxserve plan --help` stays fast
+and the planner never loads JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("jaxserve.commands.serve", "run the gRPC and OpenAI-compatible HTTP servers for a deployment"),
+    "generate": ("jaxserve.commands.generate", "generate tokens offline for one prompt"),
+    "plan": ("jaxserve.commands.plan", "search the per-phase parallelism that maximises per-device goodput"),
+    "simulate": ("jaxserve.commands.simulate", "simulate a deployment over a workload"),
+    "profile": ("jaxserve.commands.profile", "fit latency-model coefficients on this machine"),
+    "bench": ("jaxserve.commands.bench", "drive a running server with a workload and measure SLO attainment"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="Disaggregated LLM serving on JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # command not built yet
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `jaxserve` CLI; see `jaxserve/cli.py`."""

@@ -1,0 +1,1 @@
+"""Flax OPT models, sharding rules and checkpoint loading. `models.config` imports no JAX."""

@@ -1,0 +1,1 @@
+"""The placement planner: latency model, workloads, simulator, goodput search. Imports no JAX."""
