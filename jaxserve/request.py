@@ -1,0 +1,136 @@
+"""Request-level types shared by the controller, the servers and the offline API.
+
+Pure Python (no JAX): the gRPC/HTTP layer converts its wire messages into
+`GenerateRequest` and streams `TokenChunk`s back. Times are `time.monotonic()`
+seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxserve.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. `temperature == 0` means greedy.
+
+    `seed` makes sampling deterministic per request, independent of which other
+    requests share its batch; `None` draws a seed from the request id.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, *, max_tokens_limit: int, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError` naming the first field that is out of range."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError("max_tokens must be an integer", field="max_tokens")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", field="max_tokens")
+        if self.max_tokens > max_tokens_limit:
+            raise InvalidRequestError(
+                f"max_tokens {self.max_tokens} exceeds the limit {max_tokens_limit}", field="max_tokens"
+            )
+        t = self.temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
+            raise InvalidRequestError(f"temperature must be a finite number, got {t!r}", field="temperature")
+        if t < 0 or t > MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {t}", field="temperature"
+            )
+        p = self.top_p
+        if not isinstance(p, int | float) or isinstance(p, bool) or not math.isfinite(p) or not 0.0 < p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}", field="top_p")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", field="top_k")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", field="seed")
+        for tok in self.stop_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {tok!r}", field="stop_token_ids")
+            if vocab_size is not None and tok >= vocab_size:
+                raise InvalidRequestError(
+                    f"stop token id {tok} is outside the vocabulary (size {vocab_size})", field="stop_token_ids"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request: an id unique among live requests, the prompt's token ids, sampling."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+
+@dataclasses.dataclass
+class RequestTimings:
+    """Per-request timestamps (monotonic seconds); a phase that did not happen stays None.
+
+    Colocated instances have no transfer. `token_times` holds the time each
+    output token was produced, the first token included.
+    """
+
+    arrival_at: float
+    prefill_start_at: float | None = None
+    prefill_end_at: float | None = None
+    transfer_start_at: float | None = None
+    transfer_end_at: float | None = None
+    decode_start_at: float | None = None
+    first_token_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finished_at: float | None = None
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: first token time minus arrival."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last - first) / (n - 1); None with < 2 tokens."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.arrival_at
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request (never repeated); the final chunk has `finish_reason` and `timings`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    timings: RequestTimings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
