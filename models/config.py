@@ -42,8 +42,7 @@ class OPTConfig:
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"{self.name}: hidden_size {self.hidden_size} is not divisible by "
-                f"num_heads {self.num_heads}"
+                f"{self.name}: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
             )
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"{self.name}: dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")

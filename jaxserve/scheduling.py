@@ -1,0 +1,308 @@
+"""Scheduling policies, written once and used by both the runtime and the simulator.
+
+Every function here is a pure decision over plain data: no threads, queues,
+clocks or device arrays. The runtime's worker loops call them with the state of
+real instances; `placement/simulator.py` calls them with simulated state. That
+is what lets the simulator predict the engine: a change here is a change to
+both.
+
+The policies (DistServe section 3 and its baselines):
+
+* **Prefill batching** (`form_prefill_batch`): first come, first served; take
+  prompts from the head of the queue while their total length stays within
+  `L_m` (`max_batch_tokens`, the length beyond which prefill stops gaining from
+  batching). A prompt longer than `L_m` runs alone. The batch never exceeds the
+  free slots of the prefill instance's KV buffer (backpressure).
+* **Prefill dispatch** (`choose_prefill_instance`): shortest queue, measured in
+  prompt tokens not yet prefilled (requests as the tie-break, then index).
+* **Decode choice** (`choose_decode_instance`): least loaded: fewest sequences
+  running or waiting to be pulled, then most free KV blocks, then index.
+* **Decode admission** (`admit_decodes`): a decode instance pulls waiting KV in
+  FCFS order while it has batch room and free blocks for the whole sequence
+  (prompt + max new tokens). The head of the line is never skipped, so a long
+  request cannot starve; reserving the whole sequence up front means a running
+  sequence never has to be preempted.
+* **Colocated, prefill priority** (`schedule_colocated`, chunk_size=None): the
+  vLLM continuous-batching rule. When waiting prompts can be admitted, the step
+  runs only their prefills (up to `max_batch_tokens`); otherwise it decodes
+  every running sequence.
+* **Colocated, chunked prefill** (`schedule_colocated`, chunk_size=N): the
+  Sarathi rule. Each step has a budget of N tokens: every running decode takes
+  one (decodes are never held back, even past the budget), the rest goes to
+  prompt chunks, oldest first, continuing a partially prefilled prompt before
+  admitting a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return -(-max(num_tokens, 0) // block_size)
+
+
+def kv_tokens_reserved(num_prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV slots a sequence may ever use: its prompt plus every token it may generate."""
+    return num_prompt_tokens + max_new_tokens
+
+
+# ---------------------------------------------------------------------------
+# Disaggregated: prefill side
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitingPrompt:
+    """A request in a prefill queue, in arrival order."""
+
+    request_id: str
+    num_prompt_tokens: int
+
+
+def form_prefill_batch(queue: Sequence[WaitingPrompt], max_batch_tokens: int, max_batch_size: int | None = None) -> int:
+    """How many requests from the head of `queue` form the next prefill batch.
+
+    FCFS; the total prompt length stays within `max_batch_tokens` (L_m) except
+    that a head prompt longer than L_m runs alone. `max_batch_size` caps the
+    count (the free slots of the prefill KV buffer); 0 means the instance must
+    wait.
+    """
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    limit = len(queue) if max_batch_size is None else min(len(queue), max_batch_size)
+    taken = 0
+    total = 0
+    while taken < limit:
+        n = queue[taken].num_prompt_tokens
+        if taken > 0 and total + n > max_batch_tokens:
+            break
+        total += n
+        taken += 1
+        if total >= max_batch_tokens:
+            break
+    return taken
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillLoad:
+    """What a prefill instance has not finished: queued plus running prompts."""
+
+    num_queued_tokens: int
+    num_queued_requests: int
+
+
+def choose_prefill_instance(loads: Sequence[PrefillLoad]) -> int:
+    """Index of the prefill instance with the shortest queue (tokens, then requests, then index)."""
+    if not loads:
+        raise ValueError("no prefill instances to choose from")
+    return min(range(len(loads)), key=lambda i: (loads[i].num_queued_tokens, loads[i].num_queued_requests, i))
+
+
+# ---------------------------------------------------------------------------
+# Disaggregated: decode side
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoad:
+    """A decode instance's load: running sequences, ones assigned but not yet pulled, free blocks."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+
+
+def choose_decode_instance(loads: Sequence[DecodeLoad]) -> int:
+    """Index of the least-loaded decode instance (fewest sequences, then most free blocks, then index)."""
+    if not loads:
+        raise ValueError("no decode instances to choose from")
+    return min(
+        range(len(loads)),
+        key=lambda i: (loads[i].num_running + loads[i].num_waiting, -loads[i].num_free_blocks, i),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingDecode:
+    """A finished prefill waiting to be pulled by its decode instance, in arrival order."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+
+
+def admit_decodes(
+    pending: Sequence[PendingDecode],
+    *,
+    num_free_blocks: int,
+    num_running: int,
+    max_batch_size: int,
+    block_size: int,
+) -> int:
+    """How many requests from the head of `pending` the decode instance pulls now.
+
+    FCFS without skipping: stop at the first request that lacks batch room or
+    free blocks for its whole sequence (`kv_tokens_reserved`).
+    """
+    admitted = 0
+    free = num_free_blocks
+    room = max_batch_size - num_running
+    for req in pending:
+        if admitted >= room:
+            break
+        need = blocks_for(kv_tokens_reserved(req.num_prompt_tokens, req.max_new_tokens), block_size)
+        if need > free:
+            break
+        free -= need
+        admitted += 1
+    return admitted
+
+
+# ---------------------------------------------------------------------------
+# Colocated baselines
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedRequest:
+    """A request inside a colocated instance.
+
+    `num_prefilled` counts prompt tokens whose KV exists; `admitted` says the
+    request holds its KV reservation (it is prefilling or decoding).
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+    num_prefilled: int = 0
+    admitted: bool = False
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.admitted and self.num_prefilled >= self.num_prompt_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Prefill prompt tokens [start, start + num_tokens) of a request in this step."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedStep:
+    """One colocated engine step: requests admitted now, prompt chunks to run, sequences to decode."""
+
+    admit: tuple[str, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill) + len(self.decode)
+
+
+def schedule_colocated(
+    requests: Sequence[ColocatedRequest],
+    *,
+    num_free_blocks: int,
+    block_size: int,
+    max_batch_size: int,
+    max_batch_tokens: int,
+    chunk_size: int | None = None,
+) -> ColocatedStep:
+    """The next step of a colocated instance.
+
+    `requests` lists every unfinished request in arrival order, admitted or
+    not. Without `chunk_size` this is vLLM's prefill-priority rule; with it,
+    Sarathi's chunked prefill with piggybacked decodes (`chunk_size` tokens a
+    step).
+    """
+    decoding = [r for r in requests if r.is_decoding]
+    prefilling = [r for r in requests if r.admitted and not r.is_decoding]
+    waiting = [r for r in requests if not r.admitted]
+    if chunk_size is None:
+        return _prefill_priority_step(
+            decoding, prefilling, waiting, num_free_blocks, block_size, max_batch_size, max_batch_tokens
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _chunked_step(decoding, prefilling, waiting, num_free_blocks, block_size, max_batch_size, chunk_size)
+
+
+def _admissible(
+    waiting: Sequence[ColocatedRequest], num_free_blocks: int, block_size: int, room: int
+) -> list[ColocatedRequest]:
+    """The FCFS prefix of `waiting` that fits in the free blocks and the batch room."""
+    pending = [PendingDecode(r.request_id, r.num_prompt_tokens, r.max_new_tokens) for r in waiting]
+    n = admit_decodes(
+        pending, num_free_blocks=num_free_blocks, num_running=0, max_batch_size=room, block_size=block_size
+    )
+    return list(waiting[:n])
+
+
+def _prefill_priority_step(
+    decoding: list[ColocatedRequest],
+    prefilling: list[ColocatedRequest],
+    waiting: list[ColocatedRequest],
+    num_free_blocks: int,
+    block_size: int,
+    max_batch_size: int,
+    max_batch_tokens: int,
+) -> ColocatedStep:
+    room = max_batch_size - len(decoding) - len(prefilling)
+    candidates = _admissible(waiting, num_free_blocks, block_size, room)
+    # Prompts already admitted (left over from a token-capped step) go first.
+    queue = [WaitingPrompt(r.request_id, r.num_prompt_tokens - r.num_prefilled) for r in prefilling + candidates]
+    n = form_prefill_batch(queue, max_batch_tokens)
+    if n:
+        chosen = (prefilling + candidates)[:n]
+        admit = tuple(r.request_id for r in chosen if not r.admitted)
+        chunks = tuple(
+            PrefillChunk(r.request_id, r.num_prefilled, r.num_prompt_tokens - r.num_prefilled) for r in chosen
+        )
+        return ColocatedStep(admit=admit, prefill=chunks)
+    return ColocatedStep(decode=tuple(r.request_id for r in decoding))
+
+
+def _chunked_step(
+    decoding: list[ColocatedRequest],
+    prefilling: list[ColocatedRequest],
+    waiting: list[ColocatedRequest],
+    num_free_blocks: int,
+    block_size: int,
+    max_batch_size: int,
+    chunk_size: int,
+) -> ColocatedStep:
+    # Decodes always run (one token each); prompts share what is left of the budget.
+    decode = tuple(r.request_id for r in decoding)
+    budget = chunk_size - len(decode)
+    chunks: list[PrefillChunk] = []
+    for r in prefilling:
+        if budget <= 0:
+            break
+        n = min(budget, r.num_prompt_tokens - r.num_prefilled)
+        chunks.append(PrefillChunk(r.request_id, r.num_prefilled, n))
+        budget -= n
+    admit: list[str] = []
+    if budget > 0:
+        room = max_batch_size - len(decoding) - len(prefilling)
+        for r in _admissible(waiting, num_free_blocks, block_size, room):
+            if budget <= 0:
+                break
+            n = min(budget, r.num_prompt_tokens)
+            admit.append(r.request_id)
+            chunks.append(PrefillChunk(r.request_id, 0, n))
+            budget -= n
+    return ColocatedStep(admit=tuple(admit), prefill=tuple(chunks), decode=decode)
