@@ -1,0 +1,477 @@
+"""Latency and memory model of one serving instance (DistServe Appendix A), per shard and per pipeline stage.
+
+Forms
+-----
+**Appendix form** (per model, per tensor-parallel degree `tp`; `h`, `m` = hidden and FFN sizes, `L` layers,
+`t = Σ lᵢ`, `t₂ = Σ lᵢ²`, `b` = FlashAttention block size)::
+
+    T_prefill = L·[C1·t·(4h² + 2hm)/tp + C2·3(h/tp)·t₂/b] + C1·B·V·h/tp + 2L·AR(t) + C3
+    T_decode  = L·[max(C4, C1·B)·(4h² + 2hm)/tp + C5·3(h/tp)·Σctx] + C4·V·h/tp + 2L·AR(B) + C6
+
+The GEMM terms count multiply-adds of one shard: under tensor parallelism each device holds 1/tp of
+the QKV/FFN-in columns and of the out/FFN-out rows, so it does `t·(4h² + 2hm)/tp` multiply-adds and
+reads `(4h² + 2hm)/tp` weights per layer (the paper writes "h divided by tp", which would count
+`4t(h/tp)²`; the per-shard product is `t·4h·h/tp`). `AR(n)` is a ring all-reduce of `n·h` activations
+(two per layer: after attention and after the FFN): `2(tp−1)/tp · n·h·bytes / link + latency`.
+`V·h` is the LM head (only the last position of each request). In decode, `max(C4, C1·B)` is the
+roofline: weight reads dominate until the batch is large enough for the GEMMs to be compute-bound.
+C6 (decode overhead) defaults to C3; the paper folds it into C4.
+
+**Folded form** (what the public DistServe artifact ships; milliseconds, per (engine, model, tp))::
+
+    prefill = a + b·Σlᵢ + c·Σlᵢ²
+    decode  = a + b·Σctxᵢ + c·B      (one (a, b, c) for B < decode_batch_split (95), another at or above)
+
+Pipeline stages. An instance with `pp` stages holds `L/pp` layers per stage. A batch's *latency*
+through the pipe is the sum of its stage times plus `pp − 1` activation sends; successive batches
+overlap, so *throughput* is set by the stage time. The simulator therefore tracks per-stage busy
+times (see `placement/simulator.py`); `stage_*` methods return one stage's time. For the folded
+form a stage is 1/pp of the whole-model time (the constants are not split by layer in the artifact).
+Decoding splits the running batch into `k = min(B, pp)` micro-batches; a token of every request
+comes out once per round of `pp · (stage(B/k) + send)`.
+
+Profile files
+-------------
+JSON, one object::
+
+    {
+      "name": "a100-80gb-distserve",         # what --profile NAME selects
+      "device": "a100-80gb",                 # the hardware the numbers were measured on
+      "decode_batch_split": 95,              # folded form: first batch size of the large-batch regime
+      "entries": [
+        # folded form, milliseconds
+        {"engine": "dist", "model": "opt-13b", "tp": 1,
+         "prefill": [a, b, c], "decode_small": [a, b, c], "decode_large": [a, b, c]},
+        # Appendix-A form, seconds per unit (what `jaxserve profile` writes)
+        {"engine": "any", "model": "opt-13b", "tp": 2,
+         "C1": s_per_mac, "C2": s_per_elem, "C3": s, "C4": s_per_elem, "C5": s_per_elem,
+         "C6": s,                             # optional, decode overhead (default C3)
+         "block_size": 16,                    # optional, FlashAttention block b (default 16)
+         "allreduce_s_per_byte": x,           # optional; default from the device link bandwidth
+         "L_m": 512}                          # optional, prefill token budget that saturates the device
+      ]
+    }
+
+`engine` is `dist` (prefill-only / decode-only engine, used for disaggregated deployments), `coloc`
+(colocated continuous-batching engine) or `any`. A lookup for (engine, model, tp) takes the exact engine
+first, then `any`. Missing (model, tp) pairs are simply unsupported by that profile.
+
+Memory model: `weight_bytes_per_device`, `kv_bytes_per_token_per_device` and `kv_capacity_tokens`
+(the KV slots an instance holds after its weights, with `DeviceSpec.usable_memory_fraction` of memory
+usable). With the default 0.925 it gives OPT-13B on A100-80GB 65,614 tokens at tp1 (artifact: 66,144,
+−0.8 %) and 162,598 at tp2 (163,008, −0.3 %).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from models.config import OPTConfig
+from placement.hardware import DeviceSpec
+
+Engine = Literal["dist", "coloc"]
+DEFAULT_BLOCK_SIZE = 16  # FlashAttention block b
+DEFAULT_PREFILL_TOKENS = 512  # L_m: the paper's saturation point for a 13B model on an A100
+DEFAULT_KV_BLOCK_TOKENS = 16  # paged KV block size used for capacity in blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-shard sizes (what the hand-computation test checks)
+# ---------------------------------------------------------------------------------------------
+def layer_gemm_macs(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
+    """Multiply-adds of one layer's four GEMMs on one tensor-parallel shard for `num_tokens` tokens."""
+    h, m = cfg.hidden_size, cfg.ffn_dim
+    return num_tokens * (4 * h * h + 2 * h * m) / tp
+
+
+def layer_gemm_flops(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
+    return 2.0 * layer_gemm_macs(cfg, tp, num_tokens)
+
+
+def layer_weight_bytes(cfg: OPTConfig, tp: int) -> float:
+    """GEMM weight bytes of one layer held (and read once per step) by one shard."""
+    h, m = cfg.hidden_size, cfg.ffn_dim
+    return (4 * h * h + 2 * h * m) / tp * cfg.dtype_bytes
+
+
+def layer_kv_read_bytes(cfg: OPTConfig, tp: int, total_context: int) -> float:
+    """K and V bytes one shard reads in one decode step of one layer (its h/tp heads)."""
+    return 2 * (cfg.hidden_size / tp) * total_context * cfg.dtype_bytes
+
+
+def allreduce_bytes_per_device(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
+    """Bytes each device sends in one ring all-reduce of `num_tokens` activations."""
+    if tp == 1:
+        return 0.0
+    return 2 * (tp - 1) / tp * num_tokens * cfg.hidden_size * cfg.dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory model
+# ---------------------------------------------------------------------------------------------
+def weight_bytes_per_device(cfg: OPTConfig, tp: int, pp: int) -> float:
+    """Weights on one device of the heaviest stage: ceil(L/pp) layers plus the embeddings, sharded tp ways."""
+    layers = math.ceil(cfg.num_layers / pp)
+    params = layers * cfg.num_layer_params + cfg.num_embedding_params
+    return params * cfg.dtype_bytes / tp
+
+
+def kv_bytes_per_token_per_device(cfg: OPTConfig, tp: int, pp: int) -> float:
+    layers = math.ceil(cfg.num_layers / pp)
+    return 2 * layers * cfg.hidden_size / tp * cfg.dtype_bytes
+
+
+def kv_capacity_tokens(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int) -> int:
+    """KV-cache slots (tokens) one instance holds; 0 when the weights do not fit."""
+    free = device.usable_memory_bytes - weight_bytes_per_device(cfg, tp, pp)
+    if free <= 0:
+        return 0
+    return int(free // kv_bytes_per_token_per_device(cfg, tp, pp))
+
+
+def fits(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: int | None = None) -> bool:
+    """Whether the weights fit with room for at least one max-length sequence of KV cache."""
+    need = cfg.max_position_embeddings if min_kv_tokens is None else min_kv_tokens
+    return kv_capacity_tokens(cfg, device, tp, pp) >= need
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance latency
+# ---------------------------------------------------------------------------------------------
+class StageLatency(Protocol):
+    """What the simulator needs from one instance's latency model (seconds; batch statistics as scalars).
+
+    Prefill batches are described by `num_tokens = Σ lᵢ`, `sum_sq = Σ lᵢ²` and the number of prompts;
+    decode micro-batches by their size and `ctx_sum = Σ ctxᵢ`. A chunked step adds decodes to a prefill
+    step: `sum_sq` is then Σ cᵢ·(cᵢ + 2pᵢ) for chunk cᵢ after pᵢ done tokens (what Σlᵢ² grows by).
+    """
+
+    @property
+    def pp(self) -> int: ...
+
+    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float: ...
+
+    def decode_stage_s(self, batch: int, ctx_sum: float) -> float: ...
+
+    def chunk_stage_s(
+        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
+    ) -> float: ...
+
+    def send_s(self, num_tokens: int) -> float: ...
+
+
+def prefill_stats(lengths: np.ndarray) -> tuple[float, float, int]:
+    """(Σl, Σl², B) of a batch of prompt lengths."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return float(lengths.sum()), float((lengths * lengths).sum()), len(lengths)
+
+
+def pipeline_prefill_s(model: StageLatency, lengths: np.ndarray) -> float:
+    """Latency of one prefill batch through all stages of an idle pipe."""
+    t, t2, b = prefill_stats(lengths)
+    return model.pp * model.prefill_stage_s(t, t2, b) + (model.pp - 1) * model.send_s(int(t))
+
+
+def pipeline_decode_round_s(model: StageLatency, batch: int, ctx_sum: float) -> float:
+    """Time between two tokens of a request in a decode instance running this batch.
+
+    With pp stages the batch is split into k = min(B, pp) micro-batches that chase each other round
+    the pipe; every stage handles each micro-batch once per round, and each micro-batch also has to
+    cross every stage, so a round is pp · (stage time of the largest micro-batch + one send). The
+    largest micro-batch has ceil(B/k) requests and is given their share of the context.
+    """
+    if batch == 0:
+        return 0.0
+    if model.pp == 1:
+        return model.decode_stage_s(batch, ctx_sum)
+    k = min(batch, model.pp)
+    micro = -(-batch // k)
+    return model.pp * (model.decode_stage_s(micro, ctx_sum * micro / batch) + model.send_s(micro))
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendixCoefficients:
+    """C1..C6 of the appendix form (seconds per multiply-add / per element / fixed)."""
+
+    C1: float
+    C2: float
+    C3: float
+    C4: float
+    C5: float
+    C6: float | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    allreduce_s_per_byte: float | None = None
+    prefill_tokens: int | None = None  # L_m
+
+    @classmethod
+    def roofline(cls, device: DeviceSpec, dtype_bytes: int = 2) -> AppendixCoefficients:
+        """Coefficients from the device roofline: GEMMs at the achievable FLOP rate, the rest at HBM speed."""
+        s_per_mac = 2.0 / (device.peak_flops * device.flops_efficiency)
+        s_per_elem = dtype_bytes / (device.mem_bandwidth * device.bandwidth_efficiency)
+        return cls(C1=s_per_mac, C2=s_per_elem, C3=device.step_overhead_s, C4=s_per_elem, C5=s_per_elem)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendixModel:
+    """The appendix form for one (model, tp, pp) instance. Stage = ceil(L/pp) layers (+ LM head)."""
+
+    cfg: OPTConfig
+    coeffs: AppendixCoefficients
+    tp: int
+    pp: int
+    link_bandwidth: float  # bytes/s for all-reduce inside the tp group
+    stage_link_bandwidth: float  # bytes/s between adjacent stages
+    link_latency_s: float = 10e-6
+
+    @property
+    def _layers(self) -> int:
+        return math.ceil(self.cfg.num_layers / self.pp)
+
+    def _allreduce_s(self, num_tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        nbytes = allreduce_bytes_per_device(self.cfg, self.tp, num_tokens)
+        per_byte = self.coeffs.allreduce_s_per_byte or 1.0 / self.link_bandwidth
+        return nbytes * per_byte + 2 * (self.tp - 1) * self.link_latency_s
+
+    def _lm_head_macs(self, batch: int) -> float:
+        return batch * self.cfg.vocab_size * self.cfg.embed_dim / self.tp / self.pp
+
+    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
+        return self._prefill(num_tokens, sum_sq, batch)
+
+    def _prefill(self, t: float, t2: float, batch: int) -> float:
+        c, h = self.coeffs, self.cfg.hidden_size
+        per_layer = c.C1 * layer_gemm_macs(self.cfg, self.tp, 1) * t + c.C2 * 3 * (h / self.tp) * t2 / c.block_size
+        ar = 2 * self._allreduce_s(int(t))
+        return self._layers * (per_layer + ar) + c.C1 * self._lm_head_macs(batch) + c.C3 / self.pp
+
+    def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        ctx = ctx_sum
+        c, h = self.coeffs, self.cfg.hidden_size
+        gemm = max(
+            c.C4 * layer_weight_bytes(self.cfg, self.tp) / self.cfg.dtype_bytes,
+            c.C1 * layer_gemm_macs(self.cfg, self.tp, batch),
+        )
+        attn = c.C5 * 3 * (h / self.tp) * ctx
+        lm_head = max(c.C4 * self._lm_head_macs(1), c.C1 * self._lm_head_macs(batch))
+        overhead = c.C3 if c.C6 is None else c.C6
+        return self._layers * (gemm + attn + 2 * self._allreduce_s(batch)) + lm_head + overhead / self.pp
+
+    def chunk_stage_s(
+        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
+    ) -> float:
+        # Decodes ride along as one token each in the GEMMs; their attention reads their cached context.
+        c, h = self.coeffs, self.cfg.hidden_size
+        attn_decode = self._layers * c.C5 * 3 * (h / self.tp) * decode_ctx_sum
+        return self._prefill(num_tokens + decode_batch, sum_sq, batch + decode_batch) + attn_decode
+
+    def send_s(self, num_tokens: int) -> float:
+        return (
+            self.link_latency_s + num_tokens * self.cfg.hidden_size * self.cfg.dtype_bytes / self.stage_link_bandwidth
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedCoefficients:
+    """The artifact's folded form for one (engine, model, tp), milliseconds."""
+
+    prefill: tuple[float, float, float]
+    decode_small: tuple[float, float, float]
+    decode_large: tuple[float, float, float]
+    decode_batch_split: int = 95
+    prefill_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedModel:
+    """Folded coefficients, with a pp-stage pipeline as 1/pp of the whole-model time per stage."""
+
+    cfg: OPTConfig
+    coeffs: FoldedCoefficients
+    pp: int
+    stage_link_bandwidth: float
+    link_latency_s: float = 10e-6
+
+    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
+        a, b, c = self.coeffs.prefill
+        return (a + b * num_tokens + c * sum_sq) / 1000.0 / self.pp
+
+    def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        a, b, c = self.coeffs.decode_small if batch < self.coeffs.decode_batch_split else self.coeffs.decode_large
+        return (a + b * ctx_sum + c * batch) / 1000.0 / self.pp
+
+    def chunk_stage_s(
+        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
+    ) -> float:
+        # The artifact's convention for a mixed step: decodes count as one prefill token each; their
+        # attention over the cached context is the decode model's per-context term.
+        a, b, c = self.coeffs.prefill
+        b_ctx = self.coeffs.decode_small[1]
+        return (a + b * (num_tokens + decode_batch) + c * sum_sq + b_ctx * decode_ctx_sum) / 1000.0 / self.pp
+
+    def send_s(self, num_tokens: int) -> float:
+        return (
+            self.link_latency_s + num_tokens * self.cfg.hidden_size * self.cfg.dtype_bytes / self.stage_link_bandwidth
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles and providers
+# ---------------------------------------------------------------------------------------------
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Coefficients per (engine, model, tp) loaded from a profile file."""
+
+    name: str
+    device: str | None
+    folded: dict[tuple[str, str, int], FoldedCoefficients]
+    appendix: dict[tuple[str, str, int], AppendixCoefficients]
+
+    def lookup(self, engine: Engine, model: str, tp: int) -> FoldedCoefficients | AppendixCoefficients | None:
+        for key in ((engine, model, tp), ("any", model, tp)):
+            if key in self.folded:
+                return self.folded[key]
+            if key in self.appendix:
+                return self.appendix[key]
+        return None
+
+    def supported_tps(self, engine: Engine, model: str) -> list[int]:
+        keys = list(self.folded) + list(self.appendix)
+        return sorted({tp for (e, m, tp) in keys if m == model and e in (engine, "any")})
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Profile:
+        if not isinstance(raw, dict) or not isinstance(raw.get("entries"), list):
+            raise ProfileError("a profile is a JSON object with an 'entries' list")
+        split = int(raw.get("decode_batch_split", 95))
+        folded: dict[tuple[str, str, int], FoldedCoefficients] = {}
+        appendix: dict[tuple[str, str, int], AppendixCoefficients] = {}
+        for i, entry in enumerate(raw["entries"]):
+            try:
+                engine = str(entry.get("engine", "any"))
+                if engine not in ("dist", "coloc", "any"):
+                    raise ProfileError(f"entry {i}: engine must be dist, coloc or any, got {engine!r}")
+                key = (engine, str(entry["model"]).lower(), int(entry["tp"]))
+                lm = int(entry["L_m"]) if entry.get("L_m") is not None else None
+                if "prefill" in entry:
+                    folded[key] = FoldedCoefficients(
+                        prefill=_triple(entry["prefill"]),
+                        decode_small=_triple(entry["decode_small"]),
+                        decode_large=_triple(entry.get("decode_large", entry["decode_small"])),
+                        decode_batch_split=split,
+                        prefill_tokens=lm,
+                    )
+                elif "C1" in entry:
+                    appendix[key] = AppendixCoefficients(
+                        C1=float(entry["C1"]),
+                        C2=float(entry["C2"]),
+                        C3=float(entry["C3"]),
+                        C4=float(entry["C4"]),
+                        C5=float(entry["C5"]),
+                        C6=float(entry["C6"]) if entry.get("C6") is not None else None,
+                        block_size=int(entry.get("block_size", DEFAULT_BLOCK_SIZE)),
+                        allreduce_s_per_byte=(
+                            float(entry["allreduce_s_per_byte"])
+                            if entry.get("allreduce_s_per_byte") is not None
+                            else None
+                        ),
+                        prefill_tokens=lm,
+                    )
+                else:
+                    raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
+            except (KeyError, TypeError, ValueError) as e:
+                if isinstance(e, ProfileError):
+                    raise
+                raise ProfileError(f"profile entry {i} is malformed: {e}") from None
+        return cls(name=str(raw.get("name", "profile")), device=raw.get("device"), folded=folded, appendix=appendix)
+
+
+def _triple(value: Sequence[float]) -> tuple[float, float, float]:
+    if len(value) != 3:
+        raise ProfileError(f"expected three coefficients [a, b, c], got {value!r}")
+    return float(value[0]), float(value[1]), float(value[2])
+
+
+def builtin_profiles() -> list[str]:
+    folder = resources.files("placement") / "profiles"
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (`a100-80gb-distserve`) or a JSON file path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise ProfileError(f"profile file {name_or_path!r} does not exist")
+        text = path.read_text()
+    else:
+        resource = resources.files("placement") / "profiles" / f"{name_or_path}.json"
+        if not resource.is_file():
+            raise ProfileError(f"unknown profile {name_or_path!r}; built-in: {', '.join(builtin_profiles())}")
+        text = resource.read_text()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"profile {name_or_path!r} is not valid JSON: {e}") from None
+    return Profile.from_dict(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyProvider:
+    """Builds instance latency models for one model on one device, from a profile or the roofline."""
+
+    cfg: OPTConfig
+    device: DeviceSpec
+    profile: Profile | None = None
+    intra_node_bandwidth: float | None = None
+    prefill_tokens: int | None = None  # override of L_m
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.name.lower()
+
+    def supports(self, engine: Engine, tp: int) -> bool:
+        return self.profile is None or self.profile.lookup(engine, self.model_name, tp) is not None
+
+    def instance(
+        self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None
+    ) -> AppendixModel | FoldedModel:
+        """The latency model of one instance; `stage_link_bandwidth` is the link between adjacent stages."""
+        link = self.intra_node_bandwidth or self.device.link_bandwidth
+        stage_link = stage_link_bandwidth or link
+        if self.profile is None:
+            return AppendixModel(
+                self.cfg, AppendixCoefficients.roofline(self.device, self.cfg.dtype_bytes), tp, pp, link, stage_link
+            )
+        coeffs = self.profile.lookup(engine, self.model_name, tp)
+        if coeffs is None:
+            raise ProfileError(
+                f"profile {self.profile.name!r} has no {engine} coefficients for {self.model_name} tp{tp}; "
+                f"it has tp {self.profile.supported_tps(engine, self.model_name)}"
+            )
+        if isinstance(coeffs, FoldedCoefficients):
+            return FoldedModel(self.cfg, coeffs, pp, stage_link)
+        return AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+
+    def prefill_token_budget(self, engine: Engine, tp: int) -> int:
+        """L_m: the prefill batch token budget."""
+        if self.prefill_tokens is not None:
+            return self.prefill_tokens
+        if self.profile is not None:
+            coeffs = self.profile.lookup(engine, self.model_name, tp)
+            if coeffs is not None and coeffs.prefill_tokens is not None:
+                return coeffs.prefill_tokens
+        return DEFAULT_PREFILL_TOKENS

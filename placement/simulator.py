@@ -1,0 +1,678 @@
+"""Discrete-event simulation of a deployment over a workload: per-request TTFT, TPOT and phase breakdown.
+
+The simulator owns its clock, event heap and sequence counter; events are plain tuples
+`(at, seq, kind, instance, payload)` ordered by time, then by the order they were scheduled (seq),
+so two runs over the same workload are identical. Arrivals come from the workload's sorted arrays
+and are processed after heap events at the same instant. Durations come only from the latency model
+(`placement/latency.py`); every decision comes from `jaxserve/scheduling.py`, the runtime's own policies:
+
+* disaggregated — a request goes to the prefill instance chosen by `choose_prefill_instance`; the
+  instance starts a batch (`form_prefill_batch`, FCFS up to L_m tokens, limited by free room in its KV
+  buffer) whenever its first pipeline stage is free. Each stage is busy for the batch's stage time;
+  batches follow each other down the pipe (stage k of batch i starts when stage k−1 of batch i and
+  stage k of batch i−1 are both done), so a pp-stage instance overlaps pp batches. At the last stage
+  the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
+  `choose_decode_instance`'s pick; that instance pulls it when `admit_decodes` allows (batch room and
+  KV blocks for prompt + output), the KV crosses the link between the two instances (NVLink inside a
+  node, the network across nodes; transfers on one link go one at a time), and the request joins the
+  running batch at the next round boundary. A decode round emits one token for every running request
+  and takes `pipeline_decode_round_s` (numpy over the batch; the batch state is numpy arrays).
+* colocated — `schedule_colocated` picks each step (vLLM prefill priority, or Sarathi chunks with
+  piggybacked decodes when the instance has `chunk_size`).
+
+Modes for the per-phase searches of Algorithm 1: `prefill` (requests leave after their first token)
+and `decode` (requests enter the decode instances at arrival, as if prefill took no time).
+
+With an `SloSpec`, the run stops as soon as the verdict (target attainment met or missed) can no
+longer change; unfinished requests then have NaN latencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections import deque
+from typing import Literal
+
+import numpy as np
+
+from jaxserve.plan import DeploymentPlan, InstanceSpec
+from jaxserve.scheduling import (
+    ColocatedRequest,
+    DecodeLoad,
+    PendingDecode,
+    PrefillLoad,
+    WaitingPrompt,
+    admit_decodes,
+    blocks_for,
+    choose_decode_instance,
+    choose_prefill_instance,
+    form_prefill_batch,
+    kv_tokens_reserved,
+    schedule_colocated,
+)
+from placement.hardware import ClusterSpec
+from placement.latency import (
+    LatencyProvider,
+    StageLatency,
+    kv_capacity_tokens,
+    pipeline_decode_round_s,
+)
+from placement.slo import SloSpec, VerdictTracker
+from placement.workload import Workload
+
+SimMode = Literal["full", "prefill", "decode"]
+PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
+
+# Event kinds (the heap orders by time and then by scheduling order, never by kind).
+_PREFILL_STAGE_FREE = 0
+_PREFILL_DONE = 1
+_TRANSFER_DONE = 2
+_DECODE_ROUND_DONE = 3
+_COLOC_STEP_DONE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the simulated engine (defaults follow the runtime's)."""
+
+    block_size: int = 16  # paged KV block, tokens
+    max_decode_batch: int = 256  # running sequences per decode / colocated instance
+    colocated_batch_tokens: int = 2048  # colocated prefill step budget (vLLM max_num_batched_tokens)
+    mode: SimMode = "full"
+    stop_early: bool = True  # only with an SloSpec
+
+
+@dataclasses.dataclass
+class SimResult:
+    """Per-request timestamps (seconds; NaN where the run stopped before they happened)."""
+
+    arrival_at: np.ndarray
+    output_lens: np.ndarray
+    prefill_start_at: np.ndarray
+    first_token_at: np.ndarray
+    transfer_start_at: np.ndarray
+    transfer_end_at: np.ndarray
+    decode_start_at: np.ndarray
+    finish_at: np.ndarray
+    verdict: bool | None = None
+    num_events: int = 0
+
+    @property
+    def finished(self) -> np.ndarray:
+        return ~np.isnan(self.finish_at)
+
+    @property
+    def num_finished(self) -> int:
+        return int(self.finished.sum())
+
+    @property
+    def ttft_s(self) -> np.ndarray:
+        return self.first_token_at - self.arrival_at
+
+    @property
+    def tpot_s(self) -> np.ndarray:
+        steps = np.maximum(self.output_lens - 1, 1)
+        tpot = (self.finish_at - self.first_token_at) / steps
+        return np.where(self.output_lens > 1, tpot, np.where(self.finished, 0.0, np.nan))
+
+    def phases(self) -> dict[str, np.ndarray]:
+        """Per-request seconds in each phase (colocated: transfer and decode queue are 0)."""
+        return {
+            "prefill_queue": self.prefill_start_at - self.arrival_at,
+            "prefill": self.first_token_at - self.prefill_start_at,
+            "transfer": self.transfer_end_at - self.transfer_start_at,
+            "decode_queue": (self.transfer_start_at - self.first_token_at)
+            + (self.decode_start_at - self.transfer_end_at),
+            "decode": self.finish_at - self.decode_start_at,
+        }
+
+    def attainment(self, slo: SloSpec) -> float:
+        """Share attaining the SLO over all requests (unfinished ones count as misses)."""
+        from placement.slo import attainment
+
+        ttft = np.nan_to_num(self.ttft_s, nan=math.inf)
+        tpot = np.nan_to_num(self.tpot_s, nan=math.inf)
+        return attainment(ttft, tpot, slo)
+
+    def summary(self, slo: SloSpec | None = None) -> dict[str, float]:
+        """Percentiles of TTFT/TPOT and mean phase times over the finished requests."""
+        done = self.finished
+        out: dict[str, float] = {"num_requests": float(len(self.arrival_at)), "num_finished": float(done.sum())}
+        if slo is not None:
+            out["attainment"] = self.attainment(slo)
+        if not done.any():
+            return out
+        for name, values in (("ttft_s", self.ttft_s[done]), ("tpot_s", self.tpot_s[done])):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}"] = float(np.percentile(values, q))
+            out[f"{name}_mean"] = float(values.mean())
+        for name, values in self.phases().items():
+            out[f"{name}_mean_s"] = float(np.nanmean(values[done])) if np.any(~np.isnan(values[done])) else 0.0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance state
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Prefill:
+    model: StageLatency
+    max_batch_tokens: int
+    capacity_tokens: int
+    nodes: tuple[int, ...]
+    stage_free_at: list[float]
+    queue: deque[WaitingPrompt] = dataclasses.field(default_factory=deque)
+    queued_tokens: int = 0
+    inflight_tokens: int = 0
+    inflight_requests: int = 0
+    buffer_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _Decode:
+    model: StageLatency
+    free_blocks: int
+    nodes: tuple[int, ...]
+    pending: deque[tuple[PendingDecode, int, int]] = dataclasses.field(default_factory=deque)  # (req, idx, src)
+    num_transferring: int = 0
+    joining: list[int] = dataclasses.field(default_factory=list)
+    running_idx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    running_ctx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    running_left: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    running_blocks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    busy: bool = False
+
+
+@dataclasses.dataclass
+class _Colocated:
+    model: StageLatency
+    free_blocks: int
+    chunk_size: int | None
+    admitted: list[int] = dataclasses.field(default_factory=list)  # arrival order
+    waiting: deque[int] = dataclasses.field(default_factory=deque)
+    waiting_tokens: int = 0
+    busy: bool = False
+
+
+def _instance_nodes(inst: InstanceSpec, cluster: ClusterSpec) -> tuple[int, ...]:
+    if inst.nodes is not None:
+        return inst.nodes
+    assert inst.devices is not None
+    return tuple(cluster.node_of(inst.stage_devices(s)[0]) for s in range(inst.pp))
+
+
+def _stage_link(nodes: tuple[int, ...], cluster: ClusterSpec) -> float:
+    """The slowest link between adjacent stages."""
+    if len(nodes) < 2:
+        return cluster.nvlink_bandwidth
+    return min(cluster.bandwidth_between_nodes(a, b) for a, b in itertools.pairwise(nodes))
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator
+# ---------------------------------------------------------------------------------------------
+class Simulator:
+    """One run of one deployment over one workload. Construct, then `run()` once."""
+
+    def __init__(
+        self,
+        plan: DeploymentPlan,
+        latency: LatencyProvider,
+        cluster: ClusterSpec,
+        workload: Workload,
+        slo: SloSpec | None = None,
+        options: SimOptions | None = None,
+    ) -> None:
+        self.options = options or SimOptions()
+        self.cluster = cluster
+        self.latency = latency
+        self.cfg = latency.cfg
+        self.plan = (
+            plan
+            if plan.instances[0].devices is not None or plan.instances[0].nodes is not None
+            else plan.assign_devices()
+        )
+        self.workload = workload
+        self.slo = slo
+        n = len(workload)
+        self.arrival_at = workload.arrival_at
+        self.input_lens = workload.input_lens
+        self.output_lens = workload.output_lens
+        nan = np.full(n, np.nan)
+        self.prefill_start_at = nan.copy()
+        self.first_token_at = nan.copy()
+        self.transfer_start_at = nan.copy()
+        self.transfer_end_at = nan.copy()
+        self.decode_start_at = nan.copy()
+        self.finish_at = nan.copy()
+        self._prefilled = np.zeros(n, dtype=np.int64)  # colocated: prompt tokens with KV
+        self._generated = np.zeros(n, dtype=np.int64)  # colocated: tokens emitted so far
+        self.tracker = VerdictTracker(n, slo) if slo is not None and self.options.stop_early else None
+        self._heap: list[tuple[float, int, int, int, object]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.kv_bytes_per_token = self.cfg.kv_bytes_per_token
+        block = self.options.block_size
+        if self.plan.kind == "colocated":
+            self.colocated = [
+                _Colocated(
+                    model=latency.instance("coloc", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    free_blocks=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp) // block,
+                    chunk_size=i.chunk_size,
+                )
+                for i in self.plan.instances
+            ]
+            self.prefills: list[_Prefill] = []
+            self.decodes: list[_Decode] = []
+        else:
+            self.colocated = []
+            self.prefills = [
+                _Prefill(
+                    model=latency.instance("dist", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    max_batch_tokens=latency.prefill_token_budget("dist", i.tp),
+                    capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
+                    nodes=_instance_nodes(i, cluster),
+                    stage_free_at=[0.0] * i.pp,
+                )
+                for i in self.plan.of_role("prefill")
+            ]
+            self.decodes = [
+                _Decode(
+                    model=latency.instance("dist", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    free_blocks=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp) // block,
+                    nodes=_instance_nodes(i, cluster),
+                )
+                for i in self.plan.of_role("decode")
+            ]
+            self._link_free_at: dict[tuple[int, int], float] = {}
+            prefill_specs = self.plan.of_role("prefill")
+            decode_specs = self.plan.of_role("decode")
+            self._link_s_per_byte = {
+                (p, d): self._transfer_s_per_byte(
+                    prefill_specs[p], self.prefills[p].nodes, decode_specs[d], self.decodes[d].nodes
+                )
+                for p in range(len(self.prefills))
+                for d in range(len(self.decodes))
+            }
+
+    # ---- events ------------------------------------------------------------------------------
+    def _push(self, at: float, kind: int, inst: int, payload: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, inst, payload))
+
+    def run(self) -> SimResult:
+        n = len(self.workload)
+        next_arrival = 0
+        num_events = 0
+        verdict: bool | None = None
+        heap = self._heap
+        while next_arrival < n or heap:
+            if heap and (next_arrival >= n or heap[0][0] <= self.arrival_at[next_arrival]):
+                at, _, kind, inst, payload = heapq.heappop(heap)
+                self.now = at
+                self._dispatch(kind, inst, payload)
+            else:
+                self.now = float(self.arrival_at[next_arrival])
+                self._on_arrival(next_arrival)
+                next_arrival += 1
+            num_events += 1
+            if self.tracker is not None:
+                verdict = self.tracker.verdict()
+                if verdict is not None:
+                    break
+        if verdict is None and self.slo is not None:
+            verdict = self._final_verdict(self.slo)
+        return SimResult(
+            arrival_at=self.arrival_at,
+            output_lens=self.output_lens,
+            prefill_start_at=self.prefill_start_at,
+            first_token_at=self.first_token_at,
+            transfer_start_at=self.transfer_start_at,
+            transfer_end_at=self.transfer_end_at,
+            decode_start_at=self.decode_start_at,
+            finish_at=self.finish_at,
+            verdict=verdict,
+            num_events=num_events,
+        )
+
+    def _final_verdict(self, slo: SloSpec) -> bool:
+        result = SimResult(
+            self.arrival_at, self.output_lens, self.prefill_start_at, self.first_token_at, self.transfer_start_at,
+            self.transfer_end_at, self.decode_start_at, self.finish_at,
+        )  # fmt: skip
+        return result.attainment(slo) >= slo.attainment - 1e-12
+
+    def _dispatch(self, kind: int, inst: int, payload: object) -> None:
+        if kind == _PREFILL_STAGE_FREE:
+            self._try_start_prefill(inst)
+        elif kind == _PREFILL_DONE:
+            assert isinstance(payload, list)
+            self._on_prefill_done(inst, payload)
+        elif kind == _TRANSFER_DONE:
+            assert isinstance(payload, tuple)
+            self._on_transfer_done(inst, *payload)
+        elif kind == _DECODE_ROUND_DONE:
+            self._on_round_done(inst)
+        elif kind == _COLOC_STEP_DONE:
+            assert isinstance(payload, tuple)
+            self._on_coloc_step_done(inst, payload)
+
+    def _on_arrival(self, i: int) -> None:
+        if self.colocated:
+            loads = [PrefillLoad(c.waiting_tokens, len(c.waiting)) for c in self.colocated]
+            k = choose_prefill_instance(loads)
+            c = self.colocated[k]
+            c.waiting.append(i)
+            c.waiting_tokens += int(self.input_lens[i])
+            if not c.busy:
+                self._coloc_step(k)
+            return
+        if self.options.mode == "decode":
+            self.first_token_at[i] = self.prefill_start_at[i] = self.now
+            self._first_token(i)
+            return
+        loads = [
+            PrefillLoad(p.queued_tokens + p.inflight_tokens, len(p.queue) + p.inflight_requests) for p in self.prefills
+        ]
+        k = choose_prefill_instance(loads)
+        p = self.prefills[k]
+        p.queue.append(WaitingPrompt(str(i), int(self.input_lens[i])))
+        p.queued_tokens += int(self.input_lens[i])
+        self._try_start_prefill(k)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def _try_start_prefill(self, k: int) -> None:
+        p = self.prefills[k]
+        if not p.queue or p.stage_free_at[0] > self.now:
+            return
+        # Backpressure: the batch must fit in what is left of the KV buffer.
+        room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
+        fit = 0
+        for w in itertools.islice(p.queue, p.max_batch_tokens + 1):  # a batch never holds more
+            if w.num_prompt_tokens > room:
+                break
+            room -= w.num_prompt_tokens
+            fit += 1
+        n = form_prefill_batch(p.queue, p.max_batch_tokens, fit)
+        if n == 0:
+            return
+        batch = [int(p.queue.popleft().request_id) for _ in range(n)]
+        lengths = self.input_lens[batch]
+        total = int(lengths.sum())
+        p.queued_tokens -= total
+        p.inflight_tokens += total
+        p.inflight_requests += n
+        self.prefill_start_at[batch] = self.now
+        stage_s = p.model.prefill_stage_s(float(total), float((lengths * lengths).sum()), n)
+        send_s = p.model.send_s(total) if p.model.pp > 1 else 0.0
+        t = self.now
+        for s in range(p.model.pp):
+            start = max(t, p.stage_free_at[s])
+            p.stage_free_at[s] = start + stage_s
+            t = start + stage_s + send_s
+        self._push(p.stage_free_at[-1], _PREFILL_DONE, k, batch)
+        if p.model.pp > 1:
+            self._push(p.stage_free_at[0], _PREFILL_STAGE_FREE, k)
+
+    def _on_prefill_done(self, k: int, batch: list[int]) -> None:
+        p = self.prefills[k]
+        total = int(self.input_lens[batch].sum())
+        p.inflight_tokens -= total
+        p.inflight_requests -= len(batch)
+        for i in batch:
+            self.first_token_at[i] = self.now
+            if self.options.mode == "prefill":
+                self._first_token(i, finish_now=True)
+            else:
+                p.buffer_tokens += int(self.input_lens[i])
+                self._first_token(i, src=k)
+        if p.model.pp == 1:
+            self._try_start_prefill(k)
+
+    def _first_token(self, i: int, src: int = -1, finish_now: bool = False) -> None:
+        ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s
+        if self.tracker is not None:
+            self.tracker.record_ttft(ttft_ok)
+        if finish_now or self.output_lens[i] == 1:
+            self.finish_at[i] = self.now
+            if self.tracker is not None:
+                self.tracker.record_done(ttft_ok, True)
+            if src >= 0:
+                self._release_buffer(src, i)
+            return
+        loads = [
+            DecodeLoad(len(d.running_idx) + len(d.joining) + d.num_transferring, len(d.pending), d.free_blocks)
+            for d in self.decodes
+        ]
+        k = choose_decode_instance(loads)
+        d = self.decodes[k]
+        d.pending.append((PendingDecode(str(i), int(self.input_lens[i]), int(self.output_lens[i])), i, src))
+        self._try_admit(k)
+
+    def _release_buffer(self, src: int, i: int) -> None:
+        p = self.prefills[src]
+        p.buffer_tokens -= int(self.input_lens[i])
+        self._try_start_prefill(src)
+
+    # ---- decode ------------------------------------------------------------------------------
+    def _try_admit(self, k: int) -> None:
+        d = self.decodes[k]
+        if not d.pending:
+            return
+        num_running = len(d.running_idx) + len(d.joining) + d.num_transferring
+        room = self.options.max_decode_batch - num_running
+        if room <= 0:
+            return
+        head = [d.pending[j][0] for j in range(min(room, len(d.pending)))]
+        n = admit_decodes(
+            head,
+            num_free_blocks=d.free_blocks,
+            num_running=num_running,
+            max_batch_size=self.options.max_decode_batch,
+            block_size=self.options.block_size,
+        )
+        for _ in range(n):
+            req, i, src = d.pending.popleft()
+            d.free_blocks -= blocks_for(
+                kv_tokens_reserved(req.num_prompt_tokens, req.max_new_tokens), self.options.block_size
+            )
+            self.transfer_start_at[i] = self.now
+            if src < 0:  # decode-only mode: the KV is already there
+                self.transfer_end_at[i] = self.now
+                d.joining.append(i)
+                continue
+            link = (src, k)
+            start = max(self.now, self._link_free_at.get(link, 0.0))
+            end = (
+                start
+                + self.cluster.link_latency_s
+                + req.num_prompt_tokens * self.kv_bytes_per_token * self._link_s_per_byte[link]
+            )
+            self._link_free_at[link] = end
+            d.num_transferring += 1
+            self._push(end, _TRANSFER_DONE, k, (i, src))
+        if not d.busy and d.joining:
+            self._start_round(k)
+
+    def _transfer_s_per_byte(
+        self, p_spec: InstanceSpec, p_nodes: tuple[int, ...], d_spec: InstanceSpec, d_nodes: tuple[int, ...]
+    ) -> float:
+        """Seconds per KV byte between two instances.
+
+        Inside a node (every prefill stage on the node of the matching decode stage, or all on one
+        node) each of the min(#devices) device pairs moves its share over NVLink in parallel; across
+        nodes the whole KV crosses the inter-node network.
+        """
+        same = (len(p_nodes) == len(d_nodes) and p_nodes == d_nodes) or len(set(p_nodes) | set(d_nodes)) == 1
+        if same:
+            pairs = min(p_spec.num_devices, d_spec.num_devices)
+            return 1.0 / (pairs * self.cluster.nvlink_bandwidth)
+        return 1.0 / self.cluster.inter_node_bandwidth
+
+    def _on_transfer_done(self, k: int, i: int, src: int) -> None:
+        d = self.decodes[k]
+        d.num_transferring -= 1
+        self.transfer_end_at[i] = self.now
+        d.joining.append(i)
+        self._release_buffer(src, i)  # the KV has left the prefill instance's buffer
+        if not d.busy:
+            self._start_round(k)
+
+    def _start_round(self, k: int) -> None:
+        d = self.decodes[k]
+        if d.joining:
+            idx = np.asarray(d.joining, dtype=np.int64)
+            d.joining = []
+            self.decode_start_at[idx] = self.now
+            blocks = np.asarray(
+                [
+                    blocks_for(
+                        kv_tokens_reserved(int(self.input_lens[j]), int(self.output_lens[j])), self.options.block_size
+                    )
+                    for j in idx
+                ],
+                dtype=np.int64,
+            )
+            d.running_idx = np.concatenate([d.running_idx, idx])
+            d.running_ctx = np.concatenate([d.running_ctx, self.input_lens[idx] + 1])
+            d.running_left = np.concatenate([d.running_left, self.output_lens[idx] - 1])
+            d.running_blocks = np.concatenate([d.running_blocks, blocks])
+        if len(d.running_idx) == 0:
+            d.busy = False
+            return
+        d.busy = True
+        self._push(
+            self.now + pipeline_decode_round_s(d.model, len(d.running_ctx), float(d.running_ctx.sum())),
+            _DECODE_ROUND_DONE,
+            k,
+        )
+
+    def _on_round_done(self, k: int) -> None:
+        d = self.decodes[k]
+        d.running_ctx += 1
+        d.running_left -= 1
+        done = d.running_left <= 0
+        if done.any():
+            finished = d.running_idx[done]
+            self.finish_at[finished] = self.now
+            d.free_blocks += int(d.running_blocks[done].sum())
+            if self.tracker is not None:
+                ttft = self.first_token_at[finished] - self.arrival_at[finished]
+                tpot = (self.now - self.first_token_at[finished]) / (self.output_lens[finished] - 1)
+                assert self.slo is not None
+                for ok_ttft, ok_tpot in zip(ttft <= self.slo.ttft_s, tpot <= self.slo.tpot_s, strict=True):
+                    self.tracker.record_done(bool(ok_ttft), bool(ok_tpot))
+            keep = ~done
+            d.running_idx = d.running_idx[keep]
+            d.running_ctx = d.running_ctx[keep]
+            d.running_left = d.running_left[keep]
+            d.running_blocks = d.running_blocks[keep]
+            self._try_admit(k)
+        self._start_round(k)
+
+    # ---- colocated ---------------------------------------------------------------------------
+    def _coloc_step(self, k: int) -> None:
+        c = self.colocated[k]
+        opts = self.options
+        budget = max(opts.colocated_batch_tokens, c.chunk_size or 0)
+        head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
+        reqs = [self._coloc_request(i, admitted=True) for i in c.admitted] + [
+            self._coloc_request(i, admitted=False) for i in head
+        ]
+        step = schedule_colocated(
+            reqs,
+            num_free_blocks=c.free_blocks,
+            block_size=opts.block_size,
+            max_batch_size=opts.max_decode_batch,
+            max_batch_tokens=opts.colocated_batch_tokens,
+            chunk_size=c.chunk_size,
+        )
+        if step.is_idle:
+            c.busy = False
+            return
+        for rid in step.admit:
+            i = c.waiting.popleft()  # admission is an FCFS prefix of the waiting queue
+            assert str(i) == rid
+            c.waiting_tokens -= int(self.input_lens[i])
+            c.admitted.append(i)
+            c.free_blocks -= blocks_for(
+                kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), opts.block_size
+            )
+            self.prefill_start_at[i] = self.now
+        decode_idx = np.asarray([int(r) for r in step.decode], dtype=np.int64)
+        decode_ctx = (
+            self.input_lens[decode_idx] + self._generated[decode_idx]
+            if len(decode_idx)
+            else np.zeros(0, dtype=np.int64)
+        )
+        chunks = np.asarray([ch.num_tokens for ch in step.prefill], dtype=np.int64)
+        priors = np.asarray([ch.start for ch in step.prefill], dtype=np.int64)
+        m = c.model
+        ctx_sum = float(decode_ctx.sum())
+        if len(chunks) == 0:
+            dt = pipeline_decode_round_s(m, len(decode_idx), ctx_sum)
+        else:
+            # A colocated step is not overlapped with the next one: its latency is all stages in turn.
+            num_tokens = float(chunks.sum())
+            sum_sq = float((chunks * (chunks + 2 * priors)).sum())
+            stage = m.chunk_stage_s(num_tokens, sum_sq, len(chunks), len(decode_idx), ctx_sum)
+            dt = m.pp * stage + (m.pp - 1) * m.send_s(int(num_tokens) + len(decode_idx))
+        c.busy = True
+        self._push(
+            self.now + dt,
+            _COLOC_STEP_DONE,
+            k,
+            (tuple((int(ch.request_id), ch.num_tokens) for ch in step.prefill), decode_idx),
+        )
+
+    def _coloc_request(self, i: int, admitted: bool) -> ColocatedRequest:
+        return ColocatedRequest(
+            str(i), int(self.input_lens[i]), int(self.output_lens[i]), int(self._prefilled[i]), admitted
+        )
+
+    def _on_coloc_step_done(self, k: int, payload: tuple) -> None:
+        c = self.colocated[k]
+        chunks, decode_idx = payload
+        done: list[int] = []
+        for i, num in chunks:
+            self._prefilled[i] += num
+            if self._prefilled[i] >= self.input_lens[i]:
+                self.first_token_at[i] = self.decode_start_at[i] = self.now
+                self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
+                self._generated[i] = 1
+                ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s
+                if self.tracker is not None:
+                    self.tracker.record_ttft(ttft_ok)
+                if self.output_lens[i] == 1:
+                    done.append(i)
+        if len(decode_idx):
+            self._generated[decode_idx] += 1
+            finished = decode_idx[self._generated[decode_idx] >= self.output_lens[decode_idx]]
+            done.extend(int(i) for i in finished)
+        for i in done:
+            self.finish_at[i] = self.now
+            c.admitted.remove(i)
+            c.free_blocks += blocks_for(
+                kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), self.options.block_size
+            )
+            if self.tracker is not None:
+                assert self.slo is not None
+                ttft_ok = self.first_token_at[i] - self.arrival_at[i] <= self.slo.ttft_s
+                tpot = (self.now - self.first_token_at[i]) / max(int(self.output_lens[i]) - 1, 1)
+                self.tracker.record_done(bool(ttft_ok), bool(tpot <= self.slo.tpot_s or self.output_lens[i] == 1))
+        self._coloc_step(k)
+
+
+def simulate(
+    plan: DeploymentPlan,
+    latency: LatencyProvider,
+    cluster: ClusterSpec,
+    workload: Workload,
+    slo: SloSpec | None = None,
+    options: SimOptions | None = None,
+) -> SimResult:
+    """Simulate `plan` serving `workload`; with `slo`, stop once the verdict is certain."""
+    return Simulator(plan, latency, cluster, workload, slo, options).run()
