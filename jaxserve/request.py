@@ -53,9 +53,7 @@ class SamplingParams:
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
             raise InvalidRequestError(f"temperature must be a finite number, got {t!r}", field="temperature")
         if t < 0 or t > MAX_TEMPERATURE:
-            raise InvalidRequestError(
-                f"temperature must be in [0, {MAX_TEMPERATURE}], got {t}", field="temperature"
-            )
+            raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {t}", field="temperature")
         p = self.top_p
         if not isinstance(p, int | float) or isinstance(p, bool) or not math.isfinite(p) or not 0.0 < p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}", field="top_p")

@@ -1,0 +1,203 @@
+"""Colocated instance: both phases on one device set (the vLLM and Sarathi baselines).
+
+Loop (one thread, `Worker` shell), each `step()`:
+
+1. decide (under the lock): `scheduling.schedule_colocated` over every
+   unfinished request in arrival order. Without a chunk size it is vLLM's rule
+   (admit and prefill waiting prompts whenever they fit, up to `L_m` tokens,
+   else decode every running sequence); with `chunk_size` it is Sarathi's
+   (a budget of `chunk_size` tokens per step: one per running decode, the rest
+   prompt chunks). Admitted requests get their blocks (prompt + max_tokens) at
+   once.
+2. execute: one `engine.decode_step` whose rows are prompt chunks (several
+   tokens, `is_prompt`) and decodes (one token), all written into the paged
+   pool; one token is sampled per row.
+3. apply (under the lock): a chunk that completes its prompt yields the first
+   token (a partial chunk's sample is discarded); decode rows append a token;
+   stop rules as on a decode instance; ended or cancelled requests free their
+   blocks at once.
+
+Inputs: `enqueue()` from the controller. Outputs: tokens through `emit()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.engine import Engine, StepBatch, StepRow
+from jaxserve.kv_pool import BlockAllocator
+from jaxserve.request import FinishReason
+from jaxserve.scheduling import (
+    ColocatedRequest,
+    PrefillLoad,
+    blocks_for,
+    kv_tokens_reserved,
+    schedule_colocated,
+)
+from jaxserve.worker import Emitter, LiveRequest, Worker, now
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedConfig:
+    num_blocks: int = 256
+    block_size: int = 16
+    max_batch_size: int = 32
+    max_batch_tokens: int = 512  # L_m for prefill-priority steps
+    chunk_size: int | None = None  # set: Sarathi chunked prefill with piggybacked decodes
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    live: LiveRequest
+    num_prefilled: int = 0
+    block_table: tuple[int, ...] | None = None
+
+    def policy_view(self) -> ColocatedRequest:
+        return ColocatedRequest(
+            request_id=self.live.request_id,
+            num_prompt_tokens=self.live.num_prompt_tokens,
+            max_new_tokens=self.live.max_tokens,
+            num_prefilled=self.num_prefilled,
+            admitted=self.block_table is not None,
+        )
+
+
+class ColocatedInstance(Worker):
+    role = "colocated"
+
+    def __init__(self, name: str, engine: Engine, config: ColocatedConfig, emitter: Emitter) -> None:
+        super().__init__(name, emitter)
+        self.engine = engine
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.pages = engine.init_pages(config.num_blocks, config.block_size)
+        self._seqs: dict[str, _Seq] = {}  # arrival order
+
+    # ---- controller side (thread-safe) --------------------------------------
+    def enqueue(self, live: LiveRequest) -> None:
+        with self.cond:
+            if self.error is not None:
+                raise self.dead_error()
+            self._seqs[live.request_id] = _Seq(live)
+            self.cond.notify_all()
+
+    def load(self) -> PrefillLoad:
+        with self.cond:
+            waiting = [s for s in self._seqs.values() if s.num_prefilled < s.live.num_prompt_tokens]
+            return PrefillLoad(
+                num_queued_tokens=sum(s.live.num_prompt_tokens - s.num_prefilled for s in waiting),
+                num_queued_requests=len(waiting),
+            )
+
+    @property
+    def num_waiting(self) -> int:
+        with self.cond:
+            return sum(1 for s in self._seqs.values() if s.block_table is None)
+
+    @property
+    def num_running(self) -> int:
+        with self.cond:
+            return sum(1 for s in self._seqs.values() if s.block_table is not None)
+
+    def cancel(self, request_id: str) -> bool:
+        with self.cond:
+            if self._seqs.pop(request_id, None) is None:
+                return False
+            self.allocator.free(request_id)
+            self.cond.notify_all()
+            return True
+
+    # ---- worker --------------------------------------------------------------
+    def _decide(self) -> tuple[StepRow, ...]:
+        seqs = list(self._seqs.values())
+        decision = schedule_colocated(
+            [s.policy_view() for s in seqs],
+            num_free_blocks=self.allocator.num_free,
+            block_size=self.config.block_size,
+            max_batch_size=self.config.max_batch_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+            chunk_size=self.config.chunk_size,
+        )
+        bs = self.config.block_size
+        for rid in decision.admit:
+            live = self._seqs[rid].live
+            need = blocks_for(kv_tokens_reserved(live.num_prompt_tokens, live.max_tokens), bs)
+            self._seqs[rid].block_table = self.allocator.allocate(rid, need)
+        rows: list[StepRow] = []
+        at = now()
+        for chunk in decision.prefill:
+            s = self._seqs[chunk.request_id]
+            assert s.block_table is not None
+            if s.live.timings.prefill_start_at is None:
+                s.live.timings.prefill_start_at = at
+            prompt = s.live.request.prompt_token_ids
+            rows.append(
+                StepRow(
+                    request_id=chunk.request_id,
+                    token_ids=tuple(prompt[chunk.start : chunk.start + chunk.num_tokens]),
+                    start_position=chunk.start,
+                    block_table=s.block_table,
+                    sampling=s.live.request.sampling,
+                    seed=s.live.seed,
+                    sample_index=0,
+                    is_prompt=True,
+                )
+            )
+        for rid in decision.decode:
+            s = self._seqs[rid]
+            assert s.block_table is not None
+            if s.live.timings.decode_start_at is None:
+                s.live.timings.decode_start_at = at
+            rows.append(
+                StepRow(
+                    request_id=rid,
+                    token_ids=(s.live.output_ids[-1],),
+                    start_position=s.live.num_prompt_tokens + len(s.live.output_ids) - 1,
+                    block_table=s.block_table,
+                    sampling=s.live.request.sampling,
+                    seed=s.live.seed,
+                    sample_index=len(s.live.output_ids),
+                )
+            )
+        return tuple(rows)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def held_requests(self) -> list[LiveRequest]:
+        return [s.live for s in self._seqs.values()]
+
+    def drop_all(self) -> None:
+        for rid in self._seqs:
+            self.allocator.free(rid)
+        self._seqs.clear()
+
+    def step(self) -> bool:
+        with self.cond:
+            rows = self._decide()
+            seqs = [self._seqs[r.request_id] for r in rows]
+        if not rows:
+            return False
+        tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
+        at = now()
+        eos = self.engine.model_config.eos_token_id
+        emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
+        with self.cond:
+            for row, s, token in zip(rows, seqs, tokens, strict=True):
+                rid = row.request_id
+                if self._seqs.get(rid) is not s:  # cancelled during the step
+                    continue
+                if row.is_prompt:
+                    s.num_prefilled += len(row.token_ids)
+                    if s.num_prefilled < s.live.num_prompt_tokens:
+                        continue
+                    s.live.timings.prefill_end_at = at
+                    s.live.timings.prefill_instance = s.live.timings.decode_instance = self.name
+                finish = s.live.append_token(int(token), eos, at)
+                emits.append((s.live, int(token), finish))
+                if finish is not None:
+                    del self._seqs[rid]
+                    self.allocator.free(rid)
+        for live, token, finish in emits:
+            self.emitter.emit(live, (token,), finish)
+        return True

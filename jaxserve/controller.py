@@ -1,0 +1,454 @@
+"""Controller: the front door of a deployment. Requests in, token streams out.
+
+A request's life (disaggregated):
+
+1. `submit()` validates it, applies admission control (OverloadedError when
+   the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
+   puts it on the prefill instance with the shortest queue
+   (`scheduling.choose_prefill_instance`). It returns a `RequestStream`.
+2. The prefill instance's thread prefills it in an FCFS batch, streams the
+   first token through `emit()`, and keeps its KV in its buffer; `on_prefilled`
+   then assigns the least-loaded decode instance
+   (`scheduling.choose_decode_instance`).
+3. That decode instance pulls the KV when it has blocks and batch room, then
+   streams one token per step through `emit()` until a stop rule ends it.
+4. The final `TokenChunk` carries `finish_reason` and the `RequestTimings`;
+   the observer (metrics) hears about every finished request and transfer.
+
+Colocated deployments skip 2-3: the colocated instance does both phases.
+`cancel()` (or `RequestStream.cancel()`, or cancelling the task consuming
+`generate()`) removes the request wherever it is and frees its blocks or
+buffer slot at once; the stream ends with finish_reason "abort". A worker that
+dies fails its requests with EngineDeadError; new requests avoid dead
+instances. `shutdown()` stops new requests (ShuttingDownError), lets the
+in-flight ones drain for `drain_timeout_s`, aborts the rest and stops threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import jax
+
+from jaxserve.colocated_instance import ColocatedConfig, ColocatedInstance
+from jaxserve.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.deployment import EngineFactory, PlacedInstance, build_engines
+from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
+from jaxserve.kv_transfer import InProcessTransfer, KVTransfer
+from jaxserve.plan import DeploymentPlan
+from jaxserve.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
+from jaxserve.sampling import default_seed
+from jaxserve.scheduling import choose_decode_instance, choose_prefill_instance
+from jaxserve.worker import LiveRequest, now
+from models.config import OPTConfig
+
+
+class Observer(Protocol):
+    """Metrics hook: called from worker threads; keep it quick."""
+
+    def on_request_finished(
+        self, timings: RequestTimings, num_prompt_tokens: int, num_output_tokens: int, finish_reason: FinishReason
+    ) -> None: ...
+
+    def on_kv_transfer(self, num_bytes: int, seconds: float) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 256  # per decode / colocated instance
+    max_decode_batch_size: int = 32
+    max_batch_tokens: int = 512  # L_m
+    prefill_buffer_capacity: int = 8  # prefilled sequences a prefill instance holds until pulled
+    max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
+    max_tokens_limit: int | None = None  # default: the model's positions
+    max_prompt_tokens: int | None = None  # default: the model's positions - 1
+    retry_after_s: float = 1.0
+    drain_timeout_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceStats:
+    role: str
+    name: str
+    alive: bool
+    waiting: int
+    running: int
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefill_buffer_used: int = 0
+    prefill_buffer_capacity: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerStats:
+    instances: tuple[InstanceStats, ...]
+    num_live_requests: int
+    num_transfers: int
+    kv_transfer_bytes: int
+
+
+_END = object()
+
+
+class RequestStream:
+    """The token stream of one request: iterate (blocking) for `TokenChunk`s; `cancel()` to abort."""
+
+    def __init__(self, request_id: str, controller: Controller) -> None:
+        self.request_id = request_id
+        self._controller = controller
+        self._cond = threading.Condition()
+        self._items: collections.deque[TokenChunk | BaseException] = collections.deque()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenChunk | BaseException]] | None = None
+        self.finished = False
+
+    def _push(self, item: TokenChunk | BaseException) -> None:
+        with self._cond:
+            if self.finished:
+                return
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                self.finished = True
+            if self._async is not None:
+                loop, queue = self._async
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            else:
+                self._items.append(item)
+                self._cond.notify_all()
+
+    def _attach_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenChunk | BaseException]:
+        queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        with self._cond:
+            while self._items:
+                queue.put_nowait(self._items.popleft())
+            self._async = (loop, queue)
+        return queue
+
+    def next_chunk(self, timeout_s: float | None = None) -> TokenChunk | None:
+        """The next chunk; None at the end of the stream. Raises the request's error, or TimeoutError."""
+        with self._cond:
+            if not self._items and self.finished:
+                return None
+            if not self._cond.wait_for(lambda: bool(self._items), timeout=timeout_s):
+                raise TimeoutError(f"no tokens for {self.request_id!r} within {timeout_s} s")
+            item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> TokenChunk:
+        chunk = self.next_chunk()
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def collect(self, timeout_s: float | None = None) -> tuple[list[int], TokenChunk]:
+        """Every token id and the final chunk (blocking)."""
+        ids: list[int] = []
+        while True:
+            chunk = self.next_chunk(timeout_s)
+            if chunk is None:
+                raise RuntimeError("stream ended without a final chunk")
+            ids.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                return ids, chunk
+
+    def cancel(self) -> None:
+        self._controller.cancel(self.request_id)
+
+
+Instance = PrefillInstance | DecodeInstance | ColocatedInstance
+
+
+class Controller:
+    def __init__(
+        self,
+        placed: Sequence[PlacedInstance],
+        plan: DeploymentPlan,
+        config: ControllerConfig | None = None,
+        *,
+        transfer: KVTransfer | None = None,
+        observer: Observer | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        self.config = config or ControllerConfig()
+        self.plan = plan
+        self.observer = observer
+        self.tokenizer = tokenizer
+        self.model_config: OPTConfig = placed[0].engine.model_config
+        self._lock = threading.Lock()
+        self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
+        self._shutting_down = False
+        self._started = False
+        cfg = self.config
+        self.prefill_instances: list[PrefillInstance] = []
+        self.decode_instances: list[DecodeInstance] = []
+        self.colocated_instances: list[ColocatedInstance] = []
+        shared_transfer = transfer or InProcessTransfer()
+        for p in placed:
+            if p.spec.role == "prefill":
+                pc = PrefillConfig(max_batch_tokens=cfg.max_batch_tokens, buffer_capacity=cfg.prefill_buffer_capacity)
+                self.prefill_instances.append(PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled))
+            elif p.spec.role == "decode":
+                dc = DecodeConfig(cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size)
+                self.decode_instances.append(
+                    DecodeInstance(p.name, p.engine, dc, self, shared_transfer, self._on_kv_transfer)
+                )
+            else:
+                cc = ColocatedConfig(
+                    cfg.num_kv_blocks,
+                    cfg.block_size,
+                    cfg.max_decode_batch_size,
+                    cfg.max_batch_tokens,
+                    p.spec.chunk_size,
+                )
+                self.colocated_instances.append(ColocatedInstance(p.name, p.engine, cc, self))
+        mc = self.model_config
+        self.max_prompt_tokens = cfg.max_prompt_tokens or mc.max_position_embeddings - 1
+        self.max_tokens_limit = cfg.max_tokens_limit or mc.max_position_embeddings
+
+    @classmethod
+    def from_plan(
+        cls,
+        model_source: str,
+        plan: DeploymentPlan,
+        devices: Sequence[jax.Device] | None = None,
+        engine_factory: EngineFactory | None = None,
+        config: ControllerConfig | None = None,
+        *,
+        observer: Observer | None = None,
+        dtype: str = "float32",
+    ) -> Controller:
+        """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`."""
+        if engine_factory is None:
+            from jaxserve.opt_engine import opt_engine_factory
+
+            engine_factory = opt_engine_factory(model_source, dtype=dtype)
+        placed = build_engines(plan, engine_factory, devices)
+        tokenizer = None
+        try:
+            from models.checkpoint import load_tokenizer
+
+            tokenizer = load_tokenizer(model_source)
+        except Exception:  # a preset name or a directory without tokenizer files
+            tokenizer = None
+        return cls(placed, plan, config, observer=observer, tokenizer=tokenizer)
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for inst in self.instances:
+            inst.start()
+
+    def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with self._lock:
+            self._shutting_down = True
+        deadline = now() + timeout
+        while now() < deadline:
+            with self._lock:
+                if not self._live:
+                    break
+            threading.Event().wait(0.01)
+        with self._lock:
+            remaining = list(self._live)
+        for rid in remaining:
+            self.cancel(rid)
+        for inst in self.instances:
+            inst.stop()
+
+    def __enter__(self) -> Controller:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- requests ----------------------------------------------------------------
+    def validate(self, request: GenerateRequest) -> None:
+        mc = self.model_config
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
+        prompt = request.prompt_token_ids
+        if len(prompt) == 0:
+            raise InvalidRequestError("the prompt is empty", field="prompt_token_ids")
+        for tok in prompt:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < mc.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {tok!r} is outside the vocabulary [0, {mc.vocab_size})", field="prompt_token_ids"
+                )
+        if len(prompt) > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}", field="prompt_token_ids"
+            )
+        request.sampling.validate(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
+        total = len(prompt) + request.sampling.max_tokens
+        if total > mc.max_position_embeddings:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
+                f"{mc.max_position_embeddings} positions",
+                field="max_tokens",
+            )
+        capacity = self.config.num_kv_blocks * self.config.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({capacity} tokens)", field="max_tokens"
+            )
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue a request; thread-safe. Raises InvalidRequestError, OverloadedError, ShuttingDownError."""
+        if self._shutting_down:
+            raise ShuttingDownError("the server is shutting down")
+        if not self._started:
+            raise ShuttingDownError("the controller is not started; call start()")
+        self.validate(request)
+        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+        alive = [inst for inst in front if inst.error is None]
+        if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
+            dead = next(inst for inst in self.instances if inst.error is not None)
+            raise dead.dead_error()
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDownError("the server is shutting down")
+            if request.request_id in self._live:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", field="request_id")
+            queued = sum(inst.num_waiting for inst in front)
+            if queued >= self.config.max_queued_requests:
+                raise OverloadedError(
+                    f"{queued} requests are queued (limit {self.config.max_queued_requests}); retry later",
+                    retry_after_s=self.config.retry_after_s,
+                )
+            seed = request.sampling.seed if request.sampling.seed is not None else default_seed(request.request_id)
+            live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
+            stream = RequestStream(request.request_id, self)
+            self._live[request.request_id] = (live, stream)
+            target = alive[choose_prefill_instance([inst.load() for inst in alive])]
+        try:
+            target.enqueue(live)
+        except JaxServeError as e:
+            self.fail(live, e)
+        return stream
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Async token stream; cancelling the consuming task cancels the request."""
+        stream = self.submit(request)
+        queue = stream._attach_async(asyncio.get_running_loop())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not stream.finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request wherever it is; its blocks or buffer slot are freed now. Unknown ids are ignored."""
+        with self._lock:
+            entry = self._live.pop(request_id, None)
+        if entry is None:
+            return
+        live, stream = entry
+        live.cancelled = True
+        for inst in self.instances:
+            inst.cancel(request_id)
+        live.timings.finished_at = now()
+        self._finish_observed(live, "abort")
+        stream._push(TokenChunk(request_id, (), "abort", live.timings))
+
+    # ---- worker callbacks (Emitter) ---------------------------------------------
+    def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None:
+        with self._lock:
+            entry = self._live.get(live.request_id)
+            if entry is None or entry[0] is not live:
+                return  # cancelled meanwhile
+            if finish_reason is not None:
+                del self._live[live.request_id]
+        stream = entry[1]
+        if finish_reason is not None:
+            live.finished = True
+            live.timings.finished_at = now()
+            self._finish_observed(live, finish_reason)
+            stream._push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings))
+        else:
+            stream._push(TokenChunk(live.request_id, token_ids))
+
+    def fail(self, live: LiveRequest, error: BaseException) -> None:
+        with self._lock:
+            entry = self._live.get(live.request_id)
+            if entry is None or entry[0] is not live:
+                return
+            del self._live[live.request_id]
+        for inst in self.instances:
+            inst.cancel(live.request_id)
+        entry[1]._push(error)
+
+    def _finish_observed(self, live: LiveRequest, reason: FinishReason) -> None:
+        if self.observer is not None:
+            self.observer.on_request_finished(live.timings, live.num_prompt_tokens, len(live.output_ids), reason)
+
+    def _on_kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        if self.observer is not None:
+            self.observer.on_kv_transfer(num_bytes, seconds)
+
+    def _on_prefilled(self, source: PrefillInstance, live: LiveRequest) -> None:
+        alive = [d for d in self.decode_instances if d.error is None]
+        if not alive:
+            self.fail(live, EngineDeadError("every decode instance is dead"))
+            return
+        target = alive[choose_decode_instance([d.load() for d in alive])]
+        try:
+            target.enqueue_pull(live, source)
+        except JaxServeError as e:
+            self.fail(live, e)
+
+    # ---- introspection -----------------------------------------------------------
+    def stats(self) -> ControllerStats:
+        out = []
+        for p in self.prefill_instances:
+            out.append(
+                InstanceStats(
+                    "prefill", p.name, p.error is None, p.num_waiting, p.num_running,
+                    prefill_buffer_used=p.buffer_used, prefill_buffer_capacity=p.config.buffer_capacity,
+                )
+            )  # fmt: skip
+        for d in self.decode_instances:
+            out.append(
+                InstanceStats(
+                    "decode", d.name, d.error is None, d.num_waiting, d.num_running,
+                    kv_blocks_used=d.allocator.num_used, kv_blocks_free=d.allocator.num_free,
+                )
+            )  # fmt: skip
+        for c in self.colocated_instances:
+            out.append(
+                InstanceStats(
+                    "colocated", c.name, c.error is None, c.num_waiting, c.num_running,
+                    kv_blocks_used=c.allocator.num_used, kv_blocks_free=c.allocator.num_free,
+                )
+            )  # fmt: skip
+        with self._lock:
+            num_live = len(self._live)
+        return ControllerStats(
+            instances=tuple(out),
+            num_live_requests=num_live,
+            num_transfers=sum(d.num_transfers for d in self.decode_instances),
+            kv_transfer_bytes=sum(d.kv_transfer_bytes for d in self.decode_instances),
+        )

@@ -1,0 +1,60 @@
+"""From a `DeploymentPlan` to engines on disjoint device sets.
+
+`build_engines(plan, devices, factory)` assigns devices (the plan's own
+assignment, or consecutive ones), checks they are disjoint and exist, and asks
+the engine factory for one engine per instance on exactly its devices (stage
+s on devices[s*tp:(s+1)*tp]). The default factory loads the model into each
+instance's own sharding (`OPTEngine.load`); tests pass the fake engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+
+from jaxserve.engine import Engine
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+
+EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedInstance:
+    name: str
+    spec: InstanceSpec
+    devices: tuple[jax.Device, ...]
+    engine: Engine
+
+
+def instance_names(plan: DeploymentPlan) -> list[str]:
+    counts: dict[str, int] = {}
+    names = []
+    for spec in plan.instances:
+        i = counts.get(spec.role, 0)
+        counts[spec.role] = i + 1
+        names.append(f"{spec.role}-{i}")
+    return names
+
+
+def place(
+    plan: DeploymentPlan, devices: Sequence[jax.Device] | None = None
+) -> list[tuple[str, InstanceSpec, tuple[jax.Device, ...]]]:
+    """Each instance's name, spec (devices assigned) and device objects; raises PlanError if they do not fit."""
+    available = list(devices) if devices is not None else jax.devices()
+    plan = plan.assign_devices(len(available))
+    out = []
+    for name, spec in zip(instance_names(plan), plan.instances, strict=True):
+        assert spec.devices is not None
+        out.append((name, spec, tuple(available[d] for d in spec.devices)))
+    used = [d for _, _, devs in out for d in devs]
+    if len(set(used)) != len(used):
+        raise PlanError("instances must own disjoint devices")
+    return out
+
+
+def build_engines(
+    plan: DeploymentPlan, factory: EngineFactory, devices: Sequence[jax.Device] | None = None
+) -> list[PlacedInstance]:
+    return [PlacedInstance(name, spec, devs, factory(spec, devs)) for name, spec, devs in place(plan, devices)]

@@ -1,0 +1,107 @@
+"""Paged KV for decode: a block allocator (free list + per-sequence block tables) and the device pool.
+
+The allocator is plain Python, owned by one instance's worker loop (guarded by
+that instance's lock). The pool arrays (`KVPages`, one `StagePages` per
+pipeline stage, heads sharded over `tp`) are replaced functionally by every
+write; `write_sequence` scatters a sequence's dense KV into its blocks
+(position p -> block table[p // block_size], slot p % block_size).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.engine import KVPages, SequenceKV, StageKV, StagePages
+
+
+class OutOfBlocksError(RuntimeError):
+    """The allocator was asked for more blocks than are free (the admission policy should prevent this)."""
+
+
+class BlockAllocator:
+    """Fixed-size KV blocks: a free list and each sequence's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def free_blocks(self) -> frozenset[int]:
+        return frozenset(self._free)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def allocate(self, seq_id: str, num_blocks: int) -> tuple[int, ...]:
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        if num_blocks > len(self._free):
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {num_blocks} blocks, {len(self._free)} free")
+        table = [self._free.pop() for _ in range(num_blocks)]
+        self._tables[seq_id] = table
+        return tuple(table)
+
+    def table(self, seq_id: str) -> tuple[int, ...]:
+        return tuple(self._tables[seq_id])
+
+    def free(self, seq_id: str) -> int:
+        """Return a sequence's blocks to the free list; 0 if it held none."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return 0
+        self._free.extend(reversed(table))
+        return len(table)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_stage(pages: StagePages, kv: StageKV, slot_block: jax.Array, slot_offset: jax.Array) -> StagePages:
+    # slot_block/slot_offset: [T]; padded positions point past the pool and are dropped.
+    k = pages.k.at[:, slot_block, slot_offset].set(kv.k.astype(pages.k.dtype), mode="drop")
+    v = pages.v.at[:, slot_block, slot_offset].set(kv.v.astype(pages.v.dtype), mode="drop")
+    return StagePages(k=k, v=v)
+
+
+def write_sequence(
+    pages: KVPages, kv: SequenceKV, num_tokens: int, block_table: Sequence[int], start: int = 0
+) -> KVPages:
+    """Scatter the first `num_tokens` entries of `kv` into positions start.. of `block_table`'s blocks.
+
+    Stage by stage; entries past `num_tokens` (padding) are dropped.
+    """
+    if len(pages) != len(kv):
+        raise ValueError(f"pool has {len(pages)} stages, KV has {len(kv)}; convert the layout first")
+    num_blocks, block_size = pages[0].k.shape[1], pages[0].k.shape[2]
+    padded = kv[0].k.shape[1]
+    if start + num_tokens > len(block_table) * block_size:
+        raise ValueError(f"{start + num_tokens} positions do not fit in {len(block_table)} blocks of {block_size}")
+    pos = start + np.arange(padded)
+    table = np.asarray(list(block_table) + [num_blocks] * (padded // block_size + 2), dtype=np.int32)
+    valid = np.arange(padded) < num_tokens
+    slot_block = np.where(valid, table[pos // block_size], num_blocks).astype(np.int32)
+    slot_offset = (pos % block_size).astype(np.int32)
+    return tuple(_write_stage(p, s, slot_block, slot_offset) for p, s in zip(pages, kv, strict=True))
+
+
+def dense_sharding(pages: StagePages) -> NamedSharding:
+    """The sharding a dense [L_s, T, H, D] KV needs to be written into `pages` (heads over 'tp')."""
+    sharding = pages.k.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError("KV pages must carry a NamedSharding")
+    return NamedSharding(sharding.mesh, PartitionSpec(None, None, "tp", None))

@@ -1,0 +1,151 @@
+"""Moving a prefilled sequence's KV from a prefill instance to a decode instance.
+
+One small interface, several implementations (this file: in-process; the Ray
+backend adds a cross-process one). The decode instance's loop calls
+`transfer.start(seq, target_layout)` for a sequence it has admitted, then
+`handle.poll()` (non-blocking) until the state is DONE or FAILED, or
+`handle.wait()` (blocking); `handle.result()` is the KV in the target layout,
+ready for `Engine.insert`. Every handle reports `num_bytes` and `seconds`
+(start until the arrays were seen ready).
+
+`InProcessTransfer` is one `jax.device_put` per piece onto the decode
+instance's `NamedSharding`, device to device. When the two sides' pipeline
+splits differ, layers are regrouped first: the prefill stages' layers are read
+in order and cut at the decode stages' boundaries (slices stay on the prefill
+devices; pieces landing on one decode stage are concatenated there). Different
+tp degrees need nothing extra: `device_put` reshards the head axis.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferHandle(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    @property
+    def seconds(self) -> float | None: ...
+
+    def poll(self) -> TransferState: ...
+
+    def wait(self, timeout_s: float | None = None) -> TransferState: ...
+
+    def result(self) -> SequenceKV: ...
+
+
+class KVTransfer(Protocol):
+    """Starts pulls of prefilled KV into a decode instance's layout."""
+
+    def start(self, seq: PrefilledSequence, target: KVLayout) -> TransferHandle: ...
+
+
+def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list[list[StageKV]]:
+    """Cut `kv` (stages in order) into pieces per target stage; pieces stay where they are."""
+    total = sum(s.k.shape[0] for s in kv)
+    if total != sum(target_stage_layers):
+        raise ValueError(f"KV has {total} layers, target layout wants {sum(target_stage_layers)}")
+    pieces: list[list[StageKV]] = [[] for _ in target_stage_layers]
+    src, src_off = 0, 0
+    for t, want in enumerate(target_stage_layers):
+        while want > 0:
+            stage = kv[src]
+            take = min(want, stage.k.shape[0] - src_off)
+            if src_off == 0 and take == stage.k.shape[0]:
+                pieces[t].append(stage)
+            else:
+                pieces[t].append(StageKV(k=stage.k[src_off : src_off + take], v=stage.v[src_off : src_off + take]))
+            want -= take
+            src_off += take
+            if src_off == stage.k.shape[0]:
+                src, src_off = src + 1, 0
+    return pieces
+
+
+class InProcessHandle:
+    """A transfer inside one JAX process: the arrays were dispatched with `device_put` at start."""
+
+    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float) -> None:
+        self._request_id = request_id
+        self._arrays = arrays
+        self._num_bytes = num_bytes
+        self._started_at = started_at
+        self._seconds: float | None = None
+        self._state = TransferState.PENDING
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        return self._seconds
+
+    def _mark(self, state: TransferState) -> TransferState:
+        if self._state is TransferState.PENDING and state is not TransferState.PENDING:
+            self._seconds = time.monotonic() - self._started_at
+            self._state = state
+        return self._state
+
+    def poll(self) -> TransferState:
+        if self._state is not TransferState.PENDING:
+            return self._state
+        try:
+            ready = all(a.is_ready() for s in self._arrays for a in (s.k, s.v))  # type: ignore[attr-defined]
+        except Exception:
+            return self._mark(TransferState.FAILED)
+        return self._mark(TransferState.DONE) if ready else TransferState.PENDING
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        # device_put has no timeout; block_until_ready returns when the copy lands (or raises).
+        del timeout_s
+        if self._state is TransferState.PENDING:
+            try:
+                jax.block_until_ready(self._arrays)
+            except Exception:
+                return self._mark(TransferState.FAILED)
+            self._mark(TransferState.DONE)
+        return self._state
+
+    def result(self) -> SequenceKV:
+        if self.poll() is not TransferState.DONE and self.wait() is not TransferState.DONE:
+            raise RuntimeError(f"KV transfer of {self._request_id!r} failed")
+        return self._arrays
+
+
+class InProcessTransfer:
+    """`jax.device_put` of the prefill KV onto the decode instance's shardings."""
+
+    def start(self, seq: PrefilledSequence, target: KVLayout) -> InProcessHandle:
+        started_at = time.monotonic()
+        out = []
+        for pieces, sharding in zip(regroup_layers(seq.kv, target.stage_layers), target.shardings, strict=True):
+            moved = [StageKV(k=jax.device_put(p.k, sharding), v=jax.device_put(p.v, sharding)) for p in pieces]
+            if len(moved) == 1:
+                out.append(moved[0])
+            else:  # pieces already sit on this stage's devices; the concatenation runs there
+                k = jnp.concatenate([m.k for m in moved], axis=0)  # [L_s, T, H, D]
+                v = jnp.concatenate([m.v for m in moved], axis=0)
+                out.append(StageKV(k=k, v=v))
+        return InProcessHandle(seq.request_id, tuple(out), seq.num_bytes, started_at)

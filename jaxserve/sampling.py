@@ -1,0 +1,80 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+
+Each row draws from its own key, `fold_in(key(seed), sample_index)`, so a
+request's tokens depend only on its seed and position in its output, never on
+which other requests share the batch or where in the batch it sits.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.request import SamplingParams
+
+
+def default_seed(request_id: str) -> int:
+    """The seed of a request that gave none: a stable hash of its id."""
+    return zlib.crc32(request_id.encode())
+
+
+@jax.jit
+def _greedy(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+
+
+def _row_key(seed_hi: jax.Array, seed_lo: jax.Array, index: jax.Array) -> jax.Array:
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed_hi), seed_lo)
+    return jax.random.fold_in(key, index)
+
+
+def _sample_row(
+    logits: jax.Array,  # [V]
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed_hi: jax.Array,
+    seed_lo: jax.Array,
+    index: jax.Array,
+) -> jax.Array:
+    vocab = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)  # [V] descending
+    sorted_logits = scaled[order]
+    rank = jnp.arange(vocab)
+    keep = jnp.where(top_k > 0, rank < top_k, True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    before = jnp.cumsum(probs) - probs  # mass strictly above this token
+    keep = keep & ((before < top_p) | (rank == 0))
+    choice = jax.random.categorical(_row_key(seed_hi, seed_lo, index), jnp.where(keep, sorted_logits, -jnp.inf))
+    sampled = order[choice]
+    return jnp.where(temperature == 0.0, jnp.argmax(logits), sampled).astype(jnp.int32)
+
+
+_sample_batch = jax.jit(jax.vmap(_sample_row))
+
+
+def sample(
+    logits: jax.Array, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+) -> jax.Array:
+    """One token per row of `logits` [B, V]; rows past len(params) (padding) are sampled greedily.
+
+    Returns a device array [B] (int32).
+    """
+    if all(p.is_greedy for p in params):
+        return _greedy(logits)
+    b = logits.shape[0]
+    pad = b - len(params)
+    temperature = np.array([p.temperature for p in params] + [0.0] * pad, dtype=np.float32)
+    top_k = np.array([p.top_k for p in params] + [0] * pad, dtype=np.int32)
+    top_p = np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32)
+    seeds_arr = np.array(list(seeds) + [0] * pad, dtype=np.uint64)
+    seed_hi = (seeds_arr >> np.uint64(32)).astype(np.uint32)
+    seed_lo = (seeds_arr & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    index = np.array(list(indices) + [0] * pad, dtype=np.uint32)
+    return _sample_batch(logits, temperature, top_k, top_p, seed_hi, seed_lo, index)

@@ -1,0 +1,149 @@
+"""What every runtime role shares: the live-request record and the worker thread shell.
+
+`LiveRequest` is the one mutable record of a request in flight. The controller
+creates it; the instance that currently holds the request fills in its
+timestamps and output, and hands tokens to the controller through `Emitter`.
+
+`Worker` is the thread shell around a role's `step()`: it calls `step()` while
+there is work, sleeps on its condition variable when `step()` reports idle, and
+if `step()` raises it records the error, marks itself dead and fails every
+request it holds (`fail_all`) so that no client waits forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Protocol
+
+from jaxserve.errors import EngineDeadError
+from jaxserve.request import FinishReason, GenerateRequest, RequestTimings
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class LiveRequest:
+    """A request in flight: the request, its seed, its output so far, its timings."""
+
+    request: GenerateRequest
+    seed: int
+    timings: RequestTimings
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    def append_token(self, token: int, eos_token_id: int, now: float) -> FinishReason | None:
+        """Record one output token; return why the request stops, or None."""
+        self.output_ids.append(token)
+        self.timings.token_times.append(now)
+        if self.timings.first_token_at is None:
+            self.timings.first_token_at = now
+        sampling = self.request.sampling
+        if token in sampling.stop_token_ids or (token == eos_token_id and not sampling.ignore_eos):
+            return "stop"
+        if len(self.output_ids) >= sampling.max_tokens:
+            return "length"
+        return None
+
+
+class Emitter(Protocol):
+    """The controller side of a worker: where tokens, finished prefills and failures go."""
+
+    def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None: ...
+
+    def fail(self, live: LiveRequest, error: BaseException) -> None: ...
+
+
+class Worker:
+    """A thread that runs `step()` until stopped; subclasses implement `step`, `has_work`, `held_requests`."""
+
+    def __init__(self, name: str, emitter: Emitter) -> None:
+        self.name = name
+        self.emitter = emitter
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+
+    # ---- to implement -------------------------------------------------------
+    def step(self) -> bool:
+        """One decide -> execute -> apply round; return False when there was nothing to do."""
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        """Called under `cond`: is there anything `step` could do now?"""
+        raise NotImplementedError
+
+    def held_requests(self) -> list[LiveRequest]:
+        """Called under `cond`: every request this worker holds (queued, buffered, running)."""
+        raise NotImplementedError
+
+    def drop_all(self) -> None:
+        """Called under `cond` after a failure: forget every held request and free its resources."""
+        raise NotImplementedError
+
+    # ---- thread shell -------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"jaxserve-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"instance {self.name} died: {self.error!r}")
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self._stop and not self.has_work():
+                        self.cond.wait(timeout=0.5)
+                    if self._stop:
+                        return
+                progressed = self.step()
+                self.num_steps += 1
+                if not progressed:  # e.g. waiting on a transfer: do not spin
+                    with self.cond:
+                        self.cond.wait(timeout=0.002)
+        except BaseException as e:  # a dead worker must fail its requests, not leave them hanging
+            log.exception("worker %s died", self.name)
+            self.error = e
+            with self.cond:
+                held = self.held_requests()
+                self.drop_all()
+            err = self.dead_error()
+            for live in held:
+                self.emitter.fail(live, err)
+
+
+def now() -> float:
+    return time.monotonic()
