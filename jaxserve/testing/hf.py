@@ -1,0 +1,76 @@
+"""Random Hugging Face OPT checkpoints for tests (no model hub needed).
+
+`transformers` and `torch` are imported inside the functions: they are test dependencies only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.config import OPTConfig
+
+
+def hf_opt_config(cfg: OPTConfig) -> Any:
+    """A `transformers.OPTConfig` with the shape of `cfg`."""
+    import transformers
+
+    return transformers.OPTConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        ffn_dim=cfg.ffn_dim,
+        num_attention_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        do_layer_norm_before=cfg.do_layer_norm_before,
+        word_embed_proj_dim=cfg.embed_dim,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        activation_function="relu",
+        dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=True,
+    )
+
+
+def make_hf_model(cfg: OPTConfig, seed: int = 0) -> Any:
+    """A random float32 `transformers.OPTForCausalLM` of shape `cfg`, in eval mode.
+
+    Biases and LayerNorm parameters are randomised too (HF initialises them to 0/1), so a
+    parity test exercises every tensor.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model: Any = transformers.OPTForCausalLM(hf_opt_config(cfg))
+    model = model.float().eval()  # HF OPT LayerNorms use the fixed eps 1e-5, as does OPTConfig's default
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed_positions" in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def make_hf_checkpoint(
+    path: str | Path, cfg: OPTConfig, seed: int = 0, sharded: bool = False, safetensors: bool = True
+) -> Path:
+    """Save a random `OPTForCausalLM` of shape `cfg` to `path` with `save_pretrained`; returns `path`.
+
+    `sharded=True` uses a small `max_shard_size` so the checkpoint is split with an index file.
+    `safetensors=False` writes `pytorch_model.bin` instead.
+    """
+    path = Path(path)
+    model = make_hf_model(cfg, seed)
+    kwargs: dict[str, Any] = {"safe_serialization": safetensors}
+    if sharded:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        kwargs["max_shard_size"] = max(total // 4, 1024)
+    model.save_pretrained(path, **kwargs)
+    return path

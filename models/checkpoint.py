@@ -1,0 +1,474 @@
+"""Checkpoints: Hugging Face OPT directories in, jaxserve Orbax checkpoints in and out, tokenizers.
+
+Every tensor goes straight to its target sharding: a stage's stacked layer leaf is built with
+`jax.make_array_from_callback`, whose callback reads only the slice a device holds (safetensors
+files are memory-mapped, so a tp=4 shard reads a quarter of each kernel). The full model is never
+assembled on one device when a sharded layout is asked for.
+
+Hugging Face names (prefix `model.decoder.` or bare `decoder.`)::
+
+    embed_tokens.weight [V, E]      embed_positions.weight [P+2, h]
+    project_in.weight   [h, E]      project_out.weight     [E, h]     (Linear: [out, in])
+    final_layer_norm.{weight,bias}
+    layers.N.self_attn.{q,k,v,out}_proj.{weight,bias}
+    layers.N.{self_attn_layer_norm,final_layer_norm}.{weight,bias}
+    layers.N.{fc1,fc2}.{weight,bias}
+
+Linear weights are transposed to our `[in, out]` kernels; `lm_head.weight` (tied) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import opt
+from models.config import OPTConfig, get_config
+from models.opt import Params
+
+if TYPE_CHECKING:
+    import tokenizers
+
+    from models.sharding import ParallelLayout, ShardedOPT
+
+log = logging.getLogger(__name__)
+
+Index = tuple[slice, ...]
+JAXSERVE_MARKER = "jaxserve_checkpoint.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor, has one of the wrong shape, or cannot be read."""
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor sources: name -> lazily readable array
+# ------------------------------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _open_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-map every tensor of a .safetensors file (header: u64 length + JSON; then raw data)."""
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    out: dict[str, np.ndarray] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+        shape = tuple(meta["shape"])
+        start, _ = meta["data_offsets"]
+        if int(np.prod(shape)) == 0:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)
+    return out
+
+
+def _open_torch(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a test dependency
+        raise CheckpointError(f"{path}: reading pytorch_model.bin needs torch, which is not installed") from e
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    out: dict[str, np.ndarray] = {}
+    for name, t in state.items():
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            out[name] = t.numpy()
+    return out
+
+
+def open_hf_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """All tensors of a HF checkpoint dir as lazily-read arrays (safetensors, sharded or not; torch .bin)."""
+    files: list[Path]
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = directory / index_name
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({directory / f for f in weight_map.values()})
+            break
+    else:
+        files = [p for p in (directory / "model.safetensors", directory / "pytorch_model.bin") if p.exists()][:1]
+    if not files:
+        raise CheckpointError(f"{directory}: no model.safetensors, sharded index or pytorch_model.bin found")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{directory}: index names {f.name}, which does not exist")
+        tensors.update(_open_safetensors(f) if f.suffix == ".safetensors" else _open_torch(f))
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------
+# Readers: our param layout (full model, global layer index) -> slices of numpy data
+# ------------------------------------------------------------------------------------------
+
+
+def _leaf_paths(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    out: list[tuple[tuple[str, ...], Any]] = []
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.extend(_leaf_paths(v, (*prefix, k)))
+        else:
+            out.append(((*prefix, k), v))
+    return out
+
+
+def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+class ParamTreeReader:
+    """Reads slices of an in-memory param tree in our layout (numpy or jax arrays)."""
+
+    def __init__(self, params: Params):
+        self.params = params
+
+    def read(self, path: tuple[str, ...], index: Index) -> np.ndarray:
+        return np.asarray(_get(self.params, path)[index])
+
+
+_HF_LAYER_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
+    # (our module, our leaf) -> (HF suffix after "layers.N.", transpose)
+    ("q_proj", "kernel"): ("self_attn.q_proj.weight", True),
+    ("q_proj", "bias"): ("self_attn.q_proj.bias", False),
+    ("k_proj", "kernel"): ("self_attn.k_proj.weight", True),
+    ("k_proj", "bias"): ("self_attn.k_proj.bias", False),
+    ("v_proj", "kernel"): ("self_attn.v_proj.weight", True),
+    ("v_proj", "bias"): ("self_attn.v_proj.bias", False),
+    ("out_proj", "kernel"): ("self_attn.out_proj.weight", True),
+    ("out_proj", "bias"): ("self_attn.out_proj.bias", False),
+    ("fc1", "kernel"): ("fc1.weight", True),
+    ("fc1", "bias"): ("fc1.bias", False),
+    ("fc2", "kernel"): ("fc2.weight", True),
+    ("fc2", "bias"): ("fc2.bias", False),
+    ("self_attn_layer_norm", "scale"): ("self_attn_layer_norm.weight", False),
+    ("self_attn_layer_norm", "bias"): ("self_attn_layer_norm.bias", False),
+    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
+    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
+}
+_HF_TOP_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("embed_tokens",): ("embed_tokens.weight", False),
+    ("embed_positions",): ("embed_positions.weight", False),
+    ("project_in",): ("project_in.weight", True),
+    ("project_out",): ("project_out.weight", True),
+    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
+    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
+}
+
+
+class HFReader:
+    """Reads slices of our params out of Hugging Face OPT tensors; validates names and shapes up front."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], cfg: OPTConfig, source: str = "checkpoint"):
+        self.tensors = tensors
+        self.cfg = cfg
+        prefixes = ("model.decoder.", "decoder.")
+        self.prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
+        problems = []
+        for path, shape in _leaf_paths(opt.param_shapes(cfg)):
+            for name, transpose in self._hf_names(path):
+                expected = shape[1:] if path[0] == "layers" else shape
+                if transpose:
+                    expected = expected[::-1]
+                got = tensors.get(name)
+                if got is None:
+                    problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
+                elif tuple(got.shape) != tuple(expected):
+                    problems.append(f"tensor {name} has shape {tuple(got.shape)}, expected {tuple(expected)}")
+        if problems:
+            raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+    def _hf_names(self, path: tuple[str, ...]) -> list[tuple[str, bool]]:
+        if path[0] == "layers":
+            suffix, transpose = _HF_LAYER_NAMES[(path[1], path[2])]
+            return [(f"{self.prefix}layers.{i}.{suffix}", transpose) for i in range(self.cfg.num_layers)]
+        name, transpose = _HF_TOP_NAMES[path]
+        return [(self.prefix + name, transpose)]
+
+    def read(self, path: tuple[str, ...], index: Index) -> np.ndarray:
+        if path[0] == "layers":
+            suffix, transpose = _HF_LAYER_NAMES[(path[1], path[2])]
+            layers = range(*index[0].indices(self.cfg.num_layers))
+            rest = index[1:]
+            parts = []
+            for i in layers:
+                t = self.tensors[f"{self.prefix}layers.{i}.{suffix}"]
+                parts.append(np.asarray(t[rest[::-1]]).T if transpose else np.asarray(t[rest]))
+            return np.stack(parts)
+        name, transpose = _HF_TOP_NAMES[path]
+        t = self.tensors[self.prefix + name]
+        return np.asarray(t[index[::-1]]).T if transpose else np.asarray(t[index])
+
+
+def _pad_index(index: Index, ndim: int) -> Index:
+    return tuple(index) + (slice(None),) * (ndim - len(index))
+
+
+def _leaf_callback(
+    reader: ParamTreeReader | HFReader,
+    path: tuple[str, ...],
+    layer_range: tuple[int, int] | None,
+    ndim: int,
+    dtype: Any,
+) -> Callable[[Index | None], np.ndarray]:
+    """Callback for `make_array_from_callback`: the device's slice of a leaf, read from `reader`.
+
+    For a stage's layer leaf, `layer_range` is the stage's `[start, end)` global layers: the
+    stage-local layer slice is shifted to the global one the reader understands.
+    """
+
+    def cb(index: Index | None) -> np.ndarray:
+        idx = _pad_index(index or (), ndim)
+        if layer_range is not None:
+            start, end = layer_range
+            lo, hi, _ = idx[0].indices(end - start)
+            idx = (slice(start + lo, start + hi), *idx[1:])
+        return reader.read(path, idx).astype(dtype)
+
+    return cb
+
+
+def place_params(
+    reader: ParamTreeReader | HFReader, cfg: OPTConfig, layout: ParallelLayout, dtype: Any
+) -> list[Params]:
+    """Build every stage's param tree on its mesh; each device reads only the slice it holds."""
+    dtype = jnp.dtype(dtype)
+    full_shapes = opt.param_shapes(cfg)
+    stages = []
+    for st in layout.stages:
+        start, end = st.layers
+        out: Params = {}
+        for path, sharding in _leaf_paths(st.param_shardings):
+            full_shape = tuple(_get(full_shapes, path))
+            if path[0] == "layers":
+                shape = (end - start, *full_shape[1:])
+                cb = _leaf_callback(reader, path, (start, end), len(shape), dtype)
+            else:
+                shape = full_shape
+                cb = _leaf_callback(reader, path, None, len(shape), dtype)
+            _set(out, path, jax.make_array_from_callback(shape, sharding, cb))
+        stages.append(out)
+    return stages
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face directories
+# ------------------------------------------------------------------------------------------
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").exists() and any(
+        (path / n).exists()
+        for n in (
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "pytorch_model.bin.index.json",
+        )
+    )
+
+
+def load_hf_config(directory: str | Path) -> OPTConfig:
+    directory = Path(directory)
+    return OPTConfig.from_hf_config(directory / "config.json", name=directory.name)
+
+
+def load_hf_params(directory: str | Path, cfg: OPTConfig | None = None, dtype: Any = jnp.float32) -> Params:
+    """A HF OPT checkpoint as one host-side (numpy) param tree in our layout — for tests and tools."""
+    directory = Path(directory)
+    cfg = cfg or load_hf_config(directory)
+    reader = HFReader(open_hf_tensors(directory), cfg, str(directory))
+    out: Params = {}
+    for path, shape in _leaf_paths(opt.param_shapes(cfg)):
+        _set(out, path, reader.read(path, (slice(None),) * len(shape)).astype(jnp.dtype(dtype)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# jaxserve (Orbax) checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def _global_mesh(layout: ParallelLayout) -> Mesh:
+    devs = np.array([[d for d in st.mesh.devices.flat] for st in layout.stages])  # [pp, tp]
+    return Mesh(devs, ("pp", "tp"))
+
+
+def _global_spec(stage_sharding: NamedSharding, layer_leaf: bool) -> P:
+    spec = tuple(stage_sharding.spec)
+    if not layer_leaf:
+        return P()
+    return P("pp", *spec[1:])
+
+
+def save_checkpoint(path: str | Path, model: ShardedOPT) -> Path:
+    """Write `model`'s params (Orbax, under `path/params`) and `config.json`; returns `path`.
+
+    Stacked layer leaves are saved as whole-model arrays: the stages' shards are viewed as one
+    array over a (pp, tp) mesh without copying, so any later layout can restore them.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    layout, cfg = model.layout, model.cfg
+    gmesh = _global_mesh(layout)
+    tree: Params = {}
+    full_shapes = opt.param_shapes(cfg)
+    last = layout.stages[-1]
+    for path_, sharding in _leaf_paths(last.param_shardings) + _leaf_paths(layout.stages[0].param_shardings):
+        if path_[0] == "layers":
+            arrays = [_get(sp, path_) for sp in model.stage_params]
+            gshape = _get(full_shapes, path_)
+            gsharding = NamedSharding(gmesh, _global_spec(sharding, True))
+            shards = [s.data for a in arrays for s in a.addressable_shards]
+            _set(tree, path_, jax.make_array_from_single_device_arrays(tuple(gshape), gsharding, shards))
+        else:
+            stage = 0 if _has(model.stage_params[0], path_) else len(layout.stages) - 1
+            _set(tree, path_, _get(model.stage_params[stage], path_))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path / "params", tree, force=True)
+    ckptr.wait_until_finished()
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    (path / JAXSERVE_MARKER).write_text(json.dumps({"format": 1, "name": cfg.name, "dtype": str(model.dtype)}))
+    return path
+
+
+def _has(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
+    try:
+        _get(tree, path)
+    except KeyError:
+        return False
+    return True
+
+
+def restore_checkpoint(
+    path: str | Path, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
+) -> ShardedOPT:
+    """Restore a `save_checkpoint` directory straight into a `tp` x `pp` layout (any shape)."""
+    import orbax.checkpoint as ocp
+
+    from models.sharding import ShardedOPT, shardings_for
+
+    path = Path(path).absolute()
+    meta = json.loads((path / JAXSERVE_MARKER).read_text())
+    cfg = OPTConfig.from_hf_config(path / "config.json", name=meta.get("name"))
+    dt = jnp.dtype(dtype or meta.get("dtype") or "float32")
+    layout = shardings_for(cfg, tp, pp, devices)
+    gmesh = _global_mesh(layout)
+    full_shapes = opt.param_shapes(cfg)
+    target: Params = {}
+    for path_, shape in _leaf_paths(full_shapes):
+        if path_[0] == "layers":
+            spec = _global_spec(_get(layout.stages[0].param_shardings, path_), True)
+        else:
+            spec = P()  # restored once across all devices; each stage keeps its own devices' copies
+        _set(target, path_, jax.ShapeDtypeStruct(tuple(shape), dt, sharding=NamedSharding(gmesh, spec)))
+    ckptr = ocp.StandardCheckpointer()
+    restored = ckptr.restore(path / "params", target)
+    stage_params = []
+    for st in layout.stages:
+        start, end = st.layers
+        devs = set(st.mesh.devices.flat)
+        out: Params = {}
+        for path_, sharding in _leaf_paths(st.param_shardings):
+            g = _get(restored, path_)
+            shape = (end - start, *g.shape[1:]) if path_[0] == "layers" else g.shape
+            shards = [s.data for s in g.addressable_shards if s.device in devs]
+            _set(out, path_, jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards))
+        stage_params.append(out)
+    return ShardedOPT(cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=stage_params)
+
+
+# ------------------------------------------------------------------------------------------
+# One entry point
+# ------------------------------------------------------------------------------------------
+
+
+def load_sharded(
+    source: str | Path, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = "float32", seed: int = 0
+) -> ShardedOPT:
+    """A HF dir, a jaxserve checkpoint dir, or a preset name (random weights, with a warning)."""
+    from models.sharding import ShardedOPT, shardings_for
+
+    path = Path(source)
+    if path.is_dir() and (path / JAXSERVE_MARKER).exists():
+        return restore_checkpoint(path, tp, pp, devices, dtype)
+    if path.is_dir() and is_hf_dir(path):
+        cfg = load_hf_config(path)
+        layout = shardings_for(cfg, tp, pp, devices)
+        reader = HFReader(open_hf_tensors(path), cfg, str(path))
+        stage_params = place_params(reader, cfg, layout, dtype)
+        return ShardedOPT(cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=stage_params)
+    if path.exists():
+        raise CheckpointError(f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint")
+    cfg = get_config(str(source))
+    log.warning("model %r is a preset name, not a checkpoint: using RANDOM weights (seed %d)", str(source), seed)
+    cfg = cfg.with_dtype(str(jnp.dtype(dtype)))
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = opt.init_params(cfg, jax.random.key(seed), jnp.float32)
+    return ShardedOPT.from_params(cfg, params, tp, pp, devices, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(directory: str | Path) -> tokenizers.Tokenizer | None:
+    """`tokenizer.json`, or GPT-2 style `vocab.json` + `merges.txt` (with OPT's `</s>` BOS); None if neither."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    directory = Path(directory)
+    if (directory / "tokenizer.json").exists():
+        return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    vocab, merges = directory / "vocab.json", directory / "merges.txt"
+    if not (vocab.exists() and merges.exists()):
+        return None
+    tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bos = tok.token_to_id("</s>")
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", bos)])
+    return tok

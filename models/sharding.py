@@ -1,0 +1,364 @@
+"""Tensor- and pipeline-parallel layout of OPT, and a sharded model that runs it.
+
+Tensor parallelism (mesh axis `tp`): attention heads and FFN columns are split — q/k/v and fc1
+are column-parallel (kernel `[L, in, out]` split on `out`), out_proj and fc2 row-parallel (split on
+`in`); XLA inserts the all-reduce after the row-parallel matmuls. Embeddings, position table,
+LayerNorms, the row-parallel biases and the tied LM head are replicated on every device of a
+stage (simple, and the LM head's all-gather of vocab logits would cost more than it saves at the
+sizes we serve on one host). The KV cache is split over heads.
+
+Pipeline parallelism: `pp` contiguous, equal layer ranges; stage s runs on its own 1-D mesh over
+devices `[s*tp, (s+1)*tp)` (devices are stage-major). Activations move between stages with
+`jax.device_put`; nothing blocks, so dispatch stays asynchronous. The first stage holds the
+embeddings, the last the final LayerNorm/`project_out` and a copy of `embed_tokens` for the
+tied LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import opt
+from models.config import OPTConfig
+from models.opt import KVCache, PagedKVCache, Params
+
+log = logging.getLogger(__name__)
+
+TP_AXIS = "tp"
+
+# Partition specs of the per-layer leaves (leading axis = layer).
+_LAYER_SPECS: dict[str, dict[str, P]] = {
+    "q_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
+    "k_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
+    "v_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
+    "out_proj": {"kernel": P(None, TP_AXIS, None), "bias": P()},
+    "fc1": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
+    "fc2": {"kernel": P(None, TP_AXIS, None), "bias": P()},
+    "self_attn_layer_norm": {"scale": P(), "bias": P()},
+    "final_layer_norm": {"scale": P(), "bias": P()},
+}
+# [L, B, T, H, D] and [L, num_blocks, block_size, H, D]: heads split.
+KV_SPEC = P(None, None, None, TP_AXIS, None)
+
+
+def validate_parallelism(cfg: OPTConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
+    """Raise a ValueError that says what is wrong when `cfg` cannot be split `tp` x `pp` ways."""
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"tp and pp must be >= 1 (got tp={tp}, pp={pp})")
+    else:
+        if cfg.num_heads % tp:
+            problems.append(f"num_heads {cfg.num_heads} is not divisible by tp={tp}")
+        if cfg.ffn_dim % tp:
+            problems.append(f"ffn_dim {cfg.ffn_dim} is not divisible by tp={tp}")
+        if cfg.num_layers % pp:
+            problems.append(f"num_layers {cfg.num_layers} is not divisible by pp={pp}")
+        if num_devices is not None and num_devices != tp * pp:
+            problems.append(f"tp*pp = {tp * pp} devices needed, got {num_devices}")
+    if problems:
+        raise ValueError(f"cannot shard {cfg.name} with tp={tp}, pp={pp}: " + "; ".join(problems))
+
+
+def stage_layer_ranges(cfg: OPTConfig, pp: int) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` layer ranges of the `pp` pipeline stages."""
+    if pp < 1 or cfg.num_layers % pp:
+        raise ValueError(f"num_layers {cfg.num_layers} is not divisible by pp={pp}")
+    n = cfg.num_layers // pp
+    return [(s * n, (s + 1) * n) for s in range(pp)]
+
+
+def param_specs(cfg: OPTConfig, first: bool = True, last: bool = True) -> dict[str, Any]:
+    """PartitionSpecs for a stage's param tree (same structure as `opt.stage_params`)."""
+    specs: dict[str, Any] = {"layers": {k: dict(v) for k, v in _LAYER_SPECS.items()}}
+    if first or last:
+        specs["embed_tokens"] = P()
+    if first:
+        specs["embed_positions"] = P()
+        if cfg.has_projections:
+            specs["project_in"] = P()
+    if last:
+        if cfg.has_projections:
+            specs["project_out"] = P()
+        if cfg.has_final_layer_norm:
+            specs["final_layer_norm"] = {"scale": P(), "bias": P()}
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """One pipeline stage: its layers, devices, mesh and shardings."""
+
+    index: int
+    layers: tuple[int, int]  # [start, end)
+    mesh: Mesh
+    param_shardings: dict[str, Any]  # NamedSharding tree matching opt.stage_params
+    kv_sharding: NamedSharding  # for [L_stage, B, T, H, D] / [L_stage, N, bs, H, D]
+    replicated: NamedSharding
+
+    @property
+    def first(self) -> bool:
+        return self.layers[0] == 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    cfg: OPTConfig
+    tp: int
+    pp: int
+    stages: tuple[StageLayout, ...]
+
+    @property
+    def meshes(self) -> list[Mesh]:
+        return [s.mesh for s in self.stages]
+
+
+def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A 1-D `tp` mesh with Auto axis type (jax.make_mesh would default to Explicit on 0.10)."""
+    return Mesh(np.array(list(devices)), (TP_AXIS,))
+
+
+def shardings_for(cfg: OPTConfig, tp: int, pp: int, devices: Sequence[jax.Device]) -> ParallelLayout:
+    """Meshes and NamedShardings of every stage; `devices` are stage-major (first `tp` = stage 0)."""
+    devices = list(devices)
+    validate_parallelism(cfg, tp, pp, len(devices))
+    stages = []
+    for s, (start, end) in enumerate(stage_layer_ranges(cfg, pp)):
+        mesh = make_mesh(devices[s * tp : (s + 1) * tp])
+        specs = param_specs(cfg, first=start == 0, last=end == cfg.num_layers)
+        shardings = jax.tree.map(lambda spec, m=mesh: NamedSharding(m, spec), specs, is_leaf=lambda x: isinstance(x, P))
+        stages.append(
+            StageLayout(
+                index=s,
+                layers=(start, end),
+                mesh=mesh,
+                param_shardings=shardings,
+                kv_sharding=NamedSharding(mesh, KV_SPEC),
+                replicated=NamedSharding(mesh, P()),
+            )
+        )
+    return ParallelLayout(cfg=cfg, tp=tp, pp=pp, stages=tuple(stages))
+
+
+# ------------------------------------------------------------------------------------------
+# Stage functions (jitted once per stage with that stage's output shardings)
+# ------------------------------------------------------------------------------------------
+
+
+def _stage_prefill(
+    sp: Params, x: jax.Array, lengths: jax.Array, *, cfg: OPTConfig, first: bool, last: bool, all_logits: bool
+) -> tuple[jax.Array, KVCache]:
+    if first:
+        b, t = x.shape
+        x = opt.embed(sp, cfg, x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    x, cache = opt.run_layers_prefill(sp["layers"], cfg, x, lengths)
+    if last:
+        if not all_logits:
+            x = opt.select_last(x, lengths)
+        return opt.lm_head(sp, cfg, x), cache
+    return x, cache
+
+
+def _stage_decode(
+    sp: Params, x: jax.Array, positions: jax.Array, cache: KVCache, *, cfg: OPTConfig, first: bool, last: bool
+) -> tuple[jax.Array, KVCache]:
+    if first:
+        x = opt.embed(sp, cfg, x[:, None], positions[:, None])
+    x, cache = opt.run_layers_decode(sp["layers"], cfg, x, positions, cache)
+    if last:
+        return opt.lm_head(sp, cfg, x[:, 0]), cache
+    return x, cache
+
+
+def _stage_paged(
+    sp: Params,
+    x: jax.Array,
+    start_positions: jax.Array,
+    lengths: jax.Array,
+    cache: PagedKVCache,
+    block_tables: jax.Array,
+    *,
+    cfg: OPTConfig,
+    first: bool,
+    last: bool,
+    all_logits: bool,
+) -> tuple[jax.Array, PagedKVCache]:
+    if first:
+        t = x.shape[1]
+        positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
+        x = opt.embed(sp, cfg, x, positions)
+    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables)
+    if last:
+        if not all_logits:
+            x = opt.select_last(x, lengths)
+        return opt.lm_head(sp, cfg, x), cache
+    return x, cache
+
+
+@dataclasses.dataclass
+class ShardedOPT:
+    """OPT params placed `tp` x `pp` ways, with prefill / decode / paged-extend across the stages.
+
+    Every method returns without waiting for the devices (async dispatch). Caches are lists with
+    one entry per stage, each on that stage's mesh and split over heads.
+    """
+
+    cfg: OPTConfig
+    tp: int
+    pp: int
+    layout: ParallelLayout
+    stage_params: list[Params]
+    _fns: dict[tuple[Any, ...], Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
+
+    # ---- construction ----------------------------------------------------------------------
+    @property
+    def meshes(self) -> list[Mesh]:
+        return self.layout.meshes
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.stage_params[0]["embed_tokens"].dtype)
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        return [d for m in self.meshes for d in m.devices.flat]
+
+    @classmethod
+    def from_params(
+        cls, cfg: OPTConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
+    ) -> ShardedOPT:
+        """Place a full param tree (host numpy or jax arrays) stage by stage, shard by shard."""
+        from models.checkpoint import ParamTreeReader, place_params
+
+        layout = shardings_for(cfg, tp, pp, devices)
+        dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(params["embed_tokens"].dtype)
+        return cls(
+            cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=place_params(ParamTreeReader(params), cfg, layout, dt)
+        )
+
+    @classmethod
+    def load(
+        cls,
+        source: str | Path,
+        tp: int,
+        pp: int,
+        devices: Sequence[jax.Device],
+        dtype: Any = "float32",
+        seed: int = 0,
+    ) -> ShardedOPT:
+        """From a Hugging Face OPT dir, a jaxserve (Orbax) checkpoint dir, or a preset name (random weights)."""
+        from models import checkpoint
+
+        return checkpoint.load_sharded(source, tp=tp, pp=pp, devices=devices, dtype=dtype, seed=seed)
+
+    # ---- shardings -------------------------------------------------------------------------
+    def kv_sharding(self, stage: int) -> NamedSharding:
+        return self.layout.stages[stage].kv_sharding
+
+    def replicated(self, stage: int) -> NamedSharding:
+        return self.layout.stages[stage].replicated
+
+    def _put(self, x: Any, stage: int) -> jax.Array:
+        return jax.device_put(x, self.layout.stages[stage].replicated)
+
+    def _fn(self, kind: str, stage: int, **static: Any) -> Callable[..., Any]:
+        key = (kind, stage, *sorted(static.items()))
+        fn = self._fns.get(key)
+        if fn is None:
+            st = self.layout.stages[stage]
+            flags: dict[str, Any] = {"cfg": self.cfg, "first": st.first, "last": stage == self.pp - 1}
+            out = (st.replicated, st.kv_sharding)
+            if kind == "prefill":
+                fn = jax.jit(partial(_stage_prefill, **flags, **static), out_shardings=out)
+            elif kind == "decode":
+                fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
+            elif kind == "paged":
+                fn = jax.jit(partial(_stage_paged, **flags, **static), out_shardings=out, donate_argnums=(4,))
+            else:
+                raise ValueError(kind)
+            self._fns[key] = fn
+        return fn
+
+    # ---- forward passes ----------------------------------------------------------------------
+    def prefill(self, tokens: Any, lengths: Any, *, all_logits: bool = False) -> tuple[jax.Array, list[KVCache]]:
+        """Right-padded prompts [B,T]; logits [B,V] (or [B,T,V]) on the last stage, one KVCache per stage."""
+        x: Any = tokens
+        caches = []
+        for s in range(self.pp):
+            x, cache = self._fn("prefill", s, all_logits=all_logits)(
+                self.stage_params[s], self._put(x, s), self._put(lengths, s)
+            )
+            caches.append(cache)
+        return x, caches
+
+    def decode(self, tokens: Any, positions: Any, caches: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
+        """tokens/positions [B]; the caches are donated."""
+        x: Any = tokens
+        out = []
+        for s in range(self.pp):
+            x, cache = self._fn("decode", s)(self.stage_params[s], self._put(x, s), self._put(positions, s), caches[s])
+            out.append(cache)
+        return x, out
+
+    def extend_paged(
+        self,
+        tokens: Any,
+        start_positions: Any,
+        lengths: Any,
+        caches: list[PagedKVCache],
+        block_tables: Any,
+        *,
+        all_logits: bool = False,
+    ) -> tuple[jax.Array, list[PagedKVCache]]:
+        """Append tokens [B,T] into the paged caches (donated); see `opt.extend_paged`."""
+        x: Any = tokens
+        out = []
+        for s in range(self.pp):
+            x, cache = self._fn("paged", s, all_logits=all_logits)(
+                self.stage_params[s],
+                self._put(x, s),
+                self._put(start_positions, s),
+                self._put(lengths, s),
+                caches[s],
+                self._put(block_tables, s),
+            )
+            out.append(cache)
+        return x, out
+
+    # ---- caches ------------------------------------------------------------------------------
+    def init_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        """Zeroed block pools, one per stage, split over heads."""
+        caches = []
+        for st in self.layout.stages:
+            shape = (st.num_layers, num_blocks, block_size, self.cfg.num_heads, self.cfg.head_dim)
+            zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.kv_sharding)
+            caches.append(PagedKVCache(k=zeros(), v=zeros()))
+        return caches
+
+    def init_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """Zeroed contiguous caches `[L_stage, B, max_len, H, D]`, one per stage."""
+        caches = []
+        for st in self.layout.stages:
+            shape = (st.num_layers, batch_size, max_len, self.cfg.num_heads, self.cfg.head_dim)
+            zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.kv_sharding)
+            caches.append(KVCache(k=zeros(), v=zeros()))
+        return caches
+
+    def put_kv(self, kv: KVCache, stage: int) -> KVCache:
+        """Move a KVCache (e.g. another instance's prefill output for this stage) onto this stage's mesh."""
+        sh = self.kv_sharding(stage)
+        return KVCache(k=jax.device_put(kv.k, sh), v=jax.device_put(kv.v, sh))
