@@ -1,0 +1,154 @@
+"""The gRPC service: `jaxserve.v1.JaxServe` (Generate, GetModelInfo, GetDeployment), health, reflection.
+
+Why `grpc.aio` and not a thread-pool server: a `Generate` stream spends nearly all its
+life waiting for the next token. On an asyncio server each open stream is a coroutine
+parked on the controller's async iterator, so thousands of concurrent streams cost no
+threads, and a client cancel or an expired deadline cancels the handler's task, which
+cancels the request in the controller and frees its KV blocks at once. A thread-pool
+server would need one thread per open stream (a pool sized to the worst case, or
+streams refused when it runs out) and a separate cancel callback per call. The HTTP
+server (uvicorn) runs on the same event loop, so both protocols share one frontend.
+
+A `Generate` call's life: check the API key (metadata `authorization: Bearer KEY`) ->
+`wire.params_from_proto` (shape; unknown fields refused) -> `Frontend.prepare`
+(tokenize, controller.validate) -> `Frontend.stream`, one `GenerateResponse` per
+controller chunk; the last carries finish reason, usage and timings. Any runtime error
+becomes a status code through `status_for` (the same table the HTTP server uses).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve import wire
+from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.frontend import Frontend
+from jaxserve.plan import DeploymentPlan
+from jaxserve.proto import SERVICE_NAME
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+FIELD_METADATA_KEY = "jaxserve-field"
+RETRY_METADATA_KEY = "retry-after-s"
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The gRPC status, message and trailing metadata for a runtime error."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc}", ((FIELD_METADATA_KEY, exc.field),)
+    if isinstance(exc, OverloadedError):
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{exc} (retry after {exc.retry_after_s:g} s)",
+            ((RETRY_METADATA_KEY, f"{exc.retry_after_s:g}"),),
+        )
+    if isinstance(exc, ShuttingDownError):
+        return grpc.StatusCode.UNAVAILABLE, f"server is shutting down: {exc}", ()
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.INTERNAL, f"engine failure: {exc}", ()
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
+
+
+def bearer_ok(header: str | bytes | None, api_key: str | None) -> bool:
+    """True when no key is configured or `header` is `Bearer <key>` (constant-time comparison)."""
+    if api_key is None:
+        return True
+    if header is None:
+        return False
+    if isinstance(header, str):
+        header = header.encode("utf-8", "surrogateescape")
+    scheme, _, token = header.partition(b" ")
+    # Compare even on a wrong scheme so timing does not reveal which part was wrong.
+    same = hmac.compare_digest(token.strip(), api_key.encode())
+    return same and scheme.lower() == b"bearer"
+
+
+class JaxServeServicer(pb_grpc.JaxServeServicer):
+    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: list[str], api_key: str | None):
+        self._frontend = frontend
+        self._plan = plan
+        self._instance_names = instance_names
+        self._api_key = api_key
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._api_key is None:
+            return
+        md = {k: v for k, v in (context.invocation_metadata() or ())}
+        if not bearer_ok(md.get("authorization"), self._api_key):
+            self._frontend.metrics.observe_error("unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer KEY)")
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        code, message, trailers = status_for(exc)
+        self._frontend.metrics.observe_error(code.name.lower())
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("Generate failed", exc_info=exc)
+        context.set_trailing_metadata(trailers)
+        await context.abort(code, message)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        await self._authorize(context)
+        try:
+            params = wire.params_from_proto(request)
+            prepared = self._frontend.prepare(params)
+            async for chunk in self._frontend.stream(prepared, params.stop):
+                yield wire.chunk_to_proto(chunk)
+        except (InvalidRequestError, OverloadedError, ShuttingDownError, EngineDeadError) as e:
+            await self._abort(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # keep serving others; the client gets INTERNAL, the log the traceback
+            await self._abort(context, e)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._authorize(context)
+        return wire.model_info_to_proto(self._frontend.model_info())
+
+    async def GetDeployment(self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.Deployment:
+        await self._authorize(context)
+        return wire.deployment_to_proto(self._plan, self._instance_names)
+
+
+def build_grpc_server(
+    frontend: Frontend,
+    plan: DeploymentPlan,
+    instance_names: list[str],
+    *,
+    api_key: str | None = None,
+    max_message_bytes: int = 1 << 20,
+) -> tuple[grpc.aio.Server, Any]:
+    """An (unstarted) aio server with the service, health and reflection; returns (server, health servicer)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", 16 * max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend, plan, instance_names, api_key), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["JaxServe"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    assert names[0] == SERVICE_NAME
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, status)

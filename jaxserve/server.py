@@ -1,0 +1,235 @@
+"""One process serving a deployment: the controller, the gRPC server and the HTTP server.
+
+Both servers run on one asyncio event loop and share one `Frontend` (request path,
+metrics); the controller's instances run on their own threads. The life of a server:
+
+* `start()`: start the controller's instances, bind gRPC (insecure, or TLS when a
+  certificate is given) and HTTP (uvicorn, same TLS files), mark health SERVING, and
+  return once both accept connections (`grpc_address`, `http_address` then hold the
+  bound `HOST:PORT`; port 0 picks a free port).
+* `stop()`: mark health NOT_SERVING, shut the controller down (new requests get
+  UNAVAILABLE / 503 while in-flight ones drain for `drain_timeout_s`, then are ended
+  with finish reason "abort"), then close both servers.
+
+`run_until_signal` is the foreground form (`jaxserve serve`): it installs SIGINT and
+SIGTERM handlers on the main thread and stops cleanly on either. `ServerThread` runs
+the same server on a background thread (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import uvicorn
+
+from jaxserve.frontend import Frontend
+from jaxserve.grpc_service import build_grpc_server, set_serving
+from jaxserve.http_api import create_app
+from jaxserve.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051  # 0: any free port
+    http_port: int = 8000  # 0: any free port
+    api_key: str | None = None  # None: no authentication
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, gRPC and HTTP use TLS
+    tls_key: Path | None = None
+    max_request_bytes: int = 1 << 20  # HTTP body and gRPC message limit
+    drain_timeout_s: float = 30.0
+    model_name: str | None = None  # the name clients see; default: the model config's name
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key")
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's owner decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class JaxServeServer:
+    def __init__(self, controller: Any, config: ServerConfig | None = None) -> None:
+        self.controller = controller
+        self.config = config or ServerConfig()
+        self.frontend = Frontend(controller, model_name=self.config.model_name)
+        self.metrics: ServingMetrics = self.frontend.metrics
+        self.grpc_address = ""
+        self.http_address = ""
+        self._serving = False
+        self._grpc: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._http: _UvicornServer | None = None
+        self._http_task: asyncio.Task[None] | None = None
+
+    @property
+    def instance_names(self) -> list[str]:
+        return [inst.name for inst in self.controller.instances]
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.controller.start()
+        self._grpc, self._health = build_grpc_server(
+            self.frontend,
+            self.controller.plan,
+            self.instance_names,
+            api_key=cfg.api_key,
+            max_message_bytes=cfg.max_request_bytes,
+        )
+        target = format_address(cfg.host, cfg.grpc_port)
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            creds = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
+            grpc_port = self._grpc.add_secure_port(target, creds)
+        else:
+            grpc_port = self._grpc.add_insecure_port(target)
+        if not grpc_port:
+            raise OSError(f"cannot bind gRPC to {target}")
+        await self._grpc.start()
+        self.grpc_address = format_address(cfg.host, grpc_port)
+
+        sock = _bind(cfg.host, cfg.http_port)
+        self.http_address = format_address(cfg.host, sock.getsockname()[1])
+        app = create_app(
+            self.frontend,
+            api_key=cfg.api_key,
+            max_request_bytes=cfg.max_request_bytes,
+            is_serving=lambda: self._serving,
+        )
+        uv_config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=str(cfg.tls_cert) if cfg.tls_cert else None,
+            ssl_keyfile=str(cfg.tls_key) if cfg.tls_key else None,
+            timeout_graceful_shutdown=5,
+        )
+        self._http = _UvicornServer(uv_config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises the start-up error
+                raise OSError(f"HTTP server on {self.http_address} stopped during start-up")
+            await asyncio.sleep(0.01)
+        self._serving = True
+        await set_serving(self._health, True)
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain and stop: health NOT_SERVING, controller shutdown (drains), then both servers."""
+        drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self._serving = False
+        if self._health is not None:
+            await set_serving(self._health, False)
+        await asyncio.get_running_loop().run_in_executor(None, self.controller.shutdown, drain)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._http_task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, socktype, proto, _, address = infos[0]
+    sock = socket.socket(family, socktype, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_until_signal(
+    controller: Any, config: ServerConfig, on_ready: Callable[[JaxServeServer], None] | None = None
+) -> None:
+    """Serve in the foreground until SIGINT or SIGTERM, then drain and stop (main thread only)."""
+
+    async def main() -> None:
+        server = JaxServeServer(controller, config)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.start()
+            if on_ready is not None:
+                on_ready(server)
+            await stop.wait()
+            log.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
+        finally:
+            await server.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """A `JaxServeServer` on its own event loop in a background thread.
+
+    `with ServerThread(controller, config) as server:` starts it (returns when both
+    servers accept requests) and stops it (drain, shutdown) on exit.
+    """
+
+    def __init__(self, controller: Any, config: ServerConfig | None = None) -> None:
+        self.server = JaxServeServer(controller, config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-server", daemon=True)
+
+    @property
+    def grpc_address(self) -> str:
+        return self.server.grpc_address
+
+    @property
+    def http_address(self) -> str:
+        return self.server.http_address
+
+    @property
+    def http_url(self) -> str:
+        scheme = "https" if self.server.config.tls_cert else "http"
+        return f"{scheme}://{self.server.http_address}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=60)
+        return self
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(drain_timeout_s), self._loop).result(timeout=120)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,352 @@
+"""The one module that converts between the gRPC wire schema and jaxserve's dataclasses.
+
+Server side: a `GenerateRequest` proto becomes `CompletionParams` (protocol-neutral,
+checked for shape: exactly one prompt, no unknown fields; value ranges are checked
+later by the controller), and each `OutputChunk` of a request becomes a
+`GenerateResponse`. Client side: responses become `Chunk`s and a `Completion`.
+`ModelInfo` and the deployment plan travel both ways.
+
+Pure Python (protobuf only, no JAX), so the client library stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import unknown_fields
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.plan import DeploymentPlan
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.request import FinishReason, RequestTimings, SamplingParams
+
+_FINISH_TO_PROTO: dict[FinishReason | None, int] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+# Bounds of the wire's free-form repeated fields; beyond these the request is refused
+# before any tokenizer or model work (the gRPC message size limit caps the rest).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+# ---------------------------------------------------------------------------------------
+# Protocol-neutral request and output
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CompletionParams:
+    """What a client asked for, before tokenization and range checks.
+
+    `prompt_field` is the wire name of the prompt field the client used, so an error
+    about the prompt names what the client actually sent.
+    """
+
+    prompt_text: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    prompt_field: str = "prompt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Per-request durations in seconds (None: the phase did not happen). Server-measured."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    prefill_queue_s: float | None = None
+    prefill_s: float | None = None
+    kv_transfer_s: float | None = None
+    decode_queue_s: float | None = None
+    kv_transfer_bytes: int = 0
+    token_times_s: tuple[float, ...] = ()
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+    @property
+    def inter_token_latencies_s(self) -> tuple[float, ...]:
+        t = self.token_times_s
+        return tuple(b - a for a, b in itertools.pairwise(t))
+
+    @classmethod
+    def from_request_timings(cls, t: RequestTimings) -> Timings:
+        decode_ready_at = t.transfer_end_at if t.transfer_end_at is not None else t.prefill_end_at
+        return cls(
+            ttft_s=t.ttft_s,
+            tpot_s=t.tpot_s,
+            e2e_s=t.e2e_s,
+            prefill_queue_s=_diff(t.prefill_start_at, t.arrival_at),
+            prefill_s=_diff(t.prefill_end_at, t.prefill_start_at),
+            kv_transfer_s=t.kv_transfer_s if t.transfer_end_at is not None or t.kv_transfer_bytes else None,
+            decode_queue_s=_diff(t.decode_start_at, decode_ready_at),
+            kv_transfer_bytes=int(t.kv_transfer_bytes),
+            token_times_s=tuple(x - t.arrival_at for x in t.token_times),
+            prefill_instance=t.prefill_instance or "",
+            decode_instance=t.decode_instance or "",
+        )
+
+
+def _diff(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else end - start
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """New output of one request: token ids, their text, and on the last chunk why it ended."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    timings: Timings | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far (all chunks), final value on the last chunk
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A whole response: every token, the whole text, why it ended, and timings."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    timings: Timings | None
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
+        if not chunks:
+            raise ValueError("a completion needs at least one chunk")
+        last = chunks[-1]
+        return cls(
+            request_id=last.request_id,
+            token_ids=tuple(t for c in chunks for t in c.token_ids),
+            text="".join(c.text for c in chunks),
+            finish_reason=last.finish_reason,
+            timings=last.timings,
+            num_prompt_tokens=last.num_prompt_tokens,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a client may want to know about the served model and the request limits."""
+
+    name: str
+    vocab_size: int
+    max_position_embeddings: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    dtype: str
+    has_tokenizer: bool
+    bos_token_id: int
+    eos_token_id: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------
+def reject_unknown_fields(message: Any, path: str = "") -> None:
+    """Raise `InvalidRequestError` if the message (or a sub-message) carries fields this schema lacks."""
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        where = f"{path}." if path else ""
+        raise InvalidRequestError(
+            f"unknown field number(s) {numbers} in {message.DESCRIPTOR.name}; the client's schema is newer than "
+            "the server's",
+            field=f"{where}#{numbers[0]}",
+        )
+    for field, value in message.ListFields():
+        if field.message_type is not None:
+            values = value if field.label == field.LABEL_REPEATED else [value]
+            for v in values:
+                reject_unknown_fields(v, f"{path}.{field.name}" if path else field.name)
+
+
+def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
+    """Check the request's shape (not its value ranges) and convert it."""
+    reject_unknown_fields(req)
+    has_text = bool(req.prompt)
+    has_ids = len(req.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise InvalidRequestError("send either prompt or prompt_token_ids, not both", field="prompt")
+    if not has_text and not has_ids:
+        raise InvalidRequestError("the prompt is empty: set prompt or prompt_token_ids", field="prompt")
+    if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in req.stop):
+        raise InvalidRequestError(
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters", field="stop"
+        )
+    if any(s == "" for s in req.stop):
+        raise InvalidRequestError("stop strings must not be empty", field="stop")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", field="stop_token_ids")
+    defaults = SamplingParams()
+    sampling = SamplingParams(
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else defaults.max_tokens,
+        temperature=req.temperature if req.HasField("temperature") else defaults.temperature,
+        top_p=req.top_p if req.HasField("top_p") else defaults.top_p,
+        top_k=req.top_k if req.HasField("top_k") else defaults.top_k,
+        seed=req.seed if req.HasField("seed") else None,
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )
+    return CompletionParams(
+        prompt_text=req.prompt if has_text else None,
+        prompt_token_ids=tuple(req.prompt_token_ids) if has_ids else None,
+        sampling=sampling,
+        stop=tuple(req.stop),
+        prompt_field="prompt" if has_text else "prompt_token_ids",
+    )
+
+
+def request_to_proto(
+    *,
+    prompt: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] | str = (),
+    ignore_eos: bool = False,
+) -> pb.GenerateRequest:
+    """Build a request message (client side). Unset optional fields take the server's defaults."""
+    req = pb.GenerateRequest(
+        prompt=prompt or "",
+        prompt_token_ids=list(prompt_ids or ()),
+        stop_token_ids=list(stop_token_ids),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        ignore_eos=ignore_eos,
+    )
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if top_k is not None:
+        req.top_k = top_k
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+def timings_to_proto(t: Timings) -> pb.RequestTimings:
+    out = pb.RequestTimings(
+        kv_transfer_bytes=t.kv_transfer_bytes,
+        token_times_s=list(t.token_times_s),
+        prefill_instance=t.prefill_instance,
+        decode_instance=t.decode_instance,
+    )
+    for name in ("ttft_s", "tpot_s", "e2e_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s"):
+        value = getattr(t, name)
+        if value is not None:
+            setattr(out, name, value)
+    return out
+
+
+def timings_from_proto(m: pb.RequestTimings) -> Timings:
+    def opt(name: str) -> float | None:
+        return getattr(m, name) if m.HasField(name) else None
+
+    return Timings(
+        ttft_s=opt("ttft_s"),
+        tpot_s=opt("tpot_s"),
+        e2e_s=opt("e2e_s"),
+        prefill_queue_s=opt("prefill_queue_s"),
+        prefill_s=opt("prefill_s"),
+        kv_transfer_s=opt("kv_transfer_s"),
+        decode_queue_s=opt("decode_queue_s"),
+        kv_transfer_bytes=m.kv_transfer_bytes,
+        token_times_s=tuple(m.token_times_s),
+        prefill_instance=m.prefill_instance,
+        decode_instance=m.decode_instance,
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=list(chunk.token_ids),
+        text=chunk.text,
+        finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],  # type: ignore[arg-type]
+    )
+    if chunk.finished:
+        if chunk.timings is not None:
+            out.timings.CopyFrom(timings_to_proto(chunk.timings))
+        out.usage.prompt_tokens = chunk.num_prompt_tokens
+        out.usage.completion_tokens = chunk.num_output_tokens
+    return out
+
+
+def chunk_from_proto(m: pb.GenerateResponse, num_output_tokens_before: int = 0) -> Chunk:
+    finished = m.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return Chunk(
+        request_id=m.request_id,
+        token_ids=tuple(m.token_ids),
+        text=m.text,
+        finish_reason=_FINISH_FROM_PROTO.get(m.finish_reason, "abort"),
+        timings=timings_from_proto(m.timings) if m.HasField("timings") else None,
+        num_prompt_tokens=m.usage.prompt_tokens if finished else 0,
+        num_output_tokens=m.usage.completion_tokens if finished else num_output_tokens_before + len(m.token_ids),
+    )
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(**dataclasses.asdict(info))
+
+
+def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(**{f.name: getattr(m, f.name) for f in dataclasses.fields(ModelInfo)})
+
+
+def deployment_to_proto(plan: DeploymentPlan, instance_names: Sequence[str] = ()) -> pb.Deployment:
+    names = list(instance_names) or [f"{i.role}-{n}" for n, i in enumerate(plan.instances)]
+    return pb.Deployment(
+        kind=plan.kind,
+        spec=plan.describe(),
+        instances=[
+            pb.Instance(
+                name=name,
+                role=inst.role,
+                tp=inst.tp,
+                pp=inst.pp,
+                devices=list(inst.devices or ()),
+                chunk_size=inst.chunk_size or 0,
+            )
+            for name, inst in zip(names, plan.instances, strict=True)
+        ],
+        plan_json=plan.to_json(indent=None),
+    )
+
+
+def deployment_from_proto(m: pb.Deployment) -> DeploymentPlan:
+    return DeploymentPlan.from_json(m.plan_json)
