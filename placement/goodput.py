@@ -1,0 +1,175 @@
+"""Goodput: the highest arrival rate at which a deployment still meets its SLO attainment target.
+
+`max_rate` starts from half of a throughput bound of the deployment (`GoodputSearch.throughput_bound`,
+never exceeded), halves until a rate passes, and then bisects (geometrically) until the bracket is
+within `rel_tol`. Every probe simulates the *same* requests (one base workload drawn
+at rate 1 from the caller's seed and time-scaled with `Workload.with_rate`), so attainment is a
+deterministic function of the rate and the search is reproducible. Each probe stops as soon as its
+verdict is certain (see `placement/slo.py`). Per-device goodput divides by the deployment's devices.
+`slo_scale` finds the tightest multiple of both SLOs that a deployment still meets at a given rate
+(the paper's "SLO scale" axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxserve.plan import DeploymentPlan
+from placement.hardware import ClusterSpec
+from placement.latency import Engine, LatencyProvider, kv_capacity_tokens, pipeline_decode_round_s
+from placement.simulator import SimOptions, simulate
+from placement.slo import SloSpec
+from placement.workload import Workload, generate, get_length_distribution
+
+MIN_RATE = 1e-3  # rps; below this a deployment is reported as having no goodput
+
+
+def base_workload(lengths: str, num_requests: int, seed: int, cv: float = 1.0, max_positions: int = 2048) -> Workload:
+    """The requests every probe replays: lengths from `lengths`, arrivals drawn at rate 1."""
+    rng = np.random.default_rng(seed)
+    return generate(get_length_distribution(lengths, max_positions), 1.0, num_requests, rng, cv)
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodputSearch:
+    """Everything a goodput probe needs except the rate (picklable: it crosses process boundaries)."""
+
+    plan: DeploymentPlan
+    latency: LatencyProvider
+    cluster: ClusterSpec
+    workload: Workload
+    slo: SloSpec
+    options: SimOptions = dataclasses.field(default_factory=SimOptions)
+
+    def meets(self, rate: float) -> bool:
+        """Whether the deployment meets the attainment target at `rate`."""
+        result = simulate(self.plan, self.latency, self.cluster, self.workload.with_rate(rate), self.slo, self.options)
+        assert result.verdict is not None
+        return result.verdict
+
+    def zero_load_attainment(self) -> float:
+        """Attainment if every request ran alone on an idle deployment (an upper bound on any rate's).
+
+        Each prompt is prefilled alone on the fastest prefill-capable instance and each request decodes
+        alone (batch 1) on the fastest decode-capable one; transfers and queues are taken as free.
+        """
+        from placement.latency import pipeline_prefill_s
+        from placement.slo import attainment
+
+        w, opts = self.workload, self.options
+        engine: Engine = "coloc" if self.plan.kind == "colocated" else "dist"
+        ttft = np.full(len(w), np.inf)
+        tpot = np.full(len(w), np.inf)
+        for inst in self.plan.instances:
+            model = self.latency.instance(engine, inst.tp, inst.pp)
+            if inst.role in ("prefill", "colocated"):
+                ttft = np.minimum(ttft, [pipeline_prefill_s(model, np.array([n])) for n in w.input_lens])
+            if inst.role in ("decode", "colocated"):
+                ctx = w.input_lens + w.output_lens / 2
+                tpot = np.minimum(tpot, [pipeline_decode_round_s(model, 1, float(c)) for c in ctx])
+        if opts.mode == "decode" or not np.isfinite(ttft).any():
+            ttft = np.zeros(len(w))
+        if opts.mode == "prefill" or not np.isfinite(tpot).any():
+            tpot = np.zeros(len(w))
+        tpot = np.where(w.output_lens > 1, tpot, 0.0)
+        return attainment(ttft, tpot, self.slo)
+
+    def throughput_bound(self) -> float:
+        """An upper bound on the request rate the deployment can sustain at all, from the latency model.
+
+        Prefill: back-to-back batches of mean-length prompts (about L_m tokens each) through the
+        slowest stage. Decode: the best tokens per second over batch sizes that memory and
+        `max_decode_batch` allow. Colocated: each request costs its prefill plus its share of decode
+        rounds at that batch. A finite trace can pass at any rate once the rate is high enough that
+        it arrives as one burst, so `max_rate` never searches above this bound.
+        """
+        w, opts, cluster, cfg = self.workload, self.options, self.cluster, self.latency.cfg
+        mean_in = float(w.input_lens.mean())
+        mean_out = max(float(w.output_lens.mean()), 1.0)
+        engine: Engine = "coloc" if self.plan.kind == "colocated" else "dist"
+        prefill_rate = decode_rate = coloc_rate = 0.0
+        for inst in self.plan.instances:
+            model = self.latency.instance(engine, inst.tp, inst.pp)
+            per_batch = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
+            prefill_s = model.prefill_stage_s(per_batch * mean_in, per_batch * mean_in**2, per_batch) / per_batch
+            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.block_size
+            per_request_blocks = math.ceil((mean_in + mean_out) / opts.block_size)
+            max_batch = max(1, min(opts.max_decode_batch, int(blocks // per_request_blocks)))
+            # Best decode throughput over batch sizes (a larger batch is not always faster per token).
+            sizes = (
+                {int(b) for b in np.geomspace(1, max_batch, 24)} | {max_batch} | {b for b in (94, 95) if b <= max_batch}
+            )
+            decode_s = min(
+                pipeline_decode_round_s(model, b, b * (mean_in + mean_out / 2)) * max(mean_out - 1, 1) / b
+                for b in sizes
+            )
+            if inst.role == "prefill":
+                prefill_rate += 1 / prefill_s
+            elif inst.role == "decode":
+                decode_rate += 1 / decode_s
+            else:
+                coloc_rate += 1 / (prefill_s * inst.pp + decode_s)
+        if self.plan.kind == "colocated":
+            return coloc_rate
+        if opts.mode == "prefill":
+            return prefill_rate
+        if opts.mode == "decode":
+            return decode_rate
+        return min(prefill_rate, decode_rate)
+
+
+def max_rate(search: GoodputSearch, rel_tol: float = 0.02, max_probes: int = 40) -> float:
+    """The largest rate (within `rel_tol`) meeting the target; 0.0 when even MIN_RATE fails."""
+    bound = search.throughput_bound()
+    if bound < MIN_RATE or search.zero_load_attainment() < search.slo.attainment:
+        return 0.0
+    probes = 1
+    guess = bound / 2
+    if search.meets(guess):
+        lo, hi = guess, bound
+        if search.meets(bound):
+            return bound
+        probes += 1
+    else:
+        lo, hi = guess / 2, guess
+        while not search.meets(lo):
+            hi, lo = lo, lo / 2
+            probes += 1
+            if lo < max(MIN_RATE, bound / 256) or probes >= max_probes:
+                return 0.0  # below 0.4 % of its capacity a deployment is not worth reporting
+    while hi - lo > rel_tol * lo and probes < max_probes:
+        mid = math.sqrt(lo * hi)
+        if search.meets(mid):
+            lo = mid
+        else:
+            hi = mid
+        probes += 1
+    return lo
+
+
+def goodput(search: GoodputSearch, rel_tol: float = 0.02) -> tuple[float, float]:
+    """(goodput in rps, goodput per device)."""
+    rate = max_rate(search, rel_tol)
+    return rate, rate / search.plan.num_devices
+
+
+def slo_scale(search: GoodputSearch, rate: float, lo: float = 0.05, hi: float = 20.0, rel_tol: float = 0.02) -> float:
+    """The smallest factor s (within rel_tol) such that SLOs × s are met at `rate`; inf if not even at `hi`."""
+
+    def ok(scale: float) -> bool:
+        return dataclasses.replace(search, slo=search.slo.scaled(scale)).meets(rate)
+
+    if not ok(hi):
+        return math.inf
+    if ok(lo):
+        return lo
+    while hi - lo > rel_tol * lo:
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,395 @@
+"""Placement search: which tp × pp each phase gets, how many instances, and on which devices.
+
+* `algorithm1` (high node affinity, DistServe Algorithm 1): every feasible (tp, pp) is searched once
+  as a prefill-only instance (goodput against the TTFT SLO alone) and once as a decode-only instance
+  (against the TPOT SLO alone); the best per-device configuration of each phase is kept and
+  replicated: n = ⌈R / goodput_prefill⌉, m = ⌈R / goodput_decode⌉ for a target rate R, or, without R,
+  the counts that fill the cluster with the highest min(n·g_p, m·g_d) per device.
+* `algorithm2` (low node affinity, Algorithm 2): for each stage count pp ≤ nodes, every pair of
+  intra-node segments (tp_p, tp_d) with tp_p + tp_d ≤ devices per node is simulated *jointly* (one
+  prefill and one decode instance, stage s of both on node s, so KV moves over NVLink) against both
+  SLOs; the best per-device pair is replicated.
+* `colocated_search` ("vLLM++"): the best (tp, pp) for a colocated instance.
+* `ratio_search` (xPyD): for given prefill and decode shapes, the replica counts x:y that maximise
+  joint per-device goodput — the coupling Algorithm 1 ignores.
+
+Candidates are evaluated in worker processes (`concurrent.futures.ProcessPoolExecutor`); results are
+collected by candidate index and ties broken by enumeration order, so the answer depends only on the
+inputs and the seed, not on scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
+
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from models.config import OPTConfig
+from placement.goodput import GoodputSearch, max_rate
+from placement.hardware import ClusterSpec
+from placement.latency import Engine, LatencyProvider, fits
+from placement.simulator import SimOptions
+from placement.slo import SloSpec
+from placement.workload import Workload
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchContext:
+    """The fixed inputs of a search (picklable)."""
+
+    latency: LatencyProvider
+    cluster: ClusterSpec
+    workload: Workload
+    slo: SloSpec
+    options: SimOptions = dataclasses.field(default_factory=SimOptions)
+    rel_tol: float = 0.03
+
+    @property
+    def cfg(self) -> OPTConfig:
+        return self.latency.cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One evaluated configuration."""
+
+    kind: str  # prefill | decode (one phase alone) | disagg | colocated
+    plan: DeploymentPlan
+    goodput_rps: float
+    num_devices: int
+
+    @property
+    def per_device(self) -> float:
+        return self.goodput_rps / self.num_devices
+
+    @property
+    def instance(self) -> InstanceSpec:
+        """The instance a phase probe measured (prefill or decode kinds)."""
+        return next(i for i in self.plan.instances if i.role == self.kind)
+
+    @property
+    def label(self) -> str:
+        if self.kind in ("prefill", "decode"):
+            return f"{self.kind} {self.instance.shape}"
+        return self.plan.describe()
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The chosen plan, what it is expected to deliver, and every candidate considered."""
+
+    plan: DeploymentPlan
+    goodput_rps: float
+    candidates: tuple[Candidate, ...]
+    reason: str
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.goodput_rps / self.plan.num_devices
+
+
+# ---------------------------------------------------------------------------------------------
+# Enumeration
+# ---------------------------------------------------------------------------------------------
+def tp_degrees(cfg: OPTConfig, max_tp: int) -> list[int]:
+    """Tensor-parallel degrees that split the attention heads evenly, up to `max_tp`."""
+    return [tp for tp in range(1, max_tp + 1) if cfg.num_heads % tp == 0]
+
+
+def instance_shapes(ctx: SearchContext, engine: Engine, max_devices: int) -> list[tuple[int, int]]:
+    """Feasible (tp, pp): tp within a node, tp·pp ≤ max_devices, weights + one full sequence of KV fit."""
+    cfg, cluster = ctx.cfg, ctx.cluster
+    out = []
+    for tp in tp_degrees(cfg, cluster.devices_per_node):
+        if not ctx.latency.supports(engine, tp):
+            continue
+        for pp in range(1, min(cfg.num_layers, max_devices // tp) + 1):
+            if fits(cfg, cluster.device, tp, pp):
+                out.append((tp, pp))
+    return out
+
+
+def _map(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Callable[[int, int], None] | None
+) -> list[R]:
+    """fn over items, in worker processes when workers > 1; results in item order."""
+    results: list[R] = []
+    if workers <= 1 or len(items) <= 1:
+        for k, item in enumerate(items):
+            results.append(fn(item))
+            if progress:
+                progress(k + 1, len(items))
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for k, r in enumerate(pool.map(fn, items)):
+            results.append(r)
+            if progress:
+                progress(k + 1, len(items))
+    return results
+
+
+def _eval(job: tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]) -> Candidate:
+    ctx, kind, plan, slo, options = job
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
+    if kind in ("prefill", "decode"):
+        devices = next(i for i in plan.instances if i.role == kind).num_devices
+    else:
+        devices = plan.num_devices
+    return Candidate(kind, plan, max_rate(search, ctx.rel_tol), devices)
+
+
+def _phase_jobs(
+    ctx: SearchContext, shapes: Iterable[tuple[int, int]]
+) -> list[tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]]:
+    jobs = []
+    ttft_only = dataclasses.replace(ctx.slo, tpot_s=math.inf)
+    tpot_only = dataclasses.replace(ctx.slo, ttft_s=math.inf)
+    for tp, pp in shapes:
+        # A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips.
+        plan = DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
+        jobs.append((ctx, "prefill", plan, ttft_only, dataclasses.replace(ctx.options, mode="prefill")))
+        jobs.append((ctx, "decode", plan, tpot_only, dataclasses.replace(ctx.options, mode="decode")))
+    return jobs
+
+
+def _best(cands: Iterable[Candidate]) -> Candidate | None:
+    best = None
+    for c in cands:  # strict > keeps the first in enumeration order on ties
+        if c.goodput_rps > 0 and (best is None or c.per_device > best.per_device * (1 + 1e-9)):
+            best = c
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1
+# ---------------------------------------------------------------------------------------------
+def algorithm1(
+    ctx: SearchContext,
+    rate: float | None = None,
+    max_nodes_per_instance: int | None = None,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    cluster = ctx.cluster
+    nodes = max_nodes_per_instance or cluster.num_nodes
+    shapes = instance_shapes(ctx, "dist", nodes * cluster.devices_per_node)
+    if not shapes:
+        raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
+    cands = tuple(_map(_eval, _phase_jobs(ctx, shapes), workers, progress))
+    best_p = _best(c for c in cands if c.kind == "prefill")
+    best_d = _best(c for c in cands if c.kind == "decode")
+    if best_p is None or best_d is None:
+        raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
+    if rate is not None:
+        p_inst, d_inst = best_p.instance, best_d.instance
+        g_p, g_d = best_p.goodput_rps, best_d.goodput_rps
+        n, m = math.ceil(rate / g_p), math.ceil(rate / g_d)
+        why = f"rate {rate:g} rps needs ceil({rate:g}/{g_p:.3g}) = {n} prefill and ceil({rate:g}/{g_d:.3g}) = {m} decode instances"
+    else:
+        # No target rate: the cluster is the budget. Pick the prefill/decode shapes and counts that
+        # fit it with the highest balanced per-device goodput (no simulation, just the phase results).
+        best_fill: tuple[float, Candidate, Candidate, int, int] | None = None
+        for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
+            for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
+                fill = _fill_counts(cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices)
+                if fill is not None and (best_fill is None or fill[2] > best_fill[0] * (1 + 1e-9)):
+                    best_fill = (fill[2], cp, cd, fill[0], fill[1])
+        if best_fill is None:
+            raise PlanError(
+                f"no prefill + decode instance pair of {ctx.cfg.name} fits in {cluster.num_devices} devices"
+            )
+        _, cp, cd, n, m = best_fill
+        p_inst, d_inst, g_p, g_d = cp.instance, cd.instance, cp.goodput_rps, cd.goodput_rps
+        why = f"{n} prefill + {m} decode instances use the {cluster.num_devices} devices with the best balance"
+    plan = DeploymentPlan(tuple([p_inst] * n + [d_inst] * m), model=ctx.cfg.name)
+    goodput = min(n * g_p, m * g_d)
+    reason = (
+        f"best prefill {p_inst.shape} ({g_p / p_inst.num_devices:.3g} rps/device under TTFT), best decode "
+        f"{d_inst.shape} ({g_d / d_inst.num_devices:.3g} rps/device under TPOT); {why}"
+    )
+    return SearchResult(plan, goodput, cands, reason)
+
+
+def _fill_counts(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> tuple[int, int, float] | None:
+    """Counts n, m ≥ 1 with n·dev_p + m·dev_d ≤ total maximising min(n·g_p, m·g_d) per device, and that value."""
+    best: tuple[int, int, float] | None = None
+    for n in range(1, total // dev_p + 1):
+        for m in range(1, (total - n * dev_p) // dev_d + 1):
+            score = min(n * g_p, m * g_d) / (n * dev_p + m * dev_d)
+            if best is None or score > best[2] * (1 + 1e-9):
+                best = (n, m, score)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 2
+# ---------------------------------------------------------------------------------------------
+def algorithm2(
+    ctx: SearchContext,
+    rate: float | None = None,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    cluster = ctx.cluster
+    m_per_node = cluster.devices_per_node
+    jobs = []
+    for pp in range(1, min(cluster.num_nodes, ctx.cfg.num_layers) + 1):
+        tps = [
+            tp
+            for tp in tp_degrees(ctx.cfg, m_per_node)
+            if ctx.latency.supports("dist", tp) and fits(ctx.cfg, cluster.device, tp, pp)
+        ]
+        for tp_p in tps:
+            for tp_d in tps:
+                if tp_p + tp_d > m_per_node:
+                    continue
+                nodes = tuple(range(pp))  # stage s of both instances on node s
+                plan = DeploymentPlan(
+                    (InstanceSpec("prefill", tp_p, pp, nodes=nodes), InstanceSpec("decode", tp_d, pp, nodes=nodes)),
+                    model=ctx.cfg.name,
+                )
+                jobs.append((ctx, "disagg", plan, ctx.slo, ctx.options))
+    if not jobs:
+        raise PlanError(f"no prefill + decode segment pair of {ctx.cfg.name} fits on one {cluster.device.name} node")
+    cands = tuple(_map(_eval, jobs, workers, progress))
+    best = _best(cands)
+    if best is None:
+        raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
+    pp = best.plan.instances[0].pp
+    replicas_fit = cluster.num_nodes // pp
+    if rate is not None:
+        replicas = math.ceil(rate / best.goodput_rps)
+        why = f"rate {rate:g} rps needs ceil({rate:g}/{best.goodput_rps:.3g}) = {replicas} replicas of the pair"
+    else:
+        replicas = max(1, replicas_fit)
+        why = f"{replicas} replica(s) of the pair fit on {cluster.num_nodes} node(s)"
+    p_inst, d_inst = (dataclasses.replace(i, nodes=None) for i in best.plan.instances)
+    plan = DeploymentPlan(tuple([p_inst, d_inst] * replicas), model=ctx.cfg.name)
+    reason = (
+        f"best node-local pair prefill {p_inst.shape} + decode {d_inst.shape} (per stage on one node): "
+        f"{best.per_device:.3g} rps/device jointly; {why}"
+    )
+    return SearchResult(plan, best.goodput_rps * replicas, cands, reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# Colocated ("vLLM++") and the xPyD ratio
+# ---------------------------------------------------------------------------------------------
+def colocated_search(
+    ctx: SearchContext,
+    max_devices: int | None = None,
+    chunk_size: int | None = None,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    limit = max_devices or ctx.cluster.devices_per_node
+    shapes = instance_shapes(ctx, "coloc", limit)
+    jobs = [
+        (
+            ctx,
+            "colocated",
+            DeploymentPlan((InstanceSpec("colocated", tp, pp, chunk_size=chunk_size),), model=ctx.cfg.name),
+            ctx.slo,
+            ctx.options,
+        )
+        for tp, pp in shapes
+    ]
+    if not jobs:
+        raise PlanError(f"{ctx.cfg.name} fits no colocated tp x pp within {limit} devices")
+    cands = tuple(_map(_eval, jobs, workers, progress))
+    best = _best(cands)
+    if best is None:
+        raise PlanError("no colocated configuration meets the SLOs even at the lowest rate")
+    return SearchResult(
+        best.plan, best.goodput_rps, cands, f"best colocated shape {best.label}: {best.per_device:.3g} rps/device"
+    )
+
+
+def ratio_search(
+    ctx: SearchContext,
+    prefill: InstanceSpec,
+    decode: InstanceSpec,
+    max_devices: int,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Joint goodput of x prefill + y decode instances for every x, y with x·|P| + y·|D| ≤ max_devices."""
+    jobs = []
+    for x in range(1, max_devices // prefill.num_devices + 1):
+        for y in range(1, (max_devices - x * prefill.num_devices) // decode.num_devices + 1):
+            plan = DeploymentPlan(tuple([prefill] * x + [decode] * y), model=ctx.cfg.name)
+            jobs.append((ctx, "disagg", plan, ctx.slo, ctx.options))
+    if not jobs:
+        raise PlanError(f"{prefill.shape} + {decode.shape} need more than {max_devices} devices")
+    cands = tuple(_map(_eval, jobs, workers, progress))
+    best = _best(cands)
+    if best is None:
+        raise PlanError("no prefill:decode ratio meets the SLOs even at the lowest rate")
+    x = len(best.plan.of_role("prefill"))
+    y = len(best.plan.of_role("decode"))
+    return SearchResult(
+        best.plan, best.goodput_rps, cands, f"{x}P{y}D is the best ratio: {best.per_device:.3g} rps/device"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Device placement
+# ---------------------------------------------------------------------------------------------
+def place(plan: DeploymentPlan, cluster: ClusterSpec, pair_stages: bool = False) -> DeploymentPlan:
+    """Give every instance devices and per-stage nodes on the cluster.
+
+    Each stage's tp group stays inside one node. With `pair_stages` (Algorithm 2) the plan is a list
+    of (prefill, decode) pairs of equal pp and stage s of both goes on the same node.
+    """
+    free = {
+        n: list(range(n * cluster.devices_per_node, (n + 1) * cluster.devices_per_node))
+        for n in range(cluster.num_nodes)
+    }
+
+    def take(num: int, prefer: int | None = None) -> tuple[int, list[int]]:
+        order = ([prefer] if prefer is not None else []) + [n for n in free if n != prefer]
+        for node in order:
+            if len(free[node]) >= num:
+                got, free[node] = free[node][:num], free[node][num:]
+                return node, got
+        raise PlanError(
+            f"plan {plan.describe()} does not fit on {cluster.num_nodes} x {cluster.devices_per_node} {cluster.device.name}"
+        )
+
+    placed: list[InstanceSpec] = []
+    if pair_stages:
+        insts = list(plan.instances)
+        for a in range(0, len(insts), 2):
+            p, d = insts[a], insts[a + 1]
+            p_dev: list[int] = []
+            d_dev: list[int] = []
+            nodes: list[int] = []
+            for _ in range(p.pp):
+                node = next((n for n in free if len(free[n]) >= p.tp + d.tp and n not in nodes), None)
+                if node is None:
+                    raise PlanError(f"plan {plan.describe()} does not fit node-locally on {cluster.num_nodes} node(s)")
+                p_dev += take(p.tp, node)[1]
+                d_dev += take(d.tp, node)[1]
+                nodes.append(node)
+            placed += [
+                dataclasses.replace(p, devices=tuple(p_dev), nodes=tuple(nodes)),
+                dataclasses.replace(d, devices=tuple(d_dev), nodes=tuple(nodes)),
+            ]
+    else:
+        for inst in plan.instances:
+            devs: list[int] = []
+            nodes = []
+            prev: int | None = None
+            for _ in range(inst.pp):
+                node, got = take(inst.tp, prev)
+                devs += got
+                nodes.append(node)
+                prev = node
+            placed.append(dataclasses.replace(inst, devices=tuple(devs), nodes=tuple(nodes)))
+    return dataclasses.replace(plan, instances=tuple(placed))
