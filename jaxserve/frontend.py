@@ -20,6 +20,7 @@ The frontend is transport-free: the servers only map errors to status codes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -131,6 +132,11 @@ class Frontend:
                     yield self._finish(request, tc_.token_ids, text, reason, final, num_out)
                     return
                 yield Chunk(request.request_id, tuple(tc_.token_ids), text, num_output_tokens=num_out)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (cancel, deadline, disconnect) mid-request.
+            if not finished:
+                self.metrics.observe_finished(None, len(request.prompt_token_ids), num_out, "abort")
+            raise
         finally:
             if not finished:
                 with contextlib.suppress(Exception):

@@ -92,7 +92,7 @@ class JaxServeServer:
         self.controller.start()
         self._grpc, self._health = build_grpc_server(
             self.frontend,
-            self.controller.plan,
+            self.controller.plan.assign_devices(),
             self.instance_names,
             api_key=cfg.api_key,
             max_message_bytes=cfg.max_request_bytes,

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -21,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("ignore_eos", "max_tokens", "prompt", "prompt_token_ids", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,10 +40,10 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, prompt: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., seed: int | None = ..., stop_token_ids: _Iterable[int] | None = ..., stop: _Iterable[str] | None = ..., ignore_eos: bool | None = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("finish_reason", "request_id", "text", "timings", "token_ids", "usage")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timings", "usage")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -58,18 +56,18 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     timings: RequestTimings
     usage: Usage
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., finish_reason: FinishReason | str | None = ..., timings: RequestTimings | _Mapping | None = ..., usage: Usage | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("completion_tokens", "prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestTimings(_message.Message):
-    __slots__ = ("decode_instance", "decode_queue_s", "e2e_s", "kv_transfer_bytes", "kv_transfer_s", "prefill_instance", "prefill_queue_s", "prefill_s", "token_times_s", "tpot_s", "ttft_s")
+    __slots__ = ("ttft_s", "tpot_s", "e2e_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "kv_transfer_bytes", "token_times_s", "prefill_instance", "decode_instance")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TPOT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
@@ -92,14 +90,14 @@ class RequestTimings(_message.Message):
     token_times_s: _containers.RepeatedScalarFieldContainer[float]
     prefill_instance: str
     decode_instance: str
-    def __init__(self, ttft_s: float | None = ..., tpot_s: float | None = ..., e2e_s: float | None = ..., prefill_queue_s: float | None = ..., prefill_s: float | None = ..., kv_transfer_s: float | None = ..., decode_queue_s: float | None = ..., kv_transfer_bytes: int | None = ..., token_times_s: _Iterable[float] | None = ..., prefill_instance: str | None = ..., decode_instance: str | None = ...) -> None: ...
+    def __init__(self, ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., token_times_s: _Optional[_Iterable[float]] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("bos_token_id", "dtype", "eos_token_id", "ffn_dim", "has_tokenizer", "hidden_size", "max_position_embeddings", "max_prompt_tokens", "max_tokens_limit", "name", "num_heads", "num_layers", "vocab_size")
+    __slots__ = ("name", "vocab_size", "max_position_embeddings", "hidden_size", "num_layers", "num_heads", "ffn_dim", "dtype", "has_tokenizer", "bos_token_id", "eos_token_id", "max_prompt_tokens", "max_tokens_limit")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -126,14 +124,14 @@ class ModelInfo(_message.Message):
     eos_token_id: int
     max_prompt_tokens: int
     max_tokens_limit: int
-    def __init__(self, name: str | None = ..., vocab_size: int | None = ..., max_position_embeddings: int | None = ..., hidden_size: int | None = ..., num_layers: int | None = ..., num_heads: int | None = ..., ffn_dim: int | None = ..., dtype: str | None = ..., has_tokenizer: bool | None = ..., bos_token_id: int | None = ..., eos_token_id: int | None = ..., max_prompt_tokens: int | None = ..., max_tokens_limit: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., ffn_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ...) -> None: ...
 
 class GetDeploymentRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("chunk_size", "devices", "name", "pp", "role", "tp")
+    __slots__ = ("name", "role", "tp", "pp", "devices", "chunk_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -146,10 +144,10 @@ class Instance(_message.Message):
     pp: int
     devices: _containers.RepeatedScalarFieldContainer[int]
     chunk_size: int
-    def __init__(self, name: str | None = ..., role: str | None = ..., tp: int | None = ..., pp: int | None = ..., devices: _Iterable[int] | None = ..., chunk_size: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("instances", "kind", "plan_json", "spec")
+    __slots__ = ("kind", "spec", "instances", "plan_json")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
@@ -158,4 +156,4 @@ class Deployment(_message.Message):
     spec: str
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
     plan_json: str
-    def __init__(self, kind: str | None = ..., spec: str | None = ..., instances: _Iterable[Instance | _Mapping] | None = ..., plan_json: str | None = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., plan_json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,144 @@
+"""`jaxserve serve`: run a deployment behind the gRPC and OpenAI-compatible HTTP servers.
+
+    jaxserve serve                                   # the embedded default: DEFAULT_MODEL, DEFAULT_DEPLOYMENT
+    jaxserve serve --deployment disagg:prefill=tp2,decode=tp1 --model DIR|PRESET
+    jaxserve serve --plan plan.json --grpc-port 0 --http-port 0 --api-key KEY
+
+Logs one line per instance (role, tp x pp, devices), then prints
+`ready grpc=HOST:PORT http=HOST:PORT` on stdout once both servers accept requests.
+SIGINT/SIGTERM drain in-flight requests and stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# The embedded default. Switch DEFAULT_MODEL to the shipped trained tiny model (a
+# directory under jaxserve/assets/) once it exists; a preset name means random weights.
+DEFAULT_MODEL = "opt-tiny"
+DEFAULT_DEPLOYMENT = "disagg:prefill=tp1,decode=tp1"
+API_KEY_ENV = "JAXSERVE_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--plan", help="a plan file written by `jaxserve plan`")
+    where.add_argument(
+        "--deployment", help=f"deployment spec, e.g. disagg:prefill=tp1,decode=tp1 (default {DEFAULT_DEPLOYMENT})"
+    )
+    parser.add_argument(
+        "--model", help=f"checkpoint directory or preset name (default: the plan's, else {DEFAULT_MODEL})"
+    )
+    parser.add_argument("--served-model-name", help="the model name clients see (default: the model config's)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key", default=None, help=f"require `Authorization: Bearer KEY` (default: env {API_KEY_ENV}, else none)"
+    )
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    limits = parser.add_argument_group("runtime limits")
+    limits.add_argument("--num-kv-blocks", type=int, default=256, help="paged KV blocks per decode instance")
+    limits.add_argument("--block-size", type=int, default=16)
+    limits.add_argument("--max-decode-batch-size", type=int, default=32)
+    limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
+    limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
+    limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
+    limits.add_argument(
+        "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
+    )
+
+
+def _ensure_devices(num_devices: int) -> None:
+    """Give a CPU-only run enough virtual devices; must happen before JAX is imported."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, 1)}".strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from jaxserve.plan import DeploymentPlan, PlanError, parse_deployment
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("jaxserve.serve")
+    try:
+        if args.plan:
+            plan = DeploymentPlan.from_json(Path(args.plan).read_text())
+        else:
+            plan = parse_deployment(args.deployment or DEFAULT_DEPLOYMENT)
+        plan = plan.assign_devices()
+    except (PlanError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
+    _ensure_devices(highest + 1)
+
+    from jaxserve.controller import Controller, ControllerConfig
+    from jaxserve.deployment import place
+    from jaxserve.server import ServerConfig, run_until_signal
+
+    model = args.model or plan.model or DEFAULT_MODEL
+    config = ControllerConfig(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_decode_batch_size=args.max_decode_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_queued_requests=args.max_queued_requests,
+        max_tokens_limit=args.max_tokens_limit,
+        drain_timeout_s=args.drain_timeout,
+    )
+    try:
+        engine_factory = None
+        if args.engine == "fake":
+            from jaxserve.testing.fake_engine import fake_engine_factory
+            from models.config import get_config
+
+            engine_factory = fake_engine_factory(get_config(model))
+        controller = Controller.from_plan(model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype)
+        for name, spec, devices in place(plan):
+            log.info(
+                "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
+                name,
+                spec.role,
+                spec.tp,
+                spec.pp,
+                ", ".join(str(d) for d in devices),
+            )
+    except (PlanError, KeyError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    server_config = ServerConfig(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout_s=args.drain_timeout,
+        model_name=args.served_model_name,
+    )
+    log.info("model %s (%s), deployment %s", model, controller.model_config.name, plan.describe())
+
+    def ready(server: object) -> None:
+        print(f"ready grpc={server.grpc_address} http={server.http_address}", flush=True)  # type: ignore[attr-defined]
+
+    try:
+        run_until_signal(controller, server_config, on_ready=ready)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    log.info("stopped")
+    return 0

@@ -1,0 +1,169 @@
+"""Shared pieces of the serving tests: fake-engine controllers, servers on loopback, OpenAI's schema.
+
+Not a test module (no `test_` prefix); the serving test files import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import jax
+from pydantic import BaseModel, ConfigDict
+
+from jaxserve.controller import Controller, ControllerConfig
+from jaxserve.plan import parse_deployment
+from jaxserve.server import ServerConfig, ServerThread
+from jaxserve.testing.fake_engine import FakeEngine
+from models.config import get_config
+
+TINY = get_config("opt-tiny")
+
+
+class SlowFakeEngine(FakeEngine):
+    """The fake engine with a fixed delay per prefill and per decode step, so requests stay in flight."""
+
+    def __init__(self, *args, prefill_delay_s: float = 0.0, decode_delay_s: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_delay_s = prefill_delay_s
+        self.decode_delay_s = decode_delay_s
+
+    def prefill(self, items):  # type: ignore[no-untyped-def]
+        time.sleep(self.prefill_delay_s)
+        return super().prefill(items)
+
+    def decode_step(self, batch, pages):  # type: ignore[no-untyped-def]
+        time.sleep(self.decode_delay_s)
+        return super().decode_step(batch, pages)
+
+
+def fake_controller(
+    spec: str = "disagg:prefill=tp1,decode=tp1",
+    config: ControllerConfig | None = None,
+    *,
+    prefill_delay_s: float = 0.0,
+    decode_delay_s: float = 0.0,
+    first_device: int = 0,
+) -> Controller:
+    plan = parse_deployment(spec)
+
+    def factory(inst, devices):  # type: ignore[no-untyped-def]
+        return SlowFakeEngine(
+            TINY, devices, tp=inst.tp, pp=inst.pp, prefill_delay_s=prefill_delay_s, decode_delay_s=decode_delay_s
+        )
+
+    devices = jax.devices()[first_device : first_device + plan.num_devices]
+    return Controller.from_plan("opt-tiny", plan, devices=devices, engine_factory=factory, config=config)
+
+
+@contextlib.contextmanager
+def running_server(controller: Controller, **config: object) -> Iterator[ServerThread]:
+    """Both servers on 127.0.0.1, free ports; drained and stopped on exit."""
+    cfg = ServerConfig(grpc_port=0, http_port=0, drain_timeout_s=5.0, **config)  # type: ignore[arg-type]
+    server = ServerThread(controller, cfg).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample's value from a Prometheus text exposition (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r"^([^{\s]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if labels is None or all(got.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    return 0.0
+
+
+# ---- OpenAI's completion schema (as in openai-python's `types/completion*.py`), strict -----
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CompletionUsage(_Strict):
+    completion_tokens: int
+    prompt_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Strict):
+    finish_reason: Literal["stop", "length", "content_filter"]
+    index: int
+    logprobs: None = None
+    text: str
+    token_ids: list[int] | None = None  # jaxserve/vLLM extension, only with return_token_ids
+
+
+class Completion(_Strict):
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"]
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | None = None
+
+
+class StreamChoice(CompletionChoice):
+    finish_reason: Literal["stop", "length", "content_filter"] | None  # type: ignore[assignment]
+
+
+class CompletionChunk(Completion):
+    choices: list[StreamChoice]  # type: ignore[assignment]
+
+
+class ErrorDetail(_Strict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(_Strict):
+    error: ErrorDetail
+
+
+class Model(_Strict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Strict):
+    object: Literal["list"]
+    data: list[Model]
+
+
+def parse_sse(text: str) -> tuple[list[dict], bool]:
+    """The JSON payloads of an SSE body and whether it ended with `data: [DONE]`."""
+    import json
+
+    events = [block for block in text.split("\n\n") if block.strip()]
+    payloads: list[dict] = []
+    done = False
+    for block in events:
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        if data == "[DONE]":
+            done = True
+        else:
+            assert not done, "event after [DONE]"
+            payloads.append(json.loads(data))
+    return payloads, done
+
+
+def expected_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """The fake engine's output with ignore_eos (see jaxserve.testing.fake_engine.reference_tokens)."""
+    from jaxserve.testing.fake_engine import reference_tokens
+
+    return reference_tokens(list(prompt), max_tokens, TINY.vocab_size)
