@@ -192,6 +192,8 @@ class _Colocated:
     free_blocks: int
     chunk_size: int | None
     admitted: list[int] = dataclasses.field(default_factory=list)  # arrival order
+    # The policy's view of each request, rebuilt only when it changes (admission, prefill progress).
+    records: dict[int, ColocatedRequest] = dataclasses.field(default_factory=dict)
     waiting: deque[int] = dataclasses.field(default_factory=deque)
     waiting_tokens: int = 0
     busy: bool = False
@@ -366,6 +368,7 @@ class Simulator:
             k = choose_prefill_instance(loads)
             c = self.colocated[k]
             c.waiting.append(i)
+            c.records[i] = ColocatedRequest(str(i), int(self.input_lens[i]), int(self.output_lens[i]))
             c.waiting_tokens += int(self.input_lens[i])
             if not c.busy:
                 self._coloc_step(k)
@@ -579,9 +582,8 @@ class Simulator:
         opts = self.options
         budget = max(opts.colocated_batch_tokens, c.chunk_size or 0)
         head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
-        reqs = [self._coloc_request(i, admitted=True) for i in c.admitted] + [
-            self._coloc_request(i, admitted=False) for i in head
-        ]
+        records = c.records
+        reqs = [records[i] for i in c.admitted] + [records[i] for i in head]
         step = schedule_colocated(
             reqs,
             num_free_blocks=c.free_blocks,
@@ -598,6 +600,7 @@ class Simulator:
             assert str(i) == rid
             c.waiting_tokens -= int(self.input_lens[i])
             c.admitted.append(i)
+            c.records[i] = dataclasses.replace(c.records[i], admitted=True)
             c.free_blocks -= blocks_for(
                 kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), opts.block_size
             )
@@ -628,17 +631,13 @@ class Simulator:
             (tuple((int(ch.request_id), ch.num_tokens) for ch in step.prefill), decode_idx),
         )
 
-    def _coloc_request(self, i: int, admitted: bool) -> ColocatedRequest:
-        return ColocatedRequest(
-            str(i), int(self.input_lens[i]), int(self.output_lens[i]), int(self._prefilled[i]), admitted
-        )
-
     def _on_coloc_step_done(self, k: int, payload: tuple) -> None:
         c = self.colocated[k]
         chunks, decode_idx = payload
         done: list[int] = []
         for i, num in chunks:
             self._prefilled[i] += num
+            c.records[i] = dataclasses.replace(c.records[i], num_prefilled=int(self._prefilled[i]))
             if self._prefilled[i] >= self.input_lens[i]:
                 self.first_token_at[i] = self.decode_start_at[i] = self.now
                 self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
@@ -655,6 +654,7 @@ class Simulator:
         for i in done:
             self.finish_at[i] = self.now
             c.admitted.remove(i)
+            del c.records[i]
             c.free_blocks += blocks_for(
                 kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), self.options.block_size
             )

@@ -1,0 +1,131 @@
+"""`jaxserve plan`: search the per-phase parallelism and instance counts that maximise per-device goodput.
+
+High node affinity runs Algorithm 1 (phases searched independently), low affinity Algorithm 2 (prefill
+and decode segments of each stage on one node). Prints the candidates and the choice, or with `--json`
+the `DeploymentPlan` (devices and nodes filled in) that `jaxserve serve --plan` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from placement.context import add_common_arguments
+
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--affinity", choices=["high", "low"], default="high", help="high: Algorithm 1; low: Algorithm 2"
+    )
+    parser.add_argument("--rate", type=float, default=None, help="target request rate; default: fill the cluster")
+    parser.add_argument("--workers", type=int, default=2, help="processes evaluating candidates")
+    parser.add_argument(
+        "--compare-colocated", action="store_true", help="also search the best colocated shape (vLLM++)"
+    )
+    parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.plan import PlanError
+    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
+    from placement.latency import ProfileError
+    from placement.search import SearchContext, algorithm1, algorithm2, colocated_search, place
+
+    try:
+        latency = build_latency(args)
+        cluster = build_cluster(args, latency)
+        slo = build_slo(args, required=True)
+        assert slo is not None
+        if args.rate is not None and args.rate <= 0:
+            raise UsageError("--rate must be positive")
+        if args.workers < 1:
+            raise UsageError("--workers must be >= 1")
+        workload = build_base_workload(args, latency, 400)
+    except UsageError as e:
+        print(f"jaxserve plan: error: {e}", file=sys.stderr)
+        return 2
+
+    ctx = SearchContext(latency, cluster, workload, slo)
+    progress = None if args.no_progress else _progress_bar()
+    try:
+        if args.affinity == "high":
+            result = algorithm1(ctx, args.rate, workers=args.workers, progress=progress)
+        else:
+            result = algorithm2(ctx, args.rate, workers=args.workers, progress=progress)
+        colocated = colocated_search(ctx, workers=args.workers, progress=progress) if args.compare_colocated else None
+        plan = place(result.plan, cluster, pair_stages=args.affinity == "low")
+    except (PlanError, ProfileError) as e:
+        print(f"jaxserve plan: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if progress is not None:
+            progress.close()
+
+    import dataclasses
+
+    expected = {
+        "goodput_rps": result.goodput_rps,
+        "goodput_rps_per_device": result.goodput_per_device,
+        "ttft_slo_s": slo.ttft_s,
+        "tpot_slo_s": slo.tpot_s,
+        "attainment": slo.attainment,
+    }
+    if args.rate is not None:
+        expected["target_rate_rps"] = args.rate
+    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(plan.to_json() + "\n")
+    if args.json:
+        print(plan.to_json())
+        return 0
+
+    source = latency.profile.name if latency.profile else f"roofline of {cluster.device.name}"
+    print(
+        f"{latency.cfg.name} on {cluster.num_nodes} x {cluster.devices_per_node} {cluster.device.name}, workload {args.workload}, "
+        f"TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s at {slo.attainment:.0%} ({slo.mode}); latency from {source}"
+    )
+    print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}")
+    rows = list(result.candidates) + (list(colocated.candidates) if colocated else [])
+    for c in rows:
+        print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}")
+    print(
+        f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {result.goodput_rps:.3f} rps, {result.goodput_per_device:.3f} rps/device"
+    )
+    print(f"why: {result.reason}")
+    if colocated:
+        ratio = (
+            result.goodput_per_device / colocated.goodput_per_device
+            if colocated.goodput_per_device > 0
+            else float("inf")
+        )
+        print(
+            f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device ({ratio:.2f}x less per device)"
+        )
+    for inst in plan.instances:
+        print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
+    if args.output:
+        print(f"plan written to {args.output}")
+    return 0
+
+
+class _Progress:
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=0, desc="candidates", file=sys.stderr, leave=False, disable=None)  # off when not a tty
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar.total != total or done == 1:
+            self._bar.reset(total=total)
+        self._bar.n = done
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _progress_bar() -> _Progress:
+    return _Progress()

@@ -1,0 +1,111 @@
+"""`jaxserve simulate`: run the discrete-event simulator for one deployment over a workload.
+
+With `--rate R` it reports SLO attainment (when SLOs are given), TTFT/TPOT percentiles and the mean
+per-phase breakdown; with `--goodput` it searches the highest rate meeting the attainment target and
+reports it in total and per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from placement.context import add_common_arguments
+
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--deployment", required=True, help="colocated:tp1[,chunk=N] | disagg:prefill=GROUP,decode=GROUP | plan.json"
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--rate", type=float, help="arrival rate, requests/s")
+    mode.add_argument(
+        "--goodput", action="store_true", help="search the max rate meeting --ttft/--tpot at --attainment"
+    )
+    parser.add_argument("--max-decode-batch", type=int, default=256)
+    parser.add_argument("--trace-out", default=None, help="write the simulated workload as JSONL")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.plan import PlanError, parse_deployment
+    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
+    from placement.goodput import GoodputSearch, max_rate
+    from placement.latency import Engine, ProfileError
+    from placement.simulator import PHASES, SimOptions, simulate
+
+    try:
+        latency = build_latency(args)
+        cluster = build_cluster(args, latency)
+        slo = build_slo(args, required=bool(args.goodput))
+        if args.rate is not None and args.rate <= 0:
+            raise UsageError("--rate must be positive")
+        if args.max_decode_batch < 1:
+            raise UsageError("--max-decode-batch must be >= 1")
+        try:
+            plan = parse_deployment(args.deployment)
+            plan = plan if plan.instances[0].devices is not None else plan.assign_devices(cluster.num_devices)
+        except PlanError as e:
+            raise UsageError(str(e)) from None
+        engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
+        for inst in plan.instances:
+            if not latency.supports(engine, inst.tp):
+                raise UsageError(
+                    f"profile {args.profile} has no {engine} coefficients for {latency.cfg.name} tp{inst.tp}"
+                )
+        workload = build_base_workload(args, latency, 2000 if args.goodput else 1000)
+    except UsageError as e:
+        print(f"jaxserve simulate: error: {e}", file=sys.stderr)
+        return 2
+
+    options = SimOptions(max_decode_batch=args.max_decode_batch)
+    try:
+        if args.goodput:
+            assert slo is not None
+            rate = max_rate(GoodputSearch(plan, latency, cluster, workload, slo, options))
+            out = {
+                "deployment": plan.describe(),
+                "num_devices": plan.num_devices,
+                "goodput_rps": rate,
+                "goodput_rps_per_device": rate / plan.num_devices,
+                "ttft_slo_s": slo.ttft_s,
+                "tpot_slo_s": slo.tpot_s,
+                "attainment_target": slo.attainment,
+                "slo_mode": slo.mode,
+                "num_requests": len(workload),
+            }
+            if args.json:
+                print(json.dumps(out, indent=2))
+            else:
+                print(
+                    f"{plan.describe()} on {plan.num_devices} device(s): goodput {rate:.3f} rps = "
+                    f"{rate / plan.num_devices:.3f} rps/device (TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s, "
+                    f"{slo.mode}, {slo.attainment:.0%})"
+                )
+            return 0
+        trace = workload.with_rate(args.rate)
+        if args.trace_out:
+            trace.to_jsonl(args.trace_out)
+        result = simulate(plan, latency, cluster, trace, None, options)
+    except (ProfileError, PlanError) as e:
+        print(f"jaxserve simulate: error: {e}", file=sys.stderr)
+        return 1
+    summary = result.summary(slo)
+    summary["rate"] = args.rate
+    if args.json:
+        print(json.dumps({"deployment": plan.describe(), "num_devices": plan.num_devices, **summary}, indent=2))
+        return 0
+    print(f"{plan.describe()} on {plan.num_devices} device(s), {len(trace)} requests at {args.rate:g} rps")
+    if slo is not None:
+        print(
+            f"SLO attainment ({slo.mode}, TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s): {summary['attainment']:.1%}"
+        )
+    if result.num_finished:
+        for metric in ("ttft_s", "tpot_s"):
+            p = [summary[f"{metric}_p{q}"] for q in (50, 90, 99)]
+            print(
+                f"{metric[:4].upper()}  p50 {p[0] * 1000:8.1f} ms   p90 {p[1] * 1000:8.1f} ms   p99 {p[2] * 1000:8.1f} ms"
+            )
+        print("mean time per phase: " + ", ".join(f"{ph} {summary[f'{ph}_mean_s'] * 1000:.1f} ms" for ph in PHASES))
+    return 0
