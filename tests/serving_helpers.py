@@ -6,6 +6,7 @@ Not a test module (no `test_` prefix); the serving test files import it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,7 @@ def fake_controller(
     prefill_delay_s: float = 0.0,
     decode_delay_s: float = 0.0,
     first_device: int = 0,
+    tokenizer: object | None = None,
 ) -> Controller:
     plan = parse_deployment(spec)
 
@@ -56,7 +58,9 @@ def fake_controller(
         )
 
     devices = jax.devices()[first_device : first_device + plan.num_devices]
-    return Controller.from_plan("opt-tiny", plan, devices=devices, engine_factory=factory, config=config)
+    controller = Controller.from_plan("opt-tiny", plan, devices=devices, engine_factory=factory, config=config)
+    controller.tokenizer = tokenizer
+    return controller
 
 
 @contextlib.contextmanager
@@ -167,3 +171,32 @@ def expected_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
     from jaxserve.testing.fake_engine import reference_tokens
 
     return reference_tokens(list(prompt), max_tokens, TINY.vocab_size)
+
+
+@functools.cache
+def tiny_tokenizer():  # type: ignore[no-untyped-def]
+    """A byte-level BPE with exactly opt-tiny's 512 ids, trained in milliseconds on this package's source.
+
+    Ids 0-3 are OPT's specials (`<s>`, `<pad>`, `</s>` = BOS/EOS, `<unk>`); encoding prepends `</s>`
+    like OPT's tokenizer. Deterministic: same corpus, same merges.
+    """
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    import jaxserve
+
+    corpus = [p.read_text() for p in sorted(Path(jaxserve.__file__).parent.glob("*.py"))[:6]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY.vocab_size,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    assert tok.get_vocab_size() == TINY.vocab_size
+    return tok
