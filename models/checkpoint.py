@@ -393,6 +393,7 @@ def restore_checkpoint(
     meta = json.loads((path / JAXSERVE_MARKER).read_text())
     cfg = OPTConfig.from_hf_config(path / "config.json", name=meta.get("name"))
     dt = jnp.dtype(dtype or meta.get("dtype") or "float32")
+    cfg = cfg.with_dtype(str(dt))
     layout = shardings_for(cfg, tp, pp, devices)
     gmesh = _global_mesh(layout)
     full_shapes = opt.param_shapes(cfg)
@@ -434,7 +435,7 @@ def load_sharded(
     if path.is_dir() and (path / JAXSERVE_MARKER).exists():
         return restore_checkpoint(path, tp, pp, devices, dtype)
     if path.is_dir() and is_hf_dir(path):
-        cfg = load_hf_config(path)
+        cfg = load_hf_config(path).with_dtype(str(jnp.dtype(dtype)))
         layout = shardings_for(cfg, tp, pp, devices)
         reader = HFReader(open_hf_tensors(path), cfg, str(path))
         stage_params = place_params(reader, cfg, layout, dtype)
@@ -468,6 +469,8 @@ def load_tokenizer(directory: str | Path) -> tokenizers.Tokenizer | None:
     tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    specials = [t for t in ("<s>", "<pad>", "</s>", "<unk>") if tok.token_to_id(t) is not None]
+    tok.add_special_tokens(specials)  # already in the vocab: keeps their ids, marks them special
     bos = tok.token_to_id("</s>")
     if bos is not None:
         tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", bos)])

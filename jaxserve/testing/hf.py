@@ -68,7 +68,15 @@ def make_hf_checkpoint(
     """
     path = Path(path)
     model = make_hf_model(cfg, seed)
-    kwargs: dict[str, Any] = {"safe_serialization": safetensors}
+    if not safetensors:
+        # transformers 5 always writes safetensors; older checkpoints ship pytorch_model.bin.
+        import torch
+
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+        return path
+    kwargs: dict[str, Any] = {}
     if sharded:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         kwargs["max_shard_size"] = max(total // 4, 1024)
