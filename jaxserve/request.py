@@ -68,7 +68,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {tok!r}", field="stop_token_ids")
             if vocab_size is not None and tok >= vocab_size:
                 raise InvalidRequestError(
-                    f"stop token id {tok} is outside the vocabulary (size {vocab_size})", field="stop_token_ids"
+                    f"stop_token_ids entry {tok} is outside the vocabulary (size {vocab_size})", field="stop_token_ids"
                 )
 
 

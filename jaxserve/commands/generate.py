@@ -1,0 +1,86 @@
+"""`jaxserve generate`: offline generation for one prompt (a thin shell over `jaxserve.LLM`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_MODEL = "opt-tiny"
+DEFAULT_DEPLOYMENT = "disagg:prefill=tp1,decode=tp1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="HF OPT dir, jaxserve checkpoint dir, or preset name (random weights)"
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (needs a tokenizer; presets fall back to bytes)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 2,100,31")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment spec or plan JSON file")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+
+
+def _ensure_devices(num_devices: int) -> None:
+    """Give a CPU-only run enough virtual devices; must happen before JAX is imported."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, 1)}".strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.errors import JaxServeError
+    from jaxserve.plan import PlanError, parse_deployment
+
+    try:
+        plan = parse_deployment(args.deployment)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.prompt is None and args.prompt_ids is None:
+        print("error: give --prompt TEXT or --prompt-ids 2,100,31", file=sys.stderr)
+        return 2
+    prompt_ids: list[int] | None = None
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    _ensure_devices(plan.num_devices)
+
+    from jaxserve.llm import LLM
+    from jaxserve.request import SamplingParams
+
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        with LLM(model=args.model, deployment=plan, dtype=args.dtype) as llm:
+            out = llm.generate(prompt_ids if prompt_ids is not None else args.prompt, sampling)[0]
+            text = out.text if out.text is not None else llm.codec.decode(out.token_ids)
+    except (JaxServeError, PlanError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"token_ids": list(out.token_ids), "text": text}))
+    else:
+        print(text)
+        print(
+            f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}] token_ids={list(out.token_ids)}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,148 @@
+"""Offline generation: `LLM(model=..., deployment=...).generate(prompts, SamplingParams)`.
+
+A thin layer over the `Controller`: it places the deployment on this
+process's devices, submits every prompt (waiting and retrying when admission
+control says the queues are full), and collects each request's tokens in
+prompt order. Text prompts need a tokenizer next to the checkpoint; a model
+without one (a preset name) falls back to a byte-level stand-in, with a
+warning, so that random-weight smoke runs still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+from jaxserve.controller import Controller, ControllerConfig, RequestStream
+from jaxserve.deployment import EngineFactory
+from jaxserve.errors import OverloadedError
+from jaxserve.plan import DeploymentPlan, parse_deployment
+from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class TextCodec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class ByteCodec:
+    """UTF-8 bytes as token ids (offset past OPT's special ids); only for models without a tokenizer."""
+
+    OFFSET = 4
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 256 + self.OFFSET:
+            raise ValueError(f"vocabulary of {vocab_size} is too small for the byte fallback")
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode()]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        data = bytes(t - self.OFFSET for t in token_ids if self.OFFSET <= t < 256 + self.OFFSET)
+        return data.decode(errors="replace")
+
+
+class HFTokenizerCodec:
+    """A `tokenizers.Tokenizer` (adds OPT's BOS through its post-processor)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)  # type: ignore[attr-defined]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: FinishReason
+    timings: RequestTimings | None
+
+
+class LLM:
+    """An in-process deployment for offline generation."""
+
+    def __init__(
+        self,
+        model: str = "opt-tiny",
+        deployment: str | DeploymentPlan = "colocated:tp1",
+        *,
+        config: ControllerConfig | None = None,
+        dtype: str = "float32",
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
+        self.controller = Controller.from_plan(model, plan, engine_factory=engine_factory, config=config, dtype=dtype)
+        self.controller.start()
+        self.codec: TextCodec
+        if self.controller.tokenizer is not None:
+            self.codec = HFTokenizerCodec(self.controller.tokenizer)
+            self.has_tokenizer = True
+        else:
+            self.codec = ByteCodec(self.controller.model_config.vocab_size)
+            self.has_tokenizer = False
+
+    def encode(self, text: str) -> list[int]:
+        if not self.has_tokenizer:
+            log.warning("model has no tokenizer: encoding text as UTF-8 bytes (only useful for smoke tests)")
+        return self.codec.encode(text)
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, timeout_s: float = 600.0
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many (text or token ids); outputs in prompt order."""
+        sampling = sampling or SamplingParams()
+        batch: list[Prompt]
+        if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        token_lists = [tuple(self.encode(p)) if isinstance(p, str) else tuple(int(t) for t in p) for p in batch]
+        prefix = uuid.uuid4().hex[:8]
+        requests = [GenerateRequest(f"llm-{prefix}-{i}", ids, sampling) for i, ids in enumerate(token_lists)]
+        for r in requests:
+            self.controller.validate(r)
+        streams: list[RequestStream] = []
+        deadline = time.monotonic() + timeout_s
+        for r in requests:
+            while True:
+                try:
+                    streams.append(self.controller.submit(r))
+                    break
+                except OverloadedError as e:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(min(e.retry_after_s, 0.05))
+        outputs = []
+        for r, s in zip(requests, streams, strict=True):
+            ids, last = s.collect(timeout_s=max(deadline - time.monotonic(), 1.0))
+            assert last.finish_reason is not None
+            text = self.codec.decode(ids) if self.has_tokenizer or any(isinstance(p, str) for p in batch) else None
+            outputs.append(
+                RequestOutput(r.request_id, r.prompt_token_ids, tuple(ids), text, last.finish_reason, last.timings)
+            )
+        return outputs
+
+    def shutdown(self) -> None:
+        self.controller.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

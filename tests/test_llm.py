@@ -1,0 +1,75 @@
+"""Offline API (`jaxserve.LLM`) and `jaxserve generate` (in a fresh process, as a user runs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxserve
+from jaxserve.testing.fake_engine import fake_engine_factory, reference_tokens
+from models.config import get_config
+
+CFG = get_config("opt-tiny")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_llm_generates_for_token_id_prompts_in_order() -> None:
+    prompts = [[2, 100, 31], [2, 7], [2, 9, 9, 9, 9]]
+    with jaxserve.LLM(
+        model="opt-tiny", deployment="disagg:prefill=tp1,decode=tp2", engine_factory=fake_engine_factory(CFG)
+    ) as llm:
+        outs = llm.generate(prompts, jaxserve.SamplingParams(max_tokens=5, ignore_eos=True))
+        single = llm.generate([2, 7], jaxserve.SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [list(o.token_ids) for o in outs] == [reference_tokens(p, 5, CFG.vocab_size) for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
+    assert all(o.finish_reason == "length" and o.timings is not None for o in outs)
+    assert len(single) == 1 and list(single[0].token_ids) == reference_tokens([2, 7], 3, CFG.vocab_size)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a fresh machine sets nothing
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "jaxserve", "generate", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=180,
+    )
+
+
+def test_cli_default_model_and_deployment_work_on_a_fresh_process() -> None:
+    proc = _cli("--prompt-ids", "2,100,31", "--max-tokens", "4", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out) == {"token_ids", "text"} and len(out["token_ids"]) == 4
+    assert all(0 <= t < CFG.vocab_size for t in out["token_ids"])
+    assert "RANDOM weights" in proc.stderr  # a preset without a checkpoint says so
+
+
+@pytest.mark.slow
+def test_cli_matches_transformers_on_a_checkpoint(tmp_path: Path) -> None:
+    import torch
+
+    from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
+
+    make_hf_checkpoint(tmp_path, CFG, seed=1)
+    ref = make_hf_model(CFG, seed=1).generate(
+        torch.tensor([[2, 100, 31]]), max_new_tokens=5, min_new_tokens=5, do_sample=False, eos_token_id=None
+    )[0, 3:]
+    proc = _cli("--model", str(tmp_path), "--prompt-ids", "2,100,31", "--max-tokens", "5", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == ref.tolist()
+
+
+def test_cli_reports_bad_input() -> None:
+    proc = _cli("--prompt-ids", "2,x", "--max-tokens", "4")
+    assert proc.returncode == 2 and "--prompt-ids" in proc.stderr
+    proc = _cli("--prompt-ids", "2,3", "--deployment", "disagg:prefill=tp1")
+    assert proc.returncode == 2 and "decode" in proc.stderr

@@ -1,0 +1,101 @@
+"""Sampling: greedy, top-k, top-p, temperature, and per-request seeds independent of batch mates."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.request import RequestTimings, SamplingParams
+from jaxserve.sampling import default_seed, sample
+
+RNG = np.random.default_rng(0)
+LOGITS = jnp.asarray(RNG.normal(size=(6, 40)).astype(np.float32))
+
+
+def _draw(params: list[SamplingParams], seeds: list[int], index: int = 0, logits=LOGITS) -> list[int]:
+    return [int(x) for x in np.asarray(sample(logits, params, seeds, [index] * len(params)))]
+
+
+def test_greedy_is_argmax_and_padding_rows_are_greedy() -> None:
+    argmax = [int(x) for x in np.argmax(np.asarray(LOGITS), axis=-1)]
+    assert _draw([SamplingParams()] * 6, [0] * 6) == argmax
+    # a sampled row next to padding rows: padding rows come back greedy
+    hot = SamplingParams(temperature=1.0)
+    assert _draw([hot], [5])[1:] == argmax[1:]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    argmax = [int(x) for x in np.argmax(np.asarray(LOGITS), axis=-1)]
+    for seed in range(5):
+        assert _draw([SamplingParams(temperature=2.0, top_k=1)] * 6, [seed] * 6) == argmax
+        assert _draw([SamplingParams(temperature=2.0, top_p=1e-6)] * 6, [seed] * 6) == argmax
+
+
+def test_seeded_sampling_is_independent_of_batch_mates() -> None:
+    row = jnp.tile(LOGITS[2:3], (6, 1))
+    p = SamplingParams(temperature=1.0, seed=42)
+    alone = _draw([p], [42], logits=LOGITS[2:3])[0]
+    others = [SamplingParams(temperature=1.0, top_k=5)] * 5
+    for pos in range(6):
+        params = [*others[:pos], p, *others[pos:]]
+        seeds = [*range(100, 100 + pos), 42, *range(200, 205 - pos)]
+        assert _draw(params, seeds, logits=row)[pos] == alone
+    # different sample indices give different draws (the stream moves on)
+    draws = {int(np.asarray(sample(LOGITS[2:3], [p], [42], [i]))[0]) for i in range(20)}
+    assert len(draws) > 3
+
+
+def test_top_k_restricts_support_and_temperature_follows_softmax() -> None:
+    logits = jnp.asarray(np.array([[3.0, 2.0, 1.0, 0.0, -1.0]] * 8, dtype=np.float32))
+    counts = np.zeros(5)
+    for i in range(250):
+        for t in np.asarray(sample(logits, [SamplingParams(temperature=1.0)] * 8, list(range(8)), [i] * 8)):
+            counts[int(t)] += 1
+    expected = np.exp([3.0, 2.0, 1.0, 0.0, -1.0]) / np.sum(np.exp([3.0, 2.0, 1.0, 0.0, -1.0]))
+    np.testing.assert_allclose(counts / counts.sum(), expected, atol=0.03)
+    k2 = {
+        int(t)
+        for i in range(60)
+        for t in np.asarray(sample(logits, [SamplingParams(1, 1.0, top_k=2)] * 8, list(range(8)), [i] * 8))
+    }
+    assert k2 == {0, 1}
+    # top_p 0.8: the two most likely tokens hold 0.665 + 0.245 > 0.8, so the third never shows up
+    p8 = {
+        int(t)
+        for i in range(60)
+        for t in np.asarray(sample(logits, [SamplingParams(1, 1.0, top_p=0.8)] * 8, list(range(8)), [i] * 8))
+    }
+    assert p8 == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=101), "max_tokens"),
+        (SamplingParams(temperature=math.inf), "temperature"),
+        (SamplingParams(temperature=math.nan), "temperature"),
+        (SamplingParams(temperature=-0.5), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(seed=-1), "seed"),
+        (SamplingParams(stop_token_ids=(5, 1000)), "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(params: SamplingParams, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        params.validate(max_tokens_limit=100, vocab_size=1000)
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_valid_params_pass_and_timings_derive_latencies() -> None:
+    SamplingParams(max_tokens=100, temperature=0.7, top_p=0.9, top_k=50, seed=2**63 - 1).validate(max_tokens_limit=100)
+    assert default_seed("abc") == default_seed("abc") != default_seed("abd")
+    t = RequestTimings(arrival_at=10.0, first_token_at=10.5, token_times=[10.5, 10.7, 10.9], finished_at=11.0)
+    assert t.ttft_s == pytest.approx(0.5) and t.tpot_s == pytest.approx(0.2) and t.e2e_s == pytest.approx(1.0)
+    assert RequestTimings(arrival_at=0.0, token_times=[1.0]).tpot_s is None
