@@ -49,6 +49,7 @@ class SearchContext:
     slo: SloSpec
     options: SimOptions = dataclasses.field(default_factory=SimOptions)
     rel_tol: float = 0.03
+    max_pp: int | None = None  # limit pipeline stages per instance (None: as many as devices allow)
 
     @property
     def cfg(self) -> OPTConfig:
@@ -109,7 +110,7 @@ def instance_shapes(ctx: SearchContext, engine: Engine, max_devices: int) -> lis
     for tp in tp_degrees(cfg, cluster.devices_per_node):
         if not ctx.latency.supports(engine, tp):
             continue
-        for pp in range(1, min(cfg.num_layers, max_devices // tp) + 1):
+        for pp in range(1, min(cfg.num_layers, max_devices // tp, ctx.max_pp or cfg.num_layers) + 1):
             if fits(cfg, cluster.device, tp, pp):
                 out.append((tp, pp))
     return out
@@ -239,7 +240,7 @@ def algorithm2(
     cluster = ctx.cluster
     m_per_node = cluster.devices_per_node
     jobs = []
-    for pp in range(1, min(cluster.num_nodes, ctx.cfg.num_layers) + 1):
+    for pp in range(1, min(cluster.num_nodes, ctx.cfg.num_layers, ctx.max_pp or cluster.num_nodes) + 1):
         tps = [
             tp
             for tp in tp_degrees(ctx.cfg, m_per_node)
