@@ -1,0 +1,80 @@
+"""SLO attainment forms, the early verdict, goodput binary search and the SLO-scale search."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.plan import parse_deployment
+from models.config import get_config
+from placement.goodput import GoodputSearch, base_workload, goodput, max_rate, slo_scale
+from placement.hardware import ClusterSpec, get_device
+from placement.latency import LatencyProvider, load_profile
+from placement.simulator import SimOptions
+from placement.slo import SloSpec, VerdictTracker, attainment
+
+A100 = get_device("a100-80gb")
+LP = LatencyProvider(get_config("opt-13b", "float16"), A100, load_profile("a100-80gb-distserve"), prefill_tokens=512)
+
+
+def test_joint_and_per_metric_attainment() -> None:
+    ttft = np.array([0.1, 0.3, 0.1, 0.1])
+    tpot = np.array([0.01, 0.01, 0.05, 0.01])
+    assert attainment(ttft, tpot, SloSpec(0.2, 0.02, 0.9, "joint")) == 0.5  # requests 0 and 3
+    assert attainment(ttft, tpot, SloSpec(0.2, 0.02, 0.9, "p90")) == 0.75  # min(3/4 TTFT, 3/4 TPOT)
+    assert SloSpec(0.2, 0.02).scaled(2.0) == SloSpec(0.4, 0.04)
+    with pytest.raises(ValueError):
+        SloSpec(0.2, 0.02, 1.5)
+
+
+def test_verdict_tracker_decides_as_soon_as_certain() -> None:
+    t = VerdictTracker(10, SloSpec(1.0, 1.0, 0.8))  # need 8 of 10
+    t.record_ttft(False)  # a late first token dooms the request in joint mode
+    t.record_done(False, True)
+    assert t.verdict() is None
+    t.record_done(True, False)
+    assert t.verdict() is None
+    t.record_done(True, False)  # third miss: at most 7 can attain
+    assert t.verdict() is False
+    ok = VerdictTracker(10, SloSpec(1.0, 1.0, 0.8))
+    for _ in range(8):
+        ok.record_ttft(True)
+        ok.record_done(True, True)
+    assert ok.verdict() is True
+
+
+def test_goodput_of_one_prefill_instance_is_bounded_by_its_service_rate() -> None:
+    # Every prompt 512 tokens (service D): the instance can never sustain more than 1/D.
+    service = LP.instance("dist", 1, 1).prefill_stage_s(512, 512**2, 1)
+    w = base_workload("fixed:512:2", 1000, seed=0)
+    search = GoodputSearch(
+        parse_deployment("disagg:prefill=tp1,decode=tp1"),
+        LP,
+        ClusterSpec(A100, 1, 2),
+        w,
+        SloSpec(0.4, math.inf, 0.9),
+        SimOptions(mode="prefill"),
+    )
+    rate = max_rate(search, rel_tol=0.01)
+    assert 0.7 / service < rate <= 1 / service
+    assert search.meets(rate) and not search.meets(rate * 1.03)
+    # A tighter TTFT SLO means less goodput; one tighter than the service time means none.
+    tighter = max_rate(GoodputSearch(search.plan, LP, search.cluster, w, SloSpec(0.15, math.inf), search.options))
+    assert 0 < tighter < rate
+    none = GoodputSearch(search.plan, LP, search.cluster, w, SloSpec(service * 0.9, math.inf), search.options)
+    assert none.zero_load_attainment() == 0.0 and max_rate(none) == 0.0
+
+
+def test_goodput_per_device_and_slo_scale() -> None:
+    cluster = ClusterSpec(A100, 1, 4)
+    w = base_workload("fixed:512:64", 300, seed=1)
+    slo = SloSpec(0.4, 0.04, 0.9, "p90")
+    search = GoodputSearch(parse_deployment("disagg:prefill=2xtp1,decode=tp1"), LP, cluster, w, slo)
+    total, per_device = goodput(search)
+    assert per_device == pytest.approx(total / 3)
+    scale = slo_scale(search, rate=total / 2)
+    assert scale < 1.0  # at half its goodput the deployment meets tighter SLOs
+    assert GoodputSearch(search.plan, LP, cluster, w, slo.scaled(scale)).meets(total / 2)
+    assert not GoodputSearch(search.plan, LP, cluster, w, slo.scaled(scale * 0.9)).meets(total / 2)
