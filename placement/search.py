@@ -3,8 +3,9 @@
 * `algorithm1` (high node affinity, DistServe Algorithm 1): every feasible (tp, pp) is searched once
   as a prefill-only instance (goodput against the TTFT SLO alone) and once as a decode-only instance
   (against the TPOT SLO alone); the best per-device configuration of each phase is kept and
-  replicated: n = ⌈R / goodput_prefill⌉, m = ⌈R / goodput_decode⌉ for a target rate R, or, without R,
-  the counts that fill the cluster with the highest min(n·g_p, m·g_d) per device.
+  replicated: n = ⌈R / goodput_prefill⌉, m = ⌈R / goodput_decode⌉ for a target rate R. Without R the
+  cluster is the budget: the (prefill shape, decode shape, n, m) group with the highest
+  min(n·g_p, m·g_d) per device, copied as often as it fits.
 * `algorithm2` (low node affinity, Algorithm 2): for each stage count pp ≤ nodes, every pair of
   intra-node segments (tp_p, tp_d) with tp_p + tp_d ≤ devices per node is simulated *jointly* (one
   prefill and one decode instance, stage s of both on node s, so KV moves over NVLink) against both
@@ -207,7 +208,13 @@ def algorithm1(
             )
         _, cp, cd, n, m = best_fill
         p_inst, d_inst, g_p, g_d = cp.instance, cd.instance, cp.goodput_rps, cd.goodput_rps
-        why = f"{n} prefill + {m} decode instances use the {cluster.num_devices} devices with the best balance"
+        group = n * p_inst.num_devices + m * d_inst.num_devices
+        copies = cluster.num_devices // group
+        why = (
+            f"{n} prefill + {m} decode instances ({group} devices) balance the phases best per device; "
+            f"{copies} cop{'y' if copies == 1 else 'ies'} of that group fit in {cluster.num_devices} devices"
+        )
+        n, m = n * copies, m * copies
     plan = DeploymentPlan(tuple([p_inst] * n + [d_inst] * m), model=ctx.cfg.name)
     goodput = min(n * g_p, m * g_d)
     reason = (
