@@ -65,6 +65,9 @@ class Candidate:
     plan: DeploymentPlan
     goodput_rps: float
     num_devices: int
+    # The SLOs still held at the deployment's throughput bound: a finite trace cannot show the queue
+    # that builds there, so the true goodput is at most this (and candidates at the bound tie).
+    at_bound: bool = False
 
     @property
     def per_device(self) -> float:
@@ -143,7 +146,8 @@ def _eval(job: tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]) -
         devices = next(i for i in plan.instances if i.role == kind).num_devices
     else:
         devices = plan.num_devices
-    return Candidate(kind, plan, max_rate(search, ctx.rel_tol), devices)
+    rate = max_rate(search, ctx.rel_tol)
+    return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
 
 def _phase_jobs(

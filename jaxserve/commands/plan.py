@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}")
     rows = list(result.candidates) + (list(colocated.candidates) if colocated else [])
     for c in rows:
-        print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}")
+        mark = " *" if c.at_bound else ""
+        print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}{mark}")
+    if any(c.at_bound for c in rows):
+        print("* met the SLOs at its throughput bound (the search's ceiling); its true goodput is at most this")
     print(
         f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {result.goodput_rps:.3f} rps, {result.goodput_per_device:.3f} rps/device"
     )
