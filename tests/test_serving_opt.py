@@ -1,0 +1,105 @@
+"""The real tiny Flax OPT (preset `opt-tiny`, random weights) behind the servers, and `jaxserve serve` itself.
+
+The served tokens must equal offline `LLM.generate` on a colocated deployment: the same
+model reached through the disaggregated runtime (prefill tp2, decode tp1), the KV
+transfer, the gRPC/HTTP servers and the client.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import pytest
+from serving_helpers import running_server
+
+from jaxserve.client import Client
+from jaxserve.controller import Controller
+from jaxserve.llm import LLM
+from jaxserve.plan import parse_deployment
+from jaxserve.request import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[2, 100, 31, 7], [2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 400]]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(model="opt-tiny", deployment="colocated:tp1")
+    yield llm
+    llm.controller.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    plan = parse_deployment("disagg:prefill=tp2,decode=tp1")
+    controller = Controller.from_plan("opt-tiny", plan, devices=jax.devices()[2:5])
+    with running_server(controller) as s:
+        yield s
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "seed": 1234}])
+def test_grpc_stream_equals_offline_generate(offline, server, sampling):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **sampling)
+    reference = [list(out.token_ids) for out in offline.generate(PROMPTS, params)]
+    with Client(server.grpc_address, timeout_s=120) as client:
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            chunks = list(client.stream(prompt_ids=prompt, max_tokens=12, ignore_eos=True, **sampling))
+            assert [t for c in chunks for t in c.token_ids] == expected
+            assert chunks[-1].finish_reason == "length"
+            timings = chunks[-1].timings
+            assert timings is not None and timings.kv_transfer_bytes > 0
+            assert timings.prefill_instance == "prefill-0" and timings.decode_instance == "decode-0"
+
+
+def test_http_completion_equals_offline_generate(offline, server):
+    (expected,) = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=10, ignore_eos=True))
+    r = httpx.post(
+        f"{server.http_url}/v1/completions",
+        json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == list(expected.token_ids)
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14}
+
+
+def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command must set the device count itself
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the ready line (or EOF if the server died)
+        m = re.fullmatch(r"ready grpc=(127\.0\.0\.1:\d+) http=(127\.0\.0\.1:\d+)\n", line)
+        assert m, f"unexpected first line {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+        grpc_address, http_address = m.groups()
+        with Client(grpc_address, timeout_s=120) as client:
+            result = client.generate(prompt_ids=[2, 100, 31], max_tokens=5, ignore_eos=True)
+            assert len(result.token_ids) == 5 and result.finish_reason == "length"
+            assert client.deployment().describe() == "disagg:prefill=tp1,decode=tp1"
+        r = httpx.post(f"http://{http_address}/v1/completions", json={"prompt": [2, 100], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - start < 30
+        stderr = proc.stderr.read() if proc.stderr else ""
+        assert re.search(r"instance prefill-0: role=prefill tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
+        assert re.search(r"instance decode-0: role=decode tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
