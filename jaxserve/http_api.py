@@ -16,6 +16,8 @@ request path itself is `jaxserve.frontend`, shared with gRPC.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import time
@@ -257,13 +259,41 @@ def create_app(
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = _sse_events(first, chunks, model_name, created, include_usage, body.return_token_ids)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collected = [first]
-        if not first.finished:
-            async for chunk in chunks:
-                collected.append(chunk)
+        collected = await _collect_unless_disconnected(first, chunks, request)
+        if collected is None:  # the client left; its request was cancelled and its blocks freed
+            return Response(status_code=499)
         return JSONResponse(_completion_body(collected, model_name, created, body.return_token_ids))
 
     return BodySizeLimit(app, max_request_bytes)
+
+
+async def _collect_unless_disconnected(
+    first: Chunk, rest: AsyncGenerator[Chunk, None], request: Request, poll_s: float = 0.25
+) -> list[Chunk] | None:
+    """All chunks of a non-streaming request; None (request cancelled) if the client disconnects first."""
+    collected = [first]
+    if first.finished:
+        return collected
+
+    async def drain() -> None:
+        async for chunk in rest:
+            collected.append(chunk)
+
+    task = asyncio.create_task(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                task.result()
+                return collected
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await rest.aclose()
 
 
 def _finish_reason(chunk: Chunk) -> str | None:
