@@ -230,49 +230,57 @@ class AppendixModel:
     link_bandwidth: float  # bytes/s for all-reduce inside the tp group
     stage_link_bandwidth: float  # bytes/s between adjacent stages
     link_latency_s: float = 10e-6
+    _layers: int = dataclasses.field(init=False, repr=False, compare=False)
+    _weights: float = dataclasses.field(init=False, repr=False, compare=False)
+    _ar_per_token: float = dataclasses.field(init=False, repr=False, compare=False)
+    _ar_fixed: float = dataclasses.field(init=False, repr=False, compare=False)
+    _attn_prefill: float = dataclasses.field(init=False, repr=False, compare=False)
+    _attn_decode: float = dataclasses.field(init=False, repr=False, compare=False)
+    _lm_head: float = dataclasses.field(init=False, repr=False, compare=False)
+    _decode_overhead: float = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def _layers(self) -> int:
-        return math.ceil(self.cfg.num_layers / self.pp)
+    def __post_init__(self) -> None:
+        # Per-instance constants, computed once: the simulator calls the stage functions per step.
+        c, cfg, tp = self.coeffs, self.cfg, self.tp
+        layers = math.ceil(cfg.num_layers / self.pp)
+        weights = layer_gemm_macs(cfg, tp, 1)  # = weight elements of one layer shard
+        per_byte = c.allreduce_s_per_byte or 1.0 / self.link_bandwidth
+        ar_per_token = allreduce_bytes_per_device(cfg, tp, 1) * per_byte  # one all-reduce, one token
+        ar_fixed = 2 * (tp - 1) * self.link_latency_s if tp > 1 else 0.0
+        object.__setattr__(self, "_layers", layers)
+        object.__setattr__(self, "_weights", weights)
+        object.__setattr__(self, "_ar_per_token", ar_per_token)
+        object.__setattr__(self, "_ar_fixed", ar_fixed)
+        object.__setattr__(self, "_attn_prefill", c.C2 * 3 * (cfg.hidden_size / tp) / c.block_size)
+        object.__setattr__(self, "_attn_decode", layers * c.C5 * 3 * (cfg.hidden_size / tp))
+        object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
+        object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
 
-    def _allreduce_s(self, num_tokens: int) -> float:
-        if self.tp == 1:
-            return 0.0
-        nbytes = allreduce_bytes_per_device(self.cfg, self.tp, num_tokens)
-        per_byte = self.coeffs.allreduce_s_per_byte or 1.0 / self.link_bandwidth
-        return nbytes * per_byte + 2 * (self.tp - 1) * self.link_latency_s
-
-    def _lm_head_macs(self, batch: int) -> float:
-        return batch * self.cfg.vocab_size * self.cfg.embed_dim / self.tp / self.pp
+    def _allreduce_s(self, num_tokens: float) -> float:
+        return 2 * (self._ar_per_token * num_tokens + self._ar_fixed)  # two all-reduces a layer
 
     def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
-        return self._prefill(num_tokens, sum_sq, batch)
-
-    def _prefill(self, t: float, t2: float, batch: int) -> float:
-        c, h = self.coeffs, self.cfg.hidden_size
-        per_layer = c.C1 * layer_gemm_macs(self.cfg, self.tp, 1) * t + c.C2 * 3 * (h / self.tp) * t2 / c.block_size
-        ar = 2 * self._allreduce_s(int(t))
-        return self._layers * (per_layer + ar) + c.C1 * self._lm_head_macs(batch) + c.C3 / self.pp
+        c = self.coeffs
+        per_layer = c.C1 * self._weights * num_tokens + self._attn_prefill * sum_sq + self._allreduce_s(num_tokens)
+        return self._layers * per_layer + c.C1 * self._lm_head * batch + c.C3 / self.pp
 
     def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
-        ctx = ctx_sum
-        c, h = self.coeffs, self.cfg.hidden_size
-        gemm = max(
-            c.C4 * layer_weight_bytes(self.cfg, self.tp) / self.cfg.dtype_bytes,
-            c.C1 * layer_gemm_macs(self.cfg, self.tp, batch),
+        c = self.coeffs
+        gemm = max(c.C4, c.C1 * batch) * self._weights
+        lm_head = max(c.C4, c.C1 * batch) * self._lm_head
+        return (
+            self._layers * (gemm + self._allreduce_s(batch))
+            + self._attn_decode * ctx_sum
+            + lm_head
+            + self._decode_overhead
         )
-        attn = c.C5 * 3 * (h / self.tp) * ctx
-        lm_head = max(c.C4 * self._lm_head_macs(1), c.C1 * self._lm_head_macs(batch))
-        overhead = c.C3 if c.C6 is None else c.C6
-        return self._layers * (gemm + attn + 2 * self._allreduce_s(batch)) + lm_head + overhead / self.pp
 
     def chunk_stage_s(
         self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
     ) -> float:
         # Decodes ride along as one token each in the GEMMs; their attention reads their cached context.
-        c, h = self.coeffs, self.cfg.hidden_size
-        attn_decode = self._layers * c.C5 * 3 * (h / self.tp) * decode_ctx_sum
-        return self._prefill(num_tokens + decode_batch, sum_sq, batch + decode_batch) + attn_decode
+        attn_decode = self._attn_decode * decode_ctx_sum
+        return self.prefill_stage_s(num_tokens + decode_batch, sum_sq, batch + decode_batch) + attn_decode
 
     def send_s(self, num_tokens: int) -> float:
         return (

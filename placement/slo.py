@@ -68,12 +68,15 @@ class VerdictTracker:
         # joint: one counter pair; p90: one pair per metric.
         self.good = [0, 0]
         self.bad = [0, 0]
+        self._verdict: bool | None = None
+        self._update()  # a target of 0 requests is met at once
 
     def record_ttft(self, ok: bool) -> None:
         if self.slo.mode == "p90":
             self._count(0, ok)
         elif not ok:
             self.bad[0] += 1
+            self._update()
 
     def record_done(self, ttft_ok: bool, tpot_ok: bool) -> None:
         """A finished request: joint mode counts it once; p90 counts its TPOT (TTFT came at first token)."""
@@ -87,12 +90,15 @@ class VerdictTracker:
             self.good[metric] += 1
         else:
             self.bad[metric] += 1
+        self._update()
+
+    def _update(self) -> None:
+        metrics = (0, 1) if self.slo.mode == "p90" else (0,)
+        if any(self.bad[m] > self.allowed_misses for m in metrics):
+            self._verdict = False
+        elif all(self.good[m] >= self.need for m in metrics):
+            self._verdict = True
 
     def verdict(self) -> bool | None:
         """True/False once certain, None while open."""
-        metrics = (0, 1) if self.slo.mode == "p90" else (0,)
-        if any(self.bad[m] > self.allowed_misses for m in metrics):
-            return False
-        if all(self.good[m] >= self.need for m in metrics):
-            return True
-        return None
+        return self._verdict
