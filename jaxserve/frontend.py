@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.metrics import InstanceStats, ServingMetrics
 from jaxserve.request import GenerateRequest, TokenChunk
 from jaxserve.wire import Chunk, CompletionParams, ModelInfo, Timings
@@ -164,6 +164,19 @@ class Frontend:
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_out,
         )
+
+
+def error_kind(exc: BaseException) -> str:
+    """The `kind` label of `jaxserve:request_errors_total` for a runtime error."""
+    if isinstance(exc, InvalidRequestError):
+        return "invalid_argument"
+    if isinstance(exc, OverloadedError):
+        return "overloaded"
+    if isinstance(exc, ShuttingDownError):
+        return "shutting_down"
+    if isinstance(exc, EngineDeadError):
+        return "engine_dead"
+    return "internal"
 
 
 def _frontend_timings(arrival_at: float, token_times: list[float]) -> Timings:

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve import wire
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.frontend import Frontend
+from jaxserve.frontend import Frontend, error_kind
 from jaxserve.plan import DeploymentPlan
 from jaxserve.proto import SERVICE_NAME
 from jaxserve.proto import jaxserve_pb2 as pb
@@ -89,7 +89,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         code, message, trailers = status_for(exc)
-        self._frontend.metrics.observe_error(code.name.lower())
+        self._frontend.metrics.observe_error(error_kind(exc))
         if code == grpc.StatusCode.INTERNAL:
             log.error("Generate failed", exc_info=exc)
         context.set_trailing_metadata(trailers)

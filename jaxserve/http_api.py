@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.frontend import Frontend
+from jaxserve.frontend import Frontend, error_kind
 from jaxserve.grpc_service import bearer_ok
 from jaxserve.request import SamplingParams
 from jaxserve.wire import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Chunk, CompletionParams
@@ -78,7 +78,6 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
-        self.kind = code or type_
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
         self.headers: dict[str, str] = {}
 
@@ -231,6 +230,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         authorize(request)
         if body.model is not None and body.model != model_name:
+            frontend.metrics.observe_error("model_not_found")
             raise APIError(
                 404,
                 f"the model {body.model!r} does not exist; this server serves {model_name!r}",
@@ -251,9 +251,8 @@ def create_app(
         except BaseException as e:
             await chunks.aclose()
             if isinstance(e, Exception):
-                err = _error_for(e)
-                frontend.metrics.observe_error(err.kind)
-                raise err from None
+                frontend.metrics.observe_error(error_kind(e))
+                raise _error_for(e) from None
             raise
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
