@@ -1,0 +1,249 @@
+"""The bench against scripted servers on loopback whose token times are known by construction.
+
+A real `grpc.aio` server (the jaxserve service schema) and a raw HTTP/SSE server stream each request's
+tokens on a schedule computed from the request itself: the first token `FIRST_S + PER_PROMPT_TOKEN_S
+× prompt length` after the call arrives, then one chunk every `GAP_S`, the third chunk carrying two
+tokens. The bench's TTFT/TPOT/ITL/E2E must come out as that schedule says (within loopback and timer
+slack), its token counts exactly, and its SLO attainment must count exactly the requests the schedule
+puts inside the SLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxserve.bench import loadgen
+from jaxserve.bench.records import RequestRecord, attainment, summarize, tightest_slo_scale
+from jaxserve.bench.sweep import sweep_rates
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+from placement.slo import SloSpec
+from placement.workload import Workload
+
+FIRST_S = 0.08
+PER_PROMPT_TOKEN_S = 0.002
+GAP_S = 0.03
+SLACK_S = 0.025  # loopback + event-loop scheduling on a busy 2-core machine
+
+
+def chunks_for(max_tokens: int) -> list[int]:
+    """Tokens per chunk: all single tokens except the third chunk, which carries two."""
+    sizes: list[int] = []
+    left = max_tokens
+    while left:
+        n = 2 if len(sizes) == 2 and left >= 2 else 1
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+def expected(input_len: int, output_len: int) -> tuple[float, float, int]:
+    """(TTFT, E2E, number of chunks) the script produces for a request."""
+    ttft = FIRST_S + PER_PROMPT_TOKEN_S * input_len
+    n_chunks = len(chunks_for(output_len))
+    return ttft, ttft + GAP_S * (n_chunks - 1), n_chunks
+
+
+class ScriptedServicer(pb_grpc.JaxServeServicer):
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        self.requests.append(request)
+        sizes = chunks_for(int(request.max_tokens))
+        await asyncio.sleep(FIRST_S + PER_PROMPT_TOKEN_S * len(request.prompt_token_ids))
+        sent = 0
+        for k, n in enumerate(sizes):
+            if k:
+                await asyncio.sleep(GAP_S)
+            last = k == len(sizes) - 1
+            yield pb.GenerateResponse(
+                request_id="r",
+                token_ids=list(range(sent + 10, sent + 10 + n)),
+                finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
+                usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=sent + n)
+                if last
+                else None,
+            )
+            sent += n
+
+    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ModelInfo(name="scripted", vocab_size=100, max_position_embeddings=256)
+
+    async def GetDeployment(self, request, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no deployment here")
+
+
+async def _sse_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    body = json.loads(await reader.readexactly(length))
+    assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0.0
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(FIRST_S + PER_PROMPT_TOKEN_S * len(body["prompt"]))
+    sizes = chunks_for(body["max_tokens"])
+    for k, n in enumerate(sizes):
+        if k:
+            await asyncio.sleep(GAP_S)
+        choice = {"index": 0, "text": "x" * n, "token_ids": list(range(n)), "finish_reason": None}
+        if k == len(sizes) - 1:
+            choice["finish_reason"] = "length"
+        writer.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+        await writer.drain()
+    writer.write(b"data: [DONE]\n\n")
+    await writer.drain()
+    writer.close()
+
+
+def _workload() -> Workload:
+    # Open loop: each request takes ≥ 0.2 s, yet they leave 0.04 s apart.
+    return Workload(
+        arrival_at=np.array([1.0, 1.04, 1.08, 1.12, 1.16, 1.20]),
+        input_lens=np.array([10, 40, 10, 60, 25, 5]),
+        output_lens=np.array([6, 4, 1, 5, 8, 3]),
+        rate=25.0,
+    )
+
+
+async def _grpc_run(max_concurrency: int | None) -> tuple[loadgen.BenchRun, ScriptedServicer]:
+    servicer = ScriptedServicer()
+    server = grpc.aio.server()
+    pb_grpc.add_JaxServeServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        target = loadgen.Target(f"127.0.0.1:{port}")
+        info = await loadgen.probe_server(target)
+        assert info.vocab_size == 100 and info.max_positions == 256 and info.deployment is None
+        run = await loadgen.run_workload(
+            _workload(), target, vocab_size=info.vocab_size or 0, seed=3, max_concurrency=max_concurrency
+        )
+    finally:
+        await server.stop(None)
+    return run, servicer
+
+
+async def _http_run() -> loadgen.BenchRun:
+    server = await asyncio.start_server(_sse_handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        return await loadgen.run_workload(
+            _workload(), loadgen.Target(f"127.0.0.1:{port}", http=True), vocab_size=100, seed=3
+        )
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _check_against_script(records: list[RequestRecord], w: Workload) -> None:
+    for rec, n_in, n_out in zip(records, w.input_lens, w.output_lens, strict=True):
+        ttft, e2e, n_chunks = expected(int(n_in), int(n_out))
+        assert rec.ok, rec.error
+        assert rec.num_output_tokens == n_out
+        assert rec.chunk_tokens == chunks_for(int(n_out))
+        assert len(rec.itl_s) == n_chunks - 1
+        assert rec.ttft_s == pytest.approx(ttft, abs=SLACK_S)
+        assert rec.e2e_s == pytest.approx(e2e, abs=2 * SLACK_S)
+        for gap in rec.itl_s:
+            assert gap == pytest.approx(GAP_S, abs=SLACK_S)
+        if n_out > 1:
+            assert rec.tpot_s == pytest.approx((rec.e2e_s - rec.ttft_s) / (n_out - 1))
+            assert rec.tpot_s == pytest.approx(GAP_S * (n_chunks - 1) / (n_out - 1), abs=SLACK_S)
+        else:
+            assert rec.tpot_s == 0.0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_bench_numbers_match_scripted_token_times(protocol: str) -> None:
+    w = _workload()
+    if protocol == "grpc":
+        run, servicer = asyncio.run(_grpc_run(None))
+        # What the server was asked: the workload's lengths, greedy, ignore_eos, ids in the vocabulary.
+        by_len = sorted((len(r.prompt_token_ids), r.max_tokens) for r in servicer.requests)
+        assert by_len == sorted(zip(w.input_lens.tolist(), w.output_lens.tolist(), strict=True))
+        assert all(r.ignore_eos and r.temperature == 0.0 for r in servicer.requests)
+        assert all(4 <= t < 100 for r in servicer.requests for t in r.prompt_token_ids)
+    else:
+        run = asyncio.run(_http_run())
+    records = run.records
+    _check_against_script(records, w)
+    # Open loop: requests left on schedule although each takes longer than the gap between them.
+    for rec in records:
+        assert rec.sent_at == pytest.approx(rec.scheduled_at, abs=SLACK_S)
+    assert records[1].sent_at < records[0].finished_at
+
+    # SLOs chosen from the script: TTFT <= 0.15 s excludes the prompts of 40 and 60 tokens
+    # (0.16 s, 0.20 s); TPOT <= 0.029 s excludes the one with no two-token chunk among >1 tokens
+    # (output 3: chunks 1,1,1 → 0.03 s; the others average below 0.03 thanks to the 2-token chunk).
+    slo = SloSpec(ttft_s=0.15, tpot_s=0.0295)
+    ttft_exp = [expected(int(i), int(o))[0] for i, o in zip(w.input_lens, w.output_lens, strict=True)]
+    tpot_exp = [0.0 if o == 1 else GAP_S * (len(chunks_for(int(o))) - 1) / (o - 1) for o in w.output_lens.tolist()]
+    good = [t <= 0.15 and p <= 0.0295 for t, p in zip(ttft_exp, tpot_exp, strict=True)]
+    assert good == [True, False, True, False, True, False]
+    assert attainment(records, slo) == pytest.approx(3 / 6)
+    summary = summarize(records, slo)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == int(w.output_lens.sum())
+    assert summary["request_goodput"] == pytest.approx(3 / summary["duration_s"])
+    assert summary["ttft_s"]["median"] == pytest.approx(float(np.median(ttft_exp)), abs=SLACK_S)
+
+
+def test_max_concurrency_holds_requests_back() -> None:
+    run, _ = asyncio.run(_grpc_run(1))
+    recs = sorted(run.records, key=lambda r: r.sent_at)
+    for a, b in itertools.pairwise(recs):
+        assert b.sent_at >= a.finished_at - 1e-3
+    # The clock of a held-back request starts when it is sent, so TTFT still matches the script.
+    _check_against_script(sorted(run.records, key=lambda r: r.index), _workload())
+
+
+def test_failed_requests_are_misses() -> None:
+    ok = RequestRecord(0, 8, 3, 0.0, sent_at=0.0, chunk_at=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1], finished_at=0.3)
+    bad = RequestRecord(1, 8, 3, 0.0, sent_at=0.0, error="RESOURCE_EXHAUSTED: overloaded")
+    slo = SloSpec(1.0, 1.0)
+    assert attainment([ok, bad], slo) == 0.5
+    assert math.isnan(bad.ttft_s) and bad.itl_s == []
+    assert summarize([ok, bad], slo)["failed"] == 1
+    assert RequestRecord.from_dict(json.loads(json.dumps(ok.to_dict()))) == ok
+
+
+def test_tightest_slo_scale_is_exact() -> None:
+    # Per-request scales max(TTFT/1, TPOT/0.1): 0.5, 2.0, 1.0, 3.0 -> 75 % needs 3 requests -> 2.0.
+    recs = []
+    for i, (ttft, tpot) in enumerate([(0.5, 0.02), (0.4, 0.2), (1.0, 0.05), (3.0, 0.01)]):
+        recs.append(
+            RequestRecord(
+                i, 4, 2, 0.0, sent_at=0.0, chunk_at=[ttft, ttft + tpot], chunk_tokens=[1, 1], finished_at=ttft + tpot
+            )
+        )
+    slo = SloSpec(1.0, 0.1, attainment=0.75)
+    scale = tightest_slo_scale(recs, slo)
+    assert scale == pytest.approx(2.0)
+    assert attainment(recs, slo.scaled(scale)) >= 0.75 > attainment(recs, slo.scaled(scale * 0.999))
+
+
+def test_sweep_rates_brackets_and_bisects() -> None:
+    calls: list[float] = []
+
+    def measure(rate: float) -> float:  # a server whose attainment falls off past 3.3 rps
+        calls.append(rate)
+        return 1.0 if rate <= 3.3 else 0.5
+
+    result = sweep_rates(measure, 1.0, 0.9, rel_tol=0.05, max_probes=20)
+    assert 3.3 / 1.05 <= result.goodput <= 3.3 < result.upper <= result.goodput * 1.05
+    assert calls[:3] == [1.0, 2.0, 4.0]
+    down = sweep_rates(measure, 10.0, 0.9, rel_tol=0.05, max_probes=20)
+    assert [p.rate for p in down.probes][:3] == [10.0, 5.0, 2.5]
+    assert down.goodput == pytest.approx(result.goodput, rel=0.06)
+    none = sweep_rates(lambda r: 0.0, 1.0, 0.9, max_probes=4)
+    assert none.goodput == 0.0 and len(none.probes) == 4
