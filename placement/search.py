@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
@@ -131,7 +133,9 @@ def _map(
             if progress:
                 progress(k + 1, len(items))
         return results
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
+    context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         for k, r in enumerate(pool.map(fn, items)):
             results.append(r)
             if progress:
@@ -274,13 +278,14 @@ def algorithm2(
     if best is None:
         raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
     pp = best.plan.instances[0].pp
-    replicas_fit = cluster.num_nodes // pp
+    p_tp, d_tp = best.plan.instances[0].tp, best.plan.instances[1].tp
+    replicas_fit = (cluster.num_nodes // pp) * (m_per_node // (p_tp + d_tp))  # pairs per node x node groups
     if rate is not None:
         replicas = math.ceil(rate / best.goodput_rps)
         why = f"rate {rate:g} rps needs ceil({rate:g}/{best.goodput_rps:.3g}) = {replicas} replicas of the pair"
     else:
         replicas = max(1, replicas_fit)
-        why = f"{replicas} replica(s) of the pair fit on {cluster.num_nodes} node(s)"
+        why = f"{replicas} replica(s) of the pair fit on {cluster.num_nodes} node(s) of {m_per_node} devices"
     p_inst, d_inst = (dataclasses.replace(i, nodes=None) for i in best.plan.instances)
     plan = DeploymentPlan(tuple([p_inst, d_inst] * replicas), model=ctx.cfg.name)
     reason = (

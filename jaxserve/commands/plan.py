@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-colocated", action="store_true", help="also search the best colocated shape (vLLM++)"
     )
+    parser.add_argument(
+        "--ratio-devices",
+        type=int,
+        default=0,
+        help="also search the prefill:decode replica ratio (xPyD) of the chosen shapes within N devices, jointly simulated",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -38,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import ProfileError
-    from placement.search import SearchContext, algorithm1, algorithm2, colocated_search, place
+    from placement.search import SearchContext, algorithm1, algorithm2, colocated_search, place, ratio_search
 
     try:
         latency = build_latency(args)
@@ -49,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--rate must be positive")
         if args.workers < 1:
             raise UsageError("--workers must be >= 1")
+        if args.ratio_devices < 0:
+            raise UsageError("--ratio-devices must be >= 0")
         if args.max_pp is not None and args.max_pp < 1:
             raise UsageError("--max-pp must be >= 1")
         workload = build_base_workload(args, latency, 400)
@@ -64,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = algorithm2(ctx, args.rate, workers=args.workers, progress=progress)
         colocated = colocated_search(ctx, workers=args.workers, progress=progress) if args.compare_colocated else None
+        ratio = None
+        if args.ratio_devices:
+            shapes = (result.plan.of_role("prefill")[0], result.plan.of_role("decode")[0])
+            ratio = ratio_search(ctx, *shapes, max_devices=args.ratio_devices, workers=args.workers, progress=progress)
         plan = place(result.plan, cluster, pair_stages=args.affinity == "low")
         simulated = None
         if args.affinity == "high" and not args.no_verify:
@@ -121,10 +133,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if colocated:
         ours = expected["goodput_rps_per_device"]
-        ratio = ours / colocated.goodput_per_device if colocated.goodput_per_device > 0 else float("inf")
+        gain = ours / colocated.goodput_per_device if colocated.goodput_per_device > 0 else float("inf")
         print(
-            f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device; the chosen plan serves {ratio:.2f}x that per device"
+            f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device; the chosen plan serves {gain:.2f}x that per device"
         )
+    if ratio is not None:
+        print(f"\nprefill:decode ratios within {args.ratio_devices} devices (joint simulation):")
+        for c in ratio.candidates:
+            print(f"  {c.label:<40} {c.num_devices:>3} devices {c.goodput_rps:8.3f} rps {c.per_device:8.3f} rps/device")
+        print(f"  best: {ratio.reason}")
     for inst in plan.instances:
         print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:
