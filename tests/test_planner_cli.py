@@ -113,11 +113,19 @@ def test_argparse_errors_exit_2_and_planner_does_not_import_jax() -> None:
         [sys.executable, "-m", "jaxserve", "simulate", "--model", "opt-13b"], capture_output=True, text=True
     )
     assert proc.returncode == 2
+    # The planner and its two commands, driven without the full dispatcher, never load JAX or Flax.
     code = (
-        "import sys; from jaxserve.cli import main; "
-        "main(['simulate','--model','opt-13b','--deployment','colocated:tp1','--rate','1','--num-requests','5']); "
-        "import placement.search, placement.context; "
-        "assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+        "import argparse, sys\n"
+        "from jaxserve.commands import plan, simulate\n"
+        "p = argparse.ArgumentParser(); simulate.add_arguments(p)\n"
+        "a = p.parse_args(['--model','opt-13b','--deployment','colocated:tp1','--rate','1','--num-requests','5'])\n"
+        "assert simulate.run(a) == 0\n"
+        "p = argparse.ArgumentParser(); plan.add_arguments(p)\n"
+        "a = p.parse_args(['--model','opt-13b','--ttft','1','--tpot','1','--num-requests','20','--devices-per-node','2',"
+        "'--workload','fixed:64:4','--workers','1','--no-progress','--max-pp','1'])\n"
+        "assert plan.run(a) == 0\n"
+        "import placement.search, placement.context, placement.paper\n"
+        "assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
