@@ -83,7 +83,7 @@ class SimOptions:
 
     block_size: int = 16  # paged KV block, tokens
     max_decode_batch: int = 256  # running sequences per decode / colocated instance
-    colocated_batch_tokens: int = 2048  # colocated prefill step budget (vLLM max_num_batched_tokens)
+    colocated_batch_tokens: int = 512  # colocated prefill-priority step budget (the runtime's L_m default)
     mode: SimMode = "full"
     stop_early: bool = True  # only with an SloSpec
 

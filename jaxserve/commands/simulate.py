@@ -8,6 +8,7 @@ reports it in total and per device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     options = SimOptions(max_decode_batch=args.max_decode_batch)
+    if args.prefill_tokens is not None:  # L_m also caps a colocated prefill-priority step
+        options = dataclasses.replace(options, colocated_batch_tokens=args.prefill_tokens)
     try:
         if args.goodput:
             assert slo is not None
