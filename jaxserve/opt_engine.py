@@ -7,9 +7,10 @@ power of two >= 16 with prompt chunks) x (power-of-two block-table width).
 Padding rows have length 0, so they write no KV.
 
 Pipeline parallelism: `ShardedOPT` dispatches stage by stage without waiting,
-so `prefill` splits a batch into `pp` micro-batches and dispatches them all
-before reading any result: stage s+1 works on micro-batch k while stage s
-starts micro-batch k+1 (JAX's asynchronous dispatch does the overlap).
+so `prefill` and `decode_step` split a batch into `pp` micro-batches and
+dispatch them all before reading any result: stage s+1 works on micro-batch k
+while stage s starts micro-batch k+1 (JAX's asynchronous dispatch does the
+overlap).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jaxserve.engine import (
     StageKV,
     StagePages,
     StepBatch,
+    StepRow,
     bucket,
 )
 from jaxserve.kv_pool import write_sequence
@@ -108,24 +110,40 @@ class OPTEngine:
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
         rows = batch.rows
+        caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
+        num_micro = min(self.model.pp, len(rows))
+        # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
+        # result is read; each micro-batch threads the (donated) caches on to the next.
+        groups = [list(g) for g in np.array_split(np.arange(len(rows)), num_micro)] if num_micro > 1 else []
+        sampled = []
+        for g in groups or [list(range(len(rows)))]:
+            tokens, caches = self._dispatch_step([rows[i] for i in g], caches)
+            sampled.append((g, tokens))
+        out = [0] * len(rows)
+        for g, tokens in sampled:
+            for i, tok in zip(g, np.asarray(tokens)[: len(g)], strict=True):
+                out[i] = int(tok)
+        return out, tuple(StagePages(k=c.k, v=c.v) for c in caches)
+
+    def _dispatch_step(
+        self, rows: Sequence[StepRow], caches: list[PagedKVCache]
+    ) -> tuple[jax.Array, list[PagedKVCache]]:
         b = bucket(len(rows))
         longest = max(len(r.token_ids) for r in rows)
         t = 1 if longest == 1 else bucket(longest, MIN_PROMPT_BUCKET)
         m = bucket(max(len(r.block_table) for r in rows), 4)
         tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
         starts = np.zeros(b, dtype=np.int32)
-        lengths = np.zeros(b, dtype=np.int32)
+        lengths = np.zeros(b, dtype=np.int32)  # padding rows: length 0, nothing written
         tables = np.zeros((b, m), dtype=np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r.token_ids)] = r.token_ids
             starts[i] = r.start_position
             lengths[i] = len(r.token_ids)
             tables[i, : len(r.block_table)] = r.block_table
-        caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
         sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
-        new_pages = tuple(StagePages(k=c.k, v=c.v) for c in caches)
-        return [int(x) for x in np.asarray(sampled)[: len(rows)]], new_pages
+        return sampled, caches
 
 
 def opt_engine_factory(

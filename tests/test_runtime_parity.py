@@ -49,6 +49,7 @@ def expected() -> list[list[int]]:
         "disagg:prefill=tp1pp2,decode=tp2",
         "disagg:prefill=2xtp1,decode=tp1",
         "colocated:tp1,chunk=8",
+        pytest.param("disagg:prefill=tp2,decode=tp1pp2", marks=pytest.mark.slow),  # micro-batched paged decode
     ],
 )
 def test_greedy_matches_transformers(spec: str, checkpoint: Path, expected: list[list[int]]) -> None:
