@@ -203,6 +203,9 @@ PRESETS: dict[str, OPTConfig] = {
         _preset("opt-175b", 12288, 49152, 96, 96),
         # Test-sized models: a pre-LN one and a post-LN one with project_in/out.
         _preset("opt-tiny", 64, 256, 2, 4, vocab_size=512, max_position_embeddings=256),
+        # Small enough for CI, large enough that a CPU core spends its time in the model rather than in
+        # host overhead (prefill of 256 tokens ~ tens of ms): the simulator-vs-engine checks run on it.
+        _preset("opt-mini", 256, 1024, 4, 4, vocab_size=512, max_position_embeddings=1024),
         _preset(
             "opt-tiny-postln",
             64,
