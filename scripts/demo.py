@@ -1,0 +1,102 @@
+"""The README's first command: start `jaxserve serve` on the embedded default, stream a few
+completions through the Python client, print each one's TTFT and TPOT, and stop the server.
+
+    python scripts/demo.py [--max-tokens 48] [-- extra `jaxserve serve` arguments]
+
+The server runs as a real subprocess on 127.0.0.1 with free ports; the client talks gRPC to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+from jaxserve.client import Client
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n",
+]
+READY = re.compile(r"^ready grpc=(\S+) http=(\S+)")
+
+
+def wait_ready(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
+    """Echo the server's log until it prints its ready line; return (grpc, http) addresses."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        if not sel.select(timeout=0.5):
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            continue
+        print(f"  [server] {line.rstrip()}")
+        match = READY.match(line)
+        if match:
+            return match.group(1), match.group(2)
+    raise TimeoutError(f"server not ready after {timeout_s:.0f} s")
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("serve_args", nargs="*", help="extra arguments for `jaxserve serve` (after --)")
+    args = parser.parse_args()
+
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0", *args.serve_args]
+    print("$", " ".join(cmd[2:]))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        grpc_addr, http_addr = wait_ready(proc, args.ready_timeout)
+        with Client(grpc_addr) as client:
+            info = client.model_info()
+            print(
+                f"\nmodel {info.name}; deployment {client.deployment().describe()}; OpenAI HTTP at http://{http_addr}/v1\n"
+            )
+            for prompt in PROMPTS:
+                print("-" * 72)
+                print(prompt, end="", flush=True)
+                final = None
+                if info.has_tokenizer:
+                    stream = client.stream(prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
+                else:  # a model without a tokenizer (e.g. a preset with random weights) takes token ids
+                    ids = [info.bos_token_id, *(3 + b % (info.vocab_size - 3) for b in prompt.encode())]
+                    stream = client.stream(prompt_ids=ids, max_tokens=args.max_tokens, temperature=0.0)
+                for chunk in stream:
+                    print(chunk.text if info.has_tokenizer else f" {list(chunk.token_ids)}", end="", flush=True)
+                    final = chunk
+                print()
+                if final is not None and final.timings is not None:
+                    t = final.timings
+                    print(f"  -> finish={final.finish_reason} TTFT={_ms(t.ttft_s)} TPOT={_ms(t.tpot_s)}")
+        return 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=60)
+            for line in (rest or "").splitlines():
+                print(f"  [server] {line}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        print(f"server stopped (exit code {proc.returncode})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
