@@ -1,0 +1,156 @@
+"""`jaxserve profile`: time the real engine on this machine and fit the latency model's coefficients.
+
+    jaxserve profile --model opt-tiny -o profile.json
+    jaxserve profile --model DIR --tp 1,2 --engines dist,coloc --quick -o profile.json
+    jaxserve profile --model opt-tiny --deployment disagg:prefill=tp2,decode=tp1 -o profile.json
+
+For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
+on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
+shapes (`jaxserve/profiler.py`), fits C1..C6 by least squares (`placement/profile_fit.py`), finds
+L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
+schema in `placement/latency.py`; each entry also carries its fit errors under `fit`).
+
+On a CPU, one XLA device is made one core (single-threaded Eigen, one intra-op thread) unless
+`--cpu-multi-thread`: serve with the same XLA flags, or the profile describes another machine.
+Pipeline stages are not timed separately: the latency model derives a stage from the per-tp fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory or preset name (random weights)")
+    parser.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default 1)")
+    parser.add_argument("--deployment", default=None, help="profile the tp degrees this deployment spec uses")
+    parser.add_argument("--engines", default="dist,coloc", help="dist (prefill/decode engines), coloc, or both")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median kept)")
+    parser.add_argument("--block-size", type=int, default=16, help="paged KV block size the server uses")
+    parser.add_argument("--saturation", type=float, default=0.9, help="L_m: share of peak prefill throughput")
+    parser.add_argument("--prefill-tokens", type=int, default=None, help="write this L_m instead of detecting it")
+    parser.add_argument("--name", default=None, help="profile name (default: MODEL-DEVICE-measured)")
+    parser.add_argument("--device-name", default=None, help="what the profile says it was measured on")
+    parser.add_argument("--cpu-multi-thread", action="store_true", help="leave XLA's CPU threading as it is")
+    parser.add_argument("--samples-out", default=None, help="also write the raw timings (JSON)")
+    parser.add_argument("-o", "--output", required=True, help="profile JSON to write")
+
+
+def _tps(args: argparse.Namespace) -> list[int]:
+    from jaxserve.plan import parse_deployment
+
+    if args.deployment:
+        return sorted({inst.tp for inst in parse_deployment(args.deployment).instances})
+    return sorted({int(x) for x in (args.tp or "1").split(",") if x.strip()})
+
+
+def _prepare_xla(num_devices: int, single_core: bool) -> None:
+    """Enough host devices, one core each; only effective before JAX is imported."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={num_devices}"
+    if single_core and "xla_cpu_multi_thread_eigen" not in flags:
+        flags += " " + SINGLE_CORE_FLAGS
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        tps = _tps(args)
+    except (ValueError, Exception) as e:
+        print(f"jaxserve profile: error: {e}", file=sys.stderr)
+        return 2
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("dist", "coloc") for e in engines):
+        print("jaxserve profile: error: need tp >= 1 and engines from dist,coloc", file=sys.stderr)
+        return 2
+    _prepare_xla(max(tps), not args.cpu_multi_thread)
+
+    import dataclasses
+
+    import jax
+
+    from jaxserve.profiler import default_grid, measure
+    from models.checkpoint import is_hf_dir, load_hf_config
+    from models.config import get_config
+    from placement.profile_fit import profile_entry
+
+    try:
+        path = Path(args.model)
+        cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(args.model)
+    except (KeyError, OSError, ValueError) as e:
+        print(f"jaxserve profile: error: {e}", file=sys.stderr)
+        return 2
+    if max(tps) > len(jax.devices()):
+        print(
+            f"jaxserve profile: error: tp{max(tps)} needs {max(tps)} devices, have {len(jax.devices())}",
+            file=sys.stderr,
+        )
+        return 2
+    grid = default_grid(cfg.max_position_embeddings, args.quick, args.block_size)
+    if args.repeats:
+        grid = dataclasses.replace(grid, repeats=args.repeats)
+    if "coloc" not in engines:
+        grid = dataclasses.replace(grid, coloc_prefill=())
+    platform = jax.devices()[0].platform
+    device = args.device_name or ("cpu" if platform == "cpu" else jax.devices()[0].device_kind.lower())
+
+    def log(msg: str) -> None:
+        print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+    entries, raw = [], []
+    for tp in tps:
+        m = measure(args.model, tp, grid, dtype=args.dtype, log=log)
+        cfg = m.cfg
+        raw.append(
+            {
+                "tp": tp,
+                "prefill": [dataclasses.asdict(s) for s in m.prefill],
+                "decode": [dataclasses.asdict(s) for s in m.decode],
+                "coloc_prefill": [dataclasses.asdict(s) for s in m.coloc_prefill],
+            }
+        )
+        for engine in engines:
+            prefill = m.prefill if engine == "dist" else m.coloc_prefill
+            entry = profile_entry(
+                cfg,
+                tp,
+                engine,
+                prefill,
+                m.decode,
+                block_size=16,  # the latency formula's attention block b, not the KV page size
+                l_m=args.prefill_tokens,
+                saturation=args.saturation,
+            )
+            entries.append(entry)
+            fit = entry["fit"]
+            print(
+                f"{cfg.name} tp{tp} {engine:<5}: C1 {entry['C1']:.3e} C2 {entry['C2']:.3e} C3 {entry['C3']:.3e} "
+                f"C4 {entry['C4']:.3e} C5 {entry['C5']:.3e} C6 {entry['C6']:.3e}  L_m {entry['L_m']}  "
+                f"fit error prefill mean {fit['prefill']['mean_rel_error']:.1%} max {fit['prefill']['max_rel_error']:.1%}, "
+                f"decode mean {fit['decode']['mean_rel_error']:.1%} max {fit['decode']['max_rel_error']:.1%}"
+            )
+    profile = {
+        "name": args.name or f"{cfg.name}-{device}-measured",
+        "device": device,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "entries": entries,
+    }
+    with open(args.output, "w") as fh:
+        json.dump(profile, fh, indent=2)
+        fh.write("\n")
+    if args.samples_out:
+        with open(args.samples_out, "w") as fh:
+            json.dump({"model": cfg.name, "grid": dataclasses.asdict(grid), "measurements": raw}, fh)
+    print(f"profile written to {args.output}")
+    return 0

@@ -1,0 +1,179 @@
+"""Timing the real engine at a grid of shapes, for `jaxserve profile` (the fit is `placement/profile_fit.py`).
+
+What is timed is exactly what the runtime's instances call, host overhead and sampling included:
+
+* `dist` prefill — `OPTEngine.prefill(items)` (a prefill instance's step);
+* decode — `OPTEngine.decode_step` over one-token rows on a paged pool (a decode instance's step,
+  and a colocated instance's decode-only step);
+* `coloc` prefill — `OPTEngine.decode_step` over prompt rows (`is_prompt`), the colocated
+  instance's prefill-priority step.
+
+Each shape runs once untimed (XLA compiles it) and then `repeats` times; the median is kept. The
+engine pads shapes to buckets, so the grid includes batch sizes and lengths between powers of two:
+the fit then describes what the runtime really sees rather than only the bucket edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.engine import PrefillItem, StepBatch, StepRow
+from jaxserve.opt_engine import OPTEngine
+from jaxserve.request import SamplingParams
+from jaxserve.scheduling import blocks_for
+from models.config import OPTConfig
+from placement.profile_fit import DecodeSample, PrefillSample
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Shapes to time. Prefill: (batch, prompt length) pairs; decode: (batch, context per sequence)."""
+
+    prefill: tuple[tuple[int, int], ...]
+    decode: tuple[tuple[int, int], ...]
+    coloc_prefill: tuple[tuple[int, int], ...] = ()
+    repeats: int = 3
+    block_size: int = 16
+
+
+def default_grid(max_positions: int, quick: bool = False, block_size: int = 16) -> Grid:
+    """A grid spanning short to long prompts, single prompts to batches, small to large decode batches.
+
+    `quick` is a minimal grid (a few shapes per phase, for tests and smoke runs).
+    """
+    longest = min(max_positions // 2, 512)
+    if quick:
+        short, mid = min(32, longest), min(128, longest)
+        prefill_q = ((1, 16), (1, short), (1, mid), (2, short), (2, mid // 2))
+        decode_q = ((1, 16), (1, mid), (4, 16), (4, mid), (8, mid // 2))
+        return Grid(prefill_q, decode_q, prefill_q, repeats=2, block_size=block_size)
+    lengths = [n for n in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if n <= longest]
+    batches = (1, 2, 3, 4, 6, 8)
+    prefill = tuple((1, n) for n in lengths) + tuple(
+        (b, n) for b in batches if b > 1 for n in lengths if b * n <= 2 * longest
+    )
+    ctxs = [c for c in (16, 64, 160, 320) if c < max_positions - 1]
+    decode = tuple((b, c) for b in (1, 2, 4, 8, 16, 32) for c in ctxs)
+    return Grid(prefill=prefill, decode=decode, coloc_prefill=prefill, repeats=3, block_size=block_size)
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in rng.integers(4, vocab, size=n))
+
+
+def time_prefill(
+    engine: OPTEngine, shapes: Sequence[tuple[int, int]], repeats: int, seed: int = 0
+) -> list[PrefillSample]:
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    out = []
+    for b, n in shapes:
+        items = [PrefillItem(f"p{i}", _prompt(rng, n, vocab), GREEDY, i) for i in range(b)]
+
+        def call(items: list[PrefillItem] = items) -> object:
+            result = engine.prefill(items)
+            return [s.kv for s in result.sequences]  # the KV slices the instance keeps are part of the step
+
+        out.append(PrefillSample((n,) * b, _time(call, repeats)))
+    return out
+
+
+class _Pool:
+    """A paged pool big enough for the largest shape, reused (and donated) across calls."""
+
+    def __init__(self, engine: OPTEngine, num_blocks: int, block_size: int) -> None:
+        self.engine = engine
+        self.block_size = block_size
+        self.pages = engine.init_pages(num_blocks, block_size)
+
+    def step(self, rows: tuple[StepRow, ...]) -> object:
+        tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
+        return tokens
+
+
+def _tables(batch: int, tokens_each: int, block_size: int) -> list[tuple[int, ...]]:
+    per = blocks_for(tokens_each, block_size)
+    return [tuple(range(i * per, (i + 1) * per)) for i in range(batch)]
+
+
+def time_decode(
+    engine: OPTEngine, shapes: Sequence[tuple[int, int]], repeats: int, block_size: int
+) -> list[DecodeSample]:
+    need = max(b * blocks_for(c + 1, block_size) for b, c in shapes)
+    pool = _Pool(engine, need, block_size)
+    out = []
+    for b, c in shapes:
+        rows = tuple(
+            StepRow(f"d{i}", (5,), c, table, GREEDY, i, 1) for i, table in enumerate(_tables(b, c + 1, block_size))
+        )
+        out.append(DecodeSample(b, b * c, _time(functools.partial(pool.step, rows), repeats)))
+    return out
+
+
+def time_coloc_prefill(
+    engine: OPTEngine, shapes: Sequence[tuple[int, int]], repeats: int, block_size: int, seed: int = 0
+) -> list[PrefillSample]:
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    need = max(b * blocks_for(n, block_size) for b, n in shapes)
+    pool = _Pool(engine, need, block_size)
+    out = []
+    for b, n in shapes:
+        prompt_rows = tuple(
+            StepRow(f"c{i}", _prompt(rng, n, vocab), 0, table, GREEDY, i, 0, is_prompt=True)
+            for i, table in enumerate(_tables(b, n, block_size))
+        )
+        out.append(PrefillSample((n,) * b, _time(functools.partial(pool.step, prompt_rows), repeats)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    cfg: OPTConfig
+    tp: int
+    prefill: list[PrefillSample]
+    decode: list[DecodeSample]
+    coloc_prefill: list[PrefillSample]
+
+
+def measure(
+    source: str,
+    tp: int,
+    grid: Grid,
+    devices: Sequence[jax.Device] | None = None,
+    dtype: str = "float32",
+    log: Callable[[str], None] | None = None,
+) -> Measurements:
+    """Load `source` on `tp` devices and time every shape of `grid`."""
+    devs = list(devices) if devices is not None else jax.devices()[:tp]
+    engine = OPTEngine.load(source, devs, tp=tp, pp=1, dtype=dtype)
+    say = log or (lambda _msg: None)
+    say(f"tp{tp}: {len(grid.prefill)} prefill shapes")
+    prefill = time_prefill(engine, grid.prefill, grid.repeats)
+    say(f"tp{tp}: {len(grid.decode)} decode shapes")
+    decode = time_decode(engine, grid.decode, grid.repeats, grid.block_size)
+    coloc: list[PrefillSample] = []
+    if grid.coloc_prefill:
+        say(f"tp{tp}: {len(grid.coloc_prefill)} colocated prefill shapes")
+        coloc = time_coloc_prefill(engine, grid.coloc_prefill, grid.repeats, grid.block_size)
+    return Measurements(engine.model_config, tp, prefill, decode, coloc)
