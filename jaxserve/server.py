@@ -3,7 +3,8 @@
 Both servers run on one asyncio event loop and share one `Frontend` (request path,
 metrics); the controller's instances run on their own threads. The life of a server:
 
-* `start()`: start the controller's instances, bind gRPC (insecure, or TLS when a
+* `start()`: start the controller's instances (optionally run a warm-up request
+  through them, so XLA compiles before the first client arrives), bind gRPC (insecure, or TLS when a
   certificate is given) and HTTP (uvicorn, same TLS files), mark health SERVING, and
   return once both accept connections (`grpc_address`, `http_address` then hold the
   bound `HOST:PORT`; port 0 picks a free port).
@@ -36,6 +37,7 @@ from jaxserve.frontend import Frontend
 from jaxserve.grpc_service import build_grpc_server, set_serving
 from jaxserve.http_api import create_app
 from jaxserve.metrics import ServingMetrics
+from jaxserve.request import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20  # HTTP body and gRPC message limit
     drain_timeout_s: float = 30.0
     model_name: str | None = None  # the name clients see; default: the model config's name
+    warmup: bool = False  # run one short request through every phase before accepting traffic (compiles)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -90,6 +93,8 @@ class JaxServeServer:
     async def start(self) -> None:
         cfg = self.config
         self.controller.start()
+        if cfg.warmup:
+            await asyncio.get_running_loop().run_in_executor(None, self._warmup)
         self._grpc, self._health = build_grpc_server(
             self.frontend,
             self.controller.plan.assign_devices(),
@@ -134,6 +139,20 @@ class JaxServeServer:
             await asyncio.sleep(0.01)
         self._serving = True
         await set_serving(self._health, True)
+
+    def _warmup(self) -> None:
+        """One short request per prefill/colocated instance, so the first client does not pay for compilation."""
+        front = self.controller.prefill_instances or self.controller.colocated_instances
+        bos = self.controller.model_config.bos_token_id
+        streams = [
+            self.controller.submit(
+                GenerateRequest(f"warmup-{i}", (bos, bos), SamplingParams(max_tokens=2, ignore_eos=True))
+            )
+            for i in range(len(front))
+        ]
+        for stream in streams:
+            stream.collect(timeout_s=600)
+        log.info("warm-up done")
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: health NOT_SERVING, controller shutdown (drains), then both servers."""

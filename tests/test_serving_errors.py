@@ -223,8 +223,8 @@ def test_request_size_limits(limited_server):
 
 
 # ---- shutdown ---------------------------------------------------------------------------
-def test_shutdown_drains_refuses_new_requests_and_tells_in_flight_why(monkeypatch):
-    controller = fake_controller(decode_delay_s=0.02, first_device=4)
+def test_shutdown_drains_refuses_new_requests_and_tells_in_flight_why():
+    controller = fake_controller(decode_delay_s=0.04, first_device=4)  # 200 tokens: ~8 s
     with running_server(controller) as server:
         results: dict[str, object] = {}
 
@@ -235,7 +235,7 @@ def test_shutdown_drains_refuses_new_requests_and_tells_in_flight_why(monkeypatc
         reader = threading.Thread(target=in_flight)
         reader.start()
         time.sleep(0.5)
-        stopper = threading.Thread(target=server.stop, kwargs={"drain_timeout_s": 2.0})
+        stopper = threading.Thread(target=server.stop, kwargs={"drain_timeout_s": 3.0})
         stopper.start()
         time.sleep(0.3)
         with Client(server.grpc_address, timeout_s=10) as c:

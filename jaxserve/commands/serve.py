@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve gRPC and HTTP over TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
+    parser.add_argument(
+        "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="skip the warm-up request (compilation) before the ready line"
+    )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     limits = parser.add_argument_group("runtime limits")
     limits.add_argument("--num-kv-blocks", type=int, default=256, help="paged KV blocks per decode instance")
@@ -51,9 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
-    limits.add_argument(
-        "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
-    )
 
 
 def _ensure_devices(num_devices: int) -> None:
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
         model_name=args.served_model_name,
+        warmup=not args.no_warmup,
     )
     log.info("model %s (%s), deployment %s", model, controller.model_config.name, plan.describe())
 
