@@ -250,3 +250,37 @@ def test_cancelling_the_async_consumer_cancels_the_request(disagg: Controller) -
 
     assert asyncio.run(main()) == 0
     assert disagg.decode_instances[0].allocator.num_free == 64
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.finished: list[tuple[int, int, str]] = []
+        self.transfers: list[tuple[int, float]] = []
+
+    def on_request_finished(self, timings, num_prompt_tokens: int, num_output_tokens: int, finish_reason) -> None:
+        self.finished.append((num_prompt_tokens, num_output_tokens, finish_reason))
+
+    def on_kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.transfers.append((num_bytes, seconds))
+
+
+def test_observer_hears_every_finish_and_transfer() -> None:
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
+    recorder = _Recorder()
+    c = Controller(
+        build_engines(plan, fake_engine_factory(CFG)), plan, ControllerConfig(block_size=8), observer=recorder
+    )
+    c.start()
+    try:
+        c.submit(_req("a", (4, 5, 6), max_tokens=3)).collect(30)
+        c.submit(_req("b", (4, 5), max_tokens=1)).collect(30)
+        s = c.submit(_req("c", (4,), max_tokens=200))
+        s.next_chunk(30)
+        s.cancel()
+    finally:
+        c.shutdown(drain_timeout_s=0)
+    assert len(recorder.finished) == 3
+    assert recorder.finished[0] == (3, 3, "length") and recorder.finished[1] == (2, 1, "length")
+    assert recorder.finished[2][0] == 1 and recorder.finished[2][2] == "abort"
+    assert len(recorder.transfers) in (1, 2)  # "b" ended on the prefill side; "c" may be cancelled before its pull
+    assert recorder.transfers[0][0] == 2 * 2 * 16 * 4 * 4
