@@ -105,7 +105,7 @@ class Frontend:
 
     async def stream(self, request: GenerateRequest, stop: Sequence[str] = ()) -> AsyncGenerator[Chunk, None]:
         """Run the request; yield chunks with new token ids and new text; the last one has timings."""
-        detok = _Detokenizer(self.tokenizer, request.prompt_token_ids, tuple(stop))
+        detok = Detokenizer(self.tokenizer, tuple(stop))
         arrival_at = time.monotonic()
         token_times: list[float] = []
         num_out = 0
@@ -191,28 +191,46 @@ def _frontend_timings(arrival_at: float, token_times: list[float]) -> Timings:
     )
 
 
-class _Detokenizer:
-    """Incremental detokenization with stop strings.
+class Detokenizer:
+    """Incremental detokenization with stop strings, in time linear in the output length.
 
-    Decodes the whole output so far each time (outputs are bounded by max_tokens and
-    the tokenizer is native code) and emits only the new, settled suffix: text ending
-    in U+FFFD (a multi-byte character split across tokens) or that could be the start
-    of a stop string is held back until the next tokens decide it.
+    Decodes only a small window of tokens per step (vLLM's prefix/read offsets): the
+    tokens since the last settled point, with the previous step's tokens as context so
+    tokenizers that treat a leading space specially still decode right. Text whose
+    window ends in U+FFFD (a multi-byte character split across tokens) waits for the
+    next tokens; text that could be the start of a stop string is held back from the
+    client until the next tokens decide it. The emitted pieces concatenate to the
+    whole output's decode, cut before the first stop string.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
-        self._sent = 0  # characters already emitted
+        self._prefix_offset = 0  # start of the decoding window (context)
+        self._read_offset = 0  # tokens before this are part of `_text`
+        self._text = ""  # settled text of the output so far
+        self._sent = 0  # characters of `_text` already emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def _settle(self, final: bool) -> None:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) > len(prefix_text) and (final or not window_text.endswith("\ufffd")):
+            self._text += window_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
 
     def push(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Add tokens; return (new text to emit, whether a stop string was found)."""
         if self._tok is None:
             return "", False
         self._ids.extend(int(t) for t in token_ids)
-        text = self._tok.decode(self._ids, skip_special_tokens=True)
+        self._settle(final)
+        text = self._text
         if self._stop:
             hits = [i for i in (text.find(s, max(0, self._sent - self._hold)) for s in self._stop) if i >= 0]
             if hits:
@@ -220,12 +238,7 @@ class _Detokenizer:
                 out = text[self._sent : cut] if cut > self._sent else ""
                 self._sent = max(self._sent, cut)
                 return out, True
-        if final:
-            end = len(text)
-        else:
-            end = len(text) - self._hold
-            while end > self._sent and text[end - 1] == "\ufffd":
-                end -= 1
+        end = len(text) if final else len(text) - self._hold
         if end <= self._sent:
             return "", False
         out = text[self._sent : end]

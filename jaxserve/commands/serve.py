@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
     )
     log.info("model %s (%s), deployment %s", model, controller.model_config.name, plan.describe())
+    if server_config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
 
     def ready(server: object) -> None:
         print(f"ready grpc={server.grpc_address} http={server.http_address}", flush=True)  # type: ignore[attr-defined]
