@@ -13,7 +13,8 @@ metrics); the controller's instances run on their own threads. The life of a ser
   with finish reason "abort"), then close both servers.
 
 `run_until_signal` is the foreground form (`jaxserve serve`): it installs SIGINT and
-SIGTERM handlers on the main thread and stops cleanly on either. `ServerThread` runs
+SIGTERM handlers on the main thread and stops cleanly on either (a second signal
+during the drain exits at once). `ServerThread` runs
 the same server on a background thread (tests, notebooks).
 """
 
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import threading
@@ -199,13 +201,23 @@ def run_until_signal(
             if on_ready is not None:
                 on_ready(server)
             await stop.wait()
-            log.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
+            log.info(
+                "stopping: draining in-flight requests (up to %.0f s; signal again to quit now)",
+                config.drain_timeout_s,
+            )
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, _force_exit)
         finally:
             await server.stop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
     asyncio.run(main())
+
+
+def _force_exit() -> None:
+    log.warning("second signal: exiting without waiting for in-flight requests")
+    os._exit(1)
 
 
 class ServerThread:
