@@ -66,6 +66,23 @@ def default_grid(max_positions: int, quick: bool = False, block_size: int = 16) 
     return Grid(prefill=prefill, decode=decode, coloc_prefill=prefill, repeats=3, block_size=block_size)
 
 
+def custom_grid(
+    prefill_lengths: Sequence[int],
+    prefill_batches: Sequence[int],
+    decode_batches: Sequence[int],
+    decode_contexts: Sequence[int],
+    repeats: int = 3,
+    block_size: int = 16,
+) -> Grid:
+    """Every single prompt of each length, batches up to twice the longest prompt in total, every decode pair."""
+    cap = 2 * max(prefill_lengths)
+    prefill = tuple((1, n) for n in prefill_lengths) + tuple(
+        (b, n) for b in prefill_batches if b > 1 for n in prefill_lengths if b * n <= cap
+    )
+    decode = tuple((b, c) for b in decode_batches for c in decode_contexts)
+    return Grid(prefill, decode, prefill, repeats=repeats, block_size=block_size)
+
+
 def _time(fn: Callable[[], object], repeats: int) -> float:
     fn()  # compile
     times = []
@@ -177,3 +194,37 @@ def measure(
         say(f"tp{tp}: {len(grid.coloc_prefill)} colocated prefill shapes")
         coloc = time_coloc_prefill(engine, grid.coloc_prefill, grid.repeats, grid.block_size)
     return Measurements(engine.model_config, tp, prefill, decode, coloc)
+
+
+def parallel_scaling(source: str, length: int = 256, calls: int = 8, dtype: str = "float32") -> dict[str, float]:
+    """Does device 1 add a core? The same prefill on device 0 alone, then on devices 0 and 1 at once.
+
+    Returns seconds per call alone, wall seconds for `calls` calls on each device concurrently, and
+    the speed-up (2 × alone-time / together-time; 2.0 means two devices do twice the work of one).
+    """
+    import threading
+
+    devs = jax.devices()
+    if len(devs) < 2:
+        raise ValueError("needs two devices")
+    engines = [OPTEngine.load(source, [d], tp=1, pp=1, dtype=dtype) for d in devs[:2]]
+    rng = np.random.default_rng(0)
+    items = [PrefillItem("s", _prompt(rng, length, engines[0].model_config.vocab_size), GREEDY, 0)]
+
+    def work(engine: OPTEngine) -> None:
+        for _ in range(calls):
+            jax.block_until_ready([s.kv for s in engine.prefill(items).sequences])
+
+    for engine in engines:  # compile on both
+        jax.block_until_ready([s.kv for s in engine.prefill(items).sequences])
+    start = time.perf_counter()
+    work(engines[0])
+    alone = time.perf_counter() - start
+    threads = [threading.Thread(target=work, args=(e,)) for e in engines]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    together = time.perf_counter() - start
+    return {"alone_s_per_call": alone / calls, "together_wall_s": together, "speedup": 2 * alone / together}

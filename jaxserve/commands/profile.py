@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="dist,coloc", help="dist (prefill/decode engines), coloc, or both")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
+    parser.add_argument("--prefill-lengths", default=None, help="grid: prompt lengths, e.g. 64,128,256")
+    parser.add_argument("--prefill-batches", default="1,2,3,4", help="grid: prompts per prefill batch")
+    parser.add_argument("--decode-batches", default="1,2,4,8,16,32", help="grid: sequences per decode step")
+    parser.add_argument("--decode-contexts", default="16,64,160,320", help="grid: context tokens per sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median kept)")
     parser.add_argument("--block-size", type=int, default=16, help="paged KV block size the server uses")
     parser.add_argument("--saturation", type=float, default=0.9, help="L_m: share of peak prefill throughput")
@@ -50,6 +54,13 @@ def _tps(args: argparse.Namespace) -> list[int]:
     if args.deployment:
         return sorted({inst.tp for inst in parse_deployment(args.deployment).instances})
     return sorted({int(x) for x in (args.tp or "1").split(",") if x.strip()})
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _prepare_xla(num_devices: int, single_core: bool) -> None:
@@ -80,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxserve.profiler import default_grid, measure
+    from jaxserve.profiler import custom_grid, default_grid, measure
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
     from placement.profile_fit import profile_entry
@@ -97,7 +108,20 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    grid = default_grid(cfg.max_position_embeddings, args.quick, args.block_size)
+    if args.prefill_lengths:
+        try:
+            grid = custom_grid(
+                _ints(args.prefill_lengths),
+                _ints(args.prefill_batches),
+                _ints(args.decode_batches),
+                _ints(args.decode_contexts),
+                block_size=args.block_size,
+            )
+        except ValueError as e:
+            print(f"jaxserve profile: error: bad grid: {e}", file=sys.stderr)
+            return 2
+    else:
+        grid = default_grid(cfg.max_position_embeddings, args.quick, args.block_size)
     if args.repeats:
         grid = dataclasses.replace(grid, repeats=args.repeats)
     if "coloc" not in engines:

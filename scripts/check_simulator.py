@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""Simulator vs engine on this machine: does `jaxserve simulate` predict what `jaxserve bench` measures?
+
+Steps (all live, nothing precomputed):
+
+1. `jaxserve profile` times the real engine (one XLA CPU device = one core) on a grid around the
+   workload's shapes and fits the Appendix-A coefficients and L_m.
+2. For each deployment (default: `disagg:prefill=tp1,decode=tp1` and `colocated:tp1`), a real
+   `jaxserve serve` is started with the runtime limits the simulator is told about (L_m from the
+   profile, decode batch, KV blocks enough that the batch limit binds first), warmed up, and driven
+   by the bench at 4 rates chosen to span ~50–100 % predicted attainment.
+3. The simulator runs the same deployment with the fitted profile over the *same trace* — the
+   requests' real send times and lengths — and its attainment and P90 TTFT/TPOT are printed next
+   to the measured ones.
+
+    .venv/bin/python scripts/check_simulator.py                       # the defaults below
+    .venv/bin/python scripts/check_simulator.py --num-requests 120 --json out.json --plot docs/x.png
+
+The SLOs default to multiples of the fitted model's own step times (`--ttft-factor`, `--tpot-factor`),
+so the check means the same on a faster or slower machine. `check()` is what the slow test calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from jaxserve.bench import launch, loadgen  # noqa: E402
+from jaxserve.bench.records import RequestRecord, summarize  # noqa: E402
+from jaxserve.plan import DeploymentPlan, parse_deployment  # noqa: E402
+from models.config import get_config  # noqa: E402
+from placement.goodput import GoodputSearch  # noqa: E402
+from placement.hardware import ClusterSpec, get_device  # noqa: E402
+from placement.latency import LatencyProvider, load_profile, pipeline_decode_round_s, pipeline_prefill_s  # noqa: E402
+from placement.simulator import SimOptions, simulate  # noqa: E402
+from placement.slo import SloSpec  # noqa: E402
+from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
+
+DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")
+TARGET_ATTAINMENTS = (0.97, 0.85, 0.7, 0.55)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    model: str = "opt-mini"
+    workload: str = "fixed:192:24"
+    num_requests: int = 60
+    seed: int = 0
+    deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS
+    ttft_factor: float = 4.0  # TTFT SLO = factor × one prompt's prefill (fitted)
+    tpot_factor: float = 3.0  # TPOT SLO = factor × one batch-1 decode step (fitted)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    max_decode_batch: int = 32
+    block_size: int = 16
+    rates: dict[str, tuple[float, ...]] | None = None  # per deployment; default: chosen by prediction
+    profile: str | None = None  # an existing profile instead of profiling now
+    workdir: str | None = None
+    log: bool = True
+
+
+@dataclasses.dataclass
+class RatePoint:
+    deployment: str
+    rate: float
+    measured: float
+    predicted: float
+    measured_p90_ttft_s: float
+    predicted_p90_ttft_s: float
+    measured_p90_tpot_s: float
+    predicted_p90_tpot_s: float
+    num_failed: int
+
+    @property
+    def diff_points(self) -> float:
+        return 100 * (self.predicted - self.measured)
+
+
+@dataclasses.dataclass
+class CheckResult:
+    profile_path: str
+    slo: SloSpec
+    points: list[RatePoint]
+    seconds: float
+
+    def diffs(self) -> np.ndarray:
+        return np.array([p.diff_points for p in self.points])
+
+    def table(self) -> str:
+        head = (
+            f"{'deployment':<32}{'rate':>7}{'attain meas':>12}{'pred':>7}{'diff':>7}"
+            f"{'P90 TTFT meas':>15}{'pred':>8}{'P90 TPOT meas':>15}{'pred':>8}"
+        )
+        lines = [head, "-" * len(head)]
+        for p in self.points:
+            lines.append(
+                f"{p.deployment:<32}{p.rate:>7.2f}{100 * p.measured:>11.1f}%{100 * p.predicted:>6.1f}%"
+                f"{p.diff_points:>+7.1f}{1e3 * p.measured_p90_ttft_s:>13.1f}ms{1e3 * p.predicted_p90_ttft_s:>6.1f}ms"
+                f"{1e3 * p.measured_p90_tpot_s:>13.1f}ms{1e3 * p.predicted_p90_tpot_s:>6.1f}ms"
+            )
+        d = np.abs(self.diffs())
+        lines.append(
+            f"SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
+            f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile_path,
+            "slo": dataclasses.asdict(self.slo),
+            "points": [{**dataclasses.asdict(p), "diff_points": p.diff_points} for p in self.points],
+            "max_abs_diff_points": float(np.abs(self.diffs()).max()),
+            "median_abs_diff_points": float(np.median(np.abs(self.diffs()))),
+            "seconds": self.seconds,
+        }
+
+
+def _say(cfg: CheckConfig, msg: str) -> None:
+    if cfg.log:
+        print(f"[check] {msg}", file=sys.stderr, flush=True)
+
+
+def fixed_lengths(workload: str) -> tuple[int, int]:
+    dist = get_length_distribution(workload)
+    if not isinstance(dist.input, int) or not isinstance(dist.output, int):
+        raise ValueError("the check uses a fixed:IN:OUT workload (its grid and warm-up follow those shapes)")
+    return dist.input, dist.output
+
+
+def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
+    """`jaxserve profile` in a child process (so its XLA flags apply) on a grid around the workload."""
+    n_in, n_out = fixed_lengths(cfg.workload)
+    lengths = sorted({max(16, n_in // 4), max(16, n_in // 2), n_in, 2 * n_in})
+    contexts = sorted({n_in, n_in + n_out // 2, n_in + n_out})
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_decode_batch]
+    cmd = [
+        sys.executable, "-m", "jaxserve", "profile", "--model", cfg.model, "--tp", ",".join(map(str, tps)),
+        "--prefill-lengths", ",".join(map(str, lengths)), "--prefill-batches", "1,2,3,4",
+        "--decode-batches", ",".join(map(str, batches)), "--decode-contexts", ",".join(map(str, contexts)),
+        "--block-size", str(cfg.block_size), "-o", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(max(tps)), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"jaxserve profile failed:\n{done.stderr[-2000:]}")
+    _say(cfg, done.stdout.strip())
+    return out
+
+
+def provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider:
+    return LatencyProvider(get_config(cfg.model), get_device("cpu"), load_profile(str(profile_path)))
+
+
+def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
+    n_in, _ = fixed_lengths(cfg.workload)
+    model = latency.instance("dist", 1, 1)
+    ttft = cfg.ttft_s or cfg.ttft_factor * pipeline_prefill_s(model, np.array([n_in]))
+    tpot = cfg.tpot_s or cfg.tpot_factor * pipeline_decode_round_s(model, 1, float(n_in))
+    return SloSpec(round(ttft, 4), round(tpot, 4))
+
+
+def sim_options(cfg: CheckConfig, latency: LatencyProvider, plan: DeploymentPlan) -> SimOptions:
+    engine = "coloc" if plan.kind == "colocated" else "dist"
+    return SimOptions(
+        block_size=cfg.block_size,
+        max_decode_batch=cfg.max_decode_batch,
+        colocated_batch_tokens=latency.prefill_token_budget(engine, plan.instances[0].tp),
+        stop_early=False,
+    )
+
+
+def cluster_for(plan: DeploymentPlan) -> ClusterSpec:
+    return ClusterSpec(get_device("cpu"), num_nodes=1, devices_per_node=max(plan.num_devices, 1))
+
+
+def predict(cfg: CheckConfig, latency: LatencyProvider, spec: str, trace: Workload, slo: SloSpec) -> dict[str, float]:
+    plan = parse_deployment(spec).assign_devices()
+    result = simulate(plan, latency, cluster_for(plan), trace, None, sim_options(cfg, latency, plan))
+    done = result.finished
+    return {
+        "attainment": result.attainment(slo),
+        "p90_ttft_s": float(np.percentile(result.ttft_s[done], 90)) if done.any() else math.inf,
+        "p90_tpot_s": float(np.percentile(result.tpot_s[done], 90)) if done.any() else math.inf,
+    }
+
+
+def base_workload(cfg: CheckConfig) -> Workload:
+    return generate(cfg.workload, 1.0, cfg.num_requests, np.random.default_rng(cfg.seed))
+
+
+def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: SloSpec) -> tuple[float, ...]:
+    """Rates whose *predicted* attainment is nearest 97, 85, 70 and 55 % (the measurement is independent)."""
+    plan = parse_deployment(spec).assign_devices()
+    base = base_workload(cfg)
+    bound = GoodputSearch(
+        plan, latency, cluster_for(plan), base, slo, sim_options(cfg, latency, plan)
+    ).throughput_bound()
+    grid = np.geomspace(bound / 20, bound * 1.5, 40)
+    att = np.array([predict(cfg, latency, spec, base.with_rate(r), slo)["attainment"] for r in grid])
+    chosen = []
+    for target in TARGET_ATTAINMENTS:
+        i = int(np.argmin(np.abs(att - target) + 1e-3 * np.arange(len(grid)) / len(grid)))
+        chosen.append(float(grid[i]))
+    return tuple(sorted(set(round(r, 3) for r in chosen)))
+
+
+def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[str]:
+    """Runtime limits the simulator is told about; KV blocks enough that the batch limit binds first."""
+    plan = parse_deployment(spec)
+    engine = "coloc" if plan.kind == "colocated" else "dist"
+    n_in, n_out = fixed_lengths(cfg.workload)
+    blocks = cfg.max_decode_batch * -(-(n_in + n_out) // cfg.block_size) + 16
+    return [
+        "--max-batch-tokens", str(latency.prefill_token_budget(engine, plan.instances[0].tp)),
+        "--max-decode-batch-size", str(cfg.max_decode_batch), "--num-kv-blocks", str(blocks),
+        "--block-size", str(cfg.block_size), "--max-queued-requests", "100000",
+    ]  # fmt: skip
+
+
+def measure_deployment(
+    cfg: CheckConfig, latency: LatencyProvider, spec: str, rates: tuple[float, ...], slo: SloSpec, workdir: Path
+) -> list[RatePoint]:
+    n_in, n_out = fixed_lengths(cfg.workload)
+    vocab = get_config(cfg.model).vocab_size
+    points = []
+    log = workdir / f"serve-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.log"
+    with launch.ServeProcess(spec, cfg.model, server_args(cfg, latency, spec), log_path=log) as server:
+        _say(cfg, f"{spec}: serving at {server.grpc_address}; warming up")
+        launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, vocab)
+        target = loadgen.Target(server.grpc_address)
+        info = loadgen.probe(target)
+        base = base_workload(cfg)
+        for rate in rates:
+            run = loadgen.run(base.with_rate(rate), target, info=info, seed=cfg.seed)
+            records: list[RequestRecord] = run.records
+            measured = summarize(records, slo)
+            trace = loadgen.workload_from_records(records, rate)
+            predicted = predict(cfg, latency, spec, trace, slo)
+            point = RatePoint(
+                spec,
+                rate,
+                measured["attainment"],
+                predicted["attainment"],
+                measured["ttft_s"]["p90"],
+                predicted["p90_ttft_s"],
+                measured["tpot_s"]["p90"],
+                predicted["p90_tpot_s"],
+                measured["failed"],
+            )
+            points.append(point)
+            _say(
+                cfg,
+                f"{spec} @ {rate:.2f} rps: measured {point.measured:.1%} predicted {point.predicted:.1%} "
+                f"(P90 TTFT {1e3 * point.measured_p90_ttft_s:.1f}/{1e3 * point.predicted_p90_ttft_s:.1f} ms, "
+                f"P90 TPOT {1e3 * point.measured_p90_tpot_s:.1f}/{1e3 * point.predicted_p90_tpot_s:.1f} ms)",
+            )
+            time.sleep(0.3)
+    return points
+
+
+def check(cfg: CheckConfig) -> CheckResult:
+    started = time.perf_counter()
+    workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="jaxserve-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    tps = sorted({i.tp for spec in cfg.deployments for i in parse_deployment(spec).instances})
+    if cfg.profile:
+        profile_path = Path(cfg.profile)
+    else:
+        _say(cfg, f"profiling {cfg.model} at tp {tps}")
+        profile_path = run_profile(cfg, workdir / "profile.json", tps)
+    latency = provider(cfg, profile_path)
+    slo = default_slo(cfg, latency)
+    _say(cfg, f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms")
+    points: list[RatePoint] = []
+    for spec in cfg.deployments:
+        rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, latency, spec, slo)
+        _say(cfg, f"{spec}: rates {rates}")
+        points.extend(measure_deployment(cfg, latency, spec, rates, slo, workdir))
+    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started)
+
+
+def plot(result: CheckResult, path: str) -> None:
+    from jaxserve.bench.plot import plot_attainment
+
+    solid: dict[str, list[tuple[float, float]]] = {}
+    dashed: dict[str, list[tuple[float, float]]] = {}
+    for p in result.points:
+        solid.setdefault(f"{p.deployment} measured", []).append((p.rate, p.measured))
+        dashed.setdefault(f"{p.deployment} simulated", []).append((p.rate, p.predicted))
+    solid_by_dep = {k.removesuffix(" measured"): v for k, v in solid.items()}
+    dashed_by_dep = {f"{k.removesuffix(' simulated')} (simulated)": v for k, v in dashed.items()}
+    plot_attainment(
+        path,
+        solid_by_dep,
+        target=None,
+        dashed=dashed_by_dep,
+        title=f"measured (solid) vs simulated (dashed); TTFT<={1e3 * result.slo.ttft_s:.0f}ms "
+        f"TPOT<={1e3 * result.slo.tpot_s:.0f}ms",
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = CheckConfig()
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--workload", default=d.workload, help="fixed:IN:OUT")
+    p.add_argument("--num-requests", type=int, default=d.num_requests)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--deployment", action="append", default=None, help="repeat; default disagg 1+1 and colocated tp1")
+    p.add_argument("--ttft-factor", type=float, default=d.ttft_factor)
+    p.add_argument("--tpot-factor", type=float, default=d.tpot_factor)
+    p.add_argument("--ttft", type=float, default=None, help="TTFT SLO, seconds (overrides the factor)")
+    p.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds (overrides the factor)")
+    p.add_argument("--rates", action="append", default=None, help="SPEC=R1,R2,… (repeat per deployment)")
+    p.add_argument("--profile", default=None, help="use this profile instead of profiling now")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    rates = None
+    if args.rates:
+        rates = {}
+        for item in args.rates:
+            spec, _, values = item.rpartition("=")
+            rates[spec] = tuple(float(x) for x in values.split(","))
+    cfg = CheckConfig(
+        model=args.model,
+        workload=args.workload,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        deployments=tuple(args.deployment or DEFAULT_DEPLOYMENTS),
+        ttft_factor=args.ttft_factor,
+        tpot_factor=args.tpot_factor,
+        ttft_s=args.ttft,
+        tpot_s=args.tpot,
+        rates=rates,
+        profile=args.profile,
+        workdir=args.workdir,
+    )
+    result = check(cfg)
+    print(result.table())
+    print(f"({result.seconds:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    d_abs = np.abs(result.diffs())
+    return 0 if d_abs.max() <= 5 and np.median(d_abs) <= 2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

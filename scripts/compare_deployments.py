@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""Colocated vs disaggregated on this machine: per-device goodput, measured and predicted.
+
+The paper's Figure 1 scaled to a CPU: every request `fixed:IN:OUT` (default 256 in / 32 out, the
+paper's 8:1), SLOs as multiples of the fitted model's own step times (`--ttft-factor` × one prefill,
+`--tpot-factor` × one batch-1 decode step; the paper's 0.4 s / 0.04 s are ≈ 4× and ≈ 2× OPT-13B's on
+an A100), one XLA CPU device = one core.
+
+1. Scaling check: the same prefill on one device, then on two at once — two devices must do about
+   twice the work of one, or "per device" means nothing here.
+2. `jaxserve profile` (or `--profile`), then the planner's prediction for each deployment
+   (`placement.goodput.max_rate` with the fitted profile) and `jaxserve plan --compare-colocated`'s
+   choice for a 2-device CPU machine.
+3. For each deployment a real `jaxserve serve`, warmed up, measured with
+   `jaxserve bench --sweep-rates` (bisection from the predicted goodput).
+4. One table and one plot (`--plot`, default docs/compare_deployments.png): attainment vs rate per
+   device, measured probes (solid) and the simulator's curve (dashed).
+
+    .venv/bin/python scripts/compare_deployments.py [--num-requests 80] [--profile p.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import check_simulator as cs  # noqa: E402
+
+from jaxserve.bench import launch  # noqa: E402
+from jaxserve.plan import parse_deployment  # noqa: E402
+from models.config import get_config  # noqa: E402
+from placement.goodput import GoodputSearch, max_rate  # noqa: E402
+from placement.slo import SloSpec  # noqa: E402
+
+DEPLOYMENTS = ("colocated:tp1", "disagg:prefill=tp1,decode=tp1")
+
+
+def scaling_check(model: str) -> dict[str, float]:
+    code = (
+        f"import json; from jaxserve.profiler import parallel_scaling; print(json.dumps(parallel_scaling({model!r})))"
+    )
+    env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(2), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def predicted_goodput(cfg: cs.CheckConfig, latency, spec: str, slo: SloSpec, num_requests: int) -> float:  # type: ignore[no-untyped-def]
+    plan = parse_deployment(spec).assign_devices()
+    base = cs.generate(cfg.workload, 1.0, num_requests, np.random.default_rng(cfg.seed))
+    opts = dataclasses.replace(cs.sim_options(cfg, latency, plan), stop_early=True)
+    return max_rate(GoodputSearch(plan, latency, cs.cluster_for(plan), base, slo, opts), rel_tol=0.02)
+
+
+def predicted_curve(
+    cfg: cs.CheckConfig, latency, spec: str, slo: SloSpec, rates: list[float]
+) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+    base = cs.base_workload(cfg)
+    return [(r, cs.predict(cfg, latency, spec, base.with_rate(r), slo)["attainment"]) for r in rates]
+
+
+def plan_choice(cfg: cs.CheckConfig, profile: Path, slo: SloSpec) -> str:
+    cmd = [
+        sys.executable, "-m", "jaxserve", "plan", "--model", cfg.model, "--device", "cpu", "--nodes", "1",
+        "--devices-per-node", "2", "--workload", cfg.workload, "--ttft", str(slo.ttft_s), "--tpot", str(slo.tpot_s),
+        "--profile", str(profile), "--compare-colocated", "--no-progress", "--workers", "1",
+        "--num-requests", str(cfg.num_requests),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        return f"(plan failed: {done.stderr.strip()[-300:]})"
+    return done.stdout.strip()
+
+
+def measured_sweep(
+    cfg: cs.CheckConfig, latency, spec: str, slo: SloSpec, start: float, workdir: Path, max_probes: int
+) -> dict:  # type: ignore[no-untyped-def]
+    n_in, n_out = cs.fixed_lengths(cfg.workload)
+    out = workdir / f"bench-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.json"
+    log = workdir / f"serve-{out.stem}.log"
+    with launch.ServeProcess(spec, cfg.model, cs.server_args(cfg, latency, spec), log_path=log) as server:
+        launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, get_config(cfg.model).vocab_size)
+        cmd = [
+            sys.executable, "-m", "jaxserve", "bench", "--target", server.grpc_address, "--workload", cfg.workload,
+            "--rate", f"{start:.4f}", "--num-requests", str(cfg.num_requests), "--seed", str(cfg.seed),
+            "--ttft", str(slo.ttft_s), "--tpot", str(slo.tpot_s), "--sweep-rates", "--max-probes", str(max_probes),
+            "--rel-tol", "0.1", "--json", str(out), "--quiet",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench failed: {done.stderr[-1500:]}")
+        print(done.stdout.strip(), file=sys.stderr)
+    return dict(json.loads(out.read_text())["targets"][0])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="opt-mini")
+    p.add_argument("--workload", default="fixed:256:32")
+    p.add_argument("--num-requests", type=int, default=80)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-factor", type=float, default=4.0)
+    p.add_argument("--tpot-factor", type=float, default=2.0)
+    p.add_argument("--max-probes", type=int, default=6)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--plot", default=str(ROOT / "docs" / "compare_deployments.png"))
+    p.add_argument("--json", default=None)
+    p.add_argument("--skip-scaling", action="store_true")
+    args = p.parse_args()
+    started = time.perf_counter()
+    cfg = cs.CheckConfig(
+        model=args.model,
+        workload=args.workload,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        ttft_factor=args.ttft_factor,
+        tpot_factor=args.tpot_factor,
+        profile=args.profile,
+    )
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="jaxserve-compare-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"workload": cfg.workload, "model": cfg.model}
+    if not args.skip_scaling:
+        scaling = scaling_check(cfg.model)
+        report["scaling"] = scaling
+        print(
+            f"scaling: one prefill alone {1e3 * scaling['alone_s_per_call']:.1f} ms/call; two devices at once do "
+            f"{scaling['speedup']:.2f}x the work of one",
+            file=sys.stderr,
+        )
+    profile = Path(cfg.profile) if cfg.profile else cs.run_profile(cfg, workdir / "profile.json", [1])
+    latency = cs.provider(cfg, profile)
+    slo = cs.default_slo(cfg, latency)
+    report["slo"] = dataclasses.asdict(slo)
+    report["profile"] = str(profile)
+    print(f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms", file=sys.stderr)
+    rows = []
+    curves_meas: dict[str, list[tuple[float, float]]] = {}
+    curves_pred: dict[str, list[tuple[float, float]]] = {}
+    for spec in DEPLOYMENTS:
+        devices = parse_deployment(spec).num_devices
+        pred = predicted_goodput(cfg, latency, spec, slo, 400)
+        sweep = measured_sweep(cfg, latency, spec, slo, max(pred, 0.05), workdir, args.max_probes)
+        meas = float(sweep["sweep"]["goodput_rps"])
+        probes = [(float(q["rate"]), float(q["attainment"])) for q in sweep["sweep"]["probes"]]
+        rows.append((spec, devices, meas, pred))
+        curves_meas[spec] = [(r / devices, a) for r, a in probes]
+        grid = sorted({r for r, _ in probes} | set(np.geomspace(max(pred, 0.05) / 3, max(pred, 0.05) * 2.5, 10)))
+        curves_pred[f"{spec} (simulated)"] = [
+            (r / devices, a) for r, a in predicted_curve(cfg, latency, spec, slo, grid)
+        ]
+        report.setdefault("deployments", []).append(
+            {
+                "deployment": spec,
+                "devices": devices,
+                "measured_goodput_rps": meas,
+                "predicted_goodput_rps": pred,
+                "probes": probes,
+            }
+        )
+    choice = plan_choice(cfg, profile, slo)
+    report["plan_output"] = choice
+    print(
+        f"\n{'deployment':<32}{'devices':>8}{'measured rps':>14}{'per device':>12}{'predicted rps':>15}{'per device':>12}"
+    )
+    for spec, devices, meas, pred in rows:
+        print(f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}")
+    best_meas = max(rows, key=lambda r: r[2] / r[1])[0]
+    best_pred = max(rows, key=lambda r: r[3] / r[1])[0]
+    print(f"best per device: measured {best_meas}, predicted {best_pred}")
+    print("\njaxserve plan --compare-colocated says:\n" + choice)
+    report["best_measured"], report["best_predicted"] = best_meas, best_pred
+    report["seconds"] = time.perf_counter() - started
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        from jaxserve.bench.plot import plot_attainment
+
+        plot_attainment(
+            args.plot,
+            curves_meas,
+            target=slo.attainment,
+            dashed=curves_pred,
+            rate_label="rate per device (req/s/device)",
+            title=f"{cfg.model}, {cfg.workload}, TTFT<={1e3 * slo.ttft_s:.0f}ms TPOT<={1e3 * slo.tpot_s:.0f}ms, "
+            "1 device = 1 CPU core",
+        )
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
