@@ -62,9 +62,9 @@ def test_curl_example_runs(server, index):
         assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
 
 
-def test_serve_demo_script_runs_end_to_end():
-    """scripts/serve_demo.py (the README's first command) starts a server, streams, prints TTFT/TPOT, stops it."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "serve_demo.py"
+def test_demo_script_runs_end_to_end():
+    """scripts/demo.py (the README's first command) starts a server, streams, prints TTFT/TPOT, stops it."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
     done = subprocess.run(
         [sys.executable, str(script), "--max-tokens", "6", "--", "--engine", "fake", "--no-warmup"],
         capture_output=True,
@@ -72,6 +72,6 @@ def test_serve_demo_script_runs_end_to_end():
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^ready grpc=\S+ http=\S+$", done.stdout, flags=re.MULTILINE)
-    assert len(re.findall(r"\[6 tokens, length\] TTFT [\d.]+ ms  TPOT [\d.]+ ms", done.stdout)) == 3
+    assert re.search(r"\[server\] ready grpc=\S+ http=\S+$", done.stdout, flags=re.MULTILINE)
+    assert len(re.findall(r"-> finish=length TTFT=[\d.]+ ms TPOT=[\d.]+ ms", done.stdout)) == 3
     assert "server stopped (exit code 0)" in done.stdout
