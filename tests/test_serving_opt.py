@@ -92,6 +92,13 @@ def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
             assert client.deployment().describe() == "disagg:prefill=tp1,decode=tp1"
         r = httpx.post(f"http://{http_address}/v1/completions", json={"prompt": [2, 100], "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with Client(grpc_address, timeout_s=120) as client:
+            if client.model_info().has_tokenizer:  # the shipped trained model: text in, text out, same on both
+                prompt = "def add(a, b):\n"
+                g = client.generate(prompt, max_tokens=12, temperature=0.0)
+                body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+                h = httpx.post(f"http://{http_address}/v1/completions", json=body, timeout=60).json()
+                assert g.text and h["choices"][0]["text"] == g.text
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
