@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -117,7 +118,7 @@ def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> flo
     return batch * steps / (time.perf_counter() - start)
 
 
-_ENGINES: dict[str, object] = {}
+_ENGINES: dict[str, Any] = {}
 
 
 def _prompt(row: int, length: int, vocab_size: int) -> tuple[int, ...]:
@@ -235,7 +236,8 @@ def _scaling_check(quick: bool) -> dict:
             x = work(x, w)
         x.block_until_ready()
 
-    loop(d0), loop(d1)  # compile on both
+    loop(d0)  # compile on both
+    loop(d1)
     start = time.perf_counter()
     loop(d0)
     one = n / (time.perf_counter() - start)
