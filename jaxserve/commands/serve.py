@@ -1,6 +1,6 @@
 """`jaxserve serve`: run a deployment behind the gRPC and OpenAI-compatible HTTP servers.
 
-    jaxserve serve                                   # the embedded default: DEFAULT_MODEL, DEFAULT_DEPLOYMENT
+    jaxserve serve                                   # the embedded default: default_model(), DEFAULT_DEPLOYMENT
     jaxserve serve --deployment disagg:prefill=tp2,decode=tp1 --model DIR|PRESET
     jaxserve serve --plan plan.json --grpc-port 0 --http-port 0 --api-key KEY
 
@@ -16,9 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-# The embedded default. Switch DEFAULT_MODEL to the shipped trained tiny model (a
-# directory under jaxserve/assets/) once it exists; a preset name means random weights.
-DEFAULT_MODEL = "opt-tiny"
+# The embedded default model: None means the trained tiny model shipped in
+# jaxserve/assets/ when the package has it, else FALLBACK_MODEL (a preset: random weights).
+# Set DEFAULT_MODEL to a preset name or a directory to pin it.
+DEFAULT_MODEL: str | None = None
+FALLBACK_MODEL = "opt-tiny"
 DEFAULT_DEPLOYMENT = "disagg:prefill=tp1,decode=tp1"
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deployment", help=f"deployment spec, e.g. disagg:prefill=tp1,decode=tp1 (default {DEFAULT_DEPLOYMENT})"
     )
     parser.add_argument(
-        "--model", help=f"checkpoint directory or preset name (default: the plan's, else {DEFAULT_MODEL})"
+        "--model", help="checkpoint directory or preset name (default: the plan's, else the shipped tiny model)"
     )
     parser.add_argument("--served-model-name", help="the model name clients see (default: the model config's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -57,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
+
+
+def default_model() -> str:
+    """The model `jaxserve serve` runs when neither --model nor the plan names one."""
+    if DEFAULT_MODEL is not None:
+        return DEFAULT_MODEL
+    from jaxserve.assets import DEFAULT_MODEL_DIR
+
+    if (DEFAULT_MODEL_DIR / "config.json").exists():
+        return str(DEFAULT_MODEL_DIR)
+    return FALLBACK_MODEL
 
 
 def _ensure_devices(num_devices: int) -> None:
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.deployment import place
     from jaxserve.server import ServerConfig, run_until_signal
 
-    model = args.model or plan.model or DEFAULT_MODEL
+    model = args.model or plan.model or default_model()
     config = ControllerConfig(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -106,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
         engine_factory = None
         if args.engine == "fake":
             from jaxserve.testing.fake_engine import fake_engine_factory
-            from models.config import get_config
+            from models.config import PRESETS, OPTConfig, get_config
 
-            engine_factory = fake_engine_factory(get_config(model))
+            fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
+            engine_factory = fake_engine_factory(fake_config)
         controller = Controller.from_plan(model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype)
         for name, spec, devices in place(plan):
             log.info(
