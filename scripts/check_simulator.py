@@ -58,7 +58,7 @@ TARGET_ATTAINMENTS = (0.97, 0.85, 0.7, 0.55)
 @dataclasses.dataclass(frozen=True)
 class CheckConfig:
     model: str = "opt-mini"
-    workload: str = "fixed:192:24"
+    workload: str = "fixed:256:32"
     num_requests: int = 60
     seed: int = 0
     deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS

@@ -10,7 +10,6 @@ the clock starts: a first-seen shape costs an XLA compilation, which is not serv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
@@ -135,11 +134,3 @@ def warm_up(
             if errors:
                 raise RuntimeError(f"warm-up request failed: {errors[0]}")
     time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def serving(deployment: str, model: str, extra_args: Sequence[str] = (), **kw: object):  # type: ignore[no-untyped-def]
-    """`with serving(spec, model) as server:` — a started `ServeProcess`."""
-    proc = ServeProcess(deployment, model, extra_args, **kw)  # type: ignore[arg-type]
-    with proc:
-        yield proc
