@@ -33,7 +33,7 @@ Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layer
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -219,46 +219,71 @@ def select_last(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-# An attention backend: (layer index, q [B,T,H,D], k_new, v_new, state) -> (out [B,T,H,D], state).
-_Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# Attention for one layer: (layer index, q [B,T,H,D], new k, new v) -> out [B,T,H,D].
+# It reads the cache as it was before this call; the new K/V of all layers are written once after.
+_Attend = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+Layers = Mapping[str, Any]  # stacked layer leaves [L, ...]
 
 
-def _softmax_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """q [B,T,H,D], k/v [B,S,H,D], mask [B,T,S] -> [B,T,H,D]; softmax in float32."""
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None], s, _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v)
+def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """q [B,T,H,D], k [B,S,H,D] -> float32 scores [B,H,T,S]."""
+    if q.shape[1] == 1:
+        # One query: multiply-reduce, which XLA fuses with the cache read, instead of a batched dot.
+        s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)  # [B, S, H]
+        return jnp.transpose(s, (0, 2, 1))[:, :, None, :] * scale
+    return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def _decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Single-query attention as multiply-reduce so XLA fuses the cache read (no copy of K/V).
+def _weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
+    """p [B,H,T,S] float32, v [B,S,H,D] -> [B,T,H,D] float32."""
+    if p.shape[2] == 1:
+        pv = jnp.transpose(p[:, :, 0, :], (0, 2, 1))[..., None]  # [B, S, H, 1]
+        return jnp.sum(pv * v.astype(jnp.float32), axis=1)[:, None]
+    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
-    q [B,H,D], k/v [B,S,H,D], mask [B,S] -> [B,H,D].
+
+def _attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
+    """Softmax attention (float32) of q [B,T,H,D] over key/value parts, each (k [B,S,H,D], v, mask [B,T,S]).
+
+    The parts share one softmax, so the cached context and the new tokens are attended together
+    without first writing the new K/V into the cache.
     """
-    s = jnp.sum(q[:, None].astype(jnp.float32) * k.astype(jnp.float32), axis=-1) * scale  # [B, S, H]
-    s = jnp.where(mask[:, :, None], s, _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=1)  # [B, S, H]
-    return jnp.sum(p[..., None] * v.astype(jnp.float32), axis=1).astype(q.dtype)
+    scores = [jnp.where(m[:, None], _scores(q, k, scale), _MASK_VALUE) for k, _, m in parts]  # [B,H,T,S_i]
+    p = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
+    out = jnp.zeros(q.shape, jnp.float32)
+    offset = 0
+    for (_, v, _), si in zip(parts, scores, strict=True):
+        width = si.shape[-1]
+        out = out + _weighted_values(p[..., offset : offset + width], v)
+        offset += width
+    return out.astype(q.dtype)
+
+
+def num_layers_of(layers: Mapping[str, Any]) -> int:
+    """Layer count of a stacked layer dict."""
+    return int(jax.tree.leaves(dict(layers))[0].shape[0])
 
 
 def _run_layers(
-    layer_params: Params, cfg: OPTConfig, x: jax.Array, attend: _Attend, state: Any
-) -> tuple[jax.Array, Any]:
-    """Scan the decoder layers over `x` [B, T, h]; `attend` owns every K/V read and write."""
+    layers: Layers, cfg: OPTConfig, x: jax.Array, attend: _Attend
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Scan the stacked decoder layers over x [B,T,h]. Returns (x, new k [L,B,T,H,D], new v [L,B,T,H,D]).
+
+    A scan, not a Python loop: XLA:CPU then reads each layer's cache slice and writes the donated
+    cache in place; an unrolled loop over static slices made it copy the whole cache.
+    """
     b, t, _ = x.shape
     nh, hd, eps = cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
     pre_ln = cfg.do_layer_norm_before
 
-    def body(carry: tuple[jax.Array, Any], xs: tuple[jax.Array, Params]) -> tuple[tuple[jax.Array, Any], Any]:
-        h, st = carry
+    def body(h: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         i, lp = xs
         residual = h
         y = _layer_norm(h, lp["self_attn_layer_norm"], eps) if pre_ln else h
         q = _linear(y, lp["q_proj"]).reshape(b, t, nh, hd)
         k = _linear(y, lp["k_proj"]).reshape(b, t, nh, hd)
         v = _linear(y, lp["v_proj"]).reshape(b, t, nh, hd)
-        o, st = attend(i, q, k, v, st)
+        o = attend(i, q, k, v)
         h = residual + _linear(o.reshape(b, t, nh * hd), lp["out_proj"])
         if not pre_ln:
             h = _layer_norm(h, lp["self_attn_layer_norm"], eps)
@@ -268,11 +293,10 @@ def _run_layers(
         h = residual + _linear(y, lp["fc2"])
         if not pre_ln:
             h = _layer_norm(h, lp["final_layer_norm"], eps)
-        return (h, st), None
+        return h, (k, v)
 
-    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
-    (x, state), _ = jax.lax.scan(body, (x, state), (jnp.arange(num_layers), layer_params))
-    return x, state
+    x, (ks, vs) = jax.lax.scan(body, x, (jnp.arange(num_layers_of(layers)), dict(layers)))
+    return x, ks, vs
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,46 +304,43 @@ def _run_layers(
 # --------------------------------------------------------------------------------------------
 
 
-def run_layers_prefill(
-    layer_params: Params, cfg: OPTConfig, x: jax.Array, lengths: jax.Array
-) -> tuple[jax.Array, KVCache]:
+def run_layers_prefill(layers: Layers, cfg: OPTConfig, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, KVCache]:
     """Causal + padding-masked layers over right-padded prompts. x [B,T,h] -> (x, KVCache [L,B,T,H,D])."""
-    b, t, _ = x.shape
-    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    t = x.shape[1]
     pos = jnp.arange(t)
     mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # [B,T,S]
     scale = cfg.head_dim**-0.5
-    kv_shape = (num_layers, b, t, cfg.num_heads, cfg.head_dim)
-    cache0 = KVCache(k=jnp.zeros(kv_shape, x.dtype), v=jnp.zeros(kv_shape, x.dtype))
 
-    def attend(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        cache = KVCache(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
-        return _softmax_attend(q, k, v, mask, scale), cache
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return _attention(q, [(k, v, mask)], scale)
 
-    return _run_layers(layer_params, cfg, x, attend, cache0)
+    x, ks, vs = _run_layers(layers, cfg, x, attend)
+    return x, KVCache(k=ks, v=vs)
 
 
 def run_layers_decode(
-    layer_params: Params, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: KVCache
+    layers: Layers, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
     """One token per row at `positions[b]` over a contiguous cache. x [B,1,h]."""
     b = x.shape[0]
     s = cache.k.shape[2]
-    mask = jnp.arange(s)[None, :] <= positions[:, None]  # [B, S]
-    rows = jnp.arange(b)
+    old = (jnp.arange(s)[None, :] < positions[:, None])[:, None, :]  # [B, 1, S]: what the cache already holds
+    self_mask = jnp.ones((b, 1, 1), bool)
     scale = cfg.head_dim**-0.5
 
-    def attend(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, c: KVCache) -> tuple[jax.Array, KVCache]:
-        ck = c.k.at[i, rows, positions].set(k[:, 0], mode="drop")
-        cv = c.v.at[i, rows, positions].set(v[:, 0], mode="drop")
-        o = _decode_attend(q[:, 0], ck[i], cv[i], mask, scale)
-        return o[:, None], KVCache(k=ck, v=cv)
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return _attention(q, [(cache.k[i], cache.v[i], old), (k, v, self_mask)], scale)
 
-    return _run_layers(layer_params, cfg, x, attend, cache)
+    x, ks, vs = _run_layers(layers, cfg, x, attend)
+    rows = jnp.arange(b)
+    ck, cv = cache.k, cache.v
+    k = ck.at[:, rows, positions].set(ks[:, :, 0], mode="drop")
+    v = cv.at[:, rows, positions].set(vs[:, :, 0], mode="drop")
+    return x, KVCache(k=k, v=v)
 
 
 def run_layers_paged(
-    layer_params: Params,
+    layers: Layers,
     cfg: OPTConfig,
     x: jax.Array,
     start_positions: jax.Array,
@@ -331,31 +352,29 @@ def run_layers_paged(
     b, t, _ = x.shape
     num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
     m = block_tables.shape[1]
-    qpos = start_positions[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    table_idx = jnp.clip(qpos // bs, 0, m - 1)
-    # Rows/columns that must not write point past the pool; mode="drop" discards them.
-    write_block = jnp.where(valid & (qpos // bs < m), jnp.take_along_axis(block_tables, table_idx, axis=1), num_blocks)
-    write_slot = qpos % bs
-    kpos = jnp.arange(m * bs)  # key position j lives in table entry j // bs
-    mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, T, S] causal over everything up to the query
-    scale = cfg.head_dim**-0.5
     nh, hd = cfg.num_heads, cfg.head_dim
+    # what the pages already hold: positions before start (later slots may be stale)
+    old = jnp.broadcast_to((jnp.arange(m * bs)[None, :] < start_positions[:, None])[:, None, :], (b, t, m * bs))
+    new = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))  # causal among new tokens
+    scale = cfg.head_dim**-0.5
 
-    def attend(
-        i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, c: PagedKVCache
-    ) -> tuple[jax.Array, PagedKVCache]:
-        ck = c.k.at[i, write_block, write_slot].set(k, mode="drop")
-        cv = c.v.at[i, write_block, write_slot].set(v, mode="drop")
-        keys = ck[i][block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
-        vals = cv[i][block_tables].reshape(b, m * bs, nh, hd)
-        if t == 1:
-            o = _decode_attend(q[:, 0], keys, vals, mask[:, 0], scale)[:, None]
-        else:
-            o = _softmax_attend(q, keys, vals, mask, scale)
-        return o, PagedKVCache(k=ck, v=cv)
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        # one gather straight from the pool (no slice of layer i first: that would be a copy)
+        keys = cache.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
+        vals = cache.v[i, block_tables].reshape(b, m * bs, nh, hd)
+        return _attention(q, [(keys, vals, old), (k, v, new)], scale)
 
-    return _run_layers(layer_params, cfg, x, attend, cache)
+    x, ks, vs = _run_layers(layers, cfg, x, attend)
+    # Rows/columns that must not write point past the pool; mode="drop" discards them.
+    qpos = start_positions[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    in_table = (jnp.arange(t)[None, :] < lengths[:, None]) & (qpos // bs < m)
+    table_idx = jnp.clip(qpos // bs, 0, m - 1)
+    write_block = jnp.where(in_table, jnp.take_along_axis(block_tables, table_idx, axis=1), num_blocks)
+    write_slot = qpos % bs
+    ck, cv = cache.k, cache.v
+    k = ck.at[:, write_block, write_slot].set(ks, mode="drop")
+    v = cv.at[:, write_block, write_slot].set(vs, mode="drop")
+    return x, PagedKVCache(k=k, v=v)
 
 
 # --------------------------------------------------------------------------------------------
