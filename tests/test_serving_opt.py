@@ -1,8 +1,10 @@
-"""The real tiny Flax OPT (preset `opt-tiny`, random weights) behind the servers, and `jaxserve serve` itself.
+"""The real tiny Flax OPT behind the servers, and `jaxserve serve` itself.
 
-The served tokens must equal offline `LLM.generate` on a colocated deployment: the same
-model reached through the disaggregated runtime (prefill tp2, decode tp1), the KV
-transfer, the gRPC/HTTP servers and the client.
+The model is `opt-tiny` (random weights) saved as a jaxserve checkpoint directory with a
+tokenizer next to it, so the text path is exercised too. The served tokens and text must
+equal offline `LLM.generate` on a colocated deployment: the same model reached through
+the disaggregated runtime (prefill tp2, decode tp1), the KV transfer, the gRPC/HTTP
+servers and the client.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import time
 import httpx
 import jax
 import pytest
-from serving_helpers import running_server
+from serving_helpers import running_server, tiny_tokenizer
 
 from jaxserve.client import Client
 from jaxserve.controller import Controller
 from jaxserve.llm import LLM
 from jaxserve.plan import parse_deployment
 from jaxserve.request import SamplingParams
+from models.checkpoint import save_checkpoint
+from models.sharding import ShardedOPT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,16 +35,26 @@ PROMPTS = [[2, 100, 31, 7], [2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 400]]
 
 
 @pytest.fixture(scope="module")
-def offline():
-    llm = LLM(model="opt-tiny", deployment="colocated:tp1")
+def model_dir(tmp_path_factory):
+    """opt-tiny's random weights as a checkpoint directory, with the tests' tiny BPE as its tokenizer."""
+    path = tmp_path_factory.mktemp("opt-tiny-ckpt")
+    save_checkpoint(path, ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+    tiny_tokenizer().save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(model=model_dir, deployment="colocated:tp1")
+    assert llm.has_tokenizer
     yield llm
     llm.controller.shutdown()
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(model_dir):
     plan = parse_deployment("disagg:prefill=tp2,decode=tp1")
-    controller = Controller.from_plan("opt-tiny", plan, devices=jax.devices()[2:5])
+    controller = Controller.from_plan(model_dir, plan, devices=jax.devices()[2:5])
     with running_server(controller) as s:
         yield s
 
@@ -57,6 +71,23 @@ def test_grpc_stream_equals_offline_generate(offline, server, sampling):
             timings = chunks[-1].timings
             assert timings is not None and timings.kv_transfer_bytes > 0
             assert timings.prefill_instance == "prefill-0" and timings.decode_instance == "decode-0"
+
+
+def test_text_prompts_equal_offline_generate_on_both_protocols(offline, server):
+    prompt = "def add(a, b):\n    return"
+    (expected,) = offline.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert expected.text is not None
+    with Client(server.grpc_address, timeout_s=120) as client:
+        chunks = list(client.stream(prompt, max_tokens=16, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == list(expected.token_ids)
+    assert "".join(c.text for c in chunks) == expected.text
+    assert chunks[-1].num_prompt_tokens == len(expected.prompt_token_ids)
+    r = httpx.post(
+        f"{server.http_url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected.text
 
 
 def test_http_completion_equals_offline_generate(offline, server):
