@@ -316,7 +316,14 @@ def load_hf_params(directory: str | Path, cfg: OPTConfig | None = None, dtype: A
     """A HF OPT checkpoint as one host-side (numpy) param tree in our layout — for tests and tools."""
     directory = Path(directory)
     cfg = cfg or load_hf_config(directory)
-    reader = HFReader(open_hf_tensors(directory), cfg, str(directory))
+    return params_from_hf_tensors(open_hf_tensors(directory), cfg, dtype, source=str(directory))
+
+
+def params_from_hf_tensors(
+    tensors: Mapping[str, np.ndarray], cfg: OPTConfig, dtype: Any = jnp.float32, source: str = "tensors"
+) -> Params:
+    """Our host-side (numpy) param tree from HF-named tensors (e.g. a torch `state_dict()` as numpy)."""
+    reader = HFReader(tensors, cfg, source)
     out: Params = {}
     for path, shape in _leaf_paths(opt.param_shapes(cfg)):
         _set(out, path, reader.read(path, (slice(None),) * len(shape)).astype(jnp.dtype(dtype)))

@@ -67,11 +67,21 @@ def _rewrite_safetensors(src: Path, dst: Path, edit: str) -> Path:
     tensors = load_file(src / "model.safetensors")
     if edit == "missing":
         del tensors["model.decoder.layers.1.fc2.bias"]
+    elif edit == "bare":
+        tensors = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     else:
         w = tensors["model.decoder.layers.0.self_attn.k_proj.weight"]
         tensors["model.decoder.layers.0.self_attn.k_proj.weight"] = np.ascontiguousarray(w[:, :-1])
     save_file(tensors, dst / "model.safetensors")
     return dst
+
+
+def test_bare_decoder_prefix_loads(single: Path, tmp_path: Path) -> None:
+    bare = _rewrite_safetensors(single, tmp_path / "bare", "bare")
+    ref, got = _leaves(checkpoint.load_hf_params(single)), _leaves(checkpoint.load_hf_params(bare))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
 
 
 def test_missing_tensor_is_named(single: Path, tmp_path: Path) -> None:
