@@ -49,6 +49,22 @@ def test_sharded_safetensors_and_torch_bin_load_the_same_weights(cfg: OPTConfig,
             np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
 
 
+@pytest.mark.parametrize("torch_dtype", ["float16", "bfloat16"])
+def test_half_precision_checkpoints_load(cfg: OPTConfig, tmp_path: Path, torch_dtype: str) -> None:
+    import torch
+
+    from jaxserve.testing.hf import make_hf_model
+
+    model = make_hf_model(cfg, seed=11).to(getattr(torch, torch_dtype))
+    model.save_pretrained(tmp_path)
+    expected = model.model.decoder.layers[1].fc1.weight.detach().float().numpy().T
+    got = checkpoint.load_hf_params(tmp_path)["layers"]["fc1"]["kernel"][1]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+    sharded = ShardedOPT.load(tmp_path, tp=2, pp=1, devices=jax.devices()[:2], dtype=torch_dtype)
+    assert str(sharded.dtype) == torch_dtype and sharded.cfg.dtype == torch_dtype
+
+
 def test_hf_dir_loads_straight_into_a_sharded_layout(cfg: OPTConfig, single: Path) -> None:
     ref = checkpoint.load_hf_params(single)
     model = ShardedOPT.load(single, tp=2, pp=2, devices=jax.devices()[:4])
