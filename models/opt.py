@@ -27,8 +27,14 @@ layer body and differ only in how attention reads and writes K/V:
 * `extend_paged` — `T >= 1` new tokens per sequence appended into a block pool (`PagedKVCache`)
   addressed by block tables; `T == 1` is a paged decode step, `T > 1` a chunked prefill.
 
+Attention reads the cache as it was before the call and attends to it and to the new tokens in
+one float32 softmax; the new K/V of all layers are written once, after the last layer. The
+layers run as a `lax.scan` over the stacked leaves: on XLA:CPU that keeps the donated cache
+updated in place (an unrolled loop made XLA copy the whole cache).
+
 Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layers_decode`,
-`run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`.
+`run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`; `insert_into_pages` writes a
+contiguous prefill KV into the block pool.
 """
 
 from __future__ import annotations
@@ -404,7 +410,10 @@ def prefill(
 def decode(
     params: Params, cfg: OPTConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-    """One token per row: tokens/positions [B]; writes K/V at `positions[b]`, attends to 0..positions[b]."""
+    """One token per row: tokens/positions [B]; writes K/V at `positions[b]`, attends to 0..positions[b].
+
+    `cache` is donated (updated in place). A position past the cache's length writes nothing.
+    """
     x = embed(params, cfg, tokens[:, None], positions[:, None])
     x, cache = run_layers_decode(params["layers"], cfg, x, positions, cache)
     return lm_head(params, cfg, x[:, 0]), cache
@@ -424,7 +433,10 @@ def extend_paged(
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
 
-    Logits at the last new token [B,V] (or all [B,T,V]). Rows with `lengths[b] == 0` write nothing.
+    Each new token attends to positions `< start_positions[b]` of its sequence's pages (slots past
+    that are ignored, so a reused block needs no clearing) and causally to the new tokens. Logits
+    at the last new token [B,V] (or all [B,T,V]). Rows with `lengths[b] == 0` write nothing.
+    `cache` is donated (updated in place).
     """
     t = tokens.shape[1]
     positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
@@ -435,7 +447,7 @@ def extend_paged(
     return lm_head(params, cfg, x), cache
 
 
-@jax.jit
+@partial(jax.jit, donate_argnames=("cache",))
 def insert_into_pages(
     cache: PagedKVCache,
     kv: KVCache,
@@ -446,7 +458,7 @@ def insert_into_pages(
     """Copy positions `0..lengths[b]-1` of a contiguous `kv` [L,B,T,H,D] into the pages of `block_tables` [B,M].
 
     The decode side's "insert" of a pulled prefill KV. Positions beyond `lengths[b]` are not written.
-    `start_positions` (default 0) offsets where row b's positions land in its pages.
+    `start_positions` (default 0) offsets where row b's positions land in its pages. `cache` is donated.
     """
     _, b, t, _, _ = kv.k.shape
     num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
