@@ -200,7 +200,7 @@ SMOKE = TrainSettings(
     max_files=6,
     eval_every=3,
     save_dtype="bfloat16",
-    sample_tokens=4,
+    sample_tokens=0,
 )
 
 
@@ -374,7 +374,7 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     assert tok2 is not None
     restored_params = restored.stage_params[0]
     val_restored = mean_loss(loss_fn, restored_params, val_windows)
-    prompts = ["def ", "import ", "class "] if s.sample_tokens > 8 else ["def "]
+    prompts = ["def ", "import ", "class "] if s.sample_tokens else []
     width = min(cfg.max_position_embeddings, 128)
     samples = {p: greedy_complete(restored, tok2, p, s.sample_tokens, width) for p in prompts}
 
