@@ -52,7 +52,6 @@ from placement.slo import SloSpec  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
 
 DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")
-TARGET_ATTAINMENTS = (0.97, 0.85, 0.7, 0.55)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +61,7 @@ class CheckConfig:
     num_requests: int = 60
     seed: int = 0
     deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS
-    ttft_factor: float = 4.0  # TTFT SLO = factor × one prompt's prefill (fitted)
+    ttft_factor: float = 2.5  # TTFT SLO = factor × one prompt's prefill (fitted)
     tpot_factor: float = 3.0  # TPOT SLO = factor × one batch-1 decode step (fitted)
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -97,6 +96,8 @@ class CheckResult:
     slo: SloSpec
     points: list[RatePoint]
     seconds: float
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() before and after
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def diffs(self) -> np.ndarray:
         return np.array([p.diff_points for p in self.points])
@@ -116,7 +117,8 @@ class CheckResult:
         d = np.abs(self.diffs())
         lines.append(
             f"SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
-            f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points"
+            f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points; "
+            f"load average before {self.load_before[0]:.2f}, after {self.load_after[0]:.2f}"
         )
         return "\n".join(lines)
 
@@ -128,6 +130,8 @@ class CheckResult:
             "max_abs_diff_points": float(np.abs(self.diffs()).max()),
             "median_abs_diff_points": float(np.median(np.abs(self.diffs()))),
             "seconds": self.seconds,
+            "load_before": self.load_before,
+            "load_after": self.load_after,
         }
 
 
@@ -205,19 +209,23 @@ def base_workload(cfg: CheckConfig) -> Workload:
 
 
 def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: SloSpec) -> tuple[float, ...]:
-    """Rates whose *predicted* attainment is nearest 97, 85, 70 and 55 % (the measurement is independent)."""
+    """Four rates spanning the *predicted* fall of attainment from ~100 % to ~50 %.
+
+    The prediction only places the rates; the measurement is independent of it. A fixed-length workload
+    can fall off a cliff, so the rates are spread geometrically between the last rate predicted at
+    ≥ 97 % and the first predicted below 50 %, rather than picked at attainment levels.
+    """
     plan = parse_deployment(spec).assign_devices()
     base = base_workload(cfg)
-    bound = GoodputSearch(
-        plan, latency, cluster_for(plan), base, slo, sim_options(cfg, latency, plan)
-    ).throughput_bound()
-    grid = np.geomspace(bound / 20, bound * 1.5, 40)
+    search = GoodputSearch(plan, latency, cluster_for(plan), base, slo, sim_options(cfg, latency, plan))
+    grid = np.geomspace(search.throughput_bound() / 20, search.throughput_bound() * 1.5, 60)
     att = np.array([predict(cfg, latency, spec, base.with_rate(r), slo)["attainment"] for r in grid])
-    chosen = []
-    for target in TARGET_ATTAINMENTS:
-        i = int(np.argmin(np.abs(att - target) + 1e-3 * np.arange(len(grid)) / len(grid)))
-        chosen.append(float(grid[i]))
-    return tuple(sorted(set(round(r, 3) for r in chosen)))
+    below = np.nonzero(att < 0.5)[0]
+    hi_i = int(below[0]) if len(below) else len(grid) - 1
+    ok = np.nonzero(att[:hi_i] >= 0.97)[0]
+    lo_i = int(ok[-1]) if len(ok) else 0
+    lo, hi = float(grid[lo_i]), float(grid[hi_i])
+    return tuple(round(float(r), 3) for r in np.geomspace(lo, hi, 4))
 
 
 def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[str]:
@@ -276,6 +284,7 @@ def measure_deployment(
 
 def check(cfg: CheckConfig) -> CheckResult:
     started = time.perf_counter()
+    load_before = os.getloadavg()
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="jaxserve-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
     tps = sorted({i.tp for spec in cfg.deployments for i in parse_deployment(spec).instances})
@@ -292,7 +301,7 @@ def check(cfg: CheckConfig) -> CheckResult:
         rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, latency, spec, slo)
         _say(cfg, f"{spec}: rates {rates}")
         points.extend(measure_deployment(cfg, latency, spec, rates, slo, workdir))
-    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started)
+    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg())
 
 
 def plot(result: CheckResult, path: str) -> None:
