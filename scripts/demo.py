@@ -55,6 +55,8 @@ def _ms(seconds: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (tiny models loop)")
+    parser.add_argument("--seed", type=int, default=0, help="per-request sampling seed: the demo is repeatable")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("serve_args", nargs="*", help="extra arguments for `jaxserve serve` (after --)")
     args = parser.parse_args()
@@ -70,15 +72,16 @@ def main() -> int:
             print(
                 f"\nmodel {info.name}; deployment {client.deployment().describe()}; OpenAI HTTP at http://{http_addr}/v1\n"
             )
+            sampling = {"temperature": args.temperature, "top_p": 0.95, "seed": args.seed}
             for prompt in PROMPTS:
                 print("-" * 72)
                 print(prompt, end="", flush=True)
                 final = None
                 if info.has_tokenizer:
-                    stream = client.stream(prompt=prompt, max_tokens=args.max_tokens, temperature=0.0)
+                    stream = client.stream(prompt=prompt, max_tokens=args.max_tokens, **sampling)
                 else:  # a model without a tokenizer (e.g. a preset with random weights) takes token ids
                     ids = [info.bos_token_id, *(3 + b % (info.vocab_size - 3) for b in prompt.encode())]
-                    stream = client.stream(prompt_ids=ids, max_tokens=args.max_tokens, temperature=0.0)
+                    stream = client.stream(prompt_ids=ids, max_tokens=args.max_tokens, **sampling)
                 for chunk in stream:
                     print(chunk.text if info.has_tokenizer else f" {list(chunk.token_ids)}", end="", flush=True)
                     final = chunk
