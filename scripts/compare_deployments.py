@@ -155,7 +155,7 @@ def main() -> int:
     curves_pred: dict[str, list[tuple[float, float]]] = {}
     for spec in DEPLOYMENTS:
         devices = parse_deployment(spec).num_devices
-        pred = predicted_goodput(cfg, latency, spec, slo, 400)
+        pred = predicted_goodput(cfg, latency, spec, slo, cfg.num_requests)  # the bench's very requests
         sweep = measured_sweep(cfg, latency, spec, slo, max(pred, 0.05), workdir, args.max_probes)
         meas = float(sweep["sweep"]["goodput_rps"])
         probes = [(float(q["rate"]), float(q["attainment"])) for q in sweep["sweep"]["probes"]]
