@@ -1,0 +1,384 @@
+"""The Ray actors: one process per prefill or decode instance, owning its JAX runtime, mesh and engine.
+
+An actor is created from an `EngineSpec` (what model, on how many devices) and
+builds its engine on `jax.devices()[: tp * pp]` of its own process: on a CPU
+machine the controller passes `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+through the actor's `runtime_env`; with GPUs, Ray's `num_gpus` gives it its
+devices. Ray restarts a dead actor (`max_restarts`) by running `__init__` again
+with the same arguments: the engine comes back empty, and the controller-side
+proxies (`remote_engine.py`) rebuild what it held.
+
+`PrefillActor`: `prefill(items)` runs the engine, keeps each KV in a
+`LeasedKVBuffer` and returns only small metadata (`PrefillMeta`); decode actors
+pull the KV with `take_host` (object store) or `offer_jax` (a ticket for
+`jax.experimental.transfer`). `renew` / `cancel` are the controller's lease
+calls; a reaper thread frees KVs whose lease ran out.
+
+`DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
+the order (retries, then recompute or fail per `TransferConfig`), checks the
+peer's model signature at first contact, and stages the KV in this actor's
+layout; `insert` writes a staged KV into the paged pool; `decode_step` runs one
+step; `rebuild` re-prefills known token contexts into their blocks after a
+restart. Pages never leave the actor.
+
+Both are plain classes; `remote_engine.py` wraps them with `ray.remote`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, cast
+
+import jax
+
+from jaxserve.engine import Engine, KVPages, PrefillItem, SequenceKV, StepBatch
+from jaxserve.ray_backend.transfer import (
+    HostKV,
+    JaxTicket,
+    LeasedKVBuffer,
+    Mechanism,
+    PullError,
+    TransferConfig,
+    fetch,
+    from_host,
+    host_num_bytes,
+    pull_staged,
+    run_with_watchdog,
+    stage_for_pull,
+    start_transfer_server,
+    to_host,
+    to_layout,
+)
+from jaxserve.request import SamplingParams
+from models.config import OPTConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+EngineKind = Literal["opt", "fake"]
+
+
+class IncompatiblePeerError(RuntimeError):
+    """Two instances of one deployment disagree on the model or KV shape; they must not exchange KV."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What one actor runs: role, grid, model source, and which engine (the fake one for tests)."""
+
+    role: Literal["prefill", "decode"]
+    tp: int
+    pp: int
+    model_source: str
+    dtype: str = "float32"
+    block_size: int = 16
+    engine: EngineKind = "opt"
+    fake_config: OPTConfig | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSignature:
+    """What two peers must agree on before KV moves between them."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_heads: int
+    head_size: int
+    block_size: int
+
+    @classmethod
+    def of(cls, cfg: OPTConfig, dtype: str, block_size: int) -> ModelSignature:
+        return cls(cfg.name, dtype, cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, block_size)
+
+
+def check_compatible(a: ModelSignature, b: ModelSignature, a_name: str, b_name: str) -> None:
+    """Raise IncompatiblePeerError naming every field where `a` and `b` differ."""
+    diffs = [
+        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(ModelSignature)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+    if diffs:
+        raise IncompatiblePeerError(f"{a_name} and {b_name} cannot exchange KV caches: " + "; ".join(diffs))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorInfo:
+    name: str
+    pid: int
+    node_id: str
+    node_ip: str
+    num_devices: int
+    signature: ModelSignature
+    model_config: OPTConfig
+    stage_layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillMeta:
+    request_id: str
+    first_token: int
+    num_tokens: int
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferStats:
+    num_held: int
+    num_expired: int
+    num_pulled: int
+    num_cancelled: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PullOrder:
+    request_id: str
+    source: ActorHandle
+    source_name: str
+    item: PrefillItem  # the prompt, for recompute
+    mechanism: Mechanism | None = None  # None: the actor's configured mechanism
+
+
+@dataclasses.dataclass(frozen=True)
+class PullReport:
+    request_id: str
+    num_bytes: int
+    seconds: float
+    num_failed_attempts: int
+    recomputed: bool
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildItem:
+    """A sequence to restore after a restart: every token whose KV the pool held, and its blocks."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    num_pulls: int
+    num_failed_pulls: int
+    num_recomputed: int
+    num_staged: int
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    devices = jax.devices()[: spec.num_devices]
+    if len(devices) < spec.num_devices:
+        raise RuntimeError(f"{spec.role} actor needs {spec.num_devices} devices, its process sees {len(devices)}")
+    if spec.engine == "fake":
+        from jaxserve.testing.fake_engine import FakeEngine
+
+        assert spec.fake_config is not None, "the fake engine needs fake_config"
+        return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
+    from jaxserve.opt_engine import OPTEngine
+
+    return OPTEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
+
+
+class _ActorBase:
+    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+        self.name = name
+        self.spec = spec
+        self.transfer = transfer
+        self.engine = build_engine(spec)
+        self._signature = ModelSignature.of(self.engine.model_config, spec.dtype, spec.block_size)
+        self._stage_layers = self.engine.kv_layout().stage_layers
+        self._server = start_transfer_server() if transfer.mechanism == "jax" else None
+
+    def info(self) -> ActorInfo:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return ActorInfo(
+            self.name, os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address(), len(jax.devices()),
+            self._signature, self.engine.model_config, self._stage_layers,
+        )  # fmt: skip
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def signature(self) -> ModelSignature:
+        return self._signature
+
+
+class PrefillActor(_ActorBase):
+    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+        super().__init__(name, spec, transfer)
+        self.buffer = LeasedKVBuffer(transfer.lease_s)
+        self._uuids = itertools.count((os.getpid() << 20) + 1)
+        reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+        reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(min(self.transfer.lease_s / 4, 0.25))
+            self.buffer.expire(time.monotonic())
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[PrefillMeta]:
+        result = self.engine.prefill(items)
+        jax.block_until_ready([s.kv for s in result.sequences])
+        at = time.monotonic()
+        out = []
+        for seq in result.sequences:
+            self.buffer.put(seq.request_id, seq.kv, at)
+            out.append(PrefillMeta(seq.request_id, seq.first_token, seq.num_tokens, seq.num_bytes))
+        return out
+
+    def renew(self, request_ids: Sequence[str]) -> int:
+        return self.buffer.renew(request_ids, time.monotonic())
+
+    def cancel(self, request_ids: Sequence[str]) -> int:
+        return self.buffer.cancel(request_ids)
+
+    def take_host(self, request_id: str) -> HostKV | None:
+        """Object-store pull: the KV as host arrays (None if gone); the lease ends here."""
+        kv = self.buffer.take(request_id, time.monotonic())
+        return None if kv is None else to_host(kv)
+
+    def offer_jax(self, request_id: str) -> JaxTicket | None:
+        """JAX-transfer pull: stage the KV on one device and register it with the transfer server."""
+        from jaxserve.ray_backend.transfer import ArraySpec
+
+        kv = self.buffer.take(request_id, time.monotonic())
+        if kv is None:
+            return None
+        if self._server is None:
+            raise PullError(f"{self.name} runs no transfer server (mechanism {self.transfer.mechanism!r})")
+        arrays = stage_for_pull(kv)
+        uuid = next(self._uuids)
+        self._server.await_pull(uuid, arrays)  # type: ignore[attr-defined]
+        specs = tuple(ArraySpec(tuple(a.shape), str(a.dtype)) for a in arrays)
+        return JaxTicket(self._server.address(), uuid, specs)  # type: ignore[attr-defined]
+
+    def buffer_stats(self) -> BufferStats:
+        b = self.buffer
+        return BufferStats(len(b), b.num_expired, b.num_pulled, b.num_cancelled)
+
+
+class DecodeActor(_ActorBase):
+    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+        super().__init__(name, spec, transfer)
+        self.layout = self.engine.kv_layout()
+        self.pages: KVPages | None = None
+        self._staged: dict[str, SequenceKV] = {}
+        self._peers_checked: set[str] = set()
+        self.num_pulls = 0
+        self.num_failed_pulls = 0
+        self.num_recomputed = 0
+
+    def init_pages(self, num_blocks: int, block_size: int) -> None:
+        self.pages = self.engine.init_pages(num_blocks, block_size)
+        self._staged.clear()
+
+    def _check_peer(self, order: PullOrder) -> None:
+        if order.source_name in self._peers_checked:
+            return
+        import ray
+
+        try:
+            theirs = cast(ModelSignature, fetch(order.source.signature.remote(), self.transfer.pull_timeout_s))
+        except ray.exceptions.RayError:
+            return  # the peer is down; the pull below fails over, and the check runs at the next contact
+        check_compatible(theirs, self._signature, order.source_name, self.name)
+        self._peers_checked.add(order.source_name)
+
+    def _fetch(self, order: PullOrder) -> tuple[SequenceKV, int]:
+
+        timeout = self.transfer.pull_timeout_s
+        rid = order.request_id
+        if (order.mechanism or self.transfer.mechanism) == "jax":
+            ticket = cast(JaxTicket | None, fetch(order.source.offer_jax.remote(rid), timeout))
+            if ticket is None:
+                raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
+            server = self._server
+            kv = run_with_watchdog(lambda: pull_staged(server, ticket, timeout), timeout + 1.0, f"pull {rid!r}")
+            return to_layout(kv, self.layout), ticket.num_bytes
+        host = cast(HostKV | None, fetch(order.source.take_host.remote(rid), timeout))
+        if host is None:
+            raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
+        return to_layout(from_host(host), self.layout), host_num_bytes(host)
+
+    def pull(self, order: PullOrder) -> PullReport:
+        """Stage one request's KV here: pulled from its prefill actor, or recomputed when that fails."""
+        import ray
+
+        self._check_peer(order)
+        started_at = time.monotonic()
+        failures: list[str] = []
+        for _ in range(1 + self.transfer.num_retries):
+            try:
+                kv, num_bytes = self._fetch(order)
+            except (PullError, ray.exceptions.RayError) as e:
+                failures.append(repr(e))
+                self.num_failed_pulls += 1
+                if isinstance(e, PullError) and "no longer holds" in str(e):
+                    break  # the KV is gone; asking again cannot bring it back
+                continue
+            jax.block_until_ready(kv)
+            self._staged[order.request_id] = kv
+            self.num_pulls += 1
+            seconds = time.monotonic() - started_at
+            return PullReport(order.request_id, num_bytes, seconds, len(failures), False)
+        if self.transfer.on_failure == "fail":
+            raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
+        seq = self.engine.prefill([order.item]).sequences[0]  # the prompt again, on this actor's devices
+        jax.block_until_ready(seq.kv)
+        self._staged[order.request_id] = seq.kv
+        self.num_recomputed += 1
+        seconds = time.monotonic() - started_at
+        return PullReport(order.request_id, 0, seconds, len(failures), True, failures[-1])
+
+    def has_staged(self, request_id: str) -> bool:
+        return request_id in self._staged
+
+    def staged_host(self, request_id: str) -> tuple[HostKV, list[list[tuple[int, ...]]], list[str]]:
+        """For tests: a staged KV as host arrays, each array's shard shapes and sharding spec."""
+        kv = self._staged[request_id]
+        shard_shapes = [[tuple(s.data.shape) for s in a.addressable_shards] for st in kv for a in (st.k, st.v)]
+        specs = [str(a.sharding.spec) for st in kv for a in (st.k, st.v)]  # type: ignore[attr-defined]
+        return to_host(kv), shard_shapes, specs
+
+    def insert(self, request_id: str, num_tokens: int, block_table: Sequence[int]) -> bool:
+        """Write a staged KV into the pool; False if nothing is staged under that id (e.g. after a restart)."""
+        kv = self._staged.pop(request_id, None)
+        if kv is None:
+            return False
+        assert self.pages is not None, "init_pages first"
+        self.pages = self.engine.insert(kv, num_tokens, self.pages, block_table)
+        return True
+
+    def decode_step(self, batch: StepBatch) -> list[int]:
+        assert self.pages is not None, "init_pages first"
+        tokens, self.pages = self.engine.decode_step(batch, self.pages)
+        return [int(t) for t in tokens]
+
+    def rebuild(self, items: Sequence[RebuildItem]) -> None:
+        """Re-prefill each context and write its KV into its blocks (the pool after a restart)."""
+        assert self.pages is not None, "init_pages first"
+        if not items:
+            return
+        prefill_items = [PrefillItem(i.request_id, i.token_ids, i.sampling, i.seed) for i in items]
+        result = self.engine.prefill(prefill_items)
+        for item, seq in zip(items, result.sequences, strict=True):
+            self.pages = self.engine.insert(seq.kv, len(item.token_ids), self.pages, item.block_table)
+        jax.block_until_ready(self.pages)
+
+    def stats(self) -> DecodeStats:
+        return DecodeStats(self.num_pulls, self.num_failed_pulls, self.num_recomputed, len(self._staged))

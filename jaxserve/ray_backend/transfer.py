@@ -1,0 +1,279 @@
+"""KV transfer between processes: leases on the prefill side, two pull mechanisms, a watchdog.
+
+Prefill side (`LeasedKVBuffer`, used inside the prefill actor): a finished
+prefill's KV is held only under a lease (`lease_s`, default a few seconds). The
+controller renews the lease while the request waits for a decode instance; the
+entry is freed when it is pulled (`take`), when its lease runs out (`expire`),
+or when it is cancelled. A KV nobody pulls therefore cannot pin memory.
+
+Decode side: the decode actor pulls a KV by request id, with one of two
+mechanisms (`TransferConfig.mechanism`):
+
+* `object_store`: the prefill actor copies the KV to host numpy arrays and
+  returns them from a typed actor method (Ray's object store carries them);
+  the decode actor `device_put`s them into its own layout.
+* `jax`: `jax.experimental.transfer` servers, one per actor, on explicit
+  loopback transport addresses. jax 0.10.2 on CPU returned wrong values when
+  the puller asked for a different PartitionSpec, and aborted the process for a
+  different device count, so the prefill side stages each stage's arrays on
+  ONE device and the decode side pulls into one device of its own, then
+  re-shards locally (`to_layout`). A pull whose producer never registers the id
+  can block past its own timeout: `run_with_watchdog` bounds it.
+
+`ObjectStoreTransfer` is the object-store path as a plain `KVTransfer` (one
+process, `ray.put`/`ray.get` round trip), so the shared conformance test can
+run it next to `InProcessTransfer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+from jaxserve.kv_transfer import TransferState, regroup_layers
+
+Mechanism = Literal["object_store", "jax"]
+FailurePolicy = Literal["recompute", "fail"]
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    mechanism: Mechanism = "object_store"
+    lease_s: float = 5.0  # a prefilled KV nobody renews is freed after this long
+    pull_timeout_s: float = 30.0  # one pull attempt; the watchdog fires after this
+    num_retries: int = 1  # pull attempts after the first, before the failure policy applies
+    on_failure: FailurePolicy = "recompute"  # recompute: the decode actor re-prefills the prompt itself
+
+
+class PullError(RuntimeError):
+    """A pull that did not deliver the KV (gone, expired, producer dead, timed out)."""
+
+
+# ---- prefill side: the leased buffer ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Lease:
+    kv: SequenceKV
+    expires_at: float
+
+
+class LeasedKVBuffer:
+    """Prefilled KV held under leases; thread-safe; time comes in as `now` (monotonic seconds)."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Lease] = {}
+        self.num_expired = 0
+        self.num_pulled = 0
+        self.num_cancelled = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def put(self, request_id: str, kv: SequenceKV, now: float) -> None:
+        with self._lock:
+            self._entries[request_id] = _Lease(kv, now + self.lease_s)
+
+    def renew(self, request_ids: Sequence[str], now: float) -> int:
+        """Extend the leases of the ids still held; returns how many were."""
+        with self._lock:
+            held = [self._entries[r] for r in request_ids if r in self._entries]
+            for lease in held:
+                lease.expires_at = now + self.lease_s
+            return len(held)
+
+    def take(self, request_id: str, now: float) -> SequenceKV | None:
+        """Remove and return a KV for pulling; None if it is gone or its lease ran out."""
+        with self._lock:
+            lease = self._entries.pop(request_id, None)
+            if lease is None:
+                return None
+            if lease.expires_at < now:
+                self.num_expired += 1
+                return None
+            self.num_pulled += 1
+            return lease.kv
+
+    def cancel(self, request_ids: Sequence[str]) -> int:
+        with self._lock:
+            n = sum(self._entries.pop(r, None) is not None for r in request_ids)
+            self.num_cancelled += n
+            return n
+
+    def expire(self, now: float) -> list[str]:
+        """Free every entry whose lease ran out; returns their ids."""
+        with self._lock:
+            gone = [r for r, lease in self._entries.items() if lease.expires_at < now]
+            for r in gone:
+                del self._entries[r]
+            self.num_expired += len(gone)
+            return gone
+
+
+# ---- host arrays (object-store path) ------------------------------------------------------
+
+HostKV = tuple[tuple[np.ndarray, np.ndarray], ...]  # per prefill stage: (k, v), each [L_s, T, H, D]
+
+
+def to_host(kv: SequenceKV) -> HostKV:
+    return tuple((np.asarray(s.k), np.asarray(s.v)) for s in kv)
+
+
+def host_num_bytes(host: HostKV) -> int:
+    return sum(int(k.nbytes + v.nbytes) for k, v in host)
+
+
+def to_layout(kv: SequenceKV, target: KVLayout) -> SequenceKV:
+    """Regroup `kv` (host or device arrays, any placement) into `target`'s stages and shardings."""
+    out = []
+    for pieces, sharding in zip(regroup_layers(kv, target.stage_layers), target.shardings, strict=True):
+        moved = [StageKV(k=jax.device_put(p.k, sharding), v=jax.device_put(p.v, sharding)) for p in pieces]
+        if len(moved) == 1:
+            out.append(moved[0])
+        else:
+            k = jnp.concatenate([m.k for m in moved], axis=0)  # [L_s, T, H, D]
+            v = jnp.concatenate([m.v for m in moved], axis=0)
+            out.append(StageKV(k=k, v=v))
+    return tuple(out)
+
+
+def from_host(host: HostKV) -> SequenceKV:
+    return tuple(StageKV(k=k, v=v) for k, v in host)  # type: ignore[arg-type]  # numpy in, device_put later
+
+
+# ---- jax.experimental.transfer path --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxTicket:
+    """Where and under which id a staged KV waits for a `jax.experimental.transfer` pull."""
+
+    address: str
+    uuid: int
+    specs: tuple[ArraySpec, ...]  # flat: stage0 k, stage0 v, stage1 k, ...
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.specs)
+
+
+def start_transfer_server() -> object:
+    """A transfer server on loopback with an explicit loopback transport address."""
+    from jax.experimental import transfer
+
+    return transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+
+
+def stage_for_pull(kv: SequenceKV) -> list[jax.Array]:
+    """Every array of `kv` gathered onto this process's first device (the layout the puller asks for)."""
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return [jax.device_put(a, single) for s in kv for a in (s.k, s.v)]
+
+
+def pull_staged(server: object, ticket: JaxTicket, timeout_s: float) -> SequenceKV:
+    """Pull a ticket's arrays onto this process's first device (same single-device layout as staged)."""
+    import datetime
+
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    specs = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=single) for s in ticket.specs]
+    conn = server.connect(ticket.address)  # type: ignore[attr-defined]
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    flat = conn.pull(ticket.uuid, specs, timeout=deadline)
+    jax.block_until_ready(flat)
+    return tuple(StageKV(k=flat[i], v=flat[i + 1]) for i in range(0, len(flat), 2))
+
+
+def run_with_watchdog(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run `fn` in a daemon thread; raise PullError if it has not returned within `timeout_s`.
+
+    The thread is abandoned (not killed) when it overruns: a blocked native pull
+    cannot be interrupted, but the caller is free again and can recompute.
+    """
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"watchdog-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise PullError(f"{what}: no answer within {timeout_s:.1f} s (watchdog)")
+    if "error" in box:
+        err = box["error"]
+        assert isinstance(err, BaseException)
+        raise PullError(f"{what}: {err!r}") from err
+    return box["value"]  # type: ignore[return-value]
+
+
+def fetch(ref: object, timeout_s: float | None = None) -> object:
+    """`ray.get` of one ObjectRef (Ray's own annotations make mypy read it as a list; callers cast)."""
+    import ray
+
+    return ray.get(ref, timeout=timeout_s)  # type: ignore[call-overload]
+
+
+# ---- the object-store path as an in-process KVTransfer (conformance) ---------------------
+
+
+class ObjectStoreHandle:
+    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, seconds: float) -> None:
+        self._request_id, self._arrays, self._num_bytes, self._seconds = request_id, arrays, num_bytes, seconds
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        return self._seconds
+
+    def poll(self) -> TransferState:
+        return TransferState.DONE
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        del timeout_s
+        return TransferState.DONE
+
+    def result(self) -> SequenceKV:
+        return self._arrays
+
+
+class ObjectStoreTransfer:
+    """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target layout (needs `ray.init`)."""
+
+    def start(self, seq: PrefilledSequence, target: KVLayout) -> ObjectStoreHandle:
+        import ray
+
+        started_at = time.monotonic()
+        host = to_host(seq.kv)
+        fetched: HostKV = ray.get(ray.put(host))
+        arrays = to_layout(from_host(fetched), target)
+        jax.block_until_ready(arrays)
+        return ObjectStoreHandle(seq.request_id, arrays, host_num_bytes(host), time.monotonic() - started_at)

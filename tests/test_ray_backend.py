@@ -1,0 +1,302 @@
+"""The Ray backend on a real local Ray cluster: two simulated nodes, loopback only.
+
+One cluster for this module (`ray.cluster_utils.Cluster`, a head and a second
+node, custom resources `node0` / `node1`), one 1-prefill (tp2) + 1-decode (tp1)
+deployment of the tiny OPT shared by the parity, lease and kill tests, and a
+fake-engine deployment for the two-node placement.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+# Ray reads this when it is imported: without it, it binds the machine's network address.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import jax
+import numpy as np
+import pytest
+import test_kv_transfer as conformance
+from jax.sharding import PartitionSpec
+
+from jaxserve.controller import Controller, ControllerConfig
+from jaxserve.engine import PrefillItem
+from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
+from jaxserve.request import GenerateRequest, SamplingParams
+from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
+
+ray = pytest.importorskip("ray")
+
+from jaxserve.ray_backend.actors import DecodeActor, EngineSpec, PrefillActor, PullOrder  # noqa: E402
+from jaxserve.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
+from jaxserve.ray_backend.placement import PlacementConfig  # noqa: E402
+from jaxserve.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "opt-tiny"
+PLAN = "disagg:prefill=tp2,decode=tp1"
+NUM_REQUESTS = 32
+MAX_TOKENS = 12
+CONFIG = ControllerConfig(num_kv_blocks=96, block_size=16, max_decode_batch_size=8, max_batch_tokens=64)
+LEASE_S = 2.0
+
+
+def _prompts() -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(7)
+    return [tuple(int(t) for t in rng.integers(4, 500, size=int(rng.integers(3, 20)))) for _ in range(NUM_REQUESTS)]
+
+
+def _requests(tag: str) -> list[GenerateRequest]:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [GenerateRequest(f"{tag}-{i}", p, sampling) for i, p in enumerate(_prompts())]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    root = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    os.environ["RAY_TMPDIR"] = root
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    loopback_only()
+    ray_dir = os.path.join(root, "ray")
+    os.makedirs(ray_dir)
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4, "resources": {"node0": 4}, "node_ip_address": "127.0.0.1",
+            "include_dashboard": False, "temp_dir": ray_dir,
+        },
+    )  # fmt: skip
+    c.add_node(num_cpus=4, resources={"node1": 4}, node_ip_address="127.0.0.1")
+    ray.init(address=c.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+RAY_CONFIG = RayConfig(
+    transfer=TransferConfig(lease_s=LEASE_S, pull_timeout_s=20.0),
+    placement=PlacementConfig(num_cpus_per_actor=0.5),
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster):
+    controller = RayController.launch(MODEL, parse_deployment(PLAN), CONFIG, RAY_CONFIG)
+    controller.start()
+    yield controller
+    controller.shutdown(drain_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, list[int]]:
+    """The embedded deployment's greedy outputs (same plan, same limits, this process's devices)."""
+    with Controller.from_plan(MODEL, parse_deployment(PLAN), config=CONFIG) as controller:
+        streams = [controller.submit(r) for r in _requests("ref")]
+        return {i: s.collect(timeout_s=120)[0] for i, s in enumerate(streams)}
+
+
+def _run_streaming(controller: Controller, tag: str, kill_when=None) -> dict[int, list[int]]:
+    """Submit every request, read each stream token by token; `kill_when(num_tokens_seen)` may act once."""
+    streams = [controller.submit(r) for r in _requests(tag)]
+    seen = [0]
+    lock = threading.Lock()
+    out: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        ids: list[int] = []
+        try:
+            for chunk in streams[i]:
+                ids.extend(chunk.token_ids)
+                with lock:
+                    seen[0] += len(chunk.token_ids)
+            out[i] = ids
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    if kill_when is not None:
+        deadline = time.monotonic() + 120
+        while not kill_when(seen[0]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return out
+
+
+def test_cluster_is_loopback(cluster, deployment) -> None:
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+    assert {info.node_ip for info in deployment.actor_infos.values()} == {"127.0.0.1"}
+    # every actor owns its own JAX runtime with exactly tp x pp devices
+    infos = deployment.actor_infos
+    assert infos["prefill-0"].num_devices == 2 and infos["decode-0"].num_devices == 1
+    assert len({info.pid for info in infos.values()} | {os.getpid()}) == 3
+
+
+def test_ray_matches_embedded_greedy(deployment, reference) -> None:
+    streams = [deployment.submit(r) for r in _requests("parity")]
+    got = {i: s.collect(timeout_s=120)[0] for i, s in enumerate(streams)}
+    assert got == reference
+    assert all(len(ids) == MAX_TOKENS for ids in got.values())
+    stats = deployment.stats()
+    assert stats.num_transfers >= NUM_REQUESTS and stats.kv_transfer_bytes > 0
+    faults = deployment.fault_stats()
+    assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_actor_restarts == 0
+
+
+def test_unpulled_kv_is_freed_after_its_lease(deployment) -> None:
+    prefill = deployment.actor("prefill-0")
+    before = deployment.buffer_stats("prefill-0")
+    assert before.num_held == 0
+    item = PrefillItem("orphan", (5, 6, 7, 8), SamplingParams(max_tokens=4), 0)
+    metas = ray.get(prefill.prefill.remote([item]))  # nobody renews this lease, nobody pulls
+    assert metas[0].num_bytes > 0
+    assert deployment.buffer_stats("prefill-0").num_held == 1
+    time.sleep(LEASE_S + 1.0)
+    after = deployment.buffer_stats("prefill-0")
+    assert after.num_held == 0
+    assert after.num_expired == before.num_expired + 1
+    assert ray.get(prefill.take_host.remote("orphan")) is None
+
+
+def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
+    restarts = deployment.fault_stats().num_actor_restarts
+    killed = []
+
+    def kill(num_seen: int) -> bool:
+        if num_seen >= NUM_REQUESTS * MAX_TOKENS // 4:
+            ray.kill(deployment.actor("decode-0"), no_restart=False)
+            killed.append(num_seen)
+            return True
+        return False
+
+    got = _run_streaming(deployment, "dkill", kill)
+    assert killed
+    assert got == reference  # every stream whole: nothing lost, nothing repeated
+    faults = deployment.fault_stats()
+    assert faults.num_actor_restarts > restarts and faults.num_rerouted_requests > 0
+    assert deployment.stats().num_live_requests == 0
+
+
+def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
+    restarts = deployment.fault_stats().num_actor_restarts
+    killed = []
+
+    def kill(num_seen: int) -> bool:
+        if num_seen >= 4:  # a few first tokens out: queued, running and buffered prefills remain
+            ray.kill(deployment.actor("prefill-0"), no_restart=False)
+            killed.append(num_seen)
+            return True
+        return False
+
+    got = _run_streaming(deployment, "pkill", kill)
+    assert killed
+    assert got == reference
+    assert deployment.fault_stats().num_actor_restarts > restarts
+    # the restarted actor rejoined: it serves new requests
+    again = deployment.submit(_requests("after")[0]).collect(timeout_s=120)[0]
+    assert again == reference[0]
+
+
+# ---- two simulated nodes --------------------------------------------------------------------
+
+FAKE = conformance.CFG
+
+
+def test_low_affinity_plan_pairs_stages_on_one_node(cluster) -> None:
+    # What Algorithm 2 writes for two pairs: each prefill/decode pair on one node.
+    plan = DeploymentPlan(
+        instances=(
+            InstanceSpec("prefill", tp=1, nodes=(0,)),
+            InstanceSpec("prefill", tp=1, nodes=(1,)),
+            InstanceSpec("decode", tp=1, nodes=(0,)),
+            InstanceSpec("decode", tp=1, nodes=(1,)),
+        )
+    )
+    rc = RayConfig(
+        transfer=TransferConfig(lease_s=LEASE_S),
+        placement=PlacementConfig(num_cpus_per_actor=0.5, node_resource_prefix="node"),
+        engine="fake",
+        fake_config=FAKE,
+    )
+    node_of = {n["NodeID"]: ("node0" if "node0" in n["Resources"] else "node1") for n in ray.nodes() if n["Alive"]}
+    controller = RayController.launch("fake", plan, ControllerConfig(num_kv_blocks=32), rc)
+    try:
+        infos = controller.actor_infos
+        assert node_of[infos["prefill-0"].node_id] == node_of[infos["decode-0"].node_id] == "node0"
+        assert node_of[infos["prefill-1"].node_id] == node_of[infos["decode-1"].node_id] == "node1"
+        controller.start()
+        sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+        prompts = [(3, 4, 5), (9, 8, 7, 6), (11, 12), (1, 2, 3, 4, 5)]
+        streams = [controller.submit(GenerateRequest(f"n{i}", p, sampling)) for i, p in enumerate(prompts)]
+        for p, s in zip(prompts, streams, strict=True):
+            assert s.collect(timeout_s=60)[0] == reference_tokens(p, 5, FAKE.vocab_size)
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
+# ---- KV transfer conformance across processes -----------------------------------------------
+
+
+@pytest.mark.parametrize(("src", "dst"), [((2, 1), (1, 1)), ((1, 1), (2, 2))], ids=["tp2->tp1", "tp1->tp2pp2"])
+def test_object_store_transfer_conformance(cluster, monkeypatch, src, dst) -> None:
+    """The shared conformance test, run on the object-store path (in this process, through Ray's store)."""
+    monkeypatch.setitem(conformance.TRANSFERS, "object_store", ObjectStoreTransfer)
+    conformance.test_transfer_lands_in_decode_layout("object_store", src, dst)
+
+
+@pytest.fixture(scope="module")
+def transfer_pair(cluster):
+    """A fake prefill actor (tp2) and a fake decode actor (tp1 pp2), both with transfer servers."""
+    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0, num_retries=0, on_failure="fail")
+    pspec = EngineSpec("prefill", 2, 1, "fake", engine="fake", fake_config=FAKE)
+    dspec = EngineSpec("decode", 1, 2, "fake", engine="fake", fake_config=FAKE)
+    p = ray.remote(PrefillActor).options(runtime_env=actor_env(pspec, False), num_cpus=0.5, max_concurrency=4)
+    d = ray.remote(DecodeActor).options(runtime_env=actor_env(dspec, False), num_cpus=0.5, max_concurrency=2)
+    pa, da = p.remote("prefill-t", pspec, tc), d.remote("decode-t", dspec, tc)
+    yield pa, da
+    ray.kill(pa)
+    ray.kill(da)
+
+
+@pytest.mark.parametrize("mechanism", ["object_store", "jax"])
+def test_cross_process_pull_lands_in_decode_layout(transfer_pair, mechanism) -> None:
+    pa, da = transfer_pair
+    rid = f"x-{mechanism}"
+    prompt = tuple(range(5, 25))
+    item = PrefillItem(rid, prompt, SamplingParams(), 0)
+    ray.get(pa.prefill.remote([item]))
+    report = ray.get(da.pull.remote(PullOrder(rid, pa, "prefill-t", item, mechanism)))
+    assert not report.recomputed and report.num_failed_attempts == 0
+    host, shard_shapes, specs = ray.get(da.staged_host.remote(rid))
+    # what the prefill side computed, here on local devices: the KV must arrive bit for bit
+    local = FakeEngine(FAKE, jax.devices()[:1]).prefill([item]).sequences[0]
+    expected_k = np.concatenate([np.asarray(s.k) for s in local.kv], axis=0)  # [L, T, H, D]
+    got_k = np.concatenate([k for k, _ in host], axis=0)
+    np.testing.assert_array_equal(got_k, expected_k)
+    np.testing.assert_array_equal(
+        np.concatenate([v for _, v in host], axis=0), np.concatenate([np.asarray(s.v) for s in local.kv], axis=0)
+    )
+    assert report.num_bytes == local.num_bytes
+    assert len(host) == 2  # decode's two pipeline stages of 2 layers each
+    assert all(k.shape[0] == 2 for k, _ in host)
+    assert all(shapes == [(2, expected_k.shape[1], FAKE.num_heads, 1)] for shapes in shard_shapes)
+    assert set(specs) == {str(PartitionSpec(None, None, "tp", None))}  # the decode engine's KV sharding
+    # a second pull of the same id finds nothing: the lease ended at the first pull
+    with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds"):
+        ray.get(da.pull.remote(PullOrder(rid, pa, "prefill-t", item, mechanism)))

@@ -1,0 +1,85 @@
+"""The Ray backend's pure parts, without a cluster: leases, peer checks, placement from a plan, the watchdog."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxserve.engine import StageKV
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
+from jaxserve.ray_backend.placement import PlacementConfig, bundle, group_by_node
+from jaxserve.ray_backend.transfer import LeasedKVBuffer, PullError, run_with_watchdog
+from models.config import get_config
+
+
+def _kv() -> tuple[StageKV, ...]:
+    return (StageKV(k=np.zeros((1, 4, 2, 1)), v=np.ones((1, 4, 2, 1))),)  # type: ignore[arg-type]
+
+
+def test_lease_expires_unless_renewed() -> None:
+    buf = LeasedKVBuffer(lease_s=2.0)
+    buf.put("a", _kv(), now=0.0)
+    buf.put("b", _kv(), now=0.0)
+    assert buf.renew(["a", "zzz"], now=1.5) == 1  # a now lives until 3.5, b until 2.0
+    assert buf.expire(now=2.5) == ["b"]
+    assert len(buf) == 1 and buf.num_expired == 1
+    assert buf.take("b", now=2.5) is None
+    assert buf.take("a", now=3.0) is not None
+    assert len(buf) == 0 and buf.num_pulled == 1
+
+
+def test_take_after_lease_end_counts_as_expired_and_cancel_frees() -> None:
+    buf = LeasedKVBuffer(lease_s=1.0)
+    buf.put("a", _kv(), now=0.0)
+    assert buf.take("a", now=1.01) is None  # the reaper had not run yet: still refused
+    assert buf.num_expired == 1 and len(buf) == 0
+    buf.put("c", _kv(), now=5.0)
+    assert buf.cancel(["c", "c", "nope"]) == 1
+    assert len(buf) == 0 and buf.num_cancelled == 1
+
+
+def test_peer_check_names_every_difference() -> None:
+    tiny = ModelSignature.of(get_config("opt-tiny"), "float32", 16)
+    assert tiny == ModelSignature.of(get_config("opt-tiny"), "float32", 16)
+    check_compatible(tiny, tiny, "prefill-0", "decode-0")
+    other = ModelSignature.of(get_config("opt-125m"), "bfloat16", 32)
+    with pytest.raises(IncompatiblePeerError) as e:
+        check_compatible(tiny, other, "prefill-0", "decode-0")
+    msg = str(e.value)
+    assert "prefill-0 and decode-0 cannot exchange KV caches" in msg
+    for field in ("model", "dtype", "num_layers", "num_heads", "head_size", "block_size"):
+        assert f"{field}:" in msg
+
+
+def test_low_affinity_plan_groups_pairs_by_node() -> None:
+    plan = DeploymentPlan(
+        instances=(
+            InstanceSpec("prefill", tp=2, nodes=(0,)),
+            InstanceSpec("prefill", tp=2, nodes=(1,)),
+            InstanceSpec("decode", tp=1, nodes=(0,)),
+            InstanceSpec("decode", tp=1, nodes=(1,)),
+        )
+    )
+    assert group_by_node(plan) == {0: [0, 2], 1: [1, 3]}
+    cfg = PlacementConfig(num_cpus_per_actor=0.5, use_gpus=True, node_resource_prefix="node")
+    assert bundle(plan.instances[1], cfg) == {"CPU": 0.5, "GPU": 2.0, "node1": 0.001}
+    assert group_by_node(DeploymentPlan(instances=(InstanceSpec("prefill"), InstanceSpec("decode")))) == {}
+
+
+def test_instance_spanning_nodes_is_refused() -> None:
+    plan = DeploymentPlan(instances=(InstanceSpec("prefill", pp=2, nodes=(0, 1)), InstanceSpec("decode", nodes=(0,))))
+    with pytest.raises(PlanError, match="one actor per instance"):
+        group_by_node(plan)
+
+
+def test_watchdog_frees_the_caller_from_a_stuck_pull() -> None:
+    release = threading.Event()
+    with pytest.raises(PullError, match="watchdog"):
+        run_with_watchdog(lambda: release.wait(30), timeout_s=0.2, what="stuck pull")
+    release.set()
+    assert run_with_watchdog(lambda: 41 + 1, timeout_s=5, what="quick") == 42
+    with pytest.raises(PullError, match="boom"):
+        run_with_watchdog(lambda: (_ for _ in ()).throw(ValueError("boom")), timeout_s=5, what="failing")
