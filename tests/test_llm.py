@@ -45,10 +45,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_default_model_and_deployment_work_on_a_fresh_process() -> None:
-    proc = _cli("--prompt-ids", "2,100,31", "--max-tokens", "4", "--ignore-eos", "--json")
+    # The default is the code model shipped in the package: it has a tokenizer, so text works.
+    proc = _cli("--prompt", "import ", "--max-tokens", "4", "--ignore-eos", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out) == {"token_ids", "text"} and len(out["token_ids"]) == 4
+    assert isinstance(out["text"], str) and out["text"]
+    assert "RANDOM weights" not in proc.stderr
+
+
+def test_cli_preset_means_random_weights_with_a_warning() -> None:
+    proc = _cli("--model", "opt-tiny", "--prompt-ids", "2,100,31", "--max-tokens", "4", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 4
     assert all(0 <= t < CFG.vocab_size for t in out["token_ids"])
     assert "RANDOM weights" in proc.stderr  # a preset without a checkpoint says so
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-DEFAULT_MODEL = "opt-tiny"
-DEFAULT_DEPLOYMENT = "disagg:prefill=tp1,decode=tp1"
+from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="HF OPT dir, jaxserve checkpoint dir, or preset name (random weights)"
+        "--model",
+        default=None,
+        help="HF OPT dir, jaxserve checkpoint dir, or preset name (random weights); default: the shipped code model",
     )
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs a tokenizer; presets fall back to bytes)")
@@ -27,13 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment spec or plan JSON file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
-
-
-def _ensure_devices(num_devices: int) -> None:
-    """Give a CPU-only run enough virtual devices; must happen before JAX is imported."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, 1)}".strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
-    _ensure_devices(plan.num_devices)
+    ensure_host_devices(plan.num_devices)
 
     from jaxserve.llm import LLM
     from jaxserve.request import SamplingParams
@@ -69,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     try:
-        with LLM(model=args.model, deployment=plan, dtype=args.dtype) as llm:
+        with LLM(model=args.model or default_model(), deployment=plan, dtype=args.dtype) as llm:
             out = llm.generate(prompt_ids if prompt_ids is not None else args.prompt, sampling)[0]
             text = out.text if out.text is not None else llm.codec.decode(out.token_ids)
     except (JaxServeError, PlanError, ValueError, KeyError) as e:

@@ -23,6 +23,8 @@ import os
 import sys
 from pathlib import Path
 
+from jaxserve.commands.common import ensure_host_devices
+
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -63,18 +65,6 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _prepare_xla(num_devices: int, single_core: bool) -> None:
-    """Enough host devices, one core each; only effective before JAX is imported."""
-    if "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={num_devices}"
-    if single_core and "xla_cpu_multi_thread_eigen" not in flags:
-        flags += " " + SINGLE_CORE_FLAGS
-    os.environ["XLA_FLAGS"] = flags.strip()
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         tps = _tps(args)
@@ -85,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("dist", "coloc") for e in engines):
         print("jaxserve profile: error: need tp >= 1 and engines from dist,coloc", file=sys.stderr)
         return 2
-    _prepare_xla(max(tps), not args.cpu_multi_thread)
+    ensure_host_devices(max(tps), "" if args.cpu_multi_thread else SINGLE_CORE_FLAGS)
 
     import dataclasses
 

@@ -16,12 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-# The embedded default model: None means the trained tiny model shipped in
-# jaxserve/assets/ when the package has it, else FALLBACK_MODEL (a preset: random weights).
-# Set DEFAULT_MODEL to a preset name or a directory to pin it.
-DEFAULT_MODEL: str | None = None
-FALLBACK_MODEL = "opt-tiny"
-DEFAULT_DEPLOYMENT = "disagg:prefill=tp1,decode=tp1"
+from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices
+
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
 
@@ -61,24 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
 
 
-def default_model() -> str:
-    """The model `jaxserve serve` runs when neither --model nor the plan names one."""
-    if DEFAULT_MODEL is not None:
-        return DEFAULT_MODEL
-    from jaxserve.assets import DEFAULT_MODEL_DIR
-
-    if (DEFAULT_MODEL_DIR / "config.json").exists():
-        return str(DEFAULT_MODEL_DIR)
-    return FALLBACK_MODEL
-
-
-def _ensure_devices(num_devices: int) -> None:
-    """Give a CPU-only run enough virtual devices; must happen before JAX is imported."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, 1)}".strip()
-
-
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -99,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
-    _ensure_devices(highest + 1)
+    ensure_host_devices(highest + 1)
 
     from jaxserve.controller import Controller, ControllerConfig
     from jaxserve.deployment import place
