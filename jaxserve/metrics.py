@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxserve.wire import Timings
@@ -139,6 +139,10 @@ class ServingMetrics:
         for gap in timings.inter_token_latencies_s:
             self.itl.observe(max(gap, 0.0))
 
+    def watch_faults(self, source: FaultStatsSource) -> None:
+        """Export a backend's fault counters (Ray: failed pulls, expired leases, re-routed requests), read live."""
+        self.registry.register(FaultCollector(source))
+
     def observe_error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
 
@@ -175,3 +179,45 @@ class LiveInstanceCollector(Collector):
             for inst in instances:
                 family.add_metric([inst.name, inst.role], float(getattr(inst, attr)))
             yield family
+
+
+class FaultStats(Protocol):
+    @property
+    def num_failed_pulls(self) -> int: ...
+
+    @property
+    def num_expired_leases(self) -> int: ...
+
+    @property
+    def num_rerouted_requests(self) -> int: ...
+
+    @property
+    def num_actor_restarts(self) -> int: ...
+
+
+class FaultStatsSource(Protocol):
+    def fault_stats(self) -> FaultStats: ...
+
+
+_FAULT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kv_pull_failures", "num_failed_pulls", "KV pull attempts that failed (then retried, recomputed or failed)."),
+    ("kv_leases_expired", "num_expired_leases", "Prefilled KVs freed because nobody pulled them within the lease."),
+    ("requests_rerouted", "num_rerouted_requests", "Requests re-run after the instance holding them died."),
+    ("instance_restarts", "num_actor_restarts", "Times a dead instance (Ray actor) was restarted and rejoined."),
+)
+
+
+class FaultCollector(Collector):
+    """Fault counters of a backend that has them (the Ray backend), read at scrape time."""
+
+    def __init__(self, source: FaultStatsSource) -> None:
+        self._source = source
+
+    def describe(self) -> Iterator[Metric]:
+        for name, _, doc in _FAULT_COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source.fault_stats()
+        for name, attr, doc in _FAULT_COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(getattr(stats, attr)))

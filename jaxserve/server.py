@@ -80,6 +80,8 @@ class JaxServeServer:
         self.config = config or ServerConfig()
         self.frontend = Frontend(controller, model_name=self.config.model_name)
         self.metrics: ServingMetrics = self.frontend.metrics
+        if callable(getattr(controller, "fault_stats", None)):  # the Ray backend's fault counters
+            self.metrics.watch_faults(controller)
         self.grpc_address = ""
         self.http_address = ""
         self._serving = False
