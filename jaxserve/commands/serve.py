@@ -48,6 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-warmup", action="store_true", help="skip the warm-up request (compilation) before the ready line"
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    ray_group = parser.add_argument_group("backend")
+    ray_group.add_argument(
+        "--backend",
+        choices=["embedded", "ray"],
+        default="embedded",
+        help="embedded: instances as threads in this process; ray: every instance a Ray actor (disagg plans)",
+    )
+    ray_group.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    ray_group.add_argument(
+        "--kv-transfer",
+        choices=["object_store", "jax"],
+        default="object_store",
+        help="ray backend: how decode actors pull KV (jax: jax.experimental.transfer)",
+    )
     limits = parser.add_argument_group("runtime limits")
     limits.add_argument("--num-kv-blocks", type=int, default=256, help="paged KV blocks per decode instance")
     limits.add_argument("--block-size", type=int, default=16)
@@ -101,8 +115,15 @@ def run(args: argparse.Namespace) -> int:
 
             fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
             engine_factory = fake_engine_factory(fake_config)
-        controller = Controller.from_plan(model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype)
-        for name, spec, devices in place(plan):
+        if args.backend == "ray":
+            from jaxserve.ray_backend.deployment import launch_from_args
+
+            controller = launch_from_args(model, plan, config, args)
+        else:
+            controller = Controller.from_plan(
+                model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
+            )
+        for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
                 "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
                 name,

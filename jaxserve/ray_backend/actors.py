@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 EngineKind = Literal["opt", "fake"]
 
 
-class IncompatiblePeerError(RuntimeError):
+class IncompatiblePeerError(ValueError):
     """Two instances of one deployment disagree on the model or KV shape; they must not exchange KV."""
 
 

@@ -20,6 +20,7 @@ kills the actors and removes the placement groups.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -258,3 +259,23 @@ class RayController(Controller):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         self.placement.remove()
+
+
+def launch_from_args(
+    model: str, plan: DeploymentPlan, config: ControllerConfig, args: argparse.Namespace
+) -> Controller:
+    """`jaxserve serve --backend ray`: the Ray deployment the command-line flags describe."""
+    from jaxserve.ray_backend.transfer import TransferConfig
+
+    fake_config = None
+    if args.engine == "fake":
+        from models.config import PRESETS, get_config
+
+        fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
+    rc = RayConfig(
+        address=args.ray_address,
+        transfer=TransferConfig(mechanism=args.kv_transfer),
+        engine=args.engine,
+        fake_config=fake_config,
+    )
+    return RayController.launch(model, plan, config, rc, dtype=args.dtype)
