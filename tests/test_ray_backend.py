@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.controller import Controller, ControllerConfig
 from jaxserve.engine import PrefillItem
+from jaxserve.metrics import ServingMetrics
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.request import GenerateRequest, SamplingParams
 from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
@@ -191,6 +192,11 @@ def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
     faults = deployment.fault_stats()
     assert faults.num_actor_restarts > restarts and faults.num_rerouted_requests > 0
     assert deployment.stats().num_live_requests == 0
+    metrics = ServingMetrics()
+    metrics.watch_faults(deployment)
+    text = metrics.render().decode()
+    assert f"jaxserve:requests_rerouted_total {float(faults.num_rerouted_requests)}" in text
+    assert "jaxserve:instance_restarts_total" in text and "jaxserve:kv_leases_expired_total" in text
 
 
 def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
