@@ -34,6 +34,7 @@ ray = pytest.importorskip("ray")
 from jaxserve.ray_backend.actors import DecodeActor, EngineSpec, PrefillActor, PullOrder  # noqa: E402
 from jaxserve.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
 from jaxserve.ray_backend.placement import PlacementConfig  # noqa: E402
+from jaxserve.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
 from jaxserve.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -173,6 +174,45 @@ def test_unpulled_kv_is_freed_after_its_lease(deployment) -> None:
     assert after.num_held == 0
     assert after.num_expired == before.num_expired + 1
     assert ray.get(prefill.take_host.remote("orphan")) is None
+
+
+def test_lease_keeper_renews_while_buffered_and_cancels_when_dropped(deployment) -> None:
+    prefill = deployment.actor("prefill-0")
+    info = deployment.actor_infos["prefill-0"]
+    held = {"kept"}
+    proxy = RemotePrefillEngine("prefill-0", prefill, info, info.model_config, 30.0, FaultCounters(), lease_s=LEASE_S)
+    proxy._lookup = lambda rid: rid if rid in held else None  # what the PrefillInstance buffer says
+    item = PrefillItem("kept", (9, 10, 11), SamplingParams(max_tokens=4), 0)
+    proxy.prefill([item])
+    before = deployment.buffer_stats("prefill-0")
+    for _ in range(4):  # 2 lease periods, renewed every half lease
+        time.sleep(LEASE_S / 2)
+        assert proxy.keep_once() == (["kept"], [])
+    assert deployment.buffer_stats("prefill-0").num_held == 1
+    held.clear()  # the controller dropped it (cancelled): the next round frees it on the actor
+    assert proxy.keep_once() == ([], ["kept"])
+    after = deployment.buffer_stats("prefill-0")
+    assert after.num_held == 0 and after.num_cancelled == before.num_cancelled + 1
+    assert after.num_expired == before.num_expired
+
+
+def test_pull_of_a_lost_kv_recomputes_it_on_the_decode_side(deployment) -> None:
+    prefill, decode = deployment.actor("prefill-0"), deployment.actor("decode-0")
+    prompt = (21, 22, 23, 24, 25)
+    real = PrefillItem("real", prompt, SamplingParams(max_tokens=4), 0)
+    ghost = PrefillItem("ghost", prompt, SamplingParams(max_tokens=4), 0)  # never prefilled on prefill-0
+    ray.get(prefill.prefill.remote([real]))
+    pulled = ray.get(decode.pull.remote(PullOrder("real", prefill, "prefill-0", real)))
+    recomputed = ray.get(decode.pull.remote(PullOrder("ghost", prefill, "prefill-0", ghost)))
+    assert not pulled.recomputed and pulled.num_bytes > 0
+    assert recomputed.recomputed and recomputed.num_failed_attempts == 1 and "no longer holds" in recomputed.error
+    host_real, _, _ = ray.get(decode.staged_host.remote("real"))
+    host_ghost, _, _ = ray.get(decode.staged_host.remote("ghost"))
+    n = len(prompt)
+    for (k1, v1), (k2, v2) in zip(host_real, host_ghost, strict=True):  # tp2 prefill vs tp1 recompute
+        np.testing.assert_allclose(k1[:, :n], k2[:, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v1[:, :n], v2[:, :n], rtol=1e-5, atol=1e-5)
+    assert ray.get(decode.discard.remote("real")) and ray.get(decode.discard.remote("ghost"))
 
 
 def test_decode_actor_killed_mid_stream(deployment, reference) -> None:

@@ -348,6 +348,10 @@ class DecodeActor(_ActorBase):
     def has_staged(self, request_id: str) -> bool:
         return request_id in self._staged
 
+    def discard(self, request_id: str) -> bool:
+        """Drop a staged KV that will not be inserted (its request ended while it was pulled)."""
+        return self._staged.pop(request_id, None) is not None
+
     def staged_host(self, request_id: str) -> tuple[HostKV, list[list[tuple[int, ...]]], list[str]]:
         """For tests: a staged KV as host arrays, each array's shard shapes and sharding spec."""
         kv = self._staged[request_id]
