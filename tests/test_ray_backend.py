@@ -346,3 +346,29 @@ def test_cross_process_pull_lands_in_decode_layout(transfer_pair, mechanism) -> 
     # a second pull of the same id finds nothing: the lease ended at the first pull
     with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds"):
         ray.get(da.pull.remote(PullOrder(rid, pa, "prefill-t", item, mechanism)))
+
+
+def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster, reference) -> None:
+    """No restart left: every request the dead decode instance held is re-prefilled (prompt + streamed
+    tokens) and continues on the other decode instance, in the same client stream."""
+    plan = parse_deployment("disagg:prefill=tp2,decode=2xtp1")
+    controller = RayController.launch(MODEL, plan, CONFIG, RAY_CONFIG)
+    controller.start()
+    try:
+        killed = []
+
+        def kill(num_seen: int) -> bool:
+            if num_seen >= NUM_REQUESTS * MAX_TOKENS // 4:
+                ray.kill(controller.actor("decode-0"), no_restart=True)
+                killed.append(num_seen)
+                return True
+            return False
+
+        got = _run_streaming(controller, "gone", kill)
+        assert killed
+        assert got == reference
+        assert controller.fault_stats().num_rerouted_requests > 0
+        alive = {d.name: d.error is None for d in controller.decode_instances}
+        assert alive == {"decode-0": False, "decode-1": True}
+    finally:
+        controller.shutdown(drain_timeout_s=5)

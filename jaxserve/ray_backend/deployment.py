@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 from jaxserve.controller import Controller, ControllerConfig, Observer
 from jaxserve.deployment import PlacedInstance, instance_names
+from jaxserve.errors import EngineDeadError, JaxServeError
 from jaxserve.plan import DeploymentPlan, PlanError
 from jaxserve.ray_backend.actors import (
     ActorInfo,
@@ -44,6 +45,8 @@ from jaxserve.ray_backend.actors import (
 from jaxserve.ray_backend.placement import Placement, PlacementConfig, place_on_cluster
 from jaxserve.ray_backend.remote_engine import FaultCounters, RayKVTransfer, RemoteDecodeEngine, RemotePrefillEngine
 from jaxserve.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.scheduling import choose_prefill_instance
+from jaxserve.worker import LiveRequest
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -221,6 +224,51 @@ class RayController(Controller):
             placed, plan, config, actors=actors, infos=infos, placement=placement, counters=counters,
             observer=observer, tokenizer=tokenizer,
         )  # fmt: skip
+
+    # ---- failures ----------------------------------------------------------------------------
+    def fail(self, live: LiveRequest, error: BaseException) -> None:
+        """A dead instance gives its requests back: re-route them instead of failing, when anything is left."""
+        if isinstance(error, EngineDeadError) and not live.cancelled and self._reroute(live):
+            return
+        super().fail(live, error)
+
+    def _reroute(self, live: LiveRequest) -> bool:
+        """Continue `live` elsewhere: re-prefill prompt + tokens already streamed on a live prefill instance.
+
+        The continuation takes the request's place in the stream table, so its tokens go to the same
+        client stream: nothing streamed is repeated, nothing is lost. Greedy outputs are unchanged;
+        seeded sampling continues with the continuation's own sample positions.
+        """
+        prefill = [p for p in self.prefill_instances if p.error is None]
+        if not prefill or not any(d.error is None for d in self.decode_instances):
+            return False
+        rid = live.request_id
+        with self._lock:
+            entry = self._live.get(rid)
+            if entry is None or entry[0] is not live:
+                return True  # finished or cancelled meanwhile: nothing to continue
+            streamed = tuple(live.output_ids)
+            request = live.request
+            remaining = request.sampling.max_tokens - len(streamed)
+            if remaining <= 0:
+                return False
+            cont_request = dataclasses.replace(
+                request,
+                prompt_token_ids=request.prompt_token_ids + streamed,
+                sampling=dataclasses.replace(request.sampling, max_tokens=remaining),
+            )
+            cont = LiveRequest(request=cont_request, seed=live.seed, timings=live.timings)
+            self._live[rid] = (cont, entry[1])
+        for inst in self.instances:  # drop the old record wherever it still sits (queues, buffers)
+            inst.cancel(rid)
+        self.fault_counters.num_rerouted_requests += 1
+        target = prefill[choose_prefill_instance([p.load() for p in prefill])]
+        log.warning("re-routing %s (%d tokens streamed) to %s", rid, len(streamed), target.name)
+        try:
+            target.enqueue(cont)
+        except JaxServeError as e:
+            super().fail(cont, e)
+        return True
 
     # ---- introspection ---------------------------------------------------------------------
     def actor(self, name: str) -> ActorHandle:

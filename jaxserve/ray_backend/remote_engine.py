@@ -68,20 +68,27 @@ class FaultCounters:
     num_recomputed: int = 0  # KVs re-prefilled on the decode side instead of pulled
 
 
+PERMANENT_DEATH_PINGS = 8  # consecutive ActorDiedError answers (~2.5 s) that mean "no restart coming"
+
+
 def wait_until_alive(actor: ActorHandle, name: str, timeout_s: float) -> None:
     """Block until a (restarting) actor answers a ping; EngineDeadError when it does not come back."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     last: BaseException | None = None
+    num_died = 0  # a restarting actor queues the ping; a dead one answers ActorDiedError at once, every time
     while time.monotonic() < deadline:
         try:
             ray.get(actor.ping.remote(), timeout=max(min(10.0, deadline - time.monotonic()), 0.1))
             return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             last = e
-            time.sleep(0.2)
-    raise EngineDeadError(f"actor {name} did not come back within {timeout_s:.0f} s: {last!r}")
+            num_died = num_died + 1 if isinstance(e, ray.exceptions.ActorDiedError) else 0
+            if num_died >= PERMANENT_DEATH_PINGS:
+                break
+            time.sleep(0.3)
+    raise EngineDeadError(f"actor {name} is gone (no restart left, or none within {timeout_s:.0f} s): {last!r}")
 
 
 class _RemoteBase:
