@@ -157,7 +157,7 @@ def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
         sys.executable, "-m", "jaxserve", "profile", "--model", cfg.model, "--tp", ",".join(map(str, tps)),
         "--prefill-lengths", ",".join(map(str, lengths)), "--prefill-batches", "1,2,3,4",
         "--decode-batches", ",".join(map(str, batches)), "--decode-contexts", ",".join(map(str, contexts)),
-        "--block-size", str(cfg.block_size), "-o", str(out),
+        "--block-size", str(cfg.block_size), "-o", str(out), "--samples-out", str(out.with_suffix(".samples.json")),
     ]  # fmt: skip
     env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(max(tps)), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
