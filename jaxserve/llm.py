@@ -15,13 +15,16 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.deployment import EngineFactory
 from jaxserve.errors import OverloadedError
 from jaxserve.plan import DeploymentPlan, parse_deployment
 from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.ray_backend.deployment import RayConfig
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,19 @@ class LLM:
         config: ControllerConfig | None = None,
         dtype: str = "float32",
         engine_factory: EngineFactory | None = None,
+        backend: Literal["embedded", "ray"] = "embedded",
+        ray_config: RayConfig | None = None,
     ) -> None:
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
-        self.controller = Controller.from_plan(model, plan, engine_factory=engine_factory, config=config, dtype=dtype)
+        self.controller: Controller
+        if backend == "ray":  # every instance a Ray actor; see jaxserve/ray_backend
+            from jaxserve.ray_backend.deployment import RayController
+
+            self.controller = RayController.launch(model, plan, config, ray_config, dtype=dtype)
+        else:
+            self.controller = Controller.from_plan(
+                model, plan, engine_factory=engine_factory, config=config, dtype=dtype
+            )
         self.controller.start()
         self.codec: TextCodec
         if self.controller.tokenizer is not None:
