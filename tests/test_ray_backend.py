@@ -8,6 +8,7 @@ fake-engine deployment for the two-node placement.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.controller import Controller, ControllerConfig
 from jaxserve.engine import PrefillItem
+from jaxserve.llm import LLM
 from jaxserve.metrics import ServingMetrics
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.request import GenerateRequest, SamplingParams
@@ -372,3 +374,18 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         assert alive == {"decode-0": False, "decode-1": True}
     finally:
         controller.shutdown(drain_timeout_s=5)
+
+
+def test_offline_llm_on_ray_with_jax_transfer_matches_embedded(cluster, reference) -> None:
+    """`LLM(..., backend="ray")` with KV pulled through jax.experimental.transfer: same greedy tokens."""
+    rc = dataclasses.replace(RAY_CONFIG, transfer=TransferConfig(mechanism="jax", lease_s=LEASE_S))
+    llm = LLM(MODEL, PLAN, config=CONFIG, backend="ray", ray_config=rc)
+    try:
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(_prompts(), sampling)
+        assert {i: list(o.token_ids) for i, o in enumerate(outputs)} == reference
+        faults = llm.controller.fault_stats()  # type: ignore[attr-defined]
+        assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0
+        assert llm.controller.stats().kv_transfer_bytes > 0
+    finally:
+        llm.shutdown()
