@@ -152,7 +152,9 @@ def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
     n_in, n_out = fixed_lengths(cfg.workload)
     lengths = sorted({max(16, n_in // 4), max(16, n_in // 2), n_in, 2 * n_in})
     contexts = sorted({n_in, n_in + n_out // 2, n_in + n_out})
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_decode_batch]
+    # Between powers of two too: the engine pads a decode batch to the next power of two, and the fit
+    # should average over those steps as the running batch wanders, not interpolate between bucket edges.
+    batches = [b for b in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64) if b <= cfg.max_decode_batch]
     cmd = [
         sys.executable, "-m", "jaxserve", "profile", "--model", cfg.model, "--tp", ",".join(map(str, tps)),
         "--prefill-lengths", ",".join(map(str, lengths)), "--prefill-batches", "1,2,3,4",
