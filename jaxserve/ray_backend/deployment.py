@@ -86,8 +86,8 @@ def init_ray(address: str | None = None, temp_dir: str | None = None, num_cpus: 
         return
     loopback_only()
     # Ray's socket paths must stay under 108 characters: a short directory under /tmp.
-    root = temp_dir or tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    os.environ.setdefault("RAY_TMPDIR", root)
+    root = temp_dir or os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = root
     ray_dir = os.path.join(root, "ray")
     os.makedirs(ray_dir, exist_ok=True)
     ray.init(
@@ -164,7 +164,6 @@ class RayController(Controller):
         placement = place_on_cluster(plan, rc.placement)
         names = instance_names(plan)
         actors: dict[str, ActorHandle] = {}
-        specs: dict[str, EngineSpec] = {}
         try:
             for name, inst, opts in zip(names, plan.instances, placement.options, strict=True):
                 assert inst.role in ("prefill", "decode")
@@ -174,13 +173,11 @@ class RayController(Controller):
                 actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
                 remote_cls = ray.remote(actor_cls)
                 actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
-                    name=None,
                     max_restarts=rc.max_restarts,
                     max_concurrency=4 if inst.role == "prefill" else 2,
                     runtime_env=actor_env(spec, rc.placement.use_gpus),
                     **opts,
                 ).remote(name, spec, rc.transfer)
-                specs[name] = spec
             refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
             infos: dict[str, ActorInfo] = {}
             for name, ref in refs.items():
