@@ -63,6 +63,10 @@ if TYPE_CHECKING:
 EngineKind = Literal["opt", "fake"]
 
 
+class ActorRestartedError(RuntimeError):
+    """A call reached a restarted decode actor whose pool the controller has not rebuilt yet."""
+
+
 class IncompatiblePeerError(ValueError):
     """Two instances of one deployment disagree on the model or KV shape; they must not exchange KV."""
 
@@ -345,6 +349,11 @@ class DecodeActor(_ActorBase):
         seconds = time.monotonic() - started_at
         return PullReport(order.request_id, 0, seconds, len(failures), True, failures[-1])
 
+    def _require_pages(self) -> KVPages:
+        if self.pages is None:  # a fresh incarnation: Ray restarted this actor between two calls
+            raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) has no KV pool: restarted, not rebuilt")
+        return self.pages
+
     def has_staged(self, request_id: str) -> bool:
         return request_id in self._staged
 
@@ -364,25 +373,23 @@ class DecodeActor(_ActorBase):
         kv = self._staged.pop(request_id, None)
         if kv is None:
             return False
-        assert self.pages is not None, "init_pages first"
-        self.pages = self.engine.insert(kv, num_tokens, self.pages, block_table)
+        self.pages = self.engine.insert(kv, num_tokens, self._require_pages(), block_table)
         return True
 
     def decode_step(self, batch: StepBatch) -> list[int]:
-        assert self.pages is not None, "init_pages first"
-        tokens, self.pages = self.engine.decode_step(batch, self.pages)
+        tokens, self.pages = self.engine.decode_step(batch, self._require_pages())
         return [int(t) for t in tokens]
 
     def rebuild(self, items: Sequence[RebuildItem]) -> None:
         """Re-prefill each context and write its KV into its blocks (the pool after a restart)."""
-        assert self.pages is not None, "init_pages first"
+        pages = self._require_pages()
         if not items:
             return
         prefill_items = [PrefillItem(i.request_id, i.token_ids, i.sampling, i.seed) for i in items]
         result = self.engine.prefill(prefill_items)
         for item, seq in zip(items, result.sequences, strict=True):
-            self.pages = self.engine.insert(seq.kv, len(item.token_ids), self.pages, item.block_table)
-        jax.block_until_ready(self.pages)
+            pages = self.engine.insert(seq.kv, len(item.token_ids), pages, item.block_table)
+        self.pages = jax.block_until_ready(pages)
 
     def stats(self) -> DecodeStats:
         return DecodeStats(self.num_pulls, self.num_failed_pulls, self.num_recomputed, len(self._staged))

@@ -47,7 +47,7 @@ from jaxserve.engine import (
 )
 from jaxserve.errors import EngineDeadError
 from jaxserve.kv_transfer import TransferState
-from jaxserve.ray_backend.actors import ActorInfo, PullOrder, PullReport, RebuildItem
+from jaxserve.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
 from jaxserve.ray_backend.transfer import fetch
 from models.config import OPTConfig
 
@@ -121,9 +121,11 @@ class _RemoteBase:
             except ray.exceptions.RayActorError as e:
                 log.warning("%s died (%r); waiting for Ray to restart it", self.name, e)
                 wait_until_alive(self.actor, self.name, self.restart_timeout_s)
-                self.counters.num_actor_restarts += 1
-                if on_restart is not None:
-                    on_restart()
+            except ActorRestartedError:  # it died and came back between two of our calls
+                log.warning("%s was restarted between calls", self.name)
+            self.counters.num_actor_restarts += 1
+            if on_restart is not None:
+                on_restart()
 
 
 # ---- prefill ----------------------------------------------------------------------------------
