@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -82,6 +83,7 @@ def cluster():
     yield c
     ray.shutdown()
     c.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

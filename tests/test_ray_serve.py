@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,3 +53,4 @@ def test_serve_backend_ray_serves_and_stops(tmp_path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
