@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -83,3 +86,29 @@ def test_watchdog_frees_the_caller_from_a_stuck_pull() -> None:
     assert run_with_watchdog(lambda: 41 + 1, timeout_s=5, what="quick") == 42
     with pytest.raises(PullError, match="boom"):
         run_with_watchdog(lambda: (_ for _ in ()).throw(ValueError("boom")), timeout_s=5, what="failing")
+
+
+_NEVER_REGISTERED = """
+import os, time
+from jaxserve.ray_backend.transfer import ArraySpec, JaxTicket, PullError, pull_staged, run_with_watchdog
+from jaxserve.ray_backend.transfer import start_transfer_server
+producer, consumer = start_transfer_server(), start_transfer_server()
+ticket = JaxTicket(producer.address(), 12345, (ArraySpec((4, 4), "float32"),))  # never registered
+started = time.monotonic()
+try:
+    run_with_watchdog(lambda: pull_staged(consumer, ticket, timeout_s=0.5), 2.0, "unregistered")
+    print("returned")
+except PullError as e:
+    print(f"watchdog after {time.monotonic() - started:.1f} s: {e}")
+os._exit(0)  # the abandoned pull thread is still blocked in native code
+"""
+
+
+@pytest.mark.slow
+def test_watchdog_bounds_a_jax_pull_of_an_id_nobody_registers() -> None:
+    """jax.experimental.transfer: a pull of an id the producer never registers overruns its own timeout."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _NEVER_REGISTERED], capture_output=True, text=True, env=env, timeout=120, check=True
+    ).stdout
+    assert "watchdog after 2." in out and "no answer within 2.0 s" in out, out
