@@ -412,3 +412,28 @@ def test_offline_llm_on_ray_with_jax_transfer_matches_embedded(cluster, referenc
         assert llm.controller.stats().kv_transfer_bytes > 0
     finally:
         llm.shutdown()
+
+
+def test_prefill_actor_gone_for_good_requests_go_to_the_other_prefill(cluster, reference) -> None:
+    """No restart left: queued, running and buffered requests of the dead prefill instance go to the other."""
+    plan = parse_deployment("disagg:prefill=2xtp2,decode=tp1")
+    controller = RayController.launch(MODEL, plan, CONFIG, RAY_CONFIG)
+    controller.start()
+    try:
+        killed = []
+
+        def kill(num_seen: int) -> bool:
+            if num_seen >= 4:
+                ray.kill(controller.actor("prefill-0"), no_restart=True)
+                killed.append(num_seen)
+                return True
+            return False
+
+        got = _run_streaming(controller, "pgone", kill)
+        assert killed
+        assert got == reference
+        assert controller.fault_stats().num_rerouted_requests > 0
+        alive = {p.name: p.error is None for p in controller.prefill_instances}
+        assert alive == {"prefill-0": False, "prefill-1": True}
+    finally:
+        controller.shutdown(drain_timeout_s=5)

@@ -240,6 +240,8 @@ class RayController(Controller):
         if not prefill or not any(d.error is None for d in self.decode_instances):
             return False
         rid = live.request_id
+        if live.timings.transfer_end_at is not None and self._held_by_live_decode(live):
+            return True  # its KV already reached a live decode instance: it streams on from there
         with self._lock:
             entry = self._live.get(rid)
             if entry is None or entry[0] is not live:
@@ -254,7 +256,9 @@ class RayController(Controller):
                 prompt_token_ids=request.prompt_token_ids + streamed,
                 sampling=dataclasses.replace(request.sampling, max_tokens=remaining),
             )
-            cont = LiveRequest(request=cont_request, seed=live.seed, timings=live.timings)
+            # Same timings record (token times continue), minus the transfer the continuation has not made.
+            timings = dataclasses.replace(live.timings, transfer_start_at=None, transfer_end_at=None)
+            cont = LiveRequest(request=cont_request, seed=live.seed, timings=timings)
             self._live[rid] = (cont, entry[1])
         for inst in self.instances:  # drop the old record wherever it still sits (queues, buffers)
             inst.cancel(rid)
@@ -266,6 +270,14 @@ class RayController(Controller):
         except JaxServeError as e:
             super().fail(cont, e)
         return True
+
+    def _held_by_live_decode(self, live: LiveRequest) -> bool:
+        for d in self.decode_instances:
+            if d.error is None:
+                with d.cond:
+                    if any(r is live for r in d.held_requests()):
+                        return True
+        return False
 
     # ---- introspection ---------------------------------------------------------------------
     def actor(self, name: str) -> ActorHandle:
