@@ -1,1 +1,33 @@
-"""The Ray backend: every prefill and decode instance of a plan as a Ray actor (see deployment.py)."""
+"""The Ray backend: every prefill and decode instance of a disaggregated plan is a Ray actor.
+
+    jaxserve serve --backend ray [--ray-address HOST:PORT] [--kv-transfer object_store|jax] ...
+    LLM(model, "disagg:prefill=tp2,decode=tp1", backend="ray", ray_config=RayConfig(...))
+    RayController.launch(model, plan, ControllerConfig(...), RayConfig(...))
+
+Files:
+
+* `deployment.py` — `RayController` (a `Controller` whose engines are actor
+  proxies), `RayConfig`, `init_ray` (join a cluster, or start one on 127.0.0.1).
+* `actors.py` — `PrefillActor` / `DecodeActor`: own JAX runtime, mesh and
+  engine per process; the model-signature check between peers.
+* `remote_engine.py` — the `Engine` proxies the unchanged runtime loops drive,
+  lease renewal, restart recovery, `RayKVTransfer`.
+* `transfer.py` — the leased KV buffer, object-store and
+  `jax.experimental.transfer` pulls, the pull watchdog.
+* `placement.py` — placement groups from the plan's node assignment.
+
+What happens on failure: a dead actor is restarted by Ray (`max_restarts`);
+a prefill batch in flight is re-run on it, and a decode actor's pool is rebuilt
+by re-prefilling every sequence's prompt + streamed tokens into the same
+blocks. An actor that does not come back fails its instance; the controller
+then re-routes each of its requests to live instances (re-prefill of prompt +
+streamed tokens), so the client's stream continues. A KV the decode side cannot
+pull (expired, producer dead, timed out) is recomputed on the decode actor
+(`TransferConfig.on_failure="recompute"`, the default) or fails the pull
+(`"fail"`).
+
+Limits: one actor per instance, so an instance's pipeline stages share a node
+(a plan whose instance spans nodes is refused); colocated plans run embedded
+only; after a re-route, greedy outputs are unchanged but seeded random sampling
+continues from the continuation's own sample positions.
+"""
