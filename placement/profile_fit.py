@@ -32,6 +32,7 @@ import numpy as np
 
 from models.config import OPTConfig
 from placement.latency import DEFAULT_BLOCK_SIZE, allreduce_bytes_per_device, layer_gemm_macs
+from placement.padding import EnginePadding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,13 @@ def decode_features(
     return [c4_feature, L * 3 * (h / tp) * ctx_sum, 1.0, 2 * L * allreduce_bytes_per_device(cfg, tp, batch)], known
 
 
+def _padded_lengths(lengths: Sequence[int], padding: EnginePadding | None) -> Sequence[int]:
+    if padding is None:
+        return lengths
+    t, _, b = padding.prefill(float(sum(lengths)), float(sum(n * n for n in lengths)), len(lengths))
+    return [round(t / b)] * b
+
+
 def _rel_errors(pred: np.ndarray, y: np.ndarray) -> FitError:
     rel = np.abs(pred - y) / y
     return FitError(float(rel.mean()), float(rel.max()), len(y))
@@ -143,12 +151,16 @@ def fit_prefill(
     samples: Sequence[PrefillSample],
     block_size: int = DEFAULT_BLOCK_SIZE,
     link_latency_s: float = 10e-6,
+    padding: EnginePadding | None = None,
 ) -> PhaseFit:
-    """C1, C2, C3 (and allreduce_s_per_byte at tp > 1) from prefill step times."""
+    """C1, C2, C3 (and allreduce_s_per_byte at tp > 1) from prefill step times.
+
+    With `padding`, the features are those of the padded batch the engine really computes.
+    """
     if len(samples) < 3:
         raise ValueError("need at least 3 prefill samples")
     cols = 4 if tp > 1 else 3
-    a = np.array([prefill_features(cfg, tp, s.lengths, block_size)[:cols] for s in samples])
+    a = np.array([prefill_features(cfg, tp, _padded_lengths(s.lengths, padding), block_size)[:cols] for s in samples])
     y = np.array([s.seconds for s in samples]) - _allreduce_latency_s(cfg, tp, link_latency_s)
     w = 1.0 / np.array([s.seconds for s in samples])
     coef = nnls(a * w[:, None], y * w)
@@ -166,6 +178,7 @@ def fit_decode(
     c1: float,
     link_latency_s: float = 10e-6,
     iterations: int = 4,
+    padding: EnginePadding | None = None,
 ) -> PhaseFit:
     """C4, C5, C6 (and allreduce_s_per_byte at tp > 1) from decode step times, with C1 fixed."""
     if len(samples) < 3:
@@ -177,7 +190,8 @@ def fit_decode(
     coef = np.zeros(cols)
     pred = y_all
     for _ in range(iterations):
-        rows = [decode_features(cfg, tp, s.batch, s.ctx_sum, c1, c4) for s in samples]
+        shapes = [padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum) for s in samples]
+        rows = [decode_features(cfg, tp, b, ctx, c1, c4) for b, ctx in shapes]
         a = np.array([f[:cols] for f, _ in rows])
         known = np.array([k for _, k in rows])
         y = y_all - known - _allreduce_latency_s(cfg, tp, link_latency_s)
@@ -214,10 +228,15 @@ def profile_entry(
     block_size: int = DEFAULT_BLOCK_SIZE,
     l_m: int | None = None,
     saturation: float = 0.9,
+    padding: EnginePadding | None = None,
 ) -> dict[str, Any]:
-    """One profile entry (the schema in `placement/latency.py`) with its fit errors under `fit`."""
-    pf = fit_prefill(cfg, tp, prefill, block_size)
-    df = fit_decode(cfg, tp, decode, pf.coefficients["C1"])
+    """One profile entry (the schema in `placement/latency.py`) with its fit errors under `fit`.
+
+    With `padding` the coefficients are per padded element: use them through
+    `placement.padding.PaddedLatencyProvider` (the entry says so under `engine_padding`).
+    """
+    pf = fit_prefill(cfg, tp, prefill, block_size, padding=padding)
+    df = fit_decode(cfg, tp, decode, pf.coefficients["C1"], padding=padding)
     entry: dict[str, Any] = {
         "engine": engine,
         "model": cfg.name.lower(),
@@ -232,6 +251,8 @@ def profile_entry(
         "L_m": l_m if l_m is not None else detect_lm(prefill, saturation),
         "fit": {"prefill": pf.error.to_dict(), "decode": df.error.to_dict()},
     }
+    if padding is not None:
+        entry["engine_padding"] = dataclasses.asdict(padding)
     if tp > 1:
         # One all-reduce cost per byte for the instance: the prefill fit sees the large messages.
         entry["allreduce_s_per_byte"] = pf.coefficients.get("allreduce_s_per_byte", 0.0)

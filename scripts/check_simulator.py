@@ -46,7 +46,15 @@ from jaxserve.plan import DeploymentPlan, parse_deployment  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402
-from placement.latency import LatencyProvider, load_profile, pipeline_decode_round_s, pipeline_prefill_s  # noqa: E402
+from placement.latency import (  # noqa: E402
+    LatencyProvider,
+    Profile,
+    load_profile,
+    pipeline_decode_round_s,
+    pipeline_prefill_s,
+)
+from placement.padding import EnginePadding, PaddedLatencyProvider  # noqa: E402
+from placement.profile_fit import DecodeSample, PrefillSample, profile_entry  # noqa: E402
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
@@ -71,6 +79,9 @@ class CheckConfig:
     profile: str | None = None  # an existing profile instead of profiling now
     workdir: str | None = None
     log: bool = True
+    # Which simulator the verdict uses: "plain" (the fitted profile as `jaxserve simulate --profile`
+    # uses it) or "padded" (refitted and simulated in the engine's padded shapes, placement/padding.py).
+    primary: str = "plain"
 
 
 @dataclasses.dataclass
@@ -84,10 +95,15 @@ class RatePoint:
     measured_p90_tpot_s: float
     predicted_p90_tpot_s: float
     num_failed: int
+    padded: dict[str, float] | None = None  # the padded model's prediction, when it could be fitted
 
     @property
     def diff_points(self) -> float:
         return 100 * (self.predicted - self.measured)
+
+    @property
+    def padded_diff_points(self) -> float:
+        return 100 * (self.padded["attainment"] - self.measured) if self.padded else math.nan
 
 
 @dataclasses.dataclass
@@ -99,13 +115,18 @@ class CheckResult:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() before and after
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
+    primary: str = "plain"
+
     def diffs(self) -> np.ndarray:
+        if self.primary == "padded":
+            return np.array([p.padded_diff_points for p in self.points])
         return np.array([p.diff_points for p in self.points])
 
     def table(self) -> str:
         head = (
             f"{'deployment':<32}{'rate':>7}{'attain meas':>12}{'pred':>7}{'diff':>7}"
             f"{'P90 TTFT meas':>15}{'pred':>8}{'P90 TPOT meas':>15}{'pred':>8}"
+            f"{'| padded: pred':>15}{'diff':>7}{'TTFT':>8}{'TPOT':>8}"
         )
         lines = [head, "-" * len(head)]
         for p in self.points:
@@ -113,10 +134,16 @@ class CheckResult:
                 f"{p.deployment:<32}{p.rate:>7.2f}{100 * p.measured:>11.1f}%{100 * p.predicted:>6.1f}%"
                 f"{p.diff_points:>+7.1f}{1e3 * p.measured_p90_ttft_s:>13.1f}ms{1e3 * p.predicted_p90_ttft_s:>6.1f}ms"
                 f"{1e3 * p.measured_p90_tpot_s:>13.1f}ms{1e3 * p.predicted_p90_tpot_s:>6.1f}ms"
+                + (
+                    f"{100 * p.padded['attainment']:>14.1f}%{p.padded_diff_points:>+7.1f}"
+                    f"{1e3 * p.padded['p90_ttft_s']:>6.1f}ms{1e3 * p.padded['p90_tpot_s']:>6.1f}ms"
+                    if p.padded
+                    else ""
+                )
             )
         d = np.abs(self.diffs())
         lines.append(
-            f"SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
+            f"verdict on the {self.primary} model; SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
             f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points; "
             f"load average before {self.load_before[0]:.2f}, after {self.load_after[0]:.2f}"
         )
@@ -126,7 +153,11 @@ class CheckResult:
         return {
             "profile": self.profile_path,
             "slo": dataclasses.asdict(self.slo),
-            "points": [{**dataclasses.asdict(p), "diff_points": p.diff_points} for p in self.points],
+            "primary": self.primary,
+            "points": [
+                {**dataclasses.asdict(p), "diff_points": p.diff_points, "padded_diff_points": p.padded_diff_points}
+                for p in self.points
+            ],
             "max_abs_diff_points": float(np.abs(self.diffs()).max()),
             "median_abs_diff_points": float(np.median(np.abs(self.diffs()))),
             "seconds": self.seconds,
@@ -173,6 +204,28 @@ def provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider:
     return LatencyProvider(get_config(cfg.model), get_device("cpu"), load_profile(str(profile_path)))
 
 
+def padded_provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider | None:
+    """The same timings refitted in the engine's padded shapes (None without the raw timings)."""
+    samples_path = profile_path.with_suffix(".samples.json")
+    if not samples_path.exists():
+        return None
+    raw = json.loads(samples_path.read_text())
+    model_cfg = get_config(cfg.model)
+    padding = EnginePadding(block_size=cfg.block_size)
+    entries = []
+    base = json.loads(profile_path.read_text())
+    for m in raw["measurements"]:
+        decode = [DecodeSample(**d) for d in m["decode"]]
+        for engine, key in (("dist", "prefill"), ("coloc", "coloc_prefill")):
+            if not m[key]:
+                continue
+            prefill = [PrefillSample(tuple(d["lengths"]), d["seconds"]) for d in m[key]]
+            lm = next(e["L_m"] for e in base["entries"] if e["engine"] == engine and e["tp"] == m["tp"])
+            entries.append(profile_entry(model_cfg, m["tp"], engine, prefill, decode, l_m=lm, padding=padding))
+    profile = Profile.from_dict({"name": "padded", "device": "cpu", "entries": entries})
+    return PaddedLatencyProvider(model_cfg, get_device("cpu"), profile, padding=padding)
+
+
 def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
     n_in, _ = fixed_lengths(cfg.workload)
     model = latency.instance("dist", 1, 1)
@@ -215,7 +268,8 @@ def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: Slo
 
     The prediction only places the rates; the measurement is independent of it. A fixed-length workload
     can fall off a cliff, so the rates are spread geometrically between the last rate predicted at
-    ≥ 97 % and the first predicted below 50 %, rather than picked at attainment levels.
+    ≥ 97 % (or a quarter of the next, if that is higher: long runs at tiny rates add nothing) and the
+    first predicted below 50 %, rather than picked at attainment levels.
     """
     plan = parse_deployment(spec).assign_devices()
     base = base_workload(cfg)
@@ -226,7 +280,8 @@ def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: Slo
     hi_i = int(below[0]) if len(below) else len(grid) - 1
     ok = np.nonzero(att[:hi_i] >= 0.97)[0]
     lo_i = int(ok[-1]) if len(ok) else 0
-    lo, hi = float(grid[lo_i]), float(grid[hi_i])
+    hi = float(grid[hi_i])
+    lo = max(float(grid[lo_i]), hi / 4)  # a slow fall is sampled from a quarter of the 50 % rate up
     return tuple(round(float(r), 3) for r in np.geomspace(lo, hi, 4))
 
 
@@ -244,7 +299,13 @@ def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[s
 
 
 def measure_deployment(
-    cfg: CheckConfig, latency: LatencyProvider, spec: str, rates: tuple[float, ...], slo: SloSpec, workdir: Path
+    cfg: CheckConfig,
+    latency: LatencyProvider,
+    spec: str,
+    rates: tuple[float, ...],
+    slo: SloSpec,
+    workdir: Path,
+    padded: LatencyProvider | None = None,
 ) -> list[RatePoint]:
     n_in, n_out = fixed_lengths(cfg.workload)
     vocab = get_config(cfg.model).vocab_size
@@ -272,6 +333,7 @@ def measure_deployment(
                 measured["tpot_s"]["p90"],
                 predicted["p90_tpot_s"],
                 measured["failed"],
+                predict(cfg, padded, spec, trace, slo) if padded is not None else None,
             )
             points.append(point)
             _say(
@@ -296,14 +358,20 @@ def check(cfg: CheckConfig) -> CheckResult:
         _say(cfg, f"profiling {cfg.model} at tp {tps}")
         profile_path = run_profile(cfg, workdir / "profile.json", tps)
     latency = provider(cfg, profile_path)
+    padded = padded_provider(cfg, profile_path)
+    if cfg.primary == "padded" and padded is None:
+        raise ValueError("the padded model needs the profile's raw timings (PROFILE.samples.json)")
     slo = default_slo(cfg, latency)
     _say(cfg, f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms")
     points: list[RatePoint] = []
     for spec in cfg.deployments:
-        rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, latency, spec, slo)
+        chooser = padded if cfg.primary == "padded" and padded is not None else latency
+        rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, chooser, spec, slo)
         _say(cfg, f"{spec}: rates {rates}")
-        points.extend(measure_deployment(cfg, latency, spec, rates, slo, workdir))
-    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg())
+        points.extend(measure_deployment(cfg, latency, spec, rates, slo, workdir, padded))
+    return CheckResult(
+        str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg(), cfg.primary
+    )
 
 
 def plot(result: CheckResult, path: str) -> None:
@@ -341,6 +409,7 @@ def main() -> int:
     p.add_argument("--rates", action="append", default=None, help="SPEC=R1,R2,… (repeat per deployment)")
     p.add_argument("--profile", default=None, help="use this profile instead of profiling now")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--primary", choices=["plain", "padded"], default=d.primary, help="the model the verdict uses")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -363,6 +432,7 @@ def main() -> int:
         rates=rates,
         profile=args.profile,
         workdir=args.workdir,
+        primary=args.primary,
     )
     result = check(cfg)
     print(result.table())

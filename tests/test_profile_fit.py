@@ -109,3 +109,37 @@ def test_profile_entry_round_trips_through_the_planner() -> None:
     assert provider.prefill_token_budget("coloc", 1) == 384
     model = provider.instance("coloc", 1, 1)
     assert model.decode_stage_s(4, 400.0) == pytest.approx(_model(TRUE).decode_stage_s(4, 400.0), rel=1e-6)
+
+
+def test_engine_padding_mirrors_the_engine_buckets() -> None:
+    from jaxserve.engine import bucket as engine_bucket
+    from placement.padding import EnginePadding, PaddedModel, bucket
+
+    for n in range(1, 300):
+        assert bucket(n) == engine_bucket(n) and bucket(n, 16) == engine_bucket(n, 16)
+    pad = EnginePadding()
+    # 5 rows of context 270: rows -> 8; blocks ceil(271/16) = 17 -> table of 32 blocks = 512 positions per row.
+    assert pad.decode(5, 5 * 270.0) == (8, 8 * 512.0)
+    assert pad.decode(1, 20.0) == (2, 2 * 64.0)  # one row runs as two; at least 4 blocks
+    # 3 prompts of 100 -> 4 rows of 128 tokens.
+    assert pad.prefill(300.0, 3 * 100.0**2, 3) == (512.0, 4 * 128.0**2, 4)
+    base = _model(TRUE)
+    padded = PaddedModel(base, pad)
+    assert padded.decode_stage_s(5, 1350.0) == base.decode_stage_s(8, 4096.0)
+    assert padded.prefill_stage_s(300.0, 30000.0, 3) == base.prefill_stage_s(512.0, 65536.0, 4)
+
+
+def test_padded_fit_recovers_coefficients_of_a_padded_engine() -> None:
+    from placement.padding import EnginePadding, PaddedModel
+
+    pad = EnginePadding()
+    engine = PaddedModel(_model(TRUE), pad)  # an engine that computes padded shapes
+    pre = [
+        PrefillSample((n,) * b, engine.prefill_stage_s(float(b * n), float(b * n * n), b)) for b, n in PREFILL_SHAPES
+    ]
+    dec = [DecodeSample(b, b * c, engine.decode_stage_s(b, float(b * c))) for b, c in DECODE_SHAPES]
+    plain = profile_entry(CFG, 1, "dist", pre, dec)
+    padded = profile_entry(CFG, 1, "dist", pre, dec, padding=pad)
+    assert padded["C1"] == pytest.approx(TRUE.C1, rel=1e-6) and padded["C5"] == pytest.approx(TRUE.C5, rel=1e-6)
+    assert padded["fit"]["decode"]["max_rel_error"] < 1e-9
+    assert plain["fit"]["decode"]["max_rel_error"] > 0.05  # the unpadded formula cannot describe it

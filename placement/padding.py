@@ -1,0 +1,95 @@
+"""The engine's shape padding as a latency term: what `OPTEngine` really computes for a batch.
+
+`jaxserve/opt_engine.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
+rows to the next power of two and prompt tokens to the next power of two ≥ 16; decode rows to the
+next power of two ≥ 2 and each row's block table to the next power of two ≥ 4 blocks (attention runs
+over the whole padded table). The Appendix-A formula charges actual tokens and context, so an engine
+step of 5 decode rows costs what 8 rows cost while the formula says 5. `EnginePadding` maps a
+batch's actual statistics to the padded ones (rules mirrored here, without importing JAX; a test
+checks them against `jaxserve.engine.bucket`); `PaddedModel` wraps any `StageLatency` with it and
+`PaddedLatencyProvider` builds such models, so the simulator charges what the engine computes.
+Coefficients used this way must be fitted in the same padded terms (`profile_fit`'s `padding=`).
+Prefill batches are described by Σl, Σl² and B only, so each prompt is taken at the RMS length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from placement.latency import AppendixModel, FoldedModel, LatencyProvider, StageLatency
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two ≥ max(n, minimum) (`jaxserve.engine.bucket` without a cap)."""
+    size = max(minimum, 1)
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePadding:
+    min_prompt_tokens: int = 16
+    block_size: int = 16
+    min_table_blocks: int = 4
+    min_decode_rows: int = 2
+
+    def prefill(self, num_tokens: float, sum_sq: float, batch: int) -> tuple[float, float, int]:
+        """(Σl, Σl², B) of the padded prefill batch."""
+        if batch == 0:
+            return num_tokens, sum_sq, batch
+        rows = bucket(batch)
+        per = bucket(math.ceil(math.sqrt(sum_sq / batch) - 1e-9), self.min_prompt_tokens)
+        return float(rows * per), float(rows * per * per), rows
+
+    def decode(self, batch: int, ctx_sum: float) -> tuple[int, float]:
+        """(rows, Σ context attended) of the padded decode step."""
+        if batch == 0:
+            return batch, ctx_sum
+        rows = bucket(batch, self.min_decode_rows)
+        blocks = math.ceil((ctx_sum / batch + 1) / self.block_size)  # the new token's slot included
+        width = bucket(blocks, self.min_table_blocks) * self.block_size
+        return rows, float(rows * width)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedModel:
+    """A `StageLatency` that charges the padded shapes."""
+
+    base: AppendixModel | FoldedModel
+    padding: EnginePadding = EnginePadding()
+
+    @property
+    def pp(self) -> int:
+        return self.base.pp
+
+    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
+        return self.base.prefill_stage_s(*self.padding.prefill(num_tokens, sum_sq, batch))
+
+    def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        return self.base.decode_stage_s(*self.padding.decode(batch, ctx_sum))
+
+    def chunk_stage_s(
+        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
+    ) -> float:
+        # A colocated prompt step is a paged step over prompt rows; decodes riding along are padded
+        # to the prompt length by the engine, which this approximation does not charge.
+        t, t2, b = self.padding.prefill(num_tokens, sum_sq, batch)
+        return self.base.chunk_stage_s(t, t2, b, decode_batch, decode_ctx_sum)
+
+    def send_s(self, num_tokens: int) -> float:
+        return self.base.send_s(num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedLatencyProvider(LatencyProvider):
+    """A `LatencyProvider` whose instances charge the engine's padded shapes."""
+
+    padding: EnginePadding = EnginePadding()
+
+    def instance(  # type: ignore[override]
+        self, engine: str, tp: int, pp: int, stage_link_bandwidth: float | None = None
+    ) -> StageLatency:
+        base = super().instance(engine, tp, pp, stage_link_bandwidth)  # type: ignore[arg-type]
+        return PaddedModel(base, self.padding)
