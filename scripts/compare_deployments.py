@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,20 +147,22 @@ def main() -> int:
         )
     profile = Path(cfg.profile) if cfg.profile else cs.run_profile(cfg, workdir / "profile.json", [1])
     latency = cs.provider(cfg, profile)
+    padded = cs.padded_provider(cfg, profile)  # the same timings in the engine's padded shapes (diagnosis)
     slo = cs.default_slo(cfg, latency)
     report["slo"] = dataclasses.asdict(slo)
     report["profile"] = str(profile)
     print(f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms", file=sys.stderr)
-    rows = []
+    rows: list[tuple[str, int, float, float, float]] = []
     curves_meas: dict[str, list[tuple[float, float]]] = {}
     curves_pred: dict[str, list[tuple[float, float]]] = {}
     for spec in DEPLOYMENTS:
         devices = parse_deployment(spec).num_devices
         pred = predicted_goodput(cfg, latency, spec, slo, cfg.num_requests)  # the bench's very requests
+        pred_pad = predicted_goodput(cfg, padded, spec, slo, cfg.num_requests) if padded is not None else math.nan
         sweep = measured_sweep(cfg, latency, spec, slo, max(pred, 0.05), workdir, args.max_probes)
         meas = float(sweep["sweep"]["goodput_rps"])
         probes = [(float(q["rate"]), float(q["attainment"])) for q in sweep["sweep"]["probes"]]
-        rows.append((spec, devices, meas, pred))
+        rows.append((spec, devices, meas, pred, pred_pad))
         curves_meas[spec] = [(r / devices, a) for r, a in probes]
         grid = sorted({r for r, _ in probes} | set(np.geomspace(max(pred, 0.05) / 3, max(pred, 0.05) * 2.5, 10)))
         curves_pred[f"{spec} (simulated)"] = [
@@ -171,16 +174,21 @@ def main() -> int:
                 "devices": devices,
                 "measured_goodput_rps": meas,
                 "predicted_goodput_rps": pred,
+                "predicted_goodput_rps_padded_model": pred_pad,
                 "probes": probes,
             }
         )
     choice = plan_choice(cfg, profile, slo)
     report["plan_output"] = choice
     print(
-        f"\n{'deployment':<32}{'devices':>8}{'measured rps':>14}{'per device':>12}{'predicted rps':>15}{'per device':>12}"
+        f"\n{'deployment':<32}{'devices':>8}{'measured rps':>14}{'per device':>12}{'predicted rps':>15}"
+        f"{'per device':>12}{'padded model':>14}{'per device':>12}"
     )
-    for spec, devices, meas, pred in rows:
-        print(f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}")
+    for spec, devices, meas, pred, pred_pad in rows:
+        print(
+            f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}"
+            f"{pred_pad:>14.3f}{pred_pad / devices:>12.3f}"
+        )
     best_meas = max(rows, key=lambda r: r[2] / r[1])[0]
     best_pred = max(rows, key=lambda r: r[3] / r[1])[0]
     print(f"best per device: measured {best_meas}, predicted {best_pred}")
