@@ -324,7 +324,11 @@ def test_low_affinity_plan_pairs_stages_on_one_node(cluster) -> None:
 # ---- KV transfer conformance across processes -----------------------------------------------
 
 
-@pytest.mark.parametrize(("src", "dst"), [((2, 1), (1, 1)), ((1, 1), (2, 2))], ids=["tp2->tp1", "tp1->tp2pp2"])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [((2, 1), (1, 1)), ((1, 2), (2, 1)), ((1, 1), (2, 2)), ((2, 2), (1, 4)), ((1, 1), (1, 1))],
+    ids=["tp2->tp1", "pp2->tp2", "tp1->tp2pp2", "tp2pp2->pp4", "tp1->tp1"],
+)
 def test_object_store_transfer_conformance(cluster, monkeypatch, src, dst) -> None:
     """The shared conformance test, run on the object-store path (in this process, through Ray's store)."""
     monkeypatch.setitem(conformance.TRANSFERS, "object_store", ObjectStoreTransfer)
