@@ -34,7 +34,13 @@ from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
 
 ray = pytest.importorskip("ray")
 
-from jaxserve.ray_backend.actors import DecodeActor, EngineSpec, PrefillActor, PullOrder  # noqa: E402
+from jaxserve.ray_backend.actors import (  # noqa: E402
+    DecodeActor,
+    EngineSpec,
+    IncompatiblePeerError,
+    PrefillActor,
+    PullOrder,
+)
 from jaxserve.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
 from jaxserve.ray_backend.placement import PlacementConfig  # noqa: E402
 from jaxserve.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
@@ -441,3 +447,11 @@ def test_prefill_actor_gone_for_good_requests_go_to_the_other_prefill(cluster, r
         assert alive == {"prefill-0": False, "prefill-1": True}
     finally:
         controller.shutdown(drain_timeout_s=5)
+
+
+def test_decode_actor_refuses_a_mismatched_peer(deployment, transfer_pair) -> None:
+    """The fake-model decode actor meets the tiny-OPT prefill actor: refused at first contact, by name."""
+    _, fake_decode = transfer_pair
+    item = PrefillItem("mismatch", (5, 6, 7), SamplingParams(), 0)
+    with pytest.raises(IncompatiblePeerError, match=r"prefill-0 and decode-t cannot exchange KV caches: model"):
+        ray.get(fake_decode.pull.remote(PullOrder("mismatch", deployment.actor("prefill-0"), "prefill-0", item)))
