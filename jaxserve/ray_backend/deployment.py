@@ -283,12 +283,10 @@ class RayController(Controller):
     def actor(self, name: str) -> ActorHandle:
         return self.actors[name]
 
-    def buffer_stats(self, name: str) -> BufferStats:
-
-        return cast(BufferStats, fetch(self.actors[name].buffer_stats.remote(), 30))
+    def buffer_stats(self, name: str, timeout_s: float = 30.0) -> BufferStats:
+        return cast(BufferStats, fetch(self.actors[name].buffer_stats.remote(), timeout_s))
 
     def decode_stats(self, name: str) -> DecodeStats:
-
         return cast(DecodeStats, fetch(self.actors[name].stats.remote(), 30))
 
     def fault_stats(self) -> RayFaultStats:
@@ -297,7 +295,7 @@ class RayController(Controller):
         expired = 0
         for inst in self.prefill_instances:
             with contextlib.suppress(ray.exceptions.RayError):  # restarting: its counters restart too
-                expired += self.buffer_stats(inst.name).num_expired
+                expired += self.buffer_stats(inst.name, timeout_s=2.0).num_expired  # a scrape must not hang
         c = self.fault_counters
         return RayFaultStats(
             c.num_actor_restarts, c.num_rerouted_requests, c.num_failed_pulls, c.num_recomputed, expired
