@@ -171,6 +171,55 @@ class Measurements:
     prefill: list[PrefillSample]
     decode: list[DecodeSample]
     coloc_prefill: list[PrefillSample]
+    coloc_decode: list[DecodeSample]  # the same as `decode` unless that was timed with a busy neighbour
+
+
+class _Neighbour:
+    """Work on the devices next to the profiled ones, as a disaggregated peer instance would run it.
+
+    A prefill instance and a decode instance are busy at the same time; where devices share physical
+    resources (two vCPUs of one host core, a memory bus), each runs slower than alone. While a phase is
+    timed with a neighbour, the neighbour loops the *other* phase: decode steps (batch 8) while prefill
+    is timed, prefills of `length` tokens while decode is timed.
+    """
+
+    def __init__(self, engine: OPTEngine, length: int, block_size: int) -> None:
+        import threading
+
+        self.engine = engine
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        rng = np.random.default_rng(1)
+        self.items = [PrefillItem("n", _prompt(rng, length, engine.model_config.vocab_size), GREEDY, 0)]
+        self.pool = _Pool(engine, 8 * blocks_for(length + 1, block_size), block_size)
+        tables = _tables(8, length + 1, block_size)
+        self.rows = tuple(StepRow(f"n{i}", (5,), length, t, GREEDY, i, 1) for i, t in enumerate(tables))
+
+    def _loop(self, phase: str) -> None:
+        while not self.stop.is_set():
+            if phase == "decode":
+                jax.block_until_ready(self.pool.step(self.rows))
+            else:
+                jax.block_until_ready([s.kv for s in self.engine.prefill(self.items).sequences])
+
+    def start(self, phase: str) -> None:
+        import threading
+
+        self.stop.clear()
+        self._loop_once(phase)  # compiled before the clock matters
+        self.thread = threading.Thread(target=self._loop, args=(phase,), daemon=True)
+        self.thread.start()
+
+    def _loop_once(self, phase: str) -> None:
+        if phase == "decode":
+            jax.block_until_ready(self.pool.step(self.rows))
+        else:
+            jax.block_until_ready([s.kv for s in self.engine.prefill(self.items).sequences])
+
+    def end(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def measure(
@@ -180,20 +229,49 @@ def measure(
     devices: Sequence[jax.Device] | None = None,
     dtype: str = "float32",
     log: Callable[[str], None] | None = None,
+    neighbour_length: int | None = None,
 ) -> Measurements:
-    """Load `source` on `tp` devices and time every shape of `grid`."""
-    devs = list(devices) if devices is not None else jax.devices()[:tp]
+    """Load `source` on `tp` devices and time every shape of `grid`.
+
+    With `neighbour_length`, prefill and decode (the `dist` engines) are timed while the next `tp`
+    devices run the other phase (`_Neighbour`), as in a disaggregated deployment; colocated prompt
+    steps are still timed alone (a colocated instance has no busy peer).
+    """
+    all_devs = list(devices) if devices is not None else jax.devices()
+    devs = all_devs[:tp]
     engine = OPTEngine.load(source, devs, tp=tp, pp=1, dtype=dtype)
     say = log or (lambda _msg: None)
-    say(f"tp{tp}: {len(grid.prefill)} prefill shapes")
-    prefill = time_prefill(engine, grid.prefill, grid.repeats)
-    say(f"tp{tp}: {len(grid.decode)} decode shapes")
-    decode = time_decode(engine, grid.decode, grid.repeats, grid.block_size)
+    neighbour = None
+    if neighbour_length:
+        if len(all_devs) < 2 * tp:
+            raise ValueError(f"timing with a busy neighbour needs {2 * tp} devices")
+        peer = OPTEngine.load(source, all_devs[tp : 2 * tp], tp=tp, pp=1, dtype=dtype)
+        neighbour = _Neighbour(peer, neighbour_length, grid.block_size)
+    say(f"tp{tp}: {len(grid.prefill)} prefill shapes" + (" (neighbour decoding)" if neighbour else ""))
+    if neighbour:
+        neighbour.start("decode")
+    try:
+        prefill = time_prefill(engine, grid.prefill, grid.repeats)
+    finally:
+        if neighbour:
+            neighbour.end()
+    say(f"tp{tp}: {len(grid.decode)} decode shapes" + (" (neighbour prefilling)" if neighbour else ""))
+    if neighbour:
+        neighbour.start("prefill")
+    try:
+        decode = time_decode(engine, grid.decode, grid.repeats, grid.block_size)
+    finally:
+        if neighbour:
+            neighbour.end()
     coloc: list[PrefillSample] = []
+    coloc_decode: list[DecodeSample] = []
     if grid.coloc_prefill:
         say(f"tp{tp}: {len(grid.coloc_prefill)} colocated prefill shapes")
         coloc = time_coloc_prefill(engine, grid.coloc_prefill, grid.repeats, grid.block_size)
-    return Measurements(engine.model_config, tp, prefill, decode, coloc)
+        if neighbour:
+            say(f"tp{tp}: {len(grid.decode)} decode shapes alone (colocated)")
+            coloc_decode = time_decode(engine, grid.decode, grid.repeats, grid.block_size)
+    return Measurements(engine.model_config, tp, prefill, decode, coloc, coloc_decode or decode)
 
 
 def parallel_scaling(source: str, length: int = 256, calls: int = 8, dtype: str = "float32") -> dict[str, float]:

@@ -82,6 +82,9 @@ class CheckConfig:
     # Which simulator the verdict uses: "plain" (the fitted profile as `jaxserve simulate --profile`
     # uses it) or "padded" (refitted and simulated in the engine's padded shapes, placement/padding.py).
     primary: str = "plain"
+    # Time the dist (prefill/decode) engines with the neighbouring device busy with the other phase:
+    # on this machine two "devices" are two vCPUs that slow each other down (see the report).
+    busy_neighbour: bool = True
 
 
 @dataclasses.dataclass
@@ -192,7 +195,11 @@ def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
         "--decode-batches", ",".join(map(str, batches)), "--decode-contexts", ",".join(map(str, contexts)),
         "--block-size", str(cfg.block_size), "-o", str(out), "--samples-out", str(out.with_suffix(".samples.json")),
     ]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(max(tps)), "JAX_PLATFORMS": "cpu"}
+    if cfg.busy_neighbour:
+        # dist engines timed while a peer device runs the other phase, as in the disaggregated deployment
+        cmd += ["--busy-neighbour", str(n_in)]
+    devices = 2 * max(tps) if cfg.busy_neighbour else max(tps)
+    env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"jaxserve profile failed:\n{done.stderr[-2000:]}")
@@ -215,10 +222,10 @@ def padded_provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider | N
     entries = []
     base = json.loads(profile_path.read_text())
     for m in raw["measurements"]:
-        decode = [DecodeSample(**d) for d in m["decode"]]
-        for engine, key in (("dist", "prefill"), ("coloc", "coloc_prefill")):
+        for engine, key, dkey in (("dist", "prefill", "decode"), ("coloc", "coloc_prefill", "coloc_decode")):
             if not m[key]:
                 continue
+            decode = [DecodeSample(**d) for d in m.get(dkey) or m["decode"]]
             prefill = [PrefillSample(tuple(d["lengths"]), d["seconds"]) for d in m[key]]
             lm = next(e["L_m"] for e in base["entries"] if e["engine"] == engine and e["tp"] == m["tp"])
             entries.append(profile_entry(model_cfg, m["tp"], engine, prefill, decode, l_m=lm, padding=padding))
@@ -409,6 +416,7 @@ def main() -> int:
     p.add_argument("--rates", action="append", default=None, help="SPEC=R1,R2,… (repeat per deployment)")
     p.add_argument("--profile", default=None, help="use this profile instead of profiling now")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--alone", action="store_true", help="profile the dist engines without a busy neighbour")
     p.add_argument("--primary", choices=["plain", "padded"], default=d.primary, help="the model the verdict uses")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -433,6 +441,7 @@ def main() -> int:
         profile=args.profile,
         workdir=args.workdir,
         primary=args.primary,
+        busy_neighbour=not args.alone,
     )
     result = check(cfg)
     print(result.table())

@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="profile name (default: MODEL-DEVICE-measured)")
     parser.add_argument("--device-name", default=None, help="what the profile says it was measured on")
     parser.add_argument("--cpu-multi-thread", action="store_true", help="leave XLA's CPU threading as it is")
+    parser.add_argument(
+        "--busy-neighbour",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="time the dist engines while the next tp devices run the other phase (prompts of TOKENS), "
+        "as in a disaggregated deployment whose devices share cores; colocated entries are timed alone",
+    )
     parser.add_argument("--samples-out", default=None, help="also write the raw timings (JSON)")
     parser.add_argument("-o", "--output", required=True, help="profile JSON to write")
 
@@ -75,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("dist", "coloc") for e in engines):
         print("jaxserve profile: error: need tp >= 1 and engines from dist,coloc", file=sys.stderr)
         return 2
-    ensure_host_devices(max(tps), "" if args.cpu_multi_thread else SINGLE_CORE_FLAGS)
+    ensure_host_devices(
+        (2 if args.busy_neighbour else 1) * max(tps), "" if args.cpu_multi_thread else SINGLE_CORE_FLAGS
+    )
 
     import dataclasses
 
@@ -92,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, OSError, ValueError) as e:
         print(f"jaxserve profile: error: {e}", file=sys.stderr)
         return 2
-    if max(tps) > len(jax.devices()):
+    if (2 if args.busy_neighbour else 1) * max(tps) > len(jax.devices()):
         print(
-            f"jaxserve profile: error: tp{max(tps)} needs {max(tps)} devices, have {len(jax.devices())}",
+            f"jaxserve profile: error: needs {(2 if args.busy_neighbour else 1) * max(tps)} devices, have {len(jax.devices())}",
             file=sys.stderr,
         )
         return 2
@@ -124,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     entries, raw = [], []
     for tp in tps:
-        m = measure(args.model, tp, grid, dtype=args.dtype, log=log)
+        m = measure(args.model, tp, grid, dtype=args.dtype, log=log, neighbour_length=args.busy_neighbour)
         cfg = m.cfg
         raw.append(
             {
@@ -132,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 "prefill": [dataclasses.asdict(s) for s in m.prefill],
                 "decode": [dataclasses.asdict(s) for s in m.decode],
                 "coloc_prefill": [dataclasses.asdict(s) for s in m.coloc_prefill],
+                "coloc_decode": [dataclasses.asdict(s) for s in m.coloc_decode],
+                "busy_neighbour": args.busy_neighbour,
             }
         )
         for engine in engines:
@@ -141,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 tp,
                 engine,
                 prefill,
-                m.decode,
+                m.decode if engine == "dist" else m.coloc_decode,
                 block_size=16,  # the latency formula's attention block b, not the KV page size
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
