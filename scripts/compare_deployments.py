@@ -117,6 +117,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-factor", type=float, default=4.0)
     p.add_argument("--tpot-factor", type=float, default=2.0)
+    p.add_argument("--ttft", type=float, default=None, help="TTFT SLO, seconds (overrides the factor)")
+    p.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds (overrides the factor)")
     p.add_argument("--max-probes", type=int, default=6)
     p.add_argument("--profile", default=None)
     p.add_argument("--workdir", default=None)
@@ -132,6 +134,8 @@ def main() -> int:
         seed=args.seed,
         ttft_factor=args.ttft_factor,
         tpot_factor=args.tpot_factor,
+        ttft_s=args.ttft,
+        tpot_s=args.tpot,
         profile=args.profile,
     )
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="jaxserve-compare-"))
