@@ -1,7 +1,9 @@
 """Starting `jaxserve serve` as a child process for measurements, and warming it up.
 
 `ServeProcess` runs `python -m jaxserve serve …` with the XLA flags a CPU measurement needs (a
-given number of host devices, each single-threaded so one device is one core), waits for its
+given number of host devices, Eigen single-threaded) and optionally pinned to some cores (`cpus`:
+an XLA CPU process runs all its devices' kernels on one intra-op pool sized to the machine, so
+pinning, not the flags, is what gives a server its own cores), waits for its
 `ready grpc=… http=…` line and stops it (SIGTERM, then SIGKILL) on exit. `warm_up` sends bursts of
 1, 2, 4, … concurrent requests so every batch bucket the measurement will hit is compiled before
 the clock starts: a first-seen shape costs an XLA compilation, which is not serving latency.
@@ -47,6 +49,7 @@ class ServeProcess:
         single_core: bool = True,
         startup_timeout_s: float = 300.0,
         log_path: str | Path | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.deployment = deployment
         self.model = model
@@ -55,6 +58,7 @@ class ServeProcess:
         self.single_core = single_core
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else None
+        self.cpus = tuple(cpus) if cpus else None  # `serve --cpus`: the cores the server may use
         self.proc: subprocess.Popen[str] | None = None
         self.grpc_address = ""
         self.http_address = ""
@@ -70,6 +74,8 @@ class ServeProcess:
             sys.executable, "-m", "jaxserve", "serve", "--deployment", self.deployment, "--model", self.model,
             "--grpc-port", "0", "--http-port", "0", *self.extra_args,
         ]  # fmt: skip
+        if self.cpus:
+            cmd += ["--cpus", ",".join(map(str, self.cpus))]
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         found: list[str] = []

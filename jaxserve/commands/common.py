@@ -1,4 +1,4 @@
-"""What several subcommands share: the embedded default model and the CPU device count.
+"""What several subcommands share: the embedded default model, the CPU device count, CPU pinning.
 
 Imports nothing heavy: `ensure_host_devices` must run before JAX is imported.
 """
@@ -39,3 +39,39 @@ def ensure_host_devices(num_devices: int, extra_flags: str = "") -> None:
         if flag.split("=")[0] not in flags:
             flags += f" {flag}"
     os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def parse_cpus(text: str) -> set[int]:
+    """`0,2-3` -> {0, 2, 3}; raises ValueError naming the bad part or a CPU this process may not use."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list item {part!r} (expected N or N-M)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError("empty CPU list")
+    count = os.cpu_count() or 1
+    if max(cpus) >= count:
+        raise ValueError(f"CPUs {sorted(c for c in cpus if c >= count)} do not exist (this machine has {count})")
+    return cpus
+
+
+def pin_to_cpus(cpus: set[int]) -> None:
+    """Run this process (and the threads it starts from now on, XLA's included) on `cpus` only.
+
+    On a CPU host one XLA "device" is not one core: every device of a process runs its kernels
+    on one shared intra-op thread pool sized to the machine, and a pool that sleeps between
+    requests pays a wake-up on every hand-off. Pinning a server to its own cores (and the load
+    generator to others) is what makes CPU timings repeatable; call it before JAX starts.
+    """
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:  # e.g. outside this container's cpuset
+        raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {e.strerror}") from None

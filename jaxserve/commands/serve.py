@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices
+from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
+    parser.add_argument(
+        "--cpus",
+        default=None,
+        help="run on these CPUs only, e.g. 0 or 0-3 (CPU hosts: keeps a load generator off the serving cores)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.cpus is not None:
+        try:
+            pin_to_cpus(parse_cpus(args.cpus))
+        except ValueError as e:
+            print(f"error: --cpus: {e}", file=sys.stderr)
+            return 2
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     ensure_host_devices(highest + 1)
 
