@@ -2,8 +2,9 @@
 
 `ServeProcess` runs `python -m jaxserve serve …` with the XLA flags a CPU measurement needs (a
 given number of host devices, Eigen single-threaded) and optionally pinned to some cores (`cpus`:
-an XLA CPU process runs all its devices' kernels on one intra-op pool sized to the machine, so
-pinning, not the flags, is what gives a server its own cores), waits for its
+an XLA CPU process runs all its devices' kernels on one intra-op pool sized to the cores it may
+use, at least one thread per device, so pinning, not the flags, is what gives a server its own
+cores), waits for its
 `ready grpc=… http=…` line and stops it (SIGTERM, then SIGKILL) on exit. `warm_up` sends bursts of
 1, 2, 4, … concurrent requests so every batch bucket the measurement will hit is compiled before
 the clock starts: a first-seen shape costs an XLA compilation, which is not serving latency.

@@ -67,9 +67,10 @@ def pin_to_cpus(cpus: set[int]) -> None:
     """Run this process (and the threads it starts from now on, XLA's included) on `cpus` only.
 
     On a CPU host one XLA "device" is not one core: every device of a process runs its kernels
-    on one shared intra-op thread pool sized to the machine, and a pool that sleeps between
-    requests pays a wake-up on every hand-off. Pinning a server to its own cores (and the load
-    generator to others) is what makes CPU timings repeatable; call it before JAX starts.
+    on one shared intra-op thread pool, sized when JAX starts to the cores the process may use
+    (at least one thread per device), and a pool that sleeps between requests pays a wake-up on
+    every hand-off. Pinning a server to its own cores (and the load generator to others) is what
+    makes CPU timings repeatable; call it before JAX starts.
     """
     try:
         os.sched_setaffinity(0, cpus)
