@@ -347,6 +347,15 @@ class Profile:
     device: str | None
     folded: dict[tuple[str, str, int], FoldedCoefficients]
     appendix: dict[tuple[str, str, int], AppendixCoefficients]
+    # Entries fitted in the engine's padded shapes (`engine_padding`, see placement/padding.py): the
+    # coefficients are per padded element, so instances built from them charge the padded batch.
+    padding: dict[tuple[str, str, int], dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def padding_of(self, engine: Engine, model: str, tp: int) -> dict[str, int] | None:
+        for key in ((engine, model, tp), ("any", model, tp)):
+            if key in self.folded or key in self.appendix:
+                return self.padding.get(key)
+        return None
 
     def lookup(self, engine: Engine, model: str, tp: int) -> FoldedCoefficients | AppendixCoefficients | None:
         for key in ((engine, model, tp), ("any", model, tp)):
@@ -367,6 +376,7 @@ class Profile:
         split = int(raw.get("decode_batch_split", 95))
         folded: dict[tuple[str, str, int], FoldedCoefficients] = {}
         appendix: dict[tuple[str, str, int], AppendixCoefficients] = {}
+        padding: dict[tuple[str, str, int], dict[str, int]] = {}
         for i, entry in enumerate(raw["entries"]):
             try:
                 engine = str(entry.get("engine", "any"))
@@ -400,11 +410,23 @@ class Profile:
                     )
                 else:
                     raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
+                if entry.get("engine_padding") is not None:
+                    pad = entry["engine_padding"]
+                    known = {"min_prompt_tokens", "block_size", "min_table_blocks", "min_decode_rows"}
+                    if not isinstance(pad, dict) or set(pad) - known:
+                        raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
+                    padding[key] = {k: int(v) for k, v in pad.items()}
             except (KeyError, TypeError, ValueError) as e:
                 if isinstance(e, ProfileError):
                     raise
                 raise ProfileError(f"profile entry {i} is malformed: {e}") from None
-        return cls(name=str(raw.get("name", "profile")), device=raw.get("device"), folded=folded, appendix=appendix)
+        return cls(
+            name=str(raw.get("name", "profile")),
+            device=raw.get("device"),
+            folded=folded,
+            appendix=appendix,
+            padding=padding,
+        )
 
 
 def _triple(value: Sequence[float]) -> tuple[float, float, float]:
@@ -454,10 +476,12 @@ class LatencyProvider:
     def supports(self, engine: Engine, tp: int) -> bool:
         return self.profile is None or self.profile.lookup(engine, self.model_name, tp) is not None
 
-    def instance(
-        self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None
-    ) -> AppendixModel | FoldedModel:
-        """The latency model of one instance; `stage_link_bandwidth` is the link between adjacent stages."""
+    def instance(self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None) -> StageLatency:
+        """The latency model of one instance; `stage_link_bandwidth` is the link between adjacent stages.
+
+        An entry fitted in the engine's padded shapes (`engine_padding`) gives a model that pads each
+        batch the way the engine does before applying the coefficients.
+        """
         link = self.intra_node_bandwidth or self.device.link_bandwidth
         stage_link = stage_link_bandwidth or link
         if self.profile is None:
@@ -470,9 +494,17 @@ class LatencyProvider:
                 f"profile {self.profile.name!r} has no {engine} coefficients for {self.model_name} tp{tp}; "
                 f"it has tp {self.profile.supported_tps(engine, self.model_name)}"
             )
+        base: AppendixModel | FoldedModel
         if isinstance(coeffs, FoldedCoefficients):
-            return FoldedModel(self.cfg, coeffs, pp, stage_link)
-        return AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+            base = FoldedModel(self.cfg, coeffs, pp, stage_link)
+        else:
+            base = AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+        pad = self.profile.padding_of(engine, self.model_name, tp)
+        if pad is None:
+            return base
+        from placement.padding import EnginePadding, PaddedModel  # padding.py builds on this module
+
+        return PaddedModel(base, EnginePadding(**pad))
 
     def prefill_token_budget(self, engine: Engine, tp: int) -> int:
         """L_m: the prefill batch token budget."""

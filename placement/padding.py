@@ -6,9 +6,10 @@ next power of two ≥ 2 and each row's block table to the next power of two ≥ 
 over the whole padded table). The Appendix-A formula charges actual tokens and context, so an engine
 step of 5 decode rows costs what 8 rows cost while the formula says 5. `EnginePadding` maps a
 batch's actual statistics to the padded ones (rules mirrored here, without importing JAX; a test
-checks them against `jaxserve.engine.bucket`); `PaddedModel` wraps any `StageLatency` with it and
-`PaddedLatencyProvider` builds such models, so the simulator charges what the engine computes.
-Coefficients used this way must be fitted in the same padded terms (`profile_fit`'s `padding=`).
+checks them against `jaxserve.engine.bucket`); `PaddedModel` wraps an instance's latency model with it,
+so the simulator charges what the engine computes. Coefficients used this way must be fitted in the
+same padded terms (`profile_fit`'s `padding=`, which `jaxserve profile` uses by default); such a
+profile entry says so under `engine_padding`, and `LatencyProvider.instance` then wraps its models.
 Prefill batches are described by Σl, Σl² and B only, so each prompt is taken at the RMS length.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from placement.latency import AppendixModel, FoldedModel, LatencyProvider, StageLatency
+from placement.latency import AppendixModel, FoldedModel
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -80,16 +81,3 @@ class PaddedModel:
 
     def send_s(self, num_tokens: int) -> float:
         return self.base.send_s(num_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class PaddedLatencyProvider(LatencyProvider):
-    """A `LatencyProvider` whose instances charge the engine's padded shapes."""
-
-    padding: EnginePadding = EnginePadding()
-
-    def instance(  # type: ignore[override]
-        self, engine: str, tp: int, pp: int, stage_link_bandwidth: float | None = None
-    ) -> StageLatency:
-        base = super().instance(engine, tp, pp, stage_link_bandwidth)  # type: ignore[arg-type]
-        return PaddedModel(base, self.padding)

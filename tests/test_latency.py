@@ -13,6 +13,7 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import (
     AppendixCoefficients,
     LatencyProvider,
+    Profile,
     ProfileError,
     allreduce_bytes_per_device,
     builtin_profiles,
@@ -171,3 +172,28 @@ def test_kv_transfer_dominates_only_across_nodes() -> None:
     assert cluster.transfer_s(nbytes, 0, 1) == pytest.approx(10e-6 + nbytes / (25e9 / 8))
     assert cluster.transfer_s(nbytes, 0, 0) < cluster.transfer_s(nbytes, 0, 1) / 50
     assert math.isclose(cluster.transfer_s(nbytes, 0, 1), 0.3866, rel_tol=0.01)
+
+
+def test_profile_entry_with_engine_padding_charges_padded_shapes(tmp_path) -> None:
+    entry = {
+        "engine": "dist",
+        "model": "opt-13b",
+        "tp": 1,
+        "C1": 1e-14,
+        "C2": 1e-12,
+        "C3": 0.01,
+        "C4": 1e-12,
+        "C5": 1e-12,
+    }
+    padded = {**entry, "engine_padding": {"min_prompt_tokens": 16, "block_size": 16, "min_table_blocks": 4}}
+    plain_model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [entry]})).instance("dist", 1, 1)
+    model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [padded]})).instance("dist", 1, 1)
+    # 5 rows of context 100: the engine computes 8 rows over 8 blocks (128 slots, the next token's
+    # slot included) each; 3 prompts of 100 tokens are computed as 4 rows of 128.
+    assert model.decode_stage_s(5, 500.0) == pytest.approx(plain_model.decode_stage_s(8, 8 * 128.0))
+    assert model.prefill_stage_s(300.0, 3 * 100.0**2, 3) == pytest.approx(
+        plain_model.prefill_stage_s(4 * 128.0, 4 * 128.0**2, 4)
+    )
+    assert model.decode_stage_s(5, 500.0) > plain_model.decode_stage_s(5, 500.0)
+    with pytest.raises(ProfileError, match="engine_padding"):
+        Profile.from_dict({"entries": [{**entry, "engine_padding": {"rows": 2}}]})

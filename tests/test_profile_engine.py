@@ -13,6 +13,7 @@ from jaxserve.plan import parse_deployment
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import AppendixCoefficients, LatencyProvider, load_profile
+from placement.padding import PaddedModel
 from placement.simulator import simulate
 from placement.workload import generate
 
@@ -32,11 +33,19 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         assert entry["C3"] + entry["C1"] > 0 and entry["C6"] + entry["C4"] > 0
         assert entry["L_m"] in {sum([n] * b) for b, n in [(1, 16), (1, 32), (1, 128), (2, 32), (2, 64)]}
         assert entry["fit"]["prefill"]["num_samples"] == 5
+        # fitted in the engine's padded shapes (the default), so the planner charges those
+        assert entry["engine_padding"] == {
+            "min_prompt_tokens": 16,
+            "block_size": 16,
+            "min_table_blocks": 4,
+            "min_decode_rows": 2,
+        }
 
     profile = load_profile(str(out))
     coeffs = profile.lookup("dist", "opt-tiny", 1)
     assert isinstance(coeffs, AppendixCoefficients)
     latency = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), profile)
+    assert isinstance(latency.instance("dist", 1, 1), PaddedModel)
     w = generate("fixed:64:8", 5.0, 20, np.random.default_rng(0))
     for spec in ("disagg:prefill=tp1,decode=tp1", "colocated:tp1"):
         result = simulate(parse_deployment(spec).assign_devices(2), latency, ClusterSpec(get_device("cpu")), w)

@@ -8,10 +8,14 @@ For every tensor-parallel degree (from `--tp`, or the instances of `--deployment
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
 shapes (`jaxserve/profiler.py`), fits C1..C6 by least squares (`placement/profile_fit.py`), finds
 L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
-schema in `placement/latency.py`; each entry also carries its fit errors under `fit`).
+schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
+every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
+`engine_padding`: plan and simulate then charge a batch what the engine really computes.
 
-On a CPU, one XLA device is made one core (single-threaded Eigen, one intra-op thread) unless
-`--cpu-multi-thread`: serve with the same XLA flags, or the profile describes another machine.
+On a CPU, Eigen is made single-threaded unless `--cpu-multi-thread`; serve with the same XLA flags.
+That does not make one XLA device one core: a process runs every device's kernels on one intra-op
+pool sized to the cores it may use (at least one thread per device). To time what a pinned server
+gets, pin the profile the same way (`--cpus`, as `jaxserve serve --cpus`).
 Pipeline stages are not timed separately: the latency model derives a stage from the per-tp fit.
 """
 
@@ -23,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxserve.commands.common import ensure_host_devices
+from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -54,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time the dist engines while the next tp devices run the other phase (prompts of TOKENS), "
         "as in a disaggregated deployment whose devices share cores; colocated entries are timed alone",
     )
+    parser.add_argument(
+        "--cpus", default=None, help="run on these CPUs only, e.g. 0 or 0-1: time what a pinned server gets"
+    )
+    parser.add_argument(
+        "--no-padding",
+        action="store_true",
+        help="fit actual shapes, not the padded buckets the engine computes (then plan/simulate charge actual shapes)",
+    )
     parser.add_argument("--samples-out", default=None, help="also write the raw timings (JSON)")
     parser.add_argument("-o", "--output", required=True, help="profile JSON to write")
 
@@ -83,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("dist", "coloc") for e in engines):
         print("jaxserve profile: error: need tp >= 1 and engines from dist,coloc", file=sys.stderr)
         return 2
+    if args.cpus is not None:
+        try:
+            pin_to_cpus(parse_cpus(args.cpus))
+        except ValueError as e:
+            print(f"jaxserve profile: error: --cpus: {e}", file=sys.stderr)
+            return 2
     ensure_host_devices(
         (2 if args.busy_neighbour else 1) * max(tps), "" if args.cpu_multi_thread else SINGLE_CORE_FLAGS
     )
@@ -94,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.profiler import custom_grid, default_grid, measure
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
+    from placement.padding import EnginePadding
     from placement.profile_fit import profile_entry
 
     try:
@@ -157,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
                 block_size=16,  # the latency formula's attention block b, not the KV page size
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
+                # the engine pads every step to a bucket; fit (and later charge) what it computes
+                padding=None if args.no_padding else EnginePadding(block_size=args.block_size),
             )
             entries.append(entry)
             fit = entry["fit"]
