@@ -23,7 +23,9 @@ class SimOptions:
 
     block_size: int = 16  # paged KV block, tokens
     max_decode_batch: int = 256  # running sequences per decode / colocated instance
-    colocated_batch_tokens: int = 512  # colocated prefill-priority step budget (the runtime's L_m default)
+    # colocated prefill-priority step budget; None: the profile's L_m for the instance (as for prefill
+    # instances), which is 512 — the runtime's --max-batch-tokens default — without a profile
+    colocated_batch_tokens: int | None = None
     mode: SimMode = "full"
     stop_early: bool = True  # only with an SloSpec
 

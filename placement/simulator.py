@@ -114,6 +114,7 @@ class _Colocated:
     model: StageLatency
     free_blocks: int
     chunk_size: int | None
+    max_batch_tokens: int  # prefill-priority step budget: SimOptions' if set, else the profile's L_m
     admitted: list[int] = dataclasses.field(default_factory=list)  # arrival order
     # The policy's view of each request, rebuilt only when it changes (admission, prefill progress).
     records: dict[int, ColocatedRequest] = dataclasses.field(default_factory=dict)
@@ -187,6 +188,7 @@ class Simulator:
                     model=latency.instance("coloc", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
                     free_blocks=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp) // block,
                     chunk_size=i.chunk_size,
+                    max_batch_tokens=self.options.colocated_batch_tokens or latency.prefill_token_budget("coloc", i.tp),
                 )
                 for i in self.plan.instances
             ]
@@ -489,7 +491,7 @@ class Simulator:
     def _coloc_step(self, k: int) -> None:
         c = self.colocated[k]
         opts = self.options
-        budget = max(opts.colocated_batch_tokens, c.chunk_size or 0)
+        budget = max(c.max_batch_tokens, c.chunk_size or 0)
         head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
         records = c.records
         reqs = [records[i] for i in c.admitted] + [records[i] for i in head]
@@ -498,7 +500,7 @@ class Simulator:
             num_free_blocks=c.free_blocks,
             block_size=opts.block_size,
             max_batch_size=opts.max_decode_batch,
-            max_batch_tokens=opts.colocated_batch_tokens,
+            max_batch_tokens=c.max_batch_tokens,
             chunk_size=c.chunk_size,
         )
         if step.is_idle:
