@@ -328,6 +328,53 @@ def colocated_search(
     )
 
 
+def replicate_colocated(ctx: SearchContext, best: SearchResult, rate: float | None = None) -> SearchResult:
+    """The colocated shape of `colocated_search`, replicated for `rate` or to fill the cluster."""
+    inst = best.plan.instances[0]
+    g = best.goodput_rps
+    if rate is not None:
+        n = max(1, math.ceil(rate / g))
+        why = f"rate {rate:g} rps needs ceil({rate:g}/{g:.3g}) = {n} colocated {inst.shape} instance(s)"
+    else:
+        n = ctx.cluster.num_devices // inst.num_devices
+        why = f"{n} colocated {inst.shape} instance(s) fill {ctx.cluster.num_devices} devices"
+    if n < 1:
+        raise PlanError(
+            f"colocated {inst.shape} needs {inst.num_devices} devices; the cluster has {ctx.cluster.num_devices}"
+        )
+    plan = DeploymentPlan(tuple([inst] * n), model=ctx.cfg.name)
+    return SearchResult(
+        plan, g * n, best.candidates, f"best colocated {inst.shape} ({g / inst.num_devices:.3g} rps/device); {why}"
+    )
+
+
+def choose_deployment(
+    disagg: SearchResult | None, disagg_per_device: float, colocated: SearchResult | None
+) -> tuple[str, str]:
+    """("disagg" | "colocated", why): the kind whose best plan serves more goodput per device.
+
+    `disagg_per_device` is the disaggregated plan's per-device goodput as the caller best knows it
+    (the joint simulation of the chosen plan when there is one: Algorithm 1 judges phases alone).
+    A tie goes to the colocated plan: fewer moving parts for the same goodput.
+    """
+    if colocated is None and disagg is None:
+        raise PlanError("nothing to choose from")
+    if colocated is None:
+        return "disagg", "no colocated plan to compare with"
+    coloc = colocated.goodput_per_device
+    if disagg is None:
+        return "colocated", "no disaggregated plan to compare with"
+    if coloc >= disagg_per_device:
+        return "colocated", (
+            f"colocated {coloc:.3g} rps/device >= disaggregated {disagg_per_device:.3g} rps/device: "
+            "on these devices splitting the phases does not pay for the devices it takes"
+        )
+    return "disagg", (
+        f"disaggregated {disagg_per_device:.3g} rps/device > colocated {coloc:.3g} rps/device "
+        f"({disagg_per_device / coloc if coloc > 0 else float('inf'):.2f}x)"
+    )
+
+
 def ratio_search(
     ctx: SearchContext,
     prefill: InstanceSpec,

@@ -129,3 +129,54 @@ def test_argparse_errors_exit_2_and_planner_does_not_import_jax() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def _cpu_profile(tmp_path, dist_slowdown: float) -> str:
+    """An opt-mini CPU profile whose dist engines are `dist_slowdown` x the colocated one."""
+    base = {"model": "opt-mini", "tp": 1, "C1": 2e-11, "C2": 1e-9, "C3": 2e-3, "C4": 0.0, "C5": 1e-9, "L_m": 256}
+    slow = {k: (v * dist_slowdown if k.startswith("C") else v) for k, v in base.items()}
+    path = tmp_path / f"cpu-{dist_slowdown}.json"
+    entries = [{**base, "engine": "coloc"}, {**slow, "engine": "dist"}]
+    path.write_text(json.dumps({"name": f"cpu-x{dist_slowdown}", "device": "cpu", "entries": entries}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("slowdown", "kind"), [(1.6, "colocated"), (1.0, "disagg")])
+def test_plan_chooses_the_kind_with_more_goodput_per_device(capsys, tmp_path, slowdown: float, kind: str) -> None:
+    # Devices whose split phases run 1.6x slower (e.g. two "devices" sharing cores) make the colocated
+    # plan the better one per device; equal engines leave the disaggregated plan ahead on this workload.
+    argv = ["plan", "--model", "opt-mini", "--device", "cpu", "--nodes", "1", "--devices-per-node", "2"]
+    argv += ["--profile", _cpu_profile(tmp_path, slowdown), "--workload", "fixed:256:32", "--num-requests", "100"]
+    argv += ["--ttft", "0.08", "--tpot", "0.008", "--max-decode-batch", "32", "--workers", "1", "--no-progress"]
+    assert main([*argv, "--json"]) == 0
+    plan = DeploymentPlan.from_json(capsys.readouterr().out)
+    assert plan.kind == kind
+    assert plan.num_devices <= 2
+    exp = plan.expected
+    assert exp["colocated_goodput_rps_per_device"] > 0 and exp["disagg_goodput_rps_per_device"] > 0
+    chosen = max(exp["colocated_goodput_rps_per_device"], exp["disagg_goodput_rps_per_device"])
+    assert exp["goodput_rps_per_device"] == pytest.approx(chosen, rel=1e-6)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "best colocated:" in text and "best disaggregated:" in text and "why:" in text
+
+
+def test_plan_kind_disagg_skips_the_colocated_search(capsys) -> None:
+    argv = ["plan", *COMMON, "--nodes", "1", "--devices-per-node", "2", "--workload", "fixed:512:64"]
+    argv += ["--ttft", "0.4", "--tpot", "0.04", "--kind", "disagg", "--workers", "1", "--no-progress", "--json"]
+    assert main(argv) == 0
+    plan = DeploymentPlan.from_json(capsys.readouterr().out)
+    assert plan.kind == "disagg" and "colocated_goodput_rps_per_device" not in plan.expected
+
+
+def test_plan_falls_back_to_the_kind_that_meets_the_slos(capsys, tmp_path) -> None:
+    # 3x slower split phases cannot meet these SLOs at all: auto still answers, with a colocated plan,
+    # and says why; asking for disagg only is an error.
+    argv = ["plan", "--model", "opt-mini", "--device", "cpu", "--nodes", "1", "--devices-per-node", "2"]
+    argv += ["--profile", _cpu_profile(tmp_path, 3.0), "--workload", "fixed:256:32", "--num-requests", "100"]
+    argv += ["--ttft", "0.08", "--tpot", "0.008", "--max-decode-batch", "32", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "chosen: colocated:2xtp1" in text and "no plan of this kind: disaggregated" in text
+    assert main([*argv, "--kind", "disagg"]) == 1
+    assert "no configuration meets the SLOs" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """`jaxserve plan`: search the per-phase parallelism and instance counts that maximise per-device goodput.
 
 High node affinity runs Algorithm 1 (phases searched independently), low affinity Algorithm 2 (prefill
-and decode segments of each stage on one node). Prints the candidates and the choice, or with `--json`
-the `DeploymentPlan` (devices and nodes filled in) that `jaxserve serve --plan` reads.
+and decode segments of each stage on one node). With `--kind auto` (the default) the best colocated
+shape is searched too and the plan is whichever kind serves more goodput per device — the disaggregated
+side judged by a joint simulation of its chosen plan — so a machine where splitting the phases does not
+pay (slow interconnect, devices that share cores) gets a colocated plan. Prints the candidates and the
+choice, or with `--json` the `DeploymentPlan` (devices and nodes filled in) that `jaxserve serve --plan` reads.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="skip the joint simulation of the chosen plan (Algorithm 1 only)"
     )
     parser.add_argument(
-        "--compare-colocated", action="store_true", help="also search the best colocated shape (vLLM++)"
+        "--kind",
+        choices=["auto", "disagg", "colocated"],
+        default="auto",
+        help="auto: search both and choose the higher goodput per device; disagg / colocated: only that kind",
+    )
+    parser.add_argument(
+        "--compare-colocated",
+        action="store_true",
+        help="with --kind disagg: still search and print the best colocated shape (auto always does)",
     )
     parser.add_argument(
         "--ratio-devices",
@@ -35,16 +46,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also search the prefill:decode replica ratio (xPyD) of the chosen shapes within N devices, jointly simulated",
     )
+    parser.add_argument(
+        "--max-decode-batch",
+        type=int,
+        default=256,
+        help="running sequences per decode instance, as served (jaxserve serve --max-decode-batch-size; its default is 32)",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from jaxserve.plan import PlanError
     from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import ProfileError
-    from placement.search import SearchContext, algorithm1, algorithm2, colocated_search, place, ratio_search
+    from placement.search import (
+        SearchContext,
+        algorithm1,
+        algorithm2,
+        choose_deployment,
+        colocated_search,
+        place,
+        ratio_search,
+        replicate_colocated,
+    )
+    from placement.simulator import SimOptions
 
     try:
         latency = build_latency(args)
@@ -59,28 +88,60 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ratio-devices must be >= 0")
         if args.max_pp is not None and args.max_pp < 1:
             raise UsageError("--max-pp must be >= 1")
+        if args.max_decode_batch < 1:
+            raise UsageError("--max-decode-batch must be >= 1")
         workload = build_base_workload(args, latency, 400)
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
 
-    ctx = SearchContext(latency, cluster, workload, slo, max_pp=args.max_pp)
+    # --prefill-tokens reaches both instance kinds through the latency provider's L_m
+    options = SimOptions(max_decode_batch=args.max_decode_batch)
+    ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
     progress = None if args.no_progress else _progress_bar()
+    disagg = colocated = ratio = None
+    simulated = None
     try:
-        if args.affinity == "high":
-            result = algorithm1(ctx, args.rate, workers=args.workers, progress=progress)
+        failures: list[str] = []  # with --kind auto one kind may find nothing; the other can still win
+        if args.kind != "colocated":
+            try:
+                search = algorithm1 if args.affinity == "high" else algorithm2
+                disagg = search(ctx, args.rate, workers=args.workers, progress=progress)
+            except PlanError as e:
+                if args.kind == "disagg":
+                    raise
+                failures.append(f"disaggregated: {e}")
+        if args.kind != "disagg" or args.compare_colocated:
+            try:
+                colocated = colocated_search(ctx, workers=args.workers, progress=progress)
+            except PlanError as e:
+                if args.kind == "colocated" or disagg is None:
+                    raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
+                failures.append(f"colocated: {e}")
+        disagg_plan = None
+        if disagg is not None:
+            disagg_plan = place(disagg.plan, cluster, pair_stages=args.affinity == "low")
+            if args.affinity == "high" and not args.no_verify:
+                # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
+                simulated = max_rate(
+                    GoodputSearch(disagg_plan, latency, cluster, workload, slo, ctx.options), ctx.rel_tol
+                )
+        disagg_rps = simulated if simulated is not None else (disagg.goodput_rps if disagg else 0.0)
+        disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
+        kind, why_kind = choose_deployment(disagg, disagg_pd, colocated if args.kind != "disagg" else None)
+        if kind == "disagg":
+            assert disagg is not None and disagg_plan is not None
+            result, plan, goodput_rps = disagg, disagg_plan, disagg_rps
+            if args.ratio_devices:
+                shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
+                ratio = ratio_search(
+                    ctx, *shapes, max_devices=args.ratio_devices, workers=args.workers, progress=progress
+                )
         else:
-            result = algorithm2(ctx, args.rate, workers=args.workers, progress=progress)
-        colocated = colocated_search(ctx, workers=args.workers, progress=progress) if args.compare_colocated else None
-        ratio = None
-        if args.ratio_devices:
-            shapes = (result.plan.of_role("prefill")[0], result.plan.of_role("decode")[0])
-            ratio = ratio_search(ctx, *shapes, max_devices=args.ratio_devices, workers=args.workers, progress=progress)
-        plan = place(result.plan, cluster, pair_stages=args.affinity == "low")
-        simulated = None
-        if args.affinity == "high" and not args.no_verify:
-            # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
-            simulated = max_rate(GoodputSearch(plan, latency, cluster, workload, slo, ctx.options), ctx.rel_tol)
+            assert colocated is not None
+            result = replicate_colocated(ctx, colocated, args.rate)
+            plan = place(result.plan, cluster)
+            goodput_rps = result.goodput_rps
     except (PlanError, ProfileError) as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 1
@@ -88,10 +149,6 @@ def run(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
 
-    import dataclasses
-
-    # The joint simulation (both SLOs, transfers) is the better prediction when there is one.
-    goodput_rps = simulated if simulated is not None else result.goodput_rps
     expected = {
         "goodput_rps": goodput_rps,
         "goodput_rps_per_device": goodput_rps / plan.num_devices,
@@ -100,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
         "tpot_slo_s": slo.tpot_s,
         "attainment": slo.attainment,
     }
+    if disagg is not None and colocated is not None and args.kind == "auto":
+        expected["disagg_goodput_rps_per_device"] = disagg_pd
+        expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
     if args.rate is not None:
         expected["target_rate_rps"] = args.rate
     plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected)
@@ -116,27 +176,27 @@ def run(args: argparse.Namespace) -> int:
         f"TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s at {slo.attainment:.0%} ({slo.mode}); latency from {source}"
     )
     print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}")
-    rows = list(result.candidates) + (list(colocated.candidates) if colocated else [])
+    rows = (list(disagg.candidates) if disagg else []) + (list(colocated.candidates) if colocated else [])
     for c in rows:
         mark = " *" if c.at_bound else ""
         print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}{mark}")
     if any(c.at_bound for c in rows):
         print("* met the SLOs at its throughput bound (the search's ceiling); its true goodput is at most this")
+    if disagg is not None:
+        print(f"\nbest disaggregated: {disagg.reason}")
+        if simulated is not None:
+            print(
+                f"joint simulation of it (both SLOs, KV transfers included): {simulated:.3f} rps, {disagg_pd:.3f} rps/device"
+            )
+    if colocated is not None:
+        print(f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device")
     print(
-        f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {result.goodput_rps:.3f} rps, {result.goodput_per_device:.3f} rps/device"
+        f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {goodput_rps:.3f} rps, "
+        f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
-    print(f"why: {result.reason}")
-    if simulated is not None:
-        print(
-            f"joint simulation of the chosen plan (both SLOs, KV transfers included): {simulated:.3f} rps, "
-            f"{simulated / plan.num_devices:.3f} rps/device"
-        )
-    if colocated:
-        ours = expected["goodput_rps_per_device"]
-        gain = ours / colocated.goodput_per_device if colocated.goodput_per_device > 0 else float("inf")
-        print(
-            f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device; the chosen plan serves {gain:.2f}x that per device"
-        )
+    print(f"why: {why_kind}; {result.reason}")
+    for failure in failures:
+        print(f"no plan of this kind: {failure}")
     if ratio is not None:
         print(f"\nprefill:decode ratios within {args.ratio_devices} devices (joint simulation):")
         for c in ratio.candidates:
