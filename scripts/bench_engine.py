@@ -8,10 +8,12 @@ Parts (`--part`, default `all`; each prints one JSON object per line):
   step (`OPTEngine.decode_step`, host overhead and sampling included) vs transformers'
   `OPTForCausalLM` with its KV cache, same weights, greedy.
 * `transfer` — KV transfer time as a share of request time in `disagg:prefill=tp1,decode=tp1`.
-* `figure1`  — the paper's Figure 1 scaled to a CPU: one XLA device = one core (single-threaded
-  Eigen, one intra-op thread; this part re-executes itself with those flags). First a scaling check
-  (the same jitted work on 1 device vs on 2 devices at once), then the max Poisson rate at which 90 %
-  of requests meet both SLOs for colocated on 1 device vs 1 prefill + 1 decode device, per device.
+* `figure1`  — the paper's Figure 1 scaled to a CPU, in one process (single-threaded Eigen; this
+  part re-executes itself with those flags). First a scaling check (the same jitted work on 1
+  device vs on 2 devices at once), then the max Poisson rate at which 90 % of requests meet both
+  SLOs for colocated on 1 device vs 1 prefill + 1 decode device, per device. The flags do not make
+  a device one core — XLA runs every device of a process on one shared intra-op pool — so this is
+  a smoke-level comparison; `scripts/compare_deployments.py` pins each server to its own cores.
 
 The machine is shared: numbers move with whatever else runs. Usage:
     .venv/bin/python scripts/bench_engine.py [--part all|decode|transfer|figure1] [--quick]

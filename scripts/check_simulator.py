@@ -3,8 +3,8 @@
 
 Steps (all live, nothing precomputed):
 
-1. `jaxserve profile` times the real engine (one XLA CPU device = one core) on a grid around the
-   workload's shapes and fits the Appendix-A coefficients and L_m.
+1. `jaxserve profile` times the real engine on a grid around the workload's shapes and fits the
+   Appendix-A coefficients and L_m — pinned to the cores the deployment will be served on.
 2. For each deployment (default: `disagg:prefill=tp1,decode=tp1` and `colocated:tp1`), a real
    `jaxserve serve` is started with the runtime limits the simulator is told about (L_m from the
    profile, decode batch, KV blocks enough that the batch limit binds first), warmed up, and driven
@@ -15,6 +15,14 @@ Steps (all live, nothing precomputed):
 
     .venv/bin/python scripts/check_simulator.py                       # the defaults below
     .venv/bin/python scripts/check_simulator.py --num-requests 120 --json out.json --plot docs/x.png
+
+Pinning (default; `--no-pin` turns it off): the server runs on its first N cores (`serve --cpus`,
+N = its devices; all of them if the machine has no more), the load generator — this process — on
+the rest (or shares them when none are left), and each deployment's engines are profiled on the
+same cores, in padded shapes (the `jaxserve profile` default). XLA runs every device of a
+process on one intra-op pool sized to the cores it may use (at least one thread per device), so
+without pinning a "device" is not one core, the client steals from the server, and an idle pool
+pays wake-ups that a busy one does not.
 
 The SLOs default to multiples of the fitted model's own step times (`--ttft-factor`, `--tpot-factor`),
 so the check means the same on a faster or slower machine. `check()` is what the slow test calls.
@@ -47,14 +55,12 @@ from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402
 from placement.latency import (  # noqa: E402
+    Engine,
     LatencyProvider,
-    Profile,
     load_profile,
     pipeline_decode_round_s,
     pipeline_prefill_s,
 )
-from placement.padding import EnginePadding, PaddedLatencyProvider  # noqa: E402
-from placement.profile_fit import DecodeSample, PrefillSample, profile_entry  # noqa: E402
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
@@ -79,12 +85,11 @@ class CheckConfig:
     profile: str | None = None  # an existing profile instead of profiling now
     workdir: str | None = None
     log: bool = True
-    # Which simulator the verdict uses: "plain" (the fitted profile as `jaxserve simulate --profile`
-    # uses it) or "padded" (refitted and simulated in the engine's padded shapes, placement/padding.py).
-    primary: str = "plain"
     # Time the dist (prefill/decode) engines with the neighbouring device busy with the other phase:
-    # on this machine two "devices" are two vCPUs that slow each other down (see the report).
+    # a disaggregated deployment's two devices share its cores and one XLA thread pool.
     busy_neighbour: bool = True
+    # Serve each deployment on its own cores (N devices: cores 0..N-1) and run the client on the rest.
+    pin: bool = True
 
 
 @dataclasses.dataclass
@@ -98,15 +103,10 @@ class RatePoint:
     measured_p90_tpot_s: float
     predicted_p90_tpot_s: float
     num_failed: int
-    padded: dict[str, float] | None = None  # the padded model's prediction, when it could be fitted
 
     @property
     def diff_points(self) -> float:
         return 100 * (self.predicted - self.measured)
-
-    @property
-    def padded_diff_points(self) -> float:
-        return 100 * (self.padded["attainment"] - self.measured) if self.padded else math.nan
 
 
 @dataclasses.dataclass
@@ -118,18 +118,13 @@ class CheckResult:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() before and after
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
-    primary: str = "plain"
-
     def diffs(self) -> np.ndarray:
-        if self.primary == "padded":
-            return np.array([p.padded_diff_points for p in self.points])
         return np.array([p.diff_points for p in self.points])
 
     def table(self) -> str:
         head = (
             f"{'deployment':<32}{'rate':>7}{'attain meas':>12}{'pred':>7}{'diff':>7}"
             f"{'P90 TTFT meas':>15}{'pred':>8}{'P90 TPOT meas':>15}{'pred':>8}"
-            f"{'| padded: pred':>15}{'diff':>7}{'TTFT':>8}{'TPOT':>8}"
         )
         lines = [head, "-" * len(head)]
         for p in self.points:
@@ -137,16 +132,10 @@ class CheckResult:
                 f"{p.deployment:<32}{p.rate:>7.2f}{100 * p.measured:>11.1f}%{100 * p.predicted:>6.1f}%"
                 f"{p.diff_points:>+7.1f}{1e3 * p.measured_p90_ttft_s:>13.1f}ms{1e3 * p.predicted_p90_ttft_s:>6.1f}ms"
                 f"{1e3 * p.measured_p90_tpot_s:>13.1f}ms{1e3 * p.predicted_p90_tpot_s:>6.1f}ms"
-                + (
-                    f"{100 * p.padded['attainment']:>14.1f}%{p.padded_diff_points:>+7.1f}"
-                    f"{1e3 * p.padded['p90_ttft_s']:>6.1f}ms{1e3 * p.padded['p90_tpot_s']:>6.1f}ms"
-                    if p.padded
-                    else ""
-                )
             )
         d = np.abs(self.diffs())
         lines.append(
-            f"verdict on the {self.primary} model; SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
+            f"SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
             f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points; "
             f"load average before {self.load_before[0]:.2f}, after {self.load_after[0]:.2f}"
         )
@@ -156,11 +145,7 @@ class CheckResult:
         return {
             "profile": self.profile_path,
             "slo": dataclasses.asdict(self.slo),
-            "primary": self.primary,
-            "points": [
-                {**dataclasses.asdict(p), "diff_points": p.diff_points, "padded_diff_points": p.padded_diff_points}
-                for p in self.points
-            ],
+            "points": [{**dataclasses.asdict(p), "diff_points": p.diff_points} for p in self.points],
             "max_abs_diff_points": float(np.abs(self.diffs()).max()),
             "median_abs_diff_points": float(np.median(np.abs(self.diffs()))),
             "seconds": self.seconds,
@@ -181,7 +166,9 @@ def fixed_lengths(workload: str) -> tuple[int, int]:
     return dist.input, dist.output
 
 
-def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
+def run_profile(
+    cfg: CheckConfig, out: Path, tps: list[int], engine: str = "dist,coloc", cpus: tuple[int, ...] | None = None
+) -> Path:
     """`jaxserve profile` in a child process (so its XLA flags apply) on a grid around the workload."""
     n_in, n_out = fixed_lengths(cfg.workload)
     lengths = sorted({max(16, n_in // 4), max(16, n_in // 2), n_in, 2 * n_in})
@@ -194,11 +181,14 @@ def run_profile(cfg: CheckConfig, out: Path, tps: list[int]) -> Path:
         "--prefill-lengths", ",".join(map(str, lengths)), "--prefill-batches", "1,2,3,4",
         "--decode-batches", ",".join(map(str, batches)), "--decode-contexts", ",".join(map(str, contexts)),
         "--block-size", str(cfg.block_size), "-o", str(out), "--samples-out", str(out.with_suffix(".samples.json")),
+        "--engines", engine,
     ]  # fmt: skip
-    if cfg.busy_neighbour:
+    if cpus:
+        cmd += ["--cpus", ",".join(map(str, cpus))]
+    if cfg.busy_neighbour and "dist" in engine:
         # dist engines timed while a peer device runs the other phase, as in the disaggregated deployment
         cmd += ["--busy-neighbour", str(n_in)]
-    devices = 2 * max(tps) if cfg.busy_neighbour else max(tps)
+    devices = 2 * max(tps) if cfg.busy_neighbour and "dist" in engine else max(tps)
     env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -211,38 +201,17 @@ def provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider:
     return LatencyProvider(get_config(cfg.model), get_device("cpu"), load_profile(str(profile_path)))
 
 
-def padded_provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider | None:
-    """The same timings refitted in the engine's padded shapes (None without the raw timings)."""
-    samples_path = profile_path.with_suffix(".samples.json")
-    if not samples_path.exists():
-        return None
-    raw = json.loads(samples_path.read_text())
-    model_cfg = get_config(cfg.model)
-    padding = EnginePadding(block_size=cfg.block_size)
-    entries = []
-    base = json.loads(profile_path.read_text())
-    for m in raw["measurements"]:
-        for engine, key, dkey in (("dist", "prefill", "decode"), ("coloc", "coloc_prefill", "coloc_decode")):
-            if not m[key]:
-                continue
-            decode = [DecodeSample(**d) for d in m.get(dkey) or m["decode"]]
-            prefill = [PrefillSample(tuple(d["lengths"]), d["seconds"]) for d in m[key]]
-            lm = next(e["L_m"] for e in base["entries"] if e["engine"] == engine and e["tp"] == m["tp"])
-            entries.append(profile_entry(model_cfg, m["tp"], engine, prefill, decode, l_m=lm, padding=padding))
-    profile = Profile.from_dict({"name": "padded", "device": "cpu", "entries": entries})
-    return PaddedLatencyProvider(model_cfg, get_device("cpu"), profile, padding=padding)
-
-
 def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
     n_in, _ = fixed_lengths(cfg.workload)
-    model = latency.instance("dist", 1, 1)
+    engine: Engine = "dist" if latency.supports("dist", 1) else "coloc"
+    model = latency.instance(engine, 1, 1)
     ttft = cfg.ttft_s or cfg.ttft_factor * pipeline_prefill_s(model, np.array([n_in]))
     tpot = cfg.tpot_s or cfg.tpot_factor * pipeline_decode_round_s(model, 1, float(n_in))
     return SloSpec(round(ttft, 4), round(tpot, 4))
 
 
 def sim_options(cfg: CheckConfig, latency: LatencyProvider, plan: DeploymentPlan) -> SimOptions:
-    engine = "coloc" if plan.kind == "colocated" else "dist"
+    engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
     return SimOptions(
         block_size=cfg.block_size,
         max_decode_batch=cfg.max_decode_batch,
@@ -295,7 +264,7 @@ def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: Slo
 def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[str]:
     """Runtime limits the simulator is told about; KV blocks enough that the batch limit binds first."""
     plan = parse_deployment(spec)
-    engine = "coloc" if plan.kind == "colocated" else "dist"
+    engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
     n_in, n_out = fixed_lengths(cfg.workload)
     blocks = cfg.max_decode_batch * -(-(n_in + n_out) // cfg.block_size) + 16
     return [
@@ -309,20 +278,23 @@ def measure_deployment(
     cfg: CheckConfig,
     latency: LatencyProvider,
     spec: str,
-    rates: tuple[float, ...],
     slo: SloSpec,
     workdir: Path,
-    padded: LatencyProvider | None = None,
+    server_cpus: tuple[int, ...] | None = None,
 ) -> list[RatePoint]:
     n_in, n_out = fixed_lengths(cfg.workload)
     vocab = get_config(cfg.model).vocab_size
     points = []
     log = workdir / f"serve-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.log"
-    with launch.ServeProcess(spec, cfg.model, server_args(cfg, latency, spec), log_path=log) as server:
+    with launch.ServeProcess(
+        spec, cfg.model, server_args(cfg, latency, spec), log_path=log, cpus=server_cpus
+    ) as server:
         _say(cfg, f"{spec}: serving at {server.grpc_address}; warming up")
         launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, vocab)
         target = loadgen.Target(server.grpc_address)
         info = loadgen.probe(target)
+        rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, latency, spec, slo)
+        _say(cfg, f"{spec}: rates {rates}")
         base = base_workload(cfg)
         for rate in rates:
             run = loadgen.run(base.with_rate(rate), target, info=info, seed=cfg.seed)
@@ -340,7 +312,6 @@ def measure_deployment(
                 measured["tpot_s"]["p90"],
                 predicted["p90_tpot_s"],
                 measured["failed"],
-                predict(cfg, padded, spec, trace, slo) if padded is not None else None,
             )
             points.append(point)
             _say(
@@ -353,32 +324,61 @@ def measure_deployment(
     return points
 
 
+def placement_cpus(cfg: CheckConfig, spec: str) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(server cores, client cores) for a deployment: its N devices on the first N cores, the client on the rest."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    n = parse_deployment(spec).num_devices
+    if not cfg.pin or n >= len(cores):
+        return (cores if cfg.pin else None), None
+    return cores[:n], cores[n:]
+
+
+def engine_of(spec: str) -> Engine:
+    return "coloc" if parse_deployment(spec).kind == "colocated" else "dist"
+
+
+def profile_all(cfg: CheckConfig, workdir: Path) -> Path:
+    """One profile run per deployment (each on the cores it will be served on), merged into one file."""
+    merged: dict[str, Any] = {"entries": []}
+    samples: dict[str, Any] = {"measurements": []}
+    for spec in cfg.deployments:
+        engine = engine_of(spec)
+        tps = sorted({i.tp for i in parse_deployment(spec).instances})
+        server_cpus, _ = placement_cpus(cfg, spec)
+        if any(e["engine"] == engine and e["tp"] in tps for e in merged["entries"]):
+            continue
+        _say(cfg, f"profiling {cfg.model} {engine} at tp {tps} on CPUs {server_cpus}")
+        out = run_profile(cfg, workdir / f"profile-{engine}.json", tps, engine, server_cpus)
+        part = json.loads(out.read_text())
+        merged = {**part, "entries": merged["entries"] + part["entries"]}
+        raw = json.loads(out.with_suffix(".samples.json").read_text())
+        samples["measurements"] += [{**m, "engines": [engine]} for m in raw["measurements"]]
+    path = workdir / "profile.json"
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    path.with_suffix(".samples.json").write_text(json.dumps(samples))
+    return path
+
+
 def check(cfg: CheckConfig) -> CheckResult:
     started = time.perf_counter()
     load_before = os.getloadavg()
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="jaxserve-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    tps = sorted({i.tp for spec in cfg.deployments for i in parse_deployment(spec).instances})
-    if cfg.profile:
-        profile_path = Path(cfg.profile)
-    else:
-        _say(cfg, f"profiling {cfg.model} at tp {tps}")
-        profile_path = run_profile(cfg, workdir / "profile.json", tps)
+    profile_path = Path(cfg.profile) if cfg.profile else profile_all(cfg, workdir)
     latency = provider(cfg, profile_path)
-    padded = padded_provider(cfg, profile_path)
-    if cfg.primary == "padded" and padded is None:
-        raise ValueError("the padded model needs the profile's raw timings (PROFILE.samples.json)")
     slo = default_slo(cfg, latency)
     _say(cfg, f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms")
     points: list[RatePoint] = []
-    for spec in cfg.deployments:
-        chooser = padded if cfg.primary == "padded" and padded is not None else latency
-        rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, chooser, spec, slo)
-        _say(cfg, f"{spec}: rates {rates}")
-        points.extend(measure_deployment(cfg, latency, spec, rates, slo, workdir, padded))
-    return CheckResult(
-        str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg(), cfg.primary
-    )
+    mine = os.sched_getaffinity(0)
+    try:
+        for spec in cfg.deployments:
+            server_cpus, client_cpus = placement_cpus(cfg, spec)
+            _say(cfg, f"{spec}: server CPUs {server_cpus}, client CPUs {client_cpus or 'shared'}")
+            os.sched_setaffinity(0, set(client_cpus) if client_cpus else mine)
+            points.extend(measure_deployment(cfg, latency, spec, slo, workdir, server_cpus))
+    finally:
+        os.sched_setaffinity(0, mine)
+    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg())
 
 
 def plot(result: CheckResult, path: str) -> None:
@@ -417,7 +417,7 @@ def main() -> int:
     p.add_argument("--profile", default=None, help="use this profile instead of profiling now")
     p.add_argument("--workdir", default=None)
     p.add_argument("--alone", action="store_true", help="profile the dist engines without a busy neighbour")
-    p.add_argument("--primary", choices=["plain", "padded"], default=d.primary, help="the model the verdict uses")
+    p.add_argument("--no-pin", action="store_true", help="let servers, profiler and client share every core")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -440,8 +440,8 @@ def main() -> int:
         rates=rates,
         profile=args.profile,
         workdir=args.workdir,
-        primary=args.primary,
         busy_neighbour=not args.alone,
+        pin=not args.no_pin,
     )
     result = check(cfg)
     print(result.table())

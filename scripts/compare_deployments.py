@@ -4,14 +4,16 @@
 The paper's Figure 1 scaled to a CPU: every request `fixed:IN:OUT` (default 256 in / 32 out, the
 paper's 8:1), SLOs as multiples of the fitted model's own step times (`--ttft-factor` × one prefill,
 `--tpot-factor` × one batch-1 decode step; the paper's 0.4 s / 0.04 s are ≈ 4× and ≈ 2× OPT-13B's on
-an A100), one XLA CPU device = one core.
+an A100). Each deployment is served on as many cores as it has devices (`serve --cpus`), the bench
+client on the remaining cores when there are any, so "per device" means per core.
 
-1. Scaling check: the same prefill on one device, then on two at once — two devices must do about
-   twice the work of one, or "per device" means nothing here.
-2. `jaxserve profile` (or `--profile`), then the planner's prediction for each deployment
-   (`placement.goodput.max_rate` with the fitted profile) and `jaxserve plan --compare-colocated`'s
-   choice for a 2-device CPU machine.
-3. For each deployment a real `jaxserve serve`, warmed up, measured with
+1. Scaling check: the same prefill on one device, then on two at once in one process — how much
+   of two cores two XLA CPU devices really get (a diagnostic; the devices share one thread pool).
+2. `jaxserve profile` of each deployment's engines on its own cores (or `--profile`), then the
+   planner's prediction for each deployment (`placement.goodput.max_rate` with the fitted profile)
+   and `jaxserve plan`'s choice for a 2-device CPU machine (colocated or disaggregated, whichever
+   it predicts serves more per device), with the servers' limits.
+3. For each deployment a real pinned `jaxserve serve`, warmed up, measured with
    `jaxserve bench --sweep-rates` (bisection from the predicted goodput).
 4. One table and one plot (`--plot`, default docs/compare_deployments.png): attainment vs rate per
    device, measured probes (solid) and the simulator's curve (dashed).
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -79,8 +80,8 @@ def plan_choice(cfg: cs.CheckConfig, profile: Path, slo: SloSpec) -> str:
     cmd = [
         sys.executable, "-m", "jaxserve", "plan", "--model", cfg.model, "--device", "cpu", "--nodes", "1",
         "--devices-per-node", "2", "--workload", cfg.workload, "--ttft", str(slo.ttft_s), "--tpot", str(slo.tpot_s),
-        "--profile", str(profile), "--compare-colocated", "--no-progress", "--workers", "1",
-        "--num-requests", str(cfg.num_requests),
+        "--profile", str(profile), "--no-progress", "--workers", "1", "--num-requests", str(cfg.num_requests),
+        "--max-decode-batch", str(cfg.max_decode_batch),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
@@ -94,7 +95,10 @@ def measured_sweep(
     n_in, n_out = cs.fixed_lengths(cfg.workload)
     out = workdir / f"bench-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.json"
     log = workdir / f"serve-{out.stem}.log"
-    with launch.ServeProcess(spec, cfg.model, cs.server_args(cfg, latency, spec), log_path=log) as server:
+    server_cpus, client_cpus = cs.placement_cpus(cfg, spec)
+    with launch.ServeProcess(
+        spec, cfg.model, cs.server_args(cfg, latency, spec), log_path=log, cpus=server_cpus
+    ) as server:
         launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, get_config(cfg.model).vocab_size)
         cmd = [
             sys.executable, "-m", "jaxserve", "bench", "--target", server.grpc_address, "--workload", cfg.workload,
@@ -102,7 +106,8 @@ def measured_sweep(
             "--ttft", str(slo.ttft_s), "--tpot", str(slo.tpot_s), "--sweep-rates", "--max-probes", str(max_probes),
             "--rel-tol", "0.1", "--json", str(out), "--quiet",
         ]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        pin = (lambda: os.sched_setaffinity(0, set(client_cpus))) if client_cpus else None
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=pin)
         if done.returncode != 0:
             raise RuntimeError(f"bench failed: {done.stderr[-1500:]}")
         print(done.stdout.strip(), file=sys.stderr)
@@ -128,6 +133,7 @@ def main() -> int:
     args = p.parse_args()
     started = time.perf_counter()
     cfg = cs.CheckConfig(
+        deployments=DEPLOYMENTS,
         model=args.model,
         workload=args.workload,
         num_requests=args.num_requests,
@@ -149,24 +155,22 @@ def main() -> int:
             f"{scaling['speedup']:.2f}x the work of one",
             file=sys.stderr,
         )
-    profile = Path(cfg.profile) if cfg.profile else cs.run_profile(cfg, workdir / "profile.json", [1])
+    profile = Path(cfg.profile) if cfg.profile else cs.profile_all(cfg, workdir)
     latency = cs.provider(cfg, profile)
-    padded = cs.padded_provider(cfg, profile)  # the same timings in the engine's padded shapes (diagnosis)
     slo = cs.default_slo(cfg, latency)
     report["slo"] = dataclasses.asdict(slo)
     report["profile"] = str(profile)
     print(f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms", file=sys.stderr)
-    rows: list[tuple[str, int, float, float, float]] = []
+    rows: list[tuple[str, int, float, float]] = []
     curves_meas: dict[str, list[tuple[float, float]]] = {}
     curves_pred: dict[str, list[tuple[float, float]]] = {}
     for spec in DEPLOYMENTS:
         devices = parse_deployment(spec).num_devices
         pred = predicted_goodput(cfg, latency, spec, slo, cfg.num_requests)  # the bench's very requests
-        pred_pad = predicted_goodput(cfg, padded, spec, slo, cfg.num_requests) if padded is not None else math.nan
         sweep = measured_sweep(cfg, latency, spec, slo, max(pred, 0.05), workdir, args.max_probes)
         meas = float(sweep["sweep"]["goodput_rps"])
         probes = [(float(q["rate"]), float(q["attainment"])) for q in sweep["sweep"]["probes"]]
-        rows.append((spec, devices, meas, pred, pred_pad))
+        rows.append((spec, devices, meas, pred))
         curves_meas[spec] = [(r / devices, a) for r, a in probes]
         grid = sorted({r for r, _ in probes} | set(np.geomspace(max(pred, 0.05) / 3, max(pred, 0.05) * 2.5, 10)))
         curves_pred[f"{spec} (simulated)"] = [
@@ -178,7 +182,6 @@ def main() -> int:
                 "devices": devices,
                 "measured_goodput_rps": meas,
                 "predicted_goodput_rps": pred,
-                "predicted_goodput_rps_padded_model": pred_pad,
                 "probes": probes,
             }
         )
@@ -186,17 +189,14 @@ def main() -> int:
     report["plan_output"] = choice
     print(
         f"\n{'deployment':<32}{'devices':>8}{'measured rps':>14}{'per device':>12}{'predicted rps':>15}"
-        f"{'per device':>12}{'padded model':>14}{'per device':>12}"
+        f"{'per device':>12}"
     )
-    for spec, devices, meas, pred, pred_pad in rows:
-        print(
-            f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}"
-            f"{pred_pad:>14.3f}{pred_pad / devices:>12.3f}"
-        )
+    for spec, devices, meas, pred in rows:
+        print(f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}")
     best_meas = max(rows, key=lambda r: r[2] / r[1])[0]
     best_pred = max(rows, key=lambda r: r[3] / r[1])[0]
     print(f"best per device: measured {best_meas}, predicted {best_pred}")
-    print("\njaxserve plan --compare-colocated says:\n" + choice)
+    print("\njaxserve plan says:\n" + choice)
     report["best_measured"], report["best_predicted"] = best_meas, best_pred
     report["seconds"] = time.perf_counter() - started
     if args.json:
@@ -210,8 +210,7 @@ def main() -> int:
             target=slo.attainment,
             dashed=curves_pred,
             rate_label="rate per device (req/s/device)",
-            title=f"{cfg.model}, {cfg.workload}, TTFT<={1e3 * slo.ttft_s:.0f}ms TPOT<={1e3 * slo.tpot_s:.0f}ms, "
-            "1 device = 1 CPU core",
+            title=f"{cfg.model}, {cfg.workload}, TTFT<={1e3 * slo.ttft_s:.0f}ms TPOT<={1e3 * slo.tpot_s:.0f}ms, pinned",
         )
         print(f"plot written to {args.plot}")
     return 0
