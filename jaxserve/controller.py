@@ -44,7 +44,7 @@ from jaxserve.plan import DeploymentPlan
 from jaxserve.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.sampling import default_seed
-from jaxserve.scheduling import choose_decode_instance, choose_prefill_instance
+from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS, choose_decode_instance, choose_prefill_instance
 from jaxserve.worker import LiveRequest, now
 from models.config import OPTConfig
 
@@ -65,7 +65,7 @@ class ControllerConfig:
     num_kv_blocks: int = 256  # per decode / colocated instance
     max_decode_batch_size: int = 32
     max_batch_tokens: int = 512  # L_m
-    prefill_buffer_capacity: int = 8  # prefilled sequences a prefill instance holds until pulled
+    prefill_buffer_capacity: int = DEFAULT_PREFILL_BUFFER_SLOTS  # prefilled sequences held until pulled
     max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
     max_tokens_limit: int | None = None  # default: the model's positions
     max_prompt_tokens: int | None = None  # default: the model's positions - 1

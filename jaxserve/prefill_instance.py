@@ -27,14 +27,20 @@ from collections.abc import Callable
 
 from jaxserve.engine import Engine, PrefilledSequence, PrefillItem
 from jaxserve.request import FinishReason
-from jaxserve.scheduling import PrefillLoad, WaitingPrompt, form_prefill_batch
+from jaxserve.scheduling import (
+    DEFAULT_PREFILL_BUFFER_SLOTS,
+    PrefillLoad,
+    WaitingPrompt,
+    form_prefill_batch,
+    prefill_buffer_free_slots,
+)
 from jaxserve.worker import Emitter, LiveRequest, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     max_batch_tokens: int = 512  # L_m: prompt tokens per batch (a longer prompt runs alone)
-    buffer_capacity: int = 8  # prefilled sequences held on this instance until pulled
+    buffer_capacity: int = DEFAULT_PREFILL_BUFFER_SLOTS  # prefilled sequences held here until pulled
 
 
 class PrefillInstance(Worker):
@@ -114,7 +120,7 @@ class PrefillInstance(Worker):
 
     # ---- worker --------------------------------------------------------------
     def _free_slots(self) -> int:
-        return self.config.buffer_capacity - len(self._buffer) - len(self._running)
+        return prefill_buffer_free_slots(self.config.buffer_capacity, len(self._buffer), len(self._running))
 
     def has_work(self) -> bool:
         return bool(self._queue) and self._free_slots() > 0
@@ -130,7 +136,7 @@ class PrefillInstance(Worker):
     def step(self) -> bool:
         with self.cond:
             waiting = [WaitingPrompt(r.request_id, r.num_prompt_tokens) for r in self._queue]
-            n = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=max(self._free_slots(), 0))
+            n = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
             batch = [self._queue.popleft() for _ in range(n)]
             self._running = batch
         if not batch:

@@ -12,7 +12,9 @@ The policies (DistServe section 3 and its baselines):
   prompts from the head of the queue while their total length stays within
   `L_m` (`max_batch_tokens`, the length beyond which prefill stops gaining from
   batching). A prompt longer than `L_m` runs alone. The batch never exceeds the
-  free slots of the prefill instance's KV buffer (backpressure).
+  free slots of the prefill instance's KV buffer (`prefill_buffer_free_slots`:
+  prefilled sequences wait there until a decode instance pulls them; a full
+  buffer stops prefill, which is the backpressure from a saturated decode side).
 * **Prefill dispatch** (`choose_prefill_instance`): shortest queue, measured in
   prompt tokens not yet prefilled (requests as the tie-break, then index).
 * **Decode choice** (`choose_decode_instance`): least loaded: fewest sequences
@@ -54,6 +56,13 @@ def kv_tokens_reserved(num_prompt_tokens: int, max_new_tokens: int) -> int:
 # ---------------------------------------------------------------------------
 # Disaggregated: prefill side
 # ---------------------------------------------------------------------------
+
+DEFAULT_PREFILL_BUFFER_SLOTS = 8  # prefilled sequences a prefill instance holds until they are pulled
+
+
+def prefill_buffer_free_slots(capacity: int, num_buffered: int, num_in_flight: int) -> int:
+    """Sequences the next prefill batch may hold: buffer slots not taken by buffered or running ones."""
+    return max(capacity - num_buffered - num_in_flight, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Literal
 
 import numpy as np
 
+from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
 from placement.slo import SloSpec
 
 SimMode = Literal["full", "prefill", "decode"]
@@ -26,6 +27,9 @@ class SimOptions:
     # colocated prefill-priority step budget; None: the profile's L_m for the instance (as for prefill
     # instances), which is 512 — the runtime's --max-batch-tokens default — without a profile
     colocated_batch_tokens: int | None = None
+    # prefilled sequences a prefill instance holds until pulled (the runtime's bound; None: only the
+    # KV memory bounds the buffer)
+    prefill_buffer_slots: int | None = DEFAULT_PREFILL_BUFFER_SLOTS
     mode: SimMode = "full"
     stop_early: bool = True  # only with an SloSpec
 

@@ -52,6 +52,7 @@ from jaxserve.scheduling import (
     choose_prefill_instance,
     form_prefill_batch,
     kv_tokens_reserved,
+    prefill_buffer_free_slots,
     schedule_colocated,
 )
 from placement.hardware import ClusterSpec
@@ -90,6 +91,7 @@ class _Prefill:
     inflight_tokens: int = 0
     inflight_requests: int = 0
     buffer_tokens: int = 0
+    buffer_requests: int = 0
 
 
 @dataclasses.dataclass
@@ -316,15 +318,19 @@ class Simulator:
         p = self.prefills[k]
         if not p.queue or p.stage_free_at[0] > self.now:
             return
-        # Backpressure: the batch must fit in what is left of the KV buffer.
+        # Backpressure: the batch must fit in what is left of the KV buffer, in memory and in slots.
         room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
+        slots = self.options.prefill_buffer_slots
+        free = len(p.queue)
+        if slots is not None and self.options.mode != "prefill":  # prefill-only runs never buffer
+            free = prefill_buffer_free_slots(slots, p.buffer_requests, p.inflight_requests)
         fit = 0
         for w in itertools.islice(p.queue, p.max_batch_tokens + 1):  # a batch never holds more
             if w.num_prompt_tokens > room:
                 break
             room -= w.num_prompt_tokens
             fit += 1
-        n = form_prefill_batch(p.queue, p.max_batch_tokens, fit)
+        n = form_prefill_batch(p.queue, p.max_batch_tokens, min(fit, free))
         if n == 0:
             return
         batch = [int(p.queue.popleft().request_id) for _ in range(n)]
@@ -356,6 +362,7 @@ class Simulator:
                 self._first_token(i, finish_now=True)
             else:
                 p.buffer_tokens += int(self.input_lens[i])
+                p.buffer_requests += 1
                 self._first_token(i, src=k)
         if p.model.pp == 1:
             self._try_start_prefill(k)
@@ -383,6 +390,7 @@ class Simulator:
     def _release_buffer(self, src: int, i: int) -> None:
         p = self.prefills[src]
         p.buffer_tokens -= int(self.input_lens[i])
+        p.buffer_requests -= 1
         self._try_start_prefill(src)
 
     # ---- decode ------------------------------------------------------------------------------

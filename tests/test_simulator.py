@@ -117,6 +117,24 @@ def test_decode_batch_room_limits_admission() -> None:
     assert r.transfer_start_at[1] == pytest.approx(r.finish_at[0])
 
 
+def test_full_prefill_buffer_stops_prefill_as_in_the_runtime() -> None:
+    # The decode side takes one sequence at a time (batch 1) and each runs 200 tokens, so prefilled
+    # sequences wait in the prefill buffer. With one slot (the runtime's PrefillInstance bound, scaled
+    # down) a prompt may not start while another sequence is running or buffered; without a slot
+    # bound only KV memory limits the buffer.
+    w = _workload([0, 0, 0], [100, 100, 100], [200, 200, 200])
+    plan, cluster = parse_deployment("disagg:prefill=tp1,decode=tp1"), ClusterSpec(A100, 1, 2)
+    opts = SimOptions(max_decode_batch=1, prefill_buffer_slots=1)
+    free = simulate(plan, LP, cluster, w, None, dataclasses.replace(opts, prefill_buffer_slots=None))
+    # the first arrival starts alone on the idle instance; the other two form the next batch
+    assert free.prefill_start_at[0] == 0.0 and free.prefill_start_at[1] == free.prefill_start_at[2] > 0
+    r = simulate(plan, LP, cluster, w, None, opts)
+    assert r.prefill_start_at[1] == pytest.approx(r.transfer_end_at[0])  # slot freed by the pull
+    assert r.transfer_start_at[1] == pytest.approx(r.finish_at[0])  # decode busy with request 0
+    assert r.prefill_start_at[2] == pytest.approx(r.transfer_end_at[1])
+    assert r.first_token_at[2] > free.first_token_at[2] + 1.0  # waited out request 0's 200 tokens
+
+
 def test_colocated_prefill_priority_timeline() -> None:
     # Request 0 arrives at 0 (512 in, 4 out); request 1 arrives during request 0's first decode step.
     lp = LatencyProvider(OPT13B, A100, PROFILE)
