@@ -34,7 +34,7 @@ from jaxserve.scheduling import (
     kv_tokens_reserved,
     schedule_colocated,
 )
-from jaxserve.worker import Emitter, LiveRequest, Worker, now
+from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +173,7 @@ class ColocatedInstance(Worker):
         self._seqs.clear()
 
     def step(self) -> bool:
+        decided_at = now()
         with self.cond:
             rows = self._decide()
             seqs = [self._seqs[r.request_id] for r in rows]
@@ -200,4 +201,19 @@ class ColocatedInstance(Worker):
                     self.allocator.free(rid)
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
+        whole = [
+            r.start_position == 0 and len(r.token_ids) == s.live.num_prompt_tokens
+            for r, s in zip(rows, seqs, strict=True)
+        ]
+        self.record_step(_step_record(rows, whole, decided_at, now()))
         return True
+
+
+def _step_record(rows: tuple[StepRow, ...], whole: list[bool], decided_at: float, done: float) -> StepRecord:
+    """A step of whole prompts is a prefill, a step of one-token rows a decode; anything else is mixed."""
+    seconds = done - decided_at
+    if all(r.is_prompt and w for r, w in zip(rows, whole, strict=True)):
+        return StepRecord("prefill", seconds, prompt_lengths=tuple(len(r.token_ids) for r in rows), at=done)
+    if not any(r.is_prompt for r in rows):
+        return StepRecord("decode", seconds, batch=len(rows), ctx_sum=sum(r.start_position for r in rows), at=done)
+    return StepRecord("mixed", seconds, batch=len(rows), at=done)

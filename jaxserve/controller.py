@@ -246,6 +246,14 @@ class Controller:
     def instances(self) -> list[Instance]:
         return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
 
+    def step_records(self, since: float = 0.0) -> list[dict[str, object]]:
+        """Each instance's recent steps (`StepRecord`s that ended after `since`, monotonic seconds)."""
+        out: list[dict[str, object]] = []
+        for inst in self.instances:
+            steps = [r.to_dict() for r in list(inst.step_log) if r.at > since]
+            out.append({"name": inst.name, "role": inst.role, "steps": steps})
+        return out
+
     # ---- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         if self._started:

@@ -32,7 +32,7 @@ from jaxserve.kv_transfer import InProcessTransfer, KVTransfer, TransferState
 from jaxserve.prefill_instance import PrefillInstance
 from jaxserve.request import FinishReason
 from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes, blocks_for, kv_tokens_reserved
-from jaxserve.worker import Emitter, LiveRequest, Worker, now
+from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +147,7 @@ class DecodeInstance(Worker):
 
     def step(self) -> bool:
         pulled = self._pull_admitted()
+        decided_at = now()  # KV pulls excluded: the simulator charges them to the transfer
         with self.cond:
             running = list(self._running.values())
         if not running:
@@ -169,6 +170,9 @@ class DecodeInstance(Worker):
                 r.live.timings.decode_start_at = started_at
         tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
         self._apply(running, tokens)
+        done = now()
+        ctx = sum(row.start_position for row in rows)
+        self.record_step(StepRecord("decode", done - decided_at, batch=len(rows), ctx_sum=ctx, at=done))
         return True
 
     def _pull_admitted(self) -> bool:

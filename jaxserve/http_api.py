@@ -216,6 +216,15 @@ def create_app(
     async def metrics() -> Response:
         return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/debug/steps")
+    async def debug_steps(request: Request, since: float = 0.0) -> JSONResponse:
+        """Each instance's recent steps: shape and wall time (what `jaxserve profile --from-server` fits)."""
+        authorize(request)
+        records = getattr(frontend.controller, "step_records", None)
+        if records is None:
+            raise APIError(404, "this backend keeps no step records", type_="invalid_request_error")
+        return JSONResponse({"now": time.monotonic(), "instances": records(since)})
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         authorize(request)

@@ -34,7 +34,7 @@ from jaxserve.scheduling import (
     form_prefill_batch,
     prefill_buffer_free_slots,
 )
-from jaxserve.worker import Emitter, LiveRequest, Worker, now
+from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,7 @@ class PrefillInstance(Worker):
         self._buffer.clear()
 
     def step(self) -> bool:
+        decided_at = now()
         with self.cond:
             waiting = [WaitingPrompt(r.request_id, r.num_prompt_tokens) for r in self._queue]
             n = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
@@ -165,4 +166,7 @@ class PrefillInstance(Worker):
             self.emitter.emit(live, (token,), finish)
         for live in handed:
             self._on_prefilled(self, live)
+        done = now()
+        lengths = tuple(r.num_prompt_tokens for r in batch)
+        self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
         return True

@@ -8,15 +8,21 @@ timestamps and output, and hands tokens to the controller through `Emitter`.
 there is work, sleeps on its condition variable when `step()` reports idle, and
 if `step()` raises it records the error, marks itself dead and fails every
 request it holds (`fail_all`) so that no client waits forever.
+
+`StepRecord`s are what each instance's steps really cost — shape and wall time from
+deciding the batch to handing its tokens on — kept in a bounded `step_log`. They
+are the serving process's own latency profile: `GET /debug/steps` serves them and
+`jaxserve profile --from-server` fits the latency model to them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Literal, Protocol
 
 from jaxserve.errors import EngineDeadError
 from jaxserve.request import FinishReason, GenerateRequest, RequestTimings
@@ -61,6 +67,30 @@ class LiveRequest:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step as an instance ran it.
+
+    `kind`: "prefill" (whole prompts, `prompt_lengths`), "decode" (`batch` rows attending over
+    `ctx_sum` positions in all: Σ of each row's new-token position) or "mixed" (a chunked step).
+    `seconds`: wall time from deciding the batch to handing its tokens on (a decode instance's
+    KV pulls excluded), so host work and anything else that shares the cores is in it.
+    """
+
+    kind: Literal["prefill", "decode", "mixed"]
+    seconds: float
+    prompt_lengths: tuple[int, ...] = ()
+    batch: int = 0
+    ctx_sum: int = 0
+    at: float = 0.0  # monotonic time the step ended
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+STEP_LOG_SIZE = 4096
+
+
 class Emitter(Protocol):
     """The controller side of a worker: where tokens, finished prefills and failures go."""
 
@@ -80,6 +110,7 @@ class Worker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_SIZE)
 
     # ---- to implement -------------------------------------------------------
     def step(self) -> bool:
@@ -117,6 +148,9 @@ class Worker:
     def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()
+
+    def record_step(self, record: StepRecord) -> None:
+        self.step_log.append(record)  # deque.append is atomic: readers copy with list()
 
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"instance {self.name} died: {self.error!r}")
