@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -232,8 +232,8 @@ def profile_entry(
 ) -> dict[str, Any]:
     """One profile entry (the schema in `placement/latency.py`) with its fit errors under `fit`.
 
-    With `padding` the coefficients are per padded element: use them through
-    `placement.padding.PaddedLatencyProvider` (the entry says so under `engine_padding`).
+    With `padding` the coefficients are per padded element; the entry says so under `engine_padding`
+    and `LatencyProvider.instance` then charges padded shapes.
     """
     pf = fit_prefill(cfg, tp, prefill, block_size, padding=padding)
     df = fit_decode(cfg, tp, decode, pf.coefficients["C1"], padding=padding)
@@ -257,3 +257,16 @@ def profile_entry(
         # One all-reduce cost per byte for the instance: the prefill fit sees the large messages.
         entry["allreduce_s_per_byte"] = pf.coefficients.get("allreduce_s_per_byte", 0.0)
     return entry
+
+
+def samples_from_steps(steps: Sequence[Mapping[str, Any]]) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    """Prefill and decode samples from a server's step records (`GET /debug/steps`; mixed steps skipped)."""
+    prefill = [
+        PrefillSample(tuple(int(n) for n in s["prompt_lengths"]), float(s["seconds"]))
+        for s in steps
+        if s["kind"] == "prefill"
+    ]
+    decode = [
+        DecodeSample(int(s["batch"]), int(s["ctx_sum"]), float(s["seconds"])) for s in steps if s["kind"] == "decode"
+    ]
+    return prefill, decode

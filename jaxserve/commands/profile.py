@@ -3,6 +3,7 @@
     jaxserve profile --model opt-tiny -o profile.json
     jaxserve profile --model DIR --tp 1,2 --engines dist,coloc --quick -o profile.json
     jaxserve profile --model opt-tiny --deployment disagg:prefill=tp2,decode=tp1 -o profile.json
+    jaxserve profile --model opt-mini --deployment colocated:tp1 --from-server 127.0.0.1:8000 -o served.json
 
 For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
@@ -17,6 +18,11 @@ That does not make one XLA device one core: a process runs every device's kernel
 pool sized to the cores it may use (at least one thread per device). To time what a pinned server
 gets, pin the profile the same way (`--cpus`, as `jaxserve serve --cpus`).
 Pipeline stages are not timed separately: the latency model derives a stage from the per-tp fit.
+
+`--from-server HOST:PORT` fits instead to the steps a running server recorded (`GET /debug/steps` on
+its HTTP port): each step's shape and wall time from deciding the batch to handing its tokens on, so
+the host work around the engine and whatever else shares the cores is in the fit. Drive the server
+with the workload first (e.g. `jaxserve bench`); `--since` keeps only steps after a server time.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fit actual shapes, not the padded buckets the engine computes (then plan/simulate charge actual shapes)",
     )
+    parser.add_argument(
+        "--from-server",
+        default=None,
+        metavar="HOST:PORT",
+        help="fit to a running server's recorded steps (its HTTP port) instead of timing the engine here",
+    )
+    parser.add_argument("--since", type=float, default=0.0, help="--from-server: only steps after this server time")
+    parser.add_argument("--api-key", default=None, help="--from-server: the server's API key")
     parser.add_argument("--samples-out", default=None, help="also write the raw timings (JSON)")
     parser.add_argument("-o", "--output", required=True, help="profile JSON to write")
 
@@ -86,6 +100,8 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_server:
+        return _from_server(args)
     try:
         tps = _tps(args)
     except (ValueError, Exception) as e:
@@ -199,5 +215,78 @@ def run(args: argparse.Namespace) -> int:
     if args.samples_out:
         with open(args.samples_out, "w") as fh:
             json.dump({"model": cfg.name, "grid": dataclasses.asdict(grid), "measurements": raw}, fh)
+    print(f"profile written to {args.output}")
+    return 0
+
+
+def _from_server(args: argparse.Namespace) -> int:
+    """Fit the latency model to a running server's step records."""
+    import urllib.error
+    import urllib.request
+
+    from jaxserve.plan import PlanError, parse_deployment
+    from models.checkpoint import is_hf_dir, load_hf_config
+    from models.config import get_config
+    from placement.padding import EnginePadding
+    from placement.profile_fit import profile_entry, samples_from_steps
+
+    def fail(msg: str) -> int:
+        print(f"jaxserve profile: error: {msg}", file=sys.stderr)
+        return 2
+
+    if not args.deployment:
+        return fail("--from-server needs --deployment (the served one: it says which tp each role runs)")
+    try:
+        plan = parse_deployment(args.deployment)
+        path = Path(args.model)
+        cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(args.model)
+    except (PlanError, KeyError, OSError, ValueError) as e:
+        return fail(str(e))
+    kind_tps = {inst.tp for inst in plan.instances}
+    if len(kind_tps) != 1:
+        return fail("--from-server fits one entry per engine: serve one tp for every instance, or profile the engines")
+    tp = kind_tps.pop()
+    request = urllib.request.Request(f"http://{args.from_server}/debug/steps?since={args.since}")
+    if args.api_key:
+        request.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            served = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return fail(f"could not read http://{args.from_server}/debug/steps: {e}")
+    by_role: dict[str, list[dict]] = {}
+    for inst in served["instances"]:
+        by_role.setdefault(inst["role"], []).extend(inst["steps"])
+    groups = [("coloc", by_role.get("colocated", []), by_role.get("colocated", []))]
+    groups.append(("dist", by_role.get("prefill", []), by_role.get("decode", [])))
+    padding = None if args.no_padding else EnginePadding(block_size=args.block_size)
+    entries = []
+    for engine, pre_steps, dec_steps in groups:
+        if not pre_steps and not dec_steps:
+            continue
+        prefill, _ = samples_from_steps(pre_steps)
+        _, decode = samples_from_steps(dec_steps)
+        if len(prefill) < 3 or len(decode) < 3:
+            return fail(f"{engine}: {len(prefill)} prefill and {len(decode)} decode steps recorded; need 3 of each")
+        entry = profile_entry(
+            cfg, tp, engine, prefill, decode, l_m=args.prefill_tokens, saturation=args.saturation, padding=padding
+        )
+        entries.append(entry)
+        fit = entry["fit"]
+        print(
+            f"{cfg.name} tp{tp} {engine:<5} from {len(prefill)} prefill + {len(decode)} decode served steps: "
+            f"fit error prefill mean {fit['prefill']['mean_rel_error']:.1%}, decode mean {fit['decode']['mean_rel_error']:.1%}"
+        )
+    if not entries:
+        return fail("the server recorded no steps (drive it with requests first)")
+    profile = {
+        "name": args.name or f"{cfg.name}-served",
+        "device": args.device_name or "served",
+        "source": f"steps recorded by the server at {args.from_server} running {args.deployment}",
+        "entries": entries,
+    }
+    Path(args.output).write_text(json.dumps(profile, indent=2) + "\n")
+    if args.samples_out:
+        Path(args.samples_out).write_text(json.dumps(served))
     print(f"profile written to {args.output}")
     return 0
