@@ -7,11 +7,14 @@ Steps (all live, nothing precomputed):
    Appendix-A coefficients and L_m — pinned to the cores the deployment will be served on.
 2. For each deployment (default: `disagg:prefill=tp1,decode=tp1` and `colocated:tp1`), a real
    `jaxserve serve` is started with the runtime limits the simulator is told about (L_m from the
-   profile, decode batch, KV blocks enough that the batch limit binds first), warmed up, and driven
-   by the bench at 4 rates chosen to span ~50–100 % predicted attainment.
-3. The simulator runs the same deployment with the fitted profile over the *same trace* — the
-   requests' real send times and lengths — and its attainment and P90 TTFT/TPOT are printed next
-   to the measured ones.
+   profile, decode batch, KV blocks enough that the batch limit binds first) and warmed up.
+3. Calibration (`--profile-from server`, the default): bursts of 1, 2, 4 … requests and one Poisson
+   run, then `jaxserve profile --from-server` fits the model to the steps the server recorded — what
+   a step costs in the serving process, not in the engine alone. These runs are not checked.
+4. The bench drives the server at 4 rates chosen to span ~50–100 % predicted attainment, and the
+   simulator runs the same deployment over the *same trace* — the requests' real send times and
+   lengths — with the served profile; its attainment and P90 TTFT/TPOT are printed next to the
+   measured ones, and the engine profile's attainment next to those.
 
     .venv/bin/python scripts/check_simulator.py                       # the defaults below
     .venv/bin/python scripts/check_simulator.py --num-requests 120 --json out.json --plot docs/x.png
@@ -90,6 +93,10 @@ class CheckConfig:
     busy_neighbour: bool = True
     # Serve each deployment on its own cores (N devices: cores 0..N-1) and run the client on the rest.
     pin: bool = True
+    # Predict from what each server's own steps cost ("server": `jaxserve profile --from-server` after a
+    # calibration pass of bursts and one Poisson run, separate from the checked runs) or from the
+    # engine timed alone ("engine"); the other prediction is printed next to it.
+    profile_from: str = "server"
 
 
 @dataclasses.dataclass
@@ -103,10 +110,15 @@ class RatePoint:
     measured_p90_tpot_s: float
     predicted_p90_tpot_s: float
     num_failed: int
+    other: dict[str, float] | None = None  # the prediction from the other profile (engine or served)
 
     @property
     def diff_points(self) -> float:
         return 100 * (self.predicted - self.measured)
+
+    @property
+    def other_diff_points(self) -> float:
+        return 100 * (self.other["attainment"] - self.measured) if self.other else math.nan
 
 
 @dataclasses.dataclass
@@ -117,6 +129,7 @@ class CheckResult:
     seconds: float
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() before and after
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    profile_from: str = "engine"
 
     def diffs(self) -> np.ndarray:
         return np.array([p.diff_points for p in self.points])
@@ -125,6 +138,7 @@ class CheckResult:
         head = (
             f"{'deployment':<32}{'rate':>7}{'attain meas':>12}{'pred':>7}{'diff':>7}"
             f"{'P90 TTFT meas':>15}{'pred':>8}{'P90 TPOT meas':>15}{'pred':>8}"
+            f"{'| other profile: pred':>22}{'diff':>7}"
         )
         lines = [head, "-" * len(head)]
         for p in self.points:
@@ -132,10 +146,11 @@ class CheckResult:
                 f"{p.deployment:<32}{p.rate:>7.2f}{100 * p.measured:>11.1f}%{100 * p.predicted:>6.1f}%"
                 f"{p.diff_points:>+7.1f}{1e3 * p.measured_p90_ttft_s:>13.1f}ms{1e3 * p.predicted_p90_ttft_s:>6.1f}ms"
                 f"{1e3 * p.measured_p90_tpot_s:>13.1f}ms{1e3 * p.predicted_p90_tpot_s:>6.1f}ms"
+                + (f"{100 * p.other['attainment']:>21.1f}%{p.other_diff_points:>+7.1f}" if p.other else "")
             )
         d = np.abs(self.diffs())
         lines.append(
-            f"SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
+            f"predicted from the {self.profile_from} profile; SLO: TTFT <= {1e3 * self.slo.ttft_s:.1f} ms, TPOT <= {1e3 * self.slo.tpot_s:.1f} ms; "
             f"|diff| max {d.max():.1f} points, median {np.median(d):.1f} points; "
             f"load average before {self.load_before[0]:.2f}, after {self.load_after[0]:.2f}"
         )
@@ -145,7 +160,11 @@ class CheckResult:
         return {
             "profile": self.profile_path,
             "slo": dataclasses.asdict(self.slo),
-            "points": [{**dataclasses.asdict(p), "diff_points": p.diff_points} for p in self.points],
+            "profile_from": self.profile_from,
+            "points": [
+                {**dataclasses.asdict(p), "diff_points": p.diff_points, "other_diff_points": p.other_diff_points}
+                for p in self.points
+            ],
             "max_abs_diff_points": float(np.abs(self.diffs()).max()),
             "median_abs_diff_points": float(np.median(np.abs(self.diffs()))),
             "seconds": self.seconds,
@@ -274,6 +293,41 @@ def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[s
     ]  # fmt: skip
 
 
+def served_profile(
+    cfg: CheckConfig, latency: LatencyProvider, spec: str, server: launch.ServeProcess, workdir: Path
+) -> LatencyProvider:
+    """A calibration pass against the warmed-up server, then `jaxserve profile --from-server` on its steps.
+
+    The pass — bursts of 1, 2, 4 … simultaneous requests (every decode batch size) and one Poisson run
+    at the engine profile's lowest check rate — is not one of the checked runs.
+    """
+    n_in, n_out = fixed_lengths(cfg.workload)
+    since = _server_now(server.http_address)
+    launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, get_config(cfg.model).vocab_size, rounds=1)
+    rate = choose_rates(cfg, latency, spec, default_slo(cfg, latency))[0]
+    loadgen.run(base_workload(cfg).with_rate(rate), loadgen.Target(server.grpc_address), seed=cfg.seed + 1)
+    out = workdir / f"served-{engine_of(spec)}.json"
+    cmd = [
+        sys.executable, "-m", "jaxserve", "profile", "--model", cfg.model, "--deployment", spec,
+        "--from-server", server.http_address, "--since", repr(since), "--block-size", str(cfg.block_size),
+        "--prefill-tokens", str(latency.prefill_token_budget(engine_of(spec), parse_deployment(spec).instances[0].tp)),
+        "--device-name", "cpu",
+        "-o", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"jaxserve profile --from-server failed:\n{done.stderr[-2000:]}")
+    _say(cfg, done.stdout.strip())
+    return provider(cfg, out)
+
+
+def _server_now(http_address: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http_address}/debug/steps?since=1e300", timeout=30) as response:
+        return float(json.loads(response.read())["now"])
+
+
 def measure_deployment(
     cfg: CheckConfig,
     latency: LatencyProvider,
@@ -293,6 +347,9 @@ def measure_deployment(
         launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, vocab)
         target = loadgen.Target(server.grpc_address)
         info = loadgen.probe(target)
+        engine_profile, other = latency, None
+        if cfg.profile_from == "server":
+            latency, other = served_profile(cfg, engine_profile, spec, server, workdir), engine_profile
         rates = (cfg.rates or {}).get(spec) or choose_rates(cfg, latency, spec, slo)
         _say(cfg, f"{spec}: rates {rates}")
         base = base_workload(cfg)
@@ -312,13 +369,15 @@ def measure_deployment(
                 measured["tpot_s"]["p90"],
                 predicted["p90_tpot_s"],
                 measured["failed"],
+                predict(cfg, other, spec, trace, slo) if other is not None else None,
             )
             points.append(point)
             _say(
                 cfg,
                 f"{spec} @ {rate:.2f} rps: measured {point.measured:.1%} predicted {point.predicted:.1%} "
                 f"(P90 TTFT {1e3 * point.measured_p90_ttft_s:.1f}/{1e3 * point.predicted_p90_ttft_s:.1f} ms, "
-                f"P90 TPOT {1e3 * point.measured_p90_tpot_s:.1f}/{1e3 * point.predicted_p90_tpot_s:.1f} ms)",
+                f"P90 TPOT {1e3 * point.measured_p90_tpot_s:.1f}/{1e3 * point.predicted_p90_tpot_s:.1f} ms)"
+                + (f"; engine profile predicted {point.other['attainment']:.1%}" if point.other else ""),
             )
             time.sleep(0.3)
     return points
@@ -378,7 +437,9 @@ def check(cfg: CheckConfig) -> CheckResult:
             points.extend(measure_deployment(cfg, latency, spec, slo, workdir, server_cpus))
     finally:
         os.sched_setaffinity(0, mine)
-    return CheckResult(str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg())
+    return CheckResult(
+        str(profile_path), slo, points, time.perf_counter() - started, load_before, os.getloadavg(), cfg.profile_from
+    )
 
 
 def plot(result: CheckResult, path: str) -> None:
@@ -418,6 +479,12 @@ def main() -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--alone", action="store_true", help="profile the dist engines without a busy neighbour")
     p.add_argument("--no-pin", action="store_true", help="let servers, profiler and client share every core")
+    p.add_argument(
+        "--profile-from",
+        choices=["server", "engine"],
+        default=d.profile_from,
+        help="predict from each server's recorded steps (after a calibration pass) or the engine timed alone",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -442,6 +509,7 @@ def main() -> int:
         workdir=args.workdir,
         busy_neighbour=not args.alone,
         pin=not args.no_pin,
+        profile_from=args.profile_from,
     )
     result = check(cfg)
     print(result.table())
