@@ -9,13 +9,15 @@ client on the remaining cores when there are any, so "per device" means per core
 
 1. Scaling check: the same prefill on one device, then on two at once in one process — how much
    of two cores two XLA CPU devices really get (a diagnostic; the devices share one thread pool).
-2. `jaxserve profile` of each deployment's engines on its own cores (or `--profile`), then the
-   planner's prediction for each deployment (`placement.goodput.max_rate` with the fitted profile)
-   and `jaxserve plan`'s choice for a 2-device CPU machine (colocated or disaggregated, whichever
-   it predicts serves more per device), with the servers' limits.
-3. For each deployment a real pinned `jaxserve serve`, warmed up, measured with
-   `jaxserve bench --sweep-rates` (bisection from the predicted goodput).
-4. One table and one plot (`--plot`, default docs/compare_deployments.png): attainment vs rate per
+2. `jaxserve profile` of each deployment's engines on its own cores (or `--profile`): the
+   engine-profile prediction of each deployment's goodput (`placement.goodput.max_rate`).
+3. For each deployment a real pinned `jaxserve serve`, warmed up, calibrated (bursts and one
+   Poisson run, then `jaxserve profile --from-server` on its recorded steps: the served profile
+   and its prediction), then measured with `jaxserve bench --sweep-rates` (bisection from the
+   served prediction).
+4. `jaxserve plan --profile <both served profiles>` for a 2-device CPU machine with the servers'
+   limits: colocated or disaggregated, whichever it predicts serves more per device.
+5. One table and one plot (`--plot`, default docs/compare_deployments.png): attainment vs rate per
    device, measured probes (solid) and the simulator's curve (dashed).
 
     .venv/bin/python scripts/compare_deployments.py [--num-requests 80] [--profile p.json]
@@ -90,8 +92,10 @@ def plan_choice(cfg: cs.CheckConfig, profile: Path, slo: SloSpec) -> str:
 
 
 def measured_sweep(
-    cfg: cs.CheckConfig, latency, spec: str, slo: SloSpec, start: float, workdir: Path, max_probes: int
-) -> dict:  # type: ignore[no-untyped-def]
+    cfg: cs.CheckConfig, latency, spec: str, slo: SloSpec, workdir: Path, max_probes: int
+) -> tuple[dict, Path, float]:  # type: ignore[no-untyped-def]
+    """Calibrate on the warmed-up server (its served profile), then bisect its goodput from that profile's
+    prediction; returns the sweep, the served profile's path and the served prediction (rps)."""
     n_in, n_out = cs.fixed_lengths(cfg.workload)
     out = workdir / f"bench-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.json"
     log = workdir / f"serve-{out.stem}.log"
@@ -100,9 +104,11 @@ def measured_sweep(
         spec, cfg.model, cs.server_args(cfg, latency, spec), log_path=log, cpus=server_cpus
     ) as server:
         launch.warm_up(server.grpc_address, n_in, n_out, cfg.max_decode_batch, get_config(cfg.model).vocab_size)
+        served = cs.served_profile(cfg, latency, spec, server, workdir)
+        start = predicted_goodput(cfg, served, spec, slo, cfg.num_requests)
         cmd = [
             sys.executable, "-m", "jaxserve", "bench", "--target", server.grpc_address, "--workload", cfg.workload,
-            "--rate", f"{start:.4f}", "--num-requests", str(cfg.num_requests), "--seed", str(cfg.seed),
+            "--rate", f"{max(start, 0.05):.4f}", "--num-requests", str(cfg.num_requests), "--seed", str(cfg.seed),
             "--ttft", str(slo.ttft_s), "--tpot", str(slo.tpot_s), "--sweep-rates", "--max-probes", str(max_probes),
             "--rel-tol", "0.1", "--json", str(out), "--quiet",
         ]  # fmt: skip
@@ -111,7 +117,7 @@ def measured_sweep(
         if done.returncode != 0:
             raise RuntimeError(f"bench failed: {done.stderr[-1500:]}")
         print(done.stdout.strip(), file=sys.stderr)
-    return dict(json.loads(out.read_text())["targets"][0])
+    return dict(json.loads(out.read_text())["targets"][0]), workdir / f"served-{cs.engine_of(spec)}.json", start
 
 
 def main() -> int:
@@ -161,20 +167,23 @@ def main() -> int:
     report["slo"] = dataclasses.asdict(slo)
     report["profile"] = str(profile)
     print(f"SLO: TTFT <= {1e3 * slo.ttft_s:.1f} ms, TPOT <= {1e3 * slo.tpot_s:.1f} ms", file=sys.stderr)
-    rows: list[tuple[str, int, float, float]] = []
+    rows: list[tuple[str, int, float, float, float]] = []
     curves_meas: dict[str, list[tuple[float, float]]] = {}
     curves_pred: dict[str, list[tuple[float, float]]] = {}
+    served_entries: list[dict] = []
     for spec in DEPLOYMENTS:
         devices = parse_deployment(spec).num_devices
-        pred = predicted_goodput(cfg, latency, spec, slo, cfg.num_requests)  # the bench's very requests
-        sweep = measured_sweep(cfg, latency, spec, slo, max(pred, 0.05), workdir, args.max_probes)
+        pred_engine = predicted_goodput(cfg, latency, spec, slo, cfg.num_requests)  # the bench's very requests
+        sweep, served_path, pred = measured_sweep(cfg, latency, spec, slo, workdir, args.max_probes)
+        served_entries += json.loads(served_path.read_text())["entries"]
+        served = cs.provider(cfg, served_path)
         meas = float(sweep["sweep"]["goodput_rps"])
         probes = [(float(q["rate"]), float(q["attainment"])) for q in sweep["sweep"]["probes"]]
-        rows.append((spec, devices, meas, pred))
+        rows.append((spec, devices, meas, pred, pred_engine))
         curves_meas[spec] = [(r / devices, a) for r, a in probes]
         grid = sorted({r for r, _ in probes} | set(np.geomspace(max(pred, 0.05) / 3, max(pred, 0.05) * 2.5, 10)))
         curves_pred[f"{spec} (simulated)"] = [
-            (r / devices, a) for r, a in predicted_curve(cfg, latency, spec, slo, grid)
+            (r / devices, a) for r, a in predicted_curve(cfg, served, spec, slo, grid)
         ]
         report.setdefault("deployments", []).append(
             {
@@ -182,21 +191,28 @@ def main() -> int:
                 "devices": devices,
                 "measured_goodput_rps": meas,
                 "predicted_goodput_rps": pred,
+                "engine_profile_predicted_goodput_rps": pred_engine,
+                "served_profile": str(served_path),
                 "probes": probes,
             }
         )
-    choice = plan_choice(cfg, profile, slo)
+    served_all = workdir / "served.json"
+    served_all.write_text(json.dumps({"name": f"{cfg.model}-served", "device": "cpu", "entries": served_entries}))
+    choice = plan_choice(cfg, served_all, slo)
     report["plan_output"] = choice
     print(
         f"\n{'deployment':<32}{'devices':>8}{'measured rps':>14}{'per device':>12}{'predicted rps':>15}"
-        f"{'per device':>12}"
+        f"{'per device':>12}{'engine-profile rps':>20}{'per device':>12}"
     )
-    for spec, devices, meas, pred in rows:
-        print(f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}")
+    for spec, devices, meas, pred, pred_engine in rows:
+        print(
+            f"{spec:<32}{devices:>8}{meas:>14.3f}{meas / devices:>12.3f}{pred:>15.3f}{pred / devices:>12.3f}"
+            f"{pred_engine:>20.3f}{pred_engine / devices:>12.3f}"
+        )
     best_meas = max(rows, key=lambda r: r[2] / r[1])[0]
     best_pred = max(rows, key=lambda r: r[3] / r[1])[0]
     print(f"best per device: measured {best_meas}, predicted {best_pred}")
-    print("\njaxserve plan says:\n" + choice)
+    print(f"\njaxserve plan --profile {served_all} says:\n" + choice)
     report["best_measured"], report["best_predicted"] = best_meas, best_pred
     report["seconds"] = time.perf_counter() - started
     if args.json:

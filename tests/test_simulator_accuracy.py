@@ -2,17 +2,16 @@
 
 Profiles opt-mini on this machine (each deployment's engines on the cores it will be served on),
 serves a disaggregated (1 prefill + 1 decode device) and a colocated (1 device) deployment for real,
-each pinned to as many cores as it has devices with the bench client on the others, benches each at
-4 rates spanning roughly 50–100 % attainment, and simulates the same traces with the fitted profile
-(padded shapes). The paper reports its simulator within 2 points of the real system; this asserts
-≤ 5 points at every rate and ≤ 2 in the median.
+each pinned to as many cores as it has devices with the bench client on the others, calibrates a
+served profile from each server's recorded steps, benches each at 4 rates spanning roughly
+50–100 % attainment, and simulates the same traces. The paper reports its simulator within 2 points
+of the real system; this asserts ≤ 5 points at every rate and ≤ 2 in the median.
 
 It is skipped below 4 cores rather than loosened (the tolerance is the requirement). On this
-project's 2-vCPU machines the disaggregated server gets both cores and shares them with the client,
-and its two devices share one XLA thread pool; and the small-batch decode step the TPOT SLO hangs on
-varies by up to ~50 % between two back-to-back profiles of the same pinned core. Measured there
-(issue 6 note): colocated within 1.7 points at all 4 rates in one run, 2.5–28 points in another;
-disaggregated 0–47 points.
+project's 2-vCPU machines the disaggregated server's two devices share both cores, one XLA thread
+pool and the client, so a step's cost grows with the load on the *other* device — something no
+per-device latency model holds. Measured there (issue 6 note): colocated within +0.8/+2.5/−2.5/+1.7
+points (max 2.5, median 2.1) with the served profile; disaggregated +18 to +42.
 """
 
 from __future__ import annotations
