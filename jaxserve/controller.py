@@ -250,7 +250,7 @@ class Controller:
         """Each instance's recent steps (`StepRecord`s that ended after `since`, monotonic seconds)."""
         out: list[dict[str, object]] = []
         for inst in self.instances:
-            steps = [r.to_dict() for r in list(inst.step_log) if r.at > since]
+            steps = [r.to_dict() for r in inst.step_log.copy() if r.at > since]  # copy: one C call
             out.append({"name": inst.name, "role": inst.role, "steps": steps})
         return out
 

@@ -150,7 +150,7 @@ class Worker:
             self.cond.notify_all()
 
     def record_step(self, record: StepRecord) -> None:
-        self.step_log.append(record)  # deque.append is atomic: readers copy with list()
+        self.step_log.append(record)  # deque.append is atomic; readers take step_log.copy()
 
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"instance {self.name} died: {self.error!r}")
