@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "jaxserve.llm",
-    "SamplingParams": "jaxserve.request",
+    "SamplingParams": "jaxserve.runtime.request",
 }
 
 if TYPE_CHECKING:
     from jaxserve.llm import LLM
-    from jaxserve.request import SamplingParams
+    from jaxserve.runtime.request import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -27,12 +27,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve import wire
 from jaxserve.plan import DeploymentPlan
 from jaxserve.proto import SERVICE_NAME
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.wire import Chunk, Completion, ModelInfo, Timings
+from jaxserve.serving import wire
+from jaxserve.serving.wire import Chunk, Completion, ModelInfo, Timings
 
 __all__ = [
     "AsyncClient",

@@ -17,14 +17,14 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from jaxserve.controller import Controller, ControllerConfig, RequestStream
-from jaxserve.deployment import EngineFactory
 from jaxserve.errors import OverloadedError
 from jaxserve.plan import DeploymentPlan, parse_deployment
-from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
+from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
+from jaxserve.runtime.instances import EngineFactory
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxserve.ray_backend.deployment import RayConfig
+    from jaxserve.runtime.ray_backend.deployment import RayConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ class LLM:
     ) -> None:
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         self.controller: Controller
-        if backend == "ray":  # every instance a Ray actor; see jaxserve/ray_backend
-            from jaxserve.ray_backend.deployment import RayController
+        if backend == "ray":  # every instance a Ray actor; see jaxserve/runtime/ray_backend
+            from jaxserve.runtime.ray_backend.deployment import RayController
 
             self.controller = RayController.launch(model, plan, config, ray_config, dtype=dtype)
         else:

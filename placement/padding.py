@@ -1,12 +1,12 @@
 """The engine's shape padding as a latency term: what `OPTEngine` really computes for a batch.
 
-`jaxserve/opt_engine.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
+`jaxserve/runtime/opt_engine.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
 rows to the next power of two and prompt tokens to the next power of two ≥ 16; decode rows to the
 next power of two ≥ 2 and each row's block table to the next power of two ≥ 4 blocks (attention runs
 over the whole padded table). The Appendix-A formula charges actual tokens and context, so an engine
 step of 5 decode rows costs what 8 rows cost while the formula says 5. `EnginePadding` maps a
 batch's actual statistics to the padded ones (rules mirrored here, without importing JAX; a test
-checks them against `jaxserve.engine.bucket`); `PaddedModel` wraps an instance's latency model with it,
+checks them against `jaxserve.runtime.engine.bucket`); `PaddedModel` wraps an instance's latency model with it,
 so the simulator charges what the engine computes. Coefficients used this way must be fitted in the
 same padded terms (`profile_fit`'s `padding=`, which `jaxserve profile` uses by default); such a
 profile entry says so under `engine_padding`, and `LatencyProvider.instance` then wraps its models.
@@ -22,7 +22,7 @@ from placement.latency import AppendixModel, FoldedModel
 
 
 def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two ≥ max(n, minimum) (`jaxserve.engine.bucket` without a cap)."""
+    """The next power of two ≥ max(n, minimum) (`jaxserve.runtime.engine.bucket` without a cap)."""
     size = max(minimum, 1)
     while size < n:
         size *= 2

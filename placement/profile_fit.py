@@ -1,6 +1,6 @@
 """Fitting the Appendix-A latency coefficients to measured step times (pure numpy, no JAX).
 
-`jaxserve profile` (the JAX side is `jaxserve/profiler.py`) times the real engine at a grid of
+`jaxserve profile` (the JAX side is `jaxserve/runtime/step_timing.py`) times the real engine at a grid of
 batch shapes; this module turns those times into a profile entry `placement/latency.py` reads:
 
 * **prefill** samples `(prompt lengths, seconds)` fit `C1` (s per multiply-add), `C2` (s per

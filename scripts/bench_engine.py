@@ -84,10 +84,10 @@ def _checkpoint(args: argparse.Namespace):
 def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> float:
     import jax
 
-    from jaxserve.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.kv_pool import BlockAllocator
-    from jaxserve.opt_engine import OPTEngine
-    from jaxserve.request import SamplingParams
+    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.kv_pool import BlockAllocator
+    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.request import SamplingParams
 
     engine = _ENGINES.setdefault(str(path), OPTEngine.load(str(path), jax.devices()[:1]))
     block_size = 16
@@ -173,9 +173,9 @@ def part_decode(args: argparse.Namespace) -> None:
 def part_transfer(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from jaxserve.controller import Controller, ControllerConfig
     from jaxserve.plan import parse_deployment
-    from jaxserve.request import GenerateRequest, SamplingParams
+    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.request import GenerateRequest, SamplingParams
 
     cfg, path = _checkpoint(args)
     prompt_len, out_len, n = (16, 4, 4) if args.quick else (args.prompt_len * 2, 32, 12)
@@ -258,7 +258,7 @@ def _attainment(
 ) -> float:
     import numpy as np
 
-    from jaxserve.request import GenerateRequest, SamplingParams
+    from jaxserve.runtime.request import GenerateRequest, SamplingParams
 
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, n)
@@ -281,12 +281,12 @@ def _attainment(
 def part_figure1(args: argparse.Namespace) -> None:
     import jax
 
-    from jaxserve.controller import Controller, ControllerConfig
-    from jaxserve.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.kv_pool import BlockAllocator
-    from jaxserve.opt_engine import OPTEngine
     from jaxserve.plan import parse_deployment
-    from jaxserve.request import SamplingParams
+    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.kv_pool import BlockAllocator
+    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.request import SamplingParams
 
     _emit({"part": "figure1-scaling", "xla_flags": os.environ.get("XLA_FLAGS"), **_scaling_check(args.quick)})
     cfg, path = _checkpoint(args)

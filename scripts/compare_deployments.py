@@ -54,9 +54,7 @@ DEPLOYMENTS = ("colocated:tp1", "disagg:prefill=tp1,decode=tp1")
 
 
 def scaling_check(model: str) -> dict[str, float]:
-    code = (
-        f"import json; from jaxserve.profiler import parallel_scaling; print(json.dumps(parallel_scaling({model!r})))"
-    )
+    code = f"import json; from jaxserve.runtime.step_timing import parallel_scaling; print(json.dumps(parallel_scaling({model!r})))"
     env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(2), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:

@@ -15,9 +15,9 @@ from typing import Literal
 import jax
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.controller import Controller, ControllerConfig
 from jaxserve.plan import parse_deployment
-from jaxserve.server import ServerConfig, ServerThread
+from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.serving.server import ServerConfig, ServerThread
 from jaxserve.testing.fake_engine import FakeEngine
 from models.config import get_config
 

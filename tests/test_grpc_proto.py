@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import wire
 from jaxserve.errors import InvalidRequestError
 from jaxserve.plan import parse_deployment
 from jaxserve.proto import PROTO_PATH
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.request import RequestTimings
+from jaxserve.runtime.request import RequestTimings
+from jaxserve.serving import wire
 
 GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")
 # Version stamps differ between grpcio-tools releases without changing the schema.

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine import StageKV
-from jaxserve.kv_pool import BlockAllocator, OutOfBlocksError, write_sequence
+from jaxserve.runtime.engine import StageKV
+from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError, write_sequence
 from jaxserve.testing.fake_engine import FakeEngine
 from models.config import OPTConfig
 

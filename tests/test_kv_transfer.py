@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine import PrefillItem, StageKV
-from jaxserve.kv_transfer import InProcessTransfer, TransferState, regroup_layers
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.engine import PrefillItem, StageKV
+from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferState, regroup_layers
+from jaxserve.runtime.request import SamplingParams
 from jaxserve.testing.fake_engine import FakeEngine
 from models.config import OPTConfig
 

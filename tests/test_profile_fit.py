@@ -112,7 +112,7 @@ def test_profile_entry_round_trips_through_the_planner() -> None:
 
 
 def test_engine_padding_mirrors_the_engine_buckets() -> None:
-    from jaxserve.engine import bucket as engine_bucket
+    from jaxserve.runtime.engine import bucket as engine_bucket
     from placement.padding import EnginePadding, PaddedModel, bucket
 
     for n in range(1, 300):

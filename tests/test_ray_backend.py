@@ -24,27 +24,27 @@ import pytest
 import test_kv_transfer as conformance
 from jax.sharding import PartitionSpec
 
-from jaxserve.controller import Controller, ControllerConfig
-from jaxserve.engine import PrefillItem
 from jaxserve.llm import LLM
-from jaxserve.metrics import ServingMetrics
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
-from jaxserve.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.engine import PrefillItem
+from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
 
 ray = pytest.importorskip("ray")
 
-from jaxserve.ray_backend.actors import (  # noqa: E402
+from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
     DecodeActor,
     EngineSpec,
     IncompatiblePeerError,
     PrefillActor,
     PullOrder,
 )
-from jaxserve.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
-from jaxserve.ray_backend.placement import PlacementConfig  # noqa: E402
-from jaxserve.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
-from jaxserve.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
+from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
+from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-from jaxserve.engine import StageKV
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
-from jaxserve.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
-from jaxserve.ray_backend.placement import PlacementConfig, bundle, group_by_node
-from jaxserve.ray_backend.transfer import LeasedKVBuffer, PullError, run_with_watchdog
+from jaxserve.runtime.engine import StageKV
+from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
+from jaxserve.runtime.ray_backend.placement import PlacementConfig, bundle, group_by_node
+from jaxserve.runtime.ray_backend.transfer import LeasedKVBuffer, PullError, run_with_watchdog
 from models.config import get_config
 
 
@@ -90,8 +90,8 @@ def test_watchdog_frees_the_caller_from_a_stuck_pull() -> None:
 
 _NEVER_REGISTERED = """
 import os, time
-from jaxserve.ray_backend.transfer import ArraySpec, JaxTicket, PullError, pull_staged, run_with_watchdog
-from jaxserve.ray_backend.transfer import start_transfer_server
+from jaxserve.runtime.ray_backend.transfer import ArraySpec, JaxTicket, PullError, pull_staged, run_with_watchdog
+from jaxserve.runtime.ray_backend.transfer import start_transfer_server
 producer, consumer = start_transfer_server(), start_transfer_server()
 ticket = JaxTicket(producer.address(), 12345, (ArraySpec((4, 4), "float32"),))  # never registered
 started = time.monotonic()

@@ -12,12 +12,12 @@ from collections.abc import Iterator, Sequence
 import jax
 import pytest
 
-from jaxserve.controller import Controller, ControllerConfig
-from jaxserve.deployment import build_engines
-from jaxserve.engine import KVPages, StepBatch
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.plan import InstanceSpec, parse_deployment
-from jaxserve.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.engine import KVPages, StepBatch
+from jaxserve.runtime.instances import build_engines
+from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.testing.fake_engine import (
     DECODE_WEIGHTS,
     PREFILL_WEIGHTS,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.request import RequestTimings, SamplingParams
-from jaxserve.sampling import default_seed, sample
+from jaxserve.runtime.request import RequestTimings, SamplingParams
+from jaxserve.runtime.sampling import default_seed, sample
 
 RNG = np.random.default_rng(0)
 LOGITS = jnp.asarray(RNG.normal(size=(6, 40)).astype(np.float32))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from serving_helpers import tiny_tokenizer
 
-from jaxserve.frontend import Detokenizer
+from jaxserve.serving.frontend import Detokenizer
 
 
 def _stream(tok, ids, chunk_sizes, stop=()):

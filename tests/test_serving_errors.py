@@ -21,8 +21,8 @@ from jaxserve.client import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from jaxserve.controller import ControllerConfig
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.runtime.controller import ControllerConfig
 
 pytestmark = pytest.mark.timeout(120)
 

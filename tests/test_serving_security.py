@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 from serving_helpers import ErrorBody, expected_tokens, fake_controller, running_server
 
 from jaxserve.client import AsyncClient, Client, UnauthenticatedError, UnavailableError
-from jaxserve.grpc_service import bearer_ok
+from jaxserve.serving.grpc_service import bearer_ok
 
 pytestmark = pytest.mark.timeout(120)
 

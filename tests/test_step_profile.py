@@ -20,9 +20,9 @@ from serving_helpers import fake_controller, running_server
 
 from jaxserve.cli import main
 from jaxserve.client import Client
-from jaxserve.colocated_instance import _step_record
-from jaxserve.engine import StepRow
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.colocated_instance import _step_record
+from jaxserve.runtime.engine import StepRow
+from jaxserve.runtime.request import SamplingParams
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, load_profile, pipeline_decode_round_s, pipeline_prefill_s

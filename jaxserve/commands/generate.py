@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     ensure_host_devices(plan.num_devices)
 
     from jaxserve.llm import LLM
-    from jaxserve.request import SamplingParams
+    from jaxserve.runtime.request import SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,

@@ -7,7 +7,7 @@
 
 For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
-shapes (`jaxserve/profiler.py`), fits C1..C6 by least squares (`placement/profile_fit.py`), finds
+shapes (`jaxserve/runtime/step_timing.py`), fits C1..C6 by least squares (`placement/profile_fit.py`), finds
 L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxserve.profiler import custom_grid, default_grid, measure
+    from jaxserve.runtime.step_timing import custom_grid, default_grid, measure
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
     from placement.padding import EnginePadding

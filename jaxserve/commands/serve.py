@@ -104,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     ensure_host_devices(highest + 1)
 
-    from jaxserve.controller import Controller, ControllerConfig
-    from jaxserve.deployment import place
-    from jaxserve.server import ServerConfig, run_until_signal
+    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.instances import place
+    from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
     config = ControllerConfig(
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
             engine_factory = fake_engine_factory(fake_config)
         if args.backend == "ray":
-            from jaxserve.ray_backend.deployment import launch_from_args
+            from jaxserve.runtime.ray_backend.deployment import launch_from_args
 
             controller = launch_from_args(model, plan, config, args)
         else:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.engine import (
+from jaxserve.plan import InstanceSpec
+from jaxserve.runtime.engine import (
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -36,8 +37,7 @@ from jaxserve.engine import (
     StepBatch,
     bucket,
 )
-from jaxserve.kv_pool import dense_sharding, write_sequence
-from jaxserve.plan import InstanceSpec
+from jaxserve.runtime.kv_pool import dense_sharding, write_sequence
 from models.config import OPTConfig
 
 PREFILL_WEIGHTS = (3, 1, 7)

@@ -26,13 +26,13 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from jaxserve.engine import Engine, StepBatch, StepRow
-from jaxserve.kv_pool import BlockAllocator
-from jaxserve.kv_transfer import InProcessTransfer, KVTransfer, TransferState
-from jaxserve.prefill_instance import PrefillInstance
-from jaxserve.request import FinishReason
+from jaxserve.runtime.engine import Engine, StepBatch, StepRow
+from jaxserve.runtime.kv_pool import BlockAllocator
+from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, TransferState
+from jaxserve.runtime.prefill_instance import PrefillInstance
+from jaxserve.runtime.request import FinishReason
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes, blocks_for, kv_tokens_reserved
-from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)

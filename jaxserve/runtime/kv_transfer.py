@@ -25,7 +25,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+from jaxserve.runtime.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
 
 
 class TransferState(enum.Enum):

@@ -1,7 +1,7 @@
 """The request path both servers share: wire params in, text-bearing chunks out.
 
 A gRPC `Generate` call and an HTTP `/v1/completions` call both become
-`CompletionParams` (see `jaxserve.wire`), and from there take the same road:
+`CompletionParams` (see `jaxserve.serving.wire`), and from there take the same road:
 
 1. `prepare(params)`: tokenize a text prompt, build a `GenerateRequest` with a fresh
    request id, and let the controller check every value (prompt length, vocabulary,
@@ -28,9 +28,9 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.metrics import InstanceStats, ServingMetrics
-from jaxserve.request import GenerateRequest, TokenChunk
-from jaxserve.wire import Chunk, CompletionParams, ModelInfo, Timings
+from jaxserve.runtime.request import GenerateRequest, TokenChunk
+from jaxserve.serving.metrics import InstanceStats, ServingMetrics
+from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
 # Internal field names -> what the client sent (the prompt field is per request).
 _PROMPT_FIELDS = {"prompt", "prompt_token_ids", "prompt_ids"}

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.request import SamplingParams
 
 
 def default_seed(request_id: str) -> int:

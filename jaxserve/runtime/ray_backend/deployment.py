@@ -28,11 +28,11 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, cast
 
-from jaxserve.controller import Controller, ControllerConfig, Observer
-from jaxserve.deployment import PlacedInstance, instance_names
 from jaxserve.errors import EngineDeadError, JaxServeError
 from jaxserve.plan import DeploymentPlan, PlanError
-from jaxserve.ray_backend.actors import (
+from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
+from jaxserve.runtime.instances import PlacedInstance, instance_names
+from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
     BufferStats,
     DecodeActor,
@@ -42,11 +42,16 @@ from jaxserve.ray_backend.actors import (
     PrefillActor,
     check_compatible,
 )
-from jaxserve.ray_backend.placement import Placement, PlacementConfig, place_on_cluster
-from jaxserve.ray_backend.remote_engine import FaultCounters, RayKVTransfer, RemoteDecodeEngine, RemotePrefillEngine
-from jaxserve.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.runtime.ray_backend.placement import Placement, PlacementConfig, place_on_cluster
+from jaxserve.runtime.ray_backend.remote_engine import (
+    FaultCounters,
+    RayKVTransfer,
+    RemoteDecodeEngine,
+    RemotePrefillEngine,
+)
+from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.runtime.worker import LiveRequest
 from jaxserve.scheduling import choose_prefill_instance
-from jaxserve.worker import LiveRequest
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -320,7 +325,7 @@ def launch_from_args(
     model: str, plan: DeploymentPlan, config: ControllerConfig, args: argparse.Namespace
 ) -> Controller:
     """`jaxserve serve --backend ray`: the Ray deployment the command-line flags describe."""
-    from jaxserve.ray_backend.transfer import TransferConfig
+    from jaxserve.runtime.ray_backend.transfer import TransferConfig
 
     fake_config = None
     if args.engine == "fake":

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import jax
 
-from jaxserve.engine import Engine, KVPages, PrefillItem, SequenceKV, StepBatch
-from jaxserve.ray_backend.transfer import (
+from jaxserve.runtime.engine import Engine, KVPages, PrefillItem, SequenceKV, StepBatch
+from jaxserve.runtime.ray_backend.transfer import (
     HostKV,
     JaxTicket,
     LeasedKVBuffer,
@@ -54,7 +54,7 @@ from jaxserve.ray_backend.transfer import (
     to_host,
     to_layout,
 )
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.request import SamplingParams
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def build_engine(spec: EngineSpec) -> Engine:
 
         assert spec.fake_config is not None, "the fake engine needs fake_config"
         return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
-    from jaxserve.opt_engine import OPTEngine
+    from jaxserve.runtime.opt_engine import OPTEngine
 
     return OPTEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
 
@@ -258,7 +258,7 @@ class PrefillActor(_ActorBase):
 
     def offer_jax(self, request_id: str) -> JaxTicket | None:
         """JAX-transfer pull: stage the KV on one device and register it with the transfer server."""
-        from jaxserve.ray_backend.transfer import ArraySpec
+        from jaxserve.runtime.ray_backend.transfer import ArraySpec
 
         kv = self.buffer.take(request_id, time.monotonic())
         if kv is None:

@@ -25,7 +25,7 @@ import time
 from typing import Literal, Protocol
 
 from jaxserve.errors import EngineDeadError
-from jaxserve.request import FinishReason, GenerateRequest, RequestTimings
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.engine import Engine, StepBatch, StepRow
-from jaxserve.kv_pool import BlockAllocator
-from jaxserve.request import FinishReason
+from jaxserve.runtime.engine import Engine, StepBatch, StepRow
+from jaxserve.runtime.kv_pool import BlockAllocator
+from jaxserve.runtime.request import FinishReason
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import (
     ColocatedRequest,
     PrefillLoad,
@@ -34,7 +35,6 @@ from jaxserve.scheduling import (
     kv_tokens_reserved,
     schedule_colocated,
 )
-from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ too large), 429 (overloaded, with `Retry-After`), 503 (shutting down), 500.
 
 A streaming request waits for its first output before answering, so admission errors
 still get their status code; a failure after that arrives as an `error` event. The
-request path itself is `jaxserve.frontend`, shared with gRPC.
+request path itself is `jaxserve.serving.frontend`, shared with gRPC.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.frontend import Frontend, error_kind
-from jaxserve.grpc_service import bearer_ok
-from jaxserve.request import SamplingParams
-from jaxserve.wire import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Chunk, CompletionParams
+from jaxserve.runtime.request import SamplingParams
+from jaxserve.serving.frontend import Frontend, error_kind
+from jaxserve.serving.grpc_service import bearer_ok
+from jaxserve.serving.wire import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Chunk, CompletionParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
 

@@ -35,17 +35,17 @@ from typing import Protocol
 
 import jax
 
-from jaxserve.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.decode_instance import DecodeConfig, DecodeInstance
-from jaxserve.deployment import EngineFactory, PlacedInstance, build_engines
 from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
-from jaxserve.kv_transfer import InProcessTransfer, KVTransfer
 from jaxserve.plan import DeploymentPlan
-from jaxserve.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
-from jaxserve.sampling import default_seed
+from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
+from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer
+from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
+from jaxserve.runtime.sampling import default_seed
+from jaxserve.runtime.worker import LiveRequest, now
 from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS, choose_decode_instance, choose_prefill_instance
-from jaxserve.worker import LiveRequest, now
 from models.config import OPTConfig
 
 
@@ -229,7 +229,7 @@ class Controller:
     ) -> Controller:
         """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`."""
         if engine_factory is None:
-            from jaxserve.opt_engine import opt_engine_factory
+            from jaxserve.runtime.opt_engine import opt_engine_factory
 
             engine_factory = opt_engine_factory(model_source, dtype=dtype)
         placed = build_engines(plan, engine_factory, devices)

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
-from jaxserve.kv_transfer import TransferState, regroup_layers
+from jaxserve.runtime.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+from jaxserve.runtime.kv_transfer import TransferState, regroup_layers
 
 Mechanism = Literal["object_store", "jax"]
 FailurePolicy = Literal["recompute", "fail"]

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.engine import KVPages, SequenceKV, StageKV, StagePages
+from jaxserve.runtime.engine import KVPages, SequenceKV, StageKV, StagePages
 
 
 class OutOfBlocksError(RuntimeError):

@@ -35,11 +35,11 @@ from typing import Any
 import grpc
 import uvicorn
 
-from jaxserve.frontend import Frontend
-from jaxserve.grpc_service import build_grpc_server, set_serving
-from jaxserve.http_api import create_app
-from jaxserve.metrics import ServingMetrics
-from jaxserve.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.serving.frontend import Frontend
+from jaxserve.serving.grpc_service import build_grpc_server, set_serving
+from jaxserve.serving.http_api import create_app
+from jaxserve.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jaxserve.engine import Engine
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.engine import Engine
 
 EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
 

@@ -14,7 +14,7 @@ own `Mesh(('tp',))`). The runtime only ever talks to it through `Engine`:
 
 KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over
 `tp`; the KV transfer reads `kv_layout()` to know where a decode engine wants
-them. Two engines implement this: `jaxserve.opt_engine.OPTEngine` (the model)
+them. Two engines implement this: `jaxserve.runtime.opt_engine.OPTEngine` (the model)
 and `jaxserve.testing.fake_engine.FakeEngine` (hand-computable arithmetic).
 """
 
@@ -28,7 +28,7 @@ import jax
 from flax import struct
 from jax.sharding import NamedSharding
 
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.request import SamplingParams
 from models.config import OPTConfig
 
 

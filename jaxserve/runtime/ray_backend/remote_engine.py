@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import jax
 
-from jaxserve.engine import (
+from jaxserve.errors import EngineDeadError
+from jaxserve.runtime.engine import (
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -45,10 +46,9 @@ from jaxserve.engine import (
     StageKV,
     StepBatch,
 )
-from jaxserve.errors import EngineDeadError
-from jaxserve.kv_transfer import TransferState
-from jaxserve.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
-from jaxserve.ray_backend.transfer import fetch
+from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.runtime.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
+from jaxserve.runtime.ray_backend.transfer import fetch
 from models.config import OPTConfig
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxserve.engine import PrefillItem, StepBatch, StepRow
-from jaxserve.opt_engine import OPTEngine
-from jaxserve.request import SamplingParams
+from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.opt_engine import OPTEngine
+from jaxserve.runtime.request import SamplingParams
 from jaxserve.scheduling import blocks_for
 from models.config import OPTConfig
 from placement.profile_fit import DecodeSample, PrefillSample

@@ -25,8 +25,9 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from jaxserve.engine import Engine, PrefilledSequence, PrefillItem
-from jaxserve.request import FinishReason
+from jaxserve.runtime.engine import Engine, PrefilledSequence, PrefillItem
+from jaxserve.runtime.request import FinishReason
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import (
     DEFAULT_PREFILL_BUFFER_SLOTS,
     PrefillLoad,
@@ -34,7 +35,6 @@ from jaxserve.scheduling import (
     form_prefill_batch,
     prefill_buffer_free_slots,
 )
-from jaxserve.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.engine import (
+from jaxserve.plan import InstanceSpec
+from jaxserve.runtime.engine import (
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -34,9 +35,8 @@ from jaxserve.engine import (
     StepRow,
     bucket,
 )
-from jaxserve.kv_pool import write_sequence
-from jaxserve.plan import InstanceSpec
-from jaxserve.sampling import sample
+from jaxserve.runtime.kv_pool import write_sequence
+from jaxserve.runtime.sampling import sample
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache
 from models.sharding import ShardedOPT

@@ -21,7 +21,7 @@ from google.protobuf import unknown_fields
 from jaxserve.errors import InvalidRequestError
 from jaxserve.plan import DeploymentPlan
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.request import FinishReason, RequestTimings, SamplingParams
+from jaxserve.runtime.request import FinishReason, RequestTimings, SamplingParams
 
 _FINISH_TO_PROTO: dict[FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
