@@ -43,7 +43,8 @@ from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
 )
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
 from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
+from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
+from jaxserve.runtime.worker import FaultCounters  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -168,7 +169,7 @@ def test_ray_matches_embedded_greedy(deployment, reference) -> None:
     stats = deployment.stats()
     assert stats.num_transfers >= NUM_REQUESTS and stats.kv_transfer_bytes > 0
     faults = deployment.fault_stats()
-    assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_actor_restarts == 0
+    assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_instance_restarts == 0
 
 
 def test_unpulled_kv_is_freed_after_its_lease(deployment) -> None:
@@ -191,7 +192,7 @@ def test_lease_keeper_renews_while_buffered_and_cancels_when_dropped(deployment)
     info = deployment.actor_infos["prefill-0"]
     held = {"kept"}
     proxy = RemotePrefillEngine("prefill-0", prefill, info, info.model_config, 30.0, FaultCounters(), lease_s=LEASE_S)
-    proxy._lookup = lambda rid: rid if rid in held else None  # what the PrefillInstance buffer says
+    proxy._holds = lambda rid: rid in held  # what the PrefillInstance says
     item = PrefillItem("kept", (9, 10, 11), SamplingParams(max_tokens=4), 0)
     proxy.prefill([item])
     before = deployment.buffer_stats("prefill-0")
@@ -226,7 +227,7 @@ def test_pull_of_a_lost_kv_recomputes_it_on_the_decode_side(deployment) -> None:
 
 
 def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     killed = []
 
     def kill(num_seen: int) -> bool:
@@ -240,7 +241,7 @@ def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
     assert killed
     assert got == reference  # every stream whole: nothing lost, nothing repeated
     faults = deployment.fault_stats()
-    assert faults.num_actor_restarts > restarts and faults.num_rerouted_requests > 0
+    assert faults.num_instance_restarts > restarts and faults.num_rerouted_requests > 0
     assert deployment.stats().num_live_requests == 0
     metrics = ServingMetrics()
     metrics.watch_faults(deployment)
@@ -253,7 +254,7 @@ def test_decode_actor_restarted_between_calls_is_rebuilt(deployment, reference) 
     """Killed while idle and back before the next call: the proxy notices the empty pool and rebuilds."""
     decode = deployment.actor("decode-0")
     pid_before = ray.get(decode.ping.remote())
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     ray.kill(decode, no_restart=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait for the new incarnation without calling through the proxy
@@ -264,11 +265,11 @@ def test_decode_actor_restarted_between_calls_is_rebuilt(deployment, reference) 
             time.sleep(0.2)
     streams = [deployment.submit(r) for r in _requests("idle")[:4]]
     assert [s.collect(timeout_s=120)[0] for s in streams] == [reference[i] for i in range(4)]
-    assert deployment.fault_stats().num_actor_restarts == restarts + 1
+    assert deployment.fault_stats().num_instance_restarts == restarts + 1
 
 
 def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     pid_before = ray.get(deployment.actor("prefill-0").ping.remote())
     killed = []
 
@@ -284,7 +285,7 @@ def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
     assert got == reference
     # a new process took over (the proxy counts a restart only when a call was in flight at the kill)
     assert ray.get(deployment.actor("prefill-0").ping.remote()) != pid_before
-    assert deployment.fault_stats().num_actor_restarts >= restarts
+    assert deployment.fault_stats().num_instance_restarts >= restarts
     # the restarted actor rejoined: it serves new requests
     again = deployment.submit(_requests("after")[0]).collect(timeout_s=120)[0]
     assert again == reference[0]
