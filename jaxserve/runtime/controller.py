@@ -54,7 +54,7 @@ import jax
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
 from jaxserve.plan import DeploymentPlan
-from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats
+from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
 from jaxserve.runtime.engine import DecodeEngine, PrefillEngine
@@ -528,3 +528,7 @@ class Controller:
     def fault_stats(self) -> FaultStats:
         """The fault counters alone (what `stats().faults` holds)."""
         return self.faults.snapshot()
+
+
+def _is_a_serving_controller(controller: Controller) -> ServingController:
+    return controller  # mypy checks that Controller (and so RayController) implements the Protocol
