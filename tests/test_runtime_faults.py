@@ -379,3 +379,78 @@ def test_colocated_load_counts_a_partly_prefilled_request_as_running() -> None:
     assert inst.load() == PrefillLoad(6, 1)  # "a" runs (holds its blocks); only "b" waits
     s = inst.stats()
     assert (s.num_waiting, s.num_running) == (1, 1)
+
+
+# ---- seeded sampling continues from the same sample positions after a move (tiny OPT) -----------
+
+
+class _OPTDyingOnDecode:
+    """An OPT engine (both roles) whose decode steps fail from the `die_at`-th one on."""
+
+    def __init__(self, inner: object, die_at: int | None) -> None:
+        self.inner, self.die_at, self.num_decode_calls = inner, die_at, 0
+
+    def __getattr__(self, name: str) -> object:  # model_config, devices, kv_layout, prefill, init_pages, insert
+        return getattr(self.inner, name)
+
+    @property
+    def model_config(self):  # explicit: the role Protocols are checked with isinstance
+        return self.inner.model_config  # type: ignore[attr-defined]
+
+    def kv_layout(self):
+        return self.inner.kv_layout()  # type: ignore[attr-defined]
+
+    def prefill(self, items):
+        return self.inner.prefill(items)  # type: ignore[attr-defined]
+
+    def init_pages(self, num_blocks: int, block_size: int):
+        return self.inner.init_pages(num_blocks, block_size)  # type: ignore[attr-defined]
+
+    def insert(self, kv, num_tokens, pages, block_table):
+        return self.inner.insert(kv, num_tokens, pages, block_table)  # type: ignore[attr-defined]
+
+    def decode_step(self, batch: StepBatch, pages: KVPages):
+        self.num_decode_calls += 1
+        if self.die_at is not None and self.num_decode_calls >= self.die_at:
+            raise RuntimeError("device lost")
+        return self.inner.decode_step(batch, pages)  # type: ignore[attr-defined]
+
+
+def test_seeded_sampling_continues_from_the_same_positions_after_a_move(tmp_path) -> None:
+    from jaxserve.runtime.opt_engine import opt_engine_factory
+    from jaxserve.testing.hf import make_hf_checkpoint
+
+    checkpoint = str(make_hf_checkpoint(tmp_path / "opt-tiny-hf", CFG, seed=3))
+    base = opt_engine_factory(checkpoint)
+    plan = parse_deployment("disagg:prefill=tp1,decode=2xtp1")
+    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    prompts = [(2, 100, 31, 7, 8), (2, 5, 6), (2, 300, 301, 302, 17, 9, 44)]
+
+    def run(die_at: int | None) -> tuple[list[list[int]], Controller]:
+        counts: dict[str, int] = {}
+
+        def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> object:
+            i = counts.get(spec.role, 0)
+            counts[spec.role] = i + 1
+            engine = base(spec, devices)
+            return _OPTDyingOnDecode(engine, die_at) if f"{spec.role}-{i}" == "decode-0" else engine
+
+        c = Controller(build_engines(plan, factory), plan, config)  # type: ignore[arg-type]
+        c.start()
+        try:
+            streams = [
+                c.submit(
+                    GenerateRequest(
+                        f"r{i}", p, SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i, ignore_eos=True)
+                    )
+                )
+                for i, p in enumerate(prompts)
+            ]
+            return [s.collect(timeout_s=120)[0] for s in streams], c
+        finally:
+            c.shutdown(drain_timeout_s=0)
+
+    reference, _ = run(None)
+    moved, c = run(die_at=5)
+    assert c.decode_instances[0].error is not None and c.stats().faults.num_rerouted_requests > 0
+    assert moved == reference
