@@ -28,7 +28,8 @@ from jaxserve.llm import LLM
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engine import PrefillItem
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.runtime.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
 
@@ -44,8 +45,8 @@ from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
 from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
-from jaxserve.runtime.worker import FaultCounters  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
+from jaxserve.runtime.worker import FaultCounters, LiveRequest  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -205,6 +206,74 @@ def test_lease_keeper_renews_while_buffered_and_cancels_when_dropped(deployment)
     after = deployment.buffer_stats("prefill-0")
     assert after.num_held == 0 and after.num_cancelled == before.num_cancelled + 1
     assert after.num_expired == before.num_expired
+
+
+class _Sink:
+    """The controller side of a lone PrefillInstance: records what it emits and hands over."""
+
+    def __init__(self) -> None:
+        self.emitted: list[int] = []
+
+    def emit(self, live, token_ids, finish_reason) -> None:
+        self.emitted.extend(token_ids)
+
+    def fail(self, live, error) -> None:
+        raise AssertionError(error)
+
+    def recompute(self, live) -> None:
+        raise AssertionError("no pulls here")
+
+    def on_instance_dead(self, instance, held) -> None:
+        raise AssertionError(instance.error)
+
+    def count_fault(self, kind, n: int = 1) -> None:
+        pass
+
+
+def test_lease_hand_over_to_the_prefill_buffer_is_atomic(deployment) -> None:
+    """The lease keeper running between the actor's prefill and the buffering must not cancel the KV."""
+    prefill = deployment.actor("prefill-0")
+    info = deployment.actor_infos["prefill-0"]
+    proxy = RemotePrefillEngine("prefill-0", prefill, info, info.model_config, 30.0, FaultCounters(), lease_s=LEASE_S)
+    rounds: list[tuple[list[str], list[str]]] = []
+
+    class KeeperRunsNow:  # the keeper's round lands right after the actor answered, before the buffer has it
+        model_config = proxy.model_config
+
+        def prefill(self, items):
+            result = proxy.prefill(items)
+            rounds.append(proxy.keep_once())
+            return result
+
+    handed: list[str] = []
+    inst = PrefillInstance(
+        "prefill-0", KeeperRunsNow(), PrefillConfig(), _Sink(), lambda src, live: handed.append(live.request_id)
+    )
+    proxy._holds = inst.holds_kv
+    live = LiveRequest(GenerateRequest("handover", (9, 10, 11), SamplingParams(max_tokens=4)), 0, RequestTimings(0.0))
+    inst.enqueue(live)
+    assert inst.step()
+    assert rounds == [(["handover"], [])]  # renewed, not cancelled
+    assert handed == ["handover"] and inst.buffer_used == 1
+    assert ray.get(prefill.take_host.remote("handover")) is not None  # still there to be pulled
+    inst.release("handover")  # pulled and written: the next round frees it on the actor
+    assert proxy.keep_once() == ([], ["handover"])
+    assert ray.get(prefill.take_host.remote("handover")) is None
+
+
+def test_a_pull_retried_after_the_take_finds_the_kv_again(deployment) -> None:
+    """A pull only lends the KV: an attempt that failed after taking it can be retried against the same KV."""
+    prefill, decode = deployment.actor("prefill-0"), deployment.actor("decode-0")
+    item = PrefillItem("twice", (31, 32, 33, 34), SamplingParams(max_tokens=4), 0)
+    ray.get(prefill.prefill.remote([item]))
+    assert ray.get(prefill.take_host.remote("twice")) is not None  # an attempt took it, then its copy failed
+    report = ray.get(decode.pull.remote(PullOrder("twice", prefill, "prefill-0", item)))  # the retry
+    assert not report.recomputed and report.num_failed_attempts == 0 and report.num_bytes > 0
+    assert ray.get(decode.discard.remote("twice"))
+    deadline = time.monotonic() + 10  # once staged, the decode actor frees it on the prefill side
+    while ray.get(prefill.take_host.remote("twice")) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_pull_of_a_lost_kv_recomputes_it_on_the_decode_side(deployment) -> None:

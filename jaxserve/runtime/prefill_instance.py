@@ -18,7 +18,9 @@ Loop (one thread, `Worker` shell), each `step()`:
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
-KV is pulled (or by `cancel()`). Only the lock is ever waited on; the engine
+KV is pulled (or by `cancel()`); `holds_kv()` tells a lease keeper (Ray) which
+KVs are still wanted (the batch being handed over or the buffer, read under one
+lock, so the hand-over is atomic). Only the lock is ever waited on; the engine
 call runs outside it.
 """
 

@@ -11,11 +11,11 @@ proxies (`remote_engine.py`) rebuild what it held.
 `PrefillActor`: `prefill(items)` runs the engine, keeps each KV in a
 `LeasedKVBuffer` and returns only small metadata (`PrefillMeta`); decode actors
 pull the KV with `take_host` (object store) or `offer_jax` (a ticket for
-`jax.experimental.transfer`); a pulled KV stays lent (not freed) until the
-controller's lease keeper cancels it after the decode side wrote it into its
-pool, so a pull retried after a failed attempt finds it again. `renew` /
-`cancel` are the controller's lease calls; a reaper thread frees KVs whose
-lease ran out.
+`jax.experimental.transfer`); a pull only lends the KV (it stays held), so an
+attempt that fails after the take is retried against the same KV; the decode
+actor frees it once it is staged on its side (`cancel`). `renew` / `cancel`
+are also the controller's lease calls; a reaper thread frees KVs whose lease
+ran out.
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
 the order (retries, then recompute or fail per `TransferConfig`), checks the
@@ -249,7 +249,9 @@ class PrefillActor(_ActorBase):
         return out
 
     def renew(self, request_ids: Sequence[str]) -> int:
-        return self.buffer.renew(request_ids, time.monotonic())
+        """Extend the leases of the ids still held; returns how many leases ran out so far (all time)."""
+        self.buffer.renew(request_ids, time.monotonic())
+        return self.buffer.num_expired
 
     def cancel(self, request_ids: Sequence[str]) -> int:
         return self.buffer.cancel(request_ids)
@@ -340,6 +342,7 @@ class DecodeActor(_ActorBase):
                 continue
             jax.block_until_ready(kv)
             self._staged[order.request_id] = kv
+            order.source.cancel.remote([order.request_id])  # staged here: the prefill side may free it now
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
             return PullReport(order.request_id, num_bytes, seconds, len(failures), False)

@@ -139,6 +139,7 @@ class RemotePrefillEngine(_RemoteBase):
         self._lock = threading.Lock()
         self._outstanding: set[str] = set()
         self._holds: Callable[[str], bool] | None = None
+        self._num_expired_seen = 0  # the actor's expired-lease count at the last renewal
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
 
@@ -184,13 +185,15 @@ class RemotePrefillEngine(_RemoteBase):
         drop = [r for r in ids if r not in set(keep)]
         with self._lock:
             self._outstanding.difference_update(drop)
-        renewed: ray.ObjectRef[int] | None = self.actor.renew.remote(keep) if keep else None
+        renewed = self.actor.renew.remote(keep)  # answers the actor's count of expired leases
         cancelled = self.actor.cancel.remote(drop) if drop else None
         with contextlib.suppress(ray.exceptions.RayError):  # a dead actor lost its KVs; decode recomputes
-            if renewed is not None:
-                num_held = cast(int, fetch(renewed, max(self.lease_s / 3, 0.5)))
-                if num_held < len(keep):
-                    self.counters.count("expired_lease", len(keep) - num_held)
+            num_expired = cast(int, fetch(renewed, max(self.lease_s / 3, 0.5)))
+            # a restarted actor counts from 0 again: everything it reports is new
+            new = num_expired - self._num_expired_seen if num_expired >= self._num_expired_seen else num_expired
+            self._num_expired_seen = num_expired
+            if new:
+                self.counters.count("expired_lease", new)
             if cancelled is not None:
                 fetch(cancelled, max(self.lease_s / 3, 0.5))
         return keep, drop

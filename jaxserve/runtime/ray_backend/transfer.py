@@ -2,12 +2,18 @@
 
 Prefill side (`LeasedKVBuffer`, used inside the prefill actor): a finished
 prefill's KV is held only under a lease (`lease_s`, default a few seconds). The
-controller renews the lease while the request waits for a decode instance and
-until the decode side wrote it into its pool; the entry is freed when the
-controller cancels it (pulled and written, or the request ended) or when its
-lease runs out (`expire`). A pull reads it without freeing it (`lend`), so a
-retry after a failed attempt finds it again; a KV nobody renews cannot pin
-memory.
+controller renews the lease while the request waits for a decode instance; a
+pull reads the entry without freeing it (`lend`), so a retry after a failed
+attempt (the KV was taken, then the copy failed) finds it again. The entry is
+freed when the decode side has staged it, when the controller cancels it (the
+request ended or moved), or when its lease runs out (`expire`). A KV nobody
+renews cannot pin memory.
+
+What a retry covers: every failure of an attempt while the prefill actor
+still holds the KV (a copy, host transfer or `jax` pull that failed or timed
+out after the take). It cannot bring back a KV whose lease ran out or whose
+actor died: then the failure policy applies (recompute on the decode actor,
+or fail the request).
 
 Decode side: the decode actor pulls a KV by request id, with one of two
 mechanisms (`TransferConfig.mechanism`):
