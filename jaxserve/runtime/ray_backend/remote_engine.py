@@ -185,7 +185,7 @@ class RemotePrefillEngine(_RemoteBase):
         drop = [r for r in ids if r not in set(keep)]
         with self._lock:
             self._outstanding.difference_update(drop)
-        renewed = self.actor.renew.remote(keep)  # answers the actor's count of expired leases
+        renewed: object = self.actor.renew.remote(keep)  # answers the actor's count of expired leases
         cancelled = self.actor.cancel.remote(drop) if drop else None
         with contextlib.suppress(ray.exceptions.RayError):  # a dead actor lost its KVs; decode recomputes
             num_expired = cast(int, fetch(renewed, max(self.lease_s / 3, 0.5)))
