@@ -63,9 +63,13 @@ def _prompts() -> list[tuple[int, ...]]:
     return [tuple(int(t) for t in rng.integers(4, 500, size=int(rng.integers(3, 20)))) for _ in range(NUM_REQUESTS)]
 
 
-def _requests(tag: str) -> list[GenerateRequest]:
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [GenerateRequest(f"{tag}-{i}", p, sampling) for i, p in enumerate(_prompts())]
+def _requests(tag: str, seeded: bool = False) -> list[GenerateRequest]:
+    def sampling(i: int) -> SamplingParams:
+        if seeded:  # random sampling, reproducible per request
+            return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1000 + i, ignore_eos=True)
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    return [GenerateRequest(f"{tag}-{i}", p, sampling(i)) for i, p in enumerate(_prompts())]
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +125,9 @@ def reference() -> dict[int, list[int]]:
         return {i: s.collect(timeout_s=120)[0] for i, s in enumerate(streams)}
 
 
-def _run_streaming(controller: Controller, tag: str, kill_when=None) -> dict[int, list[int]]:
+def _run_streaming(controller: Controller, tag: str, kill_when=None, seeded: bool = False) -> dict[int, list[int]]:
     """Submit every request, read each stream token by token; `kill_when(num_tokens_seen)` may act once."""
-    streams = [controller.submit(r) for r in _requests(tag)]
+    streams = [controller.submit(r) for r in _requests(tag, seeded)]
     seen = [0]
     lock = threading.Lock()
     out: dict[int, list[int]] = {}
@@ -475,6 +479,30 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         assert controller.fault_stats().num_rerouted_requests > 0
         alive = {d.name: d.error is None for d in controller.decode_instances}
         assert alive == {"decode-0": False, "decode-1": True}
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
+def test_decode_actor_gone_for_good_seeded_sampling_continues_at_the_same_sample_positions(cluster) -> None:
+    """A re-routed request resumes at its own next sample index: seeded random outputs equal a run without failure."""
+    plan = parse_deployment("disagg:prefill=tp2,decode=2xtp1")
+    with Controller.from_plan(MODEL, plan, config=CONFIG) as embedded:
+        expected = _run_streaming(embedded, "seeded-ref", seeded=True)
+    controller = RayController.launch(MODEL, plan, CONFIG, RAY_CONFIG)
+    controller.start()
+    try:
+        killed = []
+
+        def kill(num_seen: int) -> bool:
+            if num_seen >= NUM_REQUESTS * MAX_TOKENS // 4:
+                ray.kill(controller.actor("decode-0"), no_restart=True)
+                killed.append(num_seen)
+                return True
+            return False
+
+        got = _run_streaming(controller, "seeded", kill, seeded=True)
+        assert killed and controller.stats().faults.num_rerouted_requests > 0
+        assert got == expected
     finally:
         controller.shutdown(drain_timeout_s=5)
 
