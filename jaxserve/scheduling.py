@@ -1,7 +1,9 @@
 """Scheduling policies, written once and used by both the runtime and the simulator.
 
 Every function here is a pure decision over plain data: no threads, queues,
-clocks or device arrays. The runtime's worker loops call them with the state of
+clocks or device arrays. A policy returns the decision itself (which requests,
+how many blocks each reserves; like vLLM's scheduler output), and its users
+apply it as given instead of recomputing it. The runtime's worker loops call them with the state of
 real instances; `placement/simulator.py` calls them with simulated state. That
 is what lets the simulator predict the engine: a change here is a change to
 both.
@@ -19,11 +21,15 @@ The policies (DistServe section 3 and its baselines):
   prompt tokens not yet prefilled (requests as the tie-break, then index).
 * **Decode choice** (`choose_decode_instance`): least loaded: fewest sequences
   running or waiting to be pulled, then most free KV blocks, then index.
-* **Decode admission** (`admit_decodes`): a decode instance pulls waiting KV in
-  FCFS order while it has batch room and free blocks for the whole sequence
-  (prompt + max new tokens). The head of the line is never skipped, so a long
+* **Decode admission** (`admit_decodes` -> `DecodeAdmission`): a decode instance
+  pulls waiting KV in FCFS order while it has batch room and free blocks for the
+  whole sequence (prompt + max new tokens); each admitted request comes with the
+  blocks to reserve (`BlockReservation`). The head of the line is never skipped, so a long
   request cannot starve; reserving the whole sequence up front means a running
   sequence never has to be preempted.
+* **Colocated load** (`colocated_load`): what dispatch compares between
+  colocated instances: requests not yet admitted and their prompt tokens. A
+  partially prefilled request holds its reservation, so it counts as running.
 * **Colocated, prefill priority** (`schedule_colocated`, chunk_size=None): the
   vLLM continuous-batching rule. When waiting prompts can be admitted, the step
   runs only their prefills (up to `max_batch_tokens`); otherwise it decodes
@@ -73,13 +79,26 @@ class WaitingPrompt:
     num_prompt_tokens: int
 
 
-def form_prefill_batch(queue: Sequence[WaitingPrompt], max_batch_tokens: int, max_batch_size: int | None = None) -> int:
-    """How many requests from the head of `queue` form the next prefill batch.
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """The next prefill batch: the ids taken from the head of the queue, in order, and their prompt tokens."""
+
+    request_ids: tuple[str, ...] = ()
+    num_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+def form_prefill_batch(
+    queue: Sequence[WaitingPrompt], max_batch_tokens: int, max_batch_size: int | None = None
+) -> PrefillBatch:
+    """The next prefill batch: a prefix of `queue`.
 
     FCFS; the total prompt length stays within `max_batch_tokens` (L_m) except
     that a head prompt longer than L_m runs alone. `max_batch_size` caps the
-    count (the free slots of the prefill KV buffer); 0 means the instance must
-    wait.
+    count (the free slots of the prefill KV buffer); an empty batch means the
+    instance must wait.
     """
     if max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -94,7 +113,7 @@ def form_prefill_batch(queue: Sequence[WaitingPrompt], max_batch_tokens: int, ma
         taken += 1
         if total >= max_batch_tokens:
             break
-    return taken
+    return PrefillBatch(tuple(queue[i].request_id for i in range(taken)), total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +164,28 @@ class PendingDecode:
     max_new_tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockReservation:
+    """An admitted request and the KV blocks to reserve for it now (its whole sequence)."""
+
+    request_id: str
+    num_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAdmission:
+    """The requests a decode instance pulls now (a prefix of its pending queue) and their reservations."""
+
+    admitted: tuple[BlockReservation, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.admitted)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(r.num_blocks for r in self.admitted)
+
+
 def admit_decodes(
     pending: Sequence[PendingDecode],
     *,
@@ -152,24 +193,24 @@ def admit_decodes(
     num_running: int,
     max_batch_size: int,
     block_size: int,
-) -> int:
-    """How many requests from the head of `pending` the decode instance pulls now.
+) -> DecodeAdmission:
+    """The requests from the head of `pending` the decode instance pulls now, with their block reservations.
 
     FCFS without skipping: stop at the first request that lacks batch room or
     free blocks for its whole sequence (`kv_tokens_reserved`).
     """
-    admitted = 0
+    admitted: list[BlockReservation] = []
     free = num_free_blocks
     room = max_batch_size - num_running
     for req in pending:
-        if admitted >= room:
+        if len(admitted) >= room:
             break
         need = blocks_for(kv_tokens_reserved(req.num_prompt_tokens, req.max_new_tokens), block_size)
         if need > free:
             break
         free -= need
-        admitted += 1
-    return admitted
+        admitted.append(BlockReservation(req.request_id, need))
+    return DecodeAdmission(tuple(admitted))
 
 
 # ---------------------------------------------------------------------------
@@ -196,6 +237,16 @@ class ColocatedRequest:
         return self.admitted and self.num_prefilled >= self.num_prompt_tokens
 
 
+def colocated_load(requests: Sequence[ColocatedRequest]) -> PrefillLoad:
+    """A colocated instance's load for dispatch: requests not yet admitted and their prompt tokens.
+
+    An admitted request (even one whose prompt is only partly prefilled) holds its reservation and
+    is running, not waiting.
+    """
+    waiting = [r for r in requests if not r.admitted]
+    return PrefillLoad(sum(r.num_prompt_tokens for r in waiting), len(waiting))
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
     """Prefill prompt tokens [start, start + num_tokens) of a request in this step."""
@@ -207,9 +258,9 @@ class PrefillChunk:
 
 @dataclasses.dataclass(frozen=True)
 class ColocatedStep:
-    """One colocated engine step: requests admitted now, prompt chunks to run, sequences to decode."""
+    """One colocated engine step: requests admitted now (with their blocks), prompt chunks to run, decodes."""
 
-    admit: tuple[str, ...] = ()
+    admit: tuple[BlockReservation, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()
 
@@ -252,13 +303,13 @@ def schedule_colocated(
 
 def _admissible(
     waiting: Sequence[ColocatedRequest], num_free_blocks: int, block_size: int, room: int
-) -> list[ColocatedRequest]:
-    """The FCFS prefix of `waiting` that fits in the free blocks and the batch room."""
+) -> list[tuple[ColocatedRequest, BlockReservation]]:
+    """The FCFS prefix of `waiting` that fits in the free blocks and the batch room, with reservations."""
     pending = [PendingDecode(r.request_id, r.num_prompt_tokens, r.max_new_tokens) for r in waiting]
-    n = admit_decodes(
+    decision = admit_decodes(
         pending, num_free_blocks=num_free_blocks, num_running=0, max_batch_size=room, block_size=block_size
     )
-    return list(waiting[:n])
+    return list(zip(waiting, decision.admitted, strict=False))
 
 
 def _prefill_priority_step(
@@ -271,13 +322,14 @@ def _prefill_priority_step(
     max_batch_tokens: int,
 ) -> ColocatedStep:
     room = max_batch_size - len(decoding) - len(prefilling)
-    candidates = _admissible(waiting, num_free_blocks, block_size, room)
+    admissible = _admissible(waiting, num_free_blocks, block_size, room)
+    candidates = [r for r, _ in admissible]
     # Prompts already admitted (left over from a token-capped step) go first.
     queue = [WaitingPrompt(r.request_id, r.num_prompt_tokens - r.num_prefilled) for r in prefilling + candidates]
-    n = form_prefill_batch(queue, max_batch_tokens)
+    n = len(form_prefill_batch(queue, max_batch_tokens))
     if n:
         chosen = (prefilling + candidates)[:n]
-        admit = tuple(r.request_id for r in chosen if not r.admitted)
+        admit = tuple(res for _, res in admissible[: max(n - len(prefilling), 0)])
         chunks = tuple(
             PrefillChunk(r.request_id, r.num_prefilled, r.num_prompt_tokens - r.num_prefilled) for r in chosen
         )
@@ -304,14 +356,14 @@ def _chunked_step(
         n = min(budget, r.num_prompt_tokens - r.num_prefilled)
         chunks.append(PrefillChunk(r.request_id, r.num_prefilled, n))
         budget -= n
-    admit: list[str] = []
+    admit: list[BlockReservation] = []
     if budget > 0:
         room = max_batch_size - len(decoding) - len(prefilling)
-        for r in _admissible(waiting, num_free_blocks, block_size, room):
+        for r, reservation in _admissible(waiting, num_free_blocks, block_size, room):
             if budget <= 0:
                 break
             n = min(budget, r.num_prompt_tokens)
-            admit.append(r.request_id)
+            admit.append(reservation)
             chunks.append(PrefillChunk(r.request_id, 0, n))
             budget -= n
     return ColocatedStep(admit=tuple(admit), prefill=tuple(chunks), decode=decode)

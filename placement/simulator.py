@@ -330,7 +330,7 @@ class Simulator:
                 break
             room -= w.num_prompt_tokens
             fit += 1
-        n = form_prefill_batch(p.queue, p.max_batch_tokens, min(fit, free))
+        n = len(form_prefill_batch(p.queue, p.max_batch_tokens, min(fit, free)))
         if n == 0:
             return
         batch = [int(p.queue.popleft().request_id) for _ in range(n)]
@@ -403,18 +403,16 @@ class Simulator:
         if room <= 0:
             return
         head = [d.pending[j][0] for j in range(min(room, len(d.pending)))]
-        n = admit_decodes(
+        admission = admit_decodes(
             head,
             num_free_blocks=d.free_blocks,
             num_running=num_running,
             max_batch_size=self.options.max_decode_batch,
             block_size=self.options.block_size,
         )
-        for _ in range(n):
+        for reservation in admission.admitted:
             req, i, src = d.pending.popleft()
-            d.free_blocks -= blocks_for(
-                kv_tokens_reserved(req.num_prompt_tokens, req.max_new_tokens), self.options.block_size
-            )
+            d.free_blocks -= reservation.num_blocks
             self.transfer_start_at[i] = self.now
             if src < 0:  # decode-only mode: the KV is already there
                 self.transfer_end_at[i] = self.now
@@ -514,15 +512,13 @@ class Simulator:
         if step.is_idle:
             c.busy = False
             return
-        for rid in step.admit:
+        for reservation in step.admit:
             i = c.waiting.popleft()  # admission is an FCFS prefix of the waiting queue
-            assert str(i) == rid
+            assert str(i) == reservation.request_id
             c.waiting_tokens -= int(self.input_lens[i])
             c.admitted.append(i)
             c.records[i] = dataclasses.replace(c.records[i], admitted=True)
-            c.free_blocks -= blocks_for(
-                kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), opts.block_size
-            )
+            c.free_blocks -= reservation.num_blocks
             self.prefill_start_at[i] = self.now
         decode_idx = np.asarray([int(r) for r in step.decode], dtype=np.int64)
         decode_ctx = (

@@ -41,7 +41,7 @@ def test_transfer_lands_in_decode_layout(impl: str, src: tuple[int, int], dst: t
     seq = _prefilled(prefill, tuple(range(5, 25)))
     layout = decode.kv_layout()
 
-    handle = TRANSFERS[impl]().start(seq, layout)
+    handle = TRANSFERS[impl](decode).start(seq)
     assert handle.wait() is TransferState.DONE
     assert handle.poll() is TransferState.DONE
     kv = handle.result()

@@ -28,7 +28,8 @@ from jaxserve.llm import LLM
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engine import PrefillItem
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.runtime.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
 
@@ -43,8 +44,9 @@ from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
 )
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
 from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemotePrefillEngine  # noqa: E402
+from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
+from jaxserve.runtime.worker import FaultCounters, LiveRequest  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -61,9 +63,13 @@ def _prompts() -> list[tuple[int, ...]]:
     return [tuple(int(t) for t in rng.integers(4, 500, size=int(rng.integers(3, 20)))) for _ in range(NUM_REQUESTS)]
 
 
-def _requests(tag: str) -> list[GenerateRequest]:
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [GenerateRequest(f"{tag}-{i}", p, sampling) for i, p in enumerate(_prompts())]
+def _requests(tag: str, seeded: bool = False) -> list[GenerateRequest]:
+    def sampling(i: int) -> SamplingParams:
+        if seeded:  # random sampling, reproducible per request
+            return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1000 + i, ignore_eos=True)
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    return [GenerateRequest(f"{tag}-{i}", p, sampling(i)) for i, p in enumerate(_prompts())]
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +125,9 @@ def reference() -> dict[int, list[int]]:
         return {i: s.collect(timeout_s=120)[0] for i, s in enumerate(streams)}
 
 
-def _run_streaming(controller: Controller, tag: str, kill_when=None) -> dict[int, list[int]]:
+def _run_streaming(controller: Controller, tag: str, kill_when=None, seeded: bool = False) -> dict[int, list[int]]:
     """Submit every request, read each stream token by token; `kill_when(num_tokens_seen)` may act once."""
-    streams = [controller.submit(r) for r in _requests(tag)]
+    streams = [controller.submit(r) for r in _requests(tag, seeded)]
     seen = [0]
     lock = threading.Lock()
     out: dict[int, list[int]] = {}
@@ -168,7 +174,7 @@ def test_ray_matches_embedded_greedy(deployment, reference) -> None:
     stats = deployment.stats()
     assert stats.num_transfers >= NUM_REQUESTS and stats.kv_transfer_bytes > 0
     faults = deployment.fault_stats()
-    assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_actor_restarts == 0
+    assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_instance_restarts == 0
 
 
 def test_unpulled_kv_is_freed_after_its_lease(deployment) -> None:
@@ -191,7 +197,7 @@ def test_lease_keeper_renews_while_buffered_and_cancels_when_dropped(deployment)
     info = deployment.actor_infos["prefill-0"]
     held = {"kept"}
     proxy = RemotePrefillEngine("prefill-0", prefill, info, info.model_config, 30.0, FaultCounters(), lease_s=LEASE_S)
-    proxy._lookup = lambda rid: rid if rid in held else None  # what the PrefillInstance buffer says
+    proxy._holds = lambda rid: rid in held  # what the PrefillInstance says
     item = PrefillItem("kept", (9, 10, 11), SamplingParams(max_tokens=4), 0)
     proxy.prefill([item])
     before = deployment.buffer_stats("prefill-0")
@@ -204,6 +210,74 @@ def test_lease_keeper_renews_while_buffered_and_cancels_when_dropped(deployment)
     after = deployment.buffer_stats("prefill-0")
     assert after.num_held == 0 and after.num_cancelled == before.num_cancelled + 1
     assert after.num_expired == before.num_expired
+
+
+class _Sink:
+    """The controller side of a lone PrefillInstance: records what it emits and hands over."""
+
+    def __init__(self) -> None:
+        self.emitted: list[int] = []
+
+    def emit(self, live, token_ids, finish_reason) -> None:
+        self.emitted.extend(token_ids)
+
+    def fail(self, live, error) -> None:
+        raise AssertionError(error)
+
+    def recompute(self, live) -> None:
+        raise AssertionError("no pulls here")
+
+    def on_instance_dead(self, instance, held) -> None:
+        raise AssertionError(instance.error)
+
+    def count_fault(self, kind, n: int = 1) -> None:
+        pass
+
+
+def test_lease_hand_over_to_the_prefill_buffer_is_atomic(deployment) -> None:
+    """The lease keeper running between the actor's prefill and the buffering must not cancel the KV."""
+    prefill = deployment.actor("prefill-0")
+    info = deployment.actor_infos["prefill-0"]
+    proxy = RemotePrefillEngine("prefill-0", prefill, info, info.model_config, 30.0, FaultCounters(), lease_s=LEASE_S)
+    rounds: list[tuple[list[str], list[str]]] = []
+
+    class KeeperRunsNow:  # the keeper's round lands right after the actor answered, before the buffer has it
+        model_config = proxy.model_config
+
+        def prefill(self, items):
+            result = proxy.prefill(items)
+            rounds.append(proxy.keep_once())
+            return result
+
+    handed: list[str] = []
+    inst = PrefillInstance(
+        "prefill-0", KeeperRunsNow(), PrefillConfig(), _Sink(), lambda src, live: handed.append(live.request_id)
+    )
+    proxy._holds = inst.holds_kv
+    live = LiveRequest(GenerateRequest("handover", (9, 10, 11), SamplingParams(max_tokens=4)), 0, RequestTimings(0.0))
+    inst.enqueue(live)
+    assert inst.step()
+    assert rounds == [(["handover"], [])]  # renewed, not cancelled
+    assert handed == ["handover"] and inst.buffer_used == 1
+    assert ray.get(prefill.take_host.remote("handover")) is not None  # still there to be pulled
+    inst.release("handover")  # pulled and written: the next round frees it on the actor
+    assert proxy.keep_once() == ([], ["handover"])
+    assert ray.get(prefill.take_host.remote("handover")) is None
+
+
+def test_a_pull_retried_after_the_take_finds_the_kv_again(deployment) -> None:
+    """A pull only lends the KV: an attempt that failed after taking it can be retried against the same KV."""
+    prefill, decode = deployment.actor("prefill-0"), deployment.actor("decode-0")
+    item = PrefillItem("twice", (31, 32, 33, 34), SamplingParams(max_tokens=4), 0)
+    ray.get(prefill.prefill.remote([item]))
+    assert ray.get(prefill.take_host.remote("twice")) is not None  # an attempt took it, then its copy failed
+    report = ray.get(decode.pull.remote(PullOrder("twice", prefill, "prefill-0", item)))  # the retry
+    assert not report.recomputed and report.num_failed_attempts == 0 and report.num_bytes > 0
+    assert ray.get(decode.discard.remote("twice"))
+    deadline = time.monotonic() + 10  # once staged, the decode actor frees it on the prefill side
+    while ray.get(prefill.take_host.remote("twice")) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_pull_of_a_lost_kv_recomputes_it_on_the_decode_side(deployment) -> None:
@@ -226,7 +300,7 @@ def test_pull_of_a_lost_kv_recomputes_it_on_the_decode_side(deployment) -> None:
 
 
 def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     killed = []
 
     def kill(num_seen: int) -> bool:
@@ -240,7 +314,7 @@ def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
     assert killed
     assert got == reference  # every stream whole: nothing lost, nothing repeated
     faults = deployment.fault_stats()
-    assert faults.num_actor_restarts > restarts and faults.num_rerouted_requests > 0
+    assert faults.num_instance_restarts > restarts and faults.num_rerouted_requests > 0
     assert deployment.stats().num_live_requests == 0
     metrics = ServingMetrics()
     metrics.watch_faults(deployment)
@@ -253,7 +327,7 @@ def test_decode_actor_restarted_between_calls_is_rebuilt(deployment, reference) 
     """Killed while idle and back before the next call: the proxy notices the empty pool and rebuilds."""
     decode = deployment.actor("decode-0")
     pid_before = ray.get(decode.ping.remote())
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     ray.kill(decode, no_restart=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait for the new incarnation without calling through the proxy
@@ -264,11 +338,11 @@ def test_decode_actor_restarted_between_calls_is_rebuilt(deployment, reference) 
             time.sleep(0.2)
     streams = [deployment.submit(r) for r in _requests("idle")[:4]]
     assert [s.collect(timeout_s=120)[0] for s in streams] == [reference[i] for i in range(4)]
-    assert deployment.fault_stats().num_actor_restarts == restarts + 1
+    assert deployment.fault_stats().num_instance_restarts == restarts + 1
 
 
 def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
-    restarts = deployment.fault_stats().num_actor_restarts
+    restarts = deployment.fault_stats().num_instance_restarts
     pid_before = ray.get(deployment.actor("prefill-0").ping.remote())
     killed = []
 
@@ -284,7 +358,7 @@ def test_prefill_actor_killed_mid_stream(deployment, reference) -> None:
     assert got == reference
     # a new process took over (the proxy counts a restart only when a call was in flight at the kill)
     assert ray.get(deployment.actor("prefill-0").ping.remote()) != pid_before
-    assert deployment.fault_stats().num_actor_restarts >= restarts
+    assert deployment.fault_stats().num_instance_restarts >= restarts
     # the restarted actor rejoined: it serves new requests
     again = deployment.submit(_requests("after")[0]).collect(timeout_s=120)[0]
     assert again == reference[0]
@@ -405,6 +479,30 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         assert controller.fault_stats().num_rerouted_requests > 0
         alive = {d.name: d.error is None for d in controller.decode_instances}
         assert alive == {"decode-0": False, "decode-1": True}
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
+def test_decode_actor_gone_for_good_seeded_sampling_continues_at_the_same_sample_positions(cluster) -> None:
+    """A re-routed request resumes at its own next sample index: seeded random outputs equal a run without failure."""
+    plan = parse_deployment("disagg:prefill=tp2,decode=2xtp1")
+    with Controller.from_plan(MODEL, plan, config=CONFIG) as embedded:
+        expected = _run_streaming(embedded, "seeded-ref", seeded=True)
+    controller = RayController.launch(MODEL, plan, CONFIG, RAY_CONFIG)
+    controller.start()
+    try:
+        killed = []
+
+        def kill(num_seen: int) -> bool:
+            if num_seen >= NUM_REQUESTS * MAX_TOKENS // 4:
+                ray.kill(controller.actor("decode-0"), no_restart=True)
+                killed.append(num_seen)
+                return True
+            return False
+
+        got = _run_streaming(controller, "seeded", kill, seeded=True)
+        assert killed and controller.stats().faults.num_rerouted_requests > 0
+        assert got == expected
     finally:
         controller.shutdown(drain_timeout_s=5)
 

@@ -7,8 +7,10 @@ Loop (one thread, `Worker` shell), each `step()`:
    (admit and prefill waiting prompts whenever they fit, up to `L_m` tokens,
    else decode every running sequence); with `chunk_size` it is Sarathi's
    (a budget of `chunk_size` tokens per step: one per running decode, the rest
-   prompt chunks). Admitted requests get their blocks (prompt + max_tokens) at
-   once.
+   prompt chunks). The decision names the requests admitted now and the blocks
+   each reserves (prompt + max_tokens); the instance allocates exactly those.
+   A resumed request (moved here after tokens were streamed) prefills prompt +
+   streamed tokens but the last, and its completing chunk's sample is discarded.
 2. execute: one `engine.decode_step` whose rows are prompt chunks (several
    tokens, `is_prompt`) and decodes (one token), all written into the paged
    pool; one token is sampled per row.
@@ -18,23 +20,20 @@ Loop (one thread, `Worker` shell), each `step()`:
    blocks at once.
 
 Inputs: `enqueue()` from the controller. Outputs: tokens through `emit()`.
+`load()` (dispatch) is `scheduling.colocated_load`, as in the simulator: a
+partially prefilled request holds its blocks and counts as running.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.runtime.engine import Engine, StepBatch, StepRow
+from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.engine import DecodeEngine, StepBatch, StepRow
 from jaxserve.runtime.kv_pool import BlockAllocator
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
-from jaxserve.scheduling import (
-    ColocatedRequest,
-    PrefillLoad,
-    blocks_for,
-    kv_tokens_reserved,
-    schedule_colocated,
-)
+from jaxserve.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +48,22 @@ class ColocatedConfig:
 @dataclasses.dataclass(eq=False)
 class _Seq:
     live: LiveRequest
+    prefill_ids: tuple[int, ...] = ()  # fixed at enqueue: the prompt, or prompt + streamed tokens but the last
+    resumed: bool = False
     num_prefilled: int = 0
     block_table: tuple[int, ...] | None = None
 
+    @classmethod
+    def of(cls, live: LiveRequest) -> _Seq:
+        return cls(live, live.prefill_token_ids, live.is_resumed)
+
     def policy_view(self) -> ColocatedRequest:
+        # A resumed request prefills more than its prompt; it reserves the same prompt + max_tokens.
+        num_prefill = len(self.prefill_ids)
         return ColocatedRequest(
             request_id=self.live.request_id,
-            num_prompt_tokens=self.live.num_prompt_tokens,
-            max_new_tokens=self.live.max_tokens,
+            num_prompt_tokens=num_prefill,
+            max_new_tokens=self.live.num_prompt_tokens + self.live.max_tokens - num_prefill,
             num_prefilled=self.num_prefilled,
             admitted=self.block_table is not None,
         )
@@ -65,7 +72,7 @@ class _Seq:
 class ColocatedInstance(Worker):
     role = "colocated"
 
-    def __init__(self, name: str, engine: Engine, config: ColocatedConfig, emitter: Emitter) -> None:
+    def __init__(self, name: str, engine: DecodeEngine, config: ColocatedConfig, emitter: Emitter) -> None:
         super().__init__(name, emitter)
         self.engine = engine
         self.config = config
@@ -78,16 +85,20 @@ class ColocatedInstance(Worker):
         with self.cond:
             if self.error is not None:
                 raise self.dead_error()
-            self._seqs[live.request_id] = _Seq(live)
+            self._seqs[live.request_id] = _Seq.of(live)
             self.cond.notify_all()
 
     def load(self) -> PrefillLoad:
         with self.cond:
-            waiting = [s for s in self._seqs.values() if s.num_prefilled < s.live.num_prompt_tokens]
-            return PrefillLoad(
-                num_queued_tokens=sum(s.live.num_prompt_tokens - s.num_prefilled for s in waiting),
-                num_queued_requests=len(waiting),
-            )
+            return colocated_load([s.policy_view() for s in self._seqs.values()])
+
+    def stats(self) -> InstanceStats:
+        with self.cond:
+            running = sum(1 for s in self._seqs.values() if s.block_table is not None)
+            return InstanceStats(
+                "colocated", self.name, self.error is None, len(self._seqs) - running, running,
+                num_kv_blocks_used=self.allocator.num_used, num_kv_blocks_free=self.allocator.num_free,
+            )  # fmt: skip
 
     @property
     def num_waiting(self) -> int:
@@ -118,11 +129,9 @@ class ColocatedInstance(Worker):
             max_batch_tokens=self.config.max_batch_tokens,
             chunk_size=self.config.chunk_size,
         )
-        bs = self.config.block_size
-        for rid in decision.admit:
-            live = self._seqs[rid].live
-            need = blocks_for(kv_tokens_reserved(live.num_prompt_tokens, live.max_tokens), bs)
-            self._seqs[rid].block_table = self.allocator.allocate(rid, need)
+        for reservation in decision.admit:
+            rid = reservation.request_id
+            self._seqs[rid].block_table = self.allocator.allocate(rid, reservation.num_blocks)
         rows: list[StepRow] = []
         at = now()
         for chunk in decision.prefill:
@@ -130,7 +139,7 @@ class ColocatedInstance(Worker):
             assert s.block_table is not None
             if s.live.timings.prefill_start_at is None:
                 s.live.timings.prefill_start_at = at
-            prompt = s.live.request.prompt_token_ids
+            prompt = s.prefill_ids
             rows.append(
                 StepRow(
                     request_id=chunk.request_id,
@@ -190,7 +199,9 @@ class ColocatedInstance(Worker):
                     continue
                 if row.is_prompt:
                     s.num_prefilled += len(row.token_ids)
-                    if s.num_prefilled < s.live.num_prompt_tokens:
+                    if s.num_prefilled < len(s.prefill_ids):
+                        continue
+                    if s.resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
                     s.live.timings.prefill_end_at = at
                     s.live.timings.prefill_instance = s.live.timings.decode_instance = self.name
@@ -202,8 +213,7 @@ class ColocatedInstance(Worker):
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
         whole = [
-            r.start_position == 0 and len(r.token_ids) == s.live.num_prompt_tokens
-            for r, s in zip(rows, seqs, strict=True)
+            r.start_position == 0 and len(r.token_ids) == len(s.prefill_ids) for r, s in zip(rows, seqs, strict=True)
         ]
         self.record_step(_step_record(rows, whole, decided_at, now()))
         return True

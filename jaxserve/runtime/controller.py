@@ -18,10 +18,25 @@ A request's life (disaggregated):
 Colocated deployments skip 2-3: the colocated instance does both phases.
 `cancel()` (or `RequestStream.cancel()`, or cancelling the task consuming
 `generate()`) removes the request wherever it is and frees its blocks or
-buffer slot at once; the stream ends with finish_reason "abort". A worker that
-dies fails its requests with EngineDeadError; new requests avoid dead
-instances. `shutdown()` stops new requests (ShuttingDownError), lets the
-in-flight ones drain for `drain_timeout_s`, aborts the rest and stops threads.
+buffer slot at once; the stream ends with finish_reason "abort". A request
+cancelled between its prefill and the decode hand-off is dropped there.
+
+Failures (both backends; the Ray backend's proxies end in the same hooks):
+
+* a worker that dies hands its requests to `on_instance_dead`: a request not
+  yet prefilled is queued on a live prefill (or colocated) instance; one with
+  tokens streamed is *resumed* there (prompt + streamed tokens but the last are
+  prefilled, the sample discarded) and continues on a live decode instance from
+  its next token, at the same position and sample index, so the stream neither
+  loses nor repeats a token and seeded sampling is unchanged. A request whose
+  KV a live instance already holds stays there. With nothing alive to take it,
+  it fails with EngineDeadError; new requests avoid dead instances.
+* a failed KV pull costs only that request (see `decode_instance.py`):
+  `recompute()` resumes it on a live prefill instance, or it fails alone.
+* `stats().faults` counts these events as they happen (`FaultCounters`).
+
+`shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
+drain for `drain_timeout_s`, aborts the rest and stops threads.
 """
 
 from __future__ import annotations
@@ -29,24 +44,35 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
 from jaxserve.plan import DeploymentPlan
+from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
+from jaxserve.runtime.engine import DecodeEngine, PrefillEngine
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
-from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer
+from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.runtime.sampling import default_seed
-from jaxserve.runtime.worker import LiveRequest, now
+from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS, choose_decode_instance, choose_prefill_instance
 from models.config import OPTConfig
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = ["Controller", "ControllerConfig", "ControllerStats", "FaultStats", "InstanceStats", "RequestStream"]
+
+log = logging.getLogger(__name__)
 
 
 class Observer(Protocol):
@@ -71,27 +97,8 @@ class ControllerConfig:
     max_prompt_tokens: int | None = None  # default: the model's positions - 1
     retry_after_s: float = 1.0
     drain_timeout_s: float = 30.0
-
-
-@dataclasses.dataclass(frozen=True)
-class InstanceStats:
-    role: str
-    name: str
-    alive: bool
-    waiting: int
-    running: int
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    prefill_buffer_used: int = 0
-    prefill_buffer_capacity: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerStats:
-    instances: tuple[InstanceStats, ...]
-    num_live_requests: int
-    num_transfers: int
-    kv_transfer_bytes: int
+    num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
+    on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
 
 
 _END = object()
@@ -175,15 +182,17 @@ class Controller:
         plan: DeploymentPlan,
         config: ControllerConfig | None = None,
         *,
-        transfer: KVTransfer | None = None,
+        transfer: TransferFactory | None = None,
         observer: Observer | None = None,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
+        faults: FaultCounters | None = None,
     ) -> None:
         self.config = config or ControllerConfig()
         self.plan = plan
         self.observer = observer
         self.tokenizer = tokenizer
         self.model_config: OPTConfig = placed[0].engine.model_config
+        self.faults = faults or FaultCounters()
         self._lock = threading.Lock()
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
         self._shutting_down = False
@@ -192,15 +201,23 @@ class Controller:
         self.prefill_instances: list[PrefillInstance] = []
         self.decode_instances: list[DecodeInstance] = []
         self.colocated_instances: list[ColocatedInstance] = []
-        shared_transfer = transfer or InProcessTransfer()
+        make_transfer: TransferFactory = transfer or InProcessTransfer
         for p in placed:
             if p.spec.role == "prefill":
+                if not isinstance(p.engine, PrefillEngine):
+                    raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
                 pc = PrefillConfig(max_batch_tokens=cfg.max_batch_tokens, buffer_capacity=cfg.prefill_buffer_capacity)
                 self.prefill_instances.append(PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled))
-            elif p.spec.role == "decode":
-                dc = DecodeConfig(cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size)
+                continue
+            if not isinstance(p.engine, DecodeEngine):
+                raise TypeError(f"{p.name} needs a DecodeEngine, got {type(p.engine).__name__}")
+            if p.spec.role == "decode":
+                dc = DecodeConfig(
+                    cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
+                    cfg.on_pull_failure,
+                )  # fmt: skip
                 self.decode_instances.append(
-                    DecodeInstance(p.name, p.engine, dc, self, shared_transfer, self._on_kv_transfer)
+                    DecodeInstance(p.name, p.engine, dc, self, make_transfer(p.engine), self._on_kv_transfer)
                 )
             else:
                 cc = ColocatedConfig(
@@ -246,6 +263,10 @@ class Controller:
     def instances(self) -> list[Instance]:
         return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
 
+    @property
+    def instance_names(self) -> tuple[str, ...]:
+        return tuple(inst.name for inst in self.instances)
+
     def step_records(self, since: float = 0.0) -> list[dict[str, object]]:
         """Each instance's recent steps (`StepRecord`s that ended after `since`, monotonic seconds)."""
         out: list[dict[str, object]] = []
@@ -261,6 +282,17 @@ class Controller:
         self._started = True
         for inst in self.instances:
             inst.start()
+
+    def warmup(self) -> float:
+        """One short request through every front instance (compiles the first shapes); seconds taken."""
+        started = time.monotonic()
+        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+        bos = self.model_config.bos_token_id
+        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+        streams = [self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), sampling)) for i in range(len(front))]
+        for stream in streams:
+            stream.collect(timeout_s=600)
+        return time.monotonic() - started
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""
@@ -418,6 +450,9 @@ class Controller:
             self.observer.on_kv_transfer(num_bytes, seconds)
 
     def _on_prefilled(self, source: PrefillInstance, live: LiveRequest) -> None:
+        if live.cancelled:  # cancelled between its prefill and this hand-off: drop it here
+            source.release(live.request_id)
+            return
         alive = [d for d in self.decode_instances if d.error is None]
         if not alive:
             self.fail(live, EngineDeadError("every decode instance is dead"))
@@ -428,35 +463,72 @@ class Controller:
         except JaxServeError as e:
             self.fail(live, e)
 
+    def count_fault(self, kind: FaultKind, n: int = 1) -> None:
+        self.faults.count(kind, n)
+
+    def recompute(self, live: LiveRequest) -> None:
+        """`live`'s KV was lost on its way (a failed pull): prefill it again on a live instance, continue it."""
+        self._move(live, "its KV could not be pulled")
+
+    def on_instance_dead(self, instance: Worker, held: Sequence[LiveRequest]) -> None:
+        """`instance` died holding `held`: move each request to live instances (or fail it if none is left).
+
+        A request a live instance still holds (e.g. one whose KV a decode instance already pulled)
+        stays where it is; the others are queued again (not prefilled yet) or resumed (tokens
+        streamed: see the module docstring).
+        """
+        log.error("instance %s died (%r); moving its %d requests", instance.name, instance.error, len(held))
+        for live in held:
+            if live.cancelled or live.finished or self._held_by_live_instance(live):
+                continue
+            self.faults.count("rerouted")
+            self._move(live, f"instance {instance.name} died: {instance.error!r}")
+
+    def _held_by_live_instance(self, live: LiveRequest) -> bool:
+        for inst in self.instances:
+            if inst.error is None:
+                with inst.cond:
+                    if any(r is live for r in inst.held_requests()):
+                        return True
+        return False
+
+    def _move(self, live: LiveRequest, why: str) -> None:
+        """Queue `live` on the live front instance with the shortest queue (resumed if tokens were streamed)."""
+        with self._lock:
+            entry = self._live.get(live.request_id)
+            if entry is None or entry[0] is not live:
+                return  # finished or cancelled meanwhile
+        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+        alive = [inst for inst in front if inst.error is None]
+        if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
+            self.fail(live, EngineDeadError(f"{why}, and no live instance is left to continue {live.request_id!r}"))
+            return
+        target = alive[choose_prefill_instance([inst.load() for inst in alive])]
+        log.warning(
+            "continuing %s (%d tokens streamed) on %s: %s", live.request_id, len(live.output_ids), target.name, why
+        )
+        try:
+            target.enqueue(live)
+        except JaxServeError as e:
+            self.fail(live, e)
+
     # ---- introspection -----------------------------------------------------------
     def stats(self) -> ControllerStats:
-        out = []
-        for p in self.prefill_instances:
-            out.append(
-                InstanceStats(
-                    "prefill", p.name, p.error is None, p.num_waiting, p.num_running,
-                    prefill_buffer_used=p.buffer_used, prefill_buffer_capacity=p.config.buffer_capacity,
-                )
-            )  # fmt: skip
-        for d in self.decode_instances:
-            out.append(
-                InstanceStats(
-                    "decode", d.name, d.error is None, d.num_waiting, d.num_running,
-                    kv_blocks_used=d.allocator.num_used, kv_blocks_free=d.allocator.num_free,
-                )
-            )  # fmt: skip
-        for c in self.colocated_instances:
-            out.append(
-                InstanceStats(
-                    "colocated", c.name, c.error is None, c.num_waiting, c.num_running,
-                    kv_blocks_used=c.allocator.num_used, kv_blocks_free=c.allocator.num_free,
-                )
-            )  # fmt: skip
+        """Every instance's own stats and the fault counters; only local locks, never a remote call."""
         with self._lock:
             num_live = len(self._live)
         return ControllerStats(
-            instances=tuple(out),
+            instances=tuple(inst.stats() for inst in self.instances),
             num_live_requests=num_live,
             num_transfers=sum(d.num_transfers for d in self.decode_instances),
             kv_transfer_bytes=sum(d.kv_transfer_bytes for d in self.decode_instances),
+            faults=self.faults.snapshot(),
         )
+
+    def fault_stats(self) -> FaultStats:
+        """The fault counters alone (what `stats().faults` holds)."""
+        return self.faults.snapshot()
+
+
+def _is_a_serving_controller(controller: Controller) -> ServingController:
+    return controller  # mypy checks that Controller (and so RayController) implements the Protocol

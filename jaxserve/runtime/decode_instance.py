@@ -2,37 +2,59 @@
 
 Loop (one thread, `Worker` shell), each `step()`:
 
-1. decide (under the lock): `scheduling.admit_decodes` says how many of the
+1. decide (under the lock): `scheduling.admit_decodes` returns which of the
    finished prefills assigned to this instance (FCFS, never skipping the head)
-   fit now: batch room and free blocks for prompt + max_tokens. Their blocks
-   are allocated from the free list at once, so the reservation holds.
-2. execute: pull each admitted KV (`KVTransfer.start` -> `wait`, timed), write
-   it into the pool at its blocks (`engine.insert`), free the prefill
-   instance's buffer slot; then one `engine.decode_step` over every running
-   sequence (one token each; the engine pads the batch to a bucketed size).
-3. apply (under the lock): append each sampled token, stream it, and end a
+   fit now — batch room and free blocks for prompt + max_tokens — and the
+   blocks each reserves; the instance applies that decision: it allocates those
+   blocks at once (so the reservation holds) and starts each pull
+   (`KVTransfer.start`, non-blocking). A request cancelled before its hand-off
+   never enters the queue (`enqueue_pull` drops it).
+2. pulls: every pull still in flight is polled (`handle.poll()`); the ones that
+   finished are written into the pool (`handle.insert`) and join the running
+   batch now, at the step boundary; their prefill buffer slots are freed. A
+   pull that FAILED costs only its own request: its blocks go back at once and,
+   per `DecodeConfig`, the pull is retried (`num_pull_retries`, while the
+   prefill instance still holds the KV), then the request is recomputed
+   (`on_pull_failure="recompute"`: the controller prefills it again on a live
+   prefill instance and it comes back here or elsewhere) or fails alone with
+   `KVTransferError` (`"fail"`). The instance keeps decoding the others.
+3. execute: one `engine.decode_step` over every running sequence (one token
+   each; the engine pads the batch to a bucketed size). Pulls in flight do not
+   hold it back: they overlap decoding, as the simulator models.
+4. apply (under the lock): append each sampled token, stream it, and end a
    sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
    or cancelled sequence returns its blocks to the free list immediately.
 
 Inputs: `enqueue_pull()` from the controller (a request and the prefill
-instance holding its KV). Outputs: tokens through `emit()`, transfer sizes and
-times through `on_transfer`. The pool arrays are touched only by this thread;
-the allocator only under the lock (so `cancel()` frees blocks at once).
+instance holding its KV). Outputs: tokens through `emit()`, lost KVs through
+`recompute()`, per-request pull failures through `fail()`, transfer sizes and
+times through `on_transfer`. What blocks: only the lock and the engine's
+decode step; with nothing running and pulls in flight the loop waits on its
+condition variable for a few milliseconds between polls. The pool arrays are
+touched only by this thread; the allocator only under the lock (so `cancel()`
+frees blocks at once).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Callable
+from typing import Literal
 
-from jaxserve.runtime.engine import Engine, StepBatch, StepRow
+from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.engine import DecodeEngine, StepBatch, StepRow
 from jaxserve.runtime.kv_pool import BlockAllocator
-from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, TransferState
+from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
-from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes, blocks_for, kv_tokens_reserved
+from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes
+
+log = logging.getLogger(__name__)
+
+PullFailurePolicy = Literal["recompute", "fail"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +62,8 @@ class DecodeConfig:
     num_blocks: int = 256
     block_size: int = 16
     max_batch_size: int = 32
+    num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
+    on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,13 +72,22 @@ class _Running:
     block_table: tuple[int, ...]
 
 
+@dataclasses.dataclass(eq=False)
+class _Pull:
+    live: LiveRequest
+    source: PrefillInstance
+    block_table: tuple[int, ...]
+    handle: TransferHandle | None = None
+    num_failures: int = 0
+
+
 class DecodeInstance(Worker):
     role = "decode"
 
     def __init__(
         self,
         name: str,
-        engine: Engine,
+        engine: DecodeEngine,
         config: DecodeConfig,
         emitter: Emitter,
         transfer: KVTransfer | None = None,
@@ -63,13 +96,12 @@ class DecodeInstance(Worker):
         super().__init__(name, emitter)
         self.engine = engine
         self.config = config
-        self.transfer: KVTransfer = transfer or InProcessTransfer()
+        self.transfer: KVTransfer = transfer or InProcessTransfer(engine)
         self._on_transfer = on_transfer
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.pages = engine.init_pages(config.num_blocks, config.block_size)
-        self._layout = engine.kv_layout()
         self._pending: collections.deque[tuple[LiveRequest, PrefillInstance]] = collections.deque()
-        self._pulling: dict[str, _Running] = {}
+        self._pulling: dict[str, _Pull] = {}
         self._running: dict[str, _Running] = {}
         self.num_transfers = 0
         self.kv_transfer_bytes = 0
@@ -79,6 +111,9 @@ class DecodeInstance(Worker):
         with self.cond:
             if self.error is not None:
                 raise self.dead_error()
+            if live.cancelled:  # cancelled between its prefill and this hand-off: never queue it
+                source.release(live.request_id)
+                return
             self._pending.append((live, source))
             self.cond.notify_all()
 
@@ -90,6 +125,13 @@ class DecodeInstance(Worker):
                 num_free_blocks=self.allocator.num_free,
             )
 
+    def stats(self) -> InstanceStats:
+        with self.cond:
+            return InstanceStats(
+                "decode", self.name, self.error is None, len(self._pending), len(self._running) + len(self._pulling),
+                num_kv_blocks_used=self.allocator.num_used, num_kv_blocks_free=self.allocator.num_free,
+            )  # fmt: skip
+
     @property
     def num_waiting(self) -> int:
         with self.cond:
@@ -100,6 +142,11 @@ class DecodeInstance(Worker):
         with self.cond:
             return len(self._running) + len(self._pulling)
 
+    @property
+    def num_pulling(self) -> int:
+        with self.cond:
+            return len(self._pulling)
+
     def cancel(self, request_id: str) -> bool:
         """Forget a request and free its blocks now; True if this instance held it."""
         with self.cond:
@@ -108,31 +155,57 @@ class DecodeInstance(Worker):
                     self._pending.remove(entry)
                     entry[1].release(request_id)
                     return True
-            held = self._running.pop(request_id, None) or self._pulling.pop(request_id, None)
-            if held is None:
+            pull = self._pulling.pop(request_id, None)
+            if pull is not None:
+                pull.source.release(request_id)
+            elif self._running.pop(request_id, None) is None:
                 return False
             self.allocator.free(request_id)
             self.cond.notify_all()
             return True
 
     # ---- worker --------------------------------------------------------------
-    def _admissible(self) -> int:
+    def _admit(self) -> list[_Pull]:
+        """Under the lock: apply `admit_decodes`' decision (reserve its blocks); the pulls to start."""
+        while self._pending and self._pending[0][0].cancelled:  # belt and braces: never block the head
+            live, source = self._pending.popleft()
+            source.release(live.request_id)
         pending = [PendingDecode(live.request_id, live.num_prompt_tokens, live.max_tokens) for live, _ in self._pending]
-        return admit_decodes(
+        decision = admit_decodes(
             pending,
             num_free_blocks=self.allocator.num_free,
             num_running=len(self._running) + len(self._pulling),
             max_batch_size=self.config.max_batch_size,
             block_size=self.config.block_size,
         )
+        started = []
+        for reservation in decision.admitted:
+            live, source = self._pending.popleft()
+            assert live.request_id == reservation.request_id
+            table = self.allocator.allocate(live.request_id, reservation.num_blocks)
+            pull = _Pull(live, source, table)
+            self._pulling[live.request_id] = pull
+            started.append(pull)
+        return started
+
+    def _admissible(self) -> bool:
+        pending = [PendingDecode(live.request_id, live.num_prompt_tokens, live.max_tokens) for live, _ in self._pending]
+        decision = admit_decodes(
+            pending[:1],
+            num_free_blocks=self.allocator.num_free,
+            num_running=len(self._running) + len(self._pulling),
+            max_batch_size=self.config.max_batch_size,
+            block_size=self.config.block_size,
+        )
+        return len(decision) > 0
 
     def has_work(self) -> bool:
-        return bool(self._running) or (bool(self._pending) and self._admissible() > 0)
+        return bool(self._running) or bool(self._pulling) or (bool(self._pending) and self._admissible())
 
     def held_requests(self) -> list[LiveRequest]:
         return [
             *(live for live, _ in self._pending),
-            *(r.live for r in self._pulling.values()),
+            *(p.live for p in self._pulling.values()),
             *(r.live for r in self._running.values()),
         ]
 
@@ -140,18 +213,24 @@ class DecodeInstance(Worker):
         for live, source in self._pending:
             source.release(live.request_id)
         self._pending.clear()
+        for pull in self._pulling.values():
+            pull.source.release(pull.live.request_id)
         for rid in [*self._pulling, *self._running]:
             self.allocator.free(rid)
         self._pulling.clear()
         self._running.clear()
 
     def step(self) -> bool:
-        pulled = self._pull_admitted()
+        with self.cond:
+            started = self._admit()
+        for pull in started:
+            self._start_pull(pull)
+        joined = self._finish_pulls()
         decided_at = now()  # KV pulls excluded: the simulator charges them to the transfer
         with self.cond:
             running = list(self._running.values())
         if not running:
-            return pulled
+            return bool(started) or joined
         rows = tuple(
             StepRow(
                 request_id=r.live.request_id,
@@ -175,37 +254,92 @@ class DecodeInstance(Worker):
         self.record_step(StepRecord("decode", done - decided_at, batch=len(rows), ctx_sum=ctx, at=done))
         return True
 
-    def _pull_admitted(self) -> bool:
-        with self.cond:
-            admitted = [self._pending.popleft() for _ in range(self._admissible())]
-            for live, _ in admitted:
-                need = blocks_for(kv_tokens_reserved(live.num_prompt_tokens, live.max_tokens), self.config.block_size)
-                self._pulling[live.request_id] = _Running(live, self.allocator.allocate(live.request_id, need))
-        for live, source in admitted:
-            seq = source.get(live.request_id)
+    def _start_pull(self, pull: _Pull) -> None:
+        """Start (or restart) one pull; a KV the prefill instance no longer holds is a failed pull."""
+        rid = pull.live.request_id
+        seq = pull.source.get(rid)
+        if seq is None:
             with self.cond:
-                entry = self._pulling.get(live.request_id)
-            if seq is None or entry is None:  # cancelled on the way
-                self.cancel(live.request_id)
+                if self._pulling.get(rid) is not pull:
+                    return  # cancelled on the way
+            self._pull_failed(pull, f"{pull.source.name} no longer holds the KV", retry=False)
+            return
+        if pull.live.timings.transfer_start_at is None:
+            pull.live.timings.transfer_start_at = now()
+        try:
+            pull.handle = self.transfer.start(seq)
+        except Exception as e:  # a transfer that cannot even start fails this pull, not the instance
+            log.warning("KV pull of %s from %s did not start: %r", rid, pull.source.name, e)
+            self._pull_failed(pull, repr(e), retry=True)
+
+    def _finish_pulls(self) -> bool:
+        """Poll every pull in flight; insert the finished ones (they join the batch now). True if any joined."""
+        with self.cond:
+            pulls = [p for p in self._pulling.values() if p.handle is not None]
+        joined = False
+        for pull in pulls:
+            handle = pull.handle
+            assert handle is not None
+            state = handle.poll()
+            if state is TransferState.PENDING:
                 continue
-            live.timings.transfer_start_at = now()
-            handle = self.transfer.start(seq, self._layout)
-            if handle.wait() is not TransferState.DONE:
-                raise RuntimeError(f"KV transfer of {live.request_id!r} from {source.name} failed")
-            self.pages = self.engine.insert(handle.result(), seq.num_tokens, self.pages, entry.block_table)
-            source.release(live.request_id)
+            if state is TransferState.FAILED:
+                self._pull_failed(pull, f"transfer from {pull.source.name} failed", retry=True)
+                continue
+            rid = pull.live.request_id
+            with self.cond:
+                if self._pulling.get(rid) is not pull:
+                    continue  # cancelled while in flight (its blocks are already free)
+            try:
+                self.pages = handle.insert(pull.live.num_prefill_tokens, self.pages, pull.block_table)
+            except Exception as e:
+                # `insert` donates the pool: a failure inside it leaves the pool unusable, so it kills the instance.
+                raise RuntimeError(f"writing the KV of {rid!r} into the pool failed") from e
+            pull.source.release(rid)
             seconds = handle.seconds or 0.0
-            t = live.timings
+            t = pull.live.timings
             t.transfer_end_at = now()
             t.kv_transfer_bytes, t.kv_transfer_s, t.decode_instance = handle.num_bytes, seconds, self.name
             with self.cond:
                 self.num_transfers += 1
                 self.kv_transfer_bytes += handle.num_bytes
-                if self._pulling.pop(live.request_id, None) is not None:
-                    self._running[live.request_id] = entry
+                if self._pulling.pop(rid, None) is not None:
+                    self._running[rid] = _Running(pull.live, pull.block_table)
+                    joined = True
             if self._on_transfer is not None:
                 self._on_transfer(handle.num_bytes, seconds)
-        return bool(admitted)
+        return joined
+
+    def _pull_failed(self, pull: _Pull, why: str, *, retry: bool) -> None:
+        """One pull failed: retry it, or give its blocks back now and recompute or fail that request alone."""
+        rid = pull.live.request_id
+        self.emitter.count_fault("failed_pull")
+        pull.num_failures += 1
+        pull.handle = None
+        if retry and pull.num_failures <= self.config.num_pull_retries and pull.source.get(rid) is not None:
+            log.warning("KV pull of %s failed (%s); retry %d", rid, why, pull.num_failures)
+            self.emitter.count_fault("pull_retry")
+            self._start_pull(pull)
+            return
+        with self.cond:
+            if self._pulling.pop(rid, None) is not pull:
+                return  # cancelled meanwhile
+            self.allocator.free(rid)
+            self.cond.notify_all()
+        pull.source.release(rid)
+        if pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
+            log.warning("KV of %s lost with %s; prefilling it again", rid, pull.source.name)
+            self.emitter.count_fault("rerouted")
+            self.emitter.recompute(pull.live)
+        elif self.config.on_pull_failure == "recompute":
+            log.warning("KV pull of %s failed (%s); recomputing it", rid, why)
+            self.emitter.count_fault("recomputed")
+            self.emitter.recompute(pull.live)
+        else:
+            log.warning("KV pull of %s failed (%s); failing that request", rid, why)
+            self.emitter.fail(
+                pull.live, KVTransferError(f"the KV of {rid!r} could not be pulled to {self.name}: {why}")
+            )
 
     def _apply(self, running: list[_Running], tokens: list[int]) -> None:
         at = now()

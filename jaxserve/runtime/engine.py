@@ -1,28 +1,34 @@
-"""The engine contract between the runtime loops and a model: prefill, insert, decode step.
+"""The engine contracts between the runtime loops and a model, one per role.
 
 An engine is bound to one instance's devices (a tp x pp grid: stage s on its
-own `Mesh(('tp',))`). The runtime only ever talks to it through `Engine`:
+own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
 
-* `prefill(items) -> PrefillResult`: run the prompts, sample each first token,
-  and return each sequence's KV (`SequenceKV`, dense, on this engine's devices,
-  one entry per pipeline stage).
-* `insert(kv, num_tokens, pages, block_table) -> KVPages`: write a pulled
-  sequence's KV into the paged pool (`KVPages`) at the blocks it was given.
-* `decode_step(batch, pages) -> (tokens, KVPages)`: append each row's new tokens
-  (1 for a decode, a prompt chunk for colocated prefill) into the pool and
-  sample one token per row.
+* `PrefillEngine` (a prefill instance): `prefill(items) -> PrefillResult`: run
+  the prompts, sample each first token, and return each sequence's KV source
+  (`PrefilledSequence.kv`: dense arrays on this engine's devices, one entry per
+  pipeline stage, or `HeldKV` when another process holds them).
+* `DecodeEngine` (a decode or colocated instance): `init_pages` builds the paged
+  pool (`KVPages`); `decode_step(batch, pages) -> (tokens, KVPages)` appends each
+  row's new tokens (1 for a decode, a prompt chunk for colocated prefill) into
+  the pool and samples one token per row; `kv_layout()` says where it keeps KV.
+* `LocalDecodeEngine` adds `insert(kv, num_tokens, pages, block_table)`: write a
+  dense `SequenceKV` pulled into this process into the pool at the given blocks.
+  A decode instance never calls it itself: its `KVTransfer` (bound to the
+  engine) pulls and writes (`TransferHandle.insert`), so a remote engine whose
+  KV is staged in another process needs no dense `insert`.
 
 KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over
-`tp`; the KV transfer reads `kv_layout()` to know where a decode engine wants
-them. Two engines implement this: `jaxserve.runtime.opt_engine.OPTEngine` (the model)
-and `jaxserve.testing.fake_engine.FakeEngine` (hand-computable arithmetic).
+`tp`. Two engines implement every contract (`Engine`):
+`jaxserve.runtime.opt_engine.OPTEngine` (the model) and
+`jaxserve.testing.fake_engine.FakeEngine` (hand-computable arithmetic); the Ray
+backend's proxies implement `PrefillEngine` and `DecodeEngine` respectively.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 from flax import struct
@@ -79,17 +85,42 @@ class PrefillItem:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldKV:
+    """A prefilled KV held by another process (the Ray backend's prefill actor) under a lease.
+
+    `holder` names the instance holding it; a transfer pulls it by request id and, if it is
+    gone, can recompute it from `item` (the prefilled tokens).
+    """
+
+    holder: str
+    num_bytes: int
+    item: PrefillItem
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefilledSequence:
-    """A prefilled prompt: its first sampled token and its KV (padded to a bucket >= num_tokens)."""
+    """A prefilled prompt: its first sampled token and where its KV is (padded to a bucket >= num_tokens).
+
+    `kv` is the transfer's source: dense arrays in this process, or `HeldKV` in another one.
+    """
 
     request_id: str
     first_token: int
     num_tokens: int
-    kv: SequenceKV
+    kv: SequenceKV | HeldKV
 
     @property
     def num_bytes(self) -> int:
+        if isinstance(self.kv, HeldKV):
+            return self.kv.num_bytes
         return sum(s.num_bytes for s in self.kv)
+
+    @property
+    def dense_kv(self) -> SequenceKV:
+        """The KV arrays (TypeError for a KV held elsewhere)."""
+        if isinstance(self.kv, HeldKV):
+            raise TypeError(f"the KV of {self.request_id!r} is held by {self.kv.holder}, not in this process")
+        return self.kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,24 +151,43 @@ class StepBatch:
     rows: tuple[StepRow, ...]
 
 
-class Engine(Protocol):
-    """What a prefill, decode or colocated instance needs from a model on its devices."""
+@runtime_checkable
+class PrefillEngine(Protocol):
+    """What a prefill instance needs from a model on its devices."""
 
     @property
     def model_config(self) -> OPTConfig: ...
 
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult: ...
+
+
+@runtime_checkable
+class DecodeEngine(Protocol):
+    """What a decode or colocated instance needs from a model on its devices (KV comes in by transfer)."""
+
     @property
-    def devices(self) -> tuple[jax.Device, ...]: ...
+    def model_config(self) -> OPTConfig: ...
 
     def kv_layout(self) -> KVLayout: ...
 
-    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult: ...
-
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages: ...
+
+    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]: ...
+
+
+@runtime_checkable
+class LocalDecodeEngine(DecodeEngine, Protocol):
+    """A decode engine in this process: dense KV pulled here is written into its pool with `insert`."""
 
     def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages: ...
 
-    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]: ...
+
+@runtime_checkable
+class Engine(PrefillEngine, LocalDecodeEngine, Protocol):
+    """Both roles in one process (`OPTEngine`, `FakeEngine`): what the embedded factories build."""
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]: ...
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

@@ -15,9 +15,11 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
-from jaxserve.runtime.engine import Engine
+from jaxserve.runtime.engine import DecodeEngine, PrefillEngine
 
-EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
+# Embedded factories build an `Engine` (both roles); the Ray backend places one proxy per role.
+RoleEngine = PrefillEngine | DecodeEngine
+EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], RoleEngine]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,7 @@ class PlacedInstance:
     name: str
     spec: InstanceSpec
     devices: tuple[jax.Device, ...]
-    engine: Engine
+    engine: RoleEngine  # a PrefillEngine for a prefill instance, a DecodeEngine otherwise
 
 
 def instance_names(plan: DeploymentPlan) -> list[str]:

@@ -1,12 +1,15 @@
 """Moving a prefilled sequence's KV from a prefill instance to a decode instance.
 
 One small interface, several implementations (this file: in-process; the Ray
-backend adds a cross-process one). The decode instance's loop calls
-`transfer.start(seq, target_layout)` for a sequence it has admitted, then
-`handle.poll()` (non-blocking) until the state is DONE or FAILED, or
-`handle.wait()` (blocking); `handle.result()` is the KV in the target layout,
-ready for `Engine.insert`. Every handle reports `num_bytes` and `seconds`
-(start until the arrays were seen ready).
+backend adds a cross-process one). A transfer is bound to one decode engine
+(its target: `TransferFactory(engine)`). The decode instance's loop calls
+`transfer.start(seq)` for a sequence it has admitted, then `handle.poll()`
+(non-blocking) at each step boundary until the state is DONE or FAILED
+(`handle.wait()` blocks); `handle.insert(num_tokens, pages, block_table)` then
+writes the pulled KV into the target's pool. Every handle reports `num_bytes`
+and `seconds` (start until the arrays were seen ready). A FAILED handle costs
+only its own request: the decode instance retries, recomputes or fails that
+request (`PullFailurePolicy`), never itself.
 
 `InProcessTransfer` is one `jax.device_put` per piece onto the decode
 instance's `NamedSharding`, device to device. When the two sides' pipeline
@@ -20,12 +23,29 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runtime.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+from jaxserve.errors import EngineDeadError
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    KVLayout,
+    KVPages,
+    LocalDecodeEngine,
+    PrefilledSequence,
+    SequenceKV,
+    StageKV,
+)
+
+
+class KVTransferError(EngineDeadError):
+    """One request's KV could not be pulled (decode policy "fail"); the instances are fine.
+
+    A subclass of `EngineDeadError` so that every front maps it to "unavailable, retry".
+    """
 
 
 class TransferState(enum.Enum):
@@ -48,13 +68,18 @@ class TransferHandle(Protocol):
 
     def wait(self, timeout_s: float | None = None) -> TransferState: ...
 
-    def result(self) -> SequenceKV: ...
+    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+        """Write the pulled KV (state DONE) into the target engine's pool at `block_table`; the new pool."""
+        ...
 
 
 class KVTransfer(Protocol):
-    """Starts pulls of prefilled KV into a decode instance's layout."""
+    """Starts pulls of prefilled KV into the decode engine it is bound to (non-blocking)."""
 
-    def start(self, seq: PrefilledSequence, target: KVLayout) -> TransferHandle: ...
+    def start(self, seq: PrefilledSequence) -> TransferHandle: ...
+
+
+TransferFactory = Callable[[DecodeEngine], KVTransfer]  # one transfer per decode instance, bound to its engine
 
 
 def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list[list[StageKV]]:
@@ -82,7 +107,10 @@ def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list
 class InProcessHandle:
     """A transfer inside one JAX process: the arrays were dispatched with `device_put` at start."""
 
-    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float) -> None:
+    def __init__(
+        self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float, target: LocalDecodeEngine
+    ) -> None:
+        self.target = target
         self._request_id = request_id
         self._arrays = arrays
         self._num_bytes = num_bytes
@@ -133,19 +161,34 @@ class InProcessHandle:
             raise RuntimeError(f"KV transfer of {self._request_id!r} failed")
         return self._arrays
 
+    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+        return self.target.insert(self.result(), num_tokens, pages, block_table)
+
 
 class InProcessTransfer:
-    """`jax.device_put` of the prefill KV onto the decode instance's shardings."""
+    """`jax.device_put` of the prefill KV onto the shardings of the decode engine it is bound to."""
 
-    def start(self, seq: PrefilledSequence, target: KVLayout) -> InProcessHandle:
+    def __init__(self, target: DecodeEngine) -> None:
+        if not isinstance(target, LocalDecodeEngine):
+            raise TypeError(f"an in-process transfer writes into a local engine; {type(target).__name__} is not one")
+        self.target = target
+        self.layout = target.kv_layout()
+
+    def start(self, seq: PrefilledSequence) -> InProcessHandle:
         started_at = time.monotonic()
-        out = []
-        for pieces, sharding in zip(regroup_layers(seq.kv, target.stage_layers), target.shardings, strict=True):
-            moved = [StageKV(k=jax.device_put(p.k, sharding), v=jax.device_put(p.v, sharding)) for p in pieces]
-            if len(moved) == 1:
-                out.append(moved[0])
-            else:  # pieces already sit on this stage's devices; the concatenation runs there
-                k = jnp.concatenate([m.k for m in moved], axis=0)  # [L_s, T, H, D]
-                v = jnp.concatenate([m.v for m in moved], axis=0)
-                out.append(StageKV(k=k, v=v))
-        return InProcessHandle(seq.request_id, tuple(out), seq.num_bytes, started_at)
+        arrays = move_kv(seq.dense_kv, self.layout)
+        return InProcessHandle(seq.request_id, arrays, seq.num_bytes, started_at, self.target)
+
+
+def move_kv(kv: SequenceKV, target: KVLayout) -> SequenceKV:
+    """Dispatch `device_put`s of `kv` onto `target`'s stages and shardings (non-blocking)."""
+    out = []
+    for pieces, sharding in zip(regroup_layers(kv, target.stage_layers), target.shardings, strict=True):
+        moved = [StageKV(k=jax.device_put(p.k, sharding), v=jax.device_put(p.v, sharding)) for p in pieces]
+        if len(moved) == 1:
+            out.append(moved[0])
+        else:  # pieces already sit on this stage's devices; the concatenation runs there
+            k = jnp.concatenate([m.k for m in moved], axis=0)  # [L_s, T, H, D]
+            v = jnp.concatenate([m.v for m in moved], axis=0)
+            out.append(StageKV(k=k, v=v))
+    return tuple(out)

@@ -8,14 +8,19 @@ Loop (one thread, `Worker` shell), each `step()`:
    stops taking work until a decode instance pulls something (backpressure).
 2. execute: `engine.prefill(batch)` on this instance's devices (the engine pads
    to length buckets, so it compiles once per bucket, not per prompt length).
+   A resumed request (moved after tokens were streamed) prefills prompt +
+   streamed tokens but the last (`LiveRequest.prefill_token_ids`).
 3. apply (under the lock): record timings, emit each first token; a request
-   that is already finished (max_tokens 1, EOS) ends here; every other one's KV
-   goes into the buffer and the controller is told (`on_prefilled`) so it can
-   assign a decode instance.
+   that is already finished (max_tokens 1, EOS) ends here; a resumed request
+   emits nothing (its sample is discarded); every other one's KV goes into the
+   buffer and the controller is told (`on_prefilled`) so it can assign a decode
+   instance. A request cancelled meanwhile is dropped here.
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
-KV is pulled (or by `cancel()`). Only the lock is ever waited on; the engine
+KV is pulled (or by `cancel()`); `holds_kv()` tells a lease keeper (Ray) which
+KVs are still wanted (the batch being handed over or the buffer, read under one
+lock, so the hand-over is atomic). Only the lock is ever waited on; the engine
 call runs outside it.
 """
 
@@ -25,7 +30,8 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from jaxserve.runtime.engine import Engine, PrefilledSequence, PrefillItem
+from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.engine import PrefilledSequence, PrefillEngine, PrefillItem
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import (
@@ -49,7 +55,7 @@ class PrefillInstance(Worker):
     def __init__(
         self,
         name: str,
-        engine: Engine,
+        engine: PrefillEngine,
         config: PrefillConfig,
         emitter: Emitter,
         on_prefilled: Callable[[PrefillInstance, LiveRequest], None],
@@ -74,10 +80,17 @@ class PrefillInstance(Worker):
     def load(self) -> PrefillLoad:
         with self.cond:
             return PrefillLoad(
-                num_queued_tokens=sum(r.num_prompt_tokens for r in self._queue)
-                + sum(r.num_prompt_tokens for r in self._running),
+                num_queued_tokens=sum(r.num_prefill_tokens for r in self._queue)
+                + sum(r.num_prefill_tokens for r in self._running),
                 num_queued_requests=len(self._queue) + len(self._running),
             )
+
+    def stats(self) -> InstanceStats:
+        with self.cond:
+            return InstanceStats(
+                "prefill", self.name, self.error is None, len(self._queue), len(self._running),
+                num_prefill_buffer_used=len(self._buffer), prefill_buffer_capacity=self.config.buffer_capacity,
+            )  # fmt: skip
 
     @property
     def num_waiting(self) -> int:
@@ -99,6 +112,15 @@ class PrefillInstance(Worker):
         with self.cond:
             entry = self._buffer.get(request_id)
             return None if entry is None else entry[1]
+
+    def holds_kv(self, request_id: str) -> bool:
+        """Is this request's KV still wanted here: in the batch being prefilled and handed over, or buffered?
+
+        The batch and the buffer change under one lock, so a lease keeper asking this never sees a
+        prefilled KV between the two (the hand-over is atomic).
+        """
+        with self.cond:
+            return request_id in self._buffer or any(r.request_id == request_id for r in self._running)
 
     def release(self, request_id: str) -> None:
         """Free a buffer slot (the KV was pulled, or the request ended)."""
@@ -136,27 +158,31 @@ class PrefillInstance(Worker):
     def step(self) -> bool:
         decided_at = now()
         with self.cond:
-            waiting = [WaitingPrompt(r.request_id, r.num_prompt_tokens) for r in self._queue]
-            n = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
-            batch = [self._queue.popleft() for _ in range(n)]
+            waiting = [WaitingPrompt(r.request_id, r.num_prefill_tokens) for r in self._queue]
+            decision = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
+            batch = [self._queue.popleft() for _ in decision.request_ids]
             self._running = batch
         if not batch:
             return False
         started_at = now()
-        items = [PrefillItem(r.request_id, r.request.prompt_token_ids, r.request.sampling, r.seed) for r in batch]
+        items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
+        resumed = [r.is_resumed for r in batch]
         result = self.engine.prefill(items)
         ended_at = now()
         eos = self.engine.model_config.eos_token_id
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
         with self.cond:
-            for live, seq in zip(batch, result.sequences, strict=True):
+            for live, seq, is_resumed in zip(batch, result.sequences, resumed, strict=True):
                 t = live.timings
-                t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
+                if t.prefill_start_at is None:  # a resumed request keeps its first prefill's times
+                    t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
                 if live.cancelled:
                     continue
-                finish = live.append_token(seq.first_token, eos, ended_at)
-                emits.append((live, seq.first_token, finish))
+                finish = None
+                if not is_resumed:
+                    finish = live.append_token(seq.first_token, eos, ended_at)
+                    emits.append((live, seq.first_token, finish))
                 if finish is None:
                     self._buffer[live.request_id] = (live, seq)
                     handed.append(live)
@@ -167,6 +193,6 @@ class PrefillInstance(Worker):
         for live in handed:
             self._on_prefilled(self, live)
         done = now()
-        lengths = tuple(r.num_prompt_tokens for r in batch)
+        lengths = tuple(len(item.token_ids) for item in items)
         self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
         return True

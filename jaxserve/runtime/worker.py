@@ -6,8 +6,15 @@ timestamps and output, and hands tokens to the controller through `Emitter`.
 
 `Worker` is the thread shell around a role's `step()`: it calls `step()` while
 there is work, sleeps on its condition variable when `step()` reports idle, and
-if `step()` raises it records the error, marks itself dead and fails every
-request it holds (`fail_all`) so that no client waits forever.
+if `step()` raises it records the error, marks itself dead, drops everything it
+holds and hands those requests to the controller (`Emitter.on_instance_dead`),
+which moves them to live instances (or fails them when none is left), so that
+no client waits forever and no stream loses or repeats a token.
+
+A request that moves after some of its tokens were streamed is *resumed*: a
+prefill instance prefills `prefill_token_ids` (prompt + every streamed token but
+the last) and discards the sample; decoding continues from the last streamed
+token at its own position and sample index, exactly as if nothing had happened.
 
 `StepRecord`s are what each instance's steps really cost — shape and wall time from
 deciding the batch to handing its tokens on — kept in a bounded `step_log`. They
@@ -22,9 +29,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Literal, Protocol
+from collections.abc import Sequence
+from typing import ClassVar, Literal, Protocol
 
 from jaxserve.errors import EngineDeadError
+from jaxserve.runtime.api import FaultStats, InstanceStats
 from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,22 @@ class LiveRequest:
     @property
     def max_tokens(self) -> int:
         return self.request.sampling.max_tokens
+
+    @property
+    def prefill_token_ids(self) -> tuple[int, ...]:
+        """What a prefill runs: the prompt, or for a resumed request prompt + streamed tokens but the last."""
+        if not self.output_ids:
+            return self.request.prompt_token_ids
+        return self.request.prompt_token_ids + tuple(self.output_ids[:-1])
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_prompt_tokens + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def is_resumed(self) -> bool:
+        """Tokens were streamed already: its prefill only rebuilds KV (its sample is discarded)."""
+        return bool(self.output_ids)
 
     def append_token(self, token: int, eos_token_id: int, now: float) -> FinishReason | None:
         """Record one output token; return why the request stops, or None."""
@@ -91,12 +116,50 @@ class StepRecord:
 STEP_LOG_SIZE = 4096
 
 
+FaultKind = Literal["failed_pull", "pull_retry", "recomputed", "expired_lease", "rerouted", "instance_restart"]
+
+
+class FaultCounters:
+    """Fault counters, bumped where each event happens (thread-safe); `snapshot()` never waits on anything else."""
+
+    _FIELDS: ClassVar[dict[str, str]] = {
+        "failed_pull": "num_failed_pulls",
+        "pull_retry": "num_pull_retries",
+        "recomputed": "num_recomputed",
+        "expired_lease": "num_expired_leases",
+        "rerouted": "num_rerouted_requests",
+        "instance_restart": "num_instance_restarts",
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(self._FIELDS.values(), 0)
+
+    def count(self, kind: FaultKind, n: int = 1) -> None:
+        with self._lock:
+            self._counts[self._FIELDS[kind]] += n
+
+    def snapshot(self) -> FaultStats:
+        with self._lock:
+            return FaultStats(**self._counts)
+
+
 class Emitter(Protocol):
-    """The controller side of a worker: where tokens, finished prefills and failures go."""
+    """The controller side of a worker: where tokens, lost KVs, dead instances and failures go."""
 
     def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None: ...
 
     def fail(self, live: LiveRequest, error: BaseException) -> None: ...
+
+    def recompute(self, live: LiveRequest) -> None:
+        """`live`'s KV is lost (a failed pull): prefill it again on a live instance and continue it there."""
+        ...
+
+    def on_instance_dead(self, instance: Worker, held: Sequence[LiveRequest]) -> None:
+        """`instance` died; `held` are the requests it held (already dropped there): move or fail them."""
+        ...
+
+    def count_fault(self, kind: FaultKind, n: int = 1) -> None: ...
 
 
 class Worker:
@@ -127,6 +190,10 @@ class Worker:
 
     def drop_all(self) -> None:
         """Called under `cond` after a failure: forget every held request and free its resources."""
+        raise NotImplementedError
+
+    def stats(self) -> InstanceStats:
+        """This instance's state (thread-safe, never blocks on anything but the lock)."""
         raise NotImplementedError
 
     # ---- thread shell -------------------------------------------------------
@@ -168,15 +235,13 @@ class Worker:
                 if not progressed:  # e.g. waiting on a transfer: do not spin
                     with self.cond:
                         self.cond.wait(timeout=0.002)
-        except BaseException as e:  # a dead worker must fail its requests, not leave them hanging
+        except BaseException as e:  # a dead worker hands its requests back, never leaves them hanging
             log.exception("worker %s died", self.name)
-            self.error = e
             with self.cond:
+                self.error = e
                 held = self.held_requests()
                 self.drop_all()
-            err = self.dead_error()
-            for live in held:
-                self.emitter.fail(live, err)
+            self.emitter.on_instance_dead(self, held)
 
 
 def now() -> float:

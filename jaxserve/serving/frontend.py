@@ -269,7 +269,7 @@ def _instance_stats(s: Any) -> InstanceStats:
         num_running=get("num_running", "running"),
         kv_blocks_used=get("kv_blocks_used", "num_kv_blocks_used"),
         kv_blocks_free=get("kv_blocks_free", "num_kv_blocks_free"),
-        prefill_buffer_used=get("prefill_buffer_used"),
+        prefill_buffer_used=get("num_prefill_buffer_used", "prefill_buffer_used"),
         prefill_buffer_capacity=get("prefill_buffer_capacity"),
         alive=bool(getattr(s, "alive", True)),
     )

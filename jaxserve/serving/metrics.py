@@ -192,7 +192,7 @@ class FaultStats(Protocol):
     def num_rerouted_requests(self) -> int: ...
 
     @property
-    def num_actor_restarts(self) -> int: ...
+    def num_instance_restarts(self) -> int: ...
 
 
 class FaultStatsSource(Protocol):
@@ -203,7 +203,7 @@ _FAULT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kv_pull_failures", "num_failed_pulls", "KV pull attempts that failed (then retried, recomputed or failed)."),
     ("kv_leases_expired", "num_expired_leases", "Prefilled KVs freed because nobody pulled them within the lease."),
     ("requests_rerouted", "num_rerouted_requests", "Requests re-run after the instance holding them died."),
-    ("instance_restarts", "num_actor_restarts", "Times a dead instance (Ray actor) was restarted and rejoined."),
+    ("instance_restarts", "num_instance_restarts", "Times a dead instance (Ray actor) was restarted and rejoined."),
 )
 
 

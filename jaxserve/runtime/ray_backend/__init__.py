@@ -10,8 +10,10 @@ Files:
   proxies), `RayConfig`, `init_ray` (join a cluster, or start one on 127.0.0.1).
 * `actors.py` — `PrefillActor` / `DecodeActor`: own JAX runtime, mesh and
   engine per process; the model-signature check between peers.
-* `remote_engine.py` — the `Engine` proxies the unchanged runtime loops drive,
-  lease renewal, restart recovery, `RayKVTransfer`.
+* `remote_engine.py` — the role-engine proxies the unchanged runtime loops drive
+  (`RemotePrefillEngine` is a `PrefillEngine`, `RemoteDecodeEngine` a
+  `DecodeEngine`), lease renewal, restart recovery, `RayKVTransfer` (pulls that
+  run in the decode actor while the decode loop keeps stepping).
 * `transfer.py` — the leased KV buffer, object-store and
   `jax.experimental.transfer` pulls, the pull watchdog.
 * `placement.py` — placement groups from the plan's node assignment.
@@ -19,15 +21,17 @@ Files:
 What happens on failure: a dead actor is restarted by Ray (`max_restarts`);
 a prefill batch in flight is re-run on it, and a decode actor's pool is rebuilt
 by re-prefilling every sequence's prompt + streamed tokens into the same
-blocks. An actor that does not come back fails its instance; the controller
-then re-routes each of its requests to live instances (re-prefill of prompt +
-streamed tokens), so the client's stream continues. A KV the decode side cannot
-pull (expired, producer dead, timed out) is recomputed on the decode actor
-(`TransferConfig.on_failure="recompute"`, the default) or fails the pull
-(`"fail"`).
+blocks. An actor that does not come back fails its instance; the controller's
+own hook (`Controller.on_instance_dead`, the same as in the embedded backend)
+then moves each of its requests to live instances (resumed from prompt +
+streamed tokens at the same sample positions), so the client's stream
+continues, token-identical, seeded sampling included. A KV the decode actor
+cannot pull is retried while the prefill actor still holds it (a pull only
+lends it), then recomputed on the decode actor (`TransferConfig.on_failure=
+"recompute"`, the default) or the pull fails (`"fail"`), which costs only that
+request (the controller's `on_pull_failure` policy applies).
 
 Limits: one actor per instance, so an instance's pipeline stages share a node
 (a plan whose instance spans nodes is refused); colocated plans run embedded
-only; after a re-route, greedy outputs are unchanged but seeded random sampling
-continues from the continuation's own sample positions.
+only.
 """

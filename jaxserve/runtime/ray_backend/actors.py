@@ -11,8 +11,11 @@ proxies (`remote_engine.py`) rebuild what it held.
 `PrefillActor`: `prefill(items)` runs the engine, keeps each KV in a
 `LeasedKVBuffer` and returns only small metadata (`PrefillMeta`); decode actors
 pull the KV with `take_host` (object store) or `offer_jax` (a ticket for
-`jax.experimental.transfer`). `renew` / `cancel` are the controller's lease
-calls; a reaper thread frees KVs whose lease ran out.
+`jax.experimental.transfer`); a pull only lends the KV (it stays held), so an
+attempt that fails after the take is retried against the same KV; the decode
+actor frees it once it is staged on its side (`cancel`). `renew` / `cancel`
+are also the controller's lease calls; a reaper thread frees KVs whose lease
+ran out.
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
 the order (retries, then recompute or fail per `TransferConfig`), checks the
@@ -237,30 +240,32 @@ class PrefillActor(_ActorBase):
 
     def prefill(self, items: Sequence[PrefillItem]) -> list[PrefillMeta]:
         result = self.engine.prefill(items)
-        jax.block_until_ready([s.kv for s in result.sequences])
+        jax.block_until_ready([s.dense_kv for s in result.sequences])
         at = time.monotonic()
         out = []
         for seq in result.sequences:
-            self.buffer.put(seq.request_id, seq.kv, at)
+            self.buffer.put(seq.request_id, seq.dense_kv, at)
             out.append(PrefillMeta(seq.request_id, seq.first_token, seq.num_tokens, seq.num_bytes))
         return out
 
     def renew(self, request_ids: Sequence[str]) -> int:
-        return self.buffer.renew(request_ids, time.monotonic())
+        """Extend the leases of the ids still held; returns how many leases ran out so far (all time)."""
+        self.buffer.renew(request_ids, time.monotonic())
+        return self.buffer.num_expired
 
     def cancel(self, request_ids: Sequence[str]) -> int:
         return self.buffer.cancel(request_ids)
 
     def take_host(self, request_id: str) -> HostKV | None:
-        """Object-store pull: the KV as host arrays (None if gone); the lease ends here."""
-        kv = self.buffer.take(request_id, time.monotonic())
+        """Object-store pull: the KV as host arrays (None if gone). It stays lent until the controller cancels it."""
+        kv = self.buffer.lend(request_id, time.monotonic())
         return None if kv is None else to_host(kv)
 
     def offer_jax(self, request_id: str) -> JaxTicket | None:
         """JAX-transfer pull: stage the KV on one device and register it with the transfer server."""
         from jaxserve.runtime.ray_backend.transfer import ArraySpec
 
-        kv = self.buffer.take(request_id, time.monotonic())
+        kv = self.buffer.lend(request_id, time.monotonic())
         if kv is None:
             return None
         if self._server is None:
@@ -337,14 +342,15 @@ class DecodeActor(_ActorBase):
                 continue
             jax.block_until_ready(kv)
             self._staged[order.request_id] = kv
+            order.source.cancel.remote([order.request_id])  # staged here: the prefill side may free it now
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
             return PullReport(order.request_id, num_bytes, seconds, len(failures), False)
         if self.transfer.on_failure == "fail":
             raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
-        seq = self.engine.prefill([order.item]).sequences[0]  # the prompt again, on this actor's devices
-        jax.block_until_ready(seq.kv)
-        self._staged[order.request_id] = seq.kv
+        kv = self.engine.prefill([order.item]).sequences[0].dense_kv  # the prompt again, on this actor's devices
+        jax.block_until_ready(kv)
+        self._staged[order.request_id] = kv
         self.num_recomputed += 1
         seconds = time.monotonic() - started_at
         return PullReport(order.request_id, 0, seconds, len(failures), True, failures[-1])
@@ -388,7 +394,7 @@ class DecodeActor(_ActorBase):
         prefill_items = [PrefillItem(i.request_id, i.token_ids, i.sampling, i.seed) for i in items]
         result = self.engine.prefill(prefill_items)
         for item, seq in zip(items, result.sequences, strict=True):
-            pages = self.engine.insert(seq.kv, len(item.token_ids), pages, item.block_table)
+            pages = self.engine.insert(seq.dense_kv, len(item.token_ids), pages, item.block_table)
         self.pages = jax.block_until_ready(pages)
 
     def stats(self) -> DecodeStats:

@@ -11,8 +11,15 @@
    (`check_compatible`), refusing a mismatched peer with a clear error;
 5. wraps the actors in `RemotePrefillEngine` / `RemoteDecodeEngine` proxies
    and hands them to the ordinary `Controller`, whose prefill / decode loops
-   and scheduling policies run unchanged in this process, with
-   `RayKVTransfer` as the KV transfer.
+   and scheduling policies run unchanged in this process, with one
+   `RayKVTransfer` per decode instance as the KV transfer.
+
+Failures end in the controller's own hooks: a proxy whose actor is gone for
+good raises EngineDeadError, its instance's worker dies, and
+`Controller.on_instance_dead` moves its requests (nothing here touches the
+controller's request table). Fault counters are bumped as events happen
+(`FaultCounters`, shared by the proxies and the controller), so `stats()` makes
+no remote call.
 
 `shutdown()` drains like the embedded controller, then stops the lease keepers,
 kills the actors and removes the placement groups.
@@ -28,9 +35,9 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, cast
 
-from jaxserve.errors import EngineDeadError, JaxServeError
 from jaxserve.plan import DeploymentPlan, PlanError
 from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
+from jaxserve.runtime.engine import DecodeEngine
 from jaxserve.runtime.instances import PlacedInstance, instance_names
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -50,12 +57,11 @@ from jaxserve.runtime.ray_backend.remote_engine import (
     RemotePrefillEngine,
 )
 from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
-from jaxserve.runtime.worker import LiveRequest
-from jaxserve.scheduling import choose_prefill_instance
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +119,6 @@ def actor_env(spec: EngineSpec, use_gpus: bool) -> dict[str, dict[str, str]]:
     return {"env_vars": env}
 
 
-@dataclasses.dataclass(frozen=True)
-class RayFaultStats:
-    num_actor_restarts: int
-    num_rerouted_requests: int
-    num_failed_pulls: int
-    num_recomputed: int
-    num_expired_leases: int
-
-
 class RayController(Controller):
     """A `Controller` whose instances are Ray actors (see the module docstring)."""
 
@@ -136,17 +133,23 @@ class RayController(Controller):
         placement: Placement,
         counters: FaultCounters,
         observer: Observer | None = None,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        super().__init__(placed, plan, config, transfer=RayKVTransfer(), observer=observer, tokenizer=tokenizer)
+        holders = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
+
+        def transfer(engine: DecodeEngine) -> RayKVTransfer:
+            return RayKVTransfer(engine, holders)
+
+        super().__init__(
+            placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer, faults=counters
+        )
         self.actors = actors
         self.actor_infos = infos
         self.placement = placement
-        self.fault_counters = counters
         for inst in self.prefill_instances:
             engine = inst.engine
             assert isinstance(engine, RemotePrefillEngine)
-            engine.start_lease_keeper(inst.get)
+            engine.start_lease_keeper(inst.holds_kv)
 
     @classmethod
     def launch(
@@ -179,7 +182,7 @@ class RayController(Controller):
                 remote_cls = ray.remote(actor_cls)
                 actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
                     max_restarts=rc.max_restarts,
-                    max_concurrency=4 if inst.role == "prefill" else 2,
+                    max_concurrency=4,  # decode: a step and pulls in flight at once
                     runtime_env=actor_env(spec, rc.placement.use_gpus),
                     **opts,
                 ).remote(name, spec, rc.transfer)
@@ -227,63 +230,6 @@ class RayController(Controller):
             observer=observer, tokenizer=tokenizer,
         )  # fmt: skip
 
-    # ---- failures ----------------------------------------------------------------------------
-    def fail(self, live: LiveRequest, error: BaseException) -> None:
-        """A dead instance gives its requests back: re-route them instead of failing, when anything is left."""
-        if isinstance(error, EngineDeadError) and not live.cancelled and self._reroute(live):
-            return
-        super().fail(live, error)
-
-    def _reroute(self, live: LiveRequest) -> bool:
-        """Continue `live` elsewhere: re-prefill prompt + tokens already streamed on a live prefill instance.
-
-        The continuation takes the request's place in the stream table, so its tokens go to the same
-        client stream: nothing streamed is repeated, nothing is lost. Greedy outputs are unchanged;
-        seeded sampling continues with the continuation's own sample positions.
-        """
-        prefill = [p for p in self.prefill_instances if p.error is None]
-        if not prefill or not any(d.error is None for d in self.decode_instances):
-            return False
-        rid = live.request_id
-        if live.timings.transfer_end_at is not None and self._held_by_live_decode(live):
-            return True  # its KV already reached a live decode instance: it streams on from there
-        with self._lock:
-            entry = self._live.get(rid)
-            if entry is None or entry[0] is not live:
-                return True  # finished or cancelled meanwhile: nothing to continue
-            streamed = tuple(live.output_ids)
-            request = live.request
-            remaining = request.sampling.max_tokens - len(streamed)
-            if remaining <= 0:
-                return False
-            cont_request = dataclasses.replace(
-                request,
-                prompt_token_ids=request.prompt_token_ids + streamed,
-                sampling=dataclasses.replace(request.sampling, max_tokens=remaining),
-            )
-            # Same timings record (token times continue), minus the transfer the continuation has not made.
-            timings = dataclasses.replace(live.timings, transfer_start_at=None, transfer_end_at=None)
-            cont = LiveRequest(request=cont_request, seed=live.seed, timings=timings)
-            self._live[rid] = (cont, entry[1])
-        for inst in self.instances:  # drop the old record wherever it still sits (queues, buffers)
-            inst.cancel(rid)
-        self.fault_counters.num_rerouted_requests += 1
-        target = prefill[choose_prefill_instance([p.load() for p in prefill])]
-        log.warning("re-routing %s (%d tokens streamed) to %s", rid, len(streamed), target.name)
-        try:
-            target.enqueue(cont)
-        except JaxServeError as e:
-            super().fail(cont, e)
-        return True
-
-    def _held_by_live_decode(self, live: LiveRequest) -> bool:
-        for d in self.decode_instances:
-            if d.error is None:
-                with d.cond:
-                    if any(r is live for r in d.held_requests()):
-                        return True
-        return False
-
     # ---- introspection ---------------------------------------------------------------------
     def actor(self, name: str) -> ActorHandle:
         return self.actors[name]
@@ -293,18 +239,6 @@ class RayController(Controller):
 
     def decode_stats(self, name: str) -> DecodeStats:
         return cast(DecodeStats, fetch(self.actors[name].stats.remote(), 30))
-
-    def fault_stats(self) -> RayFaultStats:
-        import ray
-
-        expired = 0
-        for inst in self.prefill_instances:
-            with contextlib.suppress(ray.exceptions.RayError):  # restarting: its counters restart too
-                expired += self.buffer_stats(inst.name, timeout_s=2.0).num_expired  # a scrape must not hang
-        c = self.fault_counters
-        return RayFaultStats(
-            c.num_actor_restarts, c.num_rerouted_requests, c.num_failed_pulls, c.num_recomputed, expired
-        )
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self, drain_timeout_s: float | None = None) -> None:

@@ -1,17 +1,22 @@
-"""Controller-side proxies: the `Engine` contract over a Ray actor, so the runtime's loops run unchanged.
+"""Controller-side proxies: the role engine contracts over Ray actors, so the runtime's loops run unchanged.
 
-The prefill, decode and controller loops of `jaxserve/` (and the policies of
-`scheduling.py`) drive these proxies exactly as they drive a local engine:
+The prefill, decode and controller loops of `jaxserve/runtime/` (and the policies
+of `scheduling.py`) drive these proxies exactly as they drive a local engine:
 
-* `RemotePrefillEngine.prefill` runs the batch on the prefill actor and returns
-  `RemotePrefilledSequence`s: the first token and sizes, with the KV left in the
-  actor under a lease. A `LeaseKeeper` thread renews the lease of every KV the
-  controller's `PrefillInstance` still buffers and cancels the ones it dropped.
-* `RemoteDecodeEngine` keeps the paged pool inside the decode actor. Its
-  `kv_layout()` is a `RemoteKVLayout` naming the actor, which `RayKVTransfer`
-  uses to tell the decode actor to pull a KV straight from the prefill actor;
-  the handle's `result()` is a `RemoteKVRef` that `insert` turns into a write of
-  the staged KV.
+* `RemotePrefillEngine` (a `PrefillEngine`): `prefill` runs the batch on the
+  prefill actor and returns `PrefilledSequence`s whose `kv` is a `HeldKV`: the
+  first token and sizes, with the KV left in the actor under a lease. A lease
+  keeper thread renews the lease of every KV the controller's `PrefillInstance`
+  still holds (`holds_kv`: in the batch being handed over, or buffered) and
+  cancels the others. The hand-over is atomic: the instance moves a request from
+  its running batch to its buffer under one lock, so the keeper never sees a KV
+  in between and never cancels one that is about to be buffered.
+* `RemoteDecodeEngine` (a `DecodeEngine`) keeps the paged pool inside the decode
+  actor. `RayKVTransfer` (bound to it) starts each pull as an actor call that
+  returns at once (the handle's `poll()` asks Ray whether it finished, so pulls
+  overlap decode steps); the decode actor fetches the KV straight from the
+  prefill actor named by `HeldKV.holder` and stages it; `handle.insert` writes
+  the staged KV into the pool (`insert_staged`).
 
 Failures: a proxy that sees its actor die (`RayActorError`) waits for Ray to
 restart it (`max_restarts`), then retries the call. Prefill: the batch runs
@@ -20,7 +25,10 @@ KV the dead actor held is recomputed by the decode side). Decode: the proxy
 knows, for every sequence in the pool, every token whose KV it held (prompt +
 tokens already streamed, from the rows of each successful step); it re-prefills
 them into the same blocks on the restarted actor and retries the step, so each
-stream continues with no token lost or repeated.
+stream continues with no token lost or repeated. An actor that does not come
+back raises EngineDeadError: its instance dies and the controller moves its
+requests (`Controller.on_instance_dead`). Every fault is counted in the
+controller's `FaultCounters` as it happens.
 """
 
 from __future__ import annotations
@@ -30,25 +38,26 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import jax
 
 from jaxserve.errors import EngineDeadError
 from jaxserve.runtime.engine import (
+    DecodeEngine,
+    HeldKV,
     KVLayout,
     KVPages,
     PrefilledSequence,
     PrefillItem,
     PrefillResult,
-    SequenceKV,
-    StageKV,
     StepBatch,
 )
 from jaxserve.runtime.kv_transfer import TransferState
 from jaxserve.runtime.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
 from jaxserve.runtime.ray_backend.transfer import fetch
+from jaxserve.runtime.worker import FaultCounters
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -56,16 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class FaultCounters:
-    """What the proxies saw go wrong (read by the controller's stats and metrics)."""
-
-    num_actor_restarts: int = 0
-    num_rerouted_requests: int = 0  # requests re-run on a restarted actor (prefill batch or decode rebuild)
-    num_failed_pulls: int = 0  # pull attempts that failed (the decode actor then retried or recomputed)
-    num_recomputed: int = 0  # KVs re-prefilled on the decode side instead of pulled
 
 
 PERMANENT_DEATH_PINGS = 8  # consecutive ActorDiedError answers (~2.5 s) that mean "no restart coming"
@@ -123,7 +122,7 @@ class _RemoteBase:
                 wait_until_alive(self.actor, self.name, self.restart_timeout_s)
             except ActorRestartedError:  # it died and came back between two of our calls
                 log.warning("%s was restarted between calls", self.name)
-            self.counters.num_actor_restarts += 1
+            self.counters.count("instance_restart")
             if on_restart is not None:
                 on_restart()
 
@@ -131,34 +130,18 @@ class _RemoteBase:
 # ---- prefill ----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class RemotePrefilledSequence(PrefilledSequence):
-    """A prefilled sequence whose KV stays in a prefill actor (under a lease)."""
-
-    item: PrefillItem | None = None
-    source: ActorHandle | None = None
-    source_name: str = ""
-    kv_bytes: int = 0
-
-    @property
-    def num_bytes(self) -> int:
-        return self.kv_bytes
-
-
 class RemotePrefillEngine(_RemoteBase):
-    """`Engine.prefill` on a `PrefillActor`; the decode-side methods are not for prefill instances."""
+    """`PrefillEngine.prefill` on a `PrefillActor`; each KV stays in the actor under a lease (`HeldKV`)."""
 
     def __init__(self, *args: object, lease_s: float, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.lease_s = lease_s
         self._lock = threading.Lock()
         self._outstanding: set[str] = set()
-        self._lookup: Callable[[str], object | None] | None = None
+        self._holds: Callable[[str], bool] | None = None
+        self._num_expired_seen = 0  # the actor's expired-lease count at the last renewal
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-
-    def kv_layout(self) -> KVLayout:
-        raise NotImplementedError("a prefill proxy has no decode layout")
 
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
         import ray
@@ -167,33 +150,24 @@ class RemotePrefillEngine(_RemoteBase):
             return ray.get(self.actor.prefill.remote(list(items)))
 
         def rerouted() -> None:
-            self.counters.num_rerouted_requests += len(items)
+            self.counters.count("rerouted", len(items))
 
         metas = self._call(run, rerouted)
         by_id = {i.request_id: i for i in items}
         with self._lock:
             self._outstanding.update(m.request_id for m in metas)
         seqs = tuple(
-            RemotePrefilledSequence(
-                m.request_id, m.first_token, m.num_tokens, (), by_id[m.request_id], self.actor, self.name, m.num_bytes
+            PrefilledSequence(
+                m.request_id, m.first_token, m.num_tokens, HeldKV(self.name, m.num_bytes, by_id[m.request_id])
             )
             for m in metas
         )
         return PrefillResult(seqs)
 
-    def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
-        raise NotImplementedError("prefill instances have no paged pool")
-
-    def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        raise NotImplementedError("prefill instances have no paged pool")
-
-    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
-        raise NotImplementedError("prefill instances do not decode")
-
     # ---- leases ----------------------------------------------------------------------------
-    def start_lease_keeper(self, lookup: Callable[[str], object | None]) -> None:
-        """Renew leases of KVs `lookup(request_id)` still returns; cancel the others (pulled or dropped)."""
-        self._lookup = lookup
+    def start_lease_keeper(self, holds: Callable[[str], bool]) -> None:
+        """Renew the leases of KVs `holds(request_id)` says are still wanted; cancel the others."""
+        self._holds = holds
         self._keeper = threading.Thread(target=self._keep, name=f"lease-keeper-{self.name}", daemon=True)
         self._keeper.start()
 
@@ -201,23 +175,27 @@ class RemotePrefillEngine(_RemoteBase):
         self._stop.set()
 
     def keep_once(self) -> tuple[list[str], list[str]]:
-        """One renewal round: (renewed ids, cancelled ids)."""
+        """One renewal round: (renewed ids, cancelled ids). Leases that ran out meanwhile count as expired."""
         import ray
 
-        assert self._lookup is not None
+        assert self._holds is not None
         with self._lock:
             ids = list(self._outstanding)
-        keep = [r for r in ids if self._lookup(r) is not None]
+        keep = [r for r in ids if self._holds(r)]
         drop = [r for r in ids if r not in set(keep)]
         with self._lock:
             self._outstanding.difference_update(drop)
-        refs: list[ray.ObjectRef[int]] = []
-        if keep:
-            refs.append(self.actor.renew.remote(keep))
-        if drop:
-            refs.append(self.actor.cancel.remote(drop))
+        renewed: object = self.actor.renew.remote(keep)  # answers the actor's count of expired leases
+        cancelled = self.actor.cancel.remote(drop) if drop else None
         with contextlib.suppress(ray.exceptions.RayError):  # a dead actor lost its KVs; decode recomputes
-            ray.get(refs, timeout=max(self.lease_s / 3, 0.5))
+            num_expired = cast(int, fetch(renewed, max(self.lease_s / 3, 0.5)))
+            # a restarted actor counts from 0 again: everything it reports is new
+            new = num_expired - self._num_expired_seen if num_expired >= self._num_expired_seen else num_expired
+            self._num_expired_seen = num_expired
+            if new:
+                self.counters.count("expired_lease", new)
+            if cancelled is not None:
+                fetch(cancelled, max(self.lease_s / 3, 0.5))
         return keep, drop
 
     def _keep(self) -> None:
@@ -231,26 +209,6 @@ class RemotePrefillEngine(_RemoteBase):
 # ---- decode -----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteKVLayout(KVLayout):
-    """A decode actor's layout, as the controller sees it: stage layers and the proxy to pull through."""
-
-    engine: RemoteDecodeEngine | None = dataclasses.field(default=None, compare=False)
-
-
-class RemoteKVRef(tuple[StageKV, ...]):
-    """The result of a remote pull: the KV is staged in the decode actor under `request_id`."""
-
-    request_id: str
-    item: PrefillItem
-
-    def __new__(cls, request_id: str, item: PrefillItem) -> RemoteKVRef:
-        self = super().__new__(cls, ())
-        self.request_id = request_id
-        self.item = item
-        return self
-
-
 @dataclasses.dataclass
 class _Tracked:
     token_ids: list[int]  # every token whose KV the actor's pool holds for this sequence
@@ -259,20 +217,17 @@ class _Tracked:
 
 
 class RemoteDecodeEngine(_RemoteBase):
-    """`Engine` insert / decode_step on a `DecodeActor`; the pool lives in the actor."""
+    """`DecodeEngine` on a `DecodeActor`: the pool lives in the actor; KV arrives by `RayKVTransfer`."""
 
     def __init__(self, *args: object, stage_layers: tuple[int, ...], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._layout = RemoteKVLayout(stage_layers=stage_layers, shardings=(), engine=self)
+        self._layout = KVLayout(stage_layers=stage_layers, shardings=())  # the shardings live in the actor
         self._pool_shape: tuple[int, int] | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._new_since_step: set[str] = set()
 
     def kv_layout(self) -> KVLayout:
         return self._layout
-
-    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
-        raise NotImplementedError("decode instances do not take prompts")
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         import ray
@@ -293,37 +248,50 @@ class RemoteDecodeEngine(_RemoteBase):
         log.warning("%s restarted: rebuilding %d sequences", self.name, len(items))
         ray.get(self.actor.init_pages.remote(*self._pool_shape))
         ray.get(self.actor.rebuild.remote(items))
-        self.counters.num_rerouted_requests += len(items)
+        self.counters.count("rerouted", len(items))
 
-    def pull(self, order: PullOrder) -> PullReport:
+    # ---- pulls (started by RemoteHandle, finished at a step boundary) -------------------------
+    def start_pull(self, order: PullOrder) -> object:
+        """Start the actor's pull of `order` (returns at once): the ObjectRef of its `PullReport`."""
+        return self.actor.pull.remote(order)
 
-        def run() -> PullReport:
-            return cast(PullReport, fetch(self.actor.pull.remote(order)))
-
-        report = self._call(run, self._rebuild)
-        self.counters.num_failed_pulls += report.num_failed_attempts
-        self.counters.num_recomputed += int(report.recomputed)
-        return report
-
-    def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+    def pull_done(self, ref: object) -> bool:
         import ray
 
-        if not isinstance(kv, RemoteKVRef):
-            raise TypeError("a remote decode engine inserts KV pulled by RayKVTransfer (a RemoteKVRef)")
-        rid = kv.request_id
-        self._tracked[rid] = _Tracked(list(kv.item.token_ids[:num_tokens]), tuple(block_table), kv.item)
-        self._new_since_step.add(rid)
+        ready, _ = ray.wait([ref], timeout=0)  # type: ignore[list-item]
+        return bool(ready)
+
+    def finish_pull(self, ref: object, order: PullOrder) -> PullReport:
+        """The report of a finished pull; if the actor died meanwhile, recover it and pull again (blocking)."""
+        import ray
+
+        try:
+            report = cast(PullReport, fetch(ref))
+        except ray.exceptions.RayActorError:
+            report = self._call(lambda: cast(PullReport, fetch(self.actor.pull.remote(order))), self._rebuild)
+        if report.num_failed_attempts:
+            self.counters.count("failed_pull", report.num_failed_attempts)
+            self.counters.count("pull_retry", report.num_failed_attempts - int(report.recomputed))
+        if report.recomputed:
+            self.counters.count("recomputed")
+        return report
+
+    def insert_staged(self, request_id: str, item: PrefillItem, num_tokens: int, block_table: Sequence[int]) -> None:
+        """Write the KV staged in the actor under `request_id` into the pool at `block_table`."""
+        import ray
+
+        self._tracked[request_id] = _Tracked(list(item.token_ids[:num_tokens]), tuple(block_table), item)
+        self._new_since_step.add(request_id)
 
         def run() -> bool:
-            return bool(ray.get(self.actor.insert.remote(rid, num_tokens, tuple(block_table))))
+            return bool(ray.get(self.actor.insert.remote(request_id, num_tokens, tuple(block_table))))
 
         if not self._call(run, self._rebuild):
             # The staged KV was lost with a restart between pull and insert: re-prefill this prompt too.
-            t = self._tracked[rid]
-            item = RebuildItem(rid, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
-            self._call(lambda: ray.get(self.actor.rebuild.remote([item])), self._rebuild)
-            self.counters.num_recomputed += 1
-        return pages
+            t = self._tracked[request_id]
+            rebuild = RebuildItem(request_id, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
+            self._call(lambda: ray.get(self.actor.rebuild.remote([rebuild])), self._rebuild)
+            self.counters.count("recomputed")
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
         import ray
@@ -348,24 +316,22 @@ class RemoteDecodeEngine(_RemoteBase):
         return len(self._tracked)
 
 
-# ---- the transfer the decode loop calls -------------------------------------------------------
+# ---- the transfer the decode loop drives -------------------------------------------------------
 
 
 class RemoteHandle:
-    """A pull running in the decode actor; `result()` names the staged KV."""
+    """A pull running in the decode actor, started at once; `poll()` never blocks."""
 
-    def __init__(self, seq: RemotePrefilledSequence, engine: RemoteDecodeEngine) -> None:
-        assert seq.item is not None and seq.source is not None
-        self._seq = seq
+    def __init__(self, order: PullOrder, engine: RemoteDecodeEngine) -> None:
+        self._order = order
         self._engine = engine
-        self._item: PrefillItem = seq.item
-        self._order = PullOrder(seq.request_id, seq.source, seq.source_name, seq.item)
+        self._ref = engine.start_pull(order)
         self._report: PullReport | None = None
         self._error: BaseException | None = None
 
     @property
     def request_id(self) -> str:
-        return self._seq.request_id
+        return self._order.request_id
 
     @property
     def num_bytes(self) -> int:
@@ -375,36 +341,46 @@ class RemoteHandle:
     def seconds(self) -> float | None:
         return self._report.seconds if self._report is not None else None
 
-    def poll(self) -> TransferState:
-        if self._report is not None:
-            return TransferState.DONE
-        if self._error is not None:
-            return TransferState.FAILED
-        return TransferState.PENDING
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
+    def _collect(self) -> None:
         import ray
 
+        try:
+            self._report = self._engine.finish_pull(self._ref, self._order)
+        except (ray.exceptions.RayError, EngineDeadError) as e:
+            log.error("KV pull of %s failed: %r", self.request_id, e)
+            self._error = e
+
+    def poll(self) -> TransferState:
+        if self._report is None and self._error is None and self._engine.pull_done(self._ref):
+            self._collect()
+        if self._report is not None:
+            return TransferState.DONE
+        return TransferState.FAILED if self._error is not None else TransferState.PENDING
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
         del timeout_s  # the actor bounds each attempt (pull_timeout_s, watchdog)
-        if self.poll() is TransferState.PENDING:
-            try:
-                self._report = self._engine.pull(self._order)
-            except (ray.exceptions.RayError, EngineDeadError) as e:
-                log.error("KV pull of %s failed: %r", self.request_id, e)
-                self._error = e
+        if self._report is None and self._error is None:
+            self._collect()
         return self.poll()
 
-    def result(self) -> SequenceKV:
+    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
         if self.wait() is not TransferState.DONE:
             raise RuntimeError(f"KV transfer of {self.request_id!r} failed: {self._error!r}")
-        return RemoteKVRef(self.request_id, self._item)
+        self._engine.insert_staged(self.request_id, self._order.item, num_tokens, block_table)
+        return pages
 
 
 class RayKVTransfer:
-    """`KVTransfer` for the Ray backend: the decode actor pulls from the prefill actor directly."""
+    """`KVTransfer` into one decode actor: it pulls each `HeldKV` straight from the prefill actor holding it."""
 
-    def start(self, seq: PrefilledSequence, target: KVLayout) -> RemoteHandle:
-        if not isinstance(seq, RemotePrefilledSequence) or not isinstance(target, RemoteKVLayout):
-            raise TypeError("RayKVTransfer moves KV between Ray actors (remote sequences and layouts only)")
-        assert target.engine is not None
-        return RemoteHandle(seq, target.engine)
+    def __init__(self, target: DecodeEngine, holders: Mapping[str, ActorHandle]) -> None:
+        if not isinstance(target, RemoteDecodeEngine):
+            raise TypeError(f"RayKVTransfer pulls into a decode actor; {type(target).__name__} is not one")
+        self.target = target
+        self.holders = holders
+
+    def start(self, seq: PrefilledSequence) -> RemoteHandle:
+        if not isinstance(seq.kv, HeldKV):
+            raise TypeError(f"RayKVTransfer moves KV held by Ray actors; {seq.request_id!r} is in this process")
+        held = seq.kv
+        return RemoteHandle(PullOrder(seq.request_id, self.holders[held.holder], held.holder, held.item), self.target)

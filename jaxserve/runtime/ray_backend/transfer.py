@@ -2,9 +2,18 @@
 
 Prefill side (`LeasedKVBuffer`, used inside the prefill actor): a finished
 prefill's KV is held only under a lease (`lease_s`, default a few seconds). The
-controller renews the lease while the request waits for a decode instance; the
-entry is freed when it is pulled (`take`), when its lease runs out (`expire`),
-or when it is cancelled. A KV nobody pulls therefore cannot pin memory.
+controller renews the lease while the request waits for a decode instance; a
+pull reads the entry without freeing it (`lend`), so a retry after a failed
+attempt (the KV was taken, then the copy failed) finds it again. The entry is
+freed when the decode side has staged it, when the controller cancels it (the
+request ended or moved), or when its lease runs out (`expire`). A KV nobody
+renews cannot pin memory.
+
+What a retry covers: every failure of an attempt while the prefill actor
+still holds the KV (a copy, host transfer or `jax` pull that failed or timed
+out after the take). It cannot bring back a KV whose lease ran out or whose
+actor died: then the failure policy applies (recompute on the decode actor,
+or fail the request).
 
 Decode side: the decode actor pulls a KV by request id, with one of two
 mechanisms (`TransferConfig.mechanism`):
@@ -37,7 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.engine import KVLayout, PrefilledSequence, SequenceKV, StageKV
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    KVLayout,
+    KVPages,
+    LocalDecodeEngine,
+    PrefilledSequence,
+    SequenceKV,
+    StageKV,
+)
 from jaxserve.runtime.kv_transfer import TransferState, regroup_layers
 
 Mechanism = Literal["object_store", "jax"]
@@ -65,6 +82,7 @@ class PullError(RuntimeError):
 class _Lease:
     kv: SequenceKV
     expires_at: float
+    lent: bool = False  # pulled at least once (counted once in num_pulled)
 
 
 class LeasedKVBuffer:
@@ -95,15 +113,26 @@ class LeasedKVBuffer:
             return len(held)
 
     def take(self, request_id: str, now: float) -> SequenceKV | None:
-        """Remove and return a KV for pulling; None if it is gone or its lease ran out."""
+        """Remove and return a KV; None if it is gone or its lease ran out."""
+        kv = self.lend(request_id, now)
+        if kv is not None:
+            with self._lock:
+                self._entries.pop(request_id, None)
+        return kv
+
+    def lend(self, request_id: str, now: float) -> SequenceKV | None:
+        """A KV for pulling, left in place (a retried pull finds it again); None if gone or expired."""
         with self._lock:
-            lease = self._entries.pop(request_id, None)
+            lease = self._entries.get(request_id)
             if lease is None:
                 return None
             if lease.expires_at < now:
+                del self._entries[request_id]
                 self.num_expired += 1
                 return None
-            self.num_pulled += 1
+            if not lease.lent:
+                lease.lent = True
+                self.num_pulled += 1
             return lease.kv
 
     def cancel(self, request_ids: Sequence[str]) -> int:
@@ -239,6 +268,8 @@ def fetch(ref: object, timeout_s: float | None = None) -> object:
 
 
 class ObjectStoreHandle:
+    target: LocalDecodeEngine
+
     def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, seconds: float) -> None:
         self._request_id, self._arrays, self._num_bytes, self._seconds = request_id, arrays, num_bytes, seconds
 
@@ -264,16 +295,27 @@ class ObjectStoreHandle:
     def result(self) -> SequenceKV:
         return self._arrays
 
+    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+        return self.target.insert(self._arrays, num_tokens, pages, block_table)
+
 
 class ObjectStoreTransfer:
-    """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target layout (needs `ray.init`)."""
+    """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target's layout (needs `ray.init`)."""
 
-    def start(self, seq: PrefilledSequence, target: KVLayout) -> ObjectStoreHandle:
+    def __init__(self, target: DecodeEngine) -> None:
+        if not isinstance(target, LocalDecodeEngine):
+            raise TypeError(f"an object-store transfer writes into a local engine; {type(target).__name__} is not one")
+        self.target = target
+        self.layout = target.kv_layout()
+
+    def start(self, seq: PrefilledSequence) -> ObjectStoreHandle:
         import ray
 
         started_at = time.monotonic()
-        host = to_host(seq.kv)
+        host = to_host(seq.dense_kv)
         fetched: HostKV = ray.get(ray.put(host))
-        arrays = to_layout(from_host(fetched), target)
+        arrays = to_layout(from_host(fetched), self.layout)
         jax.block_until_ready(arrays)
-        return ObjectStoreHandle(seq.request_id, arrays, host_num_bytes(host), time.monotonic() - started_at)
+        handle = ObjectStoreHandle(seq.request_id, arrays, host_num_bytes(host), time.monotonic() - started_at)
+        handle.target = self.target
+        return handle

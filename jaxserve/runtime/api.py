@@ -1,0 +1,103 @@
+"""The serving boundary: what any front (gRPC, HTTP, the offline `LLM`) needs from a runtime backend.
+
+Pure types and Protocols. `Controller` (embedded) and `RayController` (Ray)
+implement `ServingController`; each instance builds its own `InstanceStats`;
+the controller keeps `FaultStats` counters as events happen, so `stats()` and
+everything an event loop calls return at once (no remote call, no device sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from jaxserve.plan import DeploymentPlan
+from jaxserve.runtime.request import GenerateRequest
+from models.config import OPTConfig
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from jaxserve.runtime.controller import RequestStream
+
+InstanceRole = Literal["prefill", "decode", "colocated"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceStats:
+    """One instance's state, built by the instance itself (`instance.stats()`)."""
+
+    role: InstanceRole
+    name: str
+    alive: bool
+    num_waiting: int  # requests queued at the instance, not yet running
+    num_running: int  # prefill: in the batch being computed; decode/colocated: in the batch (pulls included)
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_free: int = 0
+    num_prefill_buffer_used: int = 0  # prefilled sequences held until pulled
+    prefill_buffer_capacity: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultStats:
+    """Fault counters, updated by the controller as events happen (never an RPC)."""
+
+    num_failed_pulls: int = 0
+    num_pull_retries: int = 0
+    num_recomputed: int = 0  # pulls answered by recomputing the KV
+    num_expired_leases: int = 0
+    num_rerouted_requests: int = 0
+    num_instance_restarts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerStats:
+    instances: tuple[InstanceStats, ...]
+    num_live_requests: int
+    num_transfers: int
+    kv_transfer_bytes: int
+    faults: FaultStats
+
+
+class ServingController(Protocol):
+    """What any front (gRPC, HTTP, the offline LLM) needs from a runtime backend (embedded or Ray)."""
+
+    @property
+    def model_config(self) -> OPTConfig: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def plan(self) -> DeploymentPlan: ...
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    @property
+    def max_tokens_limit(self) -> int: ...
+
+    @property
+    def instance_names(self) -> tuple[str, ...]: ...
+
+    def start(self) -> None: ...
+
+    def warmup(self) -> float:
+        """Compile/prime every shape the limits allow before `ready`; seconds taken."""
+        ...
+
+    def shutdown(self, drain_timeout_s: float | None = None) -> None: ...
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        ...
+
+    def submit(self, request: GenerateRequest) -> RequestStream: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def stats(self) -> ControllerStats:
+        """Never blocks on a remote call (cached counters)."""
+        ...
+
+    def step_records(self, since: float = 0.0) -> list[dict[str, object]]: ...
