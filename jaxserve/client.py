@@ -167,6 +167,7 @@ def _request(
     stop: Sequence[str] | str,
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
+    include_stop_str_in_output: bool = False,
 ) -> pb.GenerateRequest:
     return wire.request_to_proto(
         prompt=prompt,
@@ -179,6 +180,7 @@ def _request(
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
 
 
@@ -257,10 +259,21 @@ class Client:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
         timeout_s: float | None = None,
     ) -> Stream:
         request = _request(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            include_stop_str_in_output,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
@@ -278,6 +291,7 @@ class Client:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = list(
@@ -292,6 +306,7 @@ class Client:
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
+                include_stop_str_in_output=include_stop_str_in_output,
                 timeout_s=timeout_s,
             )
         )
@@ -373,11 +388,22 @@ class AsyncClient:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
         request = _request(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            include_stop_str_in_output,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         num_tokens = 0
@@ -405,6 +431,7 @@ class AsyncClient:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = [
@@ -420,6 +447,7 @@ class AsyncClient:
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
+                include_stop_str_in_output=include_stop_str_in_output,
                 timeout_s=timeout_s,
             )
         ]

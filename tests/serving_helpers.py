@@ -16,6 +16,7 @@ import jax
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.plan import parse_deployment
+from jaxserve.runtime.api import ServingController
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.serving.server import ServerConfig, ServerThread
 from jaxserve.testing.fake_engine import FakeEngine
@@ -64,7 +65,7 @@ def fake_controller(
 
 
 @contextlib.contextmanager
-def running_server(controller: Controller, **config: object) -> Iterator[ServerThread]:
+def running_server(controller: ServingController, **config: object) -> Iterator[ServerThread]:
     """Both servers on 127.0.0.1, free ports; drained and stopped on exit."""
     cfg = ServerConfig(grpc_port=0, http_port=0, drain_timeout_s=5.0, **config)  # type: ignore[arg-type]
     server = ServerThread(controller, cfg).start()

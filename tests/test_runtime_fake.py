@@ -141,7 +141,7 @@ def test_backpressure_bounds_the_prefill_buffer_and_loses_nothing() -> None:
 
     def watch() -> None:
         while not done.is_set():
-            seen_buffer.append(c.stats().instances[0].prefill_buffer_used)
+            seen_buffer.append(c.stats().instances[0].num_prefill_buffer_used)
             time.sleep(0.001)
 
     watcher = threading.Thread(target=watch)
@@ -239,7 +239,7 @@ def test_cancelling_the_async_consumer_cancels_the_request(disagg: Controller) -
 
     async def main() -> int:
         task = asyncio.create_task(consume())
-        while disagg.stats().instances[1].running == 0:
+        while disagg.stats().instances[1].num_running == 0:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\x9f\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x17\n\nmax_tokens\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12,\n\x07timings\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.RequestTimings\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x89\x03\n\x0eRequestTimings\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fprefill_queue_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tprefill_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1a\n\rkv_transfer_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_queue_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x03\x12\x15\n\rtoken_times_s\x18\t \x03(\x01\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x0b \x01(\tB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_sB\x12\n\x10_prefill_queue_sB\x0c\n\n_prefill_sB\x10\n\x0e_kv_transfer_sB\x11\n\x0f_decode_queue_s\"\x15\n\x13GetModelInfoRequest\"\xa2\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x03\x12\x11\n\tnum_heads\x18\x06 \x01(\x03\x12\x0f\n\x07\x66\x66n_dim\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\x0b \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x0c \x01(\x03\x12\x18\n\x10max_tokens_limit\x18\r \x01(\x03\"\x16\n\x14GetDeploymentRequest\"c\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x03\x12\n\n\x02pp\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\x03\x12\x12\n\nchunk_size\x18\x06 \x01(\x03\"e\n\nDeployment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12(\n\tinstances\x18\x03 \x03(\x0b\x32\x15.jaxserve.v1.Instance\x12\x11\n\tplan_json\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xec\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfo\x12K\n\rGetDeployment\x12!.jaxserve.v1.GetDeploymentRequest\x1a\x17.jaxserve.v1.Deploymentb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\xc3\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x17\n\nmax_tokens\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12,\n\x07timings\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.RequestTimings\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x89\x03\n\x0eRequestTimings\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fprefill_queue_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tprefill_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1a\n\rkv_transfer_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_queue_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x03\x12\x15\n\rtoken_times_s\x18\t \x03(\x01\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x0b \x01(\tB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_sB\x12\n\x10_prefill_queue_sB\x0c\n\n_prefill_sB\x10\n\x0e_kv_transfer_sB\x11\n\x0f_decode_queue_s\"\x15\n\x13GetModelInfoRequest\"\xa2\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x03\x12\x11\n\tnum_heads\x18\x06 \x01(\x03\x12\x0f\n\x07\x66\x66n_dim\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\x0b \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x0c \x01(\x03\x12\x18\n\x10max_tokens_limit\x18\r \x01(\x03\"\x16\n\x14GetDeploymentRequest\"c\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x03\x12\n\n\x02pp\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\x03\x12\x12\n\nchunk_size\x18\x06 \x01(\x03\"e\n\nDeployment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12(\n\tinstances\x18\x03 \x03(\x0b\x32\x15.jaxserve.v1.Instance\x12\x11\n\tplan_json\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xec\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfo\x12K\n\rGetDeployment\x12!.jaxserve.v1.GetDeploymentRequest\x1a\x17.jaxserve.v1.Deploymentb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.proto.jaxserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1540
-  _globals['_FINISHREASON']._serialized_end=1660
+  _globals['_FINISHREASON']._serialized_start=1576
+  _globals['_FINISHREASON']._serialized_end=1696
   _globals['_GENERATEREQUEST']._serialized_start=47
-  _globals['_GENERATEREQUEST']._serialized_end=334
-  _globals['_GENERATERESPONSE']._serialized_start=337
-  _globals['_GENERATERESPONSE']._serialized_end=539
-  _globals['_USAGE']._serialized_start=541
-  _globals['_USAGE']._serialized_end=598
-  _globals['_REQUESTTIMINGS']._serialized_start=601
-  _globals['_REQUESTTIMINGS']._serialized_end=994
-  _globals['_GETMODELINFOREQUEST']._serialized_start=996
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1017
-  _globals['_MODELINFO']._serialized_start=1020
-  _globals['_MODELINFO']._serialized_end=1310
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1312
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1334
-  _globals['_INSTANCE']._serialized_start=1336
-  _globals['_INSTANCE']._serialized_end=1435
-  _globals['_DEPLOYMENT']._serialized_start=1437
-  _globals['_DEPLOYMENT']._serialized_end=1538
-  _globals['_JAXSERVE']._serialized_start=1663
-  _globals['_JAXSERVE']._serialized_end=1899
+  _globals['_GENERATEREQUEST']._serialized_end=370
+  _globals['_GENERATERESPONSE']._serialized_start=373
+  _globals['_GENERATERESPONSE']._serialized_end=575
+  _globals['_USAGE']._serialized_start=577
+  _globals['_USAGE']._serialized_end=634
+  _globals['_REQUESTTIMINGS']._serialized_start=637
+  _globals['_REQUESTTIMINGS']._serialized_end=1030
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1032
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1053
+  _globals['_MODELINFO']._serialized_start=1056
+  _globals['_MODELINFO']._serialized_end=1346
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1348
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1370
+  _globals['_INSTANCE']._serialized_start=1372
+  _globals['_INSTANCE']._serialized_end=1471
+  _globals['_DEPLOYMENT']._serialized_start=1473
+  _globals['_DEPLOYMENT']._serialized_end=1574
+  _globals['_JAXSERVE']._serialized_start=1699
+  _globals['_JAXSERVE']._serialized_end=1935
 # @@protoc_insertion_point(module_scope)

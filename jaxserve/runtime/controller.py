@@ -30,23 +30,27 @@ import asyncio
 import collections
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
 from jaxserve.plan import DeploymentPlan
+from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, TokenChunk
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.worker import LiveRequest, now
 from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS, choose_decode_instance, choose_prefill_instance
 from models.config import OPTConfig
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 class Observer(Protocol):
@@ -71,27 +75,6 @@ class ControllerConfig:
     max_prompt_tokens: int | None = None  # default: the model's positions - 1
     retry_after_s: float = 1.0
     drain_timeout_s: float = 30.0
-
-
-@dataclasses.dataclass(frozen=True)
-class InstanceStats:
-    role: str
-    name: str
-    alive: bool
-    waiting: int
-    running: int
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    prefill_buffer_used: int = 0
-    prefill_buffer_capacity: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerStats:
-    instances: tuple[InstanceStats, ...]
-    num_live_requests: int
-    num_transfers: int
-    kv_transfer_bytes: int
 
 
 _END = object()
@@ -128,6 +111,21 @@ class RequestStream:
                 queue.put_nowait(self._items.popleft())
             self._async = (loop, queue)
         return queue
+
+    async def async_chunks(self) -> AsyncGenerator[TokenChunk, None]:
+        """The chunks on the running event loop; leaving the loop early (or cancelling the task) cancels."""
+        queue = self._attach_async(asyncio.get_running_loop())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not self.finished:
+                self.cancel()
 
     def next_chunk(self, timeout_s: float | None = None) -> TokenChunk | None:
         """The next chunk; None at the end of the stream. Raises the request's error, or TimeoutError."""
@@ -177,12 +175,12 @@ class Controller:
         *,
         transfer: KVTransfer | None = None,
         observer: Observer | None = None,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config or ControllerConfig()
         self.plan = plan
         self.observer = observer
-        self.tokenizer = tokenizer
+        self.tokenizer: Tokenizer | None = tokenizer
         self.model_config: OPTConfig = placed[0].engine.model_config
         self._lock = threading.Lock()
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
@@ -243,6 +241,10 @@ class Controller:
         return cls(placed, plan, config, observer=observer, tokenizer=tokenizer)
 
     @property
+    def instance_names(self) -> tuple[str, ...]:
+        return tuple(inst.name for inst in self.instances)
+
+    @property
     def instances(self) -> list[Instance]:
         return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
 
@@ -261,6 +263,22 @@ class Controller:
         self._started = True
         for inst in self.instances:
             inst.start()
+
+    def warmup(self) -> float:
+        """Run one short request per front instance so XLA compiles before the first client; seconds taken.
+
+        Fallback until the engines compile every bucket themselves (`OPTEngine.warmup`, engine work).
+        """
+        started_at = now()
+        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+        bos = self.model_config.bos_token_id
+        streams = [
+            self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), SamplingParams(max_tokens=2, ignore_eos=True)))
+            for i in range(len(front))
+        ]
+        for stream in streams:
+            stream.collect(timeout_s=600)
+        return now() - started_at
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""
@@ -354,19 +372,8 @@ class Controller:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Async token stream; cancelling the consuming task cancels the request."""
-        stream = self.submit(request)
-        queue = stream._attach_async(asyncio.get_running_loop())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not stream.finished:
-                self.cancel(request.request_id)
+        async for chunk in self.submit(request).async_chunks():
+            yield chunk
 
     def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is; its blocks or buffer slot are freed now. Unknown ids are ignored."""
@@ -430,26 +437,26 @@ class Controller:
 
     # ---- introspection -----------------------------------------------------------
     def stats(self) -> ControllerStats:
-        out = []
+        out: list[InstanceStats] = []
         for p in self.prefill_instances:
             out.append(
                 InstanceStats(
                     "prefill", p.name, p.error is None, p.num_waiting, p.num_running,
-                    prefill_buffer_used=p.buffer_used, prefill_buffer_capacity=p.config.buffer_capacity,
+                    num_prefill_buffer_used=p.buffer_used, prefill_buffer_capacity=p.config.buffer_capacity,
                 )
             )  # fmt: skip
         for d in self.decode_instances:
             out.append(
                 InstanceStats(
                     "decode", d.name, d.error is None, d.num_waiting, d.num_running,
-                    kv_blocks_used=d.allocator.num_used, kv_blocks_free=d.allocator.num_free,
+                    num_kv_blocks_used=d.allocator.num_used, num_kv_blocks_free=d.allocator.num_free,
                 )
             )  # fmt: skip
         for c in self.colocated_instances:
             out.append(
                 InstanceStats(
                     "colocated", c.name, c.error is None, c.num_waiting, c.num_running,
-                    kv_blocks_used=c.allocator.num_used, kv_blocks_free=c.allocator.num_free,
+                    num_kv_blocks_used=c.allocator.num_used, num_kv_blocks_free=c.allocator.num_free,
                 )
             )  # fmt: skip
         with self._lock:
@@ -459,4 +466,9 @@ class Controller:
             num_live_requests=num_live,
             num_transfers=sum(d.num_transfers for d in self.decode_instances),
             kv_transfer_bytes=sum(d.kv_transfer_bytes for d in self.decode_instances),
+            faults=self.fault_counters_now(),
         )
+
+    def fault_counters_now(self) -> FaultStats:
+        """The fault counters (local reads only); the embedded backend counts none yet."""
+        return FaultStats()

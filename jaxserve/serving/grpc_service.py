@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -73,7 +74,7 @@ def bearer_ok(header: str | bytes | None, api_key: str | None) -> bool:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: list[str], api_key: str | None):
+    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: Sequence[str], api_key: str | None):
         self._frontend = frontend
         self._plan = plan
         self._instance_names = instance_names
@@ -98,11 +99,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival_at = time.monotonic()
         await self._authorize(context)
         try:
             params = wire.params_from_proto(request)
-            prepared = self._frontend.prepare(params)
-            async for chunk in self._frontend.stream(prepared, params.stop):
+            prepared = await self._frontend.prepare(params, arrival_at)
+            async for chunk in self._frontend.stream(prepared):
                 yield wire.chunk_to_proto(chunk)
         except (InvalidRequestError, OverloadedError, ShuttingDownError, EngineDeadError) as e:
             await self._abort(context, e)
@@ -123,7 +125,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 def build_grpc_server(
     frontend: Frontend,
     plan: DeploymentPlan,
-    instance_names: list[str],
+    instance_names: Sequence[str],
     *,
     api_key: str | None = None,
     max_message_bytes: int = 1 << 20,

@@ -10,7 +10,10 @@ errors have OpenAI's body `{"error": {"message", "type", "param", "code"}}` with
 too large), 429 (overloaded, with `Retry-After`), 503 (shutting down), 500.
 
 A streaming request waits for its first output before answering, so admission errors
-still get their status code; a failure after that arrives as an `error` event. The
+still get their status code; a failure after that arrives as an `error` event. While it
+waits (queued, prefilling) and while a non-streaming request runs, the handler watches the
+connection: a client that disconnects gets its request cancelled at once. Nothing slow runs
+on the event loop: tokenization and `/metrics` rendering run on worker threads. The
 request path itself is `jaxserve.serving.frontend`, shared with gRPC.
 """
 
@@ -21,8 +24,8 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +74,7 @@ class CompletionRequest(BaseModel):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None)
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
 
 
@@ -154,7 +158,13 @@ def _params_from_http(body: CompletionRequest) -> CompletionParams:
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
     )
-    return CompletionParams(prompt_text=text, prompt_token_ids=ids, sampling=sampling, stop=stop)
+    return CompletionParams(
+        prompt_text=text,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        stop=stop,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
 
 
 def create_app(
@@ -214,16 +224,16 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Rendering reads controller.stats() and formats every histogram: a worker thread's job.
+        text = await asyncio.get_running_loop().run_in_executor(None, frontend.metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/steps")
     async def debug_steps(request: Request, since: float = 0.0) -> JSONResponse:
         """Each instance's recent steps: shape and wall time (what `jaxserve profile --from-server` fits)."""
         authorize(request)
-        records = getattr(frontend.controller, "step_records", None)
-        if records is None:
-            raise APIError(404, "this backend keeps no step records", type_="invalid_request_error")
-        return JSONResponse({"now": time.monotonic(), "instances": records(since)})
+        records = frontend.controller.step_records(since)
+        return JSONResponse({"now": time.monotonic(), "instances": records})
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -237,6 +247,7 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival_at = time.monotonic()
         authorize(request)
         if body.model is not None and body.model != model_name:
             frontend.metrics.observe_error("model_not_found")
@@ -249,59 +260,72 @@ def create_app(
             )
         try:
             params = _params_from_http(body)
-            prepared = frontend.prepare(params)
+            prepared = await frontend.prepare(params, arrival_at)
         except InvalidRequestError as e:
             frontend.metrics.observe_error("invalid_argument")
             raise _error_for(e) from None
         created = int(time.time())
-        chunks = frontend.stream(prepared, params.stop)
+        chunks = frontend.stream(prepared)
+        disconnected = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            first = await chunks.__anext__()
+            first = await _unless_disconnected(chunks.__anext__(), disconnected)
+            if first is None:  # the client left while its request was queued: cancelled, nothing computed
+                await chunks.aclose()
+                return Response(status_code=499)
         except BaseException as e:
+            disconnected.cancel()
             await chunks.aclose()
             if isinstance(e, Exception):
                 frontend.metrics.observe_error(error_kind(e))
                 raise _error_for(e) from None
             raise
         if body.stream:
+            disconnected.cancel()  # from here on the streaming response watches the connection
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = _sse_events(first, chunks, model_name, created, include_usage, body.return_token_ids)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collected = await _collect_unless_disconnected(first, chunks, request)
-        if collected is None:  # the client left; its request was cancelled and its blocks freed
+        try:
+            rest = await _unless_disconnected(_collect(chunks, first), disconnected)
+        finally:
+            disconnected.cancel()
+            await chunks.aclose()
+        if rest is None:  # the client left; its request was cancelled and its blocks freed
             return Response(status_code=499)
-        return JSONResponse(_completion_body(collected, model_name, created, body.return_token_ids))
+        return JSONResponse(_completion_body(rest, model_name, created, body.return_token_ids))
 
     return BodySizeLimit(app, max_request_bytes)
 
 
-async def _collect_unless_disconnected(
-    first: Chunk, rest: AsyncGenerator[Chunk, None], request: Request, poll_s: float = 0.25
-) -> list[Chunk] | None:
-    """All chunks of a non-streaming request; None (request cancelled) if the client disconnects first."""
-    collected = [first]
-    if first.finished:
-        return collected
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
-    async def drain() -> None:
-        async for chunk in rest:
-            collected.append(chunk)
 
-    task = asyncio.create_task(drain())
+T = TypeVar("T")
+
+
+async def _unless_disconnected(work: Awaitable[T], disconnected: asyncio.Task[None]) -> T | None:
+    """`work`'s result, or None (work cancelled, so its request too) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                task.result()
-                return collected
-            if await request.is_disconnected():
-                return None
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await rest.aclose()
+    return task.result() if not task.cancelled() else None
+
+
+async def _collect(rest: AsyncGenerator[Chunk, None], first: Chunk) -> list[Chunk]:
+    collected = [first]
+    if not first.finished:
+        async for chunk in rest:
+            collected.append(chunk)
+    return collected
 
 
 def _finish_reason(chunk: Chunk) -> str | None:

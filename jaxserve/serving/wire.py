@@ -54,6 +54,7 @@ class CompletionParams:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     prompt_field: str = "prompt"
+    include_stop_str_in_output: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +79,25 @@ class Timings:
         return tuple(b - a for a, b in itertools.pairwise(t))
 
     @classmethod
-    def from_request_timings(cls, t: RequestTimings) -> Timings:
+    def from_request_timings(
+        cls, t: RequestTimings, *, arrival_at: float | None = None, num_tokens: int | None = None
+    ) -> Timings:
+        """The engine's timestamps as durations; `arrival_at`: when the server received the request
+        (default: when the controller did); `num_tokens`: count only the first tokens (a stop string
+        ended the request there)."""
+        arrival = t.arrival_at if arrival_at is None else arrival_at
+        times = list(t.token_times if num_tokens is None else t.token_times[:num_tokens])
         decode_ready_at = t.transfer_end_at if t.transfer_end_at is not None else t.prefill_end_at
         return cls(
-            ttft_s=t.ttft_s,
-            tpot_s=t.tpot_s,
-            e2e_s=t.e2e_s,
+            ttft_s=times[0] - arrival if times else None,
+            tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            e2e_s=_diff(t.finished_at, arrival),
             prefill_queue_s=_diff(t.prefill_start_at, t.arrival_at),
             prefill_s=_diff(t.prefill_end_at, t.prefill_start_at),
             kv_transfer_s=t.kv_transfer_s if t.transfer_end_at is not None or t.kv_transfer_bytes else None,
             decode_queue_s=_diff(t.decode_start_at, decode_ready_at),
             kv_transfer_bytes=int(t.kv_transfer_bytes),
-            token_times_s=tuple(x - t.arrival_at for x in t.token_times),
+            token_times_s=tuple(x - arrival for x in times),
             prefill_instance=t.prefill_instance or "",
             decode_instance=t.decode_instance or "",
         )
@@ -219,6 +227,7 @@ def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
         sampling=sampling,
         stop=tuple(req.stop),
         prompt_field="prompt" if has_text else "prompt_token_ids",
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 
@@ -234,6 +243,7 @@ def request_to_proto(
     stop_token_ids: Sequence[int] = (),
     stop: Sequence[str] | str = (),
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
 ) -> pb.GenerateRequest:
     """Build a request message (client side). Unset optional fields take the server's defaults."""
     req = pb.GenerateRequest(
@@ -242,6 +252,7 @@ def request_to_proto(
         stop_token_ids=list(stop_token_ids),
         stop=[stop] if isinstance(stop, str) else list(stop),
         ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens

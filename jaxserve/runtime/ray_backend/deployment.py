@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 from jaxserve.errors import EngineDeadError, JaxServeError
 from jaxserve.plan import DeploymentPlan, PlanError
+from jaxserve.runtime.api import FaultStats
 from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.instances import PlacedInstance, instance_names
 from jaxserve.runtime.ray_backend.actors import (
@@ -56,6 +57,7 @@ from models.config import OPTConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class RayController(Controller):
         placement: Placement,
         counters: FaultCounters,
         observer: Observer | None = None,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         super().__init__(placed, plan, config, transfer=RayKVTransfer(), observer=observer, tokenizer=tokenizer)
         self.actors = actors
@@ -304,6 +306,16 @@ class RayController(Controller):
         c = self.fault_counters
         return RayFaultStats(
             c.num_actor_restarts, c.num_rerouted_requests, c.num_failed_pulls, c.num_recomputed, expired
+        )
+
+    def fault_counters_now(self) -> FaultStats:
+        """The proxies' counters, read locally (no RPC: a scrape must never wait on an actor)."""
+        c = self.fault_counters
+        return FaultStats(
+            num_failed_pulls=c.num_failed_pulls,
+            num_recomputed=c.num_recomputed,
+            num_rerouted_requests=c.num_rerouted_requests,
+            num_instance_restarts=c.num_actor_restarts,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
