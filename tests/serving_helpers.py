@@ -94,10 +94,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class PromptTokensDetails(_Strict):
+    audio_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
 class CompletionUsage(_Strict):
     completion_tokens: int
     prompt_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Strict):
@@ -124,6 +130,52 @@ class StreamChoice(CompletionChoice):
 
 class CompletionChunk(Completion):
     choices: list[StreamChoice]  # type: ignore[assignment]
+
+
+# ---- OpenAI's chat completion schema (as in openai-python's `types/chat/chat_completion*.py`), strict ----
+class ChatMessageOut(_Strict):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Strict):
+    finish_reason: Literal["stop", "length", "content_filter"]
+    index: int
+    logprobs: None = None
+    message: ChatMessageOut
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(_Strict):
+    id: str
+    choices: list[ChatChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion"]
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | None = None
+
+
+class ChoiceDelta(_Strict):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Strict):
+    delta: ChoiceDelta
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+    index: int
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Strict):
+    id: str
+    choices: list[ChatStreamChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion.chunk"]
+    usage: CompletionUsage | None = None
 
 
 class ErrorDetail(_Strict):

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.runtime.api import ServingController
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings
+from jaxserve.runtime.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
@@ -129,7 +129,11 @@ class Frontend:
             ids = tuple(self.tokenizer.encode(text).ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", field="stop")
-        request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=params.sampling)
+        sampling = params.sampling
+        if params.fill_max_tokens:
+            room = self.controller.model_config.max_position_embeddings - len(ids)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.controller.max_tokens_limit, room)))
+        request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=sampling)
         try:
             self.controller.validate(request)
         except InvalidRequestError as e:
@@ -137,6 +141,22 @@ class Frontend:
                 raise InvalidRequestError(str(e), field=params.prompt_field) from None
             raise
         return request
+
+    def fork(self, prepared: PreparedRequest, sample: int) -> PreparedRequest:
+        """Sample `sample` of n of one prompt: its own request id and, with a seed, seed + sample."""
+        if sample == 0:
+            return prepared
+        r = prepared.request
+        seed = None if r.sampling.seed is None else (r.sampling.seed + sample) % (MAX_SEED + 1)
+        sampling = dataclasses.replace(r.sampling, seed=seed)
+        request = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", r.prompt_token_ids, sampling)
+        return dataclasses.replace(prepared, request=request)
+
+    def decode_prompt(self, prepared: PreparedRequest) -> str:
+        """The prompt as text (for echo); empty without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(prepared.request.prompt_token_ids), skip_special_tokens=True))
 
     async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[Chunk, None]:
         """Run the request; yield chunks with new token ids and new text; the last one has timings."""

@@ -55,6 +55,7 @@ class CompletionParams:
     stop: tuple[str, ...] = ()
     prompt_field: str = "prompt"
     include_stop_str_in_output: bool = False
+    fill_max_tokens: bool = False  # max_tokens unset (chat): as many as the context and limits allow
 
 
 @dataclasses.dataclass(frozen=True)
