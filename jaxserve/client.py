@@ -20,7 +20,7 @@ Only protobuf and grpcio are imported: no JAX on the client side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +168,14 @@ def _request(
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
     include_stop_str_in_output: bool = False,
+    n: int | None = None,
+    echo: bool = False,
+    messages: Sequence[Mapping[str, str]] | None = None,
 ) -> pb.GenerateRequest:
     return wire.request_to_proto(
+        n=n,
+        echo=echo,
+        messages=[(m["role"], m["content"]) for m in messages or ()],
         prompt=prompt,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
@@ -184,6 +190,12 @@ def _request(
     )
 
 
+def _one(n: int | None) -> int | None:
+    if n not in (None, 1):
+        raise ValueError("generate() returns one completion: use stream(n=...) for several samples")
+    return n
+
+
 # ---------------------------------------------------------------------------------------
 # Blocking client
 # ---------------------------------------------------------------------------------------
@@ -193,13 +205,13 @@ class Stream:
     def __init__(self, call: Any) -> None:
         self._call = call
         self._cancelled = False
-        self._num_tokens = 0
+        self._num_tokens: dict[int, int] = {}  # per sample index
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
             for message in self._call:
-                chunk = wire.chunk_from_proto(message, self._num_tokens)
-                self._num_tokens = chunk.num_output_tokens
+                chunk = wire.chunk_from_proto(message, self._num_tokens.get(message.index, 0))
+                self._num_tokens[chunk.index] = chunk.num_output_tokens
                 yield chunk
         except grpc.RpcError as e:
             if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
@@ -260,6 +272,9 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Stream:
         request = _request(
@@ -274,6 +289,9 @@ class Client:
             stop_token_ids,
             ignore_eos,
             include_stop_str_in_output,
+            n,
+            echo,
+            messages,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
@@ -292,6 +310,9 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = list(
@@ -307,6 +328,9 @@ class Client:
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
                 include_stop_str_in_output=include_stop_str_in_output,
+                n=_one(n),
+                echo=echo,
+                messages=messages,
                 timeout_s=timeout_s,
             )
         )
@@ -389,6 +413,9 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
@@ -404,13 +431,16 @@ class AsyncClient:
             stop_token_ids,
             ignore_eos,
             include_stop_str_in_output,
+            n,
+            echo,
+            messages,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-        num_tokens = 0
+        num_tokens: dict[int, int] = {}  # per sample index
         try:
             async for message in call:
-                chunk = wire.chunk_from_proto(message, num_tokens)
-                num_tokens = chunk.num_output_tokens
+                chunk = wire.chunk_from_proto(message, num_tokens.get(message.index, 0))
+                num_tokens[chunk.index] = chunk.num_output_tokens
                 yield chunk
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
@@ -432,6 +462,9 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = [
@@ -448,6 +481,9 @@ class AsyncClient:
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
                 include_stop_str_in_output=include_stop_str_in_output,
+                n=_one(n),
+                echo=echo,
+                messages=messages,
                 timeout_s=timeout_s,
             )
         ]

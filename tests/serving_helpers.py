@@ -253,3 +253,16 @@ def tiny_tokenizer():  # type: ignore[no-untyped-def]
     tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
     assert tok.get_vocab_size() == TINY.vocab_size
     return tok
+
+
+def pick_stop_string(text: str, start: int = 0, length: int = 3) -> tuple[str, int]:
+    """A stop string that first occurs in `text` at or after `start` (no U+FFFD, not blank); (string, position).
+
+    The tiny BPE is trained on this package's source, so outputs' text shifts when the
+    source changes: tests derive their stop strings from the text instead of hard-coding them.
+    """
+    for at in range(max(start, 1), len(text) - length):
+        s = text[at : at + length]
+        if "\ufffd" not in s and s.strip() and text.find(s) == at:
+            return s, at
+    raise AssertionError(f"no usable stop string in {text!r}")

@@ -15,7 +15,14 @@ import time
 
 import httpx
 import pytest
-from serving_helpers import expected_tokens, fake_controller, metric_value, running_server, tiny_tokenizer
+from serving_helpers import (
+    expected_tokens,
+    fake_controller,
+    metric_value,
+    pick_stop_string,
+    running_server,
+    tiny_tokenizer,
+)
 
 from jaxserve.client import Client
 
@@ -53,12 +60,13 @@ def test_stop_string_requests_get_engine_timestamps():
     tok = tiny_tokenizer()
     prompt = [4, 5, 6]
     full = str(tok.decode(expected_tokens(prompt, 30), skip_special_tokens=True))
+    stop, at = pick_stop_string(full, start=len(full) // 3)
     with running_server(fake_controller(tokenizer=tok, first_device=6)) as server:
         with Client(server.grpc_address) as c:
-            out = c.generate(prompt_ids=prompt, max_tokens=30, ignore_eos=True, stop="equ")
+            out = c.generate(prompt_ids=prompt, max_tokens=30, ignore_eos=True, stop=stop)
             plain = c.generate(prompt_ids=prompt, max_tokens=4, ignore_eos=True)
         text = httpx.get(f"http://{server.http_address}/metrics").text
-    assert out.finish_reason == "stop" and out.text == full[: full.find("equ")]
+    assert out.finish_reason == "stop" and out.text == full[:at]
     assert 1 < out.num_output_tokens < 30
     t = out.timings
     assert t is not None and plain.timings is not None

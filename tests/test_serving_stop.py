@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serving_helpers import expected_tokens, fake_controller, running_server, tiny_tokenizer
+from serving_helpers import expected_tokens, fake_controller, pick_stop_string, running_server, tiny_tokenizer
 
 from jaxserve.client import Client
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = [4, 5, 6]
-STOP = "equ"
 SPECIAL_PROMPT = [17, 18, 19]  # the fake engine's 22nd output token for this prompt is 0 (`<s>`, special)
 SPECIAL_AT = 21
 
@@ -40,14 +39,13 @@ def _http(server, **body) -> dict:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_left_out_unless_included(server, include):
     full = _full_text(PROMPT, 30)
-    at = full.find(STOP)
-    assert at > 0
-    want = full[: at + len(STOP)] if include else full[:at]
-    choice = _http(server, prompt=PROMPT, max_tokens=30, ignore_eos=True, stop=STOP, include_stop_str_in_output=include)
+    stop, at = pick_stop_string(full, start=len(full) // 3)
+    want = full[: at + len(stop)] if include else full[:at]
+    choice = _http(server, prompt=PROMPT, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=include)
     assert (choice["text"], choice["finish_reason"]) == (want, "stop")
     with Client(server.grpc_address) as c:
         out = c.generate(
-            prompt_ids=PROMPT, max_tokens=30, ignore_eos=True, stop=STOP, include_stop_str_in_output=include
+            prompt_ids=PROMPT, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=include
         )
     assert (out.text, out.finish_reason) == (want, "stop")
 

@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Protocol
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
@@ -62,6 +62,16 @@ class PreparedRequest:
     arrival_at: float  # monotonic; when the transport received it
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One output of a request: sample `j` of prompt `i` is choice `i * n + j`."""
+
+    index: int
+    prepared: PreparedRequest
+    echo: str  # text put before the output (completions with echo=true)
+    counts_prompt: bool  # the first sample of its prompt: its prompt tokens count in usage
 
 
 class Frontend:
@@ -142,6 +152,20 @@ class Frontend:
             raise
         return request
 
+    async def prepare_choices(
+        self, prompts: Sequence[CompletionParams], n: int, echo: bool, arrival_at: float
+    ) -> list[Choice]:
+        """Prepare every prompt once and fork it into n samples (choice `i * n + j`)."""
+        choices: list[Choice] = []
+        for params in prompts:
+            prepared = await self.prepare(params, arrival_at)
+            echo_text = ""
+            if echo:
+                echo_text = params.prompt_text if params.prompt_text is not None else self.decode_prompt(prepared)
+            for j in range(n):
+                choices.append(Choice(len(choices), self.fork(prepared, j), echo_text, j == 0))
+        return choices
+
     def fork(self, prepared: PreparedRequest, sample: int) -> PreparedRequest:
         """Sample `sample` of n of one prompt: its own request id and, with a seed, seed + sample."""
         if sample == 0:
@@ -219,6 +243,50 @@ class Frontend:
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_out,
         )
+
+
+async def first_chunks(streams: list[AsyncGenerator[Chunk, None]]) -> list[Chunk]:
+    """Every stream's first chunk (admission errors surface here, before any answer)."""
+    results = await asyncio.gather(*(st.__anext__() for st in streams), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if isinstance(r, Chunk)]
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream number, chunk) from every stream as chunks arrive; the first chunks first."""
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            if not firsts[i].finished:
+                async for chunk in streams[i]:
+                    queue.put_nowait((i, chunk))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    for i, first in enumerate(firsts):
+        yield i, first
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def error_kind(exc: BaseException) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import math
 import time
@@ -34,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.serving.frontend import Frontend, PreparedRequest, error_kind
+from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
 from jaxserve.serving.grpc_service import bearer_ok
 from jaxserve.serving.openai_protocol import (
     ChatCompletionRequest,
@@ -167,7 +166,7 @@ def create_app(
         arrival_at = time.monotonic()
         try:
             job = job_of()
-            choices = await _prepare_choices(frontend, job, arrival_at)
+            choices = await frontend.prepare_choices(job.prompts, job.n, job.echo, arrival_at)
         except InvalidRequestError as e:
             frontend.metrics.observe_error("invalid_argument")
             raise _error_for(e) from None
@@ -176,7 +175,7 @@ def create_app(
         streams = [frontend.stream(c.prepared) for c in choices]
         disconnected = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            firsts = await _unless_disconnected(_first_chunks(streams), disconnected)
+            firsts = await _unless_disconnected(first_chunks(streams), disconnected)
         except BaseException as e:
             disconnected.cancel()
             for st in streams:
@@ -219,35 +218,6 @@ def create_app(
         return await serve(lambda: chat_job(body), request, chat=True)
 
     return BodySizeLimit(app, max_request_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-    index: int
-    prepared: PreparedRequest
-    echo: str  # text put before the output (completions with echo=true)
-    counts_prompt: bool  # the first sample of its prompt: its prompt tokens count in usage
-
-
-async def _prepare_choices(frontend: Frontend, job: OpenAIJob, arrival_at: float) -> list[_Choice]:
-    choices: list[_Choice] = []
-    for params in job.prompts:
-        prepared = await frontend.prepare(params, arrival_at)
-        echo = ""
-        if job.echo:
-            echo = params.prompt_text if params.prompt_text is not None else frontend.decode_prompt(prepared)
-        for j in range(job.n):
-            choices.append(_Choice(len(choices), frontend.fork(prepared, j), echo, j == 0))
-    return choices
-
-
-async def _first_chunks(streams: list[AsyncGenerator[Chunk, None]]) -> list[Chunk]:
-    """Every stream's first chunk (admission errors surface here, before any answer)."""
-    results = await asyncio.gather(*(st.__anext__() for st in streams), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [r for r in results if isinstance(r, Chunk)]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -296,7 +266,7 @@ class _Render:
         obj = ("chat.completion.chunk" if chunk_object else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self, choices: list[_Choice], lasts: list[Chunk]) -> dict[str, Any]:
+    def usage(self, choices: list[Choice], lasts: list[Chunk]) -> dict[str, Any]:
         prompt = sum(last.num_prompt_tokens for c, last in zip(choices, lasts, strict=True) if c.counts_prompt)
         completion = sum(last.num_output_tokens for last in lasts)
         return {
@@ -322,7 +292,7 @@ class _Render:
             out["token_ids"] = token_ids
         return out
 
-    def body(self, choices: list[_Choice], collected: list[list[Chunk]]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], collected: list[list[Chunk]]) -> dict[str, Any]:
         out = self._envelope(chunk_object=False)
         out["choices"] = [
             self._choice(
@@ -338,7 +308,7 @@ class _Render:
         out["system_fingerprint"] = None
         return out
 
-    def event(self, choice: _Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
+    def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
         out = self._envelope(chunk_object=True)
         text = (choice.echo if first else "") + chunk.text
         out["choices"] = [
@@ -348,55 +318,22 @@ class _Render:
             out["usage"] = None
         return out
 
-    def usage_event(self, choices: list[_Choice], lasts: list[Chunk]) -> dict[str, Any]:
+    def usage_event(self, choices: list[Choice], lasts: list[Chunk]) -> dict[str, Any]:
         out = self._envelope(chunk_object=True)
         out["choices"] = []
         out["usage"] = self.usage(choices, lasts)
         return out
 
 
-async def _merged(streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
-    """(stream number, chunk) from every stream as chunks arrive; the first chunks first."""
-    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            if not firsts[i].finished:
-                async for chunk in streams[i]:
-                    queue.put_nowait((i, chunk))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, None))
-
-    for i, first in enumerate(firsts):
-        yield i, first
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _sse_events(
-    render: _Render, choices: list[_Choice], streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]
+    render: _Render, choices: list[Choice], streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]
 ) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     lasts: list[Chunk | None] = [None] * len(choices)
     try:
-        async for i, chunk in _merged(streams, firsts):
+        async for i, chunk in merge_streams(streams, firsts):
             yield event(render.event(choices[i], chunk, first=lasts[i] is None))
             lasts[i] = chunk
     except Exception as e:  # after the 200 header: report in-band, as OpenAI-compatible servers do

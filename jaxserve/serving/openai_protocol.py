@@ -8,8 +8,8 @@ A request becomes an `OpenAIJob`: one `CompletionParams` per prompt (a completio
 request may carry a list of prompts), `n` samples of each, and how to render the output
 (echo, token ids, usage in the stream). Choice `i * n + j` is sample `j` of prompt `i`.
 
-Chat messages become one prompt through `render_chat` (see docs/serving.md): the
-tokenizers jaxserve loads carry no chat template, so every model gets this simple one.
+Chat messages become one prompt through `jaxserve.serving.chat_template` (see
+docs/serving.md).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.runtime.request import SamplingParams
-from jaxserve.serving.wire import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, CompletionParams
+from jaxserve.serving import chat_template
+from jaxserve.serving.wire import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, CompletionParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
-MAX_N = 16  # samples per prompt
 MAX_CHOICES = 64  # prompts x n in one request
 
 
@@ -97,17 +97,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-_ROLE_HEADERS = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-GENERATION_PROMPT = "### Assistant:\n"
-
-
 def render_chat(messages: list[ChatMessage]) -> str:
-    """The chat template: `### System:` / `### User:` / `### Assistant:` sections, then the generation prompt.
-
-    Each message is `### {Role}:\\n{content}\\n\\n` (developer messages count as system
-    messages); the prompt ends with `### Assistant:\\n`, where the model continues.
-    """
-    return "".join(f"### {_ROLE_HEADERS[m.role]}:\n{m.text()}\n\n" for m in messages) + GENERATION_PROMPT
+    """The chat template of `jaxserve.serving.chat_template` over OpenAI messages."""
+    return chat_template.render_chat((m.role, m.text()) for m in messages)
 
 
 @dataclasses.dataclass(frozen=True)
