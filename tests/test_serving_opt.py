@@ -99,7 +99,12 @@ def test_http_completion_equals_offline_generate(offline, server):
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == list(expected.token_ids)
-    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14}
+    assert r.json()["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 10,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
