@@ -20,7 +20,7 @@ Only protobuf and grpcio are imported: no JAX on the client side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +167,15 @@ def _request(
     stop: Sequence[str] | str,
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
+    include_stop_str_in_output: bool = False,
+    n: int | None = None,
+    echo: bool = False,
+    messages: Sequence[Mapping[str, str]] | None = None,
 ) -> pb.GenerateRequest:
     return wire.request_to_proto(
+        n=n,
+        echo=echo,
+        messages=[(m["role"], m["content"]) for m in messages or ()],
         prompt=prompt,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
@@ -179,7 +186,14 @@ def _request(
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
+
+
+def _one(n: int | None) -> int | None:
+    if n not in (None, 1):
+        raise ValueError("generate() returns one completion: use stream(n=...) for several samples")
+    return n
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,13 +205,13 @@ class Stream:
     def __init__(self, call: Any) -> None:
         self._call = call
         self._cancelled = False
-        self._num_tokens = 0
+        self._num_tokens: dict[int, int] = {}  # per sample index
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
             for message in self._call:
-                chunk = wire.chunk_from_proto(message, self._num_tokens)
-                self._num_tokens = chunk.num_output_tokens
+                chunk = wire.chunk_from_proto(message, self._num_tokens.get(message.index, 0))
+                self._num_tokens[chunk.index] = chunk.num_output_tokens
                 yield chunk
         except grpc.RpcError as e:
             if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
@@ -257,10 +271,27 @@ class Client:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Stream:
         request = _request(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            include_stop_str_in_output,
+            n,
+            echo,
+            messages,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
@@ -278,6 +309,10 @@ class Client:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = list(
@@ -292,6 +327,10 @@ class Client:
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
+                include_stop_str_in_output=include_stop_str_in_output,
+                n=_one(n),
+                echo=echo,
+                messages=messages,
                 timeout_s=timeout_s,
             )
         )
@@ -373,18 +412,35 @@ class AsyncClient:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
         request = _request(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            include_stop_str_in_output,
+            n,
+            echo,
+            messages,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-        num_tokens = 0
+        num_tokens: dict[int, int] = {}  # per sample index
         try:
             async for message in call:
-                chunk = wire.chunk_from_proto(message, num_tokens)
-                num_tokens = chunk.num_output_tokens
+                chunk = wire.chunk_from_proto(message, num_tokens.get(message.index, 0))
+                num_tokens[chunk.index] = chunk.num_output_tokens
                 yield chunk
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
@@ -405,6 +461,10 @@ class AsyncClient:
         stop: Sequence[str] | str = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        n: int | None = None,
+        echo: bool = False,
+        messages: Sequence[Mapping[str, str]] | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = [
@@ -420,6 +480,10 @@ class AsyncClient:
                 stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
+                include_stop_str_in_output=include_stop_str_in_output,
+                n=_one(n),
+                echo=echo,
+                messages=messages,
                 timeout_s=timeout_s,
             )
         ]

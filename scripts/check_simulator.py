@@ -51,9 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from jaxserve.bench import launch, loadgen  # noqa: E402
-from jaxserve.bench.records import RequestRecord, summarize  # noqa: E402
 from jaxserve.plan import DeploymentPlan, parse_deployment  # noqa: E402
+from jaxserve_bench import launch, loadgen  # noqa: E402
+from jaxserve_bench.records import RequestRecord, summarize  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402
@@ -443,7 +443,7 @@ def check(cfg: CheckConfig) -> CheckResult:
 
 
 def plot(result: CheckResult, path: str) -> None:
-    from jaxserve.bench.plot import plot_attainment
+    from jaxserve_bench.plot import plot_attainment
 
     solid: dict[str, list[tuple[float, float]]] = {}
     dashed: dict[str, list[tuple[float, float]]] = {}

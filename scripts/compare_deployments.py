@@ -44,8 +44,8 @@ for p in (ROOT, ROOT / "scripts"):
 
 import check_simulator as cs  # noqa: E402
 
-from jaxserve.bench import launch  # noqa: E402
 from jaxserve.plan import parse_deployment  # noqa: E402
+from jaxserve_bench import launch  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch, max_rate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
@@ -216,7 +216,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        from jaxserve.bench.plot import plot_attainment
+        from jaxserve_bench.plot import plot_attainment
 
         plot_attainment(
             args.plot,

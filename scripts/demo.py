@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from jaxserve.client import Client
@@ -27,20 +28,44 @@ PROMPTS = [
 READY = re.compile(r"^ready grpc=(\S+) http=(\S+)")
 
 
-def wait_ready(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
+class ServerOutput:
+    """The server's stdout, read line by line on a thread (a select() on a buffered pipe can miss
+    a line that arrived in the same read as the previous one)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._stdout = proc.stdout
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for line in self._stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def rest(self, timeout_s: float) -> list[str]:
+        """Every line until the server closes its stdout (or `timeout_s` passes)."""
+        self._thread.join(timeout=timeout_s)
+        out = []
+        while not self.lines.empty():
+            line = self.lines.get_nowait()
+            if line is not None:
+                out.append(line)
+        return out
+
+
+def wait_ready(proc: subprocess.Popen[str], output: ServerOutput, timeout_s: float) -> tuple[str, str]:
     """Echo the server's log until it prints its ready line; return (grpc, http) addresses."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        try:
+            line = output.lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            proc.wait(timeout=10)
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
-        if not sel.select(timeout=0.5):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            continue
         print(f"  [server] {line.rstrip()}")
         match = READY.match(line)
         if match:
@@ -65,8 +90,9 @@ def main() -> int:
     print("$", " ".join(cmd[2:]))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output = ServerOutput(proc)
     try:
-        grpc_addr, http_addr = wait_ready(proc, args.ready_timeout)
+        grpc_addr, http_addr = wait_ready(proc, output, args.ready_timeout)
         with Client(grpc_addr) as client:
             info = client.model_info()
             print(
@@ -93,11 +119,12 @@ def main() -> int:
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            rest, _ = proc.communicate(timeout=60)
-            for line in (rest or "").splitlines():
-                print(f"  [server] {line}")
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        for line in output.rest(timeout_s=10):
+            print(f"  [server] {line.rstrip()}")
         print(f"server stopped (exit code {proc.returncode})")
 
 

@@ -16,6 +16,7 @@ import jax
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.plan import parse_deployment
+from jaxserve.runtime.api import ServingController
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.serving.server import ServerConfig, ServerThread
 from jaxserve.testing.fake_engine import FakeEngine
@@ -64,7 +65,7 @@ def fake_controller(
 
 
 @contextlib.contextmanager
-def running_server(controller: Controller, **config: object) -> Iterator[ServerThread]:
+def running_server(controller: ServingController, **config: object) -> Iterator[ServerThread]:
     """Both servers on 127.0.0.1, free ports; drained and stopped on exit."""
     cfg = ServerConfig(grpc_port=0, http_port=0, drain_timeout_s=5.0, **config)  # type: ignore[arg-type]
     server = ServerThread(controller, cfg).start()
@@ -93,10 +94,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class PromptTokensDetails(_Strict):
+    audio_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
 class CompletionUsage(_Strict):
     completion_tokens: int
     prompt_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Strict):
@@ -123,6 +130,52 @@ class StreamChoice(CompletionChoice):
 
 class CompletionChunk(Completion):
     choices: list[StreamChoice]  # type: ignore[assignment]
+
+
+# ---- OpenAI's chat completion schema (as in openai-python's `types/chat/chat_completion*.py`), strict ----
+class ChatMessageOut(_Strict):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Strict):
+    finish_reason: Literal["stop", "length", "content_filter"]
+    index: int
+    logprobs: None = None
+    message: ChatMessageOut
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(_Strict):
+    id: str
+    choices: list[ChatChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion"]
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | None = None
+
+
+class ChoiceDelta(_Strict):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Strict):
+    delta: ChoiceDelta
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+    index: int
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Strict):
+    id: str
+    choices: list[ChatStreamChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion.chunk"]
+    usage: CompletionUsage | None = None
 
 
 class ErrorDetail(_Strict):
@@ -200,3 +253,16 @@ def tiny_tokenizer():  # type: ignore[no-untyped-def]
     tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
     assert tok.get_vocab_size() == TINY.vocab_size
     return tok
+
+
+def pick_stop_string(text: str, start: int = 0, length: int = 3) -> tuple[str, int]:
+    """A stop string that first occurs in `text` at or after `start` (no U+FFFD, not blank); (string, position).
+
+    The tiny BPE is trained on this package's source, so outputs' text shifts when the
+    source changes: tests derive their stop strings from the text instead of hard-coding them.
+    """
+    for at in range(max(start, 1), len(text) - length):
+        s = text[at : at + length]
+        if "\ufffd" not in s and s.strip() and text.find(s) == at:
+            return s, at
+    raise AssertionError(f"no usable stop string in {text!r}")

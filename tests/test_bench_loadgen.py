@@ -19,11 +19,11 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxserve.bench import loadgen
-from jaxserve.bench.records import RequestRecord, attainment, summarize, tightest_slo_scale
-from jaxserve.bench.sweep import sweep_rates
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve_bench import loadgen
+from jaxserve_bench.records import RequestRecord, attainment, summarize, tightest_slo_scale
+from jaxserve_bench.sweep import sweep_rates
 from placement.slo import SloSpec
 from placement.workload import Workload
 

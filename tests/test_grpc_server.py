@@ -113,7 +113,7 @@ def test_metrics_histograms_move_with_traffic(server, client):
     url = f"http://{server.http_address}/metrics"
     names = [
         "jaxserve:time_to_first_token_seconds_count",
-        "jaxserve:time_per_output_token_seconds_count",
+        "jaxserve:request_time_per_output_token_seconds_count",
         "jaxserve:e2e_request_latency_seconds_count",
         "jaxserve:kv_transfer_time_seconds_count",
         "jaxserve:kv_transfer_bytes_count",

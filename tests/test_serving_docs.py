@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -62,7 +63,7 @@ def test_curl_example_runs(server, index):
         assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
 
 
-def test_demo_script_runs_end_to_end():
+def test_demo_script_runs_end_to_end(tmp_path):
     """scripts/demo.py (the README's first command) starts a server, streams, prints TTFT/TPOT, stops it."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
     done = subprocess.run(
@@ -70,6 +71,7 @@ def test_demo_script_runs_end_to_end():
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},  # the compilation cache goes here, not to ~/.cache
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"\[server\] ready grpc=\S+ http=\S+$", done.stdout, flags=re.MULTILINE)

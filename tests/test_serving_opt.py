@@ -99,7 +99,12 @@ def test_http_completion_equals_offline_generate(offline, server):
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == list(expected.token_ids)
-    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14}
+    assert r.json()["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 10,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
@@ -141,3 +146,18 @@ def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_http_n_samples_use_seed_plus_index(offline, server):
+    """n seeded samples of one prompt: sample j is exactly the offline result with seed + j, and they differ."""
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j, ignore_eos=True) for j in range(3)]
+    expected = [list(offline.generate([PROMPTS[1]], p)[0].token_ids) for p in params]
+    r = httpx.post(
+        f"http://{server.http_address}/v1/completions",
+        json={"prompt": PROMPTS[1], "n": 3, "seed": 7, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    got = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert got == expected
+    assert len({tuple(g) for g in got}) > 1

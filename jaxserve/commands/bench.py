@@ -9,7 +9,7 @@
 Requests come from the planner's workload module (`sharegpt`, `humaneval`, `longbench`,
 `fixed:IN:OUT`, or a JSONL trace, rescaled to `--rate`), Poisson arrivals (Gamma with `--cv`). Every
 request asks for exactly its output length (ignore_eos). Per request: client-side TTFT, TPOT, ITLs,
-E2E (vLLM `bench serve` definitions, see `jaxserve/bench/records.py`).
+E2E (vLLM `bench serve` definitions, see `jaxserve_bench/records.py`).
 
 * `--rate R` (or `--rates R1,R2,…`): one run per rate per target; summary table per run.
 * `--sweep-rates`: DistServe goodput per target — the highest rate with attainment ≥ `--attainment`,
@@ -68,8 +68,8 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jaxserve.bench import loadgen
-    from jaxserve.bench.sweep import sweep_rates
+    from jaxserve_bench import loadgen
+    from jaxserve_bench.sweep import sweep_rates
     from placement.slo import SloSpec
     from placement.workload import Workload, load_workload
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as fh:
             json.dump(output, fh, indent=1, default=_json_default)
     if args.plot:
-        from jaxserve.bench.plot import plot_attainment
+        from jaxserve_bench.plot import plot_attainment
 
         plot_attainment(
             args.plot,
@@ -172,8 +172,8 @@ def _measure(
     rate: float,
 ) -> float:
     """One run of the base workload at `rate`; appended to `entry`; returns its attainment."""
-    from jaxserve.bench import loadgen
-    from jaxserve.bench.records import attainment, attainment_vs_scale, format_summary, summarize
+    from jaxserve_bench import loadgen
+    from jaxserve_bench.records import attainment, attainment_vs_scale, format_summary, summarize
 
     workload = base.with_rate(rate)
     bench = loadgen.run(

@@ -4,8 +4,11 @@
     jaxserve serve --deployment disagg:prefill=tp2,decode=tp1 --model DIR|PRESET
     jaxserve serve --plan plan.json --grpc-port 0 --http-port 0 --api-key KEY
 
-Logs one line per instance (role, tp x pp, devices), then prints
-`ready grpc=HOST:PORT http=HOST:PORT` on stdout once both servers accept requests.
+Logs one line per instance (role, tp x pp, devices), warms the deployment up
+(`controller.warmup()`: compiles before the first client; `--no-warmup` skips it), logs
+the time to ready, then prints `ready grpc=HOST:PORT http=HOST:PORT` on stdout once both
+servers accept requests. JAX's persistent compilation cache (`--compile-cache`, default
+under the user's cache directory) makes a restart's warm-up fast.
 SIGINT/SIGTERM drain in-flight requests and stop.
 """
 
@@ -19,6 +22,32 @@ from pathlib import Path
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
+COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
+
+
+def default_compile_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/jaxserve/xla` (default `~/.cache/jaxserve/xla`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "jaxserve" / "xla"
+
+
+def compile_cache_dir(value: str | None) -> Path | None:
+    """The `--compile-cache` value as a directory; None when it is `off`."""
+    if value is None:
+        return default_compile_cache_dir()
+    if value.lower() == "off":
+        return None
+    return Path(value).expanduser()
+
+
+def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (created if missing)."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
     )
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compilation) before the ready line")
     parser.add_argument(
-        "--no-warmup", action="store_true", help="skip the warm-up request (compilation) before the ready line"
+        "--compile-cache",
+        metavar="DIR",
+        default=None,
+        help="JAX persistent compilation cache directory (default: $XDG_CACHE_HOME/jaxserve/xla); 'off' disables it",
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     ray_group = parser.add_argument_group("backend")
@@ -103,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     ensure_host_devices(highest + 1)
+    cache_dir = compile_cache_dir(args.compile_cache)
+    if cache_dir is not None:
+        try:
+            enable_compile_cache(cache_dir)
+        except OSError as e:
+            print(f"error: --compile-cache: {e}", file=sys.stderr)
+            return 2
+        log.info("compilation cache: %s", cache_dir)
 
     from jaxserve.runtime.controller import Controller, ControllerConfig
     from jaxserve.runtime.instances import place

@@ -47,7 +47,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
@@ -136,6 +136,21 @@ class RequestStream:
             self._async = (loop, queue)
         return queue
 
+    async def async_chunks(self) -> AsyncGenerator[TokenChunk, None]:
+        """The chunks on the running event loop; leaving the loop early (or cancelling the task) cancels."""
+        queue = self._attach_async(asyncio.get_running_loop())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not self.finished:
+                self.cancel()
+
     def next_chunk(self, timeout_s: float | None = None) -> TokenChunk | None:
         """The next chunk; None at the end of the stream. Raises the request's error, or TimeoutError."""
         with self._cond:
@@ -190,7 +205,7 @@ class Controller:
         self.config = config or ControllerConfig()
         self.plan = plan
         self.observer = observer
-        self.tokenizer = tokenizer
+        self.tokenizer: Tokenizer | None = tokenizer
         self.model_config: OPTConfig = placed[0].engine.model_config
         self.faults = faults or FaultCounters()
         self._lock = threading.Lock()
@@ -386,19 +401,8 @@ class Controller:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Async token stream; cancelling the consuming task cancels the request."""
-        stream = self.submit(request)
-        queue = stream._attach_async(asyncio.get_running_loop())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not stream.finished:
-                self.cancel(request.request_id)
+        async for chunk in self.submit(request).async_chunks():
+            yield chunk
 
     def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is; its blocks or buffer slot are freed now. Unknown ids are ignored."""

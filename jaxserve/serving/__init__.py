@@ -1,9 +1,10 @@
-"""The serving layer: the network front of a runtime `Controller`.
+"""The serving layer: the network front of a runtime backend, typed as `jaxserve.runtime.api.ServingController`.
 
-* `frontend.py` — validation, tokenization, detokenized streaming, shared by both APIs.
+* `frontend.py` — validation, tokenization, detokenized streaming, n-sample fan-out, shared by both APIs.
 * `grpc_service.py` — the gRPC service (`jaxserve/proto/jaxserve.proto`); `wire.py` converts
   between its messages and the runtime's dataclasses.
-* `http_api.py` — the OpenAI-compatible HTTP API.
+* `http_api.py` — the OpenAI-compatible HTTP API; `openai_protocol.py` its request schemas;
+  `chat_template.py` the chat template both APIs use.
 * `metrics.py` — Prometheus metrics.
 * `server.py` — one process serving both APIs over one controller.
 """

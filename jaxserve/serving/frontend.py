@@ -3,47 +3,87 @@
 A gRPC `Generate` call and an HTTP `/v1/completions` call both become
 `CompletionParams` (see `jaxserve.serving.wire`), and from there take the same road:
 
-1. `prepare(params)`: tokenize a text prompt, build a `GenerateRequest` with a fresh
-   request id, and let the controller check every value (prompt length, vocabulary,
-   max_tokens, temperature, ...). Errors are `InvalidRequestError`s whose `field` is
-   the name the client used on the wire.
-2. `stream(request, stop)`: submit to the controller and iterate its `TokenChunk`s,
-   turning token ids into text incrementally (held back while a byte-level token
-   sequence is mid-character or may be the start of a stop string), ending the
-   request early when a stop string appears, and recording metrics once at the end.
-   Admission errors (`OverloadedError`, `ShuttingDownError`) surface on the first
-   iteration, before any output. Cancelling the consuming task cancels the request
-   in the controller, which frees its KV blocks.
+1. `prepare(params, arrival_at)`: tokenize a text prompt (on a worker thread, so a long
+   prompt never stalls the event loop), build a `GenerateRequest` with a fresh request
+   id, and let the controller check every value (prompt length, vocabulary, max_tokens,
+   temperature, ...). Errors are `InvalidRequestError`s whose `field` is the name the
+   client used on the wire. `arrival_at` is when the transport received the request: the
+   TTFT clock starts there, before tokenization and validation (as vLLM measures it).
+2. `stream(prepared)`: submit to the controller and iterate its `TokenChunk`s, turning
+   token ids into text incrementally (held back while a byte-level token sequence is
+   mid-character or may be the start of a stop string), ending the request early when a
+   stop string appears, and recording metrics once at the end. Admission errors
+   (`OverloadedError`, `ShuttingDownError`) surface on the first iteration, before any
+   output. Cancelling the consuming task cancels the request in the controller, which
+   frees its KV blocks.
 
-The frontend is transport-free: the servers only map errors to status codes.
+Stop semantics are vLLM's: a stop string's text is left out of the output unless
+`include_stop_str_in_output`; a stop token id's text stays in the output unless the token
+is a special token (EOS and the like are never rendered). A request ended by a stop string
+reports the same engine timestamps as any other (the controller's, cut at the stop).
+
+The frontend is transport-free: the servers only map errors to status codes. It takes the
+controller as a `ServingController` (jaxserve.runtime.api) and nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Protocol
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.runtime.request import GenerateRequest, TokenChunk
-from jaxserve.serving.metrics import InstanceStats, ServingMetrics
+from jaxserve.runtime.api import ServingController
+from jaxserve.runtime.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings
+from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
 # Internal field names -> what the client sent (the prompt field is per request).
 _PROMPT_FIELDS = {"prompt", "prompt_token_ids", "prompt_ids"}
 
 
-class Frontend:
-    """Shared request handling over one running `Controller`."""
+class TextTokenizer(Protocol):
+    """What the frontend needs of a `tokenizers.Tokenizer`."""
 
-    def __init__(self, controller: Any, metrics: ServingMetrics | None = None, *, model_name: str | None = None):
+    def encode(self, text: str) -> object: ...  # has `.ids`
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A checked request and what the frontend itself does with its output."""
+
+    request: GenerateRequest
+    arrival_at: float  # monotonic; when the transport received it
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One output of a request: sample `j` of prompt `i` is choice `i * n + j`."""
+
+    index: int
+    prepared: PreparedRequest
+    echo: str  # text put before the output (completions with echo=true)
+    counts_prompt: bool  # the first sample of its prompt: its prompt tokens count in usage
+
+
+class Frontend:
+    """Shared request handling over one running `ServingController`."""
+
+    def __init__(
+        self, controller: ServingController, metrics: ServingMetrics | None = None, *, model_name: str | None = None
+    ):
         self.controller = controller
-        self.metrics = metrics if metrics is not None else ServingMetrics(stats=self)
+        self.metrics = metrics if metrics is not None else ServingMetrics(stats=controller.stats)
         self.model_name = model_name or controller.model_config.name
-        self.tokenizer = getattr(controller, "tokenizer", None)
+        self.tokenizer = controller.tokenizer
 
     # ---- what the servers report ------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -69,15 +109,20 @@ class Frontend:
         """(longest prompt, largest max_tokens) the controller accepts."""
         return int(self.controller.max_prompt_tokens), int(self.controller.max_tokens_limit)
 
-    def instance_stats(self) -> list[InstanceStats]:
-        return [_instance_stats(s) for s in _stats_instances(self.controller.stats())]
-
     # ---- the request path -------------------------------------------------------
-    def prepare(self, params: CompletionParams) -> GenerateRequest:
-        """Tokenize and check a request; raise `InvalidRequestError` naming the wire field."""
+    async def prepare(self, params: CompletionParams, arrival_at: float | None = None) -> PreparedRequest:
+        """Tokenize (off the event loop) and check a request; raise `InvalidRequestError` naming the wire field."""
+        arrival = time.monotonic() if arrival_at is None else arrival_at
         if params.prompt_token_ids is not None:
-            ids = tuple(params.prompt_token_ids)
+            request = self.check(params, tuple(params.prompt_token_ids))
         else:
+            loop = asyncio.get_running_loop()
+            request = await loop.run_in_executor(None, self.check, params, None)
+        return PreparedRequest(request, arrival, params.stop, params.include_stop_str_in_output)
+
+    def check(self, params: CompletionParams, ids: tuple[int, ...] | None) -> GenerateRequest:
+        """Tokenize a text prompt (blocking) and validate; the synchronous half of `prepare`."""
+        if ids is None:
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer: send the prompt as token ids", field=params.prompt_field
@@ -94,7 +139,11 @@ class Frontend:
             ids = tuple(self.tokenizer.encode(text).ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", field="stop")
-        request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=params.sampling)
+        sampling = params.sampling
+        if params.fill_max_tokens:
+            room = self.controller.model_config.max_position_embeddings - len(ids)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.controller.max_tokens_limit, room)))
+        request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=sampling)
         try:
             self.controller.validate(request)
         except InvalidRequestError as e:
@@ -103,35 +152,65 @@ class Frontend:
             raise
         return request
 
-    async def stream(self, request: GenerateRequest, stop: Sequence[str] = ()) -> AsyncGenerator[Chunk, None]:
+    async def prepare_choices(
+        self, prompts: Sequence[CompletionParams], n: int, echo: bool, arrival_at: float
+    ) -> list[Choice]:
+        """Prepare every prompt once and fork it into n samples (choice `i * n + j`)."""
+        choices: list[Choice] = []
+        for params in prompts:
+            prepared = await self.prepare(params, arrival_at)
+            echo_text = ""
+            if echo:
+                echo_text = params.prompt_text if params.prompt_text is not None else self.decode_prompt(prepared)
+            for j in range(n):
+                choices.append(Choice(len(choices), self.fork(prepared, j), echo_text, j == 0))
+        return choices
+
+    def fork(self, prepared: PreparedRequest, sample: int) -> PreparedRequest:
+        """Sample `sample` of n of one prompt: its own request id and, with a seed, seed + sample."""
+        if sample == 0:
+            return prepared
+        r = prepared.request
+        seed = None if r.sampling.seed is None else (r.sampling.seed + sample) % (MAX_SEED + 1)
+        sampling = dataclasses.replace(r.sampling, seed=seed)
+        request = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", r.prompt_token_ids, sampling)
+        return dataclasses.replace(prepared, request=request)
+
+    def decode_prompt(self, prepared: PreparedRequest) -> str:
+        """The prompt as text (for echo); empty without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(prepared.request.prompt_token_ids), skip_special_tokens=True))
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[Chunk, None]:
         """Run the request; yield chunks with new token ids and new text; the last one has timings."""
-        detok = Detokenizer(self.tokenizer, tuple(stop))
-        arrival_at = time.monotonic()
-        token_times: list[float] = []
+        request = prepared.request
+        detok = Detokenizer(self.tokenizer, prepared.stop, include_stop=prepared.include_stop_str_in_output)
         num_out = 0
-        gen = self.controller.generate(request)
         finished = False
+        gen = self.controller.submit(request).async_chunks()
         try:
             async for tc in gen:
-                tc_: TokenChunk = tc
-                now = time.monotonic()
-                token_times.extend([now] * len(tc_.token_ids))
-                num_out += len(tc_.token_ids)
-                text, stopped = detok.push(tc_.token_ids, final=tc_.finished)
-                if stopped and not tc_.finished:
-                    # A stop string ended the request here: cancel the rest in the controller.
+                num_out += len(tc.token_ids)
+                text, stopped = detok.push(tc.token_ids, final=tc.finished)
+                if stopped and not tc.finished:
+                    # A stop string ended the request here: cancel the rest in the controller and
+                    # take its timestamps (the final chunk of a cancelled request carries them).
                     finished = True
                     self.controller.cancel(request.request_id)
-                    timings = _frontend_timings(arrival_at, token_times)
-                    yield self._finish(request, tc_.token_ids, text, "stop", timings, num_out)
+                    engine_timings = tc.timings
+                    async for rest in gen:
+                        engine_timings = rest.timings or engine_timings
+                    timings = _timings(engine_timings, prepared.arrival_at, num_out)
+                    yield self._finish(request, tc.token_ids, text, "stop", timings, num_out)
                     return
-                if tc_.finished:
+                if tc.finished:
                     finished = True
-                    reason = "stop" if stopped else tc_.finish_reason
-                    final = Timings.from_request_timings(tc_.timings) if tc_.timings is not None else None
-                    yield self._finish(request, tc_.token_ids, text, reason, final, num_out)
+                    reason: FinishReason = "stop" if stopped else tc.finish_reason or "abort"
+                    timings = _timings(tc.timings, prepared.arrival_at, num_out)
+                    yield self._finish(request, tc.token_ids, text, reason, timings, num_out)
                     return
-                yield Chunk(request.request_id, tuple(tc_.token_ids), text, num_output_tokens=num_out)
+                yield Chunk(request.request_id, tuple(tc.token_ids), text, num_output_tokens=num_out)
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away (cancel, deadline, disconnect) mid-request.
             if not finished:
@@ -149,7 +228,7 @@ class Frontend:
         request: GenerateRequest,
         token_ids: Sequence[int],
         text: str,
-        reason: Any,
+        reason: FinishReason,
         timings: Timings | None,
         num_out: int,
     ) -> Chunk:
@@ -166,6 +245,50 @@ class Frontend:
         )
 
 
+async def first_chunks(streams: list[AsyncGenerator[Chunk, None]]) -> list[Chunk]:
+    """Every stream's first chunk (admission errors surface here, before any answer)."""
+    results = await asyncio.gather(*(st.__anext__() for st in streams), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if isinstance(r, Chunk)]
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream number, chunk) from every stream as chunks arrive; the first chunks first."""
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            if not firsts[i].finished:
+                async for chunk in streams[i]:
+                    queue.put_nowait((i, chunk))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    for i, first in enumerate(firsts):
+        yield i, first
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def error_kind(exc: BaseException) -> str:
     """The `kind` label of `jaxserve:request_errors_total` for a runtime error."""
     if isinstance(exc, InvalidRequestError):
@@ -179,16 +302,11 @@ def error_kind(exc: BaseException) -> str:
     return "internal"
 
 
-def _frontend_timings(arrival_at: float, token_times: list[float]) -> Timings:
-    """Timings measured at the frontend, for a request the frontend itself ended (stop string)."""
-    now = time.monotonic()
-    n = len(token_times)
-    return Timings(
-        ttft_s=token_times[0] - arrival_at if token_times else None,
-        tpot_s=(token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None,
-        e2e_s=now - arrival_at,
-        token_times_s=tuple(t - arrival_at for t in token_times),
-    )
+def _timings(t: RequestTimings | None, arrival_at: float, num_tokens: int) -> Timings | None:
+    """The engine's timestamps of a request's first `num_tokens` tokens, measured from its arrival at the server."""
+    if t is None:
+        return None
+    return Timings.from_request_timings(t, arrival_at=min(arrival_at, t.arrival_at), num_tokens=num_tokens)
 
 
 class Detokenizer:
@@ -200,12 +318,16 @@ class Detokenizer:
     window ends in U+FFFD (a multi-byte character split across tokens) waits for the
     next tokens; text that could be the start of a stop string is held back from the
     client until the next tokens decide it. The emitted pieces concatenate to the
-    whole output's decode, cut before the first stop string.
+    whole output's decode, cut before the first stop string (after it with `include_stop`).
+    Special tokens (EOS and the like) are never rendered.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer | None, stop: tuple[str, ...] = (), *, include_stop: bool = False
+    ) -> None:
         self._tok = tokenizer
         self._stop = stop
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decoding window (context)
@@ -214,6 +336,7 @@ class Detokenizer:
         self._sent = 0  # characters of `_text` already emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
+        assert self._tok is not None
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def _settle(self, final: bool) -> None:
@@ -232,9 +355,11 @@ class Detokenizer:
         self._settle(final)
         text = self._text
         if self._stop:
-            hits = [i for i in (text.find(s, max(0, self._sent - self._hold)) for s in self._stop) if i >= 0]
+            start = max(0, self._sent - self._hold)
+            hits = [(i, len(s)) for s in self._stop if (i := text.find(s, start)) >= 0]
             if hits:
-                cut = min(hits)
+                at, length = min(hits)
+                cut = at + length if self._include_stop else at
                 out = text[self._sent : cut] if cut > self._sent else ""
                 self._sent = max(self._sent, cut)
                 return out, True
@@ -244,32 +369,3 @@ class Detokenizer:
         out = text[self._sent : end]
         self._sent = end
         return out, False
-
-
-def _stats_instances(stats: Any) -> list[Any]:
-    for attr in ("instances", "per_instance"):
-        value = getattr(stats, attr, None)
-        if value is not None:
-            return list(value.values()) if isinstance(value, dict) else list(value)
-    return list(stats)
-
-
-def _instance_stats(s: Any) -> InstanceStats:
-    def get(*names: str) -> int:
-        for n in names:
-            v = getattr(s, n, None)
-            if v is not None:
-                return int(v)
-        return 0
-
-    return InstanceStats(
-        name=str(s.name),
-        role=str(s.role),
-        num_waiting=get("num_waiting", "waiting"),
-        num_running=get("num_running", "running"),
-        kv_blocks_used=get("kv_blocks_used", "num_kv_blocks_used"),
-        kv_blocks_free=get("kv_blocks_free", "num_kv_blocks_free"),
-        prefill_buffer_used=get("num_prefill_buffer_used", "prefill_buffer_used"),
-        prefill_buffer_capacity=get("prefill_buffer_capacity"),
-        alive=bool(getattr(s, "alive", True)),
-    )

@@ -10,17 +10,20 @@ streams refused when it runs out) and a separate cancel callback per call. The H
 server (uvicorn) runs on the same event loop, so both protocols share one frontend.
 
 A `Generate` call's life: check the API key (metadata `authorization: Bearer KEY`) ->
-`wire.params_from_proto` (shape; unknown fields refused) -> `Frontend.prepare`
-(tokenize, controller.validate) -> `Frontend.stream`, one `GenerateResponse` per
-controller chunk; the last carries finish reason, usage and timings. Any runtime error
+`wire.params_from_proto` (shape; unknown fields refused; chat messages rendered) ->
+`Frontend.prepare_choices` (tokenize, controller.validate, n samples) -> one
+`Frontend.stream` per sample, merged: one `GenerateResponse` per controller chunk,
+tagged with its sample's `index`; each sample's last carries finish reason, usage and timings. Any runtime error
 becomes a status code through `status_for` (the same table the HTTP server uses).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -33,7 +36,7 @@ from jaxserve.proto import SERVICE_NAME
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serving import wire
-from jaxserve.serving.frontend import Frontend, error_kind
+from jaxserve.serving.frontend import Frontend, error_kind, first_chunks, merge_streams
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def bearer_ok(header: str | bytes | None, api_key: str | None) -> bool:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: list[str], api_key: str | None):
+    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: Sequence[str], api_key: str | None):
         self._frontend = frontend
         self._plan = plan
         self._instance_names = instance_names
@@ -98,12 +101,25 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival_at = time.monotonic()
         await self._authorize(context)
         try:
             params = wire.params_from_proto(request)
-            prepared = self._frontend.prepare(params)
-            async for chunk in self._frontend.stream(prepared, params.stop):
-                yield wire.chunk_to_proto(chunk)
+            n = request.n if request.HasField("n") else 1
+            choices = await self._frontend.prepare_choices([params], n, request.echo, arrival_at)
+            streams = [self._frontend.stream(c.prepared) for c in choices]
+            try:
+                firsts = await first_chunks(streams)
+                started: set[int] = set()
+                async for i, chunk in merge_streams(streams, firsts):
+                    echo = choices[i].echo if i not in started else ""
+                    started.add(i)
+                    yield wire.chunk_to_proto(
+                        dataclasses.replace(chunk, text=echo + chunk.text, index=choices[i].index)
+                    )
+            finally:
+                for st in streams:
+                    await st.aclose()
         except (InvalidRequestError, OverloadedError, ShuttingDownError, EngineDeadError) as e:
             await self._abort(context, e)
         except grpc.aio.AbortError:
@@ -123,7 +139,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 def build_grpc_server(
     frontend: Frontend,
     plan: DeploymentPlan,
-    instance_names: list[str],
+    instance_names: Sequence[str],
     *,
     api_key: str | None = None,
     max_message_bytes: int = 1 << 20,

@@ -1,16 +1,17 @@
-"""OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-`POST /v1/completions` takes OpenAI's completion request (prompt as text or token ids,
-max_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage; the
-OpenAI fields jaxserve does not implement are accepted only at their neutral value)
-plus vLLM-style extensions (top_k, ignore_eos, stop_token_ids, return_token_ids).
-Unknown fields are refused. Responses and server-sent events have OpenAI's shape;
+The request schemas and their checks are `jaxserve.serving.openai_protocol`; a request
+becomes one `Frontend.stream` per choice (prompts x n), merged into OpenAI's response or
+server-sent events (choice `i * n + j` is sample `j` of prompt `i`). Responses and events have OpenAI's shape;
 errors have OpenAI's body `{"error": {"message", "type", "param", "code"}}` with 400
 (bad field, named in `param`), 401 (API key), 404 (unknown model or route), 413 (body
 too large), 429 (overloaded, with `Retry-After`), 503 (shutting down), 500.
 
-A streaming request waits for its first output before answering, so admission errors
-still get their status code; a failure after that arrives as an `error` event. The
+A streaming request waits for the first output of every choice before answering, so admission errors
+still get their status code; a failure after that arrives as an `error` event. While it
+waits (queued, prefilling) and while a non-streaming request runs, the handler watches the
+connection: a client that disconnects gets its request cancelled at once. Nothing slow runs
+on the event loop: tokenization and `/metrics` rendering run on worker threads. The
 request path itself is `jaxserve.serving.frontend`, shared with gRPC.
 """
 
@@ -21,57 +22,27 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.runtime.request import SamplingParams
-from jaxserve.serving.frontend import Frontend, error_kind
+from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
 from jaxserve.serving.grpc_service import bearer_ok
-from jaxserve.serving.wire import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Chunk, CompletionParams
-
-OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request; the fields after `suffix` are jaxserve/vLLM extensions."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    suffix: str | None = None
-    top_k: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None)
-    return_token_ids: bool = False
+from jaxserve.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIJob,
+    chat_job,
+    completion_job,
+)
+from jaxserve.serving.wire import Chunk
 
 
 class APIError(Exception):
@@ -100,61 +71,6 @@ def _error_for(exc: BaseException) -> APIError:
 
 def _json_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status, headers=err.headers)
-
-
-def _params_from_http(body: CompletionRequest) -> CompletionParams:
-    """Check the OpenAI request's shape and the fields jaxserve does not implement."""
-
-    def bad(field: str, message: str) -> InvalidRequestError:
-        return InvalidRequestError(message, field=field)
-
-    if body.n != 1:
-        raise bad("n", "only n=1 is supported")
-    if body.best_of not in (None, 1):
-        raise bad("best_of", "only best_of=1 is supported")
-    if body.echo:
-        raise bad("echo", "echo is not supported")
-    if body.logprobs is not None:
-        raise bad("logprobs", "logprobs are not supported")
-    if body.suffix:
-        raise bad("suffix", "suffix is not supported")
-    if body.logit_bias:
-        raise bad("logit_bias", "logit_bias is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0.0):
-            raise bad(name, f"{name} is not supported (only 0)")
-    if body.stream_options is not None and not body.stream:
-        raise bad("stream_options", "stream_options is only allowed with stream=true")
-    prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad("prompt", "batches of prompts are not supported: send one request per prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text, ids = prompt, None
-    else:
-        text, ids = None, tuple(prompt)
-    if (text is not None and not text) or (ids is not None and not ids):
-        raise bad("prompt", "the prompt is empty")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters")
-    if any(s == "" for s in stop):
-        raise bad("stop", "stop strings must not be empty")
-    if body.stop_token_ids and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-    if body.max_tokens is None:
-        raise bad("max_tokens", "max_tokens must be set")
-    sampling = SamplingParams(
-        max_tokens=body.max_tokens,
-        temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-    )
-    return CompletionParams(prompt_text=text, prompt_token_ids=ids, sampling=sampling, stop=stop)
 
 
 def create_app(
@@ -214,16 +130,16 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Rendering reads controller.stats() and formats every histogram: a worker thread's job.
+        text = await asyncio.get_running_loop().run_in_executor(None, frontend.metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/steps")
     async def debug_steps(request: Request, since: float = 0.0) -> JSONResponse:
         """Each instance's recent steps: shape and wall time (what `jaxserve profile --from-server` fits)."""
         authorize(request)
-        records = getattr(frontend.controller, "step_records", None)
-        if records is None:
-            raise APIError(404, "this backend keeps no step records", type_="invalid_request_error")
-        return JSONResponse({"now": time.monotonic(), "instances": records(since)})
+        records = frontend.controller.step_records(since)
+        return JSONResponse({"now": time.monotonic(), "instances": records})
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -235,161 +151,199 @@ def create_app(
             }
         )
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        authorize(request)
-        if body.model is not None and body.model != model_name:
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
             frontend.metrics.observe_error("model_not_found")
             raise APIError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                f"the model {requested!r} does not exist; this server serves {model_name!r}",
                 type_="invalid_request_error",
                 param="model",
                 code="model_not_found",
             )
+
+    async def serve(job_of: Callable[[], OpenAIJob], request: Request, chat: bool) -> Response:
+        arrival_at = time.monotonic()
         try:
-            params = _params_from_http(body)
-            prepared = frontend.prepare(params)
+            job = job_of()
+            choices = await frontend.prepare_choices(job.prompts, job.n, job.echo, arrival_at)
         except InvalidRequestError as e:
             frontend.metrics.observe_error("invalid_argument")
             raise _error_for(e) from None
         created = int(time.time())
-        chunks = frontend.stream(prepared, params.stop)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        streams = [frontend.stream(c.prepared) for c in choices]
+        disconnected = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            first = await chunks.__anext__()
+            firsts = await _unless_disconnected(first_chunks(streams), disconnected)
         except BaseException as e:
-            await chunks.aclose()
+            disconnected.cancel()
+            for st in streams:
+                await st.aclose()
             if isinstance(e, Exception):
                 frontend.metrics.observe_error(error_kind(e))
                 raise _error_for(e) from None
             raise
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _sse_events(first, chunks, model_name, created, include_usage, body.return_token_ids)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collected = await _collect_unless_disconnected(first, chunks, request)
-        if collected is None:  # the client left; its request was cancelled and its blocks freed
+        if firsts is None:  # the client left while its requests were queued: cancelled, nothing computed
+            for st in streams:
+                await st.aclose()
             return Response(status_code=499)
-        return JSONResponse(_completion_body(collected, model_name, created, body.return_token_ids))
+        render = _Render(response_id, model_name, created, job, chat)
+        if job.stream:
+            disconnected.cancel()  # from here on the streaming response watches the connection
+            events = _sse_events(render, choices, streams, firsts)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            collected = await _unless_disconnected(
+                asyncio.gather(*(_collect(st, f) for st, f in zip(streams, firsts, strict=True))), disconnected
+            )
+        finally:
+            disconnected.cancel()
+            for st in streams:
+                await st.aclose()
+        if collected is None:  # the client left; its requests were cancelled and their blocks freed
+            return Response(status_code=499)
+        return JSONResponse(render.body(choices, list(collected)))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        authorize(request)
+        check_model(body.model)
+        return await serve(lambda: completion_job(body), request, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        authorize(request)
+        check_model(body.model)
+        return await serve(lambda: chat_job(body), request, chat=True)
 
     return BodySizeLimit(app, max_request_bytes)
 
 
-async def _collect_unless_disconnected(
-    first: Chunk, rest: AsyncGenerator[Chunk, None], request: Request, poll_s: float = 0.25
-) -> list[Chunk] | None:
-    """All chunks of a non-streaming request; None (request cancelled) if the client disconnects first."""
-    collected = [first]
-    if first.finished:
-        return collected
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
-    async def drain() -> None:
-        async for chunk in rest:
-            collected.append(chunk)
 
-    task = asyncio.create_task(drain())
+T = TypeVar("T")
+
+
+async def _unless_disconnected(work: Awaitable[T], disconnected: asyncio.Task[None]) -> T | None:
+    """`work`'s result, or None (work cancelled, so its requests too) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                task.result()
-                return collected
-            if await request.is_disconnected():
-                return None
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await rest.aclose()
+    return task.result() if not task.cancelled() else None
 
 
-def _finish_reason(chunk: Chunk) -> str | None:
-    return chunk.finish_reason
+async def _collect(rest: AsyncGenerator[Chunk, None], first: Chunk) -> list[Chunk]:
+    collected = [first]
+    if not first.finished:
+        async for chunk in rest:
+            collected.append(chunk)
+    return collected
 
 
-def _completion_body(chunks: list[Chunk], model: str, created: int, return_token_ids: bool) -> dict[str, Any]:
-    last = chunks[-1]
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": "".join(c.text for c in chunks),
-        "logprobs": None,
-        "finish_reason": _finish_reason(last),
-    }
-    if return_token_ids:
-        choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-    return {
-        "id": last.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(last),
-        "system_fingerprint": None,
-    }
+class _Render:
+    """OpenAI's response bodies and stream events, completions or chat."""
 
+    def __init__(self, response_id: str, model: str, created: int, job: OpenAIJob, chat: bool) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = created
+        self.job = job
+        self.chat = chat
 
-def _usage(last: Chunk) -> dict[str, int]:
-    return {
-        "prompt_tokens": last.num_prompt_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
-    }
+    def _envelope(self, chunk_object: bool) -> dict[str, Any]:
+        obj = ("chat.completion.chunk" if chunk_object else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, choices: list[Choice], lasts: list[Chunk]) -> dict[str, Any]:
+        prompt = sum(last.num_prompt_tokens for c, last in zip(choices, lasts, strict=True) if c.counts_prompt)
+        completion = sum(last.num_output_tokens for last in lasts)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0},  # no prefix cache yet
+        }
+
+    def _choice(
+        self, index: int, text: str, token_ids: list[int], reason: str | None, delta: bool, first: bool = False
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index}
+        if self.chat and delta:
+            out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        elif self.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        out["logprobs"] = None
+        out["finish_reason"] = reason
+        if self.job.return_token_ids:
+            out["token_ids"] = token_ids
+        return out
+
+    def body(self, choices: list[Choice], collected: list[list[Chunk]]) -> dict[str, Any]:
+        out = self._envelope(chunk_object=False)
+        out["choices"] = [
+            self._choice(
+                c.index,
+                c.echo + "".join(ch.text for ch in chunks),
+                [t for ch in chunks for t in ch.token_ids],
+                chunks[-1].finish_reason,
+                delta=False,
+            )
+            for c, chunks in zip(choices, collected, strict=True)
+        ]
+        out["usage"] = self.usage(choices, [chunks[-1] for chunks in collected])
+        out["system_fingerprint"] = None
+        return out
+
+    def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
+        out = self._envelope(chunk_object=True)
+        text = (choice.echo if first else "") + chunk.text
+        out["choices"] = [
+            self._choice(choice.index, text, list(chunk.token_ids), chunk.finish_reason, delta=True, first=first)
+        ]
+        if self.job.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_event(self, choices: list[Choice], lasts: list[Chunk]) -> dict[str, Any]:
+        out = self._envelope(chunk_object=True)
+        out["choices"] = []
+        out["usage"] = self.usage(choices, lasts)
+        return out
 
 
 async def _sse_events(
-    first: Chunk,
-    rest: AsyncGenerator[Chunk, None],
-    model: str,
-    created: int,
-    include_usage: bool,
-    return_token_ids: bool,
+    render: _Render, choices: list[Choice], streams: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk]
 ) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
-    def chunk_event(chunk: Chunk) -> bytes:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": chunk.text,
-            "logprobs": None,
-            "finish_reason": _finish_reason(chunk),
-        }
-        if return_token_ids:
-            choice["token_ids"] = list(chunk.token_ids)
-        payload: dict[str, Any] = {
-            "id": chunk.request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return event(payload)
-
-    last = first
+    lasts: list[Chunk | None] = [None] * len(choices)
     try:
-        yield chunk_event(first)
-        if not first.finished:
-            async for chunk in rest:
-                last = chunk
-                yield chunk_event(chunk)
+        async for i, chunk in merge_streams(streams, firsts):
+            yield event(render.event(choices[i], chunk, first=lasts[i] is None))
+            lasts[i] = chunk
     except Exception as e:  # after the 200 header: report in-band, as OpenAI-compatible servers do
         yield event(_error_for(e).body)
     finally:
-        await rest.aclose()
-    if include_usage and last.finished:
-        yield event(
-            {
-                "id": last.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(last),
-            }
-        )
+        for st in streams:
+            await st.aclose()
+    finished = [last for last in lasts if last is not None and last.finished]
+    if render.job.include_usage and len(finished) == len(choices):
+        yield event(render.usage_event(choices, finished))
     yield b"data: [DONE]\n\n"
 
 

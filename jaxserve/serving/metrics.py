@@ -6,22 +6,24 @@ so two servers in one process, e.g. in tests, do not mix their numbers):
 * Per-request histograms and counters, observed once when a request finishes, from
   the timings the controller attaches to its final chunk (TTFT, TPOT, inter-token
   latency, end-to-end latency, queue time per phase, KV transfer time and bytes).
-* Per-instance gauges, read live from `controller.stats()` at every scrape by a
-  custom collector: a value captured once would go stale the moment the server runs.
+* Per-instance gauges and the backend's fault counters, read live from
+  `controller.stats()` at every scrape by a custom collector: a value captured once
+  would go stale the moment the server runs. `stats()` reads local counters only,
+  and the HTTP server renders a scrape on a worker thread, never on the event loop.
 
-Every metric is listed, with its meaning, in docs/serving.md.
+Names and definitions follow vLLM's (`vllm:` -> `jaxserve:`); every metric is listed,
+with its meaning and its vLLM counterpart, in docs/serving.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jaxserve.runtime.api import ControllerStats
 from jaxserve.serving.wire import Timings
 
 PREFIX = "jaxserve:"
@@ -54,41 +56,29 @@ _LATENCY_BUCKETS_S = (
 _BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(0, 13))  # 1 KiB .. 16 GiB
 
 
-@dataclasses.dataclass(frozen=True)
-class InstanceStats:
-    """The per-instance numbers the gauges show."""
-
-    name: str
-    role: str
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefill_buffer_used: int
-    prefill_buffer_capacity: int
-    alive: bool = True
-
-
-class StatsSource(Protocol):
-    def instance_stats(self) -> list[InstanceStats]: ...
-
-
 class ServingMetrics:
     """All metrics of one server; `observe_finished` is called once per finished request."""
 
-    def __init__(self, stats: StatsSource | None = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], ControllerStats] | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS_S, labels: tuple[str, ...] = ()):
             return Histogram(PREFIX + name, doc, labelnames=labels, buckets=buckets, registry=r)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token: first token time minus arrival.")
+        self.ttft = hist(
+            "time_to_first_token_seconds",
+            "Time to first token: first token time minus the request's arrival at the server (before tokenization).",
+        )
         self.tpot = hist(
-            "time_per_output_token_seconds",
+            "request_time_per_output_token_seconds",
             "Time per output token after the first: (last - first) / (n - 1), one observation per request.",
         )
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive output tokens, one observation per token gap."
+        )
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency: finish time minus arrival.")
         self.queue = hist(
             "request_queue_time_seconds",
@@ -111,7 +101,7 @@ class ServingMetrics:
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens generated.", registry=r)
         if stats is not None:
-            r.register(LiveInstanceCollector(stats))
+            r.register(LiveStatsCollector(stats))
 
     def observe_finished(
         self, timings: Timings | None, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str
@@ -139,10 +129,6 @@ class ServingMetrics:
         for gap in timings.inter_token_latencies_s:
             self.itl.observe(max(gap, 0.0))
 
-    def watch_faults(self, source: FaultStatsSource) -> None:
-        """Export a backend's fault counters (Ray: failed pulls, expired leases, re-routed requests), read live."""
-        self.registry.register(FaultCollector(source))
-
     def observe_error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
 
@@ -154,70 +140,41 @@ class ServingMetrics:
 _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("num_requests_waiting", "num_waiting", "Requests queued at the instance, not yet running."),
     ("num_requests_running", "num_running", "Requests the instance is running (prefill batch or decode batch)."),
-    ("kv_blocks_used", "kv_blocks_used", "Paged KV-cache blocks in use (decode and colocated instances)."),
-    ("kv_blocks_free", "kv_blocks_free", "Paged KV-cache blocks free (decode and colocated instances)."),
-    ("prefill_buffer_used", "prefill_buffer_used", "Finished prefills waiting for a decode instance to pull them."),
+    ("kv_blocks_used", "num_kv_blocks_used", "Paged KV-cache blocks in use (decode and colocated instances)."),
+    ("kv_blocks_free", "num_kv_blocks_free", "Paged KV-cache blocks free (decode and colocated instances)."),
+    ("prefill_buffer_used", "num_prefill_buffer_used", "Finished prefills waiting for a decode instance to pull them."),
     ("prefill_buffer_capacity", "prefill_buffer_capacity", "Bound of the prefill instance's finished-prefill buffer."),
-    ("instance_alive", "alive", "1 while the instance's worker thread runs, 0 once it died."),
+    ("instance_alive", "alive", "1 while the instance's worker runs, 0 once it died."),
+)
+
+_FAULT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kv_pull_failures", "num_failed_pulls", "KV pull attempts that failed (then retried, recomputed or failed)."),
+    ("kv_pull_retries", "num_pull_retries", "KV pulls retried after a failed attempt."),
+    ("kv_recomputed", "num_recomputed", "KV pulls answered by recomputing the prompt's KV instead."),
+    ("kv_leases_expired", "num_expired_leases", "Prefilled KVs freed because nobody pulled them within the lease."),
+    ("requests_rerouted", "num_rerouted_requests", "Requests re-run after the instance holding them died."),
+    ("instance_restarts", "num_instance_restarts", "Times a dead instance was restarted and rejoined."),
 )
 
 
-class LiveInstanceCollector(Collector):
-    """Per-instance gauges read from the controller at scrape time."""
+class LiveStatsCollector(Collector):
+    """Per-instance gauges and fault counters, read from `controller.stats()` at scrape time."""
 
-    def __init__(self, stats: StatsSource) -> None:
+    def __init__(self, stats: Callable[[], ControllerStats]) -> None:
         self._stats = stats
 
     def describe(self) -> Iterator[Metric]:
         for name, _, doc in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, labels=["instance", "role"])
-
-    def collect(self) -> Iterator[Metric]:
-        instances = self._stats.instance_stats()
-        for name, attr, doc in _GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["instance", "role"])
-            for inst in instances:
-                family.add_metric([inst.name, inst.role], float(getattr(inst, attr)))
-            yield family
-
-
-class FaultStats(Protocol):
-    @property
-    def num_failed_pulls(self) -> int: ...
-
-    @property
-    def num_expired_leases(self) -> int: ...
-
-    @property
-    def num_rerouted_requests(self) -> int: ...
-
-    @property
-    def num_instance_restarts(self) -> int: ...
-
-
-class FaultStatsSource(Protocol):
-    def fault_stats(self) -> FaultStats: ...
-
-
-_FAULT_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("kv_pull_failures", "num_failed_pulls", "KV pull attempts that failed (then retried, recomputed or failed)."),
-    ("kv_leases_expired", "num_expired_leases", "Prefilled KVs freed because nobody pulled them within the lease."),
-    ("requests_rerouted", "num_rerouted_requests", "Requests re-run after the instance holding them died."),
-    ("instance_restarts", "num_instance_restarts", "Times a dead instance (Ray actor) was restarted and rejoined."),
-)
-
-
-class FaultCollector(Collector):
-    """Fault counters of a backend that has them (the Ray backend), read at scrape time."""
-
-    def __init__(self, source: FaultStatsSource) -> None:
-        self._source = source
-
-    def describe(self) -> Iterator[Metric]:
         for name, _, doc in _FAULT_COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._source.fault_stats()
+        stats = self._stats()
+        for name, attr, doc in _GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["instance", "role"])
+            for inst in stats.instances:
+                family.add_metric([inst.name, inst.role], float(getattr(inst, attr)))
+            yield family
         for name, attr, doc in _FAULT_COUNTERS:
-            yield CounterMetricFamily(PREFIX + name, doc, value=float(getattr(stats, attr)))
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(getattr(stats.faults, attr)))

@@ -3,8 +3,8 @@
 Both servers run on one asyncio event loop and share one `Frontend` (request path,
 metrics); the controller's instances run on their own threads. The life of a server:
 
-* `start()`: start the controller's instances (optionally run a warm-up request
-  through them, so XLA compiles before the first client arrives), bind gRPC (insecure, or TLS when a
+* `start()`: start the controller's instances, let it warm up (`controller.warmup()`:
+  compile every shape before the first client arrives; the time to ready is logged), bind gRPC (insecure, or TLS when a
   certificate is given) and HTTP (uvicorn, same TLS files), mark health SERVING, and
   return once both accept connections (`grpc_address`, `http_address` then hold the
   bound `HOST:PORT`; port 0 picks a free port).
@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import grpc
 import uvicorn
 
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.runtime.api import ServingController
 from jaxserve.serving.frontend import Frontend
 from jaxserve.serving.grpc_service import build_grpc_server, set_serving
 from jaxserve.serving.http_api import create_app
@@ -55,7 +56,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20  # HTTP body and gRPC message limit
     drain_timeout_s: float = 30.0
     model_name: str | None = None  # the name clients see; default: the model config's name
-    warmup: bool = False  # run one short request through every phase before accepting traffic (compiles)
+    warmup: bool = False  # controller.warmup() before accepting traffic (compiles every shape)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -75,13 +76,11 @@ class _UvicornServer(uvicorn.Server):
 
 
 class JaxServeServer:
-    def __init__(self, controller: Any, config: ServerConfig | None = None) -> None:
+    def __init__(self, controller: ServingController, config: ServerConfig | None = None) -> None:
         self.controller = controller
         self.config = config or ServerConfig()
         self.frontend = Frontend(controller, model_name=self.config.model_name)
         self.metrics: ServingMetrics = self.frontend.metrics
-        if callable(getattr(controller, "fault_stats", None)):  # the Ray backend's fault counters
-            self.metrics.watch_faults(controller)
         self.grpc_address = ""
         self.http_address = ""
         self._serving = False
@@ -91,14 +90,16 @@ class JaxServeServer:
         self._http_task: asyncio.Task[None] | None = None
 
     @property
-    def instance_names(self) -> list[str]:
-        return [inst.name for inst in self.controller.instances]
+    def instance_names(self) -> tuple[str, ...]:
+        return self.controller.instance_names
 
     async def start(self) -> None:
         cfg = self.config
+        started_at = time.monotonic()
         self.controller.start()
+        warmup_s = 0.0
         if cfg.warmup:
-            await asyncio.get_running_loop().run_in_executor(None, self._warmup)
+            warmup_s = await asyncio.get_running_loop().run_in_executor(None, self.controller.warmup)
         self._grpc, self._health = build_grpc_server(
             self.frontend,
             self.controller.plan.assign_devices(),
@@ -143,20 +144,7 @@ class JaxServeServer:
             await asyncio.sleep(0.01)
         self._serving = True
         await set_serving(self._health, True)
-
-    def _warmup(self) -> None:
-        """One short request per prefill/colocated instance, so the first client does not pay for compilation."""
-        front = self.controller.prefill_instances or self.controller.colocated_instances
-        bos = self.controller.model_config.bos_token_id
-        streams = [
-            self.controller.submit(
-                GenerateRequest(f"warmup-{i}", (bos, bos), SamplingParams(max_tokens=2, ignore_eos=True))
-            )
-            for i in range(len(front))
-        ]
-        for stream in streams:
-            stream.collect(timeout_s=600)
-        log.info("warm-up done")
+        log.info("ready in %.2f s (warm-up %.2f s)", time.monotonic() - started_at, warmup_s)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: health NOT_SERVING, controller shutdown (drains), then both servers."""
@@ -188,7 +176,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_until_signal(
-    controller: Any, config: ServerConfig, on_ready: Callable[[JaxServeServer], None] | None = None
+    controller: ServingController, config: ServerConfig, on_ready: Callable[[JaxServeServer], None] | None = None
 ) -> None:
     """Serve in the foreground until SIGINT or SIGTERM, then drain and stop (main thread only)."""
 
@@ -229,7 +217,7 @@ class ServerThread:
     servers accept requests) and stops it (drain, shutdown) on exit.
     """
 
-    def __init__(self, controller: Any, config: ServerConfig | None = None) -> None:
+    def __init__(self, controller: ServingController, config: ServerConfig | None = None) -> None:
         self.server = JaxServeServer(controller, config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-server", daemon=True)

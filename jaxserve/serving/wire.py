@@ -22,6 +22,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.plan import DeploymentPlan
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.runtime.request import FinishReason, RequestTimings, SamplingParams
+from jaxserve.serving.chat_template import render_chat
 
 _FINISH_TO_PROTO: dict[FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -36,6 +37,7 @@ _FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_T
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # samples per prompt
 
 
 # ---------------------------------------------------------------------------------------
@@ -54,6 +56,8 @@ class CompletionParams:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     prompt_field: str = "prompt"
+    include_stop_str_in_output: bool = False
+    fill_max_tokens: bool = False  # max_tokens unset (chat): as many as the context and limits allow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +82,25 @@ class Timings:
         return tuple(b - a for a, b in itertools.pairwise(t))
 
     @classmethod
-    def from_request_timings(cls, t: RequestTimings) -> Timings:
+    def from_request_timings(
+        cls, t: RequestTimings, *, arrival_at: float | None = None, num_tokens: int | None = None
+    ) -> Timings:
+        """The engine's timestamps as durations; `arrival_at`: when the server received the request
+        (default: when the controller did); `num_tokens`: count only the first tokens (a stop string
+        ended the request there)."""
+        arrival = t.arrival_at if arrival_at is None else arrival_at
+        times = list(t.token_times if num_tokens is None else t.token_times[:num_tokens])
         decode_ready_at = t.transfer_end_at if t.transfer_end_at is not None else t.prefill_end_at
         return cls(
-            ttft_s=t.ttft_s,
-            tpot_s=t.tpot_s,
-            e2e_s=t.e2e_s,
+            ttft_s=times[0] - arrival if times else None,
+            tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            e2e_s=_diff(t.finished_at, arrival),
             prefill_queue_s=_diff(t.prefill_start_at, t.arrival_at),
             prefill_s=_diff(t.prefill_end_at, t.prefill_start_at),
             kv_transfer_s=t.kv_transfer_s if t.transfer_end_at is not None or t.kv_transfer_bytes else None,
             decode_queue_s=_diff(t.decode_start_at, decode_ready_at),
             kv_transfer_bytes=int(t.kv_transfer_bytes),
-            token_times_s=tuple(x - t.arrival_at for x in t.token_times),
+            token_times_s=tuple(x - arrival for x in times),
             prefill_instance=t.prefill_instance or "",
             decode_instance=t.decode_instance or "",
         )
@@ -110,6 +121,7 @@ class Chunk:
     timings: Timings | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far (all chunks), final value on the last chunk
+    index: int = 0  # which sample of the request (n > 1)
 
     @property
     def finished(self) -> bool:
@@ -181,7 +193,7 @@ def reject_unknown_fields(message: Any, path: str = "") -> None:
         )
     for field, value in message.ListFields():
         if field.message_type is not None:
-            values = value if field.label == field.LABEL_REPEATED else [value]
+            values = value if field.is_repeated else [value]
             for v in values:
                 reject_unknown_fields(v, f"{path}.{field.name}" if path else field.name)
 
@@ -191,10 +203,19 @@ def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
     reject_unknown_fields(req)
     has_text = bool(req.prompt)
     has_ids = len(req.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise InvalidRequestError("send either prompt or prompt_token_ids, not both", field="prompt")
-    if not has_text and not has_ids:
-        raise InvalidRequestError("the prompt is empty: set prompt or prompt_token_ids", field="prompt")
+    has_messages = len(req.messages) > 0
+    if has_text + has_ids + has_messages > 1:
+        raise InvalidRequestError("send one of prompt, prompt_token_ids and messages", field="prompt")
+    if not has_text and not has_ids and not has_messages:
+        raise InvalidRequestError("the prompt is empty: set prompt, prompt_token_ids or messages", field="prompt")
+    if req.HasField("n") and not 1 <= req.n <= MAX_N:
+        raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {req.n}", field="n")
+    text = req.prompt if has_text else None
+    if has_messages:
+        try:
+            text = render_chat((m.role, m.content) for m in req.messages)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), field="messages") from None
     if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in req.stop):
         raise InvalidRequestError(
             f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters", field="stop"
@@ -214,11 +235,12 @@ def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
         ignore_eos=req.ignore_eos,
     )
     return CompletionParams(
-        prompt_text=req.prompt if has_text else None,
+        prompt_text=text,
         prompt_token_ids=tuple(req.prompt_token_ids) if has_ids else None,
         sampling=sampling,
         stop=tuple(req.stop),
-        prompt_field="prompt" if has_text else "prompt_token_ids",
+        prompt_field="prompt" if has_text else "prompt_token_ids" if has_ids else "messages",
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 
@@ -234,6 +256,10 @@ def request_to_proto(
     stop_token_ids: Sequence[int] = (),
     stop: Sequence[str] | str = (),
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
+    n: int | None = None,
+    echo: bool = False,
+    messages: Sequence[tuple[str, str]] = (),
 ) -> pb.GenerateRequest:
     """Build a request message (client side). Unset optional fields take the server's defaults."""
     req = pb.GenerateRequest(
@@ -242,7 +268,12 @@ def request_to_proto(
         stop_token_ids=list(stop_token_ids),
         stop=[stop] if isinstance(stop, str) else list(stop),
         ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop_str_in_output,
+        echo=echo,
+        messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
     )
+    if n is not None:
+        req.n = n
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if temperature is not None:
@@ -298,6 +329,7 @@ def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
         token_ids=list(chunk.token_ids),
         text=chunk.text,
         finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],  # type: ignore[arg-type]
+        index=chunk.index,
     )
     if chunk.finished:
         if chunk.timings is not None:
@@ -317,6 +349,7 @@ def chunk_from_proto(m: pb.GenerateResponse, num_output_tokens_before: int = 0) 
         timings=timings_from_proto(m.timings) if m.HasField("timings") else None,
         num_prompt_tokens=m.usage.prompt_tokens if finished else 0,
         num_output_tokens=m.usage.completion_tokens if finished else num_output_tokens_before + len(m.token_ids),
+        index=m.index,
     )
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.bench.loadgen import Target, run_workload
+from jaxserve_bench.loadgen import Target, run_workload
 from placement.workload import Workload
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"

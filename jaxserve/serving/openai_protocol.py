@@ -1,0 +1,211 @@
+"""OpenAI's request schemas (completions and chat completions) and their conversion to `CompletionParams`.
+
+Strict pydantic models: unknown fields are refused; the OpenAI fields jaxserve does not
+implement are accepted only at their neutral value. Extensions as in vLLM: `top_k`,
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`.
+
+A request becomes an `OpenAIJob`: one `CompletionParams` per prompt (a completions
+request may carry a list of prompts), `n` samples of each, and how to render the output
+(echo, token ids, usage in the stream). Choice `i * n + j` is sample `j` of prompt `i`.
+
+Chat messages become one prompt through `jaxserve.serving.chat_template` (see
+docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.runtime.request import SamplingParams
+from jaxserve.serving import chat_template
+from jaxserve.serving.wire import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, CompletionParams
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
+MAX_CHOICES = 64  # prompts x n in one request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    max_completion_tokens: int | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None)
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    """OpenAI's completion request (`POST /v1/completions`)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """OpenAI's chat completion request (`POST /v1/chat/completions`)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """The chat template of `jaxserve.serving.chat_template` over OpenAI messages."""
+    return chat_template.render_chat((m.role, m.text()) for m in messages)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIJob:
+    """What one OpenAI request asks for, transport-neutral."""
+
+    prompts: tuple[CompletionParams, ...]
+    n: int
+    echo: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _bad(field: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, field=field)
+
+
+def _check_common(body: _SamplingFields) -> tuple[tuple[str, ...], bool]:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0.0):
+            raise _bad(name, f"{name} is not supported (only 0)")
+    if body.logit_bias:
+        raise _bad("logit_bias", "logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise _bad("stream_options", "stream_options is only allowed with stream=true")
+    if not 1 <= body.n <= MAX_N:
+        raise _bad("n", f"n must be in [1, {MAX_N}], got {body.n}")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters")
+    if any(s == "" for s in stop):
+        raise _bad("stop", "stop strings must not be empty")
+    if body.stop_token_ids and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return stop, include_usage
+
+
+def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def completion_job(body: CompletionRequest) -> OpenAIJob:
+    """Check a completions request's shape and the fields jaxserve does not implement."""
+    stop, include_usage = _check_common(body)
+    if body.best_of not in (None, 1, body.n):
+        raise _bad("best_of", "best_of must equal n (no server-side ranking)")
+    if body.logprobs is not None:
+        raise _bad("logprobs", "logprobs are not supported yet")
+    if body.suffix:
+        raise _bad("suffix", "suffix is not supported")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        raise _bad("max_tokens", "max_tokens must be set")
+    raw = body.prompt
+    prompts: list[str | tuple[int, ...]]
+    if isinstance(raw, str):
+        prompts = [raw]
+    elif raw and isinstance(raw[0], str):
+        prompts = [str(p) for p in raw]
+    elif raw and isinstance(raw[0], list):
+        prompts = [tuple(p) for p in raw]  # type: ignore[arg-type]
+    else:
+        prompts = [tuple(raw)]  # type: ignore[arg-type]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise _bad("prompt", "the prompt is empty")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise _bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {body.n}")
+    sampling = _sampling(body, max_tokens)
+    params = tuple(
+        CompletionParams(
+            prompt_text=p if isinstance(p, str) else None,
+            prompt_token_ids=None if isinstance(p, str) else p,
+            sampling=sampling,
+            stop=stop,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+        for p in prompts
+    )
+    return OpenAIJob(params, body.n, body.echo, body.stream, include_usage, body.return_token_ids)
+
+
+def chat_job(body: ChatCompletionRequest) -> OpenAIJob:
+    """Check a chat request and render its messages into one prompt."""
+    stop, include_usage = _check_common(body)
+    if body.logprobs or body.top_logprobs is not None:
+        raise _bad("logprobs", "logprobs are not supported yet")
+    if not body.messages:
+        raise _bad("messages", "messages must not be empty")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = CompletionParams(
+        prompt_text=render_chat(body.messages),
+        prompt_token_ids=None,
+        sampling=_sampling(body, max_tokens or 1),
+        stop=stop,
+        prompt_field="messages",
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        fill_max_tokens=max_tokens is None,
+    )
+    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids)
