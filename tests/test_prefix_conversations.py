@@ -1,0 +1,75 @@
+"""Multi-turn conversation workloads: growing context, shared system prompts, rate rescaling, ideal hits."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from placement.conversations import ConversationSpec, generate_conversations
+
+TINY = ConversationSpec(
+    num_system_prompts=1,
+    system_prompt_tokens=8,
+    min_turns=2,
+    max_turns=2,
+    user_tokens=3,
+    answer_tokens=5,
+    think_time_s=10.0,
+    vocab_size=1000,
+)
+
+
+def test_next_prompt_is_previous_prompt_plus_answer_plus_user_text() -> None:
+    convs = generate_conversations(ConversationSpec(), 20, np.random.default_rng(0))
+    by_conv: dict[int, list] = {}
+    for t in convs.turns:
+        by_conv.setdefault(t.conversation, []).append(t)
+    for turns in by_conv.values():
+        for prev, cur in itertools.pairwise(turns):
+            head = np.concatenate([prev.prompt, prev.answer])
+            assert cur.turn == prev.turn + 1 and cur.offset_s > prev.offset_s
+            assert len(cur.prompt) > len(head) and np.array_equal(cur.prompt[: len(head)], head)
+        assert all(len(t.prompt) + len(t.answer) <= 2048 for t in turns)
+    assert all(t.prompt.min() >= 2 for t in convs.turns)
+
+
+def test_system_prompts_are_shared_across_conversations() -> None:
+    convs = generate_conversations(ConversationSpec(num_system_prompts=2), 30, np.random.default_rng(1))
+    heads = {t.prompt[:256].tobytes() for t in convs.turns}
+    assert len(heads) == 2
+
+
+def test_same_seed_same_conversations_and_rate_rescales_only_starts() -> None:
+    a = generate_conversations(TINY, 5, np.random.default_rng(7))
+    b = generate_conversations(TINY, 5, np.random.default_rng(7))
+    assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(a.turns, b.turns, strict=True))
+    slow, fast = a.at_rate(0.1), a.at_rate(10.0)
+    assert len(slow) == len(fast) == 10
+    for w in (slow, fast):
+        # Think times are seconds, independent of the rate: turn 1 arrives offset_s after turn 0.
+        for c in range(5):
+            at = w.workload.arrival_at[w.conversation == c]
+            turn1 = next(t for t in a.turns if t.conversation == c and t.turn == 1)
+            assert at[1] - at[0] == pytest.approx(turn1.offset_s)
+        assert np.all(np.diff(w.workload.arrival_at) >= 0)
+        assert list(w.workload.input_lens) == [len(p) for p in w.prompts]
+
+
+def test_ideal_hit_tokens_by_hand() -> None:
+    # Block 4. First turns: 8 system + 3 user = 11 tokens; the first request hits nothing, the other
+    # first turn hits the 2 system blocks (8). Second turns: 11 + 5 + 3 = 19 tokens; the previous
+    # turn's prompt + answer but its last token (15 tokens) gives 3 full blocks: 12 each.
+    w = generate_conversations(TINY, 2, np.random.default_rng(3)).at_rate(1.0)
+    assert sorted(w.workload.input_lens.tolist()) == [11, 11, 19, 19]
+    assert w.ideal_hit_tokens(4) == 0 + 8 + 12 + 12
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ValueError):
+        ConversationSpec(min_turns=3, max_turns=2)
+    with pytest.raises(ValueError):
+        ConversationSpec(system_prompt_tokens=2048)
+    with pytest.raises(ValueError):
+        generate_conversations(TINY, 0, np.random.default_rng(0))
