@@ -83,7 +83,11 @@ class SharedPrefixWorkload:
         return len(self.workload)
 
     def ideal_hit_tokens(self, block_size: int) -> int:
-        """Prompt tokens an unbounded cache could serve: full blocks of the longest earlier shared prefix.
+        """Prompt tokens an unbounded cache could serve, in all (see `ideal_hits`)."""
+        return int(self.ideal_hits(block_size).sum())
+
+    def ideal_hits(self, block_size: int) -> np.ndarray:
+        """[N] prompt tokens an unbounded cache could serve: full blocks of the longest earlier shared prefix.
 
         Counted against every earlier request's prompt + answer (but the answer's last token, whose
         KV is never computed), with at least one prompt token left to compute. An upper bound for
@@ -92,8 +96,8 @@ class SharedPrefixWorkload:
         from jaxserve.runtime.prefix_cache import block_hashes
 
         seen: set[bytes] = set()
-        hits = 0
-        for prompt, answer in zip(self.prompts, self.answers, strict=True):
+        hits = np.zeros(len(self.prompts), dtype=np.int64)
+        for j, (prompt, answer) in enumerate(zip(self.prompts, self.answers, strict=True)):
             n = 0
             for name in block_hashes(prompt, block_size):
                 if name not in seen:
@@ -101,7 +105,7 @@ class SharedPrefixWorkload:
                 n += 1
             while n > 0 and len(prompt) - n * block_size < 1:
                 n -= 1
-            hits += n * block_size
+            hits[j] = n * block_size
             seen.update(block_hashes(np.concatenate([prompt, answer[:-1]]), block_size))
         return hits
 

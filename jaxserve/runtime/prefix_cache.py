@@ -178,9 +178,17 @@ class PrefixCache:
             return tuple(range(len(names)))
         return tuple(j for j, name in enumerate(names) if name not in self._by_name)
 
-    def num_cached_tokens(self, token_ids: Sequence[int] | np.ndarray, min_uncached_tokens: int = 1) -> int:
-        """Prompt tokens `acquire` would find cached (routing asks this of every instance)."""
-        names = block_hashes(token_ids, self.block_size)
+    def num_cached_tokens(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        min_uncached_tokens: int = 1,
+        names: Sequence[BlockHash] | None = None,
+    ) -> int:
+        """Prompt tokens `acquire` would find cached (routing asks this of every instance).
+
+        `names`: `block_hashes(token_ids, block_size)` when the caller already has them.
+        """
+        names = block_hashes(token_ids, self.block_size) if names is None else names
         return self._usable_blocks(names, len(token_ids), min_uncached_tokens) * self.block_size
 
     def _usable_blocks(self, names: Sequence[BlockHash], num_tokens: int, min_uncached_tokens: int) -> int:
@@ -198,14 +206,18 @@ class PrefixCache:
         num_tokens_reserved: int,
         *,
         min_uncached_tokens: int = 1,
+        names: Sequence[BlockHash] | None = None,
     ) -> CacheHit:
-        """Pin the longest cached prefix of `token_ids` and allocate blocks for the rest of the reservation."""
+        """Pin the longest cached prefix of `token_ids` and allocate blocks for the rest of the reservation.
+
+        `names`: `block_hashes(token_ids, block_size)` when the caller already has them.
+        """
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
         num_tokens = len(token_ids)
         if num_tokens_reserved < num_tokens:
             raise ValueError(f"reservation of {num_tokens_reserved} tokens is shorter than the {num_tokens} given")
-        names = block_hashes(token_ids, self.block_size)
+        names = block_hashes(token_ids, self.block_size) if names is None else names
         num_hit = self._usable_blocks(names, num_tokens, min_uncached_tokens)
         hits = [self._by_name[name] for name in names[:num_hit]]
         num_total = -(-num_tokens_reserved // self.block_size)
@@ -236,12 +248,14 @@ class PrefixCache:
         self.stats.num_hit_tokens += num_hit * self.block_size
         return CacheHit(tuple(b.block_id for b in hits + fresh), num_hit * self.block_size)
 
-    def commit(self, request_id: str, token_ids: Sequence[int] | np.ndarray) -> int:
+    def commit(
+        self, request_id: str, token_ids: Sequence[int] | np.ndarray, names: Sequence[BlockHash] | None = None
+    ) -> int:
         """Name the request's full blocks of `token_ids` (their KV exists now); returns blocks newly named."""
         table = self._tables.get(request_id)
         if table is None or not self.enabled:
             return 0
-        names = block_hashes(token_ids, self.block_size)
+        names = block_hashes(token_ids, self.block_size) if names is None else names
         if len(names) > len(table):
             raise ValueError(f"{len(token_ids)} tokens do not fit in request {request_id!r}'s {len(table)} blocks")
         start = self._num_committed[request_id]

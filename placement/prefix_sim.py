@@ -1,0 +1,362 @@
+"""Prefix caching in the simulator: hits, evictions, partial transfers and local prefills.
+
+`PrefixSimulator` is the disaggregated `Simulator` with a `PrefixCache` (the runtime's class) on
+every prefill and decode instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
+(`choose_prefill_instance_cached`, `choose_decode_instance_cached`, `prefill_locally`). It only
+overrides the simulator's prefix-cache hooks and wraps a few event handlers; the event loop, the
+batching, admission and link model are the simulator's own. A request's life with caching:
+
+1. Arrival. If conditional disaggregation is on (`PrefixPolicy.local_prefill_tokens > 0`), the
+   decode instance the request would go to (`choose_decode_instance_cached` over the blocks each
+   holds) is asked how much of the prompt it lacks; below the threshold the request joins that
+   instance's pending queue as a *local prefill* and never visits a prefill instance. Otherwise it
+   goes to the prefill instance with the best `overlap_weight × cached_blocks − queue_tokens`
+   (queue = uncached tokens still to compute there) and pins its cached prefix there
+   (`PrefixCache.acquire`).
+2. Prefill computes only the uncached suffix: a batch costs `prefill_stage_s(Σ new, Σ new·(new +
+   2·cached), B)` (the chunked-prefill form of the latency model). When it finishes, the prompt's
+   full blocks are named in the prefill cache (`commit`); they stay pinned until the KV is pulled.
+3. Decode choice prefers the instance holding the conversation's blocks; admission reserves the
+   whole sequence (`admit_decodes` is unchanged and counts no credit for cached blocks), the decode
+   cache pins the prompt's cached prefix, and the pull moves only the tokens it lacks
+   (`_transfer_tokens`): partial transfers.
+4. A local prefill rides in the decode instance's next round as a chunk with the running decodes
+   (`chunk_stage_s`, Sarathi-style), and its first token comes at the end of that round.
+5. At the end the decode cache names prompt + answer but the last token (whose KV is never
+   computed) and releases the request: the next turn of the conversation finds it there.
+
+Instances evict unreferenced blocks LRU when a reservation needs room. Decode caches hold as many
+blocks as the instance's KV capacity, so `Simulator`'s free-block count equals the cache's
+`num_available` (free + evictable) at all times. Prefill caches hold the prefill instance's KV
+capacity; a prompt whose reservation does not fit is computed without pinning (no hit, no commit).
+With `PrefixPolicy(enabled=False)` every request runs as in `Simulator` (a test checks identical
+timestamps), which is the "without caching" arm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.plan import DeploymentPlan
+from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError
+from jaxserve.runtime.prefix_cache import BlockHash, PrefixCache, block_hashes
+from jaxserve.scheduling import (
+    CachedDecodeLoad,
+    CachedPrefillLoad,
+    DecodeLoad,
+    PendingDecode,
+    PrefillLoad,
+    PrefixPolicy,
+    choose_decode_instance_cached,
+    choose_prefill_instance_cached,
+    prefill_locally,
+    prefix_prefill_work,
+)
+from placement.conversations import ConversationSet, SharedPrefixWorkload
+from placement.goodput import GoodputSearch
+from placement.hardware import ClusterSpec
+from placement.latency import LatencyProvider
+from placement.simulator import SimOptions, SimResult, Simulator
+from placement.slo import SloSpec
+
+_LOCAL = -2  # `src` of a pending decode that the decode instance prefills itself
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixStats:
+    """What caching did over one run (tokens; bytes are KV bytes over all layers)."""
+
+    num_requests: int
+    prompt_tokens: int
+    computed_tokens: int  # prompt tokens prefilled (on prefill instances and locally)
+    transferred_tokens: int  # prompt tokens whose KV crossed a link
+    kv_bytes_moved: float
+    num_local_prefills: int
+    num_prefill_evictions: int
+    num_decode_evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens whose KV was not recomputed."""
+        return 1.0 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def transfer_share(self) -> float:
+        """Share of prompt tokens whose KV was transferred (1.0 without caching)."""
+        return self.transferred_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixSimulator(Simulator):
+    """A disaggregated `Simulator` with a `PrefixCache` on every instance. Construct, then `run()` once."""
+
+    def __init__(
+        self,
+        plan: DeploymentPlan,
+        latency: LatencyProvider,
+        cluster: ClusterSpec,
+        requests: SharedPrefixWorkload,
+        slo: SloSpec | None = None,
+        options: SimOptions | None = None,
+        policy: PrefixPolicy | None = None,
+    ) -> None:
+        super().__init__(plan, latency, cluster, requests.workload, slo, options)
+        if self.plan.kind == "colocated" or self.options.mode != "full":
+            raise ValueError("PrefixSimulator models disaggregated deployments in full mode only")
+        self.policy = policy or PrefixPolicy()
+        self.requests = requests
+        bs = self.options.block_size
+        on = self.policy.enabled
+        self.prefill_caches = [
+            PrefixCache(BlockAllocator(max(p.capacity_tokens // bs, 1), bs), enabled=on) for p in self.prefills
+        ]
+        self.decode_caches = [PrefixCache(BlockAllocator(d.free_blocks, bs), enabled=on) for d in self.decodes]
+        n = len(requests)
+        self._computed = self.input_lens.copy()  # prompt tokens each request computes
+        self._prior = np.zeros(n, dtype=np.int64)  # cached tokens under what it computes
+        self._transferred = np.zeros(n, dtype=np.int64)
+        self._local = np.zeros(n, dtype=bool)
+        self._names: dict[int, tuple[BlockHash, ...]] = {}
+        self._pending_compute = [0] * len(self.prefills)  # uncached tokens queued or running per prefill instance
+        self._local_ready: list[list[int]] = [[] for _ in self.decodes]
+        self._local_running: list[list[int]] = [[] for _ in self.decodes]
+
+    # ---- results -----------------------------------------------------------------------------
+    def stats(self) -> PrefixStats:
+        started = ~np.isnan(self.first_token_at)
+        return PrefixStats(
+            num_requests=int(started.sum()),
+            prompt_tokens=int(self.input_lens[started].sum()),
+            computed_tokens=int(self._computed[started].sum()),
+            transferred_tokens=int(self._transferred.sum()),
+            kv_bytes_moved=float(self._transferred.sum()) * self.kv_bytes_per_token,
+            num_local_prefills=int(self._local[started].sum()),
+            num_prefill_evictions=sum(c.stats.num_evictions for c in self.prefill_caches),
+            num_decode_evictions=sum(c.stats.num_evictions for c in self.decode_caches),
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _prompt(self, i: int) -> np.ndarray:
+        return self.requests.prompts[i]
+
+    def _prompt_names(self, i: int) -> tuple[BlockHash, ...]:
+        names = self._names.get(i)
+        if names is None:
+            names = self._names[i] = block_hashes(self._prompt(i), self.options.block_size)
+        return names
+
+    def _decode_choice(self, i: int, loads: list[DecodeLoad]) -> int:
+        bs, names = self.options.block_size, self._prompt_names(i)
+        cands = [
+            CachedDecodeLoad(
+                c.num_cached_tokens(self._prompt(i), 0, names) // bs, ld.num_running, ld.num_waiting, ld.num_free_blocks
+            )
+            for c, ld in zip(self.decode_caches, loads, strict=True)
+        ]
+        return choose_decode_instance_cached(cands, self.policy.max_decode_imbalance)
+
+    def _current_decode_loads(self) -> list[DecodeLoad]:
+        # The loads `Simulator._first_token` gives the decode choice.
+        return [
+            DecodeLoad(d.num_running + len(d.joining) + d.num_transferring, len(d.pending), d.free_blocks)
+            for d in self.decodes
+        ]
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def _route_prefill(self, i: int, loads: list[PrefillLoad]) -> int:
+        bs, n = self.options.block_size, int(self.input_lens[i])
+        prompt, names = self._prompt(i), self._prompt_names(i)
+        threshold = self.policy.local_prefill_tokens if self.policy.enabled else 0
+        if threshold > 0:
+            k = self._decode_choice(i, self._current_decode_loads())
+            cached = self.decode_caches[k].num_cached_tokens(prompt, 1, names)
+            if prefill_locally(n, cached, threshold):
+                self._local[i] = True
+                d = self.decodes[k]
+                d.pending.append((PendingDecode(str(i), n, int(self.output_lens[i])), i, _LOCAL))
+                self._try_admit(k)
+                return -1
+        cands = [
+            CachedPrefillLoad(c.num_cached_tokens(prompt, 1, names) // bs, q, ld.num_queued_requests)
+            for c, q, ld in zip(self.prefill_caches, self._pending_compute, loads, strict=True)
+        ]
+        k = choose_prefill_instance_cached(cands, self.policy.weight(bs))
+        try:
+            cached = self.prefill_caches[k].acquire(str(i), prompt, n, names=names).num_cached_tokens
+        except OutOfBlocksError:  # every block pinned by queued prompts: compute it all, cache nothing
+            cached = 0
+        self._prior[i] = cached
+        self._computed[i] = n - cached
+        self._pending_compute[k] += n - cached
+        return k
+
+    def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
+        work = [prefix_prefill_work(int(self.input_lens[i]), int(self._prior[i])) for i in batch]
+        return self.prefills[k].model.prefill_stage_s(
+            float(sum(w[0] for w in work)), float(sum(w[1] for w in work)), len(batch)
+        )
+
+    def _on_prefill_done(self, k: int, batch: list[int]) -> None:
+        cache = self.prefill_caches[k]
+        for i in batch:
+            cache.commit(str(i), self._prompt(i), self._prompt_names(i))
+            self._pending_compute[k] -= int(self._computed[i])
+        super()._on_prefill_done(k, batch)
+
+    def _release_buffer(self, src: int, i: int) -> None:
+        self.prefill_caches[src].release(str(i))  # the KV has left (or was never needed): unpin
+        super()._release_buffer(src, i)
+
+    # ---- decode side -------------------------------------------------------------------------
+    def _route_decode(self, i: int, loads: list[DecodeLoad]) -> int:
+        return self._decode_choice(i, loads)
+
+    def _reserve_decode_blocks(self, k: int, i: int, req: PendingDecode) -> int:
+        cache = self.decode_caches[k]
+        before = cache.num_available
+        hit = cache.acquire(
+            str(i),
+            self._prompt(i),
+            req.num_prompt_tokens + req.max_new_tokens,
+            min_uncached_tokens=1 if self._local[i] else 0,  # a local prefill needs the last logits
+            names=self._prompt_names(i),
+        )
+        if self._local[i]:
+            self._prior[i] = hit.num_cached_tokens  # what the local prefill starts from
+        else:
+            self._transferred[i] = req.num_prompt_tokens - hit.num_cached_tokens  # a partial pull
+        return before - cache.num_available
+
+    def _transfer_tokens(self, k: int, i: int) -> int:
+        return int(self._transferred[i])
+
+    def _on_transfer_done(self, k: int, i: int, src: int) -> None:
+        self.decode_caches[k].commit(str(i), self._prompt(i), self._prompt_names(i))
+        super()._on_transfer_done(k, i, src)
+
+    def _admit_without_transfer(self, k: int, i: int, src: int) -> bool:
+        if src != _LOCAL:
+            return False
+        self._local_ready[k].append(i)
+        return True
+
+    def _decode_has_work(self, k: int) -> bool:
+        return bool(self._local_ready[k]) or super()._decode_has_work(k)
+
+    def _decode_round_s(self, k: int) -> float:
+        if not self._local_ready[k]:
+            return super()._decode_round_s(k)
+        d, m = self.decodes[k], self.decodes[k].model
+        local = self._local_running[k] = self._local_ready[k]
+        self._local_ready[k] = []
+        work = [prefix_prefill_work(int(self.input_lens[i]), int(self._prior[i])) for i in local]
+        new = sum(w[0] for w in work)
+        for i in local:
+            self.prefill_start_at[i] = self.now
+            self._computed[i] = int(self.input_lens[i]) - int(self._prior[i])
+        # A mixed step, as in a colocated instance: every stage in turn, decodes ride along.
+        stage = m.chunk_stage_s(float(new), float(sum(w[1] for w in work)), len(local), d.num_running, d.ctx_sum)
+        return m.pp * stage + (m.pp - 1) * m.send_s(new + d.num_running)
+
+    def _on_round_done(self, k: int) -> None:
+        d, cache = self.decodes[k], self.decode_caches[k]
+        local, self._local_running[k] = self._local_running[k], []
+        for i in local:
+            self.first_token_at[i] = self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
+            cache.commit(str(i), self._prompt(i), self._prompt_names(i))
+            ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s
+            if self.tracker is not None:
+                self.tracker.record_ttft(ttft_ok)
+            if self.output_lens[i] > 1:
+                d.joining.append(i)
+                continue
+            self.decode_start_at[i] = self.finish_at[i] = self.now
+            d.free_blocks += self._release_decode_blocks(k, i)
+            if self.tracker is not None:
+                self.tracker.record_done(bool(ttft_ok), True)
+        super()._on_round_done(k)
+
+    def _release_decode_blocks(self, k: int, i: int) -> int:
+        cache = self.decode_caches[k]
+        before = cache.num_available
+        answer = self.requests.answers[i]
+        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
+        cache.release(str(i))
+        return cache.num_available - before
+
+
+def simulate_prefix(
+    plan: DeploymentPlan,
+    latency: LatencyProvider,
+    cluster: ClusterSpec,
+    requests: SharedPrefixWorkload,
+    slo: SloSpec | None = None,
+    options: SimOptions | None = None,
+    policy: PrefixPolicy | None = None,
+) -> tuple[SimResult, PrefixStats]:
+    """Simulate `plan` serving `requests` with prefix caching as `policy` says; the result and cache stats."""
+    sim = PrefixSimulator(plan, latency, cluster, requests, slo, options, policy)
+    result = sim.run()
+    return result, sim.stats()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixGoodputSearch(GoodputSearch):
+    """`GoodputSearch` over a conversation set: each probe replays it at the probed rate with caching.
+
+    `workload` is the set at rate 1 (for the bounds). With caching on, the bounds use each prompt
+    minus what an unbounded cache would serve (`SharedPrefixWorkload.ideal_hits`), so they stay
+    upper bounds of what any finite cache achieves.
+    """
+
+    conversations: ConversationSet | None = None
+    policy: PrefixPolicy = dataclasses.field(default_factory=PrefixPolicy)
+
+    def meets(self, rate: float) -> bool:
+        assert self.conversations is not None
+        sim = PrefixSimulator(
+            self.plan, self.latency, self.cluster, self.conversations.at_rate(rate), self.slo, self.options, self.policy
+        )
+        verdict = sim.run().verdict
+        assert verdict is not None
+        return verdict
+
+    def _ideal(self) -> GoodputSearch:
+        if not self.policy.enabled or self.conversations is None:
+            return self
+        shared = self.conversations.at_rate(1.0)
+        hits = shared.ideal_hits(self.options.block_size)
+        uncached = np.maximum(shared.workload.input_lens - hits, 1)
+        workload = dataclasses.replace(shared.workload, input_lens=uncached)
+        return GoodputSearch(self.plan, self.latency, self.cluster, workload, self.slo, self.options)
+
+    def zero_load_attainment(self) -> float:
+        ideal = self._ideal()
+        return GoodputSearch.zero_load_attainment(ideal)
+
+    def throughput_bound(self) -> float:
+        ideal = self._ideal()
+        return GoodputSearch.throughput_bound(ideal)
+
+
+def prefix_goodput_search(
+    plan: DeploymentPlan,
+    latency: LatencyProvider,
+    cluster: ClusterSpec,
+    conversations: ConversationSet,
+    slo: SloSpec,
+    options: SimOptions | None = None,
+    policy: PrefixPolicy | None = None,
+) -> PrefixGoodputSearch:
+    """The search object `placement.goodput.max_rate` takes, for a conversation workload."""
+    return PrefixGoodputSearch(
+        plan,
+        latency,
+        cluster,
+        conversations.at_rate(1.0).workload,
+        slo,
+        options or SimOptions(),
+        conversations,
+        policy or PrefixPolicy(),
+    )
