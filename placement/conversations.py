@@ -12,11 +12,19 @@ Token ids are drawn at random (ids >= 2, below `vocab_size`), so two prompts sha
 when they share the prefix up to it, and cache hits are computable by `PrefixCache`. A conversation
 ends early when the next prompt plus its answer would not fit in `max_positions`.
 
-Timing is open-loop: conversations start as a Poisson process, and turn t+1 arrives `think_s` after
-turn t *arrived* (think times drawn once, in seconds, independent of the rate). When a turn arrives
-before the previous answer is finished, the answer's blocks are simply not cached yet — the
-simulator sees a miss, as a real server would. `at_rate(rate)` rescales only the conversation start
-gaps, so the same conversations replay at any request rate with the same think times.
+Timing is closed-loop, as a real chat client must be (turn t+1's prompt contains turn t's answer):
+conversations start as a Poisson process; turn t+1 is sent `think_s` seconds after turn t's last
+token (think times drawn once, in seconds, independent of the rate). So only the first turns have
+arrival times in advance; the simulator (`placement/prefix_sim.py`) and a load generator schedule
+each later turn when the previous one finishes. `at_rate(rate)` rescales only the conversation start
+gaps (conversations start at `rate / mean_turns` per second, so requests arrive at about `rate` once
+the system is in steady state and keeps up), with the same think times at any rate.
+
+Request order in a `SharedPrefixWorkload`: the first turns, sorted by arrival (indices
+`0 .. num_first - 1`), then the later turns ordered by their conversation's start plus its think
+times, so a turn always comes after the turns before it in its conversation. The later turns'
+`workload.arrival_at` is a placeholder (the last first-turn arrival) that keeps the `Workload`
+sorted; lengths are real.
 
 Everything comes from the caller's `np.random.Generator`.
 """
@@ -43,7 +51,7 @@ class ConversationSpec:
     max_turns: int = 8
     user_tokens: ClippedLognormal | int = _USER_TOKENS  # new user text per turn
     answer_tokens: ClippedLognormal | int = _ANSWER_TOKENS
-    think_time_s: float = 20.0  # mean of an exponential, between a turn's arrival and the next's
+    think_time_s: float = 10.0  # mean of an exponential, from a turn's last token to the next turn
     max_positions: int = MAX_POSITIONS
     vocab_size: int = 50272
 
@@ -60,24 +68,31 @@ class ConversationSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """One request of a conversation: its prompt, the answer it will get, when it arrives."""
+    """One request of a conversation: its prompt, the answer it will get, how long the user thought."""
 
     conversation: int
     turn: int
-    offset_s: float  # after the conversation's start
+    think_s: float  # after the previous turn's last token (0 for a first turn)
     prompt: np.ndarray  # [input_len] int64 token ids
     answer: np.ndarray  # [output_len] int64 token ids
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedPrefixWorkload:
-    """Requests sorted by arrival (`workload`) with their token ids, conversation and turn."""
+    """Requests (first turns, then later turns; see the module docstring) with their token ids.
+
+    `next_turn[i]`: the index of the request sent `think_s[next_turn[i]]` seconds after request i
+    finishes, or -1 for a conversation's last turn.
+    """
 
     workload: Workload
     prompts: tuple[np.ndarray, ...]
     answers: tuple[np.ndarray, ...]
     conversation: np.ndarray  # [N] int64
     turn: np.ndarray  # [N] int64
+    think_s: np.ndarray  # [N] float64
+    next_turn: np.ndarray  # [N] int64
+    num_first: int
 
     def __len__(self) -> int:
         return len(self.workload)
@@ -131,11 +146,23 @@ class ConversationSet:
         if rate <= 0:
             raise ValueError("rate must be positive")
         starts = np.cumsum(self.start_gaps) * (self.mean_turns / rate)
-        arrival = np.asarray([starts[t.conversation] + t.offset_s for t in self.turns], dtype=np.float64)
-        order = np.argsort(arrival, kind="stable")
+        # Sort key: the conversation's start plus its think times so far (no service time).
+        key = np.zeros(len(self.turns))
+        for j, t in enumerate(self.turns):
+            key[j] = starts[t.conversation] if t.turn == 0 else key[j - 1] + t.think_s
+        first = [j for j, t in enumerate(self.turns) if t.turn == 0]
+        later = [j for j, t in enumerate(self.turns) if t.turn > 0]
+        order = sorted(first, key=lambda j: (key[j], j)) + sorted(later, key=lambda j: (key[j], j))
         chosen = [self.turns[j] for j in order]
+        position = {j: i for i, j in enumerate(order)}
+        next_turn = np.full(len(order), -1, dtype=np.int64)
+        for i, j in enumerate(order):
+            if j + 1 < len(self.turns) and self.turns[j + 1].turn > 0:
+                next_turn[i] = position[j + 1]
+        last_first = float(key[first].max()) if first else 0.0
+        arrival = np.asarray([key[j] if i < len(first) else last_first for i, j in enumerate(order)])
         workload = Workload(
-            arrival[order],
+            arrival,
             np.asarray([len(t.prompt) for t in chosen], dtype=np.int64),
             np.asarray([len(t.answer) for t in chosen], dtype=np.int64),
             rate,
@@ -146,6 +173,9 @@ class ConversationSet:
             tuple(t.answer for t in chosen),
             np.asarray([t.conversation for t in chosen], dtype=np.int64),
             np.asarray([t.turn for t in chosen], dtype=np.int64),
+            np.asarray([t.think_s for t in chosen], dtype=np.float64),
+            next_turn,
+            len(first),
         )
 
 
@@ -173,15 +203,13 @@ def generate_conversations(spec: ConversationSpec, num_conversations: int, rng: 
         user_lens = _lengths(spec.user_tokens, rng, num_turns)
         answer_lens = _lengths(spec.answer_tokens, rng, num_turns)
         thinks = rng.exponential(spec.think_time_s, size=num_turns) if spec.think_time_s > 0 else np.zeros(num_turns)
-        offset = 0.0
         for t in range(num_turns):
             prompt = np.concatenate([context, _tokens(rng, int(user_lens[t]), spec.vocab_size)])
             room = spec.max_positions - len(prompt)
             if room < 1:
                 break
             answer = _tokens(rng, min(int(answer_lens[t]), room), spec.vocab_size)
-            turns.append(Turn(c, t, offset, prompt, answer))
+            turns.append(Turn(c, t, float(thinks[t]) if t > 0 else 0.0, prompt, answer))
             context = np.concatenate([prompt, answer])
-            offset += float(thinks[t])
     start_gaps = rng.exponential(1.0, size=num_conversations)
     return ConversationSet(spec, tuple(turns), start_gaps)

@@ -23,7 +23,9 @@ batching, admission and link model are the simulator's own. A request's life wit
 4. A local prefill rides in the decode instance's next round as a chunk with the running decodes
    (`chunk_stage_s`, Sarathi-style), and its first token comes at the end of that round.
 5. At the end the decode cache names prompt + answer but the last token (whose KV is never
-   computed) and releases the request: the next turn of the conversation finds it there.
+   computed) and releases the request: the next turn of the conversation finds it there. That
+   next turn arrives `think_s` later (closed loop: a `_TURN_ARRIVAL` event; only first turns come
+   from the arrival array).
 
 Instances evict unreferenced blocks LRU when a reservation needs room. Decode caches hold as many
 blocks as the instance's KV capacity, so `Simulator`'s free-block count equals the cache's
@@ -36,6 +38,7 @@ timestamps), which is the "without caching" arm.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -62,6 +65,7 @@ from placement.simulator import SimOptions, SimResult, Simulator
 from placement.slo import SloSpec
 
 _LOCAL = -2  # `src` of a pending decode that the decode instance prefills itself
+_TURN_ARRIVAL = 100  # event kind: a conversation's next turn is sent (payload-free; inst = request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,11 @@ class PrefixSimulator(Simulator):
         policy: PrefixPolicy | None = None,
     ) -> None:
         super().__init__(plan, latency, cluster, requests.workload, slo, options)
+        # Closed loop: only first turns arrive from the array; each later turn is an event scheduled
+        # `think_s` after the previous turn finishes (`_finished`).
+        self.workload = requests.workload.head(requests.num_first)
+        self.arrival_at = self.arrival_at.copy()
+        self.arrival_at[requests.num_first :] = np.nan
         if self.plan.kind == "colocated" or self.options.mode != "full":
             raise ValueError("PrefixSimulator models disaggregated deployments in full mode only")
         self.policy = policy or PrefixPolicy()
@@ -163,6 +172,18 @@ class PrefixSimulator(Simulator):
             for d in self.decodes
         ]
 
+    def _dispatch(self, kind: int, inst: int, payload: object) -> None:
+        if kind == _TURN_ARRIVAL:
+            self._on_arrival(inst)
+        else:
+            super()._dispatch(kind, inst, payload)
+
+    def _finished(self, i: int) -> None:
+        j = int(self.requests.next_turn[i])
+        if j >= 0:
+            self.arrival_at[j] = self.now + float(self.requests.think_s[j])
+            self._push(float(self.arrival_at[j]), _TURN_ARRIVAL, j)
+
     # ---- prefill side ------------------------------------------------------------------------
     def _route_prefill(self, i: int, loads: list[PrefillLoad]) -> int:
         bs, n = self.options.block_size, int(self.input_lens[i])
@@ -207,6 +228,8 @@ class PrefixSimulator(Simulator):
     def _release_buffer(self, src: int, i: int) -> None:
         self.prefill_caches[src].release(str(i))  # the KV has left (or was never needed): unpin
         super()._release_buffer(src, i)
+        if not np.isnan(self.finish_at[i]):  # a one-token request ended at its prefill
+            self._finished(i)
 
     # ---- decode side -------------------------------------------------------------------------
     def _route_decode(self, i: int, loads: list[DecodeLoad]) -> int:
@@ -283,6 +306,7 @@ class PrefixSimulator(Simulator):
         answer = self.requests.answers[i]
         cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
         cache.release(str(i))
+        self._finished(i)
         return cache.num_available - before
 
 
@@ -360,3 +384,67 @@ def prefix_goodput_search(
         conversations,
         policy or PrefixPolicy(),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CachingRow:
+    """One arm of a with/without-caching comparison."""
+
+    name: str
+    policy: PrefixPolicy
+    goodput_rps: float
+    goodput_rps_per_device: float
+    rate: float  # the common rate the stats below were measured at
+    stats: PrefixStats
+    ttft_p50_s: float
+    ttft_p90_s: float
+    tpot_p90_s: float
+    attainment: float
+
+
+def compare_caching(
+    plan: DeploymentPlan,
+    latency: LatencyProvider,
+    cluster: ClusterSpec,
+    conversations: ConversationSet,
+    slo: SloSpec,
+    arms: Sequence[tuple[str, PrefixPolicy]],
+    options: SimOptions | None = None,
+    rate: float | None = None,
+    rel_tol: float = 0.02,
+) -> list[CachingRow]:
+    """Goodput of each arm (`max_rate` over the conversation set), then every arm at one common rate.
+
+    The common rate is `rate`, or the first arm's goodput (so hit rate, bytes moved and TTFT are
+    compared on identical traffic).
+    """
+    from placement.goodput import max_rate
+
+    opts = options or SimOptions()
+    goodputs = [
+        max_rate(prefix_goodput_search(plan, latency, cluster, conversations, slo, opts, policy), rel_tol)
+        for _, policy in arms
+    ]
+    common = rate if rate is not None else (goodputs[0] or 1.0)
+    shared = conversations.at_rate(common)
+    rows = []
+    for (name, policy), good in zip(arms, goodputs, strict=True):
+        result, stats = simulate_prefix(
+            plan, latency, cluster, shared, slo, dataclasses.replace(opts, stop_early=False), policy
+        )
+        done = result.finished
+        rows.append(
+            CachingRow(
+                name,
+                policy,
+                good,
+                good / plan.num_devices,
+                common,
+                stats,
+                float(np.percentile(result.ttft_s[done], 50)),
+                float(np.percentile(result.ttft_s[done], 90)),
+                float(np.percentile(result.tpot_s[done], 90)),
+                result.attainment(slo),
+            )
+        )
+    return rows

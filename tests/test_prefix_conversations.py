@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from placement.conversations import ConversationSpec, generate_conversations
+from placement.conversations import ConversationSpec, SharedPrefixWorkload, generate_conversations
 
 TINY = ConversationSpec(
     num_system_prompts=1,
@@ -27,12 +27,26 @@ def test_next_prompt_is_previous_prompt_plus_answer_plus_user_text() -> None:
     for t in convs.turns:
         by_conv.setdefault(t.conversation, []).append(t)
     for turns in by_conv.values():
+        assert turns[0].think_s == 0.0
         for prev, cur in itertools.pairwise(turns):
             head = np.concatenate([prev.prompt, prev.answer])
-            assert cur.turn == prev.turn + 1 and cur.offset_s > prev.offset_s
+            assert cur.turn == prev.turn + 1 and cur.think_s > 0
             assert len(cur.prompt) > len(head) and np.array_equal(cur.prompt[: len(head)], head)
         assert all(len(t.prompt) + len(t.answer) <= 2048 for t in turns)
     assert all(t.prompt.min() >= 2 for t in convs.turns)
+
+
+def test_requests_link_each_turn_to_the_next() -> None:
+    w = generate_conversations(ConversationSpec(), 30, np.random.default_rng(4)).at_rate(2.0)
+    assert np.all(w.turn[: w.num_first] == 0) and np.all(w.turn[w.num_first :] > 0)
+    assert w.num_first == 30
+    for i, j in enumerate(w.next_turn):
+        if j >= 0:
+            assert j > i and w.conversation[j] == w.conversation[i] and w.turn[j] == w.turn[i] + 1
+            prev = np.concatenate([w.prompts[i], w.answers[i]])
+            assert np.array_equal(w.prompts[j][: len(prev)], prev)
+    assert (w.next_turn >= 0).sum() == len(w) - w.num_first  # every later turn has exactly one parent
+    assert len(set(w.next_turn[w.next_turn >= 0].tolist())) == len(w) - w.num_first
 
 
 def test_system_prompts_are_shared_across_conversations() -> None:
@@ -46,15 +60,17 @@ def test_same_seed_same_conversations_and_rate_rescales_only_starts() -> None:
     b = generate_conversations(TINY, 5, np.random.default_rng(7))
     assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(a.turns, b.turns, strict=True))
     slow, fast = a.at_rate(0.1), a.at_rate(10.0)
-    assert len(slow) == len(fast) == 10
-    for w in (slow, fast):
-        # Think times are seconds, independent of the rate: turn 1 arrives offset_s after turn 0.
-        for c in range(5):
-            at = w.workload.arrival_at[w.conversation == c]
-            turn1 = next(t for t in a.turns if t.conversation == c and t.turn == 1)
-            assert at[1] - at[0] == pytest.approx(turn1.offset_s)
-        assert np.all(np.diff(w.workload.arrival_at) >= 0)
-        assert list(w.workload.input_lens) == [len(p) for p in w.prompts]
+    assert len(slow) == len(fast) == 10 and slow.num_first == fast.num_first == 5
+    # Requests arrive at `rate` on average: conversations start at rate / mean_turns (2 turns here).
+    first = slow.workload.arrival_at[:5]
+    assert np.allclose(first * 0.1 / 2, np.cumsum(a.start_gaps))
+    assert np.allclose(fast.workload.arrival_at[:5], first / 100)
+
+    # The same think times per (conversation, turn) at any rate (the order of later turns may differ).
+    def thinks(w: SharedPrefixWorkload) -> dict[tuple[int, int], float]:
+        return {(int(c), int(t)): float(s) for c, t, s in zip(w.conversation, w.turn, w.think_s, strict=True)}
+
+    assert thinks(slow) == thinks(fast)
 
 
 def test_ideal_hit_tokens_by_hand() -> None:

@@ -15,6 +15,7 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
 from placement.prefix_sim import PrefixSimulator, simulate_prefix
 from placement.simulator import SimOptions, simulate
+from placement.workload import Workload
 
 TIMESTAMPS = (
     "prefill_start_at",
@@ -34,17 +35,33 @@ def a100() -> tuple[LatencyProvider, ClusterSpec]:
 
 
 def test_caching_off_is_exactly_the_plain_simulator(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    # Later turns arrive when the previous one finished (closed loop); replayed as a plain trace with
+    # those arrival times, the cache-blind simulator gives every request the same timestamps.
     latency, cluster = a100
     plan = parse_deployment("disagg:prefill=2xtp2,decode=2xtp1").assign_devices(8)
     shared = generate_conversations(ConversationSpec(), 60, np.random.default_rng(0)).at_rate(6.0)
-    plain = simulate(plan, latency, cluster, shared.workload)
     off, stats = simulate_prefix(plan, latency, cluster, shared, policy=PrefixPolicy(enabled=False))
+    assert off.num_finished == len(shared)
+    order = np.argsort(off.arrival_at, kind="stable")
+    w = shared.workload
+    trace = Workload(off.arrival_at[order], w.input_lens[order], w.output_lens[order], w.rate)
+    plain = simulate(plan, latency, cluster, trace)
     for name in TIMESTAMPS:
-        assert np.array_equal(getattr(plain, name), getattr(off, name), equal_nan=True), name
-    total = int(shared.workload.input_lens.sum())
+        assert np.array_equal(getattr(plain, name), getattr(off, name)[order], equal_nan=True), name
+    total = int(w.input_lens.sum())
     assert stats.computed_tokens == stats.prompt_tokens == total and stats.hit_rate == 0.0
-    single = int(shared.workload.input_lens[shared.workload.output_lens == 1].sum())  # never pulled
+    single = int(w.input_lens[w.output_lens == 1].sum())  # never pulled
     assert stats.transferred_tokens == total - single
+
+
+def test_next_turn_is_sent_think_time_after_the_previous_finishes(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
+    shared = generate_conversations(ConversationSpec(), 10, np.random.default_rng(2)).at_rate(1.0)
+    result, _ = simulate_prefix(plan, latency, cluster, shared)
+    for i, j in enumerate(shared.next_turn):
+        if j >= 0:
+            assert result.arrival_at[j] == pytest.approx(result.finish_at[i] + shared.think_s[j])
 
 
 TINY = ConversationSpec(
