@@ -33,6 +33,14 @@ blocks as the instance's KV capacity, so `Simulator`'s free-block count equals t
 capacity; a prompt whose reservation does not fit is computed without pinning (no hit, no commit).
 With `PrefixPolicy(enabled=False)` every request runs as in `Simulator` (a test checks identical
 timestamps), which is the "without caching" arm.
+
+Steady state. A finite set of closed-loop conversations never loads the system at its nominal rate
+at the start (conversations still ramping up, caches cold) nor at the end (no new conversations).
+So the SLO verdict counts only requests that arrive in the *measurement window*: after the first
+`warmup_fraction` of conversations have started and before the last one starts (`measured`). The
+run is not stopped early (a verdict over a window is known only at the end); `window_rate` tells
+how close the window's real arrival rate came to the nominal one (a check that the set holds
+enough conversations for the rate: a conversation lasts its turns × (think + service) seconds).
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ from placement.goodput import GoodputSearch
 from placement.hardware import ClusterSpec
 from placement.latency import LatencyProvider
 from placement.simulator import SimOptions, SimResult, Simulator
-from placement.slo import SloSpec
+from placement.slo import SloSpec, attainment
 
 _LOCAL = -2  # `src` of a pending decode that the decode instance prefills itself
 _TURN_ARRIVAL = 100  # event kind: a conversation's next turn is sent (payload-free; inst = request)
@@ -104,8 +112,14 @@ class PrefixSimulator(Simulator):
         slo: SloSpec | None = None,
         options: SimOptions | None = None,
         policy: PrefixPolicy | None = None,
+        warmup_fraction: float = 0.25,
     ) -> None:
         super().__init__(plan, latency, cluster, requests.workload, slo, options)
+        if not 0.0 <= warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+        self.tracker = None  # the verdict is over the measurement window, known only at the end
+        first = requests.workload.arrival_at[: requests.num_first]
+        self.window = (float(first[int(warmup_fraction * (len(first) - 1))]), float(first[-1]))
         # Closed loop: only first turns arrive from the array; each later turn is an event scheduled
         # `think_s` after the previous turn finishes (`_finished`).
         self.workload = requests.workload.head(requests.num_first)
@@ -132,6 +146,27 @@ class PrefixSimulator(Simulator):
         self._local_running: list[list[int]] = [[] for _ in self.decodes]
 
     # ---- results -----------------------------------------------------------------------------
+    @property
+    def measured(self) -> np.ndarray:
+        """[N] bool: requests that arrived inside the measurement window (the ones the verdict counts)."""
+        lo, hi = self.window
+        with np.errstate(invalid="ignore"):
+            return (self.arrival_at >= lo) & (self.arrival_at <= hi)
+
+    @property
+    def window_rate(self) -> float:
+        """Requests per second that arrived inside the measurement window."""
+        lo, hi = self.window
+        return float(self.measured.sum()) / (hi - lo) if hi > lo else 0.0
+
+    def _final_verdict(self, slo: SloSpec) -> bool:
+        mask = self.measured
+        ttft = np.nan_to_num(self.first_token_at[mask] - self.arrival_at[mask], nan=np.inf)
+        steps = np.maximum(self.output_lens[mask] - 1, 1)
+        tpot = (self.finish_at[mask] - self.first_token_at[mask]) / steps
+        tpot = np.nan_to_num(np.where(self.output_lens[mask] > 1, tpot, 0.0), nan=np.inf)
+        return attainment(ttft, tpot, slo) >= slo.attainment - 1e-12
+
     def stats(self) -> PrefixStats:
         started = ~np.isnan(self.first_token_at)
         return PrefixStats(
@@ -395,6 +430,7 @@ class CachingRow:
     goodput_rps: float
     goodput_rps_per_device: float
     rate: float  # the common rate the stats below were measured at
+    window_rate: float  # requests/s that really arrived in the measurement window at that rate
     stats: PrefixStats
     ttft_p50_s: float
     ttft_p90_s: float
@@ -412,27 +448,32 @@ def compare_caching(
     options: SimOptions | None = None,
     rate: float | None = None,
     rel_tol: float = 0.02,
+    jobs: int = 1,
 ) -> list[CachingRow]:
     """Goodput of each arm (`max_rate` over the conversation set), then every arm at one common rate.
 
     The common rate is `rate`, or the first arm's goodput (so hit rate, bytes moved and TTFT are
-    compared on identical traffic).
+    compared on identical traffic). Cache stats cover every request; TTFT, TPOT and attainment the
+    measurement window. `jobs` > 1 runs the arms' searches in that many processes.
     """
+    from concurrent.futures import ProcessPoolExecutor
+
     from placement.goodput import max_rate
 
     opts = options or SimOptions()
-    goodputs = [
-        max_rate(prefix_goodput_search(plan, latency, cluster, conversations, slo, opts, policy), rel_tol)
-        for _, policy in arms
-    ]
-    common = rate if rate is not None else (goodputs[0] or 1.0)
+    searches = [prefix_goodput_search(plan, latency, cluster, conversations, slo, opts, p) for _, p in arms]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            goodputs = list(pool.map(max_rate, searches, [rel_tol] * len(searches)))
+    else:
+        goodputs = [max_rate(search, rel_tol) for search in searches]
+    common = rate if rate is not None else next((g for g in goodputs if g > 0), 1.0)
     shared = conversations.at_rate(common)
     rows = []
     for (name, policy), good in zip(arms, goodputs, strict=True):
-        result, stats = simulate_prefix(
-            plan, latency, cluster, shared, slo, dataclasses.replace(opts, stop_early=False), policy
-        )
-        done = result.finished
+        sim = PrefixSimulator(plan, latency, cluster, shared, slo, opts, policy)
+        result = sim.run()
+        done = result.finished & sim.measured
         rows.append(
             CachingRow(
                 name,
@@ -440,11 +481,18 @@ def compare_caching(
                 good,
                 good / plan.num_devices,
                 common,
-                stats,
+                sim.window_rate,
+                sim.stats(),
                 float(np.percentile(result.ttft_s[done], 50)),
                 float(np.percentile(result.ttft_s[done], 90)),
                 float(np.percentile(result.tpot_s[done], 90)),
-                result.attainment(slo),
+                float(
+                    attainment(
+                        np.nan_to_num(result.ttft_s[sim.measured], nan=np.inf),
+                        np.nan_to_num(result.tpot_s[sim.measured], nan=np.inf),
+                        slo,
+                    )
+                ),
             )
         )
     return rows

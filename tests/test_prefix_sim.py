@@ -15,6 +15,7 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
 from placement.prefix_sim import PrefixSimulator, simulate_prefix
 from placement.simulator import SimOptions, simulate
+from placement.slo import SloSpec
 from placement.workload import Workload
 
 TIMESTAMPS = (
@@ -144,3 +145,32 @@ def test_refuses_colocated_plans(a100: tuple[LatencyProvider, ClusterSpec]) -> N
     with pytest.raises(ValueError, match="disaggregated"):
         plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
         PrefixSimulator(plan, latency, cluster, shared, options=dataclasses.replace(SimOptions(), mode="prefill"))
+
+
+def test_verdict_counts_only_the_steady_state_window(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
+    shared = generate_conversations(ConversationSpec(), 41, np.random.default_rng(1)).at_rate(0.5)
+    slo = SloSpec(0.25, 0.1)
+    sim = PrefixSimulator(plan, latency, cluster, shared, slo, warmup_fraction=0.25)
+    result = sim.run()
+    first = shared.workload.arrival_at[:41]
+    assert sim.window == (first[10], first[40])
+    mask = sim.measured
+    assert mask.sum() < len(shared) and np.all(result.arrival_at[mask] >= first[10])
+    ok = (result.ttft_s[mask] <= 0.25) & (result.tpot_s[mask] <= 0.1)
+    assert result.verdict == (ok.mean() >= 0.9)
+
+
+@pytest.mark.slow
+def test_caching_raises_goodput_of_a_prefill_bound_deployment(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    from placement.goodput import max_rate
+    from placement.prefix_sim import prefix_goodput_search
+
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=2xtp1").assign_devices(8)
+    convs = generate_conversations(ConversationSpec(), 300, np.random.default_rng(0))
+    slo = SloSpec(0.25, 0.1)
+    off = max_rate(prefix_goodput_search(plan, latency, cluster, convs, slo, policy=PrefixPolicy(enabled=False)), 0.05)
+    on = max_rate(prefix_goodput_search(plan, latency, cluster, convs, slo, policy=PrefixPolicy()), 0.05)
+    assert on > 1.2 * off
