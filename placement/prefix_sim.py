@@ -11,8 +11,8 @@ batching, admission and link model are the simulator's own. A request's life wit
    holds) is asked how much of the prompt it lacks; below the threshold the request joins that
    instance's pending queue as a *local prefill* and never visits a prefill instance. Otherwise it
    goes to the prefill instance with the best `overlap_weight × cached_blocks − queue_tokens`
-   (queue = uncached tokens still to compute there) and pins its cached prefix there
-   (`PrefixCache.acquire`).
+   (queue = uncached tokens still to compute there). When its batch starts, it pins its cached
+   prefix there (`PrefixCache.acquire`).
 2. Prefill computes only the uncached suffix: a batch costs `prefill_stage_s(Σ new, Σ new·(new +
    2·cached), B)` (the chunked-prefill form of the latency model). When it finishes, the prompt's
    full blocks are named in the prefill cache (`commit`); they stay pinned until the KV is pulled.
@@ -238,16 +238,22 @@ class PrefixSimulator(Simulator):
             for c, q, ld in zip(self.prefill_caches, self._pending_compute, loads, strict=True)
         ]
         k = choose_prefill_instance_cached(cands, self.policy.weight(bs))
-        try:
-            cached = self.prefill_caches[k].acquire(str(i), prompt, n, names=names).num_cached_tokens
-        except OutOfBlocksError:  # every block pinned by queued prompts: compute it all, cache nothing
-            cached = 0
-        self._prior[i] = cached
-        self._computed[i] = n - cached
-        self._pending_compute[k] += n - cached
+        self._computed[i] = n - cands[k].num_cached_blocks * bs  # an estimate until the batch starts
+        self._pending_compute[k] += int(self._computed[i])
         return k
 
     def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
+        # Called once per batch, as it starts: pin each prompt's cached prefix now (what is cached
+        # may have changed since routing), as the runtime's prefill step does when it forms a batch.
+        cache = self.prefill_caches[k]
+        for i in batch:
+            n = int(self.input_lens[i])
+            try:
+                cached = cache.acquire(str(i), self._prompt(i), n, names=self._prompt_names(i)).num_cached_tokens
+            except OutOfBlocksError:  # the pool is pinned by buffered prompts: compute it all, cache nothing
+                cached = 0
+            self._pending_compute[k] += (n - cached) - int(self._computed[i])
+            self._prior[i], self._computed[i] = cached, n - cached
         work = [prefix_prefill_work(int(self.input_lens[i]), int(self._prior[i])) for i in batch]
         return self.prefills[k].model.prefill_stage_s(
             float(sum(w[0] for w in work)), float(sum(w[1] for w in work)), len(batch)
