@@ -303,6 +303,8 @@ class PrefixSimulator(Simulator):
         if src != _LOCAL:
             return False
         self._local_ready[k].append(i)
+        # Counted like a transfer in flight, so batch room and decode loads see it until it joins.
+        self.decodes[k].num_transferring += 1
         return True
 
     def _decode_has_work(self, k: int) -> bool:
@@ -327,6 +329,7 @@ class PrefixSimulator(Simulator):
         d, cache = self.decodes[k], self.decode_caches[k]
         local, self._local_running[k] = self._local_running[k], []
         for i in local:
+            d.num_transferring -= 1
             self.first_token_at[i] = self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
             cache.commit(str(i), self._prompt(i), self._prompt_names(i))
             ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s

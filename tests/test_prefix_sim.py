@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -174,3 +175,17 @@ def test_caching_raises_goodput_of_a_prefill_bound_deployment(a100: tuple[Latenc
     off = max_rate(prefix_goodput_search(plan, latency, cluster, convs, slo, policy=PrefixPolicy(enabled=False)), 0.05)
     on = max_rate(prefix_goodput_search(plan, latency, cluster, convs, slo, policy=PrefixPolicy()), 0.05)
     assert on > 1.2 * off
+
+
+def test_local_prefills_take_batch_room(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    # Threshold 100 > every prompt: all requests prefill on the decode instance; with a batch of 1
+    # they must run one after another (a local prefill holds its slot from admission on).
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
+    shared = generate_conversations(TINY, 4, np.random.default_rng(0)).at_rate(100.0)
+    opts = SimOptions(block_size=4, max_decode_batch=1)
+    sim = PrefixSimulator(plan, latency, cluster, shared, options=opts, policy=PrefixPolicy(local_prefill_tokens=100))
+    result = sim.run()
+    assert sim.stats().num_local_prefills == len(shared) == result.num_finished
+    spans = sorted(zip(result.prefill_start_at, result.finish_at, strict=True))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
