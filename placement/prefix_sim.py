@@ -28,9 +28,10 @@ batching, admission and link model are the simulator's own. A request's life wit
    from the arrival array).
 
 Instances evict unreferenced blocks LRU when a reservation needs room. Decode caches hold as many
-blocks as the instance's KV capacity, so `Simulator`'s free-block count equals the cache's
-`num_available` (free + evictable) at all times. Prefill caches hold the prefill instance's KV
-capacity; a prompt whose reservation does not fit is computed without pinning (no hit, no commit).
+blocks as the instance's KV capacity (or `decode_pool_blocks`, to mirror a runtime's pool), so
+`Simulator`'s free-block count equals the cache's `num_available` (free + evictable) at all times.
+Prefill caches hold the prefill instance's KV capacity (or `prefill_pool_blocks`); a prompt whose
+reservation does not fit is computed without pinning (no hit, no commit).
 With `PrefixPolicy(enabled=False)` every request runs as in `Simulator` (a test checks identical
 timestamps), which is the "without caching" arm.
 
@@ -113,6 +114,8 @@ class PrefixSimulator(Simulator):
         options: SimOptions | None = None,
         policy: PrefixPolicy | None = None,
         warmup_fraction: float = 0.25,
+        prefill_pool_blocks: int | None = None,
+        decode_pool_blocks: int | None = None,
     ) -> None:
         super().__init__(plan, latency, cluster, requests.workload, slo, options)
         if not 0.0 <= warmup_fraction < 1.0:
@@ -131,8 +134,12 @@ class PrefixSimulator(Simulator):
         self.requests = requests
         bs = self.options.block_size
         on = self.policy.enabled
+        if decode_pool_blocks is not None:  # a runtime's configured pool instead of the device's KV capacity
+            for d in self.decodes:
+                d.free_blocks = decode_pool_blocks
         self.prefill_caches = [
-            PrefixCache(BlockAllocator(max(p.capacity_tokens // bs, 1), bs), enabled=on) for p in self.prefills
+            PrefixCache(BlockAllocator(prefill_pool_blocks or max(p.capacity_tokens // bs, 1), bs), enabled=on)
+            for p in self.prefills
         ]
         self.decode_caches = [PrefixCache(BlockAllocator(d.free_blocks, bs), enabled=on) for d in self.decodes]
         n = len(requests)

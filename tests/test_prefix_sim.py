@@ -189,3 +189,20 @@ def test_local_prefills_take_batch_room(a100: tuple[LatencyProvider, ClusterSpec
     assert sim.stats().num_local_prefills == len(shared) == result.num_finished
     spans = sorted(zip(result.prefill_start_at, result.finish_at, strict=True))
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def test_small_decode_pool_evicts_the_previous_turn(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    # Runtime-sized pools (block 4). Decode, 6 blocks: turn 1 reserves 4 (16 tokens) and leaves 3
+    # named; turn 2 reserves 6 (24 tokens): its 3 cached ones + 3 free, no eviction, pulls 19 - 12.
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
+    shared = generate_conversations(TINY, 1, np.random.default_rng(5)).at_rate(1.0)
+    sim = PrefixSimulator(
+        plan, latency, cluster, shared, options=SimOptions(block_size=4), decode_pool_blocks=6, prefill_pool_blocks=3
+    )
+    sim.run()
+    stats = sim.stats()
+    assert sim.decode_caches[0].num_blocks == 6 and sim.prefill_caches[0].num_blocks == 3
+    assert stats.transferred_tokens == 11 + 7 and stats.num_decode_evictions == 0
+    # The 3-block prefill pool: turn 2 (19 tokens, 5 blocks) cannot be pinned -> computed in full.
+    assert stats.computed_tokens == 11 + 19 and stats.num_prefill_evictions == 0
