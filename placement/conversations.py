@@ -32,6 +32,8 @@ Everything comes from the caller's `np.random.Generator`.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -96,6 +98,35 @@ class SharedPrefixWorkload:
 
     def __len__(self) -> int:
         return len(self.workload)
+
+    def new_tokens(self, i: int) -> np.ndarray:
+        """The tokens request i adds to its conversation: system prompt + user text for a first turn,
+        the user text for a later one (its prompt minus the previous prompt and answer)."""
+        if self.turn[i] == 0:
+            return self.prompts[i]
+        (prev,) = np.flatnonzero(self.next_turn == i)
+        return self.prompts[i][len(self.prompts[prev]) + len(self.answers[prev]) :]
+
+    def to_jsonl(self, path: str | Path) -> None:
+        """The trace a closed-loop load generator replays, one request per line, in request order.
+
+        Fields: `conversation`, `turn`, `arrival_at` (seconds; first turns only, else null),
+        `think_s` (after the previous turn's last token), `new_token_ids` (`new_tokens`),
+        `output_len`. The client builds turn t's prompt as turn t-1's prompt + the tokens the
+        server actually generated + `new_token_ids`, and asks for exactly `output_len` tokens
+        (ignore EOS), so block hits match the simulator's, whatever tokens the model produces.
+        """
+        with Path(path).open("w") as fh:
+            for i in range(len(self)):
+                row = {
+                    "conversation": int(self.conversation[i]),
+                    "turn": int(self.turn[i]),
+                    "arrival_at": round(float(self.workload.arrival_at[i]), 6) if i < self.num_first else None,
+                    "think_s": round(float(self.think_s[i]), 6),
+                    "new_token_ids": self.new_tokens(i).tolist(),
+                    "output_len": int(self.workload.output_lens[i]),
+                }
+                fh.write(json.dumps(row) + "\n")
 
     def ideal_hit_tokens(self, block_size: int) -> int:
         """Prompt tokens an unbounded cache could serve, in all (see `ideal_hits`)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +91,19 @@ def test_bad_specs_are_refused() -> None:
         ConversationSpec(system_prompt_tokens=2048)
     with pytest.raises(ValueError):
         generate_conversations(TINY, 0, np.random.default_rng(0))
+
+
+def test_jsonl_trace_rebuilds_every_prompt(tmp_path: Path) -> None:
+    w = generate_conversations(ConversationSpec(), 6, np.random.default_rng(9)).at_rate(3.0)
+    path = tmp_path / "conv.jsonl"
+    w.to_jsonl(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == len(w)
+    context: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        prompt = context.get(row["conversation"], []) + row["new_token_ids"]
+        assert prompt == w.prompts[i].tolist()
+        assert (row["arrival_at"] is None) == (i >= w.num_first)
+        # What a client does with the server's answer (here the workload's own answer tokens).
+        context[row["conversation"]] = prompt + w.answers[i].tolist()
+        assert row["output_len"] == len(w.answers[i])
