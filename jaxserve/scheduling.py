@@ -367,3 +367,119 @@ def _chunked_step(
             chunks.append(PrefillChunk(r.request_id, 0, n))
             budget -= n
     return ColocatedStep(admit=tuple(admit), prefill=tuple(chunks), decode=decode)
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching: cache-aware routing and conditional disaggregation
+# ---------------------------------------------------------------------------
+#
+# Used with `jaxserve/runtime/prefix_cache.py` (each instance's cache answers "how many leading
+# blocks of this prompt do you hold" without side effects). With no cached blocks anywhere every
+# rule below reduces to the cache-blind policy above, so caching off means exactly the old routing.
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPolicy:
+    """Knobs of prefix-cache-aware scheduling.
+
+    `overlap_weight`: prompt tokens of queue a cached block is worth in prefill routing (None:
+    `block_size`, i.e. a cached block saves exactly its tokens of prefill work).
+    `local_prefill_tokens`: conditional disaggregation threshold; a prompt whose part uncached on
+    its decode instance is *shorter* than this is prefilled there and nothing is transferred
+    (0: always disaggregate).
+    `max_decode_imbalance`: how many more sequences (running + waiting) the decode instance holding
+    the conversation may have than the least-loaded one and still be preferred.
+    """
+
+    enabled: bool = True
+    overlap_weight: float | None = None
+    local_prefill_tokens: int = 0
+    max_decode_imbalance: int = 8
+
+    def weight(self, block_size: int) -> float:
+        return float(block_size) if self.overlap_weight is None else self.overlap_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPrefillLoad:
+    """A prefill instance as cache-aware routing sees it.
+
+    `num_cached_blocks`: leading blocks of *this* prompt the instance's cache holds.
+    `num_queued_tokens`: tokens it still has to compute for queued and running prompts (their
+    uncached parts).
+    """
+
+    num_cached_blocks: int
+    num_queued_tokens: int
+    num_queued_requests: int
+
+
+def prefill_routing_score(load: CachedPrefillLoad, overlap_weight: float) -> float:
+    """The documented routing cost, as a score to maximise: `overlap_weight × cached_blocks − queue_tokens`."""
+    return overlap_weight * load.num_cached_blocks - load.num_queued_tokens
+
+
+def choose_prefill_instance_cached(loads: Sequence[CachedPrefillLoad], overlap_weight: float) -> int:
+    """Index of the prefill instance with the highest `prefill_routing_score`.
+
+    Ties: fewer queued requests, then lower index. With `overlap_weight = block_size` the score is
+    minus the tokens the instance must compute before this prompt's first token (its queue plus this
+    prompt's uncached part) up to a constant, so the prompt goes where it finishes earliest in
+    tokens of work. With no cached blocks anywhere it is `choose_prefill_instance`.
+    """
+    if not loads:
+        raise ValueError("no prefill instances to choose from")
+    return min(
+        range(len(loads)),
+        key=lambda i: (-prefill_routing_score(loads[i], overlap_weight), loads[i].num_queued_requests, i),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedDecodeLoad:
+    """A decode instance's load plus how many leading blocks of this request's prompt it holds."""
+
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+
+
+def choose_decode_instance_cached(loads: Sequence[CachedDecodeLoad], max_imbalance: int) -> int:
+    """Prefer the decode instance holding most of the conversation, unless it is much busier.
+
+    Candidates are the instances whose sequences (running + waiting) exceed the least-loaded
+    instance's by at most `max_imbalance`; among them the most cached blocks wins, then
+    `choose_decode_instance`'s order (fewest sequences, most free blocks, index). With no cached
+    blocks anywhere it is `choose_decode_instance`.
+    """
+    if not loads:
+        raise ValueError("no decode instances to choose from")
+    if max_imbalance < 0:
+        raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
+    seqs = [ld.num_running + ld.num_waiting for ld in loads]
+    least = min(seqs)
+    candidates = [i for i in range(len(loads)) if seqs[i] <= least + max_imbalance]
+    return min(candidates, key=lambda i: (-loads[i].num_cached_blocks, seqs[i], -loads[i].num_free_blocks, i))
+
+
+def prefill_locally(num_prompt_tokens: int, num_cached_tokens: int, threshold_tokens: int) -> bool:
+    """Conditional disaggregation: the decode instance prefills the prompt itself (no transfer).
+
+    True when the part of the prompt its cache lacks is shorter than `threshold_tokens`
+    (`PrefixPolicy.local_prefill_tokens`; 0 never does).
+    """
+    if num_cached_tokens < 0 or num_cached_tokens > num_prompt_tokens:
+        raise ValueError(f"cached tokens {num_cached_tokens} outside [0, {num_prompt_tokens}]")
+    return num_prompt_tokens - num_cached_tokens < threshold_tokens
+
+
+def prefix_prefill_work(num_tokens: int, num_cached_tokens: int) -> tuple[int, int]:
+    """(tokens to compute, their attention work Σ over new positions of context length, in token²).
+
+    Prefilling positions c..n−1 on top of c cached ones costs n − c GEMM tokens and attention
+    (n − c)·(n + c) (each new token attends to the prefix and to the new tokens before it, counted
+    as the latency model's `sum_sq` for a chunk: chunk × (chunk + 2 × prior)).
+    """
+    new = num_tokens - num_cached_tokens
+    return new, new * (new + 2 * num_cached_tokens)

@@ -307,7 +307,9 @@ class Simulator:
         loads = [
             PrefillLoad(p.queued_tokens + p.inflight_tokens, len(p.queue) + p.inflight_requests) for p in self.prefills
         ]
-        k = choose_prefill_instance(loads)
+        k = self._route_prefill(i, loads)  # prefix-cache hook; -1: no prefill instance (local prefill)
+        if k < 0:
+            return
         p = self.prefills[k]
         p.queue.append(WaitingPrompt(str(i), int(self.input_lens[i])))
         p.queued_tokens += int(self.input_lens[i])
@@ -340,7 +342,7 @@ class Simulator:
         p.inflight_tokens += total
         p.inflight_requests += n
         self.prefill_start_at[batch] = self.now
-        stage_s = p.model.prefill_stage_s(float(total), float((lengths * lengths).sum()), n)
+        stage_s = self._prefill_stage_s(k, batch)  # prefix-cache hook
         send_s = p.model.send_s(total) if p.model.pp > 1 else 0.0
         t = self.now
         for s in range(p.model.pp):
@@ -382,7 +384,7 @@ class Simulator:
             DecodeLoad(d.num_running + len(d.joining) + d.num_transferring, len(d.pending), d.free_blocks)
             for d in self.decodes
         ]
-        k = choose_decode_instance(loads)
+        k = self._route_decode(i, loads)  # prefix-cache hook
         d = self.decodes[k]
         d.pending.append((PendingDecode(str(i), int(self.input_lens[i]), int(self.output_lens[i])), i, src))
         self._try_admit(k)
@@ -412,8 +414,10 @@ class Simulator:
         )
         for reservation in admission.admitted:
             req, i, src = d.pending.popleft()
-            d.free_blocks -= reservation.num_blocks
+            d.free_blocks -= self._reserve_decode_blocks(k, i, req, reservation.num_blocks)  # prefix-cache hook
             self.transfer_start_at[i] = self.now
+            if self._admit_without_transfer(k, i, src):  # prefix-cache hook: local prefill
+                continue
             if src < 0:  # decode-only mode: the KV is already there
                 self.transfer_end_at[i] = self.now
                 d.joining.append(i)
@@ -423,12 +427,12 @@ class Simulator:
             end = (
                 start
                 + self.cluster.link_latency_s
-                + req.num_prompt_tokens * self.kv_bytes_per_token * self._link_s_per_byte[link]
+                + self._transfer_tokens(k, i) * self.kv_bytes_per_token * self._link_s_per_byte[link]
             )
             self._link_free_at[link] = end
             d.num_transferring += 1
             self._push(end, _TRANSFER_DONE, k, (i, src))
-        if not d.busy and d.joining:
+        if not d.busy and self._decode_has_work(k):  # prefix-cache hook
             self._start_round(k)
 
     def _transfer_s_per_byte(
@@ -465,11 +469,12 @@ class Simulator:
             d.num_running += 1
             d.ctx_sum += int(self.input_lens[j]) + 1
         d.joining = []
-        if d.num_running == 0:
+        round_s = self._decode_round_s(k)  # prefix-cache hook
+        if d.num_running == 0 and round_s <= 0.0:
             d.busy = False
             return
         d.busy = True
-        self._push(self.now + pipeline_decode_round_s(d.model, d.num_running, d.ctx_sum), _DECODE_ROUND_DONE, k)
+        self._push(self.now + round_s, _DECODE_ROUND_DONE, k)
 
     def _on_round_done(self, k: int) -> None:
         d = self.decodes[k]
@@ -482,7 +487,7 @@ class Simulator:
             self.finish_at[j] = self.now
             d.num_running -= 1
             d.ctx_sum -= n_in + n_out
-            d.free_blocks += blocks_for(kv_tokens_reserved(n_in, n_out), self.options.block_size)
+            d.free_blocks += self._release_decode_blocks(k, j)  # prefix-cache hook
             if self.tracker is not None:
                 assert self.slo is not None
                 ttft_ok = self.first_token_at[j] - self.arrival_at[j] <= self.slo.ttft_s
@@ -492,6 +497,42 @@ class Simulator:
         if finished:
             self._try_admit(k)
         self._start_round(k)
+
+    # ---- prefix-cache hooks (>>> placement/prefix_sim.py overrides these; defaults: no cache) ----
+    def _route_prefill(self, i: int, loads: list[PrefillLoad]) -> int:
+        return choose_prefill_instance(loads)
+
+    def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
+        lengths = self.input_lens[batch]
+        return self.prefills[k].model.prefill_stage_s(
+            float(lengths.sum()), float((lengths * lengths).sum()), len(batch)
+        )
+
+    def _route_decode(self, i: int, loads: list[DecodeLoad]) -> int:
+        return choose_decode_instance(loads)
+
+    def _reserve_decode_blocks(self, k: int, i: int, req: PendingDecode, num_blocks: int) -> int:
+        """Blocks taken from decode instance `k`'s pool for request `i` (the admission decided `num_blocks`)."""
+        return num_blocks
+
+    def _release_decode_blocks(self, k: int, i: int) -> int:
+        n_tokens = kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i]))
+        return blocks_for(n_tokens, self.options.block_size)
+
+    def _admit_without_transfer(self, k: int, i: int, src: int) -> bool:
+        return False
+
+    def _transfer_tokens(self, k: int, i: int) -> int:
+        return int(self.input_lens[i])
+
+    def _decode_has_work(self, k: int) -> bool:
+        return bool(self.decodes[k].joining)
+
+    def _decode_round_s(self, k: int) -> float:
+        d = self.decodes[k]
+        return pipeline_decode_round_s(d.model, d.num_running, d.ctx_sum)
+
+    # <<< prefix-cache hooks ----------------------------------------------------------------------
 
     # ---- colocated ---------------------------------------------------------------------------
     def _coloc_step(self, k: int) -> None:
