@@ -7,7 +7,7 @@ Inputs, one call each:
 
 * `record_arrival(now, input_len)` — a request entered the controller.
 * `record_finish(now, output_len, ttft_s, tpot_s)` — a request finished (output lengths are only
-  known then); TTFT/TPOT are judged against the SLOs in `MonitorConfig`.
+  known then); TTFT/TPOT are judged against the SLOs in `MonitorConfig` (None: not known).
 * `record_step(now, instance, role, observed_s, predicted_s)` — one engine step and what the latency
   model predicted for it; the window's Σobserved / Σpredicted per instance (and per role) is the
   correction factor the replanner multiplies the latency model by.
@@ -141,6 +141,7 @@ class _Slice:
     input_max: int = 0
     output_max: int = 0
     num_finished: int = 0
+    num_judged: int = 0  # finished with known latencies
     num_ttft_ok: int = 0
     num_tpot_ok: int = 0
     num_slo_ok: int = 0
@@ -178,6 +179,7 @@ class WindowStats:
     input_lengths: LengthHistogram
     output_lengths: LengthHistogram
     num_finished: int
+    num_judged: int
     num_ttft_ok: int
     num_tpot_ok: int
     num_slo_ok: int
@@ -196,8 +198,8 @@ class WindowStats:
 
     @property
     def attainment(self) -> float | None:
-        """Share of finished requests meeting both SLOs (None when nothing finished or no SLO set)."""
-        return self.num_slo_ok / self.num_finished if self.num_finished else None
+        """Share of judged requests meeting both SLOs (None when none was judged)."""
+        return self.num_slo_ok / self.num_judged if self.num_judged else None
 
     def role_factor(self, role: Role) -> float:
         """Σ observed / Σ predicted over every instance of `role` (1.0 when none stepped)."""
@@ -216,8 +218,9 @@ class WindowStats:
             "input_lengths": self.input_lengths.to_dict(),
             "output_lengths": self.output_lengths.to_dict(),
             "num_finished": self.num_finished,
-            "ttft_attainment": self.num_ttft_ok / self.num_finished if self.num_finished else None,
-            "tpot_attainment": self.num_tpot_ok / self.num_finished if self.num_finished else None,
+            "num_judged": self.num_judged,
+            "ttft_attainment": self.num_ttft_ok / self.num_judged if self.num_judged else None,
+            "tpot_attainment": self.num_tpot_ok / self.num_judged if self.num_judged else None,
             "attainment": self.attainment,
             "ttft_mean_s": self.ttft_mean_s,
             "tpot_mean_s": self.tpot_mean_s,
@@ -247,8 +250,9 @@ class WorkloadMonitor:
         s.input_counts[self._bin(input_len)] += 1
         s.input_max = max(s.input_max, int(input_len))
 
-    def record_finish(self, now: float, output_len: int, ttft_s: float, tpot_s: float | None) -> None:
-        """A finished request; `tpot_s` None for a one-token request (it meets any TPOT SLO)."""
+    def record_finish(self, now: float, output_len: int, ttft_s: float | None, tpot_s: float | None) -> None:
+        """A finished request. `tpot_s` None: one token (meets any TPOT SLO); `ttft_s` None: latencies
+        unknown (the request counts for the output lengths only)."""
         s = self._slice(now)
         if s is None:
             return
@@ -256,8 +260,11 @@ class WorkloadMonitor:
         s.num_finished += 1
         s.output_counts[self._bin(output_len)] += 1
         s.output_max = max(s.output_max, int(output_len))
+        if ttft_s is None:
+            return
         ttft_ok = cfg.ttft_slo_s is None or ttft_s <= cfg.ttft_slo_s
         tpot_ok = cfg.tpot_slo_s is None or tpot_s is None or tpot_s <= cfg.tpot_slo_s
+        s.num_judged += 1
         s.num_ttft_ok += ttft_ok
         s.num_tpot_ok += tpot_ok
         s.num_slo_ok += ttft_ok and tpot_ok
@@ -284,7 +291,7 @@ class WorkloadMonitor:
         nb = len(cfg.length_edges)
         in_counts = sum((s.input_counts for s in done), np.zeros(nb, dtype=np.int64))
         out_counts = sum((s.output_counts for s in done), np.zeros(nb, dtype=np.int64))
-        finished = sum(s.num_finished for s in done)
+        judged = sum(s.num_judged for s in done)
         steps: dict[str, tuple[Role, float, float, int]] = {}
         for s in done:
             for name, (role, obs, pred, n) in s.steps.items():
@@ -300,12 +307,13 @@ class WorkloadMonitor:
             output_lengths=LengthHistogram(
                 cfg.length_edges, tuple(int(c) for c in out_counts), max((s.output_max for s in done), default=0)
             ),
-            num_finished=finished,
+            num_finished=sum(s.num_finished for s in done),
+            num_judged=judged,
             num_ttft_ok=sum(s.num_ttft_ok for s in done),
             num_tpot_ok=sum(s.num_tpot_ok for s in done),
             num_slo_ok=sum(s.num_slo_ok for s in done),
-            ttft_mean_s=sum(s.ttft_sum_s for s in done) / finished if finished else 0.0,
-            tpot_mean_s=sum(s.tpot_sum_s for s in done) / finished if finished else 0.0,
+            ttft_mean_s=sum(s.ttft_sum_s for s in done) / judged if judged else 0.0,
+            tpot_mean_s=sum(s.tpot_sum_s for s in done) / judged if judged else 0.0,
             corrections={name: StepCorrection(*v) for name, v in steps.items()},
         )
 

@@ -46,12 +46,13 @@ def test_slo_attainment_and_step_corrections() -> None:
     mon.record_finish(1.0, 10, 0.2, 0.05)
     mon.record_finish(2.0, 20, 0.6, 0.05)  # TTFT miss
     mon.record_finish(3.0, 1, 0.1, None)  # one token: TPOT always met
+    mon.record_finish(3.5, 30, None, None)  # latencies unknown: counts for the output lengths only
     mon.record_step(4.0, "p0", "prefill", 0.12, 0.10)
     mon.record_step(5.0, "p0", "prefill", 0.12, 0.10)
     mon.record_step(6.0, "d0", "decode", 0.05, 0.05)
     mon.record_step(7.0, "d1", "decode", 0.03, 0.01)
     w = mon.window(30.0)
-    assert (w.num_finished, w.num_ttft_ok, w.num_tpot_ok, w.num_slo_ok) == (3, 2, 3, 2)
+    assert (w.num_finished, w.num_judged, w.num_ttft_ok, w.num_tpot_ok, w.num_slo_ok) == (4, 3, 2, 3, 2)
     assert w.attainment == pytest.approx(2 / 3)
     assert w.ttft_mean_s == pytest.approx(0.3)
     assert w.tpot_mean_s == pytest.approx(0.1 / 3)
@@ -60,9 +61,9 @@ def test_slo_attainment_and_step_corrections() -> None:
     assert w.corrections["d1"].factor == pytest.approx(3.0)
     assert w.role_factor("decode") == pytest.approx(0.08 / 0.06)
     assert w.role_factor("colocated") == 1.0
-    # output lengths come from finishes: 10 in [8, 12), 20 in [16, 24), 1 in [1, 2)
+    # output lengths come from finishes: 10 in [8, 12), 20 in [16, 24), 1 in [1, 2), 30 in [24, 32)
     assert w.output_lengths.counts[default_length_edges().index(8)] == 1
-    assert w.output_lengths.max_seen == 20
+    assert w.output_lengths.max_seen == 30
     snap = mon.snapshot(45.0)
     json.dumps(snap)  # JSON-able
     assert snap["window"]["attainment"] == pytest.approx(2 / 3)  # type: ignore[index]
