@@ -13,8 +13,9 @@ Three parts, one role each:
 * `decide(current, candidate, required_rps, config)`, pure: compare the two plans by the goodput per
   device they would *deliver* on the required rate, min(goodput, rate) / devices, and switch only when
   the candidate's gain exceeds `min_gain` plus the switch cost spread over the horizon the new plan is
-  expected to serve: (new devices × weights-load time + old devices × drain time) / (old devices ×
-  horizon). A current plan that no longer covers the rate is replaced by a candidate that does
+  expected to serve: (devices of added instances × weights-load time + devices of retired instances ×
+  drain time) / (current devices × horizon); instances of the same role and shape in both plans are
+  kept (`plan_delta`). A current plan that no longer covers the rate is replaced by a candidate that does
   whatever the cost; a candidate that does not cover it while the current one does is never taken.
   Every decision carries its reasons.
 
@@ -28,6 +29,7 @@ import dataclasses
 import math
 import multiprocessing
 import sys
+from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
@@ -179,10 +181,23 @@ class ReplanConfig:
         if self.weights_load_s < 0 or self.drain_s < 0:
             raise ValueError("weights_load_s and drain_s must be >= 0")
 
-    def switch_cost(self, current_devices: int, candidate_devices: int) -> float:
-        """The switch's device-seconds as a share of the current plan's device-seconds over the horizon."""
-        spent = candidate_devices * self.weights_load_s + current_devices * self.drain_s
+    def switch_cost(self, current_devices: int, added_devices: int, removed_devices: int) -> float:
+        """The switch's idle device-seconds (added instances loading, removed ones draining) as a share
+        of the current plan's device-seconds over the horizon."""
+        spent = added_devices * self.weights_load_s + removed_devices * self.drain_s
         return spent / (current_devices * self.horizon_s)
+
+
+def plan_delta(current: DeploymentPlan, candidate: DeploymentPlan) -> tuple[int, int]:
+    """(devices of instances to add, devices of instances to retire) to go from `current` to `candidate`.
+
+    Instances of the same role and shape in both plans are kept as they are (no reload, no drain).
+    """
+    keep = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in current.instances)
+    want = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in candidate.instances)
+    added = sum(n * tp * pp for (_, tp, pp, _), n in (want - keep).items())
+    removed = sum(n * tp * pp for (_, tp, pp, _), n in (keep - want).items())
+    return added, removed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +231,8 @@ def decide(current: PlanEstimate, candidate: PlanEstimate, required_rps: float, 
     cur = current.delivered_per_device(required_rps)
     new = candidate.delivered_per_device(required_rps)
     gain = new / cur - 1 if cur > 0 else (math.inf if new > 0 else 0.0)
-    cost = config.switch_cost(current.num_devices, candidate.num_devices)
+    added, removed = plan_delta(current.plan, candidate.plan)
+    cost = config.switch_cost(current.num_devices, added, removed)
     threshold = config.min_gain + cost
     cur_ok = current.goodput_rps >= required_rps
     new_ok = candidate.goodput_rps >= required_rps
@@ -225,7 +241,7 @@ def decide(current: PlanEstimate, candidate: PlanEstimate, required_rps: float, 
         f"serves {current.goodput_rps:.3g} rps, candidate {candidate.plan.describe()} on "
         f"{candidate.num_devices} devices serves {candidate.goodput_rps:.3g} rps",
         f"delivered per device {cur:.4g} -> {new:.4g} (gain {gain:+.1%}); threshold {threshold:.1%} = "
-        f"min gain {config.min_gain:.1%} + switch cost {cost:.1%}",
+        f"min gain {config.min_gain:.1%} + switch cost {cost:.1%} ({added} devices to load, {removed} to drain)",
     ]
     if current.plan.describe() == candidate.plan.describe():
         switch = False

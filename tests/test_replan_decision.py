@@ -22,6 +22,7 @@ from placement.replan import (
     ReplanJob,
     decide,
     empirical_workload,
+    plan_delta,
     replan,
 )
 from placement.search import SearchContext
@@ -35,16 +36,20 @@ P8 = parse_deployment("disagg:prefill=tp4,decode=2xtp2")  # 8 devices
 P6B = parse_deployment("disagg:prefill=tp2,decode=tp4")  # 6 devices
 
 
-def test_switch_cost_is_device_seconds_over_the_horizon() -> None:
-    # 4 new devices load for 120 s, 6 old ones drain for 60 s, against 6 devices x 3600 s
-    assert CFG.switch_cost(6, 4) == pytest.approx((4 * 120 + 6 * 60) / (6 * 3600))
+def test_switch_cost_counts_only_the_instances_that_change() -> None:
+    # P6 -> P4 keeps the tp2 decode instance, loads a tp2 prefill (2 devices), retires the tp4 one (4)
+    assert plan_delta(P6, P4) == (2, 4)
+    assert plan_delta(P6, P8) == (2, 0)
+    assert plan_delta(P6, P6) == (0, 0)
+    # 2 devices load for 120 s, 4 drain for 60 s, against 6 devices x 3600 s
+    assert CFG.switch_cost(6, 2, 4) == pytest.approx((2 * 120 + 4 * 60) / (6 * 3600))
 
 
 def test_a_cheaper_plan_covering_the_rate_wins_when_the_gain_beats_the_cost() -> None:
     d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P4, 9.0), 8.0, CFG)
-    # delivered per device 8/6 -> 8/4: +50 %; threshold 5 % + 3.89 %
+    # delivered per device 8/6 -> 8/4: +50 %; threshold 5 % + 2.22 %
     assert d.switch and d.gain == pytest.approx(0.5)
-    assert d.threshold == pytest.approx(0.05 + 840 / 21600)
+    assert d.threshold == pytest.approx(0.05 + 480 / 21600)
     assert d.reasons[-1].startswith("switch: gain +50.0% > threshold")
     json.dumps(d.to_dict())
 
@@ -64,7 +69,7 @@ def test_a_current_plan_that_misses_the_rate_is_replaced_whatever_the_cost() -> 
 def test_a_gain_below_the_threshold_keeps_the_plan() -> None:
     d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P6B, 14.0), 8.0, CFG)
     assert not d.switch and d.gain == pytest.approx(0.0)
-    # neither covers 20 rps: the candidate serves 14/13 - 1 = +7.7 %, under 5 % + (720 + 360) / 21600 = 10 %
+    # neither covers 20 rps: the candidate serves 14/13 - 1 = +7.7 %, under 5 % + (6 * 120 + 6 * 60) / 21600 = 10 %
     d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P6B, 14.0), 20.0, CFG)
     assert not d.switch and d.threshold == pytest.approx(0.10)
     assert d.reasons[-1].startswith("keep: neither covers the rate; the candidate serves +7.7%")
