@@ -5,7 +5,8 @@ Three parts, one role each:
 * Inputs of a search, from a monitor window (`jaxserve/workload_monitor.py`): `empirical_workload`
   draws prompt and output lengths from the window's histograms (independently: the histograms do not
   keep the pairing), and `CorrectedLatency` multiplies the latency model's prefill and decode step
-  times by the factors the window observed (Σ observed / Σ predicted step time per role).
+  times by the factors the window observed (Σ observed / Σ predicted step time per role, the
+  prediction of each recorded step from `predicted_step_s`).
 * `plan_for_rate`, the one adapter to the planner: Algorithm 1 for a target rate, placed on the
   cluster, then the whole plan simulated jointly; while that joint goodput falls short of the rate
   (Algorithm 1 sizes each phase alone) one instance of whichever phase raises it more is added. The
@@ -37,7 +38,7 @@ import numpy as np
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.workload_monitor import WindowStats
 from placement.goodput import GoodputSearch, max_rate
-from placement.latency import Engine, LatencyProvider, StageLatency
+from placement.latency import Engine, LatencyProvider, StageLatency, pipeline_decode_round_s
 from placement.search import SearchContext, algorithm1, place
 from placement.workload import Workload, arrival_times
 
@@ -53,6 +54,22 @@ def empirical_workload(window: WindowStats, num_requests: int, seed: int, max_po
     inputs = np.clip(window.input_lengths.sample(rng, num_requests), 1, max_positions - 1)
     outputs = np.clip(window.output_lengths.sample(rng, num_requests), 1, max_positions - inputs)
     return Workload(arrival_times(rng, 1.0, num_requests), inputs, outputs, 1.0)
+
+
+def predicted_step_s(
+    model: StageLatency, kind: str, prompt_lengths: tuple[int, ...] = (), batch: int = 0, ctx_sum: int = 0
+) -> float:
+    """What the latency model predicts for one recorded engine step (the monitor's `predicted_s`).
+
+    `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
+    rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it.
+    """
+    if kind == "prefill":
+        lengths = np.asarray(prompt_lengths, dtype=np.float64)
+        return model.pp * model.prefill_stage_s(float(lengths.sum()), float((lengths**2).sum()), len(lengths))
+    if kind == "decode":
+        return pipeline_decode_round_s(model, batch, float(ctx_sum))
+    raise ValueError(f"no prediction for a {kind!r} step")
 
 
 @dataclasses.dataclass(frozen=True)

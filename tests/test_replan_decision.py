@@ -23,6 +23,7 @@ from placement.replan import (
     decide,
     empirical_workload,
     plan_delta,
+    predicted_step_s,
     replan,
 )
 from placement.search import SearchContext
@@ -95,6 +96,20 @@ def test_corrected_latency_scales_prefill_and_decode_steps() -> None:
     assert scaled.decode_stage_s(8, 4000) == pytest.approx(0.5 * base.decode_stage_s(8, 4000))
     assert scaled.send_s(100) == base.send_s(100)
     assert CorrectedLatency.from_window(lat, WorkloadMonitor().window(0.0)).instance("dist", 2, 1) == base
+
+
+def test_predicted_step_matches_the_profile_coefficients() -> None:
+    model = _latency().instance("dist", 1, 1)
+    # OPT-13B tp1 folded prefill (ms): 18.1 + 0.1019 * sum + 7.122e-6 * sum of squares
+    assert predicted_step_s(model, "prefill", (100, 300)) == pytest.approx(
+        (18.1 + 0.1019 * 400 + 7.122e-6 * (100**2 + 300**2)) / 1000
+    )
+    # decode, batch < 95 (ms): 19.93 + 0.0006269 * ctx_sum + 0.03851 * batch
+    assert predicted_step_s(model, "decode", batch=8, ctx_sum=4000) == pytest.approx(
+        (19.93 + 0.0006269 * 4000 + 0.03851 * 8) / 1000
+    )
+    with pytest.raises(ValueError):
+        predicted_step_s(model, "mixed")
 
 
 def _window_of(workload_name: str, rate: float, seconds: int) -> WorkloadMonitor:
