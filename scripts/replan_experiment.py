@@ -98,7 +98,8 @@ def plot(result: ExperimentResult, path: str) -> None:
     for name in result.runs:
         t = totals[name]
         label = f"{name}: {t['device_hours']:.0f} device-h, {t['hours_meeting_target']:.0f}/{len(rows)} h ok"
-        axes[1].step(hours - 0.5, [r.devices[name] for r in rows], where="post", color=colors.get(name), label=label)
+        edges = np.arange(len(rows) + 1)
+        axes[1].stairs([r.devices[name] for r in rows], edges, color=colors.get(name), label=label, lw=1.5)
         axes[2].plot(hours, [100 * r.attainment[name] for r in rows], "o-", ms=3, color=colors.get(name), label=name)
     axes[1].set_ylabel("devices held (hour mean)")
     axes[1].legend(fontsize=8)
