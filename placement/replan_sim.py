@@ -247,6 +247,20 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
     return PolicyRun("adaptive", done, ttft, tpot, decisions, why)
 
 
+def loop_warnings(exp: Experiment, trace: Workload) -> list[str]:
+    """Why the replanning loop may be blind on this trace (a window too short to judge shifts)."""
+    loop = exp.loop.scaled(exp.hour_s / 3600.0)
+    counts = np.bincount(hour_of(trace, exp.hour_s), minlength=exp.num_hours)[: exp.num_hours]
+    quietest = float(counts.min()) / exp.hour_s * loop.monitor.window_s
+    if quietest < loop.detector.min_requests:
+        return [
+            f"the monitor window ({loop.monitor.window_s:g} s after compression) holds ~{quietest:.0f} requests in the "
+            f"quietest hour, fewer than the detector needs ({loop.detector.min_requests}): shifts there go unseen; "
+            "use a longer --hour-s"
+        ]
+    return []
+
+
 def devices_per_hour(exp: Experiment, run: PolicyRun) -> np.ndarray:
     """Mean devices held in each hour (a device loading weights or draining counts as held)."""
     out = np.zeros(exp.num_hours)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.replan_sim import Experiment, ExperimentResult, run_experiment
+from placement.replan_sim import Experiment, ExperimentResult, loop_warnings, run_experiment
 from placement.slo import SloSpec
 from placement.timevarying import DiurnalSpec, generate_diurnal
 from placement.workload import Workload
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         spec = DiurnalSpec(peak_rps=args.peak_rps, trough_rps=args.trough_rps, hours=args.hours)
         trace = generate_diurnal(spec, args.hour_s, np.random.default_rng(args.seed))
+    for warning in loop_warnings(exp, trace):
+        print(f"warning: {warning}", file=sys.stderr)
     started = time.perf_counter()
     result = run_experiment(exp, trace)
     elapsed = time.perf_counter() - started

@@ -135,7 +135,7 @@ def _run_timevarying(args: argparse.Namespace) -> int:
     import numpy as np
 
     from placement.context import UsageError, build_cluster, build_latency, build_slo
-    from placement.replan_sim import Experiment, run_experiment
+    from placement.replan_sim import Experiment, loop_warnings, run_experiment
     from placement.simulator import SimOptions
     from placement.timevarying import DiurnalSpec, generate_diurnal
     from placement.workload import Workload
@@ -162,6 +162,8 @@ def _run_timevarying(args: argparse.Namespace) -> int:
         latency, cluster, slo, hour_s=args.hour_s, num_hours=hours,
         options=SimOptions(max_decode_batch=args.max_decode_batch), seed=args.seed,
     )  # fmt: skip
+    for warning in loop_warnings(exp, trace):
+        print(f"warning: {warning}", file=sys.stderr)
     result = run_experiment(exp, trace)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=float))
