@@ -2,7 +2,9 @@
 
 With `--rate R` it reports SLO attainment (when SLOs are given), TTFT/TPOT percentiles and the mean
 per-phase breakdown; with `--goodput` it searches the highest rate meeting the attainment target and
-reports it in total and per device.
+reports it in total and per device. With `--timevarying diurnal|trace.jsonl` it replays a day (or a
+trace) under a static plan for the peak, one for the average and the replanning loop, and reports
+attainment, goodput and devices per hour (see placement/replan_sim.py).
 """
 
 from __future__ import annotations
@@ -18,13 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_common_arguments(parser)
     parser.add_argument(
-        "--deployment", required=True, help="colocated:tp1[,chunk=N] | disagg:prefill=GROUP,decode=GROUP | plan.json"
+        "--deployment",
+        help="colocated:tp1[,chunk=N] | disagg:prefill=GROUP,decode=GROUP | plan.json (required unless --timevarying)",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--rate", type=float, help="arrival rate, requests/s")
     mode.add_argument(
         "--goodput", action="store_true", help="search the max rate meeting --ttft/--tpot at --attainment"
     )
+    mode.add_argument(
+        "--timevarying",
+        metavar="diurnal|TRACE.jsonl",
+        help="replay a generated day (or a trace) under static-for-peak, static-for-average and replanning",
+    )
+    parser.add_argument("--hour-s", type=float, default=3600.0, help="--timevarying: seconds per hour of the cycle")
+    parser.add_argument("--peak-rps", type=float, default=64.0, help="--timevarying diurnal: rate at 14:00")
+    parser.add_argument("--trough-rps", type=float, default=12.0, help="--timevarying diurnal: rate at 02:00")
     parser.add_argument("--max-decode-batch", type=int, default=256)
     parser.add_argument("--trace-out", default=None, help="write the simulated workload as JSONL")
 
@@ -36,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
     from placement.latency import Engine, ProfileError
     from placement.simulator import PHASES, SimOptions, simulate
 
+    if args.timevarying:
+        return _run_timevarying(args)
     try:
+        if not args.deployment:
+            raise UsageError("--deployment is required (unless --timevarying)")
         latency = build_latency(args)
         cluster = build_cluster(args, latency)
         slo = build_slo(args, required=bool(args.goodput))
@@ -111,4 +126,47 @@ def run(args: argparse.Namespace) -> int:
                 f"{metric[:4].upper()}  p50 {p[0] * 1000:8.1f} ms   p90 {p[1] * 1000:8.1f} ms   p99 {p[2] * 1000:8.1f} ms"
             )
         print("mean time per phase: " + ", ".join(f"{ph} {summary[f'{ph}_mean_s'] * 1000:.1f} ms" for ph in PHASES))
+    return 0
+
+
+def _run_timevarying(args: argparse.Namespace) -> int:
+    import math
+
+    import numpy as np
+
+    from placement.context import UsageError, build_cluster, build_latency, build_slo
+    from placement.replan_sim import Experiment, loop_warnings, run_experiment
+    from placement.simulator import SimOptions
+    from placement.timevarying import DiurnalSpec, generate_diurnal
+    from placement.workload import Workload
+
+    try:
+        latency = build_latency(args)
+        cluster = build_cluster(args, latency)
+        slo = build_slo(args, required=True)
+        assert slo is not None
+        if args.hour_s <= 0:
+            raise UsageError("--hour-s must be positive")
+        if args.timevarying == "diurnal":
+            spec = DiurnalSpec(peak_rps=args.peak_rps, trough_rps=args.trough_rps)
+            trace = generate_diurnal(spec, args.hour_s, np.random.default_rng(args.seed))
+        elif args.timevarying.endswith(".jsonl"):
+            trace = Workload.from_jsonl(args.timevarying)  # arrival_at: seconds from the trace's start
+        else:
+            raise UsageError(f"--timevarying takes diurnal or a .jsonl trace, not {args.timevarying!r}")
+    except (UsageError, ValueError, OSError) as e:
+        print(f"jaxserve simulate: error: {e}", file=sys.stderr)
+        return 2
+    hours = max(1, math.ceil(float(trace.arrival_at[-1]) / args.hour_s + 1e-9))
+    exp = Experiment(
+        latency, cluster, slo, hour_s=args.hour_s, num_hours=hours,
+        options=SimOptions(max_decode_batch=args.max_decode_batch), seed=args.seed,
+    )  # fmt: skip
+    for warning in loop_warnings(exp, trace):
+        print(f"warning: {warning}", file=sys.stderr)
+    result = run_experiment(exp, trace)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=float))
+    else:
+        print(result.table())
     return 0

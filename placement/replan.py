@@ -1,0 +1,366 @@
+"""Replanning: search a plan for the workload the monitor sees, and decide whether switching to it pays.
+
+Three parts, one role each:
+
+* Inputs of a search, from a monitor window (`jaxserve/workload_monitor.py`): `empirical_workload`
+  draws prompt and output lengths from the window's histograms (independently: the histograms do not
+  keep the pairing), and `CorrectedLatency` multiplies the latency model's prefill and decode step
+  times by the factors the window observed (Σ observed / Σ predicted step time per role, the
+  prediction of each recorded step from `predicted_step_s`).
+* `plan_for_rate`, the one adapter to the planner: Algorithm 1 for a target rate, placed on the
+  cluster, then the whole plan simulated jointly; while that joint goodput falls short of the rate
+  (Algorithm 1 sizes each phase alone) one instance of whichever phase raises it more is added. The
+  lead re-points this function at the planner's library entry point once there is one.
+* `decide(current, candidate, required_rps, config)`, pure: compare the two plans by the goodput per
+  device they would *deliver* on the required rate, min(goodput, rate) / devices, and switch only when
+  the candidate's gain exceeds `min_gain` plus the switch cost spread over the horizon the new plan is
+  expected to serve: (devices of added instances × weights-load time + devices of retired instances ×
+  drain time) / (current devices × horizon); instances of the same role and shape in both plans are
+  kept (`plan_delta`). A current plan that no longer covers the rate is replaced by a candidate that does
+  whatever the cost; a candidate that does not cover it while the current one does is never taken.
+  Every decision carries its reasons.
+
+`replan(job)` runs a whole round (search, both estimates, decision) as one picklable function, and
+`BackgroundReplanner` runs it in a worker process so the search never stalls a serving loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import sys
+from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor
+
+import numpy as np
+
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.workload_monitor import WindowStats
+from placement.goodput import GoodputSearch, max_rate
+from placement.latency import Engine, LatencyProvider, StageLatency, pipeline_decode_round_s
+from placement.search import SearchContext, algorithm1, place
+from placement.workload import Workload, arrival_times
+
+
+# ---------------------------------------------------------------------------------------------
+# Search inputs from a window
+# ---------------------------------------------------------------------------------------------
+def empirical_workload(window: WindowStats, num_requests: int, seed: int, max_positions: int = 2048) -> Workload:
+    """Requests at rate 1 with lengths drawn from the window's histograms (outputs cut to fit the context)."""
+    if window.input_lengths.total == 0 or window.output_lengths.total == 0:
+        raise ValueError("the window has no prompt or no output lengths yet")
+    rng = np.random.default_rng(seed)
+    inputs = np.clip(window.input_lengths.sample(rng, num_requests), 1, max_positions - 1)
+    outputs = np.clip(window.output_lengths.sample(rng, num_requests), 1, max_positions - inputs)
+    return Workload(arrival_times(rng, 1.0, num_requests), inputs, outputs, 1.0)
+
+
+def predicted_step_s(
+    model: StageLatency, kind: str, prompt_lengths: tuple[int, ...] = (), batch: int = 0, ctx_sum: int = 0
+) -> float:
+    """What the latency model predicts for one recorded engine step (the monitor's `predicted_s`).
+
+    `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
+    rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it.
+    """
+    if kind == "prefill":
+        lengths = np.asarray(prompt_lengths, dtype=np.float64)
+        return model.pp * model.prefill_stage_s(float(lengths.sum()), float((lengths**2).sum()), len(lengths))
+    if kind == "decode":
+        return pipeline_decode_round_s(model, batch, float(ctx_sum))
+    raise ValueError(f"no prediction for a {kind!r} step")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledStage:
+    """A stage latency model with prefill (and chunked) steps × `prefill`, decode steps × `decode`."""
+
+    base: StageLatency
+    prefill: float
+    decode: float
+
+    @property
+    def pp(self) -> int:
+        return self.base.pp
+
+    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
+        return self.prefill * self.base.prefill_stage_s(num_tokens, sum_sq, batch)
+
+    def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        return self.decode * self.base.decode_stage_s(batch, ctx_sum)
+
+    def chunk_stage_s(
+        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
+    ) -> float:
+        return self.prefill * self.base.chunk_stage_s(num_tokens, sum_sq, batch, decode_batch, decode_ctx_sum)
+
+    def send_s(self, num_tokens: int) -> float:
+        return self.base.send_s(num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectedLatency(LatencyProvider):
+    """A latency provider whose instance models are scaled by observed / predicted step-time factors."""
+
+    prefill_factor: float = 1.0
+    decode_factor: float = 1.0
+
+    def instance(self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None) -> StageLatency:
+        base = super().instance(engine, tp, pp, stage_link_bandwidth)
+        if self.prefill_factor == 1.0 and self.decode_factor == 1.0:
+            return base
+        return ScaledStage(base, self.prefill_factor, self.decode_factor)
+
+    @classmethod
+    def from_window(cls, latency: LatencyProvider, window: WindowStats) -> CorrectedLatency:
+        """`latency` corrected by the window's per-role factors (a colocated step counts for both)."""
+        fields = {f.name: getattr(latency, f.name) for f in dataclasses.fields(LatencyProvider)}
+        coloc = window.role_factor("colocated")
+        return cls(
+            **fields,
+            prefill_factor=window.role_factor("prefill") * coloc,
+            decode_factor=window.role_factor("decode") * coloc,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner adapter
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlanEstimate:
+    """A plan and the goodput (rps at the attainment target) predicted for it on one workload."""
+
+    plan: DeploymentPlan
+    goodput_rps: float
+
+    @property
+    def num_devices(self) -> int:
+        return self.plan.num_devices
+
+    def delivered_per_device(self, required_rps: float) -> float:
+        """min(goodput, required rate) per device: what the plan would really serve, per device."""
+        return min(self.goodput_rps, required_rps) / self.num_devices
+
+    def to_dict(self) -> dict[str, object]:
+        return {"plan": self.plan.describe(), "num_devices": self.num_devices, "goodput_rps": self.goodput_rps}
+
+
+def estimate(ctx: SearchContext, plan: DeploymentPlan) -> PlanEstimate:
+    """The plan's joint goodput on the context's workload (both SLOs, transfers included)."""
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, ctx.slo, ctx.options)
+    return PlanEstimate(plan, max_rate(search, ctx.rel_tol))
+
+
+def plan_for_rate(ctx: SearchContext, rate: float, max_top_ups: int = 4, workers: int = 1) -> PlanEstimate:
+    """A disaggregated plan serving `rate` on the context's workload (the adapter to the planner).
+
+    Mirrors the disaggregated path of `jaxserve plan --rate`: Algorithm 1, placement, a joint
+    simulation. Then, while the joint goodput is below `rate` and the cluster has room, it adds one
+    prefill or one decode instance of the chosen shapes, whichever gives the higher joint goodput.
+    """
+    found = algorithm1(ctx, rate, workers=workers)
+    best = estimate(ctx, place(found.plan, ctx.cluster))
+    for _ in range(max_top_ups):
+        if best.goodput_rps >= rate:
+            break
+        options = []
+        for role in ("prefill", "decode"):
+            extra: InstanceSpec = dataclasses.replace(best.plan.of_role(role)[0], devices=None, nodes=None)
+            bare = [dataclasses.replace(i, devices=None, nodes=None) for i in best.plan.instances]
+            try:
+                grown = place(DeploymentPlan((*bare, extra), model=best.plan.model), ctx.cluster)
+            except PlanError:
+                continue
+            options.append(estimate(ctx, grown))
+        if not options:
+            break
+        best = max(options, key=lambda e: e.goodput_rps)  # first (prefill) on ties
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ReplanConfig:
+    headroom: float = 1.2  # plan for the window's rate × this
+    min_gain: float = 0.05  # the delivered-per-device gain a switch needs beyond its cost
+    weights_load_s: float = 120.0  # new instances: load weights and warm up (measured on the deployment)
+    drain_s: float = 60.0  # old instances: finish what they hold
+    horizon_s: float = 3600.0  # how long a new plan is expected to serve (at least the detector's cool-down)
+    num_requests: int = 600  # requests sampled from the window for each goodput probe
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.headroom < 1 or self.min_gain < 0 or self.horizon_s <= 0 or self.num_requests < 10:
+            raise ValueError("headroom >= 1, min_gain >= 0, horizon_s > 0 and num_requests >= 10 required")
+        if self.weights_load_s < 0 or self.drain_s < 0:
+            raise ValueError("weights_load_s and drain_s must be >= 0")
+
+    def switch_cost(self, current_devices: int, added_devices: int, removed_devices: int) -> float:
+        """The switch's idle device-seconds (added instances loading, removed ones draining) as a share
+        of the current plan's device-seconds over the horizon."""
+        spent = added_devices * self.weights_load_s + removed_devices * self.drain_s
+        return spent / (current_devices * self.horizon_s)
+
+
+def plan_delta(current: DeploymentPlan, candidate: DeploymentPlan) -> tuple[int, int]:
+    """(devices of instances to add, devices of instances to retire) to go from `current` to `candidate`.
+
+    Instances of the same role and shape in both plans are kept as they are (no reload, no drain).
+    """
+    keep = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in current.instances)
+    want = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in candidate.instances)
+    added = sum(n * tp * pp for (_, tp, pp, _), n in (want - keep).items())
+    removed = sum(n * tp * pp for (_, tp, pp, _), n in (keep - want).items())
+    return added, removed
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplanDecision:
+    switch: bool
+    reasons: tuple[str, ...]
+    current: PlanEstimate
+    candidate: PlanEstimate
+    required_rps: float
+    gain: float  # candidate / current delivered per device − 1
+    threshold: float  # min_gain + switch cost
+
+    @property
+    def chosen(self) -> PlanEstimate:
+        return self.candidate if self.switch else self.current
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "switch": self.switch,
+            "reasons": list(self.reasons),
+            "current": self.current.to_dict(),
+            "candidate": self.candidate.to_dict(),
+            "required_rps": self.required_rps,
+            "gain": self.gain,
+            "threshold": self.threshold,
+        }
+
+
+def decide(current: PlanEstimate, candidate: PlanEstimate, required_rps: float, config: ReplanConfig) -> ReplanDecision:
+    """Switch to `candidate` or keep `current` for `required_rps`; pure, with the reasons either way."""
+    cur = current.delivered_per_device(required_rps)
+    new = candidate.delivered_per_device(required_rps)
+    gain = new / cur - 1 if cur > 0 else (math.inf if new > 0 else 0.0)
+    added, removed = plan_delta(current.plan, candidate.plan)
+    cost = config.switch_cost(current.num_devices, added, removed)
+    threshold = config.min_gain + cost
+    cur_ok = current.goodput_rps >= required_rps
+    new_ok = candidate.goodput_rps >= required_rps
+    reasons = [
+        f"required {required_rps:.3g} rps; current {current.plan.describe()} on {current.num_devices} devices "
+        f"serves {current.goodput_rps:.3g} rps, candidate {candidate.plan.describe()} on "
+        f"{candidate.num_devices} devices serves {candidate.goodput_rps:.3g} rps",
+        f"delivered per device {cur:.4g} -> {new:.4g} (gain {gain:+.1%}); threshold {threshold:.1%} = "
+        f"min gain {config.min_gain:.1%} + switch cost {cost:.1%} ({added} devices to load, {removed} to drain)",
+    ]
+    if current.plan.describe() == candidate.plan.describe():
+        switch = False
+        reasons.append("keep: the candidate is the current plan")
+    elif not cur_ok and new_ok:
+        switch = True
+        reasons.append("switch: the current plan no longer covers the required rate and the candidate does")
+    elif cur_ok and not new_ok:
+        switch = False
+        reasons.append("keep: the candidate would not cover the required rate")
+    elif not cur_ok:  # neither covers it: take the one serving more, if by more than the threshold
+        more = candidate.goodput_rps / current.goodput_rps - 1 if current.goodput_rps > 0 else math.inf
+        switch = more > threshold
+        reasons.append(
+            f"{'switch' if switch else 'keep'}: neither covers the rate; the candidate serves {more:+.1%} "
+            f"{'>' if switch else '<='} threshold"
+        )
+    else:
+        switch = gain > threshold
+        reasons.append(f"{'switch' if switch else 'keep'}: gain {gain:+.1%} {'>' if switch else '<='} threshold")
+    return ReplanDecision(switch, tuple(reasons), current, candidate, required_rps, gain, threshold)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole round, and running it in the background
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ReplanJob:
+    """Everything a replan round needs (picklable: it crosses into the worker process)."""
+
+    current: DeploymentPlan
+    window: WindowStats
+    context: SearchContext  # its workload and latency are replaced from the window
+    config: ReplanConfig = dataclasses.field(default_factory=ReplanConfig)
+    requested_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplanOutcome:
+    job: ReplanJob
+    decision: ReplanDecision | None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "requested_at": self.job.requested_at,
+            "decision": self.decision.to_dict() if self.decision else None,
+            "error": self.error,
+        }
+
+
+def replan(job: ReplanJob) -> ReplanOutcome:
+    """Search a plan for the window's workload and decide whether to switch to it."""
+    cfg, window = job.config, job.window
+    try:
+        workload = empirical_workload(window, cfg.num_requests, cfg.seed, job.context.cfg.max_position_embeddings)
+        ctx = dataclasses.replace(
+            job.context, workload=workload, latency=CorrectedLatency.from_window(job.context.latency, window)
+        )
+        required = window.rate * cfg.headroom
+        candidate = plan_for_rate(ctx, required)
+        current = estimate(ctx, job.current)
+    except (PlanError, ValueError) as e:
+        return ReplanOutcome(job, None, f"{type(e).__name__}: {e}")
+    return ReplanOutcome(job, decide(current, candidate, required, cfg))
+
+
+class BackgroundReplanner:
+    """Runs `replan` rounds in one worker process, one at a time; the caller polls without blocking.
+
+    Spawned (not forked) when JAX is loaded in this process: forking a process running XLA threads
+    can deadlock the child.
+    """
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+        self._future: Future[ReplanOutcome] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def submit(self, job: ReplanJob) -> bool:
+        """Start a round; False (and nothing started) while the previous one runs or is uncollected."""
+        if self._future is not None:
+            return False
+        self._future = self._pool.submit(replan, job)
+        return True
+
+    def poll(self) -> ReplanOutcome | None:
+        """The finished round's outcome (once), else None."""
+        if self._future is None or not self._future.done():
+            return None
+        future, self._future = self._future, None
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> BackgroundReplanner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,168 @@
+"""The replan decision (exact numbers), the corrected latency model, and a whole round in the background."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+
+from jaxserve.plan import parse_deployment
+from jaxserve.workload_monitor import MonitorConfig, WorkloadMonitor
+from models.config import get_config
+from placement.hardware import ClusterSpec, get_device
+from placement.latency import LatencyProvider, load_profile
+from placement.replan import (
+    BackgroundReplanner,
+    CorrectedLatency,
+    PlanEstimate,
+    ReplanConfig,
+    ReplanJob,
+    decide,
+    empirical_workload,
+    plan_delta,
+    predicted_step_s,
+    replan,
+)
+from placement.search import SearchContext
+from placement.slo import SloSpec
+from placement.workload import generate, get_length_distribution
+
+CFG = ReplanConfig(min_gain=0.05, weights_load_s=120, drain_s=60, horizon_s=3600)
+P6 = parse_deployment("disagg:prefill=tp4,decode=tp2")  # 6 devices
+P4 = parse_deployment("disagg:prefill=tp2,decode=tp2")  # 4 devices
+P8 = parse_deployment("disagg:prefill=tp4,decode=2xtp2")  # 8 devices
+P6B = parse_deployment("disagg:prefill=tp2,decode=tp4")  # 6 devices
+
+
+def test_switch_cost_counts_only_the_instances_that_change() -> None:
+    # P6 -> P4 keeps the tp2 decode instance, loads a tp2 prefill (2 devices), retires the tp4 one (4)
+    assert plan_delta(P6, P4) == (2, 4)
+    assert plan_delta(P6, P8) == (2, 0)
+    assert plan_delta(P6, P6) == (0, 0)
+    # 2 devices load for 120 s, 4 drain for 60 s, against 6 devices x 3600 s
+    assert CFG.switch_cost(6, 2, 4) == pytest.approx((2 * 120 + 4 * 60) / (6 * 3600))
+
+
+def test_a_cheaper_plan_covering_the_rate_wins_when_the_gain_beats_the_cost() -> None:
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P4, 9.0), 8.0, CFG)
+    # delivered per device 8/6 -> 8/4: +50 %; threshold 5 % + 2.22 %
+    assert d.switch and d.gain == pytest.approx(0.5)
+    assert d.threshold == pytest.approx(0.05 + 480 / 21600)
+    assert d.reasons[-1].startswith("switch: gain +50.0% > threshold")
+    json.dumps(d.to_dict())
+
+
+def test_a_candidate_that_misses_the_rate_is_never_taken() -> None:
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P4, 9.0), 10.0, CFG)
+    assert not d.switch and d.reasons[-1] == "keep: the candidate would not cover the required rate"
+
+
+def test_a_current_plan_that_misses_the_rate_is_replaced_whatever_the_cost() -> None:
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P8, 15.0), 14.0, CFG)
+    # per device 13/6 -> 14/8 is a loss, but the SLO outranks the devices
+    assert d.switch and d.gain < 0
+    assert "no longer covers" in d.reasons[-1]
+
+
+def test_a_gain_below_the_threshold_keeps_the_plan() -> None:
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P6B, 14.0), 8.0, CFG)
+    assert not d.switch and d.gain == pytest.approx(0.0)
+    # neither covers 20 rps: the candidate serves 14/13 - 1 = +7.7 %, under 5 % + (6 * 120 + 6 * 60) / 21600 = 10 %
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P6B, 14.0), 20.0, CFG)
+    assert not d.switch and d.threshold == pytest.approx(0.10)
+    assert d.reasons[-1].startswith("keep: neither covers the rate; the candidate serves +7.7%")
+    d = decide(PlanEstimate(P6, 13.0), PlanEstimate(P6, 13.0), 8.0, CFG)
+    assert not d.switch and d.reasons[-1] == "keep: the candidate is the current plan"
+
+
+def _latency() -> LatencyProvider:
+    return LatencyProvider(
+        get_config("opt-13b", "float16"), get_device("a100-80gb"), load_profile("a100-80gb-distserve")
+    )
+
+
+def test_corrected_latency_scales_prefill_and_decode_steps() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=30, slice_s=30))
+    mon.record_step(1.0, "p0", "prefill", 0.3, 0.2)
+    mon.record_step(2.0, "d0", "decode", 0.05, 0.1)
+    lat = _latency()
+    fixed = CorrectedLatency.from_window(lat, mon.window(30.0))
+    assert (fixed.prefill_factor, fixed.decode_factor) == pytest.approx((1.5, 0.5))
+    base, scaled = lat.instance("dist", 2, 1), fixed.instance("dist", 2, 1)
+    assert scaled.prefill_stage_s(512, 512**2, 1) == pytest.approx(1.5 * base.prefill_stage_s(512, 512**2, 1))
+    assert scaled.decode_stage_s(8, 4000) == pytest.approx(0.5 * base.decode_stage_s(8, 4000))
+    assert scaled.send_s(100) == base.send_s(100)
+    assert CorrectedLatency.from_window(lat, WorkloadMonitor().window(0.0)).instance("dist", 2, 1) == base
+
+
+def test_predicted_step_matches_the_profile_coefficients() -> None:
+    model = _latency().instance("dist", 1, 1)
+    # OPT-13B tp1 folded prefill (ms): 18.1 + 0.1019 * sum + 7.122e-6 * sum of squares
+    assert predicted_step_s(model, "prefill", (100, 300)) == pytest.approx(
+        (18.1 + 0.1019 * 400 + 7.122e-6 * (100**2 + 300**2)) / 1000
+    )
+    # decode, batch < 95 (ms): 19.93 + 0.0006269 * ctx_sum + 0.03851 * batch
+    assert predicted_step_s(model, "decode", batch=8, ctx_sum=4000) == pytest.approx(
+        (19.93 + 0.0006269 * 4000 + 0.03851 * 8) / 1000
+    )
+    with pytest.raises(ValueError):
+        predicted_step_s(model, "mixed")
+
+
+def _window_of(workload_name: str, rate: float, seconds: int) -> WorkloadMonitor:
+    rng = np.random.default_rng(1)
+    w = generate(get_length_distribution(workload_name), rate, int(rate * seconds), rng)
+    mon = WorkloadMonitor(MonitorConfig(window_s=seconds, slice_s=seconds / 4))
+    for t, i, o in zip(w.arrival_at, w.input_lens, w.output_lens, strict=True):
+        mon.record_arrival(float(t), int(i))
+        mon.record_finish(float(t), int(o), None, None)
+    return mon
+
+
+def test_empirical_workload_follows_the_window() -> None:
+    window = _window_of("longbench", 10.0, 120).window(120.0)
+    w = empirical_workload(window, 2000, seed=0)
+    assert len(w) == 2000 and w.rate == 1.0
+    # the histograms' bins are at most 1.5x wide: means within ~20 % of the source's (1738 / 91)
+    assert 1450 < w.input_lens.mean() < 2000 and 70 < w.output_lens.mean() < 110
+    assert np.all(w.input_lens + w.output_lens <= 2048)
+
+
+def _job(current: str) -> ReplanJob:
+    lat = _latency()
+    cluster = ClusterSpec(lat.device, 4, 8, inter_node_bandwidth=800e9 / 8)
+    window = _window_of("longbench", 10.0, 120).window(120.0)
+    ctx = SearchContext(lat, cluster, empirical_workload(window, 50, 0), SloSpec(0.25, 0.1), max_pp=1)
+    return ReplanJob(parse_deployment(current), window, ctx, ReplanConfig(num_requests=300), requested_at=120.0)
+
+
+def test_replan_moves_a_chat_plan_to_more_prefill_for_long_prompts() -> None:
+    out = replan(_job("disagg:prefill=tp4,decode=tp2"))  # a plan made for chat at ~12 rps
+    assert out.error is None and out.decision is not None
+    d = out.decision
+    assert d.required_rps == pytest.approx(10.0 * 1.2, rel=0.1)
+    assert d.current.goodput_rps < d.required_rps <= d.candidate.goodput_rps
+    assert d.switch
+    prefill_devices = sum(i.num_devices for i in d.candidate.plan.of_role("prefill"))
+    assert prefill_devices > 4  # long prompts: more prefill than the chat plan had
+    json.dumps(out.to_dict())
+
+
+def test_background_replanner_runs_the_same_round_in_another_process() -> None:
+    job = _job("disagg:prefill=tp4,decode=tp2")
+    expected = replan(job)
+    with BackgroundReplanner() as bg:
+        assert bg.poll() is None
+        assert bg.submit(job)
+        assert not bg.submit(job)  # one round at a time
+        deadline = time.monotonic() + 120
+        out = bg.poll()
+        while out is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            out = bg.poll()
+        assert out is not None and bg.poll() is None
+        assert bg.submit(dataclasses.replace(job, requested_at=1.0))  # free again once collected
+    assert out.decision == expected.decision

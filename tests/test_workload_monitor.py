@@ -1,0 +1,167 @@
+"""The workload monitor and shift detector, stepped by hand with exact numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.workload_monitor import (
+    DetectorConfig,
+    LengthHistogram,
+    MonitorConfig,
+    ShiftDetector,
+    WorkloadMonitor,
+    default_length_edges,
+    ks_critical,
+    ks_distance,
+)
+
+
+def test_default_edges_are_powers_of_two_and_one_and_a_half_times_them() -> None:
+    assert default_length_edges(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def test_window_counts_only_completed_slices_and_forgets_old_ones() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=120, slice_s=30))
+    for t, n in ((0, 5), (10, 100), (20, 100), (35, 1000)):
+        mon.record_arrival(t, n)
+    w = mon.window(30.0)  # slice 0 done, slice 1 being filled
+    assert (w.start_at, w.end_at, w.num_arrivals) == (0.0, 30.0, 3)
+    assert w.rate == pytest.approx(0.1)
+    # 5 lies in [4, 6) (midpoint 4.5), 100 in [96, 128) (midpoint 111.5)
+    assert w.input_lengths.mean() == pytest.approx((4.5 + 2 * 111.5) / 3)
+    assert mon.window(60.0).rate == pytest.approx(4 / 60)
+    w = mon.window(150.0)  # slices 1..4: slice 0 has left the window
+    assert (w.start_at, w.end_at, w.num_arrivals) == (30.0, 150.0, 1)
+    assert w.rate == pytest.approx(1 / 120)
+    mon.record_arrival(10.0, 7)  # far older than the window: dropped
+    assert mon.window(150.0).num_arrivals == 1
+
+
+def test_slo_attainment_and_step_corrections() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=60, slice_s=30, ttft_slo_s=0.5, tpot_slo_s=0.1))
+    mon.record_finish(1.0, 10, 0.2, 0.05)
+    mon.record_finish(2.0, 20, 0.6, 0.05)  # TTFT miss
+    mon.record_finish(3.0, 1, 0.1, None)  # one token: TPOT always met
+    mon.record_finish(3.5, 30, None, None)  # latencies unknown: counts for the output lengths only
+    mon.record_step(4.0, "p0", "prefill", 0.12, 0.10)
+    mon.record_step(5.0, "p0", "prefill", 0.12, 0.10)
+    mon.record_step(6.0, "d0", "decode", 0.05, 0.05)
+    mon.record_step(7.0, "d1", "decode", 0.03, 0.01)
+    w = mon.window(30.0)
+    assert (w.num_finished, w.num_judged, w.num_ttft_ok, w.num_tpot_ok, w.num_slo_ok) == (4, 3, 2, 3, 2)
+    assert w.attainment == pytest.approx(2 / 3)
+    assert w.ttft_mean_s == pytest.approx(0.3)
+    assert w.tpot_mean_s == pytest.approx(0.1 / 3)
+    assert w.corrections["p0"].factor == pytest.approx(1.2)
+    assert w.corrections["p0"].num_steps == 2
+    assert w.corrections["d1"].factor == pytest.approx(3.0)
+    assert w.role_factor("decode") == pytest.approx(0.08 / 0.06)
+    assert w.role_factor("colocated") == 1.0
+    # output lengths come from finishes: 10 in [8, 12), 20 in [16, 24), 1 in [1, 2), 30 in [24, 32)
+    assert w.output_lengths.counts[default_length_edges().index(8)] == 1
+    assert w.output_lengths.max_seen == 30
+    snap = mon.snapshot(45.0)
+    json.dumps(snap)  # JSON-able
+    assert snap["window"]["attainment"] == pytest.approx(2 / 3)  # type: ignore[index]
+
+
+def test_ks_distance_and_critical_value() -> None:
+    edges = default_length_edges()
+    a = [0] * len(edges)
+    b = [0] * len(edges)
+    a[edges.index(96)] = 100
+    b[edges.index(96)] = 50
+    b[edges.index(768)] = 50
+    ha, hb = LengthHistogram(edges, tuple(a)), LengthHistogram(edges, tuple(b))
+    assert ks_distance(ha, hb) == pytest.approx(0.5)
+    assert ks_distance(ha, ha) == 0.0
+    # c(0.01) = sqrt(-ln(0.005) / 2) = 1.62762..., times sqrt(200 / 100^2)
+    assert ks_critical(100, 100, 0.01) == pytest.approx(math.sqrt(-math.log(0.005) / 2) * math.sqrt(0.02))
+    assert ks_critical(0, 5, 0.01) == math.inf
+
+
+def test_histogram_sampling_stays_inside_the_bins() -> None:
+    edges = default_length_edges(2048)
+    counts = [0] * len(edges)
+    counts[edges.index(96)] = 3
+    counts[-1] = 1  # the open bin [2048, ...): bounded by the largest length seen
+    h = LengthHistogram(edges, tuple(counts), max_seen=2100)
+    x = h.sample(np.random.default_rng(0), 4000)
+    small, big = x[x < 2048], x[x >= 2048]
+    assert small.min() >= 96 and small.max() <= 127 and big.max() <= 2100
+    assert len(big) / len(x) == pytest.approx(0.25, abs=0.03)
+    with pytest.raises(ValueError):
+        LengthHistogram(edges, tuple([0] * len(edges))).sample(np.random.default_rng(0), 1)
+
+
+def _feed(mon: WorkloadMonitor, start: int, end: int, per_s: int, length: int = 100) -> None:
+    for t in range(start, end):
+        for k in range(per_s):
+            mon.record_arrival(t + k / per_s, length)
+
+
+def _run_slice(mon: WorkloadMonitor, phases: list[tuple[int, int, int, int]], now: int, slice_s: int = 30) -> None:
+    """Feed the slice ending at `now` from phases (start, end, arrivals per second, prompt length)."""
+    for start, end, per_s, length in phases:
+        lo, hi = max(start, now - slice_s), min(end, now)
+        if lo < hi:
+            _feed(mon, lo, hi, per_s, length)
+
+
+def test_rate_shift_fires_after_sustain_and_respects_cooldown() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=60, slice_s=30))
+    det = ShiftDetector(DetectorConfig(rate_change=0.25, min_requests=10, sustain_s=60, cooldown_s=300))
+    phases = [(0, 120, 1, 100), (120, 240, 2, 100), (240, 600, 1, 100)]
+    fired = []
+    for now in range(30, 600, 30):
+        _run_slice(mon, phases, now)
+        check = det.check(mon.window(float(now)))
+        if now == 30:
+            assert check.reasons == ("no reference yet",) and det.reference is not None
+        if check.fire:
+            fired.append(now)
+            det.mark_replanned(float(now), mon.window(float(now)))
+        if now == 150:  # window 90..150: 30 + 60 arrivals in 60 s = 1.5 rps against 1.0
+            assert check.shifted and check.rate_ratio == pytest.approx(1.5) and not check.fire
+            assert check.shifted_since == 150
+        if now == 330:  # back to 1 rps for 60 s, but the replan at 210 is still cooling down
+            assert check.shifted and not check.fire and "cooling down until 510" in check.reasons[-1]
+    # up at 150, held 60 s at 210; down at 270, held from 330, cool-down ends at 210 + 300
+    assert fired == [210, 510]
+    assert det.reference is not None and det.reference.rate == pytest.approx(1.0)
+
+
+def test_a_blip_shorter_than_sustain_does_not_fire() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=30, slice_s=30))
+    det = ShiftDetector(DetectorConfig(rate_change=0.25, min_requests=10, sustain_s=30, cooldown_s=0))
+    phases = [(0, 60, 1, 100), (60, 90, 2, 100), (90, 180, 1, 100)]  # one slice at double rate
+    checks = []
+    for now in range(30, 180, 30):
+        _run_slice(mon, phases, now)
+        checks.append(det.check(mon.window(float(now))))
+    assert [c.shifted for c in checks] == [False, False, True, False, False]
+    assert not any(c.fire for c in checks)
+    assert det.shifted_since is None
+
+
+def test_length_shift_is_detected_by_ks_at_the_same_rate() -> None:
+    mon = WorkloadMonitor(MonitorConfig(window_s=60, slice_s=30))
+    det = ShiftDetector(DetectorConfig(min_requests=20, sustain_s=30, cooldown_s=0))
+    phases = [(0, 60, 1, 100), (60, 180, 1, 1500)]
+    fired = []
+    for now in range(30, 180, 30):
+        _run_slice(mon, phases, now)
+        check = det.check(mon.window(float(now)))
+        if check.fire:
+            fired.append((now, check))
+            det.mark_replanned(float(now), mon.window(float(now)))
+    # at 90 the window (30..90) is half 100s, half 1500s: KS 0.5; held 30 s at 120 (KS 1.0)
+    assert [n for n, _ in fired] == [120]
+    check = fired[0][1]
+    assert check.input_ks == pytest.approx(1.0) and check.rate_ratio == pytest.approx(1.0)
+    assert check.reasons[0].startswith("prompt lengths moved (KS 1.000")
+    json.dumps(det.snapshot())
