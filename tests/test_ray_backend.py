@@ -316,9 +316,7 @@ def test_decode_actor_killed_mid_stream(deployment, reference) -> None:
     faults = deployment.fault_stats()
     assert faults.num_instance_restarts > restarts and faults.num_rerouted_requests > 0
     assert deployment.stats().num_live_requests == 0
-    metrics = ServingMetrics()
-    metrics.watch_faults(deployment)
-    text = metrics.render().decode()
+    text = ServingMetrics(stats=deployment.stats).render().decode()
     assert f"jaxserve:requests_rerouted_total {float(faults.num_rerouted_requests)}" in text
     assert "jaxserve:instance_restarts_total" in text and "jaxserve:kv_leases_expired_total" in text
 
