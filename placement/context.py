@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxserve.limits import DEFAULT_LIMITS
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, ProfileError, load_profile
+from placement.sim_types import SimOptions
 from placement.slo import SloSpec
 from placement.workload import Workload
 
@@ -29,7 +31,35 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="latency profile: a built-in name (a100-80gb-distserve) or a JSON file; default roofline",
     )
-    parser.add_argument("--prefill-tokens", type=int, default=None, help="L_m, the prefill batch token budget")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=None, help="L_m, the bubble-balancing prefill target (default: profile's)"
+    )
+    limits = parser.add_argument_group("serving limits (jaxserve/limits.py; the defaults of `jaxserve serve`)")
+    limits.add_argument(
+        "--max-decode-batch",
+        type=int,
+        default=DEFAULT_LIMITS.max_decode_batch,
+        help="running sequences per decode / colocated instance (serve --max-decode-batch-size)",
+    )
+    limits.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help=f"engine token cap of a prefill step (default: the profile's, else {DEFAULT_LIMITS.max_batch_tokens})",
+    )
+    limits.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per decode / colocated instance (default: what the device memory holds)",
+    )
+    limits.add_argument("--block-size", type=int, default=DEFAULT_LIMITS.block_size, help="paged KV block, tokens")
+    limits.add_argument(
+        "--prefill-buffer-slots",
+        type=int,
+        default=DEFAULT_LIMITS.prefill_buffer_slots,
+        help="prefilled sequences a prefill instance holds until pulled",
+    )
     parser.add_argument(
         "--workload", default="sharegpt", help="sharegpt | humaneval | longbench | fixed:IN:OUT | trace.jsonl"
     )
@@ -66,7 +96,7 @@ def build_latency(args: argparse.Namespace) -> LatencyProvider:
             print(
                 f"warning: profile {profile.name} was measured on {profile.device}, not {device.name}", file=sys.stderr
             )
-        if not profile.supported_tps("dist", cfg.name) and not profile.supported_tps("coloc", cfg.name):
+        if not profile.supported_tps("disagg", cfg.name) and not profile.supported_tps("colocated", cfg.name):
             raise UsageError(f"profile {profile.name} has no coefficients for {cfg.name}")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:
         raise UsageError("--prefill-tokens must be >= 1")
@@ -107,3 +137,20 @@ def build_base_workload(args: argparse.Namespace, latency: LatencyProvider, defa
         return base_workload(args.workload, n, args.seed, args.cv, latency.cfg.max_position_embeddings)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+
+
+def build_options(args: argparse.Namespace) -> SimOptions:
+    """The simulated engine's limits from `--max-decode-batch`, `--max-batch-tokens`, `--num-kv-blocks`, ..."""
+    for name in ("max_decode_batch", "block_size", "prefill_buffer_slots"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_batch_tokens", "num_kv_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    return SimOptions(
+        block_size=args.block_size,
+        max_decode_batch=args.max_decode_batch,
+        max_batch_tokens=args.max_batch_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        prefill_buffer_slots=args.prefill_buffer_slots,
+    )

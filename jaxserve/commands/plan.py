@@ -11,7 +11,14 @@ choice, or with `--json` the `DeploymentPlan` (devices and nodes filled in) that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.limits import ServingLimits
+    from jaxserve.plan import DeploymentPlan
+    from placement.search import SearchContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,21 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also search the prefill:decode replica ratio (xPyD) of the chosen shapes within N devices, jointly simulated",
     )
-    parser.add_argument(
-        "--max-decode-batch",
-        type=int,
-        default=256,
-        help="running sequences per decode instance, as served (jaxserve serve --max-decode-batch-size; its default is 32)",
-    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from jaxserve.plan import PlanError
-    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
+    from placement.context import (
+        UsageError,
+        build_base_workload,
+        build_cluster,
+        build_latency,
+        build_options,
+        build_slo,
+    )
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import ProfileError
     from placement.search import (
@@ -73,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
         ratio_search,
         replicate_colocated,
     )
-    from placement.simulator import SimOptions
 
     try:
         latency = build_latency(args)
@@ -88,15 +93,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ratio-devices must be >= 0")
         if args.max_pp is not None and args.max_pp < 1:
             raise UsageError("--max-pp must be >= 1")
-        if args.max_decode_batch < 1:
-            raise UsageError("--max-decode-batch must be >= 1")
+        options = build_options(args)
         workload = build_base_workload(args, latency, 400)
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
 
-    # --prefill-tokens reaches both instance kinds through the latency provider's L_m
-    options = SimOptions(max_decode_batch=args.max_decode_batch)
     ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
     progress = None if args.no_progress else _progress_bar()
     disagg = colocated = ratio = None
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
     if args.rate is not None:
         expected["target_rate_rps"] = args.rate
-    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected)
+    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(plan.to_json() + "\n")
@@ -207,6 +209,24 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         print(f"plan written to {args.output}")
     return 0
+
+
+def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
+    """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
+    instance's memory holds when the options left them to the device (the server applies one number to all)."""
+    from placement.latency import kv_capacity_tokens
+
+    opts = ctx.options
+    caps = {ctx.latency.engine_token_cap(plan.kind, i.tp) for i in plan.instances}
+    limits = opts.limits(default_batch_tokens=min(caps))
+    if limits.num_kv_blocks is None:
+        blocks = min(
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // opts.block_size
+            for i in plan.instances
+            if i.role != "prefill"
+        )
+        limits = dataclasses.replace(limits, num_kv_blocks=max(1, blocks))
+    return limits
 
 
 class _Progress:

@@ -8,7 +8,6 @@ reports it in total and per device.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -25,16 +24,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--goodput", action="store_true", help="search the max rate meeting --ttft/--tpot at --attainment"
     )
-    parser.add_argument("--max-decode-batch", type=int, default=256)
     parser.add_argument("--trace-out", default=None, help="write the simulated workload as JSONL")
 
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.plan import PlanError, parse_deployment
-    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
+    from placement.context import (
+        UsageError,
+        build_base_workload,
+        build_cluster,
+        build_latency,
+        build_options,
+        build_slo,
+    )
     from placement.goodput import GoodputSearch, max_rate
-    from placement.latency import Engine, ProfileError
-    from placement.simulator import PHASES, SimOptions, simulate
+    from placement.latency import DeploymentKind, ProfileError
+    from placement.simulator import PHASES, simulate
 
     try:
         latency = build_latency(args)
@@ -42,14 +47,13 @@ def run(args: argparse.Namespace) -> int:
         slo = build_slo(args, required=bool(args.goodput))
         if args.rate is not None and args.rate <= 0:
             raise UsageError("--rate must be positive")
-        if args.max_decode_batch < 1:
-            raise UsageError("--max-decode-batch must be >= 1")
+        options = build_options(args)
         try:
             plan = parse_deployment(args.deployment)
             plan = plan if plan.instances[0].devices is not None else plan.assign_devices(cluster.num_devices)
         except PlanError as e:
             raise UsageError(str(e)) from None
-        engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
+        engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
         for inst in plan.instances:
             if not latency.supports(engine, inst.tp):
                 raise UsageError(
@@ -60,9 +64,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxserve simulate: error: {e}", file=sys.stderr)
         return 2
 
-    options = SimOptions(max_decode_batch=args.max_decode_batch)
-    if args.prefill_tokens is not None:  # L_m also caps a colocated prefill-priority step
-        options = dataclasses.replace(options, colocated_batch_tokens=args.prefill_tokens)
     try:
         if args.goodput:
             assert slo is not None
