@@ -12,11 +12,17 @@ SIGINT/SIGTERM drain in-flight requests and stop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
+from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
+
+if TYPE_CHECKING:
+    from jaxserve.plan import DeploymentPlan
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
@@ -63,10 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ray backend: how decode actors pull KV (jax: jax.experimental.transfer)",
     )
     limits = parser.add_argument_group("runtime limits")
-    limits.add_argument("--num-kv-blocks", type=int, default=256, help="paged KV blocks per decode instance")
-    limits.add_argument("--block-size", type=int, default=16)
-    limits.add_argument("--max-decode-batch-size", type=int, default=32)
-    limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
+    # Defaults: the plan's recorded limits with --plan, else jaxserve/limits.py (what plan/simulate assume).
+    limits.add_argument("--num-kv-blocks", type=int, default=None, help="paged KV blocks per decode instance")
+    limits.add_argument("--block-size", type=int, default=None)
+    limits.add_argument("--max-decode-batch-size", type=int, default=None)
+    limits.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     parser.add_argument(
@@ -74,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run on these CPUs only, e.g. 0 or 0-3 (CPU hosts: keeps a load generator off the serving cores)",
     )
+
+
+def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
+    """The limits to serve with: each flag given on the command line, else the plan's, else the defaults."""
+    base = plan.limits or DEFAULT_LIMITS
+    flags = {
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_decode_batch": args.max_decode_batch_size,
+        "max_batch_tokens": args.max_batch_tokens,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,11 +128,13 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
+    limits = serving_limits(args, plan)
     config = ControllerConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_decode_batch_size=args.max_decode_batch_size,
-        max_batch_tokens=args.max_batch_tokens,
+        block_size=limits.block_size,
+        num_kv_blocks=limits.num_kv_blocks or DEFAULT_LIMITS.num_kv_blocks or 1,
+        max_decode_batch_size=limits.max_decode_batch,
+        max_batch_tokens=limits.max_batch_tokens,
+        prefill_buffer_capacity=limits.prefill_buffer_slots,
         max_queued_requests=args.max_queued_requests,
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout,
