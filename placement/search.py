@@ -33,7 +33,7 @@ from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import OPTConfig
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec
-from placement.latency import Engine, LatencyProvider, fits
+from placement.latency import DeploymentKind, LatencyProvider, fits
 from placement.simulator import SimOptions
 from placement.slo import SloSpec
 from placement.workload import Workload
@@ -109,7 +109,7 @@ def tp_degrees(cfg: OPTConfig, max_tp: int) -> list[int]:
     return [tp for tp in range(1, max_tp + 1) if cfg.num_heads % tp == 0]
 
 
-def instance_shapes(ctx: SearchContext, engine: Engine, max_devices: int) -> list[tuple[int, int]]:
+def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[tuple[int, int]]:
     """Feasible (tp, pp): tp within a node, tp·pp ≤ max_devices, weights + one full sequence of KV fit."""
     cfg, cluster = ctx.cfg, ctx.cluster
     out = []
@@ -188,7 +188,7 @@ def algorithm1(
 ) -> SearchResult:
     cluster = ctx.cluster
     nodes = max_nodes_per_instance or cluster.num_nodes
-    shapes = instance_shapes(ctx, "dist", nodes * cluster.devices_per_node)
+    shapes = instance_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
     if not shapes:
         raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
     cands = tuple(_map(_eval, _phase_jobs(ctx, shapes), workers, progress))
@@ -259,7 +259,7 @@ def algorithm2(
         tps = [
             tp
             for tp in tp_degrees(ctx.cfg, m_per_node)
-            if ctx.latency.supports("dist", tp) and fits(ctx.cfg, cluster.device, tp, pp)
+            if ctx.latency.supports("disagg", tp) and fits(ctx.cfg, cluster.device, tp, pp)
         ]
         for tp_p in tps:
             for tp_d in tps:
@@ -306,7 +306,7 @@ def colocated_search(
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
     limit = max_devices or ctx.cluster.devices_per_node
-    shapes = instance_shapes(ctx, "coloc", limit)
+    shapes = instance_shapes(ctx, "colocated", limit)
     jobs = [
         (
             ctx,

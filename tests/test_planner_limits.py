@@ -29,7 +29,7 @@ def test_server_and_simulator_defaults_are_the_limits() -> None:
         DEFAULT_LIMITS.max_batch_tokens,
         DEFAULT_LIMITS.prefill_buffer_slots,
     )
-    assert DEFAULT_PREFILL_BUFFER_SLOTS == DEFAULT_LIMITS.prefill_buffer_slots  # the runtime policy's constant
+    assert DEFAULT_LIMITS.prefill_buffer_slots == DEFAULT_PREFILL_BUFFER_SLOTS  # the runtime policy's constant
     o = SimOptions()
     assert (o.block_size, o.max_decode_batch, o.prefill_buffer_slots) == (
         DEFAULT_LIMITS.block_size,

@@ -33,7 +33,7 @@ CONSTRUCTED = {
             "decode_small": [d, 0, 0.05],
             "decode_large": [d, 0, 0.05],
         }
-        for e in ("dist", "coloc")
+        for e in ("disagg", "colocated")
         for tp, p, d in ((1, 300.0, 10.0), (2, 40.0, 9.0), (4, 30.0, 8.5))
     ],
 }

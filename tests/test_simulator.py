@@ -27,7 +27,7 @@ def _workload(arrivals: list[float], inputs: list[int], outputs: list[int]) -> W
 
 def test_md1_mean_wait_matches_queueing_theory() -> None:
     # One prefill instance, every prompt 512 tokens = L_m so each batch is one request: an M/D/1 queue.
-    service = LP.instance("dist", 1, 1).prefill_stage_s(512, 512**2, 1)
+    service = LP.instance("disagg", 1, 1).prefill_stage_s(512, 512**2, 1)
     rate = 0.4 / service
     w = generate("fixed:512:1", rate, 20_000, np.random.default_rng(0))
     r = simulate(
@@ -48,12 +48,12 @@ def test_md1_mean_wait_matches_queueing_theory() -> None:
 def test_one_request_disaggregated_timeline(devices_per_node: int) -> None:
     cluster = ClusterSpec(A100, 2, devices_per_node)
     r = simulate(parse_deployment("disagg:prefill=tp1,decode=tp1"), LP, cluster, _workload([0.5], [512], [3]))
-    prefill = PROFILE.folded[("dist", "opt-13b", 1)].prefill
+    prefill = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
     ttft = (prefill[0] + prefill[1] * 512 + prefill[2] * 512**2) / 1000
     kv = 512 * OPT13B.kv_bytes_per_token
     link = cluster.nvlink_bandwidth if devices_per_node == 2 else cluster.inter_node_bandwidth
     transfer = cluster.link_latency_s + kv / link
-    a, b, c = PROFILE.folded[("dist", "opt-13b", 1)].decode_small
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].decode_small
     rounds = [(a + b * ctx + c) / 1000 for ctx in (513, 514)]
     assert r.first_token_at[0] == pytest.approx(0.5 + ttft)
     assert r.transfer_end_at[0] - r.transfer_start_at[0] == pytest.approx(transfer)
@@ -68,7 +68,7 @@ def test_pipelined_prefill_overlaps_batches() -> None:
     cluster = ClusterSpec(A100, 1, 8)
     plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
     r = simulate(plan, lp, cluster, _workload([0, 0, 0], [512] * 3, [1] * 3), None, SimOptions(mode="prefill"))
-    model = lp.instance("dist", 1, 2, cluster.nvlink_bandwidth)
+    model = lp.instance("disagg", 1, 2, cluster.nvlink_bandwidth)
     stage = model.prefill_stage_s(512, 512**2, 1)
     send = model.send_s(512)
     np.testing.assert_allclose(r.first_token_at, [2 * stage + send, 3 * stage + send, 4 * stage + send])
@@ -84,7 +84,7 @@ def test_prefill_batches_follow_lm_and_shortest_queue() -> None:
     r = simulate(
         plan, lp, ClusterSpec(A100, 1, 8), _workload([0] * 6, [200] * 6, [1] * 6), None, SimOptions(mode="prefill")
     )
-    model = lp.instance("dist", 1, 1)
+    model = lp.instance("disagg", 1, 1)
     one = model.prefill_stage_s(200, 200**2, 1)
     two = model.prefill_stage_s(400, 2 * 200**2, 2)
     np.testing.assert_allclose(sorted(r.first_token_at), [one, one, one + two, one + two, one + two, one + two])
@@ -138,7 +138,7 @@ def test_full_prefill_buffer_stops_prefill_as_in_the_runtime() -> None:
 def test_colocated_prefill_priority_timeline() -> None:
     # Request 0 arrives at 0 (512 in, 4 out); request 1 arrives during request 0's first decode step.
     lp = LatencyProvider(OPT13B, A100, PROFILE)
-    model = lp.instance("coloc", 1, 1)
+    model = lp.instance("colocated", 1, 1)
     prefill = model.prefill_stage_s(512, 512**2, 1)
     r = simulate(
         parse_deployment("colocated:tp1"),
@@ -160,7 +160,7 @@ def test_colocated_prefill_priority_timeline() -> None:
 
 def test_chunked_prefill_with_piggybacked_decode() -> None:
     lp = LatencyProvider(OPT13B, A100, PROFILE)
-    model = lp.instance("coloc", 1, 1)
+    model = lp.instance("colocated", 1, 1)
     r = simulate(
         parse_deployment("colocated:tp1,chunk=256"),
         lp,
