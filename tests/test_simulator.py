@@ -10,14 +10,25 @@ import pytest
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
-from placement.latency import LatencyProvider, load_profile, weight_bytes_per_device
+from placement.latency import LatencyProvider, Profile, StepOverhead, load_profile, weight_bytes_per_device
 from placement.simulator import PHASES, SimOptions, simulate
 from placement.slo import SloSpec
 from placement.workload import Workload, generate
 
+
+def kernel_only(profile: Profile) -> Profile:
+    strip = {"overhead": None, "max_batch_tokens": None}
+    return dataclasses.replace(
+        profile,
+        folded={k: dataclasses.replace(v, **strip) for k, v in profile.folded.items()},  # type: ignore[arg-type]
+        appendix={k: dataclasses.replace(v, **strip) for k, v in profile.appendix.items()},  # type: ignore[arg-type]
+    )
+
+
 OPT13B = get_config("opt-13b", "float16")
 A100 = get_device("a100-80gb")
-PROFILE = load_profile("a100-80gb-distserve")
+# The kernel times alone (no per-step host overhead, the default 512-token engine cap), so timelines add up by hand.
+PROFILE = kernel_only(load_profile("a100-80gb-distserve"))
 LP = LatencyProvider(OPT13B, A100, PROFILE, prefill_tokens=512)
 
 
@@ -192,3 +203,23 @@ def test_early_stop_gives_the_full_run_verdict_and_is_deterministic() -> None:
         again = simulate(plan, LP, cluster, w.with_rate(rate), slo, SimOptions(stop_early=False))
         np.testing.assert_array_equal(again.finish_at, full.finish_at)
     assert simulate(plan, LP, cluster, w.with_rate(30.0), slo).num_events < full.num_events / 2
+
+
+def test_step_overhead_on_a_hand_computed_timeline() -> None:
+    # One 512-token request, 3 output tokens, disaggregated tp1/tp1 on one node, with the artifact's host
+    # overhead: each step costs 2 ms + 1e-7 s per context token more, a prefill step 1 ms more.
+    overhead = StepOverhead(0.002, 1e-7, 0.001)
+    with_overhead = dataclasses.replace(
+        PROFILE, folded={k: dataclasses.replace(v, overhead=overhead) for k, v in PROFILE.folded.items()}
+    )
+    lp = LatencyProvider(OPT13B, A100, with_overhead)
+    cluster = ClusterSpec(A100, 1, 8)
+    r = simulate(parse_deployment("disagg:prefill=tp1,decode=tp1"), lp, cluster, _workload([0.0], [512], [3]))
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
+    prefill_s = (a + b * 512 + c * 512**2) / 1000 + 0.002 + 512e-7 + 0.001
+    assert r.first_token_at[0] == pytest.approx(prefill_s, rel=1e-12)
+    transfer_s = r.transfer_end_at[0] - r.transfer_start_at[0]
+    da, db, dc = PROFILE.folded[("disagg", "opt-13b", 1)].decode_small
+    # Two decode rounds (contexts 513 and 514), each with its host overhead.
+    rounds = sum((da + db * ctx + dc * 1) / 1000 + 0.002 + ctx * 1e-7 for ctx in (513, 514))
+    assert r.finish_at[0] == pytest.approx(prefill_s + transfer_s + rounds, rel=1e-12)
