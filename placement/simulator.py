@@ -62,9 +62,9 @@ from placement.latency import (
     StageLatency,
     StepOverhead,
     kv_capacity_tokens,
-    pipeline_decode_round_s,
 )
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
+from placement.step_time import decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker
@@ -491,9 +491,7 @@ class Simulator:
             d.busy = False
             return
         d.busy = True
-        round_s = pipeline_decode_round_s(d.model, d.num_running, d.ctx_sum)
-        round_s += d.overhead.step_s(d.ctx_sum, d.model.pp, False)
-        self._push(self.now + round_s, _DECODE_ROUND_DONE, k)
+        self._push(self.now + decode_step_s(d.model, d.overhead, d.num_running, d.ctx_sum), _DECODE_ROUND_DONE, k)
 
     def _on_round_done(self, k: int) -> None:
         d = self.decodes[k]
@@ -554,18 +552,8 @@ class Simulator:
         )
         chunks = np.asarray([ch.num_tokens for ch in step.prefill], dtype=np.int64)
         priors = np.asarray([ch.start for ch in step.prefill], dtype=np.int64)
-        m = c.model
         ctx_sum = float(decode_ctx.sum())
-        if len(chunks) == 0:
-            dt = pipeline_decode_round_s(m, len(decode_idx), ctx_sum)
-        else:
-            # A colocated step is not overlapped with the next one: its latency is all stages in turn.
-            num_tokens = float(chunks.sum())
-            sum_sq = float((chunks * (chunks + 2 * priors)).sum())
-            stage = m.chunk_stage_s(num_tokens, sum_sq, len(chunks), len(decode_idx), ctx_sum)
-            dt = m.pp * stage + (m.pp - 1) * m.send_s(int(num_tokens) + len(decode_idx))
-        prompt_ctx = float((chunks + priors).sum()) if len(chunks) else 0.0
-        dt += c.overhead.step_s(ctx_sum + prompt_ctx, m.pp, len(chunks) > 0)
+        dt = mixed_step_s(c.model, c.overhead, chunks.tolist(), priors.tolist(), len(decode_idx), ctx_sum)
         c.busy = True
         self._push(
             self.now + dt,
