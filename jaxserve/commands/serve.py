@@ -23,6 +23,7 @@ from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
     from jaxserve.plan import DeploymentPlan
+    from jaxserve.runtime.instances import EngineFactory
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
@@ -48,7 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
     parser.add_argument(
-        "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
+        "--engine",
+        choices=["opt", "fake", "timed"],
+        default="opt",
+        help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="--engine timed: the latency profile (built-in name or JSON file) it sleeps"
     )
     parser.add_argument(
         "--no-warmup", action="store_true", help="skip the warm-up request (compilation) before the ready line"
@@ -81,6 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run on these CPUs only, e.g. 0 or 0-3 (CPU hosts: keeps a load generator off the serving cores)",
     )
+
+
+def _timed_engine_factory(model: str, profile: str | None) -> EngineFactory:
+    from jaxserve.testing.timed_engine import timed_engine_factory
+    from models.config import PRESETS, OPTConfig, get_config
+    from placement.hardware import get_device
+    from placement.latency import LatencyProvider, load_profile
+
+    if profile is None:
+        raise ValueError("--engine timed needs --profile")
+    cfg = get_config(model, "float16") if model in PRESETS else OPTConfig.from_hf_config(model)
+    prof = load_profile(profile)
+    latency = LatencyProvider(cfg, get_device(prof.device or "cpu"), prof)
+    return timed_engine_factory(cfg, latency)
 
 
 def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
@@ -140,13 +161,15 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     try:
-        engine_factory = None
+        engine_factory: EngineFactory | None = None
         if args.engine == "fake":
             from jaxserve.testing.fake_engine import fake_engine_factory
             from models.config import PRESETS, OPTConfig, get_config
 
             fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
             engine_factory = fake_engine_factory(fake_config)
+        elif args.engine == "timed":
+            engine_factory = _timed_engine_factory(model, args.profile)
         if args.backend == "ray":
             from jaxserve.runtime.ray_backend.deployment import launch_from_args
 
