@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,39 @@ class Point:
         return out
 
 
-def latency_provider() -> LatencyProvider:
-    profile = load_profile(PROFILE)
-    return LatencyProvider(get_config(MODEL, "float16"), get_device(profile.device or "a100-80gb"), profile)
+def slowed_profile(factor: float, path: Path) -> Path:
+    """The shipped profile's opt-13b entries with every time `factor` x longer (written to `path`).
+
+    Stretching time keeps the shape of every timeline and divides the host's jitter (this machine is 2 shared
+    cores) relative to the steps; SLOs and rates are scaled to match (`Check`).
+    """
+    raw = json.loads(resources.files("placement").joinpath("profiles", f"{PROFILE}.json").read_text())
+    entries = []
+    for e in raw["entries"]:
+        if e["model"] != MODEL:
+            continue
+        e = dict(e)
+        for key in ("prefill", "decode_small", "decode_large", "step_overhead"):
+            e[key] = [factor * float(x) for x in e[key]]
+        entries.append(e)
+    path.write_text(json.dumps({**raw, "name": f"{PROFILE}-x{factor:g}", "entries": entries}))
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One fidelity setting: the profile (slowed by `slowdown`), the SLO and limits scaled to it."""
+
+    profile_path: Path
+    slowdown: float
+
+    @property
+    def slo(self) -> SloSpec:
+        return dataclasses.replace(SLO, ttft_s=SLO.ttft_s * self.slowdown, tpot_s=SLO.tpot_s * self.slowdown)
+
+    def latency(self) -> LatencyProvider:
+        profile = load_profile(str(self.profile_path))
+        return LatencyProvider(get_config(MODEL, "float16"), get_device(profile.device or "a100-80gb"), profile)
 
 
 def options(limits: ServingLimits = LIMITS) -> SimOptions:
@@ -81,9 +112,9 @@ def base_workload(n: int, seed: int) -> Workload:
     return generate(WORKLOAD, 1.0, n, np.random.default_rng(seed))
 
 
-def choose_rates(spec: str, n: int, seed: int) -> tuple[float, ...]:
+def choose_rates(check: Check, spec: str, n: int, seed: int) -> tuple[float, ...]:
     search = GoodputSearch(
-        parse_deployment(spec), latency_provider(), cluster(), base_workload(4 * n, seed), SLO, options()
+        parse_deployment(spec), check.latency(), cluster(), base_workload(4 * n, seed), check.slo, options()
     )
     goodput = max_rate(search, 0.02)
     return tuple(round(goodput * s, 3) for s in RATE_SCALES)
@@ -101,31 +132,31 @@ def _stats(ttft: np.ndarray, tpot: np.ndarray, slo: SloSpec) -> dict[str, float]
     }
 
 
-def measured_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
+def measured_stats(records: Sequence[RequestRecord], slo: SloSpec) -> dict[str, float]:
     done = sorted(records, key=lambda r: (r.sent_at, r.index))
     ttft = np.array([r.ttft_s if r.ok else np.nan for r in done])
     tpot = np.array([r.tpot_s if r.ok else np.nan for r in done])
-    return _stats(ttft, tpot, SLO)
+    return _stats(ttft, tpot, slo)
 
 
-def predicted_stats(spec: str, trace: Workload) -> dict[str, float]:
-    result = simulate(parse_deployment(spec), latency_provider(), cluster(), trace, None, options())
-    return _stats(result.ttft_s, result.tpot_s, SLO)
+def predicted_stats(check: Check, spec: str, trace: Workload) -> dict[str, float]:
+    result = simulate(parse_deployment(spec), check.latency(), cluster(), trace, None, options())
+    return _stats(result.ttft_s, result.tpot_s, check.slo)
 
 
-def server_args(limits: ServingLimits = LIMITS) -> list[str]:
+def server_args(check: Check, limits: ServingLimits = LIMITS) -> list[str]:
     return [
-        "--engine", "timed", "--profile", PROFILE,
+        "--engine", "timed", "--profile", str(check.profile_path),
         "--num-kv-blocks", str(limits.num_kv_blocks), "--block-size", str(limits.block_size),
         "--max-decode-batch-size", str(limits.max_decode_batch), "--max-batch-tokens", str(limits.max_batch_tokens),
         "--max-queued-requests", "100000",
     ]  # fmt: skip
 
 
-def check_deployment(spec: str, rates: Sequence[float], n: int, seed: int, workdir: Path) -> list[Point]:
+def check_deployment(check: Check, spec: str, rates: Sequence[float], n: int, seed: int, workdir: Path) -> list[Point]:
     points = []
     log = workdir / f"serve-{spec.replace(':', '_').replace(',', '_').replace('=', '')}.log"
-    with launch.ServeProcess(spec, MODEL, server_args(), log_path=log, single_core=False) as server:
+    with launch.ServeProcess(spec, MODEL, server_args(check), log_path=log, single_core=False) as server:
         target = loadgen.Target(server.grpc_address)
         info = loadgen.probe(target)
         base = base_workload(n, seed)
@@ -135,7 +166,9 @@ def check_deployment(spec: str, rates: Sequence[float], n: int, seed: int, workd
             if summary["failed"]:
                 raise RuntimeError(f"{spec} @ {rate}: {summary['failed']} requests failed")
             trace = loadgen.workload_from_records(run.records, rate)
-            points.append(Point(spec, rate, measured_stats(run.records), predicted_stats(spec, trace)))
+            points.append(
+                Point(spec, rate, measured_stats(run.records, check.slo), predicted_stats(check, spec, trace))
+            )
     return points
 
 
@@ -168,13 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deployments", nargs="*", default=list(DEPLOYMENTS))
     parser.add_argument("--num-requests", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slowdown", type=float, default=2.0, help="stretch every step time this many times")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     points: list[Point] = []
     with tempfile.TemporaryDirectory() as tmp:
+        check = Check(slowed_profile(args.slowdown, Path(tmp) / "profile.json"), args.slowdown)
         for spec in args.deployments:
-            rates = choose_rates(spec, args.num_requests, args.seed)
-            new = check_deployment(spec, rates, args.num_requests, args.seed, Path(tmp))
+            rates = choose_rates(check, spec, args.num_requests, args.seed)
+            new = check_deployment(check, spec, rates, args.num_requests, args.seed, Path(tmp))
             points += new
             print(table(new).split("\n", 1)[1], flush=True)
     print(table(points))
