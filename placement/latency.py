@@ -72,13 +72,15 @@ import math
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 
 from jaxserve.limits import DEFAULT_LIMITS
 from models.config import OPTConfig
 from placement.hardware import DeviceSpec
+from placement.padding import EnginePadding, PaddedModel
+from placement.stage_latency import StageLatency
 
 DeploymentKind = Literal["disagg", "colocated"]  # the plan's kinds (`DeploymentPlan.kind`)
 _KIND_ALIASES = {"dist": "disagg", "coloc": "colocated"}  # profile files written before the rename
@@ -150,28 +152,6 @@ def fits(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: in
 # ---------------------------------------------------------------------------------------------
 # Instance latency
 # ---------------------------------------------------------------------------------------------
-class StageLatency(Protocol):
-    """What the simulator needs from one instance's latency model (seconds; batch statistics as scalars).
-
-    Prefill batches are described by `num_tokens = Σ lᵢ`, `sum_sq = Σ lᵢ²` and the number of prompts;
-    decode micro-batches by their size and `ctx_sum = Σ ctxᵢ`. A chunked step adds decodes to a prefill
-    step: `sum_sq` is then Σ cᵢ·(cᵢ + 2pᵢ) for chunk cᵢ after pᵢ done tokens (what Σlᵢ² grows by).
-    """
-
-    @property
-    def pp(self) -> int: ...
-
-    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float: ...
-
-    def decode_stage_s(self, batch: int, ctx_sum: float) -> float: ...
-
-    def chunk_stage_s(
-        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
-    ) -> float: ...
-
-    def send_s(self, num_tokens: int) -> float: ...
-
-
 def prefill_stats(lengths: np.ndarray) -> tuple[float, float, int]:
     """(Σl, Σl², B) of a batch of prompt lengths."""
     lengths = np.asarray(lengths, dtype=np.float64)
@@ -539,8 +519,6 @@ class LatencyProvider:
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base
-        from placement.padding import EnginePadding, PaddedModel  # padding.py builds on this module
-
         return PaddedModel(base, EnginePadding(**pad))
 
     def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
