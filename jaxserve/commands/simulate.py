@@ -13,7 +13,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from placement.context import add_common_arguments
+    from jaxserve.commands.planner_args import add_common_arguments
 
     add_common_arguments(parser)
     parser.add_argument(
@@ -28,26 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.plan import PlanError, parse_deployment
-    from placement.context import (
-        UsageError,
-        build_base_workload,
-        build_cluster,
-        build_latency,
-        build_options,
-        build_slo,
-    )
+    from placement.context import UsageError
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import DeploymentKind, ProfileError
     from placement.simulator import PHASES, simulate
 
     try:
-        latency = build_latency(args)
-        cluster = build_cluster(args, latency)
-        slo = build_slo(args, required=bool(args.goodput))
+        latency, cluster, slo, options, workload = inputs_from_args(
+            args, 2000 if args.goodput else 1000, slo_required=bool(args.goodput)
+        )
         if args.rate is not None and args.rate <= 0:
             raise UsageError("--rate must be positive")
-        options = build_options(args)
         try:
             plan = parse_deployment(args.deployment)
             plan = plan if plan.instances[0].devices is not None else plan.assign_devices(cluster.num_devices)
@@ -59,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(
                     f"profile {args.profile} has no {engine} coefficients for {latency.cfg.name} tp{inst.tp}"
                 )
-        workload = build_base_workload(args, latency, 2000 if args.goodput else 1000)
     except UsageError as e:
         print(f"jaxserve simulate: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,154 @@
+"""Choosing the deployment: the planner as one library call (`jaxserve plan`, tests and replanning use it).
+
+`choose_plan(ctx, ...)` runs the searches a plan needs — Algorithm 1 (high node affinity) or 2 (low) for the
+disaggregated kind, the colocated search, with `kind="auto"` both and the better goodput per device — verifies
+an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone), optionally searches
+the prefill:decode ratio, and returns the placed `DeploymentPlan` (model, expected metrics and the serving
+limits it was planned with filled in) with a `PlanReport` of how it was chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+from jaxserve.limits import ServingLimits
+from jaxserve.plan import DeploymentPlan, PlanError
+from placement.goodput import GoodputSearch, max_rate
+from placement.latency import kv_capacity_tokens
+from placement.search import (
+    SearchContext,
+    SearchResult,
+    algorithm1,
+    algorithm2,
+    choose_deployment,
+    colocated_search,
+    place,
+    ratio_search,
+    replicate_colocated,
+)
+
+PlanKind = Literal["auto", "disagg", "colocated"]
+Affinity = Literal["high", "low"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """How the plan was chosen: every search's result, the joint check, the kind decision."""
+
+    plan: DeploymentPlan
+    result: SearchResult  # the search whose plan was chosen
+    goodput_rps: float  # the chosen plan's goodput (joint simulation for a verified Algorithm-1 plan)
+    why: str
+    disagg: SearchResult | None = None
+    colocated: SearchResult | None = None
+    joint_rps: float | None = None  # the joint simulation of the best disaggregated plan, when verified
+    disagg_per_device: float = 0.0
+    ratio: SearchResult | None = None
+    failures: tuple[str, ...] = ()  # kinds that found no plan (with kind="auto" the other may still win)
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.goodput_rps / self.plan.num_devices
+
+
+def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
+    """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
+    instance's memory holds when the options left them to the device (the server applies one number to all)."""
+    opts = ctx.options
+    caps = {ctx.latency.engine_token_cap(plan.kind, i.tp) for i in plan.instances}
+    limits = opts.limits(default_batch_tokens=min(caps))
+    if limits.num_kv_blocks is None:
+        blocks = min(
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // opts.block_size
+            for i in plan.instances
+            if i.role != "prefill"
+        )
+        limits = dataclasses.replace(limits, num_kv_blocks=max(1, blocks))
+    return limits
+
+
+def choose_plan(
+    ctx: SearchContext,
+    *,
+    kind: PlanKind = "auto",
+    affinity: Affinity = "high",
+    rate: float | None = None,
+    workers: int = 1,
+    verify: bool = True,
+    compare_colocated: bool = False,
+    ratio_devices: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> PlanReport:
+    """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them."""
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive")
+    cluster, latency = ctx.cluster, ctx.latency
+    disagg = colocated = ratio = None
+    joint = None
+    failures: list[str] = []
+    if kind != "colocated":
+        try:
+            search = algorithm1 if affinity == "high" else algorithm2
+            disagg = search(ctx, rate, workers=workers, progress=progress)
+        except PlanError as e:
+            if kind == "disagg":
+                raise
+            failures.append(f"disaggregated: {e}")
+    if kind != "disagg" or compare_colocated:
+        try:
+            colocated = colocated_search(ctx, workers=workers, progress=progress)
+        except PlanError as e:
+            if kind == "colocated" or disagg is None:
+                raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
+            failures.append(f"colocated: {e}")
+    disagg_plan = None
+    if disagg is not None:
+        disagg_plan = place(disagg.plan, cluster, pair_stages=affinity == "low")
+        if affinity == "high" and verify:
+            # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
+            joint = max_rate(
+                GoodputSearch(disagg_plan, latency, cluster, ctx.workload, ctx.slo, ctx.options), ctx.rel_tol
+            )
+    disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
+    disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
+    chosen, why = choose_deployment(disagg, disagg_pd, colocated if kind != "disagg" else None)
+    if chosen == "disagg":
+        assert disagg is not None and disagg_plan is not None
+        result, plan, goodput_rps = disagg, disagg_plan, disagg_rps
+        if ratio_devices:
+            shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
+            ratio = ratio_search(ctx, *shapes, max_devices=ratio_devices, workers=workers, progress=progress)
+    else:
+        assert colocated is not None
+        result = replicate_colocated(ctx, colocated, rate)
+        plan = place(result.plan, cluster)
+        goodput_rps = result.goodput_rps
+    slo = ctx.slo
+    expected = {
+        "goodput_rps": goodput_rps,
+        "goodput_rps_per_device": goodput_rps / plan.num_devices,
+        "search_goodput_rps": result.goodput_rps,
+        "ttft_slo_s": slo.ttft_s,
+        "tpot_slo_s": slo.tpot_s,
+        "attainment": slo.attainment,
+    }
+    if disagg is not None and colocated is not None and kind == "auto":
+        expected["disagg_goodput_rps_per_device"] = disagg_pd
+        expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
+    if rate is not None:
+        expected["target_rate_rps"] = rate
+    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
+    return PlanReport(
+        plan=plan,
+        result=result,
+        goodput_rps=goodput_rps,
+        why=why,
+        disagg=disagg,
+        colocated=colocated,
+        joint_rps=joint,
+        disagg_per_device=disagg_pd,
+        ratio=ratio,
+        failures=tuple(failures),
+    )
