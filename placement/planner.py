@@ -113,6 +113,24 @@ def choose_plan(
             )
     disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
     disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
+    if kind != "colocated" and affinity == "high" and verify:
+        # Algorithm 1 pairs phases judged alone, blind to the KV each pair must move. Every placement of
+        # Algorithm 2 (both phases' stages on one node, KV over NVLink) is allowed under high affinity too,
+        # and its pairs are judged jointly: take it when it serves more per device, so high affinity never
+        # returns less than low affinity on the same cluster.
+        try:
+            local = algorithm2(ctx, rate, workers=workers, progress=progress)
+        except PlanError:
+            local = None
+        if local is not None:
+            local_plan = place(local.plan, cluster, pair_stages=True)
+            local_pd = local.goodput_rps / local_plan.num_devices
+            if disagg_plan is None or local_pd > disagg_pd * (1 + 1e-9):
+                prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
+                reason = f"{local.reason}; beats Algorithm 1's phase-wise pairing ({prior}) once KV transfers count"
+                disagg = dataclasses.replace(local, reason=reason)
+                disagg_plan, joint, disagg_rps, disagg_pd = local_plan, local.goodput_rps, local.goodput_rps, local_pd
+                failures = [f for f in failures if not f.startswith("disaggregated")]
     chosen, why = choose_deployment(disagg, disagg_pd, colocated if kind != "disagg" else None)
     if chosen == "disagg":
         assert disagg is not None and disagg_plan is not None
