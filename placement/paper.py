@@ -26,6 +26,9 @@ PAPER_FIGURE1 = {"colocated": 1.6, "prefill_only": 5.6, "decode_only": 10.0, "2p
 # engine caps, bisected to 1 % for P90 TTFT <= 0.4 s and P90 TPOT <= 0.04 s (each metric at 90 %). Driver:
 # docs/public-simulator.md. Run outside this project (its own venv in /tmp: simpy numpy pandas tqdm).
 PUBLIC_SIMULATOR_FIGURE1 = {"colocated": 1.67, "prefill_only": 11.56, "2p1d": 13.75}
+# Its quick-start pair (prefill tp2 + decode tp1, P90 TTFT <= 0.2 s, P90 TPOT <= 0.1 s) on 1000 requests of our
+# ShareGPT length distribution (its dataset file is not public): 5.375 rps for the 3 GPUs.
+PUBLIC_SIMULATOR_QUICKSTART_PER_GPU = 5.375 / 3
 # The engines of the paper's evaluation: batches bounded by KV memory, not by a sequence count (the public
 # simulator's decode batch is unbounded; vLLM's default max_num_seqs is 256); the KV from device memory.
 PAPER_OPTIONS = SimOptions(max_decode_batch=256)
