@@ -11,7 +11,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from placement.paper import PAPER_FIGURE1, PUBLIC_SIMULATOR_FIGURE1, PUBLIC_SIMULATOR_QUICKSTART_PER_GPU, figure1, quickstart, table3_opt13b
+from placement.paper import (
+    PAPER_FIGURE1,
+    PUBLIC_SIMULATOR_FIGURE1,
+    PUBLIC_SIMULATOR_QUICKSTART_PER_GPU,
+    figure1,
+    quickstart,
+    table3_opt13b,
+)
 
 
 def main() -> None:
@@ -47,8 +54,10 @@ def main() -> None:
     )
     p, d = q.plan.of_role("prefill")[0], q.plan.of_role("decode")[0]
     print(f"  ours:  prefill {p.shape}, decode {d.shape}, {q.goodput_per_device:.2f} rps per GPU ({q.plan.describe()})")
-    print(f"  public simulator (measured, docs/public-simulator.md): prefill tp2, decode tp1, "
-          f"{PUBLIC_SIMULATOR_QUICKSTART_PER_GPU:.2f} rps per GPU")
+    print(
+        f"  public simulator (measured, docs/public-simulator.md): prefill tp2, decode tp1, "
+        f"{PUBLIC_SIMULATOR_QUICKSTART_PER_GPU:.2f} rps per GPU"
+    )
     print(f"  paper: prefill tp2, decode tp1, about 1.56 rps per GPU   ({time.perf_counter() - start:.1f} s)")
 
     for max_pp, label in ((1, "tp only (pp = 1)"), (None, "tp x pp")):
