@@ -17,7 +17,7 @@ from jaxserve.testing import fidelity
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 60
-SLOWDOWN = 2.0
+SLOWDOWN = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,10 @@ def test_timed_server_matches_the_simulator(spec: str, check: fidelity.Check, tm
     print("\n" + fidelity.table(points))
     errors = [p.errors() for p in points]
     attainment = [e["attainment_pts"] for e in errors]
-    assert statistics.median(attainment) <= 2.0, fidelity.table(points)
-    assert max(attainment) <= 5.0, fidelity.table(points)
+    eps = 1e-9  # attainment is a multiple of 100/60 points: 3 requests are 5.000000000000004
+    assert statistics.median(attainment) <= 2.0 + eps, fidelity.table(points)
+    assert max(attainment) <= 5.0 + eps, fidelity.table(points)
     for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
-        assert max(e[key] for e in errors) <= 0.10, (key, fidelity.table(points))
+        assert max(e[key] for e in errors) <= 0.10 + eps, (key, fidelity.table(points))
     # The rates span the goodput: the lowest meets the target, the highest misses it (in the simulation).
     assert points[0].predicted["attainment"] >= 0.9 > points[-1].predicted["attainment"]

@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deployments", nargs="*", default=list(DEPLOYMENTS))
     parser.add_argument("--num-requests", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slowdown", type=float, default=2.0, help="stretch every step time this many times")
+    parser.add_argument("--slowdown", type=float, default=3.0, help="stretch every step time this many times")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     points: list[Point] = []
