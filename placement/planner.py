@@ -28,6 +28,7 @@ from placement.search import (
     ratio_search,
     replicate_colocated,
 )
+from placement.workload import Workload
 
 PlanKind = Literal["auto", "disagg", "colocated"]
 Affinity = Literal["high", "low"]
@@ -47,6 +48,24 @@ class PlanReport:
     disagg_per_device: float = 0.0
     ratio: SearchResult | None = None
     failures: tuple[str, ...] = ()  # kinds that found no plan (with kind="auto" the other may still win)
+    # With `reseed`: goodput per device of the chosen plan and of the runner-up (the other kind's best) over
+    # the search's workload and `seeds` more samples of it (common random numbers: both see the same ones).
+    chosen_samples: tuple[float, ...] = ()
+    runner_up: DeploymentPlan | None = None
+    runner_up_samples: tuple[float, ...] = ()
+
+    def lead(self) -> str | None:
+        """The chosen plan's lead over the runner-up, with each one's range over the seeds."""
+        if not self.chosen_samples or not self.runner_up_samples or self.runner_up is None:
+            return None
+        a, b = self.chosen_samples, self.runner_up_samples
+        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+        wins = sum(x > y for x, y in zip(a, b, strict=True))
+        return (
+            f"{self.plan.describe()} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
+            f"{self.runner_up.describe()} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
+            f"lead {100 * (mean_a / mean_b - 1) if mean_b > 0 else float('inf'):+.1f} %, ahead on {wins} of {len(a)}"
+        )
 
     @property
     def goodput_per_device(self) -> float:
@@ -80,6 +99,8 @@ def choose_plan(
     compare_colocated: bool = False,
     ratio_devices: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    reseed: Callable[[int], Workload] | None = None,
+    seeds: int = 2,
 ) -> PlanReport:
     """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them."""
     if rate is not None and rate <= 0:
@@ -158,6 +179,17 @@ def choose_plan(
     if rate is not None:
         expected["target_rate_rps"] = rate
     plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
+    runner_up: DeploymentPlan | None = None
+    if chosen == "disagg" and colocated is not None:
+        runner_up = place(replicate_colocated(ctx, colocated, rate).plan, cluster)
+    elif chosen == "colocated" and disagg_plan is not None:
+        runner_up = disagg_plan
+    chosen_samples: tuple[float, ...] = ()
+    runner_samples: tuple[float, ...] = ()
+    if reseed is not None and runner_up is not None:
+        workloads = [ctx.workload, *(reseed(1000 + i) for i in range(seeds))]
+        chosen_samples = tuple(_per_device(ctx, plan, w) for w in workloads)
+        runner_samples = tuple(_per_device(ctx, runner_up, w) for w in workloads)
     return PlanReport(
         plan=plan,
         result=result,
@@ -169,4 +201,12 @@ def choose_plan(
         disagg_per_device=disagg_pd,
         ratio=ratio,
         failures=tuple(failures),
+        chosen_samples=chosen_samples,
+        runner_up=runner_up,
+        runner_up_samples=runner_samples,
     )
+
+
+def _per_device(ctx: SearchContext, plan: DeploymentPlan, workload: Workload) -> float:
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, workload, ctx.slo, ctx.options)
+    return max_rate(search, ctx.rel_tol) / plan.num_devices

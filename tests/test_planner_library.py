@@ -39,3 +39,17 @@ def test_choose_plan_is_what_the_command_writes(capsys) -> None:
 def test_choose_plan_raises_when_nothing_meets_the_slos() -> None:
     with pytest.raises(PlanError):
         choose_plan(_ctx(ttft=0.001, tpot=0.001), kind="colocated")
+
+
+def test_choose_plan_reports_its_lead_over_the_runner_up_on_common_workloads() -> None:
+    ctx = _ctx()
+
+    def reseed(seed: int):
+        return build_base_workload("fixed:512:64", ctx.latency, 150, seed)
+
+    report = choose_plan(ctx, kind="auto", reseed=reseed, seeds=2)
+    assert report.runner_up is not None and report.runner_up.kind != report.plan.kind
+    assert len(report.chosen_samples) == len(report.runner_up_samples) == 3
+    assert min(report.chosen_samples) > 0
+    lead = report.lead()
+    assert lead is not None and "lead" in lead and "of 3" in lead

@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also search the prefill:decode replica ratio (xPyD) of the chosen shapes within N devices, jointly simulated",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=2,
+        help="re-simulate the chosen plan and the runner-up on this many more workload samples (0: none)",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -53,10 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.plan import PlanError
-    from placement.context import UsageError
+    from placement.context import UsageError, build_base_workload
     from placement.latency import ProfileError
     from placement.planner import choose_plan
     from placement.search import SearchContext
+    from placement.workload import Workload
 
     try:
         latency, cluster, slo, options, workload = inputs_from_args(args, 400, slo_required=True)
@@ -74,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
+
+    def reseed(seed: int) -> Workload:
+        return build_base_workload(args.workload, latency, len(workload), seed, args.cv)
+
     progress = None if args.no_progress else _progress_bar()
     try:
         report = choose_plan(
@@ -86,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             compare_colocated=args.compare_colocated,
             ratio_devices=args.ratio_devices,
             progress=progress,
+            reseed=None if args.json else reseed,
+            seeds=args.seeds,
         )
     except (PlanError, ProfileError) as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
@@ -127,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
     print(f"why: {report.why}; {report.result.reason}")
+    lead = report.lead()
+    if lead is not None:
+        print(f"sure of it? {lead}")
     for failure in report.failures:
         print(f"no plan of this kind: {failure}")
     if ratio is not None:
