@@ -22,9 +22,9 @@ from placement.search import (
     SearchResult,
     algorithm1,
     algorithm2,
+    assign_nodes,
     choose_deployment,
     colocated_search,
-    place,
     ratio_search,
     replicate_colocated,
 )
@@ -126,7 +126,7 @@ def choose_plan(
             failures.append(f"colocated: {e}")
     disagg_plan = None
     if disagg is not None:
-        disagg_plan = place(disagg.plan, cluster, pair_stages=affinity == "low")
+        disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=affinity == "low")
         if affinity == "high" and verify:
             # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
             joint = max_rate(
@@ -144,7 +144,7 @@ def choose_plan(
         except PlanError:
             local = None
         if local is not None:
-            local_plan = place(local.plan, cluster, pair_stages=True)
+            local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
             local_pd = local.goodput_rps / local_plan.num_devices
             if disagg_plan is None or local_pd > disagg_pd * (1 + 1e-9):
                 prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
@@ -162,7 +162,7 @@ def choose_plan(
     else:
         assert colocated is not None
         result = replicate_colocated(ctx, colocated, rate)
-        plan = place(result.plan, cluster)
+        plan = assign_nodes(result.plan, cluster)
         goodput_rps = result.goodput_rps
     slo = ctx.slo
     expected = {
@@ -181,7 +181,7 @@ def choose_plan(
     plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
     runner_up: DeploymentPlan | None = None
     if chosen == "disagg" and colocated is not None:
-        runner_up = place(replicate_colocated(ctx, colocated, rate).plan, cluster)
+        runner_up = assign_nodes(replicate_colocated(ctx, colocated, rate).plan, cluster)
     elif chosen == "colocated" and disagg_plan is not None:
         runner_up = disagg_plan
     chosen_samples: tuple[float, ...] = ()

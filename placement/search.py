@@ -214,7 +214,7 @@ def algorithm1(
                     fills.append((score, order, cp, cd, n, m))
                     order += 1
         # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
-        # fit inside one node, so the first group `place` can put on the cluster wins.
+        # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
         fills.sort(key=lambda f: (-f[0], f[1]))
         chosen = next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
         if chosen is None:
@@ -267,7 +267,7 @@ def _fill_counts(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> 
 
 def _placeable(p_inst: InstanceSpec, n: int, d_inst: InstanceSpec, m: int, cluster: ClusterSpec) -> bool:
     try:
-        place(DeploymentPlan(tuple([p_inst] * n + [d_inst] * m)), cluster)
+        assign_nodes(DeploymentPlan(tuple([p_inst] * n + [d_inst] * m)), cluster)
     except PlanError:
         return False
     return True
@@ -366,7 +366,7 @@ def replicate_colocated(ctx: SearchContext, best: SearchResult, rate: float | No
         n = max(1, math.ceil(rate / g))
         why = f"rate {rate:g} rps needs ceil({rate:g}/{g:.3g}) = {n} colocated {inst.shape} instance(s)"
     else:
-        # Each stage's tp group stays inside one node (`place`): count the tp groups the nodes hold.
+        # Each stage's tp group stays inside one node (`assign_nodes`): count the tp groups the nodes hold.
         groups = ctx.cluster.num_nodes * (ctx.cluster.devices_per_node // inst.tp)
         n = groups // inst.pp
         why = f"{n} colocated {inst.shape} instance(s) fit on {ctx.cluster.num_nodes} x {ctx.cluster.devices_per_node} devices"
@@ -437,7 +437,7 @@ def ratio_search(
 # ---------------------------------------------------------------------------------------------
 # Device placement
 # ---------------------------------------------------------------------------------------------
-def place(plan: DeploymentPlan, cluster: ClusterSpec, pair_stages: bool = False) -> DeploymentPlan:
+def assign_nodes(plan: DeploymentPlan, cluster: ClusterSpec, pair_stages: bool = False) -> DeploymentPlan:
     """Give every instance devices and per-stage nodes on the cluster.
 
     Each stage's tp group stays inside one node. With `pair_stages` (Algorithm 2) the plan is a list

@@ -7,7 +7,7 @@ import pytest
 
 from placement.context import build_base_workload, build_cluster, build_latency, build_options, build_slo
 from placement.planner import choose_plan
-from placement.search import SearchContext, place
+from placement.search import SearchContext, assign_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -22,4 +22,4 @@ def test_high_affinity_never_loses_to_low_affinity_opt175b() -> None:
     low = choose_plan(ctx, kind="disagg", affinity="low", workers=2)
     assert high.goodput_per_device >= low.goodput_per_device * (1 - 1e-9)
     # Whatever it chose fits the nodes (each stage's tp group inside one node).
-    assert place(high.plan, cluster) is not None
+    assert assign_nodes(high.plan, cluster) is not None
