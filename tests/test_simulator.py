@@ -223,3 +223,24 @@ def test_step_overhead_on_a_hand_computed_timeline() -> None:
     # Two decode rounds (contexts 513 and 514), each with its host overhead.
     rounds = sum((da + db * ctx + dc * 1) / 1000 + 0.002 + ctx * 1e-7 for ctx in (513, 514))
     assert r.finish_at[0] == pytest.approx(prefill_s + transfer_s + rounds, rel=1e-12)
+
+
+def test_prefill_batches_up_to_the_engine_token_cap_not_l_m() -> None:
+    # Four 512-token prompts at t=0: the first starts alone on arrival, the other three queue behind it. L_m is
+    # 512 (the bubble target); the engine cap is 2048, so the three then run as one batch; with the cap at 512
+    # each runs alone, one after the other.
+    capped = dataclasses.replace(
+        PROFILE, folded={k: dataclasses.replace(v, max_batch_tokens=2048) for k, v in PROFILE.folded.items()}
+    )
+    lp = LatencyProvider(OPT13B, A100, capped, prefill_tokens=512)
+    assert lp.prefill_token_budget("disagg", 1) == 512 and lp.engine_token_cap("disagg", 1) == 2048
+    cluster = ClusterSpec(A100, 1, 8)
+    w = _workload([0.0] * 4, [512] * 4, [1] * 4)
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
+    one = (a + b * 512 + c * 512**2) / 1000
+    three = (a + b * 1536 + c * 3 * 512**2) / 1000
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
+    r = simulate(plan, lp, cluster, w, None, SimOptions(prefill_buffer_slots=None))
+    assert r.first_token_at == pytest.approx([one] + [one + three] * 3, rel=1e-12)
+    r = simulate(plan, lp, cluster, w, None, SimOptions(max_batch_tokens=512, prefill_buffer_slots=None))
+    assert r.first_token_at == pytest.approx([one, 2 * one, 3 * one, 4 * one], rel=1e-12)
