@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.engine == "timed" and args.backend == "ray":
+        print("error: --engine timed runs with the embedded backend only", file=sys.stderr)
+        return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
