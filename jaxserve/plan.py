@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxserve.limits import ServingLimits
+
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
@@ -108,6 +110,7 @@ class DeploymentPlan:
     instances: tuple[InstanceSpec, ...]
     model: str | None = None
     expected: dict[str, float] = dataclasses.field(default_factory=dict)
+    limits: ServingLimits | None = None  # what the planner assumed; `serve --plan` applies them
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -170,6 +173,8 @@ class DeploymentPlan:
             out["model"] = self.model
         if self.expected:
             out["expected"] = dict(self.expected)
+        if self.limits is not None:
+            out["limits"] = self.limits.to_dict()
         return out
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -179,13 +184,18 @@ class DeploymentPlan:
     def from_dict(cls, raw: dict[str, Any]) -> DeploymentPlan:
         if not isinstance(raw, dict) or "instances" not in raw:
             raise PlanError("a plan is a JSON object with an 'instances' list")
-        unknown = set(raw) - {"kind", "instances", "model", "expected"}
+        unknown = set(raw) - {"kind", "instances", "model", "expected", "limits"}
         if unknown:
             raise PlanError(f"unknown plan fields: {sorted(unknown)}")
+        try:
+            limits = ServingLimits.from_dict(raw["limits"]) if raw.get("limits") is not None else None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"plan limits: {e}") from None
         plan = cls(
             instances=tuple(InstanceSpec.from_dict(i) for i in raw["instances"]),
             model=raw.get("model"),
             expected={str(k): float(v) for k, v in (raw.get("expected") or {}).items()},
+            limits=limits,
         )
         if "kind" in raw and raw["kind"] != plan.kind:
             raise PlanError(f"plan says kind {raw['kind']!r} but its instances make it {plan.kind!r}")

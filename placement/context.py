@@ -1,14 +1,16 @@
-"""Building planner inputs from command-line style values (shared by `jaxserve plan` and `jaxserve simulate`)."""
+"""Building planner inputs from plain values (names, numbers): `jaxserve plan`/`simulate` map their flags onto
+these (`jaxserve/commands/planner_args.py`); no argparse here."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from jaxserve.limits import DEFAULT_LIMITS
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, ProfileError, load_profile
+from placement.sim_types import SimOptions
 from placement.slo import SloSpec
 from placement.workload import Workload
 
@@ -17,93 +19,97 @@ class UsageError(ValueError):
     """A bad command-line value; the CLI prints it on one line and exits 2."""
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="OPT preset, e.g. opt-13b")
-    parser.add_argument("--device", default="a100-80gb", help="a100-80gb, a100-40gb, h100-80gb, h200, tpu-v5e, cpu")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes in the cluster")
-    parser.add_argument("--devices-per-node", type=int, default=8)
-    parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="network between nodes, Gbit/s")
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    parser.add_argument(
-        "--profile",
-        default=None,
-        help="latency profile: a built-in name (a100-80gb-distserve) or a JSON file; default roofline",
-    )
-    parser.add_argument("--prefill-tokens", type=int, default=None, help="L_m, the prefill batch token budget")
-    parser.add_argument(
-        "--workload", default="sharegpt", help="sharegpt | humaneval | longbench | fixed:IN:OUT | trace.jsonl"
-    )
-    parser.add_argument("--num-requests", type=int, default=None, help="requests per simulation")
-    parser.add_argument(
-        "--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times (1 = Poisson)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ttft", type=float, default=None, help="TTFT SLO, seconds")
-    parser.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds")
-    parser.add_argument("--attainment", type=float, default=0.9, help="target share of requests meeting the SLOs")
-    parser.add_argument(
-        "--slo-mode", choices=["joint", "p90"], default="joint", help="joint: both SLOs per request; p90: each metric"
-    )
-    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-
-
-def build_latency(args: argparse.Namespace) -> LatencyProvider:
+def build_latency(
+    model: str,
+    device: str = "a100-80gb",
+    profile_name: str | None = None,
+    dtype: str = "float16",
+    prefill_tokens: int | None = None,
+) -> LatencyProvider:
     try:
-        cfg = get_config(args.model, args.dtype)
+        cfg = get_config(model, dtype)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     try:
-        device = get_device(args.device)
+        spec = get_device(device)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     profile = None
-    if args.profile:
+    if profile_name:
         try:
-            profile = load_profile(args.profile)
+            profile = load_profile(profile_name)
         except ProfileError as e:
             raise UsageError(str(e)) from None
-        if profile.device and profile.device != device.name:
-            print(
-                f"warning: profile {profile.name} was measured on {profile.device}, not {device.name}", file=sys.stderr
-            )
-        if not profile.supported_tps("dist", cfg.name) and not profile.supported_tps("coloc", cfg.name):
+        if profile.device and profile.device != spec.name:
+            print(f"warning: profile {profile.name} was measured on {profile.device}, not {spec.name}", file=sys.stderr)
+        if not profile.supported_tps("disagg", cfg.name) and not profile.supported_tps("colocated", cfg.name):
             raise UsageError(f"profile {profile.name} has no coefficients for {cfg.name}")
-    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+    if prefill_tokens is not None and prefill_tokens < 1:
         raise UsageError("--prefill-tokens must be >= 1")
-    return LatencyProvider(cfg, device, profile, prefill_tokens=args.prefill_tokens)
+    return LatencyProvider(cfg, spec, profile, prefill_tokens=prefill_tokens)
 
 
-def build_cluster(args: argparse.Namespace, latency: LatencyProvider) -> ClusterSpec:
-    if args.nodes < 1 or args.devices_per_node < 1:
+def build_cluster(
+    latency: LatencyProvider, nodes: int = 1, devices_per_node: int = 8, inter_node_gbps: float = 25.0
+) -> ClusterSpec:
+    if nodes < 1 or devices_per_node < 1:
         raise UsageError("--nodes and --devices-per-node must be >= 1")
-    if args.inter_node_gbps <= 0:
+    if inter_node_gbps <= 0:
         raise UsageError("--inter-node-gbps must be positive")
-    return ClusterSpec(
-        latency.device, args.nodes, args.devices_per_node, inter_node_bandwidth=args.inter_node_gbps * 1e9 / 8
-    )
+    return ClusterSpec(latency.device, nodes, devices_per_node, inter_node_bandwidth=inter_node_gbps * 1e9 / 8)
 
 
-def build_slo(args: argparse.Namespace, required: bool) -> SloSpec | None:
-    if args.ttft is None or args.tpot is None:
+def build_slo(
+    ttft: float | None, tpot: float | None, attainment: float = 0.9, mode: str = "joint", required: bool = False
+) -> SloSpec | None:
+    if ttft is None or tpot is None:
         if required:
             raise UsageError("--ttft and --tpot are required here")
         return None
     try:
-        return SloSpec(args.ttft, args.tpot, args.attainment, args.slo_mode)
+        return SloSpec(ttft, tpot, attainment, mode)  # type: ignore[arg-type]
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def build_base_workload(args: argparse.Namespace, latency: LatencyProvider, default_requests: int) -> Workload:
+def build_base_workload(
+    workload: str, latency: LatencyProvider, num_requests: int, seed: int = 0, cv: float = 1.0
+) -> Workload:
     """The requests at rate 1 (goodput probes rescale them): a named distribution, fixed:IN:OUT, or a trace."""
-    n = args.num_requests if args.num_requests is not None else default_requests
+    n = num_requests
     if n < 1:
         raise UsageError("--num-requests must be >= 1")
-    if args.cv <= 0:
+    if cv <= 0:
         raise UsageError("--cv must be positive")
     try:
-        if args.workload.endswith(".jsonl"):
-            return Workload.from_jsonl(args.workload).head(n).with_rate(1.0)
-        return base_workload(args.workload, n, args.seed, args.cv, latency.cfg.max_position_embeddings)
+        if workload.endswith(".jsonl"):
+            return Workload.from_jsonl(workload).head(n).with_rate(1.0)
+        return base_workload(workload, n, seed, cv, latency.cfg.max_position_embeddings)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+
+
+def build_options(
+    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
+    block_size: int = DEFAULT_LIMITS.block_size,
+    prefill_buffer_slots: int = DEFAULT_LIMITS.prefill_buffer_slots,
+    max_batch_tokens: int | None = None,
+    num_kv_blocks: int | None = None,
+) -> SimOptions:
+    """The simulated engine's limits (None: the profile's token cap, the device memory's KV)."""
+    for name, value in (
+        ("max-decode-batch", max_decode_batch),
+        ("block-size", block_size),
+        ("prefill-buffer-slots", prefill_buffer_slots),
+        ("max-batch-tokens", max_batch_tokens),
+        ("num-kv-blocks", num_kv_blocks),
+    ):
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be >= 1")
+    return SimOptions(
+        block_size=block_size,
+        max_decode_batch=max_decode_batch,
+        max_batch_tokens=max_batch_tokens,
+        num_kv_blocks=num_kv_blocks,
+        prefill_buffer_slots=prefill_buffer_slots,
+    )

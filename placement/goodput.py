@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.plan import DeploymentPlan
 from placement.hardware import ClusterSpec
-from placement.latency import Engine, LatencyProvider, kv_capacity_tokens, pipeline_decode_round_s
+from placement.latency import DeploymentKind, LatencyProvider, kv_capacity_tokens, pipeline_decode_round_s
 from placement.simulator import SimOptions, simulate
 from placement.slo import SloSpec
 from placement.workload import Workload, generate, get_length_distribution
@@ -60,7 +60,7 @@ class GoodputSearch:
         from placement.slo import attainment
 
         w, opts = self.workload, self.options
-        engine: Engine = "coloc" if self.plan.kind == "colocated" else "dist"
+        engine: DeploymentKind = "colocated" if self.plan.kind == "colocated" else "disagg"
         ttft = np.full(len(w), np.inf)
         tpot = np.full(len(w), np.inf)
         for inst in self.plan.instances:
@@ -89,7 +89,7 @@ class GoodputSearch:
         w, opts, cluster, cfg = self.workload, self.options, self.cluster, self.latency.cfg
         mean_in = float(w.input_lens.mean())
         mean_out = max(float(w.output_lens.mean()), 1.0)
-        engine: Engine = "coloc" if self.plan.kind == "colocated" else "dist"
+        engine: DeploymentKind = "colocated" if self.plan.kind == "colocated" else "disagg"
         prefill_rate = decode_rate = coloc_rate = 0.0
         for inst in self.plan.instances:
             model = self.latency.instance(engine, inst.tp, inst.pp)

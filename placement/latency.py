@@ -40,8 +40,10 @@ JSON, one object::
       "decode_batch_split": 95,              # folded form: first batch size of the large-batch regime
       "entries": [
         # folded form, milliseconds
-        {"engine": "dist", "model": "opt-13b", "tp": 1,
-         "prefill": [a, b, c], "decode_small": [a, b, c], "decode_large": [a, b, c]},
+        {"engine": "disagg", "model": "opt-13b", "tp": 1,
+         "prefill": [a, b, c], "decode_small": [a, b, c], "decode_large": [a, b, c],
+         "max_batch_tokens": 8192,            # optional, the engine's token cap per prefill step
+         "step_overhead": [s, s_per_ctx_token, prefill_s]},  # optional per-step host overhead (below)
         # Appendix-A form, seconds per unit (what `jaxserve profile` writes)
         {"engine": "any", "model": "opt-13b", "tp": 2,
          "C1": s_per_mac, "C2": s_per_elem, "C3": s, "C4": s_per_elem, "C5": s_per_elem,
@@ -70,14 +72,18 @@ import math
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 
+from jaxserve.limits import DEFAULT_LIMITS
 from models.config import OPTConfig
 from placement.hardware import DeviceSpec
+from placement.padding import EnginePadding, PaddedModel
+from placement.stage_latency import StageLatency
 
-Engine = Literal["dist", "coloc"]
+DeploymentKind = Literal["disagg", "colocated"]  # the plan's kinds (`DeploymentPlan.kind`)
+_KIND_ALIASES = {"dist": "disagg", "coloc": "colocated"}  # profile files written before the rename
 DEFAULT_BLOCK_SIZE = 16  # FlashAttention block b
 DEFAULT_PREFILL_TOKENS = 512  # L_m: the paper's saturation point for a 13B model on an A100
 DEFAULT_KV_BLOCK_TOKENS = 16  # paged KV block size used for capacity in blocks
@@ -146,28 +152,6 @@ def fits(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: in
 # ---------------------------------------------------------------------------------------------
 # Instance latency
 # ---------------------------------------------------------------------------------------------
-class StageLatency(Protocol):
-    """What the simulator needs from one instance's latency model (seconds; batch statistics as scalars).
-
-    Prefill batches are described by `num_tokens = Σ lᵢ`, `sum_sq = Σ lᵢ²` and the number of prompts;
-    decode micro-batches by their size and `ctx_sum = Σ ctxᵢ`. A chunked step adds decodes to a prefill
-    step: `sum_sq` is then Σ cᵢ·(cᵢ + 2pᵢ) for chunk cᵢ after pᵢ done tokens (what Σlᵢ² grows by).
-    """
-
-    @property
-    def pp(self) -> int: ...
-
-    def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float: ...
-
-    def decode_stage_s(self, batch: int, ctx_sum: float) -> float: ...
-
-    def chunk_stage_s(
-        self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
-    ) -> float: ...
-
-    def send_s(self, num_tokens: int) -> float: ...
-
-
 def prefill_stats(lengths: np.ndarray) -> tuple[float, float, int]:
     """(Σl, Σl², B) of a batch of prompt lengths."""
     lengths = np.asarray(lengths, dtype=np.float64)
@@ -198,6 +182,22 @@ def pipeline_decode_round_s(model: StageLatency, batch: int, ctx_sum: float) -> 
 
 
 @dataclasses.dataclass(frozen=True)
+class StepOverhead:
+    """Host time per step beyond the kernels: `fixed_s + per_ctx_token_s · Σ context`, plus `prefill_s · pp`
+    on a step with prompt rows. Charged once per step on the first pipeline stage."""
+
+    fixed_s: float = 0.0
+    per_ctx_token_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def step_s(self, ctx_tokens: float, pp: int, has_prefill: bool) -> float:
+        return self.fixed_s + self.per_ctx_token_s * ctx_tokens + (self.prefill_s * pp if has_prefill else 0.0)
+
+
+NO_OVERHEAD = StepOverhead()
+
+
+@dataclasses.dataclass(frozen=True)
 class AppendixCoefficients:
     """C1..C6 of the appendix form (seconds per multiply-add / per element / fixed)."""
 
@@ -210,6 +210,8 @@ class AppendixCoefficients:
     block_size: int = DEFAULT_BLOCK_SIZE
     allreduce_s_per_byte: float | None = None
     prefill_tokens: int | None = None  # L_m
+    max_batch_tokens: int | None = None  # the engine's token cap per prefill step
+    overhead: StepOverhead | None = None
 
     @classmethod
     def roofline(cls, device: DeviceSpec, dtype_bytes: int = 2) -> AppendixCoefficients:
@@ -296,7 +298,9 @@ class FoldedCoefficients:
     decode_small: tuple[float, float, float]
     decode_large: tuple[float, float, float]
     decode_batch_split: int = 95
-    prefill_tokens: int | None = None
+    prefill_tokens: int | None = None  # L_m
+    max_batch_tokens: int | None = None  # the engine's token cap per prefill step
+    overhead: StepOverhead | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,13 +355,13 @@ class Profile:
     # coefficients are per padded element, so instances built from them charge the padded batch.
     padding: dict[tuple[str, str, int], dict[str, int]] = dataclasses.field(default_factory=dict)
 
-    def padding_of(self, engine: Engine, model: str, tp: int) -> dict[str, int] | None:
+    def padding_of(self, engine: DeploymentKind, model: str, tp: int) -> dict[str, int] | None:
         for key in ((engine, model, tp), ("any", model, tp)):
             if key in self.folded or key in self.appendix:
                 return self.padding.get(key)
         return None
 
-    def lookup(self, engine: Engine, model: str, tp: int) -> FoldedCoefficients | AppendixCoefficients | None:
+    def lookup(self, engine: DeploymentKind, model: str, tp: int) -> FoldedCoefficients | AppendixCoefficients | None:
         for key in ((engine, model, tp), ("any", model, tp)):
             if key in self.folded:
                 return self.folded[key]
@@ -365,7 +369,7 @@ class Profile:
                 return self.appendix[key]
         return None
 
-    def supported_tps(self, engine: Engine, model: str) -> list[int]:
+    def supported_tps(self, engine: DeploymentKind, model: str) -> list[int]:
         keys = list(self.folded) + list(self.appendix)
         return sorted({tp for (e, m, tp) in keys if m == model and e in (engine, "any")})
 
@@ -380,10 +384,17 @@ class Profile:
         for i, entry in enumerate(raw["entries"]):
             try:
                 engine = str(entry.get("engine", "any"))
-                if engine not in ("dist", "coloc", "any"):
-                    raise ProfileError(f"entry {i}: engine must be dist, coloc or any, got {engine!r}")
+                engine = _KIND_ALIASES.get(engine, engine)
+                if engine not in ("disagg", "colocated", "any"):
+                    raise ProfileError(f"entry {i}: engine must be disagg, colocated or any, got {engine!r}")
                 key = (engine, str(entry["model"]).lower(), int(entry["tp"]))
                 lm = int(entry["L_m"]) if entry.get("L_m") is not None else None
+                cap = int(entry["max_batch_tokens"]) if entry.get("max_batch_tokens") is not None else None
+                overhead = (
+                    StepOverhead(*(float(v) for v in _triple(entry["step_overhead"])))
+                    if entry.get("step_overhead") is not None
+                    else None
+                )
                 if "prefill" in entry:
                     folded[key] = FoldedCoefficients(
                         prefill=_triple(entry["prefill"]),
@@ -391,6 +402,8 @@ class Profile:
                         decode_large=_triple(entry.get("decode_large", entry["decode_small"])),
                         decode_batch_split=split,
                         prefill_tokens=lm,
+                        max_batch_tokens=cap,
+                        overhead=overhead,
                     )
                 elif "C1" in entry:
                     appendix[key] = AppendixCoefficients(
@@ -407,6 +420,8 @@ class Profile:
                             else None
                         ),
                         prefill_tokens=lm,
+                        max_batch_tokens=cap,
+                        overhead=overhead,
                     )
                 else:
                     raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
@@ -473,10 +488,12 @@ class LatencyProvider:
     def model_name(self) -> str:
         return self.cfg.name.lower()
 
-    def supports(self, engine: Engine, tp: int) -> bool:
+    def supports(self, engine: DeploymentKind, tp: int) -> bool:
         return self.profile is None or self.profile.lookup(engine, self.model_name, tp) is not None
 
-    def instance(self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None) -> StageLatency:
+    def instance(
+        self, engine: DeploymentKind, tp: int, pp: int, stage_link_bandwidth: float | None = None
+    ) -> StageLatency:
         """The latency model of one instance; `stage_link_bandwidth` is the link between adjacent stages.
 
         An entry fitted in the engine's padded shapes (`engine_padding`) gives a model that pads each
@@ -502,11 +519,25 @@ class LatencyProvider:
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base
-        from placement.padding import EnginePadding, PaddedModel  # padding.py builds on this module
-
         return PaddedModel(base, EnginePadding(**pad))
 
-    def prefill_token_budget(self, engine: Engine, tp: int) -> int:
+    def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
+        """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""
+        if self.profile is not None:
+            coeffs = self.profile.lookup(engine, self.model_name, tp)
+            if coeffs is not None and coeffs.max_batch_tokens is not None:
+                return coeffs.max_batch_tokens
+        return DEFAULT_LIMITS.max_batch_tokens
+
+    def step_overhead(self, engine: DeploymentKind, tp: int) -> StepOverhead:
+        """Host time per step (the profile's `step_overhead`; none without one)."""
+        if self.profile is not None:
+            coeffs = self.profile.lookup(engine, self.model_name, tp)
+            if coeffs is not None and coeffs.overhead is not None:
+                return coeffs.overhead
+        return NO_OVERHEAD
+
+    def prefill_token_budget(self, engine: DeploymentKind, tp: int) -> int:
         """L_m: the prefill batch token budget."""
         if self.prefill_tokens is not None:
             return self.prefill_tokens

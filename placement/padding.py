@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from placement.latency import AppendixModel, FoldedModel
+from placement.stage_latency import StageLatency
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -58,7 +58,7 @@ class EnginePadding:
 class PaddedModel:
     """A `StageLatency` that charges the padded shapes."""
 
-    base: AppendixModel | FoldedModel
+    base: StageLatency
     padding: EnginePadding = EnginePadding()
 
     @property

@@ -330,7 +330,9 @@ class PrefixSimulator(Simulator):
             self._computed[i] = int(self.input_lens[i]) - int(self._prior[i])
         # A mixed step, as in a colocated instance: every stage in turn, decodes ride along.
         stage = m.chunk_stage_s(float(new), float(sum(w[1] for w in work)), len(local), d.num_running, d.ctx_sum)
-        return m.pp * stage + (m.pp - 1) * m.send_s(new + d.num_running)
+        prompt_ctx = sum(int(self.input_lens[i]) for i in local)
+        overhead_s = d.overhead.step_s(d.ctx_sum + prompt_ctx, m.pp, True)  # prompt rows pay the prefill extra
+        return m.pp * stage + (m.pp - 1) * m.send_s(new + d.num_running) + overhead_s
 
     def _on_round_done(self, k: int) -> None:
         d, cache = self.decodes[k], self.decode_caches[k]

@@ -62,21 +62,29 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a handful of columns: the best of every column subset's solution.
 
     Exact for NNLS (the optimum is the unconstrained optimum on its support), and cheap for ≤ 5 columns.
+    Columns are scaled to unit norm first: the Appendix features span ~1e-10 to 1e9, and an unscaled
+    `lstsq` then depends on the BLAS kernel (its rank cut-off drops the small columns on some kernels).
     """
     n = a.shape[1]
+    norms = np.linalg.norm(a, axis=0)
+    scale = np.where(norms > 0, norms, 1.0)
+    a = a / scale
     best: tuple[float, np.ndarray] = (math.inf, np.zeros(n))
     for k in range(1, n + 1):
         for cols in itertools.combinations(range(n), k):
             sub = a[:, cols]
+            if np.linalg.matrix_rank(sub, tol=1e-9) < k:
+                continue  # collinear columns: a smaller subset spans the same fit, deterministically
             coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
             if np.any(coef < 0):
                 continue
             resid = float(np.sum((sub @ coef - y) ** 2))
-            if resid < best[0]:
+            # A larger subset must improve beyond rounding, so ties do not depend on the BLAS kernel.
+            if resid < best[0] * (1 - 1e-9) - 1e-30 * float(y @ y):
                 full = np.zeros(n)
                 full[list(cols)] = coef
                 best = (resid, full)
-    return best[1]
+    return best[1] / scale
 
 
 def _layer_elems(cfg: OPTConfig, tp: int) -> float:
@@ -107,23 +115,17 @@ def prefill_features(
 
 
 def decode_features(
-    cfg: OPTConfig, tp: int, batch: int, ctx_sum: float, c1: float | None, c4: float | None
+    cfg: OPTConfig, tp: int, batch: int, ctx_sum: float, c1: float, compute_bound: bool
 ) -> tuple[list[float], float]:
     """([C4, C5, C6, allreduce_s_per_byte] features, known seconds) of one decode step.
 
-    With `c1` and `c4` known, each GEMM term whose compute bound `C1·B` exceeds its read bound `C4`
-    is charged as known seconds instead of a C4 feature (the formula's max).
+    A compute-bound step (the formula's `max(C4, C1·B)` taken by `C1·B`) charges its GEMMs as known
+    seconds from `c1`; a memory-bound one has the weight elements as its C4 feature.
     """
     L, h = cfg.num_layers, cfg.hidden_size
     weights = L * _layer_elems(cfg, tp)
     head = cfg.vocab_size * cfg.embed_dim / tp
-    c4_feature, known = 0.0, 0.0
-    compute_bound = c1 is not None and c4 is not None and c1 * batch > c4
-    if compute_bound:
-        assert c1 is not None
-        known += c1 * batch * (weights + head)
-    else:
-        c4_feature += weights + head
+    c4_feature, known = (0.0, c1 * batch * (weights + head)) if compute_bound else (weights + head, 0.0)
     return [c4_feature, L * 3 * (h / tp) * ctx_sum, 1.0, 2 * L * allreduce_bytes_per_device(cfg, tp, batch)], known
 
 
@@ -177,31 +179,38 @@ def fit_decode(
     samples: Sequence[DecodeSample],
     c1: float,
     link_latency_s: float = 10e-6,
-    iterations: int = 4,
     padding: EnginePadding | None = None,
 ) -> PhaseFit:
-    """C4, C5, C6 (and allreduce_s_per_byte at tp > 1) from decode step times, with C1 fixed."""
+    """C4, C5, C6 (and allreduce_s_per_byte at tp > 1) from decode step times, with C1 fixed.
+
+    The roofline `max(C4, C1·B)` splits the batches at some size: below it steps are memory-bound,
+    at or above it compute-bound. Every split point is fitted; the best one that is consistent with
+    its own C4 (C1·B ≤ C4 below, ≥ above) wins.
+    """
     if len(samples) < 3:
         raise ValueError("need at least 3 decode samples")
     cols = 4 if tp > 1 else 3
     y_all = np.array([s.seconds for s in samples])
     w = 1.0 / y_all
-    c4: float | None = None
-    coef = np.zeros(cols)
-    pred = y_all
-    for _ in range(iterations):
-        shapes = [padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum) for s in samples]
-        rows = [decode_features(cfg, tp, b, ctx, c1, c4) for b, ctx in shapes]
+    shapes = [padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum) for s in samples]
+    batches = sorted({b for b, _ in shapes})
+    fixed = _allreduce_latency_s(cfg, tp, link_latency_s)
+    best: tuple[bool, float, np.ndarray, np.ndarray] | None = None
+    for split in [*batches, math.inf]:  # batches ≥ split are compute-bound
+        rows = [decode_features(cfg, tp, b, ctx, c1, b >= split) for b, ctx in shapes]
         a = np.array([f[:cols] for f, _ in rows])
         known = np.array([k for _, k in rows])
-        y = y_all - known - _allreduce_latency_s(cfg, tp, link_latency_s)
-        coef = nnls(a * w[:, None], y * w)
-        pred = a @ coef + known + _allreduce_latency_s(cfg, tp, link_latency_s)
-        if coef[0] == 0.0 or coef[0] == c4:
-            break
-        c4 = float(coef[0])
+        coef = nnls(a * w[:, None], (y_all - known - fixed) * w)
+        pred = a @ coef + known + fixed
+        resid = float(np.sum(((pred - y_all) * w) ** 2))
+        c4 = coef[0]
+        consistent = all((c1 * b >= c4 * (1 - 1e-6)) == (b >= split) for b, _ in shapes) if c4 > 0 else True
+        key = (not consistent, resid)
+        if best is None or key < (best[0], best[1]):
+            best = (not consistent, resid, coef, pred)
+    assert best is not None
     names = ["C4", "C5", "C6", "allreduce_s_per_byte"][:cols]
-    return PhaseFit(dict(zip(names, map(float, coef), strict=True)), _rel_errors(pred, y_all))
+    return PhaseFit(dict(zip(names, map(float, best[2]), strict=True)), _rel_errors(best[3], y_all))
 
 
 def detect_lm(samples: Sequence[PrefillSample], saturation: float = 0.9) -> int:

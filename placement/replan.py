@@ -38,8 +38,8 @@ import numpy as np
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.workload_monitor import WindowStats
 from placement.goodput import GoodputSearch, max_rate
-from placement.latency import Engine, LatencyProvider, StageLatency, pipeline_decode_round_s
-from placement.search import SearchContext, algorithm1, place
+from placement.latency import DeploymentKind, LatencyProvider, StageLatency, pipeline_decode_round_s
+from placement.search import SearchContext, algorithm1, assign_nodes
 from placement.workload import Workload, arrival_times
 
 
@@ -106,7 +106,9 @@ class CorrectedLatency(LatencyProvider):
     prefill_factor: float = 1.0
     decode_factor: float = 1.0
 
-    def instance(self, engine: Engine, tp: int, pp: int, stage_link_bandwidth: float | None = None) -> StageLatency:
+    def instance(
+        self, engine: DeploymentKind, tp: int, pp: int, stage_link_bandwidth: float | None = None
+    ) -> StageLatency:
         base = super().instance(engine, tp, pp, stage_link_bandwidth)
         if self.prefill_factor == 1.0 and self.decode_factor == 1.0:
             return base
@@ -160,7 +162,7 @@ def plan_for_rate(ctx: SearchContext, rate: float, max_top_ups: int = 4, workers
     prefill or one decode instance of the chosen shapes, whichever gives the higher joint goodput.
     """
     found = algorithm1(ctx, rate, workers=workers)
-    best = estimate(ctx, place(found.plan, ctx.cluster))
+    best = estimate(ctx, assign_nodes(found.plan, ctx.cluster))
     for _ in range(max_top_ups):
         if best.goodput_rps >= rate:
             break
@@ -169,7 +171,7 @@ def plan_for_rate(ctx: SearchContext, rate: float, max_top_ups: int = 4, workers
             extra: InstanceSpec = dataclasses.replace(best.plan.of_role(role)[0], devices=None, nodes=None)
             bare = [dataclasses.replace(i, devices=None, nodes=None) for i in best.plan.instances]
             try:
-                grown = place(DeploymentPlan((*bare, extra), model=best.plan.model), ctx.cluster)
+                grown = assign_nodes(DeploymentPlan((*bare, extra), model=best.plan.model), ctx.cluster)
             except PlanError:
                 continue
             options.append(estimate(ctx, grown))

@@ -33,7 +33,7 @@ from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import OPTConfig
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec
-from placement.latency import Engine, LatencyProvider, fits
+from placement.latency import DeploymentKind, LatencyProvider, fits
 from placement.simulator import SimOptions
 from placement.slo import SloSpec
 from placement.workload import Workload
@@ -109,7 +109,7 @@ def tp_degrees(cfg: OPTConfig, max_tp: int) -> list[int]:
     return [tp for tp in range(1, max_tp + 1) if cfg.num_heads % tp == 0]
 
 
-def instance_shapes(ctx: SearchContext, engine: Engine, max_devices: int) -> list[tuple[int, int]]:
+def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[tuple[int, int]]:
     """Feasible (tp, pp): tp within a node, tp·pp ≤ max_devices, weights + one full sequence of KV fit."""
     cfg, cluster = ctx.cfg, ctx.cluster
     out = []
@@ -188,7 +188,7 @@ def algorithm1(
 ) -> SearchResult:
     cluster = ctx.cluster
     nodes = max_nodes_per_instance or cluster.num_nodes
-    shapes = instance_shapes(ctx, "dist", nodes * cluster.devices_per_node)
+    shapes = instance_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
     if not shapes:
         raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
     cands = tuple(_map(_eval, _phase_jobs(ctx, shapes), workers, progress))
@@ -204,23 +204,33 @@ def algorithm1(
     else:
         # No target rate: the cluster is the budget. Pick the prefill/decode shapes and counts that
         # fit it with the highest balanced per-device goodput (no simulation, just the phase results).
-        best_fill: tuple[float, Candidate, Candidate, int, int] | None = None
+        fills: list[tuple[float, int, Candidate, Candidate, int, int]] = []
+        order = 0
         for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
             for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
-                fill = _fill_counts(cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices)
-                if fill is not None and (best_fill is None or fill[2] > best_fill[0] * (1 + 1e-9)):
-                    best_fill = (fill[2], cp, cd, fill[0], fill[1])
-        if best_fill is None:
+                for n, m, score in _fill_options(
+                    cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices
+                ):
+                    fills.append((score, order, cp, cd, n, m))
+                    order += 1
+        # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
+        # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
+        fills.sort(key=lambda f: (-f[0], f[1]))
+        chosen = next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
+        if chosen is None:
             raise PlanError(
                 f"no prefill + decode instance pair of {ctx.cfg.name} fits in {cluster.num_devices} devices"
             )
-        _, cp, cd, n, m = best_fill
+        _, _, cp, cd, n, m = chosen
         p_inst, d_inst, g_p, g_d = cp.instance, cd.instance, cp.goodput_rps, cd.goodput_rps
         group = n * p_inst.num_devices + m * d_inst.num_devices
-        copies = cluster.num_devices // group
+        copies = max(
+            k for k in range(1, cluster.num_devices // group + 1) if _placeable(p_inst, k * n, d_inst, k * m, cluster)
+        )
         why = (
             f"{n} prefill + {m} decode instances ({group} devices) balance the phases best per device; "
-            f"{copies} cop{'y' if copies == 1 else 'ies'} of that group fit in {cluster.num_devices} devices"
+            f"{copies} cop{'y' if copies == 1 else 'ies'} of that group fit on {cluster.num_nodes} x "
+            f"{cluster.devices_per_node} devices"
         )
         n, m = n * copies, m * copies
     plan = DeploymentPlan(tuple([p_inst] * n + [d_inst] * m), model=ctx.cfg.name)
@@ -232,15 +242,35 @@ def algorithm1(
     return SearchResult(plan, goodput, cands, reason)
 
 
-def _fill_counts(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> tuple[int, int, float] | None:
-    """Counts n, m ≥ 1 with n·dev_p + m·dev_d ≤ total maximising min(n·g_p, m·g_d) per device, and that value."""
-    best: tuple[int, int, float] | None = None
+def _fill_options(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> list[tuple[int, int, float]]:
+    """Counts n, m ≥ 1 with n·dev_p + m·dev_d ≤ total and their per-device goodput min(n·g_p, m·g_d) / devices.
+
+    Only counts where neither phase has an idle spare instance: n ≤ ceil(m·g_d / g_p) and vice versa.
+    """
+    out = []
     for n in range(1, total // dev_p + 1):
         for m in range(1, (total - n * dev_p) // dev_d + 1):
-            score = min(n * g_p, m * g_d) / (n * dev_p + m * dev_d)
-            if best is None or score > best[2] * (1 + 1e-9):
-                best = (n, m, score)
+            if (n - 1) * g_p >= m * g_d or (m - 1) * g_d >= n * g_p:
+                continue  # one instance fewer of a phase would serve as much
+            out.append((n, m, min(n * g_p, m * g_d) / (n * dev_p + m * dev_d)))
+    return out
+
+
+def _fill_counts(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> tuple[int, int, float] | None:
+    """The counts of `_fill_options` with the highest per-device goodput (the first of near-ties)."""
+    best: tuple[int, int, float] | None = None
+    for n, m, score in _fill_options(g_p, dev_p, g_d, dev_d, total):
+        if best is None or score > best[2] * (1 + 1e-9):
+            best = (n, m, score)
     return best
+
+
+def _placeable(p_inst: InstanceSpec, n: int, d_inst: InstanceSpec, m: int, cluster: ClusterSpec) -> bool:
+    try:
+        assign_nodes(DeploymentPlan(tuple([p_inst] * n + [d_inst] * m)), cluster)
+    except PlanError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +289,7 @@ def algorithm2(
         tps = [
             tp
             for tp in tp_degrees(ctx.cfg, m_per_node)
-            if ctx.latency.supports("dist", tp) and fits(ctx.cfg, cluster.device, tp, pp)
+            if ctx.latency.supports("disagg", tp) and fits(ctx.cfg, cluster.device, tp, pp)
         ]
         for tp_p in tps:
             for tp_d in tps:
@@ -306,7 +336,7 @@ def colocated_search(
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
     limit = max_devices or ctx.cluster.devices_per_node
-    shapes = instance_shapes(ctx, "coloc", limit)
+    shapes = instance_shapes(ctx, "colocated", limit)
     jobs = [
         (
             ctx,
@@ -336,8 +366,10 @@ def replicate_colocated(ctx: SearchContext, best: SearchResult, rate: float | No
         n = max(1, math.ceil(rate / g))
         why = f"rate {rate:g} rps needs ceil({rate:g}/{g:.3g}) = {n} colocated {inst.shape} instance(s)"
     else:
-        n = ctx.cluster.num_devices // inst.num_devices
-        why = f"{n} colocated {inst.shape} instance(s) fill {ctx.cluster.num_devices} devices"
+        # Each stage's tp group stays inside one node (`assign_nodes`): count the tp groups the nodes hold.
+        groups = ctx.cluster.num_nodes * (ctx.cluster.devices_per_node // inst.tp)
+        n = groups // inst.pp
+        why = f"{n} colocated {inst.shape} instance(s) fit on {ctx.cluster.num_nodes} x {ctx.cluster.devices_per_node} devices"
     if n < 1:
         raise PlanError(
             f"colocated {inst.shape} needs {inst.num_devices} devices; the cluster has {ctx.cluster.num_devices}"
@@ -405,7 +437,7 @@ def ratio_search(
 # ---------------------------------------------------------------------------------------------
 # Device placement
 # ---------------------------------------------------------------------------------------------
-def place(plan: DeploymentPlan, cluster: ClusterSpec, pair_stages: bool = False) -> DeploymentPlan:
+def assign_nodes(plan: DeploymentPlan, cluster: ClusterSpec, pair_stages: bool = False) -> DeploymentPlan:
     """Give every instance devices and per-stage nodes on the cluster.
 
     Each stage's tp group stays inside one node. With `pair_stages` (Algorithm 2) the plan is a list

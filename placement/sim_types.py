@@ -11,7 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
+from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
 from placement.slo import SloSpec
 
 SimMode = Literal["full", "prefill", "decode"]
@@ -20,18 +20,47 @@ PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
 
 @dataclasses.dataclass(frozen=True)
 class SimOptions:
-    """Knobs of the simulated engine (defaults follow the runtime's)."""
+    """Knobs of the simulated engine: the serving limits (`jaxserve/limits.py`, the runtime's defaults) and the mode.
 
-    block_size: int = 16  # paged KV block, tokens
-    max_decode_batch: int = 256  # running sequences per decode / colocated instance
-    # colocated prefill-priority step budget; None: the profile's L_m for the instance (as for prefill
-    # instances), which is 512 — the runtime's --max-batch-tokens default — without a profile
-    colocated_batch_tokens: int | None = None
-    # prefilled sequences a prefill instance holds until pulled (the runtime's bound; None: only the
-    # KV memory bounds the buffer)
-    prefill_buffer_slots: int | None = DEFAULT_PREFILL_BUFFER_SLOTS
+    Two limits may be left to the hardware model: `num_kv_blocks=None` gives each instance the KV its device
+    memory holds, and `max_batch_tokens=None` takes the engine token cap from the profile (else the default).
+    """
+
+    block_size: int = DEFAULT_LIMITS.block_size  # paged KV block, tokens
+    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch  # running sequences per decode / colocated instance
+    # the engine token cap of a prefill step (prefill instances and colocated prefill priority); None: the
+    # profile's cap for the instance, else DEFAULT_LIMITS.max_batch_tokens
+    max_batch_tokens: int | None = None
+    # KV blocks per decode / colocated instance; None: what the device memory holds (the simulator models a
+    # device; the server, which does not, defaults to DEFAULT_LIMITS.num_kv_blocks — a plan file records the
+    # number its simulation used and `serve --plan` applies it)
+    num_kv_blocks: int | None = None
+    # prefilled sequences a prefill instance holds until pulled (None: only the KV memory bounds it)
+    prefill_buffer_slots: int | None = DEFAULT_LIMITS.prefill_buffer_slots
     mode: SimMode = "full"
     stop_early: bool = True  # only with an SloSpec
+
+    @classmethod
+    def from_limits(cls, limits: ServingLimits, **kwargs: object) -> SimOptions:
+        """The simulated engine of a server run with `limits`."""
+        return cls(
+            block_size=limits.block_size,
+            max_decode_batch=limits.max_decode_batch,
+            max_batch_tokens=limits.max_batch_tokens,
+            num_kv_blocks=limits.num_kv_blocks,
+            prefill_buffer_slots=limits.prefill_buffer_slots,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def limits(self, default_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens) -> ServingLimits:
+        """The serving limits this simulation assumed (the token cap as given, else `default_batch_tokens`)."""
+        return ServingLimits(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_decode_batch=self.max_decode_batch,
+            max_batch_tokens=self.max_batch_tokens or default_batch_tokens,
+            prefill_buffer_slots=self.prefill_buffer_slots or DEFAULT_LIMITS.prefill_buffer_slots,
+        )
 
 
 @dataclasses.dataclass

@@ -57,12 +57,14 @@ from jaxserve.scheduling import (
 )
 from placement.hardware import ClusterSpec
 from placement.latency import (
+    DeploymentKind,
     LatencyProvider,
     StageLatency,
+    StepOverhead,
     kv_capacity_tokens,
-    pipeline_decode_round_s,
 )
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
+from placement.step_time import decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker
@@ -82,6 +84,7 @@ _COLOC_STEP_DONE = 4
 @dataclasses.dataclass
 class _Prefill:
     model: StageLatency
+    overhead: StepOverhead
     max_batch_tokens: int
     capacity_tokens: int
     nodes: tuple[int, ...]
@@ -97,6 +100,7 @@ class _Prefill:
 @dataclasses.dataclass
 class _Decode:
     model: StageLatency
+    overhead: StepOverhead
     free_blocks: int
     nodes: tuple[int, ...]
     pending: deque[tuple[PendingDecode, int, int]] = dataclasses.field(default_factory=deque)  # (req, idx, src)
@@ -114,6 +118,7 @@ class _Decode:
 @dataclasses.dataclass
 class _Colocated:
     model: StageLatency
+    overhead: StepOverhead
     free_blocks: int
     chunk_size: int | None
     max_batch_tokens: int  # prefill-priority step budget: SimOptions' if set, else the profile's L_m
@@ -183,14 +188,14 @@ class Simulator:
         self._seq = 0
         self.now = 0.0
         self.kv_bytes_per_token = self.cfg.kv_bytes_per_token
-        block = self.options.block_size
         if self.plan.kind == "colocated":
             self.colocated = [
                 _Colocated(
-                    model=latency.instance("coloc", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
-                    free_blocks=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp) // block,
+                    model=latency.instance("colocated", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    overhead=latency.step_overhead("colocated", i.tp),
+                    free_blocks=self._kv_blocks(i),
                     chunk_size=i.chunk_size,
-                    max_batch_tokens=self.options.colocated_batch_tokens or latency.prefill_token_budget("coloc", i.tp),
+                    max_batch_tokens=self._token_cap("colocated", i.tp),
                 )
                 for i in self.plan.instances
             ]
@@ -200,8 +205,9 @@ class Simulator:
             self.colocated = []
             self.prefills = [
                 _Prefill(
-                    model=latency.instance("dist", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
-                    max_batch_tokens=latency.prefill_token_budget("dist", i.tp),
+                    model=latency.instance("disagg", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    overhead=latency.step_overhead("disagg", i.tp),
+                    max_batch_tokens=self._token_cap("disagg", i.tp),
                     capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
                     nodes=_instance_nodes(i, cluster),
                     stage_free_at=[0.0] * i.pp,
@@ -210,8 +216,9 @@ class Simulator:
             ]
             self.decodes = [
                 _Decode(
-                    model=latency.instance("dist", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
-                    free_blocks=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp) // block,
+                    model=latency.instance("disagg", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                    overhead=latency.step_overhead("disagg", i.tp),
+                    free_blocks=self._kv_blocks(i),
                     nodes=_instance_nodes(i, cluster),
                 )
                 for i in self.plan.of_role("decode")
@@ -226,6 +233,18 @@ class Simulator:
                 for p in range(len(self.prefills))
                 for d in range(len(self.decodes))
             }
+
+    def _kv_blocks(self, inst: InstanceSpec) -> int:
+        """KV blocks of a decode / colocated instance: the limit when set, else what its memory holds."""
+        if self.options.num_kv_blocks is not None:
+            return self.options.num_kv_blocks
+        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // self.options.block_size
+
+    def _token_cap(self, kind: DeploymentKind, tp: int) -> int:
+        """Most prompt tokens one prefill step batches: the limit when set, else the profile's engine cap."""
+        if self.options.max_batch_tokens is not None:
+            return self.options.max_batch_tokens
+        return self.latency.engine_token_cap(kind, tp)
 
     # ---- events ------------------------------------------------------------------------------
     def _push(self, at: float, kind: int, inst: int, payload: object = None) -> None:
@@ -344,10 +363,11 @@ class Simulator:
         self.prefill_start_at[batch] = self.now
         stage_s = self._prefill_stage_s(k, batch)  # prefix-cache hook
         send_s = p.model.send_s(total) if p.model.pp > 1 else 0.0
+        host_s = p.overhead.step_s(total, p.model.pp, True)  # on the first stage, once per step
         t = self.now
         for s in range(p.model.pp):
             start = max(t, p.stage_free_at[s])
-            p.stage_free_at[s] = start + stage_s
+            p.stage_free_at[s] = start + stage_s + (host_s if s == 0 else 0.0)
             t = start + stage_s + send_s
         self._push(p.stage_free_at[-1], _PREFILL_DONE, k, batch)
         if p.model.pp > 1:
@@ -530,7 +550,7 @@ class Simulator:
 
     def _decode_round_s(self, k: int) -> float:
         d = self.decodes[k]
-        return pipeline_decode_round_s(d.model, d.num_running, d.ctx_sum)
+        return decode_step_s(d.model, d.overhead, d.num_running, d.ctx_sum)
 
     # <<< prefix-cache hooks ----------------------------------------------------------------------
 
@@ -569,16 +589,8 @@ class Simulator:
         )
         chunks = np.asarray([ch.num_tokens for ch in step.prefill], dtype=np.int64)
         priors = np.asarray([ch.start for ch in step.prefill], dtype=np.int64)
-        m = c.model
         ctx_sum = float(decode_ctx.sum())
-        if len(chunks) == 0:
-            dt = pipeline_decode_round_s(m, len(decode_idx), ctx_sum)
-        else:
-            # A colocated step is not overlapped with the next one: its latency is all stages in turn.
-            num_tokens = float(chunks.sum())
-            sum_sq = float((chunks * (chunks + 2 * priors)).sum())
-            stage = m.chunk_stage_s(num_tokens, sum_sq, len(chunks), len(decode_idx), ctx_sum)
-            dt = m.pp * stage + (m.pp - 1) * m.send_s(int(num_tokens) + len(decode_idx))
+        dt = mixed_step_s(c.model, c.overhead, chunks.tolist(), priors.tolist(), len(decode_idx), ctx_sum)
         c.busy = True
         self._push(
             self.now + dt,

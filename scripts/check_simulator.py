@@ -58,7 +58,7 @@ from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402
 from placement.latency import (  # noqa: E402
-    Engine,
+    DeploymentKind,
     LatencyProvider,
     load_profile,
     pipeline_decode_round_s,
@@ -186,7 +186,7 @@ def fixed_lengths(workload: str) -> tuple[int, int]:
 
 
 def run_profile(
-    cfg: CheckConfig, out: Path, tps: list[int], engine: str = "dist,coloc", cpus: tuple[int, ...] | None = None
+    cfg: CheckConfig, out: Path, tps: list[int], engine: str = "disagg,colocated", cpus: tuple[int, ...] | None = None
 ) -> Path:
     """`jaxserve profile` in a child process (so its XLA flags apply) on a grid around the workload."""
     n_in, n_out = fixed_lengths(cfg.workload)
@@ -204,10 +204,10 @@ def run_profile(
     ]  # fmt: skip
     if cpus:
         cmd += ["--cpus", ",".join(map(str, cpus))]
-    if cfg.busy_neighbour and "dist" in engine:
+    if cfg.busy_neighbour and "disagg" in engine:
         # dist engines timed while a peer device runs the other phase, as in the disaggregated deployment
         cmd += ["--busy-neighbour", str(n_in)]
-    devices = 2 * max(tps) if cfg.busy_neighbour and "dist" in engine else max(tps)
+    devices = 2 * max(tps) if cfg.busy_neighbour and "disagg" in engine else max(tps)
     env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -222,7 +222,7 @@ def provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider:
 
 def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
     n_in, _ = fixed_lengths(cfg.workload)
-    engine: Engine = "dist" if latency.supports("dist", 1) else "coloc"
+    engine: DeploymentKind = "disagg" if latency.supports("disagg", 1) else "colocated"
     model = latency.instance(engine, 1, 1)
     ttft = cfg.ttft_s or cfg.ttft_factor * pipeline_prefill_s(model, np.array([n_in]))
     tpot = cfg.tpot_s or cfg.tpot_factor * pipeline_decode_round_s(model, 1, float(n_in))
@@ -230,7 +230,7 @@ def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
 
 
 def sim_options(cfg: CheckConfig, latency: LatencyProvider, plan: DeploymentPlan) -> SimOptions:
-    engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
+    engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
     return SimOptions(
         block_size=cfg.block_size,
         max_decode_batch=cfg.max_decode_batch,
@@ -283,7 +283,7 @@ def choose_rates(cfg: CheckConfig, latency: LatencyProvider, spec: str, slo: Slo
 def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[str]:
     """Runtime limits the simulator is told about; KV blocks enough that the batch limit binds first."""
     plan = parse_deployment(spec)
-    engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
+    engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
     n_in, n_out = fixed_lengths(cfg.workload)
     blocks = cfg.max_decode_batch * -(-(n_in + n_out) // cfg.block_size) + 16
     return [
@@ -392,8 +392,8 @@ def placement_cpus(cfg: CheckConfig, spec: str) -> tuple[tuple[int, ...] | None,
     return cores[:n], cores[n:]
 
 
-def engine_of(spec: str) -> Engine:
-    return "coloc" if parse_deployment(spec).kind == "colocated" else "dist"
+def engine_of(spec: str) -> DeploymentKind:
+    return "colocated" if parse_deployment(spec).kind == "colocated" else "disagg"
 
 
 def profile_all(cfg: CheckConfig, workdir: Path) -> Path:

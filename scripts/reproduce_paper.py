@@ -11,7 +11,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from placement.paper import PAPER_FIGURE1, figure1, quickstart, table3_opt13b
+from placement.paper import (
+    PAPER_FIGURE1,
+    PUBLIC_SIMULATOR_FIGURE1,
+    PUBLIC_SIMULATOR_QUICKSTART_PER_GPU,
+    figure1,
+    quickstart,
+    table3_opt13b,
+)
 
 
 def main() -> None:
@@ -24,16 +31,18 @@ def main() -> None:
     start = time.perf_counter()
     f = figure1(n_fig)
     print("Figure 1: OPT-13B on A100-80GB, 512 in / 64 out, P90 TTFT <= 0.4 s, P90 TPOT <= 0.04 s (max rate, rps)")
-    print(f"  {'deployment':<28} {'ours':>8} {'paper':>8}")
+    print(f"  {'deployment':<28} {'ours':>8} {'public sim':>10} {'paper':>8}")
+    pub = PUBLIC_SIMULATOR_FIGURE1
     rows = [
-        ("colocated, 1 GPU", f.colocated, PAPER_FIGURE1["colocated"]),
-        ("prefill only, 1 GPU", f.prefill_only, PAPER_FIGURE1["prefill_only"]),
-        ("decode only, 1 GPU", f.decode_only, PAPER_FIGURE1["decode_only"]),
-        ("2 prefill + 1 decode GPUs", f.two_prefill_one_decode, PAPER_FIGURE1["2p1d"]),
-        ("  per GPU", f.two_prefill_one_decode / 3, PAPER_FIGURE1["2p1d"] / 3),
+        ("colocated, 1 GPU", f.colocated, pub["colocated"], PAPER_FIGURE1["colocated"]),
+        ("prefill only, 1 GPU", f.prefill_only, pub["prefill_only"], PAPER_FIGURE1["prefill_only"]),
+        ("decode only, 1 GPU", f.decode_only, float("nan"), PAPER_FIGURE1["decode_only"]),
+        ("2 prefill + 1 decode GPUs", f.two_prefill_one_decode, pub["2p1d"], PAPER_FIGURE1["2p1d"]),
+        ("  per GPU", f.two_prefill_one_decode / 3, pub["2p1d"] / 3, PAPER_FIGURE1["2p1d"] / 3),
     ]
-    for name, ours, paper in rows:
-        print(f"  {name:<28} {ours:8.2f} {paper:8.2f}")
+    for name, ours, public, paper in rows:
+        print(f"  {name:<28} {ours:8.2f} {public:10.2f} {paper:8.2f}")
+    print("  (public sim: DistServe's simdistserve measured by us on the same setting, docs/public-simulator.md)")
     print(
         f"  2P1D per GPU / colocated:    {f.disagg_per_device_gain:8.2f}x {3.3 / 1.6:7.2f}x   ({time.perf_counter() - start:.1f} s)"
     )
@@ -45,6 +54,10 @@ def main() -> None:
     )
     p, d = q.plan.of_role("prefill")[0], q.plan.of_role("decode")[0]
     print(f"  ours:  prefill {p.shape}, decode {d.shape}, {q.goodput_per_device:.2f} rps per GPU ({q.plan.describe()})")
+    print(
+        f"  public simulator (measured, docs/public-simulator.md): prefill tp2, decode tp1, "
+        f"{PUBLIC_SIMULATOR_QUICKSTART_PER_GPU:.2f} rps per GPU"
+    )
     print(f"  paper: prefill tp2, decode tp1, about 1.56 rps per GPU   ({time.perf_counter() - start:.1f} s)")
 
     for max_pp, label in ((1, "tp only (pp = 1)"), (None, "tp x pp")):

@@ -76,7 +76,7 @@ def test_kv_capacity_zero_when_weights_do_not_fit() -> None:
 
 def test_folded_profile_numbers_are_the_published_ones() -> None:
     lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"))
-    dist = lp.instance("dist", 1, 1)
+    dist = lp.instance("disagg", 1, 1)
     # 18.1 + 0.1019 * 512 + 7.122e-6 * 512^2 ms
     assert dist.prefill_stage_s(512, 512**2, 1) == pytest.approx((18.1 + 0.1019 * 512 + 7.122e-6 * 512**2) / 1000)
     # Two prompts: Σl = 768, Σl² = 512² + 256².
@@ -86,17 +86,17 @@ def test_folded_profile_numbers_are_the_published_ones() -> None:
     # Decode regimes split at batch 95.
     assert dist.decode_stage_s(94, 94_000) == pytest.approx((19.93 + 0.0006269 * 94_000 + 0.03851 * 94) / 1000)
     assert dist.decode_stage_s(95, 95_000) == pytest.approx((7.166 + 0.0005798 * 95_000 + 0.1583 * 95) / 1000)
-    coloc = lp.instance("coloc", 2, 1)
+    coloc = lp.instance("colocated", 2, 1)
     assert coloc.prefill_stage_s(100, 100**2, 1) == pytest.approx((27.44 + 0.09055 * 100 + 8.452e-06 * 100**2) / 1000)
-    assert lp.supports("dist", 4) and not lp.supports("dist", 8)
+    assert lp.supports("disagg", 4) and not lp.supports("disagg", 8)
     with pytest.raises(ProfileError, match="tp8"):
-        lp.instance("dist", 8, 1)
+        lp.instance("disagg", 8, 1)
 
 
 def test_pipeline_is_not_a_division() -> None:
     lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"))
-    one = lp.instance("dist", 1, 1)
-    two = lp.instance("dist", 1, 2, stage_link_bandwidth=100e9)
+    one = lp.instance("disagg", 1, 1)
+    two = lp.instance("disagg", 1, 2, stage_link_bandwidth=100e9)
     full = one.prefill_stage_s(512, 512**2, 1)
     # Each stage does half the work, but the batch still crosses both stages and one send.
     assert two.prefill_stage_s(512, 512**2, 1) == pytest.approx(full / 2)
@@ -118,8 +118,8 @@ def test_roofline_appendix_model_by_hand() -> None:
     c = AppendixCoefficients.roofline(A100, 2)
     assert math.isclose(c.C1, 2 / (312e12 * 0.6))
     assert math.isclose(c.C4, 2 / (2.0e12 * 0.75))
-    m1 = lp.instance("dist", 1, 1)
-    m2 = lp.instance("dist", 2, 1)
+    m1 = lp.instance("disagg", 1, 1)
+    m2 = lp.instance("disagg", 2, 1)
     t = 1024
     gemm1 = 40 * c.C1 * 314_572_800 * t
     attn1 = 40 * c.C2 * 3 * 5120 * t * t / 16
@@ -150,9 +150,9 @@ def test_profile_file_appendix_form_and_errors(tmp_path) -> None:
     path.write_text(json.dumps({"name": "mine", "entries": [entry]}))
     profile = load_profile(str(path))
     lp = LatencyProvider(OPT13B, A100, profile)
-    assert lp.supports("dist", 1) and lp.supports("coloc", 1) and not lp.supports("dist", 2)
-    assert lp.prefill_token_budget("dist", 1) == 384
-    model = lp.instance("dist", 1, 1)
+    assert lp.supports("disagg", 1) and lp.supports("colocated", 1) and not lp.supports("disagg", 2)
+    assert lp.prefill_token_budget("disagg", 1) == 384
+    model = lp.instance("disagg", 1, 1)
     assert model.decode_stage_s(1, 0.0) == pytest.approx(40 * 1e-12 * 314_572_800 + 1e-12 * 50272 * 5120 + 0.01)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"entries": [{"model": "opt-13b", "tp": 1, "prefill": [1, 2]}]}))
@@ -176,7 +176,7 @@ def test_kv_transfer_dominates_only_across_nodes() -> None:
 
 def test_profile_entry_with_engine_padding_charges_padded_shapes(tmp_path) -> None:
     entry = {
-        "engine": "dist",
+        "engine": "disagg",
         "model": "opt-13b",
         "tp": 1,
         "C1": 1e-14,
@@ -186,8 +186,8 @@ def test_profile_entry_with_engine_padding_charges_padded_shapes(tmp_path) -> No
         "C5": 1e-12,
     }
     padded = {**entry, "engine_padding": {"min_prompt_tokens": 16, "block_size": 16, "min_table_blocks": 4}}
-    plain_model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [entry]})).instance("dist", 1, 1)
-    model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [padded]})).instance("dist", 1, 1)
+    plain_model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [entry]})).instance("disagg", 1, 1)
+    model = LatencyProvider(OPT13B, A100, Profile.from_dict({"entries": [padded]})).instance("disagg", 1, 1)
     # 5 rows of context 100: the engine computes 8 rows over 8 blocks (128 slots, the next token's
     # slot included) each; 3 prompts of 100 tokens are computed as 4 rows of 128.
     assert model.decode_stage_s(5, 500.0) == pytest.approx(plain_model.decode_stage_s(8, 8 * 128.0))

@@ -136,7 +136,7 @@ def _cpu_profile(tmp_path, dist_slowdown: float) -> str:
     base = {"model": "opt-mini", "tp": 1, "C1": 2e-11, "C2": 1e-9, "C3": 2e-3, "C4": 0.0, "C5": 1e-9, "L_m": 256}
     slow = {k: (v * dist_slowdown if k.startswith("C") else v) for k, v in base.items()}
     path = tmp_path / f"cpu-{dist_slowdown}.json"
-    entries = [{**base, "engine": "coloc"}, {**slow, "engine": "dist"}]
+    entries = [{**base, "engine": "colocated"}, {**slow, "engine": "disagg"}]
     path.write_text(json.dumps({"name": f"cpu-x{dist_slowdown}", "device": "cpu", "entries": entries}))
     return str(path)
 

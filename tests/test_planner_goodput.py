@@ -47,7 +47,7 @@ def test_verdict_tracker_decides_as_soon_as_certain() -> None:
 
 def test_goodput_of_one_prefill_instance_is_bounded_by_its_service_rate() -> None:
     # Every prompt 512 tokens (service D): the instance can never sustain more than 1/D.
-    service = LP.instance("dist", 1, 1).prefill_stage_s(512, 512**2, 1)
+    service = LP.instance("disagg", 1, 1).prefill_stage_s(512, 512**2, 1)
     w = base_workload("fixed:512:2", 1000, seed=0)
     search = GoodputSearch(
         parse_deployment("disagg:prefill=tp1,decode=tp1"),

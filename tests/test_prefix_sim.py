@@ -98,8 +98,9 @@ def test_second_turn_prefills_the_suffix_and_pulls_only_missing_blocks(
     assert (stats.prompt_tokens, stats.computed_tokens, stats.transferred_tokens) == (30, 22, 18)
     assert stats.kv_bytes_moved == 18 * sim.kv_bytes_per_token
     model = sim.prefills[0].model
+    host_s = sim.prefills[0].overhead.step_s(19, 1, True)  # the step's host overhead, over its 19-token context
     assert sim.first_token_at[1] - sim.prefill_start_at[1] == pytest.approx(
-        model.prefill_stage_s(11.0, 11.0 * (11 + 2 * 8), 1)
+        model.prefill_stage_s(11.0, 11.0 * (11 + 2 * 8), 1) + host_s
     )
     assert all(c.num_pinned == 0 for c in sim.prefill_caches + sim.decode_caches)
     assert sim.decodes[0].free_blocks == sim.decode_caches[0].num_available == sim.decode_caches[0].num_blocks
@@ -114,7 +115,10 @@ def test_short_uncached_suffix_is_prefilled_on_the_decode_instance(a100: tuple[L
     assert (stats.computed_tokens, stats.transferred_tokens) == (11 + 7, 11)
     assert sim.transfer_end_at[1] == sim.transfer_start_at[1] == sim.first_token_at[1]
     model = sim.decodes[0].model
-    assert sim.first_token_at[1] - sim.prefill_start_at[1] == pytest.approx(model.chunk_stage_s(7.0, 7.0 * 31, 1, 0, 0))
+    host_s = sim.decodes[0].overhead.step_s(19, 1, True)  # the mixed step's host overhead (19-token prompt)
+    assert sim.first_token_at[1] - sim.prefill_start_at[1] == pytest.approx(
+        model.chunk_stage_s(7.0, 7.0 * 31, 1, 0, 0) + host_s
+    )
     assert sim.finish_at[1] > sim.first_token_at[1]
     assert all(c.num_pinned == 0 for c in sim.prefill_caches + sim.decode_caches)
 

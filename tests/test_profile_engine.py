@@ -22,7 +22,7 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
     out, raw = tmp_path / "profile.json", tmp_path / "samples.json"
     assert main(["profile", "--model", "opt-tiny", "--quick", "-o", str(out), "--samples-out", str(raw)]) == 0
     doc = json.loads(out.read_text())
-    assert {e["engine"] for e in doc["entries"]} == {"dist", "coloc"}
+    assert {e["engine"] for e in doc["entries"]} == {"disagg", "colocated"}
     samples = json.loads(raw.read_text())["measurements"][0]
     # Every timed shape of the quick grid is there, each a real (positive) duration.
     assert len(samples["prefill"]) == 5 and len(samples["decode"]) == 5 and len(samples["coloc_prefill"]) == 5
@@ -42,10 +42,10 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         }
 
     profile = load_profile(str(out))
-    coeffs = profile.lookup("dist", "opt-tiny", 1)
+    coeffs = profile.lookup("disagg", "opt-tiny", 1)
     assert isinstance(coeffs, AppendixCoefficients)
     latency = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), profile)
-    assert isinstance(latency.instance("dist", 1, 1), PaddedModel)
+    assert isinstance(latency.instance("disagg", 1, 1), PaddedModel)
     w = generate("fixed:64:8", 5.0, 20, np.random.default_rng(0))
     for spec in ("disagg:prefill=tp1,decode=tp1", "colocated:tp1"):
         result = simulate(parse_deployment(spec).assign_devices(2), latency, ClusterSpec(get_device("cpu")), w)

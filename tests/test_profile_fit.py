@@ -79,8 +79,8 @@ def test_fit_with_tensor_parallel_allreduce() -> None:
 
 def test_fit_under_noise_predicts_within_noise() -> None:
     pre, dec = _samples(TRUE, noise=0.05, seed=1)
-    entry = profile_entry(CFG, 1, "dist", pre, dec)
-    fitted = Profile.from_dict({"name": "t", "entries": [entry]}).lookup("dist", "opt-mini", 1)
+    entry = profile_entry(CFG, 1, "disagg", pre, dec)
+    fitted = Profile.from_dict({"name": "t", "entries": [entry]}).lookup("disagg", "opt-mini", 1)
     assert isinstance(fitted, AppendixCoefficients)
     m_true, m_fit = _model(TRUE), _model(fitted)
     for b, n in [(1, 200), (2, 100), (3, 64)]:
@@ -102,12 +102,12 @@ def test_detect_lm_is_where_throughput_saturates() -> None:
 
 def test_profile_entry_round_trips_through_the_planner() -> None:
     pre, dec = _samples(TRUE)
-    entry = profile_entry(CFG, 1, "coloc", pre, dec, l_m=384)
+    entry = profile_entry(CFG, 1, "colocated", pre, dec, l_m=384)
     profile = Profile.from_dict({"name": "fitted", "device": "cpu", "entries": [entry]})
     provider = LatencyProvider(CFG, get_device("cpu"), profile)
-    assert provider.supports("coloc", 1) and not provider.supports("dist", 1)
-    assert provider.prefill_token_budget("coloc", 1) == 384
-    model = provider.instance("coloc", 1, 1)
+    assert provider.supports("colocated", 1) and not provider.supports("disagg", 1)
+    assert provider.prefill_token_budget("colocated", 1) == 384
+    model = provider.instance("colocated", 1, 1)
     assert model.decode_stage_s(4, 400.0) == pytest.approx(_model(TRUE).decode_stage_s(4, 400.0), rel=1e-6)
 
 
@@ -138,8 +138,8 @@ def test_padded_fit_recovers_coefficients_of_a_padded_engine() -> None:
         PrefillSample((n,) * b, engine.prefill_stage_s(float(b * n), float(b * n * n), b)) for b, n in PREFILL_SHAPES
     ]
     dec = [DecodeSample(b, b * c, engine.decode_stage_s(b, float(b * c))) for b, c in DECODE_SHAPES]
-    plain = profile_entry(CFG, 1, "dist", pre, dec)
-    padded = profile_entry(CFG, 1, "dist", pre, dec, padding=pad)
+    plain = profile_entry(CFG, 1, "disagg", pre, dec)
+    padded = profile_entry(CFG, 1, "disagg", pre, dec, padding=pad)
     assert padded["C1"] == pytest.approx(TRUE.C1, rel=1e-6) and padded["C5"] == pytest.approx(TRUE.C5, rel=1e-6)
     assert padded["fit"]["decode"]["max_rel_error"] < 1e-9
     assert plain["fit"]["decode"]["max_rel_error"] > 0.05  # the unpadded formula cannot describe it

@@ -91,15 +91,15 @@ def test_corrected_latency_scales_prefill_and_decode_steps() -> None:
     lat = _latency()
     fixed = CorrectedLatency.from_window(lat, mon.window(30.0))
     assert (fixed.prefill_factor, fixed.decode_factor) == pytest.approx((1.5, 0.5))
-    base, scaled = lat.instance("dist", 2, 1), fixed.instance("dist", 2, 1)
+    base, scaled = lat.instance("disagg", 2, 1), fixed.instance("disagg", 2, 1)
     assert scaled.prefill_stage_s(512, 512**2, 1) == pytest.approx(1.5 * base.prefill_stage_s(512, 512**2, 1))
     assert scaled.decode_stage_s(8, 4000) == pytest.approx(0.5 * base.decode_stage_s(8, 4000))
     assert scaled.send_s(100) == base.send_s(100)
-    assert CorrectedLatency.from_window(lat, WorkloadMonitor().window(0.0)).instance("dist", 2, 1) == base
+    assert CorrectedLatency.from_window(lat, WorkloadMonitor().window(0.0)).instance("disagg", 2, 1) == base
 
 
 def test_predicted_step_matches_the_profile_coefficients() -> None:
-    model = _latency().instance("dist", 1, 1)
+    model = _latency().instance("disagg", 1, 1)
     # OPT-13B tp1 folded prefill (ms): 18.1 + 0.1019 * sum + 7.122e-6 * sum of squares
     assert predicted_step_s(model, "prefill", (100, 300)) == pytest.approx(
         (18.1 + 0.1019 * 400 + 7.122e-6 * (100**2 + 300**2)) / 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from placement.paper import figure1, quickstart
+from placement.paper import PUBLIC_SIMULATOR_FIGURE1, figure1, quickstart
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,17 @@ def test_figure1_disaggregation_beats_colocation_per_gpu(fig1) -> None:
     assert fig1.two_prefill_one_decode == pytest.approx(fig1.decode_only, rel=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the artifact's coloc coefficients give ~2.3 rps in our simulator (paper's measured vLLM: 1.6); "
-    "every Figure 1 rate is ~1.5-2x the paper's measurement, see the planner report",
-)
 def test_figure1_colocated_within_25_percent_of_paper(fig1) -> None:
+    # Was an xfail at ~2.2-2.3 rps: the shipped profile left out the artifact's per-step host overhead.
     assert fig1.colocated == pytest.approx(1.6, rel=0.25)
+
+
+def test_figure1_agrees_with_the_public_simulator(fig1) -> None:
+    # DistServe's own simulator on the same setting (measured, see placement/paper.py): within 20 % (600 requests
+    # here; one seed moves a max rate by ~5 %; at 1000 requests ours is +10 % colocated, +13 % prefill, +9 % 2P1D).
+    assert fig1.colocated == pytest.approx(PUBLIC_SIMULATOR_FIGURE1["colocated"], rel=0.2)
+    assert fig1.prefill_only == pytest.approx(PUBLIC_SIMULATOR_FIGURE1["prefill_only"], rel=0.2)
+    assert fig1.two_prefill_one_decode == pytest.approx(PUBLIC_SIMULATOR_FIGURE1["2p1d"], rel=0.2)
 
 
 def test_quickstart_chooses_prefill_tp2_decode_tp1() -> None:

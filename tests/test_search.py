@@ -13,7 +13,15 @@ from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.search import SearchContext, _fill_counts, algorithm1, algorithm2, colocated_search, place, ratio_search
+from placement.search import (
+    SearchContext,
+    _fill_counts,
+    algorithm1,
+    algorithm2,
+    assign_nodes,
+    colocated_search,
+    ratio_search,
+)
 from placement.slo import SloSpec
 
 A100 = get_device("a100-80gb")
@@ -33,7 +41,7 @@ CONSTRUCTED = {
             "decode_small": [d, 0, 0.05],
             "decode_large": [d, 0, 0.05],
         }
-        for e in ("dist", "coloc")
+        for e in ("disagg", "colocated")
         for tp, p, d in ((1, 300.0, 10.0), (2, 40.0, 9.0), (4, 30.0, 8.5))
     ],
 }
@@ -109,14 +117,14 @@ def test_fill_counts_by_hand() -> None:
 def test_place_keeps_tp_groups_and_stage_pairs_on_nodes() -> None:
     cluster = ClusterSpec(A100, 2, 4)
     plan = DeploymentPlan((InstanceSpec("prefill", 2, 2), InstanceSpec("decode", 1, 1), InstanceSpec("decode", 2, 1)))
-    placed = place(plan, cluster)
+    placed = assign_nodes(plan, cluster)
     assert [i.devices for i in placed.instances] == [(0, 1, 2, 3), (4,), (5, 6)]
     assert [i.nodes for i in placed.instances] == [(0, 0), (1,), (1,)]
-    paired = place(
+    paired = assign_nodes(
         DeploymentPlan((InstanceSpec("prefill", 2, 2), InstanceSpec("decode", 1, 2))), cluster, pair_stages=True
     )
     assert [i.devices for i in paired.instances] == [(0, 1, 4, 5), (2, 6)]
     assert [i.nodes for i in paired.instances] == [(0, 1), (0, 1)]
     with pytest.raises(PlanError):
-        place(DeploymentPlan((InstanceSpec("prefill", 4, 2), InstanceSpec("decode", 4, 1))), cluster)
+        assign_nodes(DeploymentPlan((InstanceSpec("prefill", 4, 2), InstanceSpec("decode", 4, 1))), cluster)
     assert np.all(np.diff(paired.instances[0].devices) > 0)

@@ -10,14 +10,25 @@ import pytest
 from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
-from placement.latency import LatencyProvider, load_profile, weight_bytes_per_device
+from placement.latency import LatencyProvider, Profile, StepOverhead, load_profile, weight_bytes_per_device
 from placement.simulator import PHASES, SimOptions, simulate
 from placement.slo import SloSpec
 from placement.workload import Workload, generate
 
+
+def kernel_only(profile: Profile) -> Profile:
+    strip = {"overhead": None, "max_batch_tokens": None}
+    return dataclasses.replace(
+        profile,
+        folded={k: dataclasses.replace(v, **strip) for k, v in profile.folded.items()},  # type: ignore[arg-type]
+        appendix={k: dataclasses.replace(v, **strip) for k, v in profile.appendix.items()},  # type: ignore[arg-type]
+    )
+
+
 OPT13B = get_config("opt-13b", "float16")
 A100 = get_device("a100-80gb")
-PROFILE = load_profile("a100-80gb-distserve")
+# The kernel times alone (no per-step host overhead, the default 512-token engine cap), so timelines add up by hand.
+PROFILE = kernel_only(load_profile("a100-80gb-distserve"))
 LP = LatencyProvider(OPT13B, A100, PROFILE, prefill_tokens=512)
 
 
@@ -27,7 +38,7 @@ def _workload(arrivals: list[float], inputs: list[int], outputs: list[int]) -> W
 
 def test_md1_mean_wait_matches_queueing_theory() -> None:
     # One prefill instance, every prompt 512 tokens = L_m so each batch is one request: an M/D/1 queue.
-    service = LP.instance("dist", 1, 1).prefill_stage_s(512, 512**2, 1)
+    service = LP.instance("disagg", 1, 1).prefill_stage_s(512, 512**2, 1)
     rate = 0.4 / service
     w = generate("fixed:512:1", rate, 20_000, np.random.default_rng(0))
     r = simulate(
@@ -48,12 +59,12 @@ def test_md1_mean_wait_matches_queueing_theory() -> None:
 def test_one_request_disaggregated_timeline(devices_per_node: int) -> None:
     cluster = ClusterSpec(A100, 2, devices_per_node)
     r = simulate(parse_deployment("disagg:prefill=tp1,decode=tp1"), LP, cluster, _workload([0.5], [512], [3]))
-    prefill = PROFILE.folded[("dist", "opt-13b", 1)].prefill
+    prefill = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
     ttft = (prefill[0] + prefill[1] * 512 + prefill[2] * 512**2) / 1000
     kv = 512 * OPT13B.kv_bytes_per_token
     link = cluster.nvlink_bandwidth if devices_per_node == 2 else cluster.inter_node_bandwidth
     transfer = cluster.link_latency_s + kv / link
-    a, b, c = PROFILE.folded[("dist", "opt-13b", 1)].decode_small
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].decode_small
     rounds = [(a + b * ctx + c) / 1000 for ctx in (513, 514)]
     assert r.first_token_at[0] == pytest.approx(0.5 + ttft)
     assert r.transfer_end_at[0] - r.transfer_start_at[0] == pytest.approx(transfer)
@@ -68,7 +79,7 @@ def test_pipelined_prefill_overlaps_batches() -> None:
     cluster = ClusterSpec(A100, 1, 8)
     plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
     r = simulate(plan, lp, cluster, _workload([0, 0, 0], [512] * 3, [1] * 3), None, SimOptions(mode="prefill"))
-    model = lp.instance("dist", 1, 2, cluster.nvlink_bandwidth)
+    model = lp.instance("disagg", 1, 2, cluster.nvlink_bandwidth)
     stage = model.prefill_stage_s(512, 512**2, 1)
     send = model.send_s(512)
     np.testing.assert_allclose(r.first_token_at, [2 * stage + send, 3 * stage + send, 4 * stage + send])
@@ -84,7 +95,7 @@ def test_prefill_batches_follow_lm_and_shortest_queue() -> None:
     r = simulate(
         plan, lp, ClusterSpec(A100, 1, 8), _workload([0] * 6, [200] * 6, [1] * 6), None, SimOptions(mode="prefill")
     )
-    model = lp.instance("dist", 1, 1)
+    model = lp.instance("disagg", 1, 1)
     one = model.prefill_stage_s(200, 200**2, 1)
     two = model.prefill_stage_s(400, 2 * 200**2, 2)
     np.testing.assert_allclose(sorted(r.first_token_at), [one, one, one + two, one + two, one + two, one + two])
@@ -138,7 +149,7 @@ def test_full_prefill_buffer_stops_prefill_as_in_the_runtime() -> None:
 def test_colocated_prefill_priority_timeline() -> None:
     # Request 0 arrives at 0 (512 in, 4 out); request 1 arrives during request 0's first decode step.
     lp = LatencyProvider(OPT13B, A100, PROFILE)
-    model = lp.instance("coloc", 1, 1)
+    model = lp.instance("colocated", 1, 1)
     prefill = model.prefill_stage_s(512, 512**2, 1)
     r = simulate(
         parse_deployment("colocated:tp1"),
@@ -160,7 +171,7 @@ def test_colocated_prefill_priority_timeline() -> None:
 
 def test_chunked_prefill_with_piggybacked_decode() -> None:
     lp = LatencyProvider(OPT13B, A100, PROFILE)
-    model = lp.instance("coloc", 1, 1)
+    model = lp.instance("colocated", 1, 1)
     r = simulate(
         parse_deployment("colocated:tp1,chunk=256"),
         lp,
@@ -192,3 +203,44 @@ def test_early_stop_gives_the_full_run_verdict_and_is_deterministic() -> None:
         again = simulate(plan, LP, cluster, w.with_rate(rate), slo, SimOptions(stop_early=False))
         np.testing.assert_array_equal(again.finish_at, full.finish_at)
     assert simulate(plan, LP, cluster, w.with_rate(30.0), slo).num_events < full.num_events / 2
+
+
+def test_step_overhead_on_a_hand_computed_timeline() -> None:
+    # One 512-token request, 3 output tokens, disaggregated tp1/tp1 on one node, with the artifact's host
+    # overhead: each step costs 2 ms + 1e-7 s per context token more, a prefill step 1 ms more.
+    overhead = StepOverhead(0.002, 1e-7, 0.001)
+    with_overhead = dataclasses.replace(
+        PROFILE, folded={k: dataclasses.replace(v, overhead=overhead) for k, v in PROFILE.folded.items()}
+    )
+    lp = LatencyProvider(OPT13B, A100, with_overhead)
+    cluster = ClusterSpec(A100, 1, 8)
+    r = simulate(parse_deployment("disagg:prefill=tp1,decode=tp1"), lp, cluster, _workload([0.0], [512], [3]))
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
+    prefill_s = (a + b * 512 + c * 512**2) / 1000 + 0.002 + 512e-7 + 0.001
+    assert r.first_token_at[0] == pytest.approx(prefill_s, rel=1e-12)
+    transfer_s = r.transfer_end_at[0] - r.transfer_start_at[0]
+    da, db, dc = PROFILE.folded[("disagg", "opt-13b", 1)].decode_small
+    # Two decode rounds (contexts 513 and 514), each with its host overhead.
+    rounds = sum((da + db * ctx + dc * 1) / 1000 + 0.002 + ctx * 1e-7 for ctx in (513, 514))
+    assert r.finish_at[0] == pytest.approx(prefill_s + transfer_s + rounds, rel=1e-12)
+
+
+def test_prefill_batches_up_to_the_engine_token_cap_not_l_m() -> None:
+    # Four 512-token prompts at t=0: the first starts alone on arrival, the other three queue behind it. L_m is
+    # 512 (the bubble target); the engine cap is 2048, so the three then run as one batch; with the cap at 512
+    # each runs alone, one after the other.
+    capped = dataclasses.replace(
+        PROFILE, folded={k: dataclasses.replace(v, max_batch_tokens=2048) for k, v in PROFILE.folded.items()}
+    )
+    lp = LatencyProvider(OPT13B, A100, capped, prefill_tokens=512)
+    assert lp.prefill_token_budget("disagg", 1) == 512 and lp.engine_token_cap("disagg", 1) == 2048
+    cluster = ClusterSpec(A100, 1, 8)
+    w = _workload([0.0] * 4, [512] * 4, [1] * 4)
+    a, b, c = PROFILE.folded[("disagg", "opt-13b", 1)].prefill
+    one = (a + b * 512 + c * 512**2) / 1000
+    three = (a + b * 1536 + c * 3 * 512**2) / 1000
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
+    r = simulate(plan, lp, cluster, w, None, SimOptions(prefill_buffer_slots=None))
+    assert r.first_token_at == pytest.approx([one] + [one + three] * 3, rel=1e-12)
+    r = simulate(plan, lp, cluster, w, None, SimOptions(max_batch_tokens=512, prefill_buffer_slots=None))
+    assert r.first_token_at == pytest.approx([one, 2 * one, 3 * one, 4 * one], rel=1e-12)

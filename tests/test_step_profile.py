@@ -74,8 +74,8 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         argv += ["--prefill-tokens", "512", "--no-padding"]
         assert main(argv) == 0
     doc = json.loads(out.read_text())
-    assert [e["engine"] for e in doc["entries"]] == ["dist"] and doc["entries"][0]["L_m"] == 512
-    model = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), load_profile(str(out))).instance("dist", 1, 1)
+    assert [e["engine"] for e in doc["entries"]] == ["disagg"] and doc["entries"][0]["L_m"] == 512
+    model = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), load_profile(str(out))).instance("disagg", 1, 1)
     median_prefill = float(np.median([s["seconds"] for s in prefills if len(s["prompt_lengths"]) == 1]))
     assert pipeline_prefill_s(model, np.array([PROMPT_LEN])) == pytest.approx(median_prefill, rel=0.25)
     one_row = [s["seconds"] for s in decodes if s["batch"] == 1]

@@ -15,7 +15,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from placement.context import add_common_arguments
+    from jaxserve.commands.planner_args import add_common_arguments
 
     add_common_arguments(parser)
     parser.add_argument(
@@ -47,38 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also search the prefill:decode replica ratio (xPyD) of the chosen shapes within N devices, jointly simulated",
     )
     parser.add_argument(
-        "--max-decode-batch",
+        "--seeds",
         type=int,
-        default=256,
-        help="running sequences per decode instance, as served (jaxserve serve --max-decode-batch-size; its default is 32)",
+        default=2,
+        help="re-simulate the chosen plan and the runner-up on this many more workload samples (0: none)",
     )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
+    from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.plan import PlanError
-    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
-    from placement.goodput import GoodputSearch, max_rate
+    from placement.context import UsageError, build_base_workload
     from placement.latency import ProfileError
-    from placement.search import (
-        SearchContext,
-        algorithm1,
-        algorithm2,
-        choose_deployment,
-        colocated_search,
-        place,
-        ratio_search,
-        replicate_colocated,
-    )
-    from placement.simulator import SimOptions
+    from placement.planner import choose_plan
+    from placement.search import SearchContext
+    from placement.workload import Workload
 
     try:
-        latency = build_latency(args)
-        cluster = build_cluster(args, latency)
-        slo = build_slo(args, required=True)
+        latency, cluster, slo, options, workload = inputs_from_args(args, 400, slo_required=True)
         assert slo is not None
         if args.rate is not None and args.rate <= 0:
             raise UsageError("--rate must be positive")
@@ -88,81 +76,38 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ratio-devices must be >= 0")
         if args.max_pp is not None and args.max_pp < 1:
             raise UsageError("--max-pp must be >= 1")
-        if args.max_decode_batch < 1:
-            raise UsageError("--max-decode-batch must be >= 1")
-        workload = build_base_workload(args, latency, 400)
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
 
-    # --prefill-tokens reaches both instance kinds through the latency provider's L_m
-    options = SimOptions(max_decode_batch=args.max_decode_batch)
     ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
+
+    def reseed(seed: int) -> Workload:
+        return build_base_workload(args.workload, latency, len(workload), seed, args.cv)
+
     progress = None if args.no_progress else _progress_bar()
-    disagg = colocated = ratio = None
-    simulated = None
     try:
-        failures: list[str] = []  # with --kind auto one kind may find nothing; the other can still win
-        if args.kind != "colocated":
-            try:
-                search = algorithm1 if args.affinity == "high" else algorithm2
-                disagg = search(ctx, args.rate, workers=args.workers, progress=progress)
-            except PlanError as e:
-                if args.kind == "disagg":
-                    raise
-                failures.append(f"disaggregated: {e}")
-        if args.kind != "disagg" or args.compare_colocated:
-            try:
-                colocated = colocated_search(ctx, workers=args.workers, progress=progress)
-            except PlanError as e:
-                if args.kind == "colocated" or disagg is None:
-                    raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
-                failures.append(f"colocated: {e}")
-        disagg_plan = None
-        if disagg is not None:
-            disagg_plan = place(disagg.plan, cluster, pair_stages=args.affinity == "low")
-            if args.affinity == "high" and not args.no_verify:
-                # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
-                simulated = max_rate(
-                    GoodputSearch(disagg_plan, latency, cluster, workload, slo, ctx.options), ctx.rel_tol
-                )
-        disagg_rps = simulated if simulated is not None else (disagg.goodput_rps if disagg else 0.0)
-        disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
-        kind, why_kind = choose_deployment(disagg, disagg_pd, colocated if args.kind != "disagg" else None)
-        if kind == "disagg":
-            assert disagg is not None and disagg_plan is not None
-            result, plan, goodput_rps = disagg, disagg_plan, disagg_rps
-            if args.ratio_devices:
-                shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
-                ratio = ratio_search(
-                    ctx, *shapes, max_devices=args.ratio_devices, workers=args.workers, progress=progress
-                )
-        else:
-            assert colocated is not None
-            result = replicate_colocated(ctx, colocated, args.rate)
-            plan = place(result.plan, cluster)
-            goodput_rps = result.goodput_rps
+        report = choose_plan(
+            ctx,
+            kind=args.kind,
+            affinity=args.affinity,
+            rate=args.rate,
+            workers=args.workers,
+            verify=not args.no_verify,
+            compare_colocated=args.compare_colocated,
+            ratio_devices=args.ratio_devices,
+            progress=progress,
+            reseed=None if args.json else reseed,
+            seeds=args.seeds,
+        )
     except (PlanError, ProfileError) as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 1
     finally:
         if progress is not None:
             progress.close()
-
-    expected = {
-        "goodput_rps": goodput_rps,
-        "goodput_rps_per_device": goodput_rps / plan.num_devices,
-        "search_goodput_rps": result.goodput_rps,
-        "ttft_slo_s": slo.ttft_s,
-        "tpot_slo_s": slo.tpot_s,
-        "attainment": slo.attainment,
-    }
-    if disagg is not None and colocated is not None and args.kind == "auto":
-        expected["disagg_goodput_rps_per_device"] = disagg_pd
-        expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
-    if args.rate is not None:
-        expected["target_rate_rps"] = args.rate
-    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected)
+    plan, disagg, colocated, ratio = report.plan, report.disagg, report.colocated, report.ratio
+    simulated, disagg_pd, goodput_rps = report.joint_rps, report.disagg_per_device, report.goodput_rps
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(plan.to_json() + "\n")
@@ -194,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
         f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {goodput_rps:.3f} rps, "
         f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
-    print(f"why: {why_kind}; {result.reason}")
-    for failure in failures:
+    print(f"why: {report.why}; {report.result.reason}")
+    lead = report.lead()
+    if lead is not None:
+        print(f"sure of it? {lead}")
+    for failure in report.failures:
         print(f"no plan of this kind: {failure}")
     if ratio is not None:
         print(f"\nprefill:decode ratios within {args.ratio_devices} devices (joint simulation):")

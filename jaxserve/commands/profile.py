@@ -1,7 +1,7 @@
 """`jaxserve profile`: time the real engine on this machine and fit the latency model's coefficients.
 
     jaxserve profile --model opt-tiny -o profile.json
-    jaxserve profile --model DIR --tp 1,2 --engines dist,coloc --quick -o profile.json
+    jaxserve profile --model DIR --tp 1,2 --engines disagg,colocated --quick -o profile.json
     jaxserve profile --model opt-tiny --deployment disagg:prefill=tp2,decode=tp1 -o profile.json
     jaxserve profile --model opt-mini --deployment colocated:tp1 --from-server 127.0.0.1:8000 -o served.json
 
@@ -42,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or preset name (random weights)")
     parser.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default 1)")
     parser.add_argument("--deployment", default=None, help="profile the tp degrees this deployment spec uses")
-    parser.add_argument("--engines", default="dist,coloc", help="dist (prefill/decode engines), coloc, or both")
+    parser.add_argument(
+        "--engines",
+        default="disagg,colocated",
+        help="disagg (prefill/decode engines), colocated, or both (the old names dist, coloc are accepted)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
     parser.add_argument("--prefill-lengths", default=None, help="grid: prompt lengths, e.g. 64,128,256")
@@ -107,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, Exception) as e:
         print(f"jaxserve profile: error: {e}", file=sys.stderr)
         return 2
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("dist", "coloc") for e in engines):
-        print("jaxserve profile: error: need tp >= 1 and engines from dist,coloc", file=sys.stderr)
+    aliases = {"dist": "disagg", "coloc": "colocated"}
+    engines = [aliases.get(e.strip(), e.strip()) for e in args.engines.split(",") if e.strip()]
+    if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("disagg", "colocated") for e in engines):
+        print("jaxserve profile: error: need tp >= 1 and engines from disagg,colocated", file=sys.stderr)
         return 2
     if args.cpus is not None:
         try:
@@ -159,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         grid = default_grid(cfg.max_position_embeddings, args.quick, args.block_size)
     if args.repeats:
         grid = dataclasses.replace(grid, repeats=args.repeats)
-    if "coloc" not in engines:
+    if "colocated" not in engines:
         grid = dataclasses.replace(grid, coloc_prefill=())
     platform = jax.devices()[0].platform
     device = args.device_name or ("cpu" if platform == "cpu" else jax.devices()[0].device_kind.lower())
@@ -182,13 +187,13 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         for engine in engines:
-            prefill = m.prefill if engine == "dist" else m.coloc_prefill
+            prefill = m.prefill if engine == "disagg" else m.coloc_prefill
             entry = profile_entry(
                 cfg,
                 tp,
                 engine,
                 prefill,
-                m.decode if engine == "dist" else m.coloc_decode,
+                m.decode if engine == "disagg" else m.coloc_decode,
                 block_size=16,  # the latency formula's attention block b, not the KV page size
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
@@ -257,8 +262,8 @@ def _from_server(args: argparse.Namespace) -> int:
     by_role: dict[str, list[dict]] = {}
     for inst in served["instances"]:
         by_role.setdefault(inst["role"], []).extend(inst["steps"])
-    groups = [("coloc", by_role.get("colocated", []), by_role.get("colocated", []))]
-    groups.append(("dist", by_role.get("prefill", []), by_role.get("decode", [])))
+    groups = [("colocated", by_role.get("colocated", []), by_role.get("colocated", []))]
+    groups.append(("disagg", by_role.get("prefill", []), by_role.get("decode", [])))
     padding = None if args.no_padding else EnginePadding(block_size=args.block_size)
     entries = []
     for engine, pre_steps, dec_steps in groups:

@@ -15,11 +15,18 @@ SIGINT/SIGTERM drain in-flight requests and stop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
+from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
+
+if TYPE_CHECKING:
+    from jaxserve.plan import DeploymentPlan
+    from jaxserve.runtime.instances import EngineFactory
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
@@ -71,7 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
     parser.add_argument(
-        "--engine", choices=["opt", "fake"], default="opt", help="fake: the hand-computable test engine (no model)"
+        "--engine",
+        choices=["opt", "fake", "timed"],
+        default="opt",
+        help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="--engine timed: the latency profile (built-in name or JSON file) it sleeps"
     )
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compilation) before the ready line")
     parser.add_argument(
@@ -96,10 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ray backend: how decode actors pull KV (jax: jax.experimental.transfer)",
     )
     limits = parser.add_argument_group("runtime limits")
-    limits.add_argument("--num-kv-blocks", type=int, default=256, help="paged KV blocks per decode instance")
-    limits.add_argument("--block-size", type=int, default=16)
-    limits.add_argument("--max-decode-batch-size", type=int, default=32)
-    limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
+    # Defaults: the plan's recorded limits with --plan, else jaxserve/limits.py (what plan/simulate assume).
+    limits.add_argument("--num-kv-blocks", type=int, default=None, help="paged KV blocks per decode instance")
+    limits.add_argument("--block-size", type=int, default=None)
+    limits.add_argument("--max-decode-batch-size", type=int, default=None)
+    limits.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     parser.add_argument(
@@ -107,6 +121,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run on these CPUs only, e.g. 0 or 0-3 (CPU hosts: keeps a load generator off the serving cores)",
     )
+
+
+def _timed_engine_factory(model: str, profile: str | None) -> EngineFactory:
+    from jaxserve.testing.timed_engine import timed_engine_factory
+    from models.config import PRESETS, OPTConfig, get_config
+    from placement.hardware import get_device
+    from placement.latency import LatencyProvider, load_profile
+
+    if profile is None:
+        raise ValueError("--engine timed needs --profile")
+    cfg = get_config(model, "float16") if model in PRESETS else OPTConfig.from_hf_config(model)
+    prof = load_profile(profile)
+    latency = LatencyProvider(cfg, get_device(prof.device or "cpu"), prof)
+    return timed_engine_factory(cfg, latency)
+
+
+def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
+    """The limits to serve with: each flag given on the command line, else the plan's, else the defaults."""
+    base = plan.limits or DEFAULT_LIMITS
+    flags = {
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_decode_batch": args.max_decode_batch_size,
+        "max_batch_tokens": args.max_batch_tokens,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         plan = plan.assign_devices()
     except (PlanError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.engine == "timed" and args.backend == "ray":
+        print("error: --engine timed runs with the embedded backend only", file=sys.stderr)
         return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
@@ -150,23 +193,27 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
+    limits = serving_limits(args, plan)
     config = ControllerConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_decode_batch_size=args.max_decode_batch_size,
-        max_batch_tokens=args.max_batch_tokens,
+        block_size=limits.block_size,
+        num_kv_blocks=limits.num_kv_blocks or DEFAULT_LIMITS.num_kv_blocks or 1,
+        max_decode_batch_size=limits.max_decode_batch,
+        max_batch_tokens=limits.max_batch_tokens,
+        prefill_buffer_capacity=limits.prefill_buffer_slots,
         max_queued_requests=args.max_queued_requests,
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout,
     )
     try:
-        engine_factory = None
+        engine_factory: EngineFactory | None = None
         if args.engine == "fake":
             from jaxserve.testing.fake_engine import fake_engine_factory
             from models.config import PRESETS, OPTConfig, get_config
 
             fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
             engine_factory = fake_engine_factory(fake_config)
+        elif args.engine == "timed":
+            engine_factory = _timed_engine_factory(model, args.profile)
         if args.backend == "ray":
             from jaxserve.runtime.ray_backend.deployment import launch_from_args
 

@@ -10,13 +10,12 @@ attainment, goodput and devices per hour (see placement/replan_sim.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from placement.context import add_common_arguments
+    from jaxserve.commands.planner_args import add_common_arguments
 
     add_common_arguments(parser)
     parser.add_argument(
@@ -36,48 +35,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hour-s", type=float, default=3600.0, help="--timevarying: seconds per hour of the cycle")
     parser.add_argument("--peak-rps", type=float, default=64.0, help="--timevarying diurnal: rate at 14:00")
     parser.add_argument("--trough-rps", type=float, default=12.0, help="--timevarying diurnal: rate at 02:00")
-    parser.add_argument("--max-decode-batch", type=int, default=256)
     parser.add_argument("--trace-out", default=None, help="write the simulated workload as JSONL")
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.plan import PlanError, parse_deployment
-    from placement.context import UsageError, build_base_workload, build_cluster, build_latency, build_slo
+    from placement.context import UsageError
     from placement.goodput import GoodputSearch, max_rate
-    from placement.latency import Engine, ProfileError
-    from placement.simulator import PHASES, SimOptions, simulate
+    from placement.latency import DeploymentKind, ProfileError
+    from placement.simulator import PHASES, simulate
 
     if args.timevarying:
         return _run_timevarying(args)
     try:
         if not args.deployment:
             raise UsageError("--deployment is required (unless --timevarying)")
-        latency = build_latency(args)
-        cluster = build_cluster(args, latency)
-        slo = build_slo(args, required=bool(args.goodput))
+        latency, cluster, slo, options, workload = inputs_from_args(
+            args, 2000 if args.goodput else 1000, slo_required=bool(args.goodput)
+        )
         if args.rate is not None and args.rate <= 0:
             raise UsageError("--rate must be positive")
-        if args.max_decode_batch < 1:
-            raise UsageError("--max-decode-batch must be >= 1")
         try:
             plan = parse_deployment(args.deployment)
             plan = plan if plan.instances[0].devices is not None else plan.assign_devices(cluster.num_devices)
         except PlanError as e:
             raise UsageError(str(e)) from None
-        engine: Engine = "coloc" if plan.kind == "colocated" else "dist"
+        engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
         for inst in plan.instances:
             if not latency.supports(engine, inst.tp):
                 raise UsageError(
                     f"profile {args.profile} has no {engine} coefficients for {latency.cfg.name} tp{inst.tp}"
                 )
-        workload = build_base_workload(args, latency, 2000 if args.goodput else 1000)
     except UsageError as e:
         print(f"jaxserve simulate: error: {e}", file=sys.stderr)
         return 2
 
-    options = SimOptions(max_decode_batch=args.max_decode_batch)
-    if args.prefill_tokens is not None:  # L_m also caps a colocated prefill-priority step
-        options = dataclasses.replace(options, colocated_batch_tokens=args.prefill_tokens)
     try:
         if args.goodput:
             assert slo is not None
@@ -134,16 +127,14 @@ def _run_timevarying(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from placement.context import UsageError, build_cluster, build_latency, build_slo
+    from jaxserve.commands.planner_args import inputs_from_args
+    from placement.context import UsageError
     from placement.replan_sim import Experiment, loop_warnings, run_experiment
-    from placement.simulator import SimOptions
     from placement.timevarying import DiurnalSpec, generate_diurnal
     from placement.workload import Workload
 
     try:
-        latency = build_latency(args)
-        cluster = build_cluster(args, latency)
-        slo = build_slo(args, required=True)
+        latency, cluster, slo, options, _ = inputs_from_args(args, 1000, slo_required=True)
         assert slo is not None
         if args.hour_s <= 0:
             raise UsageError("--hour-s must be positive")
@@ -160,7 +151,7 @@ def _run_timevarying(args: argparse.Namespace) -> int:
     hours = max(1, math.ceil(float(trace.arrival_at[-1]) / args.hour_s + 1e-9))
     exp = Experiment(
         latency, cluster, slo, hour_s=args.hour_s, num_hours=hours,
-        options=SimOptions(max_decode_batch=args.max_decode_batch), seed=args.seed,
+        options=options, seed=args.seed,
     )  # fmt: skip
     for warning in loop_warnings(exp, trace):
         print(f"warning: {warning}", file=sys.stderr)

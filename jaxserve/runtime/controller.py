@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Protocol
 import jax
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
+from jaxserve.limits import DEFAULT_LIMITS
 from jaxserve.plan import DeploymentPlan
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
@@ -64,7 +65,7 @@ from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
-from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS, choose_decode_instance, choose_prefill_instance
+from jaxserve.scheduling import choose_decode_instance, choose_prefill_instance
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -87,11 +88,12 @@ class Observer(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    block_size: int = 16
-    num_kv_blocks: int = 256  # per decode / colocated instance
-    max_decode_batch_size: int = 32
-    max_batch_tokens: int = 512  # L_m
-    prefill_buffer_capacity: int = DEFAULT_PREFILL_BUFFER_SLOTS  # prefilled sequences held until pulled
+    # The serving limits' defaults are jaxserve/limits.py's, which the simulator shares.
+    block_size: int = DEFAULT_LIMITS.block_size
+    num_kv_blocks: int = DEFAULT_LIMITS.num_kv_blocks or 256  # per decode / colocated instance
+    max_decode_batch_size: int = DEFAULT_LIMITS.max_decode_batch
+    max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens  # the engine's token cap per prefill step
+    prefill_buffer_capacity: int = DEFAULT_LIMITS.prefill_buffer_slots  # prefilled sequences held until pulled
     max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
     max_tokens_limit: int | None = None  # default: the model's positions
     max_prompt_tokens: int | None = None  # default: the model's positions - 1

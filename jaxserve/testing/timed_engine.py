@@ -1,0 +1,190 @@
+"""An engine that computes nothing and takes, on every step, exactly the latency model's time for its shape.
+
+`TimedEngine` implements the engine methods the runtime calls (`kv_layout`, `prefill`, `init_pages`, `insert`,
+`decode_step`) like `FakeEngine` and `OPTEngine`, but each call sleeps for what `placement/step_time.py` — the
+simulator's own step formulas — charges that step's real shape:
+
+* `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe;
+* `decode_step(batch)`: a decode round of the batch's rows over their contexts, or, with prompt rows
+  (colocated), the mixed step of those chunks with the decodes riding along;
+* `insert(kv, n)`: the KV transfer of `n` tokens of the modelled model at the profile's device link, as the
+  simulator charges a pull between two instances on one node (the runtime calls it on the decode thread).
+
+The sleep is a deadline from the call's start, so the Python around the (empty) computation is hidden; a
+sleeping device does not compete for the host's cores, as an accelerator would not. Tokens are random
+(a seeded hash of the request's seed and token index, never below `MIN_TOKEN`, so never an OPT stop token).
+KV arrays hold one element per layer, tp shard and token (tiny), laid out per stage on the instance's real
+meshes like the model's, so the runtime's real transfer regroups layers between different pipeline splits.
+
+`serve --engine timed --profile P --model opt-13b` runs the whole real server on it (`timed_engine_factory`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.plan import InstanceSpec
+from jaxserve.runtime.engine import (
+    KVLayout,
+    KVPages,
+    PrefilledSequence,
+    PrefillItem,
+    PrefillResult,
+    SequenceKV,
+    StageKV,
+    StagePages,
+    StepBatch,
+    bucket,
+)
+from models.config import OPTConfig
+from placement.hardware import ClusterSpec
+from placement.latency import DeploymentKind, LatencyProvider, StageLatency, StepOverhead
+from placement.step_time import mixed_step_s, prefill_step_s
+
+MIN_TOKEN = 4  # OPT's special tokens are 0..3
+
+
+def random_token(seed: int, index: int, vocab_size: int) -> int:
+    """The timed engine's token number `index` of a request with sampling seed `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return MIN_TOKEN + int.from_bytes(digest, "little") % (vocab_size - MIN_TOKEN)
+
+
+class TimedEngine:
+    """Sleeps the latency model's step time; `clock`/`sleep` are injectable for hand-computed tests."""
+
+    def __init__(
+        self,
+        config: OPTConfig,
+        devices: Sequence[jax.Device],
+        model: StageLatency,
+        overhead: StepOverhead,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        transfer_s_per_token: float = 0.0,
+        transfer_latency_s: float = 0.0,
+        host_slack_s: float = 0.005,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if len(devices) != tp * pp:
+            raise ValueError(f"tp{tp}pp{pp} needs {tp * pp} devices, got {len(devices)}")
+        self._config = config
+        self._devices = tuple(devices)
+        self.tp, self.pp = tp, pp
+        self.model, self.overhead = model, overhead
+        self.transfer_s_per_token, self.transfer_latency_s = transfer_s_per_token, transfer_latency_s
+        self._clock, self._sleep = clock, sleep
+        self.host_slack_s = host_slack_s
+        self._device_free_at: float | None = None
+        self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
+        self._stage_layers = tuple(len(a) for a in np.array_split(np.arange(config.num_layers), pp))
+        self.charged_s: list[tuple[str, float]] = []  # (kind, seconds) of every call, for tests
+
+    @property
+    def model_config(self) -> OPTConfig:
+        return self._config
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return self._devices
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(
+            stage_layers=self._stage_layers,
+            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, "tp", None)) for m in self.meshes),
+        )
+
+    def _wait(self, kind: str, started: float, seconds: float) -> None:
+        """Sleep until the step's end. Back-to-back steps run back to back on the device: a call that comes
+        within `host_slack_s` of the previous step's end starts at that end (the host prepared it while the
+        device ran the previous step — asynchronous dispatch, as a fast real system has)."""
+        self.charged_s.append((kind, seconds))
+        if self._device_free_at is not None and started - self._device_free_at <= self.host_slack_s:
+            started = max(self._device_free_at, started - self.host_slack_s)
+        end = started + seconds
+        self._device_free_at = end
+        left = end - self._clock()
+        if left > 0:
+            self._sleep(left)
+
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
+        started = self._clock()
+        layout = self.kv_layout()
+        out = []
+        for item in items:
+            n = len(item.token_ids)
+            kv = tuple(
+                StageKV(
+                    k=jax.device_put(np.zeros((layers, bucket(n, 16), self.tp, 1), np.float32), sh),
+                    v=jax.device_put(np.zeros((layers, bucket(n, 16), self.tp, 1), np.float32), sh),
+                )
+                for layers, sh in zip(layout.stage_layers, layout.shardings, strict=True)
+            )
+            first = random_token(item.seed, 0, self._config.vocab_size)
+            out.append(PrefilledSequence(item.request_id, first, n, kv))
+        self._wait("prefill", started, prefill_step_s(self.model, self.overhead, [len(i.token_ids) for i in items]))
+        return PrefillResult(tuple(out))
+
+    def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
+        pages = []
+        for layers, mesh in zip(self._stage_layers, self.meshes, strict=True):
+            sharding = NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None))
+            shape = (layers, num_blocks, block_size, self.tp, 1)
+            zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
+            pages.append(StagePages(k=zeros, v=zeros))
+        return tuple(pages)
+
+    def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+        started = self._clock()
+        self._wait("transfer", started, self.transfer_latency_s + num_tokens * self.transfer_s_per_token)
+        return pages
+
+    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        started = self._clock()
+        chunks, priors, decode_batch, decode_ctx = [], [], 0, 0
+        for row in batch.rows:
+            if row.is_prompt:
+                chunks.append(len(row.token_ids))
+                priors.append(row.start_position)
+            else:
+                decode_batch += 1
+                decode_ctx += row.start_position + 1  # the new token attends over its cache and itself
+        tokens = [random_token(row.seed, row.sample_index, self._config.vocab_size) for row in batch.rows]
+        seconds = mixed_step_s(self.model, self.overhead, chunks, priors, decode_batch, float(decode_ctx))
+        self._wait("mixed" if chunks else "decode", started, seconds)
+        return tokens, pages
+
+
+def timed_engine_factory(
+    config: OPTConfig, latency: LatencyProvider, cluster: ClusterSpec | None = None
+) -> Callable[[InstanceSpec, Sequence[jax.Device]], TimedEngine]:
+    """Engines for `Controller.from_plan` that take `latency`'s times (instances on one node of `cluster`)."""
+    cluster = cluster or ClusterSpec(latency.device, 1, 8)
+
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> TimedEngine:
+        kind: DeploymentKind = "colocated" if spec.role == "colocated" else "disagg"
+        model = latency.instance(kind, spec.tp, spec.pp, cluster.nvlink_bandwidth)
+        # A pull inside a node: the min(#devices) device pairs move their shares in parallel (the simulator's
+        # charge for a same-node pair; the decode side's devices stand in for the smaller side).
+        pairs = spec.num_devices
+        return TimedEngine(
+            config,
+            devices,
+            model,
+            latency.step_overhead(kind, spec.tp),
+            tp=spec.tp,
+            pp=spec.pp,
+            transfer_s_per_token=latency.cfg.kv_bytes_per_token / (pairs * cluster.nvlink_bandwidth),
+            transfer_latency_s=cluster.link_latency_s,
+        )
+
+    return factory

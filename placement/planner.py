@@ -1,0 +1,212 @@
+"""Choosing the deployment: the planner as one library call (`jaxserve plan`, tests and replanning use it).
+
+`choose_plan(ctx, ...)` runs the searches a plan needs — Algorithm 1 (high node affinity) or 2 (low) for the
+disaggregated kind, the colocated search, with `kind="auto"` both and the better goodput per device — verifies
+an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone), optionally searches
+the prefill:decode ratio, and returns the placed `DeploymentPlan` (model, expected metrics and the serving
+limits it was planned with filled in) with a `PlanReport` of how it was chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+from jaxserve.limits import ServingLimits
+from jaxserve.plan import DeploymentPlan, PlanError
+from placement.goodput import GoodputSearch, max_rate
+from placement.latency import kv_capacity_tokens
+from placement.search import (
+    SearchContext,
+    SearchResult,
+    algorithm1,
+    algorithm2,
+    assign_nodes,
+    choose_deployment,
+    colocated_search,
+    ratio_search,
+    replicate_colocated,
+)
+from placement.workload import Workload
+
+PlanKind = Literal["auto", "disagg", "colocated"]
+Affinity = Literal["high", "low"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """How the plan was chosen: every search's result, the joint check, the kind decision."""
+
+    plan: DeploymentPlan
+    result: SearchResult  # the search whose plan was chosen
+    goodput_rps: float  # the chosen plan's goodput (joint simulation for a verified Algorithm-1 plan)
+    why: str
+    disagg: SearchResult | None = None
+    colocated: SearchResult | None = None
+    joint_rps: float | None = None  # the joint simulation of the best disaggregated plan, when verified
+    disagg_per_device: float = 0.0
+    ratio: SearchResult | None = None
+    failures: tuple[str, ...] = ()  # kinds that found no plan (with kind="auto" the other may still win)
+    # With `reseed`: goodput per device of the chosen plan and of the runner-up (the other kind's best) over
+    # the search's workload and `seeds` more samples of it (common random numbers: both see the same ones).
+    chosen_samples: tuple[float, ...] = ()
+    runner_up: DeploymentPlan | None = None
+    runner_up_samples: tuple[float, ...] = ()
+
+    def lead(self) -> str | None:
+        """The chosen plan's lead over the runner-up, with each one's range over the seeds."""
+        if not self.chosen_samples or not self.runner_up_samples or self.runner_up is None:
+            return None
+        a, b = self.chosen_samples, self.runner_up_samples
+        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+        wins = sum(x > y for x, y in zip(a, b, strict=True))
+        return (
+            f"{self.plan.describe()} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
+            f"{self.runner_up.describe()} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
+            f"lead {100 * (mean_a / mean_b - 1) if mean_b > 0 else float('inf'):+.1f} %, ahead on {wins} of {len(a)}"
+        )
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.goodput_rps / self.plan.num_devices
+
+
+def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
+    """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
+    instance's memory holds when the options left them to the device (the server applies one number to all)."""
+    opts = ctx.options
+    caps = {ctx.latency.engine_token_cap(plan.kind, i.tp) for i in plan.instances}
+    limits = opts.limits(default_batch_tokens=min(caps))
+    if limits.num_kv_blocks is None:
+        blocks = min(
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // opts.block_size
+            for i in plan.instances
+            if i.role != "prefill"
+        )
+        limits = dataclasses.replace(limits, num_kv_blocks=max(1, blocks))
+    return limits
+
+
+def choose_plan(
+    ctx: SearchContext,
+    *,
+    kind: PlanKind = "auto",
+    affinity: Affinity = "high",
+    rate: float | None = None,
+    workers: int = 1,
+    verify: bool = True,
+    compare_colocated: bool = False,
+    ratio_devices: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    reseed: Callable[[int], Workload] | None = None,
+    seeds: int = 2,
+) -> PlanReport:
+    """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them."""
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive")
+    cluster, latency = ctx.cluster, ctx.latency
+    disagg = colocated = ratio = None
+    joint = None
+    failures: list[str] = []
+    if kind != "colocated":
+        try:
+            search = algorithm1 if affinity == "high" else algorithm2
+            disagg = search(ctx, rate, workers=workers, progress=progress)
+        except PlanError as e:
+            if kind == "disagg":
+                raise
+            failures.append(f"disaggregated: {e}")
+    if kind != "disagg" or compare_colocated:
+        try:
+            colocated = colocated_search(ctx, workers=workers, progress=progress)
+        except PlanError as e:
+            if kind == "colocated" or disagg is None:
+                raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
+            failures.append(f"colocated: {e}")
+    disagg_plan = None
+    if disagg is not None:
+        disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=affinity == "low")
+        if affinity == "high" and verify:
+            # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
+            joint = max_rate(
+                GoodputSearch(disagg_plan, latency, cluster, ctx.workload, ctx.slo, ctx.options), ctx.rel_tol
+            )
+    disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
+    disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
+    if kind != "colocated" and affinity == "high" and verify:
+        # Algorithm 1 pairs phases judged alone, blind to the KV each pair must move. Every placement of
+        # Algorithm 2 (both phases' stages on one node, KV over NVLink) is allowed under high affinity too,
+        # and its pairs are judged jointly: take it when it serves more per device, so high affinity never
+        # returns less than low affinity on the same cluster.
+        try:
+            local = algorithm2(ctx, rate, workers=workers, progress=progress)
+        except PlanError:
+            local = None
+        if local is not None:
+            local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
+            local_pd = local.goodput_rps / local_plan.num_devices
+            if disagg_plan is None or local_pd > disagg_pd * (1 + 1e-9):
+                prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
+                reason = f"{local.reason}; beats Algorithm 1's phase-wise pairing ({prior}) once KV transfers count"
+                disagg = dataclasses.replace(local, reason=reason)
+                disagg_plan, joint, disagg_rps, disagg_pd = local_plan, local.goodput_rps, local.goodput_rps, local_pd
+                failures = [f for f in failures if not f.startswith("disaggregated")]
+    chosen, why = choose_deployment(disagg, disagg_pd, colocated if kind != "disagg" else None)
+    if chosen == "disagg":
+        assert disagg is not None and disagg_plan is not None
+        result, plan, goodput_rps = disagg, disagg_plan, disagg_rps
+        if ratio_devices:
+            shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
+            ratio = ratio_search(ctx, *shapes, max_devices=ratio_devices, workers=workers, progress=progress)
+    else:
+        assert colocated is not None
+        result = replicate_colocated(ctx, colocated, rate)
+        plan = assign_nodes(result.plan, cluster)
+        goodput_rps = result.goodput_rps
+    slo = ctx.slo
+    expected = {
+        "goodput_rps": goodput_rps,
+        "goodput_rps_per_device": goodput_rps / plan.num_devices,
+        "search_goodput_rps": result.goodput_rps,
+        "ttft_slo_s": slo.ttft_s,
+        "tpot_slo_s": slo.tpot_s,
+        "attainment": slo.attainment,
+    }
+    if disagg is not None and colocated is not None and kind == "auto":
+        expected["disagg_goodput_rps_per_device"] = disagg_pd
+        expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
+    if rate is not None:
+        expected["target_rate_rps"] = rate
+    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
+    runner_up: DeploymentPlan | None = None
+    if chosen == "disagg" and colocated is not None:
+        runner_up = assign_nodes(replicate_colocated(ctx, colocated, rate).plan, cluster)
+    elif chosen == "colocated" and disagg_plan is not None:
+        runner_up = disagg_plan
+    chosen_samples: tuple[float, ...] = ()
+    runner_samples: tuple[float, ...] = ()
+    if reseed is not None and runner_up is not None:
+        workloads = [ctx.workload, *(reseed(1000 + i) for i in range(seeds))]
+        chosen_samples = tuple(_per_device(ctx, plan, w) for w in workloads)
+        runner_samples = tuple(_per_device(ctx, runner_up, w) for w in workloads)
+    return PlanReport(
+        plan=plan,
+        result=result,
+        goodput_rps=goodput_rps,
+        why=why,
+        disagg=disagg,
+        colocated=colocated,
+        joint_rps=joint,
+        disagg_per_device=disagg_pd,
+        ratio=ratio,
+        failures=tuple(failures),
+        chosen_samples=chosen_samples,
+        runner_up=runner_up,
+        runner_up_samples=runner_samples,
+    )
+
+
+def _per_device(ctx: SearchContext, plan: DeploymentPlan, workload: Workload) -> float:
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, workload, ctx.slo, ctx.options)
+    return max_rate(search, ctx.rel_tol) / plan.num_devices

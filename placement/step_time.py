@@ -1,0 +1,50 @@
+"""Seconds of one engine step of a given shape: the one formula the simulator and the timed engine share.
+
+A step's time is the latency model's kernel time for its shape (`placement/latency.py`) plus the profile's
+per-step host overhead (`StepOverhead`):
+
+* prefill batch of prompt `lengths` on a `pp`-stage instance, run through the whole pipe:
+  `pp · stage(Σl, Σl², B) + (pp − 1) · send(Σl) + overhead(Σl, prefill)`;
+* decode round of `batch` rows attending over `ctx_sum` tokens: `pipeline_decode_round_s + overhead(ctx_sum)`;
+* mixed (colocated) step of prompt chunks `chunks` after `priors` done tokens, plus `decode_batch` decodes over
+  `decode_ctx_sum`: `pp · chunk_stage + (pp − 1) · send + overhead(decode_ctx_sum + Σ(chunk + prior), prefill)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from placement.latency import StageLatency, StepOverhead, pipeline_decode_round_s
+
+
+def prefill_step_s(model: StageLatency, overhead: StepOverhead, lengths: Sequence[int]) -> float:
+    total = float(sum(lengths))
+    sum_sq = float(sum(n * n for n in lengths))
+    stage = model.prefill_stage_s(total, sum_sq, len(lengths))
+    send = (model.pp - 1) * model.send_s(int(total)) if model.pp > 1 else 0.0
+    return model.pp * stage + send + overhead.step_s(total, model.pp, True)
+
+
+def decode_step_s(model: StageLatency, overhead: StepOverhead, batch: int, ctx_sum: float) -> float:
+    if batch == 0:
+        return 0.0
+    return pipeline_decode_round_s(model, batch, ctx_sum) + overhead.step_s(ctx_sum, model.pp, False)
+
+
+def mixed_step_s(
+    model: StageLatency,
+    overhead: StepOverhead,
+    chunks: Sequence[int],
+    priors: Sequence[int],
+    decode_batch: int,
+    decode_ctx_sum: float,
+) -> float:
+    """A colocated step: prompt chunks (possibly none) with decodes riding along."""
+    if not chunks:
+        return decode_step_s(model, overhead, decode_batch, decode_ctx_sum)
+    num_tokens = float(sum(chunks))
+    sum_sq = float(sum(c * (c + 2 * p) for c, p in zip(chunks, priors, strict=True)))
+    stage = model.chunk_stage_s(num_tokens, sum_sq, len(chunks), decode_batch, decode_ctx_sum)
+    send = (model.pp - 1) * model.send_s(int(num_tokens) + decode_batch) if model.pp > 1 else 0.0
+    prompt_ctx = float(sum(c + p for c, p in zip(chunks, priors, strict=True)))
+    return model.pp * stage + send + overhead.step_s(decode_ctx_sum + prompt_ctx, model.pp, True)

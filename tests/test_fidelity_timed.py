@@ -1,0 +1,58 @@
+"""The simulator predicts the real server: `serve --engine timed` (the whole runtime, sleeping the latency model's
+step times) driven by the bench load generator over gRPC at 4 rates spanning the simulated goodput, against the
+simulation of the very arrivals it saw. Runs on this 2-core machine (the engine sleeps; it needs no cores).
+
+Criteria (issue 12): attainment within 2 points median and 5 points max; TTFT and TPOT P50/P90 within 10 %.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from jaxserve_bench import fidelity
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS = 60
+SLOWDOWN = 3.0
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory: pytest.TempPathFactory) -> fidelity.Check:
+    path = tmp_path_factory.mktemp("fidelity") / "profile.json"
+    return fidelity.Check(fidelity.slowed_profile(SLOWDOWN, path), SLOWDOWN)
+
+
+PULLS_BLOCK_DECODING = (
+    "the runtime pulls KV on the decode thread before each step (main at 15d937d), the simulator overlaps pulls "
+    "with decoding; at 2 prefill instances per decode instance that adds host time to each decode step (TPOT "
+    "+10-20 % near saturation). The runtime issue makes pulls overlap decoding."
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "colocated:tp1",
+        "colocated:tp1,chunk=256",
+        "disagg:prefill=tp1,decode=tp1",
+        pytest.param("disagg:prefill=2xtp1,decode=tp1", marks=pytest.mark.xfail(reason=PULLS_BLOCK_DECODING)),
+        "disagg:prefill=tp1,decode=tp1pp2",
+    ],
+)
+def test_timed_server_matches_the_simulator(spec: str, check: fidelity.Check, tmp_path: Path) -> None:
+    rates = fidelity.choose_rates(check, spec, NUM_REQUESTS, seed=0)
+    points = fidelity.check_deployment(check, spec, rates, NUM_REQUESTS, 0, tmp_path)
+    print("\n" + fidelity.table(points))
+    errors = [p.errors() for p in points]
+    attainment = [e["attainment_pts"] for e in errors]
+    eps = 1e-9  # attainment is a multiple of 100/60 points: 3 requests are 5.000000000000004
+    assert statistics.median(attainment) <= 2.0 + eps, fidelity.table(points)
+    assert max(attainment) <= 5.0 + eps, fidelity.table(points)
+    for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+        assert max(e[key] for e in errors) <= 0.10 + eps, (key, fidelity.table(points))
+    # The rates span the goodput: the lowest meets the target, the highest misses it (in the simulation).
+    assert points[0].predicted["attainment"] >= 0.9 > points[-1].predicted["attainment"]

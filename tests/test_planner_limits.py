@@ -1,0 +1,87 @@
+"""One source of truth for the serving limits: the server's config, the simulator's options and the plan/simulate/
+serve command lines take their defaults from `jaxserve/limits.py`; a plan records the limits it was planned with
+and `serve --plan` applies them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxserve.cli import build_parser, main
+from jaxserve.commands.serve import serving_limits
+from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.plan import DeploymentPlan, PlanError, parse_deployment
+from jaxserve.runtime.controller import ControllerConfig
+from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
+from models.config import get_config
+from placement.hardware import get_device
+from placement.latency import LatencyProvider, kv_capacity_tokens
+from placement.simulator import SimOptions
+
+
+def test_server_and_simulator_defaults_are_the_limits() -> None:
+    c = ControllerConfig()
+    assert (c.block_size, c.num_kv_blocks, c.max_decode_batch_size, c.max_batch_tokens, c.prefill_buffer_capacity) == (
+        DEFAULT_LIMITS.block_size,
+        DEFAULT_LIMITS.num_kv_blocks,
+        DEFAULT_LIMITS.max_decode_batch,
+        DEFAULT_LIMITS.max_batch_tokens,
+        DEFAULT_LIMITS.prefill_buffer_slots,
+    )
+    assert DEFAULT_LIMITS.prefill_buffer_slots == DEFAULT_PREFILL_BUFFER_SLOTS  # the runtime policy's constant
+    o = SimOptions()
+    assert (o.block_size, o.max_decode_batch, o.prefill_buffer_slots) == (
+        DEFAULT_LIMITS.block_size,
+        DEFAULT_LIMITS.max_decode_batch,
+        DEFAULT_LIMITS.prefill_buffer_slots,
+    )
+    # The token cap left to the profile resolves to the default without one; the KV to the device's memory.
+    lp = LatencyProvider(get_config("opt-13b"), get_device("a100-80gb"))
+    assert o.max_batch_tokens is None and lp.engine_token_cap("disagg", 1) == DEFAULT_LIMITS.max_batch_tokens
+    assert o.num_kv_blocks is None
+    # The same options from the limits, and back.
+    assert SimOptions.from_limits(DEFAULT_LIMITS).limits() == DEFAULT_LIMITS
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_command_line_defaults_are_the_limits(command: str) -> None:
+    extra = ["--deployment", "colocated:tp1", "--rate", "1"] if command == "simulate" else []
+    args = build_parser().parse_args([command, "--model", "opt-13b", *extra])
+    assert args.max_decode_batch == DEFAULT_LIMITS.max_decode_batch
+    assert args.block_size == DEFAULT_LIMITS.block_size
+    assert args.prefill_buffer_slots == DEFAULT_LIMITS.prefill_buffer_slots
+    serve_args = build_parser().parse_args(["serve"])
+    assert serving_limits(serve_args, parse_deployment("colocated:tp1")) == DEFAULT_LIMITS
+
+
+def test_plan_file_records_limits_and_serve_applies_them(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "opt-13b", "--profile", "a100-80gb-distserve", "--num-requests", "100"]
+    argv += ["--devices-per-node", "2", "--workload", "fixed:512:64", "--ttft", "0.4", "--tpot", "0.04"]
+    argv += ["--kind", "colocated", "--max-decode-batch", "48", "--workers", "1", "--no-progress", "-o", str(out)]
+    assert main(argv) == 0
+    plan = DeploymentPlan.from_json(out.read_text())
+    assert plan.limits is not None and plan.limits.max_decode_batch == 48
+    # The KV the planner's simulation gave each instance: what an A100-80GB holds for opt-13b at that shape.
+    inst = plan.instances[0]
+    a100, cfg = get_device("a100-80gb"), get_config("opt-13b", "float16")
+    assert plan.limits.num_kv_blocks == kv_capacity_tokens(cfg, a100, inst.tp, inst.pp) // 16
+    served = serving_limits(build_parser().parse_args(["serve", "--plan", str(out)]), plan)
+    assert served == plan.limits
+    # A flag on the command line still wins over the plan.
+    overridden = serving_limits(build_parser().parse_args(["serve", "--max-decode-batch-size", "8"]), plan)
+    assert overridden == dataclasses.replace(plan.limits, max_decode_batch=8)
+
+
+def test_plan_limits_round_trip_and_validation() -> None:
+    limits = ServingLimits(num_kv_blocks=1000, max_decode_batch=64, max_batch_tokens=8192)
+    plan = dataclasses.replace(parse_deployment("disagg:prefill=tp1,decode=tp1"), limits=limits)
+    assert DeploymentPlan.from_json(plan.to_json()) == plan
+    bad = plan.to_dict()
+    bad["limits"]["max_decode_batch"] = 0
+    with pytest.raises(PlanError, match="max_decode_batch"):
+        DeploymentPlan.from_dict(bad)
+    bad["limits"] = {"decode_batch": 3}
+    with pytest.raises(PlanError, match="unknown"):
+        DeploymentPlan.from_dict(bad)

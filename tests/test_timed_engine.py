@@ -1,0 +1,91 @@
+"""The timed engine charges exactly the simulator's step formulas for each step's real shape (clock injected)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.request import SamplingParams
+from jaxserve.testing.timed_engine import MIN_TOKEN, TimedEngine, random_token
+from models.config import get_config
+from placement.hardware import get_device
+from placement.latency import LatencyProvider, StepOverhead, load_profile
+
+CFG = get_config("opt-13b", "float16")
+LP = LatencyProvider(CFG, get_device("a100-80gb"), load_profile("a100-80gb-distserve"))
+FOLDED = LP.profile.folded[("disagg", "opt-13b", 1)]  # type: ignore[union-attr]
+COLOC = LP.profile.folded[("colocated", "opt-13b", 1)]  # type: ignore[union-attr]
+OVERHEAD = StepOverhead(0.002, 1e-7, 0.001)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+def _engine(kind: str = "disagg", pp: int = 1, slack: float = 0.005) -> tuple[TimedEngine, FakeClock]:
+    clock = FakeClock()
+    model = LP.instance(kind, 1, pp)  # type: ignore[arg-type]
+    engine = TimedEngine(
+        CFG, jax.devices()[:pp], model, OVERHEAD, pp=pp, host_slack_s=slack, clock=clock, sleep=clock.sleep
+    )
+    return engine, clock
+
+
+def _row(rid: str, n: int, start: int, prompt: bool) -> StepRow:
+    return StepRow(rid, (7,) * n, start, (0,), SamplingParams(), seed=1, sample_index=1, is_prompt=prompt)
+
+
+def test_prefill_sleeps_the_folded_formula_plus_overhead() -> None:
+    engine, clock = _engine()
+    items = [PrefillItem(f"r{i}", (5,) * n, SamplingParams(), seed=i) for i, n in enumerate((100, 50))]
+    result = engine.prefill(items)
+    a, b, c = FOLDED.prefill
+    expected = (a + b * 150 + c * (100**2 + 50**2)) / 1000 + 0.002 + 150 * 1e-7 + 0.001
+    assert clock.slept == [pytest.approx(expected, rel=1e-12)]
+    assert [s.num_tokens for s in result.sequences] == [100, 50]
+
+
+def test_decode_and_mixed_steps() -> None:
+    engine, clock = _engine("colocated")
+    pages = engine.init_pages(8, 16)
+    # Two decodes at positions 99 and 9: they attend over 100 and 10 tokens.
+    tokens, _ = engine.decode_step(StepBatch((_row("a", 1, 99, False), _row("b", 1, 9, False))), pages)
+    a, b, c = COLOC.decode_small
+    assert clock.slept[-1] == pytest.approx((a + b * 110 + c * 2) / 1000 + 0.002 + 110e-7, rel=1e-12)
+    assert all(t >= MIN_TOKEN for t in tokens)
+    # A 32-token chunk after 64 prompt tokens, with one decode at position 19 riding along. The device was free
+    # long ago, so the step starts at the call.
+    clock.now += 1.0
+    engine.decode_step(StepBatch((_row("c", 32, 64, True), _row("a", 1, 19, False))), pages)
+    pa, pb, pc = COLOC.prefill
+    b_ctx = COLOC.decode_small[1]
+    kernel = (pa + pb * (32 + 1) + pc * 32 * (32 + 2 * 64) + b_ctx * 20) / 1000
+    assert clock.slept[-1] == pytest.approx(kernel + 0.002 + (20 + 96) * 1e-7 + 0.001, rel=1e-12)
+
+
+def test_back_to_back_steps_hide_the_host_time_between_them() -> None:
+    engine, clock = _engine(slack=0.005)
+    item = [PrefillItem("r", (5,) * 64, SamplingParams(), seed=0)]
+    engine.prefill(item)
+    step = clock.slept[-1]
+    clock.now += 0.003  # the runtime's host time before the next call: within the slack, absorbed
+    engine.prefill(item)
+    assert clock.slept[-1] == pytest.approx(step - 0.003, rel=1e-9)
+    clock.now += 0.050  # idle for longer than the slack: the step starts at the call
+    engine.prefill(item)
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+
+
+def test_tokens_are_seeded_and_never_special() -> None:
+    assert random_token(3, 5, 100) == random_token(3, 5, 100) != random_token(4, 5, 100)
+    assert min(random_token(s, i, 10) for s in range(50) for i in range(20)) >= MIN_TOKEN
