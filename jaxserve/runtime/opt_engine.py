@@ -15,7 +15,12 @@ overlap).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -36,12 +41,54 @@ from jaxserve.runtime.engine import (
     bucket,
 )
 from jaxserve.runtime.kv_pool import write_sequence
+from jaxserve.runtime.request import SamplingParams
 from jaxserve.runtime.sampling import sample
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What `OPTEngine.warmup` compiled: one entry per program shape, and the wall time it took."""
+
+    prefill_shapes: tuple[tuple[int, int], ...]  # (rows, tokens)
+    step_shapes: tuple[tuple[int, int, int], ...]  # (rows, tokens, table width)
+    seconds: float
+    pages: KVPages | None = None  # the pool passed in, after the warm-up steps (which write nothing)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.prefill_shapes) + len(self.step_shapes)
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, n = [], bucket(lo)
+    while n <= bucket(hi):
+        out.append(n)
+        n *= 2
+    return out
+
+
+def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_time_s: float = 0.2) -> Path:
+    """Turn on JAX's persistent compilation cache so a restarted server skips its compiles.
+
+    Default directory: `$XDG_CACHE_HOME/jaxserve/xla` (or `~/.cache/jaxserve/xla`), never the repo.
+    Programs that compiled in under `min_compile_time_s` are not stored. Returns the directory.
+    """
+    if cache_dir is None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        cache_dir = base / "jaxserve" / "xla"
+    path = Path(cache_dir).expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
 
 
 class OPTEngine:
@@ -71,6 +118,104 @@ class OPTEngine:
 
     def kv_layout(self) -> KVLayout:
         return self._layout
+
+    # ---- sizing and warm-up --------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV block takes on the device that holds the most of it (heads split over tp)."""
+        cfg = self._cfg
+        layers = max(self._layout.stage_layers)
+        itemsize = np.dtype(self.model.dtype).itemsize
+        return 2 * layers * block_size * (cfg.num_heads // self.model.tp) * cfg.head_dim * itemsize
+
+    def kv_blocks_for_memory(self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None) -> int:
+        """How many KV blocks fit in the memory the weights leave (vLLM's `gpu_memory_utilization`).
+
+        On an accelerator: per device, `memory_fraction * bytes_limit - bytes_in_use` (weights and
+        whatever else is already allocated) divided by `kv_block_bytes`; the smallest device wins.
+        On CPU, where devices report no memory limit and host RAM is shared with everything else
+        on the machine: `memory_fraction` of the host's *available* memory (MemAvailable, i.e.
+        after the weights already loaded) split evenly over this process's CPU devices, each
+        engine taking the share of the devices it uses. `max_blocks` caps the result (a server
+        passes what its batch limits can use); never below 1.
+        """
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        per_block = self.kv_block_bytes(block_size)
+        budgets = []
+        for d in self.devices:
+            stats = d.memory_stats() if d.platform != "cpu" else None
+            if stats and "bytes_limit" in stats:
+                budgets.append(memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        if not budgets:  # CPU: a share of the host's available memory
+            share = len(self.devices) / max(1, len(jax.devices("cpu")))
+            budgets.append(memory_fraction * _host_available_bytes() * share / max(1, self.model.pp))
+        blocks = int(max(0.0, min(budgets)) // per_block)
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks)
+        return max(1, blocks)
+
+    def warmup(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_decode_batch_size: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        prefill: bool = True,
+        decode: bool = True,
+        pages: KVPages | None = None,
+    ) -> WarmupReport:
+        """Compile (by running once, on padding that writes no KV) every shape the limits allow.
+
+        Prefill: rows x tokens buckets with rows * tokens <= max(max_batch_tokens, tokens).
+        Decode: row buckets up to `max_decode_batch_size` x table widths up to the blocks
+        `max_seq_len` positions fill. Colocated chunked prefill (`chunk_size`): one chunk row of
+        each token bucket up to the chunk, at every table width. Pass the instance's `pages` to
+        warm on its pool (returned in the report); otherwise a pool of `num_blocks` is made and
+        dropped. Sampling is warmed too (greedy and random). Returns what was compiled and how long.
+        """
+        t0 = time.perf_counter()
+        cfg = self._cfg
+        max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        greedy = SamplingParams(temperature=0.0)
+        rand = SamplingParams(temperature=1.0, top_p=0.9)
+        prefill_shapes: list[tuple[int, int]] = []
+        if prefill:
+            for t in _powers_of_two(MIN_PROMPT_BUCKET, min(max_len, max_batch_tokens)):
+                t_pad = bucket(t, MIN_PROMPT_BUCKET, cfg.max_position_embeddings)
+                for b in _powers_of_two(1, max(1, max_batch_tokens // t_pad)):
+                    items = [
+                        PrefillItem(f"warm{i}", (cfg.pad_token_id,) * t_pad, rand if i == 0 else greedy, 0)
+                        for i in range(b)
+                    ]
+                    self.prefill(items)
+                    if b > 1:  # the all-greedy sampler of this row count as well
+                        self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
+                    prefill_shapes.append((b, t_pad))
+        step_shapes: list[tuple[int, int, int]] = []
+        if decode or chunk_size:
+            caches = [PagedKVCache(k=p.k, v=p.v) for p in (pages or self.init_pages(num_blocks, block_size))]
+            widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            shapes: list[tuple[int, int, int]] = []
+            if decode:
+                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch_size) for m in widths]
+            if chunk_size:
+                shapes += [(1, t, m) for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size) for m in widths]
+            for b, t, m in shapes:
+                tokens = np.full((b, t), cfg.pad_token_id, np.int32)
+                zeros = np.zeros(b, np.int32)  # length 0: nothing is written
+                logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
+                sample(logits, [greedy] * b, [0] * b, [0] * b)
+                jax.block_until_ready(sample(logits, [rand] * b, [0] * b, [0] * b))
+                step_shapes.append((b, t, m))
+            pages = tuple(StagePages(k=c.k, v=c.v) for c in caches) if pages is not None else None
+        seconds = time.perf_counter() - t0
+        log.info(
+            "warm-up compiled %d prefill and %d step shapes in %.1f s", len(prefill_shapes), len(step_shapes), seconds
+        )
+        return WarmupReport(tuple(prefill_shapes), tuple(step_shapes), seconds, pages)
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -109,42 +254,85 @@ class OPTEngine:
         return write_sequence(pages, kv, num_tokens, block_table)
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        """One paged step over `batch`; decode rows and prompt chunks run as separate sub-batches.
+
+        A mixed (chunked-prefill) step would otherwise pad every one-token decode row to the
+        chunk's length: 15 decodes beside a 256-token chunk cost 25x the two parts alone. Split,
+        each part costs what its tokens cost, and both are dispatched before either is read.
+        """
         rows = batch.rows
         caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
-        num_micro = min(self.model.pp, len(rows))
-        # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
-        # result is read; each micro-batch threads the (donated) caches on to the next.
-        groups = [list(g) for g in np.array_split(np.arange(len(rows)), num_micro)] if num_micro > 1 else []
-        sampled = []
-        for g in groups or [list(range(len(rows)))]:
-            tokens, caches = self._dispatch_step([rows[i] for i in g], caches)
-            sampled.append((g, tokens))
+        block_size = int(pages[0].k.shape[2])
+        decode_ids = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        chunk_ids = [i for i, r in enumerate(rows) if len(r.token_ids) != 1]
+        sampled: list[tuple[list[int], jax.Array]] = []
+        for ids in (chunk_ids, decode_ids):
+            if not ids:
+                continue
+            num_micro = min(self.model.pp, len(ids))
+            # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
+            # result is read; each micro-batch threads the (donated) caches on to the next.
+            groups = [[ids[j] for j in g] for g in np.array_split(np.arange(len(ids)), num_micro)]
+            for g in groups:
+                tokens, caches = self._dispatch_step([rows[i] for i in g], caches, block_size)
+                sampled.append((g, tokens))
         out = [0] * len(rows)
         for g, tokens in sampled:
             for i, tok in zip(g, np.asarray(tokens)[: len(g)], strict=True):
                 out[i] = int(tok)
         return out, tuple(StagePages(k=c.k, v=c.v) for c in caches)
 
-    def _dispatch_step(
-        self, rows: Sequence[StepRow], caches: list[PagedKVCache]
-    ) -> tuple[jax.Array, list[PagedKVCache]]:
+    def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
+        """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
+
+        The table width follows the blocks the rows have *filled* (positions < start + tokens),
+        not the blocks they reserved for their whole output: attention reads `width * block_size`
+        positions per row, so a reservation-wide table made the step's cost grow with `max_tokens`.
+        """
         longest = max(len(r.token_ids) for r in rows)
         # A one-row one-token step compiles (XLA CPU) to a path ~2x slower than two rows; pad it to two.
         b = bucket(len(rows), 2 if longest == 1 else 1)
         t = 1 if longest == 1 else bucket(longest, MIN_PROMPT_BUCKET)
-        m = bucket(max(len(r.block_table) for r in rows), 4)
+        m = bucket(max(filled_blocks(r, block_size) for r in rows))
+        return b, t, m
+
+    def _dispatch_step(
+        self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int
+    ) -> tuple[jax.Array, list[PagedKVCache]]:
+        b, t, m = self.step_shape(rows, block_size)
         tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
         starts = np.zeros(b, dtype=np.int32)
         lengths = np.zeros(b, dtype=np.int32)  # padding rows: length 0, nothing written
         tables = np.zeros((b, m), dtype=np.int32)
         for i, r in enumerate(rows):
+            filled = r.block_table[: filled_blocks(r, block_size)]
             tokens[i, : len(r.token_ids)] = r.token_ids
             starts[i] = r.start_position
             lengths[i] = len(r.token_ids)
-            tables[i, : len(r.block_table)] = r.block_table
+            tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
         sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
         return sampled, caches
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux); else free physical pages; else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def filled_blocks(row: StepRow, block_size: int) -> int:
+    """Blocks of `row.block_table` that hold a position after this step: ceil((start + tokens) / block_size)."""
+    return min(len(row.block_table), -(-(row.start_position + len(row.token_ids)) // block_size))
 
 
 def opt_engine_factory(
