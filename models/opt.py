@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import OPT_POSITION_OFFSET, OPTConfig
+from models.paged_attention import Impl, paged_decode_attention
 
 Params = dict[str, Any]
 
@@ -414,8 +415,14 @@ def run_layers_paged(
     lengths: jax.Array,
     cache: PagedKVCache,
     block_tables: jax.Array,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h]."""
+    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h].
+
+    `attention` picks the decode (T == 1) attention of `models.paged_attention`; "xla" attends
+    to the pages and the new token as two parts of one softmax, a kernel reads the new token back
+    from the pages it was just written to (so its position must lie inside the row's table).
+    """
     b, t, _ = x.shape
     num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
     m = block_tables.shape[1]
@@ -437,6 +444,11 @@ def run_layers_paged(
             k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
             v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
         )
+        if attention != "xla" and t == 1:
+            o = paged_decode_attention(
+                q[:, 0], c.k[i], c.v[i], block_tables, start_positions + lengths, scale=scale, impl=attention
+            )
+            return o[:, None].astype(q.dtype), c
         # one gather straight from the pool (no slice of layer i first: that would be a copy)
         keys = c.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
         vals = c.v[i, block_tables].reshape(b, m * bs, nh, hd)
@@ -482,7 +494,7 @@ def decode(
     return lm_head(params, cfg, x[:, 0]), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention"), donate_argnames=("cache",))
 def extend_paged(
     params: Params,
     cfg: OPTConfig,
@@ -493,6 +505,7 @@ def extend_paged(
     block_tables: jax.Array,
     *,
     all_logits: bool = False,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
 
@@ -504,7 +517,7 @@ def extend_paged(
     t = tokens.shape[1]
     positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
     x = embed(params, cfg, tokens, positions)
-    x, cache = run_layers_paged(params["layers"], cfg, x, start_positions, lengths, cache, block_tables)
+    x, cache = run_layers_paged(params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
     if not all_logits:
         x = select_last(x, lengths)
     return lm_head(params, cfg, x), cache

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from models import checkpoint, opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
+from models.paged_attention import Impl, default_impl
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +221,13 @@ def _stage_paged(
     first: bool,
     last: bool,
     all_logits: bool,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
     if first:
         t = x.shape[1]
         positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
         x = opt.embed(sp, cfg, x, positions)
-    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables)
+    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
     if last:
         if not all_logits:
             x = opt.select_last(x, lengths)
@@ -254,6 +256,8 @@ class ShardedOPT:
             _unstack_stage(sp, st) for sp, st in zip(stage_params, layout.stages, strict=True)
         ]
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # paged decode attention (models.paged_attention); set before the first step compiles
+        self.attention_impl: Impl = default_impl()
 
     # ---- construction ----------------------------------------------------------------------
     @property
@@ -327,7 +331,11 @@ class ShardedOPT:
             elif kind == "decode":
                 fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
             elif kind == "paged":
-                fn = jax.jit(partial(_stage_paged, **flags, **static), out_shardings=out, donate_argnums=(4,))
+                fn = jax.jit(
+                    partial(_stage_paged, **flags, **static, attention=self.attention_impl),
+                    out_shardings=out,
+                    donate_argnums=(4,),
+                )
             else:
                 raise ValueError(kind)
             self._fns[key] = fn
