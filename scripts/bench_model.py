@@ -342,7 +342,6 @@ def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, devic
     sample is made after the clock stops.
     """
     import copy
-
     import inspect
 
     # transformers 5.2x names the cache `cache`; earlier releases `past_key_values`
