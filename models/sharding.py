@@ -277,14 +277,6 @@ class ShardedOPT:
         """Each stage's params with stacked layer leaves `[L_s, ...]` (a copy; the layout checkpoints use)."""
         return [_stack_stage(rp, st) for rp, st in zip(self.run_params, self.layout.stages, strict=True)]
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of all parameters over all devices (replicated leaves counted once per device)."""
-        total = 0
-        for leaf in jax.tree.leaves(self.run_params):
-            total += sum(s.data.nbytes for s in leaf.addressable_shards)
-        return total
-
     @classmethod
     def from_params(
         cls, cfg: OPTConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
