@@ -20,9 +20,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -42,9 +45,10 @@ from jaxserve.runtime.engine import (
 )
 from jaxserve.runtime.kv_pool import write_sequence
 from jaxserve.runtime.request import SamplingParams
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.sampling import SamplingInputs, sample, sample_traced, sampling_inputs
+from models import opt
 from models.config import OPTConfig
-from models.opt import KVCache, PagedKVCache
+from models.opt import KVCache, PagedKVCache, Params
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
@@ -282,6 +286,59 @@ class OPTEngine:
                 out[i] = int(tok)
         return out, tuple(StagePages(k=c.k, v=c.v) for c in caches)
 
+    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
+        """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
+
+        Sampling and stop checks run on the device; the host sees the tokens once, after the last
+        step. Row r continues from `token_ids[0]` at `start_position`, and stops after its EOS
+        (unless `ignore_eos`), a stop token id, or `sampling.max_tokens - sample_index` tokens;
+        its list ends there. Its block table must cover the positions it may reach. One pipeline
+        stage only. Tokens equal `num_steps` calls of `decode_step` (same seeds and indices).
+        """
+        rows = batch.rows
+        if self.model.pp != 1:
+            raise NotImplementedError("multi-step decoding runs on one pipeline stage")
+        if any(len(r.token_ids) != 1 for r in rows):
+            raise ValueError("multi-step decoding takes one-token (decode) rows only")
+        block_size = int(pages[0].k.shape[2])
+        b = bucket(len(rows), 2)
+        m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
+        tokens = np.full(b, self._cfg.pad_token_id, np.int32)
+        starts = np.zeros(b, np.int32)
+        active = np.zeros(b, bool)
+        remaining = np.zeros(b, np.int32)
+        tables = np.zeros((b, m), np.int32)
+        stops = [
+            tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else (self._cfg.eos_token_id,))
+            for r in rows
+        ]
+        stop_ids = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], starts[i], active[i] = r.token_ids[0], r.start_position, True
+            remaining[i] = r.sampling.max_tokens - r.sample_index
+            table = r.block_table[:m]
+            tables[i, : len(table)] = table
+            stop_ids[i, : len(stops[i])] = stops[i]
+        inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
+        put = self.model.replicated(0)
+        out, cache = _decode_loop(
+            self.model.run_params[0],
+            *(jax.device_put(a, put) for a in (tokens, starts, active, remaining)),
+            PagedKVCache(k=pages[0].k, v=pages[0].v),
+            jax.device_put(tables, put),
+            SamplingInputs(*(jax.device_put(a, put) for a in inputs)),
+            jax.device_put(stop_ids, put),
+            cfg=self._cfg,
+            num_steps=num_steps,
+            greedy=all(r.sampling.is_greedy for r in rows),
+        )
+        host = np.asarray(out)
+        result = []
+        for i in range(len(rows)):
+            toks = host[i]
+            result.append([int(t) for t in toks[toks >= 0]])
+        return result, (StagePages(k=cache.k, v=cache.v),)
+
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
 
@@ -313,6 +370,45 @@ class OPTEngine:
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
         sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
         return sampled, caches
+
+
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy"), donate_argnames=("cache",))
+def _decode_loop(
+    params: Params,
+    tokens: jax.Array,  # [B] the last token of each row
+    starts: jax.Array,  # [B] its position
+    active: jax.Array,  # [B] bool
+    remaining: jax.Array,  # [B] tokens each row may still produce
+    cache: PagedKVCache,
+    tables: jax.Array,  # [B, M]
+    inputs: SamplingInputs,
+    stop_ids: jax.Array,  # [B, K] (-1 padding)
+    *,
+    cfg: OPTConfig,
+    num_steps: int,
+    greedy: bool,
+) -> tuple[jax.Array, PagedKVCache]:
+    """`num_steps` paged decode steps in one program: sample on device, stop rows on device.
+
+    A row stops after a stop token or its last allowed token; a stopped row writes no KV and
+    reports -1 for the remaining steps. Returns tokens [B, num_steps] and the pool.
+    """
+
+    def body(k: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        tok, pos, act, rem, c, out = carry
+        lengths = act.astype(jnp.int32)
+        x = opt.embed(params, cfg, tok[:, None], pos[:, None])
+        x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables)
+        logits = opt.lm_head(params, cfg, x[:, 0])  # [B, V]
+        new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
+        out = out.at[:, k].set(jnp.where(act, new, -1))
+        stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (rem <= 1)
+        return new, pos + 1, act & ~stop, rem - 1, c, out
+
+    out = jnp.full((tokens.shape[0], num_steps), -1, jnp.int32)
+    carry = (tokens, starts, active, remaining, cache, out)
+    *_, cache, out = jax.lax.fori_loop(0, num_steps, body, carry)
+    return out, cache
 
 
 def _host_available_bytes() -> int:
