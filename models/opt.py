@@ -27,10 +27,13 @@ layer body and differ only in how attention reads and writes K/V:
 * `extend_paged` — `T >= 1` new tokens per sequence appended into a block pool (`PagedKVCache`)
   addressed by block tables; `T == 1` is a paged decode step, `T > 1` a chunked prefill.
 
-Attention reads the cache as it was before the call and attends to it and to the new tokens in
-one float32 softmax; the new K/V of all layers are written once, after the last layer. The
-layers run as a `lax.scan` over the stacked leaves: on XLA:CPU that keeps the donated cache
-updated in place (an unrolled loop made XLA copy the whole cache).
+Attention attends to the positions the cache held before the call and to the new tokens in one
+float32 softmax. Each layer writes its new K/V into the (donated) cache before reading that layer
+back, so reads and in-place writes alternate and XLA copies no cache. Layers given as one dict per
+layer (`unstack_layers`, the serving layout of `models.sharding.ShardedOPT`) run as an unrolled
+loop that reads every weight in place; stacked leaves run as a `lax.scan` (slices of stacked
+weights are copies on XLA:CPU, so that form is for tests and tools). Decode attention over pages
+can run through `models.paged_attention` (XLA or a Pallas kernel).
 
 Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layers_decode`,
 `run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`; `insert_into_pages` writes a
