@@ -138,9 +138,9 @@ class OPTEngine:
         whatever else is already allocated) divided by `kv_block_bytes`; the smallest device wins.
         On CPU, where devices report no memory limit and host RAM is shared with everything else
         on the machine: `memory_fraction` of the host's *available* memory (MemAvailable, i.e.
-        after the weights already loaded) split evenly over this process's CPU devices, each
-        engine taking the share of the devices it uses. `max_blocks` caps the result (a server
-        passes what its batch limits can use); never below 1.
+        after the weights already loaded) split evenly over this process's CPU devices, each device
+        holding its part of every block. `max_blocks` caps the result (a server passes what its
+        batch limits can use); never below 1.
         """
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -150,9 +150,8 @@ class OPTEngine:
             stats = d.memory_stats() if d.platform != "cpu" else None
             if stats and "bytes_limit" in stats:
                 budgets.append(memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-        if not budgets:  # CPU: a share of the host's available memory
-            share = len(self.devices) / max(1, len(jax.devices("cpu")))
-            budgets.append(memory_fraction * _host_available_bytes() * share / max(1, self.model.pp))
+        if not budgets:  # CPU: each device's share of the host's available memory, against its part of a block
+            budgets.append(memory_fraction * _host_available_bytes() / max(1, len(jax.devices("cpu"))))
         blocks = int(max(0.0, min(budgets)) // per_block)
         if max_blocks is not None:
             blocks = min(blocks, max_blocks)
