@@ -64,6 +64,9 @@ def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(engin
     got = engine.kv_blocks_for_memory(16, memory_fraction=0.5)
     assert abs(got - expected) / expected < 0.05  # MemAvailable moves a little between the two reads
     assert engine.kv_blocks_for_memory(16, memory_fraction=0.5, max_blocks=300) == 300
+    # tp=2: each device holds half of every block, so twice the blocks fit in the same per-device share
+    tp2 = OPTEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
+    assert abs(tp2.kv_blocks_for_memory(16, memory_fraction=0.5) - 2 * expected) / (2 * expected) < 0.05
     with pytest.raises(ValueError, match="memory_fraction"):
         engine.kv_blocks_for_memory(16, memory_fraction=0.0)
 
