@@ -24,7 +24,7 @@ import logging
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +40,49 @@ from models.opt import Params
 if TYPE_CHECKING:
     import tokenizers
 
-    from models.sharding import ParallelLayout, ShardedOPT
-
 log = logging.getLogger(__name__)
 
 Index = tuple[slice, ...]
 JAXSERVE_MARKER = "jaxserve_checkpoint.json"
+
+
+class StagePlacement(Protocol):
+    """What loading needs of one pipeline stage's layout (`models.sharding.StageLayout` is one)."""
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+    @property
+    def param_shardings(self) -> dict[str, Any]: ...
+
+
+class Placement(Protocol):
+    """Where every stage's params go (`models.sharding.ParallelLayout` is one).
+
+    A structural type, so this module never imports `models.sharding` (which imports it to load).
+    """
+
+    @property
+    def stages(self) -> Sequence[StagePlacement]: ...
+
+
+class PlacedModel(Protocol):
+    """What saving needs of a placed model (`models.sharding.ShardedOPT` is one)."""
+
+    @property
+    def cfg(self) -> OPTConfig: ...
+
+    @property
+    def layout(self) -> Placement: ...
+
+    @property
+    def stage_params(self) -> list[Params]: ...
+
+    @property
+    def dtype(self) -> jnp.dtype: ...
 
 
 class CheckpointError(ValueError):
@@ -267,9 +304,7 @@ def _leaf_callback(
     return cb
 
 
-def place_params(
-    reader: ParamTreeReader | HFReader, cfg: OPTConfig, layout: ParallelLayout, dtype: Any
-) -> list[Params]:
+def place_params(reader: ParamTreeReader | HFReader, cfg: OPTConfig, layout: Placement, dtype: Any) -> list[Params]:
     """Build every stage's param tree on its mesh; each device reads only the slice it holds."""
     dtype = jnp.dtype(dtype)
     full_shapes = opt.param_shapes(cfg)
@@ -335,7 +370,7 @@ def params_from_hf_tensors(
 # ------------------------------------------------------------------------------------------
 
 
-def _global_mesh(layout: ParallelLayout) -> Mesh:
+def _global_mesh(layout: Placement) -> Mesh:
     devs = np.array([[d for d in st.mesh.devices.flat] for st in layout.stages])  # [pp, tp]
     return Mesh(devs, ("pp", "tp"))
 
@@ -347,7 +382,7 @@ def _global_spec(stage_sharding: NamedSharding, layer_leaf: bool) -> P:
     return P("pp", *spec[1:])
 
 
-def save_checkpoint(path: str | Path, model: ShardedOPT) -> Path:
+def save_checkpoint(path: str | Path, model: PlacedModel) -> Path:
     """Write `model`'s params (Orbax, under `path/params`) and `config.json`; returns `path`.
 
     Stacked layer leaves are saved as whole-model arrays: the stages' shards are viewed as one
@@ -358,20 +393,21 @@ def save_checkpoint(path: str | Path, model: ShardedOPT) -> Path:
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     layout, cfg = model.layout, model.cfg
+    stage_params = model.stage_params  # stacked layer leaves
     gmesh = _global_mesh(layout)
     tree: Params = {}
     full_shapes = opt.param_shapes(cfg)
     last = layout.stages[-1]
     for path_, sharding in _leaf_paths(last.param_shardings) + _leaf_paths(layout.stages[0].param_shardings):
         if path_[0] == "layers":
-            arrays = [_get(sp, path_) for sp in model.stage_params]
+            arrays = [_get(sp, path_) for sp in stage_params]
             gshape = _get(full_shapes, path_)
             gsharding = NamedSharding(gmesh, _global_spec(sharding, True))
             shards = [s.data for a in arrays for s in a.addressable_shards]
             _set(tree, path_, jax.make_array_from_single_device_arrays(tuple(gshape), gsharding, shards))
         else:
-            stage = 0 if _has(model.stage_params[0], path_) else len(layout.stages) - 1
-            _set(tree, path_, _get(model.stage_params[stage], path_))
+            stage = 0 if _has(stage_params[0], path_) else len(layout.stages) - 1
+            _set(tree, path_, _get(stage_params[stage], path_))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", tree, force=True)
     ckptr.wait_until_finished()
@@ -388,20 +424,20 @@ def _has(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
     return True
 
 
-def restore_checkpoint(
-    path: str | Path, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
-) -> ShardedOPT:
-    """Restore a `save_checkpoint` directory straight into a `tp` x `pp` layout (any shape)."""
-    import orbax.checkpoint as ocp
-
-    from models.sharding import ShardedOPT, shardings_for
-
+def checkpoint_config(path: str | Path, dtype: Any = None) -> OPTConfig:
+    """The config of a `save_checkpoint` directory, in `dtype` (default: the dtype it was saved in)."""
     path = Path(path).absolute()
     meta = json.loads((path / JAXSERVE_MARKER).read_text())
     cfg = OPTConfig.from_hf_config(path / "config.json", name=meta.get("name"))
-    dt = jnp.dtype(dtype or meta.get("dtype") or "float32")
-    cfg = cfg.with_dtype(str(dt))
-    layout = shardings_for(cfg, tp, pp, devices)
+    return cfg.with_dtype(str(jnp.dtype(dtype or meta.get("dtype") or "float32")))
+
+
+def restore_stage_params(path: str | Path, cfg: OPTConfig, layout: Placement) -> list[Params]:
+    """Restore a `save_checkpoint` directory straight into `layout` (any tp x pp shape), in `cfg.dtype`."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    dt = jnp.dtype(cfg.dtype)
     gmesh = _global_mesh(layout)
     full_shapes = opt.param_shapes(cfg)
     target: Params = {}
@@ -424,7 +460,7 @@ def restore_checkpoint(
             shards = [s.data for s in g.addressable_shards if s.device in devs]
             _set(out, path_, jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards))
         stage_params.append(out)
-    return ShardedOPT(cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=stage_params)
+    return stage_params
 
 
 # ------------------------------------------------------------------------------------------
@@ -432,29 +468,35 @@ def restore_checkpoint(
 # ------------------------------------------------------------------------------------------
 
 
-def load_sharded(
-    source: str | Path, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = "float32", seed: int = 0
-) -> ShardedOPT:
-    """A HF dir, a jaxserve checkpoint dir, or a preset name (random weights, with a warning)."""
-    from models.sharding import ShardedOPT, shardings_for
-
+def source_config(source: str | Path, dtype: Any = "float32") -> OPTConfig:
+    """The config of a model source: a jaxserve checkpoint dir, a HF dir, or a preset name."""
     path = Path(source)
     if path.is_dir() and (path / JAXSERVE_MARKER).exists():
-        return restore_checkpoint(path, tp, pp, devices, dtype)
+        return checkpoint_config(path, dtype)
     if path.is_dir() and is_hf_dir(path):
-        cfg = load_hf_config(path).with_dtype(str(jnp.dtype(dtype)))
-        layout = shardings_for(cfg, tp, pp, devices)
-        reader = HFReader(open_hf_tensors(path), cfg, str(path))
-        stage_params = place_params(reader, cfg, layout, dtype)
-        return ShardedOPT(cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=stage_params)
+        return load_hf_config(path).with_dtype(str(jnp.dtype(dtype)))
     if path.exists():
         raise CheckpointError(f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint")
-    cfg = get_config(str(source))
+    return get_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
+
+
+def load_stage_params(
+    source: str | Path, cfg: OPTConfig, layout: Placement, dtype: Any = "float32", seed: int = 0
+) -> list[Params]:
+    """Every stage's params of `source` (see `source_config`) placed on `layout`, in `cfg.dtype`.
+
+    A preset name gives random weights (seed `seed`), with a warning.
+    """
+    path = Path(source)
+    if path.is_dir() and (path / JAXSERVE_MARKER).exists():
+        return restore_stage_params(path, cfg, layout)
+    if path.is_dir() and is_hf_dir(path):
+        reader = HFReader(open_hf_tensors(path), cfg, str(path))
+        return place_params(reader, cfg, layout, cfg.dtype)
     log.warning("model %r is a preset name, not a checkpoint: using RANDOM weights (seed %d)", str(source), seed)
-    cfg = cfg.with_dtype(str(jnp.dtype(dtype)))
     with jax.default_device(jax.devices("cpu")[0]):
         params = opt.init_params(cfg, jax.random.key(seed), jnp.float32)
-    return ShardedOPT.from_params(cfg, params, tp, pp, devices, dtype=dtype)
+    return place_params(ParamTreeReader(params), cfg, layout, cfg.dtype)
 
 
 # ------------------------------------------------------------------------------------------

@@ -27,10 +27,13 @@ layer body and differ only in how attention reads and writes K/V:
 * `extend_paged` — `T >= 1` new tokens per sequence appended into a block pool (`PagedKVCache`)
   addressed by block tables; `T == 1` is a paged decode step, `T > 1` a chunked prefill.
 
-Attention reads the cache as it was before the call and attends to it and to the new tokens in
-one float32 softmax; the new K/V of all layers are written once, after the last layer. The
-layers run as a `lax.scan` over the stacked leaves: on XLA:CPU that keeps the donated cache
-updated in place (an unrolled loop made XLA copy the whole cache).
+Attention attends to the positions the cache held before the call and to the new tokens in one
+float32 softmax. Each layer writes its new K/V into the (donated) cache before reading that layer
+back, so reads and in-place writes alternate and XLA copies no cache. Layers given as one dict per
+layer (`unstack_layers`, the serving layout of `models.sharding.ShardedOPT`) run as an unrolled
+loop that reads every weight in place; stacked leaves run as a `lax.scan` (slices of stacked
+weights are copies on XLA:CPU, so that form is for tests and tools). Decode attention over pages
+can run through `models.paged_attention` (XLA or a Pallas kernel).
 
 Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layers_decode`,
 `run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`; `insert_into_pages` writes a
@@ -49,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import OPT_POSITION_OFFSET, OPTConfig
+from models.paged_attention import Impl, paged_decode_attention
 
 Params = dict[str, Any]
 
@@ -216,7 +220,11 @@ def final_hidden(params: Params, cfg: OPTConfig, x: jax.Array) -> jax.Array:
 def lm_head(params: Params, cfg: OPTConfig, x: jax.Array) -> jax.Array:
     """Final norm/projection and the tied LM head (last pipeline stage): [..., h] -> float32 logits [..., V]."""
     x = final_hidden(params, cfg, x)
-    return jnp.dot(x, params["embed_tokens"].T, preferred_element_type=jnp.float32)
+    # [V, E] @ [E, N], not x @ E.T: written the other way round XLA:CPU materialised E.T (a copy of
+    # the whole 154 MB table of opt-125m every step) before the matmul.
+    flat = x.reshape(-1, x.shape[-1])  # [N, E]
+    logits = jnp.dot(params["embed_tokens"], flat.T, preferred_element_type=jnp.float32).T  # [N, V]
+    return logits.reshape(*x.shape[:-1], logits.shape[-1])
 
 
 def select_last(x: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -225,27 +233,49 @@ def select_last(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-# Attention for one layer: (layer index, q [B,T,H,D], new k, new v) -> out [B,T,H,D].
-# It reads the cache as it was before this call; the new K/V of all layers are written once after.
-_Attend = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
-Layers = Mapping[str, Any]  # stacked layer leaves [L, ...]
+# Attention for one layer: (layer index, q [B,T,H,D], new k, new v, cache) -> (out [B,T,H,D], cache).
+# It writes the layer's new K/V into the cache first, then reads that layer back: each read comes
+# after its layer's write and before the next layer's, so XLA updates the donated cache in place.
+_Attend = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# Stacked layer leaves [L, ...] (checkpoints, scan) or one dict per layer (`unstack_layers`, serving).
+Layers = Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 
 def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     """q [B,T,H,D], k [B,S,H,D] -> float32 scores [B,H,T,S]."""
-    if q.shape[1] == 1:
-        # One query: multiply-reduce, which XLA fuses with the cache read, instead of a batched dot.
-        s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)  # [B, S, H]
-        return jnp.transpose(s, (0, 2, 1))[:, :, None, :] * scale
     return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
 
 
 def _weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
     """p [B,H,T,S] float32, v [B,S,H,D] -> [B,T,H,D] float32."""
-    if p.shape[2] == 1:
-        pv = jnp.transpose(p[:, :, 0, :], (0, 2, 1))[..., None]  # [B, S, H, 1]
-        return jnp.sum(pv * v.astype(jnp.float32), axis=1)[:, None]
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _decode_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
+    """`_attention` for one query per row (a decode step): q [B,1,H,D] -> [B,1,H,D].
+
+    Each part's K/V is put head-major ([B,H,S,D]) first, so both products are batched
+    matrix-vector products whose contraction runs along contiguous memory. Written as
+    `bthd,bshd` einsums, XLA:CPU lowered them to per-element loops ~5x slower than this
+    (measured on opt-125m, batch 1, context 512; see docs/performance.md).
+    """
+    q1 = q[:, 0]  # [B, H, D]
+    heads = [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), m[:, 0]) for k, v, m in parts]  # [B,H,S,D], [B,S]
+    scores = [
+        jnp.where(
+            m[:, None, :], jnp.einsum("bhd,bhsd->bhs", q1, k, preferred_element_type=jnp.float32) * scale, _MASK_VALUE
+        )
+        for k, _, m in heads
+    ]  # [B, H, S_i]
+    p = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
+    out = jnp.zeros(q1.shape, jnp.float32)
+    offset = 0
+    for (_, v, _), si in zip(heads, scores, strict=True):
+        width = si.shape[-1]
+        pi = p[..., offset : offset + width].astype(v.dtype)
+        out = out + jnp.einsum("bhs,bhsd->bhd", pi, v, preferred_element_type=jnp.float32)
+        offset += width
+    return out[:, None].astype(q.dtype)
 
 
 def _attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
@@ -254,6 +284,8 @@ def _attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Arr
     The parts share one softmax, so the cached context and the new tokens are attended together
     without first writing the new K/V into the cache.
     """
+    if q.shape[1] == 1:
+        return _decode_attention(q, parts, scale)
     scores = [jnp.where(m[:, None], _scores(q, k, scale), _MASK_VALUE) for k, _, m in parts]  # [B,H,T,S_i]
     p = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
     out = jnp.zeros(q.shape, jnp.float32)
@@ -265,31 +297,53 @@ def _attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Arr
     return out.astype(q.dtype)
 
 
-def num_layers_of(layers: Mapping[str, Any]) -> int:
-    """Layer count of a stacked layer dict."""
+def num_layers_of(layers: Layers) -> int:
+    """Layer count of a stacked layer dict or a per-layer list."""
+    if isinstance(layers, Sequence):
+        return len(layers)
     return int(jax.tree.leaves(dict(layers))[0].shape[0])
 
 
-def _run_layers(
-    layers: Layers, cfg: OPTConfig, x: jax.Array, attend: _Attend
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Scan the stacked decoder layers over x [B,T,h]. Returns (x, new k [L,B,T,H,D], new v [L,B,T,H,D]).
+def unstack_layers(layers: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Stacked layer leaves [L, ...] -> one dict of [...] leaves per layer (the serving layout).
 
-    A scan, not a Python loop: XLA:CPU then reads each layer's cache slice and writes the donated
-    cache in place; an unrolled loop over static slices made it copy the whole cache.
+    Why two layouts: stacked leaves are what checkpoints hold and what a `lax.scan` walks, but
+    every per-layer slice of a stacked weight that feeds a dot is a copy on XLA:CPU (a scan
+    over the 12 MLP weights of opt-125m at batch 1: 13.4 ms; the same over separate arrays: 8.6 ms).
+    """
+    n = num_layers_of(layers)
+    return [jax.tree.map(lambda x, i=i: x[i], dict(layers)) for i in range(n)]
+
+
+def stack_layers(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The inverse of `unstack_layers`: per-layer dicts -> stacked leaves [L, ...]."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *[dict(lp) for lp in layers])
+
+
+def _run_layers(
+    layers: Layers, cfg: OPTConfig, x: jax.Array, attend: _Attend, cache: Any = None
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """Run the decoder layers over x [B,T,h]. Returns (x, new k [L,B,T,H,D], new v, cache).
+
+    Per-layer dicts (`unstack_layers`, what `ShardedOPT` serves from) run as an unrolled Python
+    loop and `attend` gets the layer index as a Python int; stacked leaves run as a `lax.scan`
+    (compact programs for tests and tools) with the cache in the carry and a traced index.
     """
     b, t, _ = x.shape
     nh, hd, eps = cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
     pre_ln = cfg.do_layer_norm_before
 
-    def body(h: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def body(
+        carry: tuple[jax.Array, Any], xs: tuple[Any, Any]
+    ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, jax.Array]]:
+        h, c = carry
         i, lp = xs
         residual = h
         y = _layer_norm(h, lp["self_attn_layer_norm"], eps) if pre_ln else h
         q = _linear(y, lp["q_proj"]).reshape(b, t, nh, hd)
         k = _linear(y, lp["k_proj"]).reshape(b, t, nh, hd)
         v = _linear(y, lp["v_proj"]).reshape(b, t, nh, hd)
-        o = attend(i, q, k, v)
+        o, c = attend(i, q, k, v, c)
         h = residual + _linear(o.reshape(b, t, nh * hd), lp["out_proj"])
         if not pre_ln:
             h = _layer_norm(h, lp["self_attn_layer_norm"], eps)
@@ -299,10 +353,18 @@ def _run_layers(
         h = residual + _linear(y, lp["fc2"])
         if not pre_ln:
             h = _layer_norm(h, lp["final_layer_norm"], eps)
-        return h, (k, v)
+        return (h, c), (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (jnp.arange(num_layers_of(layers)), dict(layers)))
-    return x, ks, vs
+    if isinstance(layers, Sequence):
+        ks, vs = [], []
+        carry = (x, cache)
+        for i, lp in enumerate(layers):
+            carry, (k, v) = body(carry, (i, lp))
+            ks.append(k)
+            vs.append(v)
+        return carry[0], jnp.stack(ks), jnp.stack(vs), carry[1]
+    (x, cache), (kst, vst) = jax.lax.scan(body, (x, cache), (jnp.arange(num_layers_of(layers)), dict(layers)))
+    return x, kst, vst, cache
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,10 +379,10 @@ def run_layers_prefill(layers: Layers, cfg: OPTConfig, x: jax.Array, lengths: ja
     mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # [B,T,S]
     scale = cfg.head_dim**-0.5
 
-    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return _attention(q, [(k, v, mask)], scale)
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: None) -> tuple[jax.Array, None]:
+        return _attention(q, [(k, v, mask)], scale), c
 
-    x, ks, vs = _run_layers(layers, cfg, x, attend)
+    x, ks, vs, _ = _run_layers(layers, cfg, x, attend)
     return x, KVCache(k=ks, v=vs)
 
 
@@ -334,15 +396,18 @@ def run_layers_decode(
     self_mask = jnp.ones((b, 1, 1), bool)
     scale = cfg.head_dim**-0.5
 
-    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return _attention(q, [(cache.k[i], cache.v[i], old), (k, v, self_mask)], scale)
-
-    x, ks, vs = _run_layers(layers, cfg, x, attend)
     rows = jnp.arange(b)
-    ck, cv = cache.k, cache.v
-    k = ck.at[:, rows, positions].set(ks[:, :, 0], mode="drop")
-    v = cv.at[:, rows, positions].set(vs[:, :, 0], mode="drop")
-    return x, KVCache(k=k, v=v)
+
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: KVCache) -> tuple[jax.Array, KVCache]:
+        # write this layer's new K/V (a position past the cache writes nothing), then read the layer
+        c = KVCache(
+            k=c.k.at[i, rows, positions].set(k[:, 0], mode="drop"),
+            v=c.v.at[i, rows, positions].set(v[:, 0], mode="drop"),
+        )
+        return _attention(q, [(c.k[i], c.v[i], old), (k, v, self_mask)], scale), c
+
+    x, _, _, cache = _run_layers(layers, cfg, x, attend, cache)
+    return x, cache
 
 
 def run_layers_paged(
@@ -353,8 +418,14 @@ def run_layers_paged(
     lengths: jax.Array,
     cache: PagedKVCache,
     block_tables: jax.Array,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h]."""
+    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h].
+
+    `attention` picks the decode (T == 1) attention of `models.paged_attention`; "xla" attends
+    to the pages and the new token as two parts of one softmax, a kernel reads the new token back
+    from the pages it was just written to (so its position must lie inside the row's table).
+    """
     b, t, _ = x.shape
     num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
     m = block_tables.shape[1]
@@ -364,23 +435,30 @@ def run_layers_paged(
     new = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))  # causal among new tokens
     scale = cfg.head_dim**-0.5
 
-    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        # one gather straight from the pool (no slice of layer i first: that would be a copy)
-        keys = cache.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
-        vals = cache.v[i, block_tables].reshape(b, m * bs, nh, hd)
-        return _attention(q, [(keys, vals, old), (k, v, new)], scale)
-
-    x, ks, vs = _run_layers(layers, cfg, x, attend)
     # Rows/columns that must not write point past the pool; mode="drop" discards them.
     qpos = start_positions[:, None] + jnp.arange(t)[None, :]  # [B, T]
     in_table = (jnp.arange(t)[None, :] < lengths[:, None]) & (qpos // bs < m)
     table_idx = jnp.clip(qpos // bs, 0, m - 1)
     write_block = jnp.where(in_table, jnp.take_along_axis(block_tables, table_idx, axis=1), num_blocks)
     write_slot = qpos % bs
-    ck, cv = cache.k, cache.v
-    k = ck.at[:, write_block, write_slot].set(ks, mode="drop")
-    v = cv.at[:, write_block, write_slot].set(vs, mode="drop")
-    return x, PagedKVCache(k=k, v=v)
+
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+        c = PagedKVCache(
+            k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
+            v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
+        )
+        if attention != "xla" and t == 1:
+            o = paged_decode_attention(
+                q[:, 0], c.k[i], c.v[i], block_tables, start_positions + lengths, scale=scale, impl=attention
+            )
+            return o[:, None].astype(q.dtype), c
+        # one gather straight from the pool (no slice of layer i first: that would be a copy)
+        keys = c.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
+        vals = c.v[i, block_tables].reshape(b, m * bs, nh, hd)
+        return _attention(q, [(keys, vals, old), (k, v, new)], scale), c
+
+    x, _, _, cache = _run_layers(layers, cfg, x, attend, cache)
+    return x, cache
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,7 +497,7 @@ def decode(
     return lm_head(params, cfg, x[:, 0]), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention"), donate_argnames=("cache",))
 def extend_paged(
     params: Params,
     cfg: OPTConfig,
@@ -430,6 +508,7 @@ def extend_paged(
     block_tables: jax.Array,
     *,
     all_logits: bool = False,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
 
@@ -441,7 +520,7 @@ def extend_paged(
     t = tokens.shape[1]
     positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
     x = embed(params, cfg, tokens, positions)
-    x, cache = run_layers_paged(params["layers"], cfg, x, start_positions, lengths, cache, block_tables)
+    x, cache = run_layers_paged(params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
     if not all_logits:
         x = select_last(x, lengths)
     return lm_head(params, cfg, x), cache

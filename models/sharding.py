@@ -29,9 +29,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import opt
+from models import checkpoint, opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
+from models.paged_attention import Impl, default_impl
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,30 @@ def shardings_for(cfg: OPTConfig, tp: int, pp: int, devices: Sequence[jax.Device
     return ParallelLayout(cfg=cfg, tp=tp, pp=pp, stages=tuple(stages))
 
 
+def _layer_shardings(st: StageLayout) -> dict[str, Any]:
+    """One layer's NamedShardings: the stacked leaves' specs without the leading layer axis."""
+    return jax.tree.map(
+        lambda sh: NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:])),
+        st.param_shardings["layers"],
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def _unstack_stage(sp: Params, st: StageLayout) -> Params:
+    """A stage's params with `layers` as one dict per layer, each leaf on its own sharding."""
+    layers = sp["layers"]
+    if isinstance(layers, Sequence):
+        return sp
+    one = _layer_shardings(st)
+    split = jax.jit(opt.unstack_layers, out_shardings=[one] * st.num_layers)
+    return {**sp, "layers": split(layers)}
+
+
+def _stack_stage(rp: Params, st: StageLayout) -> Params:
+    stack = jax.jit(opt.stack_layers, out_shardings=st.param_shardings["layers"])
+    return {**rp, "layers": stack(rp["layers"])}
+
+
 # ------------------------------------------------------------------------------------------
 # Stage functions (jitted once per stage with that stage's output shardings)
 # ------------------------------------------------------------------------------------------
@@ -196,12 +221,13 @@ def _stage_paged(
     first: bool,
     last: bool,
     all_logits: bool,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache]:
     if first:
         t = x.shape[1]
         positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
         x = opt.embed(sp, cfg, x, positions)
-    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables)
+    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
     if last:
         if not all_logits:
             x = opt.select_last(x, lengths)
@@ -209,20 +235,29 @@ def _stage_paged(
     return x, cache
 
 
-@dataclasses.dataclass
 class ShardedOPT:
     """OPT params placed `tp` x `pp` ways, with prefill / decode / paged-extend across the stages.
 
     Every method returns without waiting for the devices (async dispatch). Caches are lists with
     one entry per stage, each on that stage's mesh and split over heads.
+
+    The model keeps each stage's decoder layers as one dict per layer (`opt.unstack_layers`):
+    the unrolled per-layer program reads each weight once, where slices of stacked leaves were
+    copied first (see `models/opt.py`). `stage_params` gives the stacked view (a copy) for
+    checkpoints and tools.
     """
 
-    cfg: OPTConfig
-    tp: int
-    pp: int
-    layout: ParallelLayout
-    stage_params: list[Params]
-    _fns: dict[tuple[Any, ...], Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
+    def __init__(self, cfg: OPTConfig, tp: int, pp: int, layout: ParallelLayout, stage_params: list[Params]) -> None:
+        self.cfg = cfg
+        self.tp = tp
+        self.pp = pp
+        self.layout = layout
+        self.run_params: list[Params] = [
+            _unstack_stage(sp, st) for sp, st in zip(stage_params, layout.stages, strict=True)
+        ]
+        self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # paged decode attention (models.paged_attention); set before the first step compiles
+        self.attention_impl: Impl = default_impl()
 
     # ---- construction ----------------------------------------------------------------------
     @property
@@ -231,24 +266,25 @@ class ShardedOPT:
 
     @property
     def dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.stage_params[0]["embed_tokens"].dtype)
+        return jnp.dtype(self.run_params[0]["embed_tokens"].dtype)
 
     @property
     def devices(self) -> list[jax.Device]:
         return [d for m in self.meshes for d in m.devices.flat]
+
+    @property
+    def stage_params(self) -> list[Params]:
+        """Each stage's params with stacked layer leaves `[L_s, ...]` (a copy; the layout checkpoints use)."""
+        return [_stack_stage(rp, st) for rp, st in zip(self.run_params, self.layout.stages, strict=True)]
 
     @classmethod
     def from_params(
         cls, cfg: OPTConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
     ) -> ShardedOPT:
         """Place a full param tree (host numpy or jax arrays) stage by stage, shard by shard."""
-        from models.checkpoint import ParamTreeReader, place_params
-
         layout = shardings_for(cfg, tp, pp, devices)
         dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(params["embed_tokens"].dtype)
-        return cls(
-            cfg=cfg, tp=tp, pp=pp, layout=layout, stage_params=place_params(ParamTreeReader(params), cfg, layout, dt)
-        )
+        return cls(cfg, tp, pp, layout, checkpoint.place_params(checkpoint.ParamTreeReader(params), cfg, layout, dt))
 
     @classmethod
     def load(
@@ -261,9 +297,9 @@ class ShardedOPT:
         seed: int = 0,
     ) -> ShardedOPT:
         """From a Hugging Face OPT dir, a jaxserve (Orbax) checkpoint dir, or a preset name (random weights)."""
-        from models import checkpoint
-
-        return checkpoint.load_sharded(source, tp=tp, pp=pp, devices=devices, dtype=dtype, seed=seed)
+        cfg = checkpoint.source_config(source, dtype)
+        layout = shardings_for(cfg, tp, pp, devices)
+        return cls(cfg, tp, pp, layout, checkpoint.load_stage_params(source, cfg, layout, dtype, seed=seed))
 
     # ---- shardings -------------------------------------------------------------------------
     def kv_sharding(self, stage: int) -> NamedSharding:
@@ -287,7 +323,11 @@ class ShardedOPT:
             elif kind == "decode":
                 fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
             elif kind == "paged":
-                fn = jax.jit(partial(_stage_paged, **flags, **static), out_shardings=out, donate_argnums=(4,))
+                fn = jax.jit(
+                    partial(_stage_paged, **flags, **static, attention=self.attention_impl),
+                    out_shardings=out,
+                    donate_argnums=(4,),
+                )
             else:
                 raise ValueError(kind)
             self._fns[key] = fn
@@ -300,7 +340,7 @@ class ShardedOPT:
         caches = []
         for s in range(self.pp):
             x, cache = self._fn("prefill", s, all_logits=all_logits)(
-                self.stage_params[s], self._put(x, s), self._put(lengths, s)
+                self.run_params[s], self._put(x, s), self._put(lengths, s)
             )
             caches.append(cache)
         return x, caches
@@ -310,7 +350,7 @@ class ShardedOPT:
         x: Any = tokens
         out = []
         for s in range(self.pp):
-            x, cache = self._fn("decode", s)(self.stage_params[s], self._put(x, s), self._put(positions, s), caches[s])
+            x, cache = self._fn("decode", s)(self.run_params[s], self._put(x, s), self._put(positions, s), caches[s])
             out.append(cache)
         return x, out
 
@@ -329,7 +369,7 @@ class ShardedOPT:
         out = []
         for s in range(self.pp):
             x, cache = self._fn("paged", s, all_logits=all_logits)(
-                self.stage_params[s],
+                self.run_params[s],
                 self._put(x, s),
                 self._put(start_positions, s),
                 self._put(lengths, s),

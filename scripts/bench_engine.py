@@ -8,6 +8,11 @@ Parts (`--part`, default `all`; each prints one JSON object per line):
   step (`OPTEngine.decode_step`, host overhead and sampling included) vs transformers'
   `OPTForCausalLM` with its KV cache, same weights, greedy.
 * `transfer` — KV transfer time as a share of request time in `disagg:prefill=tp1,decode=tp1`.
+* `ab`       — old tree vs this tree, interleaved A B A B in one run (`--old-tree`, e.g. a
+  `git archive main | tar -x -C /tmp/old`): one long-lived worker per tree runs
+  `OPTEngine.decode_step` on fixed batches (`--ab-cases`): the issue-11 shape cases on the
+  bundled opt-code-tiny (batch 16 at 21 tokens with 2- or 32-block tables, 15 decodes, a 256-token
+  chunk, both in one mixed step) and opt-125m decode at batch 1 and 16 (context 512).
 * `figure1`  — the paper's Figure 1 scaled to a CPU, in one process (single-threaded Eigen; this
   part re-executes itself with those flags). First a scaling check (the same jitted work on 1
   device vs on 2 devices at once), then the max Poisson rate at which 90 % of requests meet both
@@ -36,7 +41,11 @@ SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_thr
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="all", choices=["all", "decode", "transfer", "figure1"])
+    p.add_argument("--part", default="all", choices=["all", "decode", "transfer", "figure1", "ab", "ab-worker"])
+    p.add_argument("--old-tree", default="", help="`ab`: a checkout of the code to compare against")
+    p.add_argument("--ab-tree", default="", help=argparse.SUPPRESS)
+    p.add_argument("--ab-cases", default="tables2,tables32,dec15,chunk,mixed,m125b1,m125b16")
+    p.add_argument("--ab-reps", type=int, default=7)
     p.add_argument("--model", default="opt-125m", help="preset shape for the random checkpoint")
     p.add_argument("--workdir", default="/tmp/jaxserve-bench")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -353,8 +362,113 @@ def part_figure1(args: argparse.Namespace) -> None:
     _emit({"part": "figure1-summary", "disagg_over_colocated_per_device": round(disagg / coloc, 2) if coloc else None})
 
 
+_AB_CASES = {  # name: (model, context, decode rows, blocks reserved per row, prompt-chunk tokens)
+    "tables2": ("tiny", 21, 16, 2, 0),
+    "tables32": ("tiny", 21, 16, 32, 0),
+    "dec15": ("tiny", 21, 15, 17, 0),
+    "chunk": ("tiny", 21, 0, 17, 256),
+    "mixed": ("tiny", 21, 15, 17, 256),
+    "m125b1": ("opt-125m", 512, 1, 40, 0),
+    "m125b16": ("opt-125m", 512, 16, 40, 0),
+}
+
+
+def part_ab_worker(args: argparse.Namespace) -> None:
+    """One side of `ab`: set the cases up on `--ab-tree`'s code, then time one case per stdin line."""
+    sys.path.insert(0, args.ab_tree)
+    os.chdir(args.ab_tree)
+    import jax
+    import numpy as np
+
+    from jaxserve.assets import default_model_path
+    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.request import SamplingParams
+
+    greedy, bs = SamplingParams(max_tokens=64, temperature=0.0), 16
+    engines: dict[str, Any] = {}
+    cases: dict[str, Any] = {}
+    for name in args.ab_cases.split(","):
+        model, ctx, batch, reserve, chunk = _AB_CASES[name]
+        source = str(default_model_path()) if model == "tiny" else model
+        eng = engines.setdefault(source, OPTEngine.load(source, jax.devices()[:1]))
+        pages = eng.init_pages((batch + 1) * reserve, bs)
+        rng = np.random.default_rng(0)
+        rows = []
+        for i in range(batch):
+            prompt = tuple(int(x) for x in rng.integers(4, 500, ctx))
+            seq = eng.prefill([PrefillItem(f"r{i}", prompt, greedy, 0)]).sequences[0]
+            table = tuple(range(i * reserve, (i + 1) * reserve))
+            pages = eng.insert(seq.kv, seq.num_tokens, pages, table)
+            rows.append(StepRow(f"r{i}", (5,), ctx, table, greedy, 0, 1))
+        if chunk:
+            table = tuple(range(batch * reserve, (batch + 1) * reserve))
+            tokens = tuple(int(x) for x in rng.integers(4, 500, chunk))
+            rows.append(StepRow("c", tokens, 0, table, greedy, 0, 0, is_prompt=True))
+        state = {"pages": pages}
+
+        def run(eng: Any = eng, rows: tuple[Any, ...] = tuple(rows), state: dict[str, Any] = state) -> None:
+            _, state["pages"] = eng.decode_step(StepBatch(rows), state["pages"])
+
+        run()
+        run()
+        cases[name] = run
+    print("ready", flush=True)
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        cases[line.strip()]()
+        print(time.perf_counter() - t0, flush=True)
+
+
+def part_ab(args: argparse.Namespace) -> None:
+    """Old tree vs this tree, interleaved: min and median ms per case, load average before and after."""
+    import statistics
+
+    if not args.old_tree:
+        raise SystemExit("--part ab needs --old-tree")
+    here = str(Path(__file__).resolve().parents[1])
+    names = args.ab_cases.split(",")
+    sides = {"old": str(Path(args.old_tree).resolve()), "new": here}
+    procs = {
+        side: subprocess.Popen(
+            [sys.executable, str(Path(here) / "scripts" / "bench_engine.py"), "--part", "ab-worker",
+             "--ab-tree", tree, "--ab-cases", args.ab_cases],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        for side, tree in sides.items()
+    }  # fmt: skip
+    for proc in procs.values():
+        assert proc.stdout is not None and proc.stdin is not None
+        while proc.stdout.readline().strip() != "ready":
+            pass
+    load_before = os.getloadavg()[0]
+    samples: dict[tuple[str, str], list[float]] = {(s, n): [] for s in procs for n in names}
+    for _ in range(args.ab_reps):
+        for name in names:
+            for side, proc in procs.items():
+                assert proc.stdout is not None and proc.stdin is not None
+                proc.stdin.write(name + "\n")
+                proc.stdin.flush()
+                samples[(side, name)].append(float(proc.stdout.readline()))
+    for proc in procs.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    _emit({"part": "ab", "load_before": load_before, "load_after": os.getloadavg()[0], "reps": args.ab_reps})
+    for name in names:
+        row: dict[str, Any] = {"part": "ab", "case": name}
+        for side in procs:
+            xs = samples[(side, name)]
+            row[f"{side}_min_ms"] = round(min(xs) * 1e3, 1)
+            row[f"{side}_median_ms"] = round(statistics.median(xs) * 1e3, 1)
+        _emit(row)
+
+
 def main() -> int:
     args = _parse()
+    if args.part in ("ab", "ab-worker"):
+        (part_ab if args.part == "ab" else part_ab_worker)(args)
+        return 0
     if args.part == "all":
         _set_xla_flags(single_core=False)
         part_decode(args)

@@ -1,43 +1,297 @@
 """Model micro-benchmark: our JAX OPT vs Hugging Face transformers (PyTorch) on the same random weights.
 
-Measures, in one run on this machine's CPU:
-* prefill tokens/s for one prompt of `--prompt-len` tokens (default 512), JAX and torch;
-* decode step time at batch 1, 8, 16, 32 with `--context` (default 512) tokens already cached:
-  JAX contiguous `decode`, JAX paged `extend_paged` (T=1) and torch with its `DynamicCache`;
-* prefill FLOP/s as a fraction of a bare square `jnp.dot` with the same FLOPs.
+Measures, in one run on this machine's CPU (or an accelerator, see scripts/device_check.sh):
 
-    .venv/bin/python scripts/bench_model.py            # opt-125m shape, ~2-4 minutes on 2 cores
-    .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 2   # smoke run
+* decode step time at batch 1, 8, 16, 32 with `--context` (default 512) tokens cached: JAX
+  contiguous `decode`, JAX paged `extend_paged` (T=1, block tables as wide as the filled blocks),
+  torch with its `DynamicCache`, and a bandwidth probe (a jitted `v @ W` over a 154 MB matrix);
+* the bandwidth floor of each batch: bytes the step must read (weights + KV of the context) at
+  the probe's rate, and at batch 1 the fraction of it the paged step reaches;
+* prefill tokens/s for one `--prompt-len` prompt against a bare square `jnp.dot` of equal FLOPs;
+* with `--e2e`: `LLM.generate` vs transformers `generate` output tokens/s on the same weights.
 
-Targets (issue 2): decode throughput >= 2x transformers at batch >= 16; prefill >= 70 % of the
-bare matmul rate.
+Hygiene (issue 13): contenders run interleaved (A B C A B C ...), `--reps` >= 5 repetitions each,
+min and median reported, load average printed before and after; a ratio is printed only when the
+1-minute load average stayed <= `--max-load` (default 1.0), unless `--allow-loaded`, which labels
+the table LOADED. Both sides get the same threads: `--threads N` pins this process to N cores
+(`os.sched_setaffinity`, before JAX starts), sets torch's intra-op threads and XLA's CPU pool.
+
+    .venv/bin/python scripts/bench_model.py --threads 2             # opt-125m, ~5 minutes on 2 cores
+    .venv/bin/python scripts/bench_model.py --e2e --threads 2       # end to end (64 x 128 in, 128 out)
+    .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
+    .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
+
+`--json PATH` writes every sample; `--plot PATH` (default docs/performance.png) draws step time
+vs batch for jax, paged, transformers and the bandwidth floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
-import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def _time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    """Median wall seconds of `fn()` (which must block until its result is ready)."""
-    for _ in range(warmup):
+def _parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--dtype", default="float32", help="weights and KV dtype (bfloat16: fp32 accumulation)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default="1,8,16,32")
+    ap.add_argument("--decode-steps", type=int, default=4, help="decode steps timed per repetition")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="pin to N cores for both sides (0: leave as is)")
+    ap.add_argument("--max-load", type=float, default=1.0)
+    ap.add_argument("--allow-loaded", action="store_true", help="print ratios above --max-load, labelled LOADED")
+    ap.add_argument("--no-torch", action="store_true", help="skip transformers (e.g. on an accelerator)")
+    ap.add_argument("--torch-device", default="cpu", help="where transformers runs (cuda on a GPU machine)")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--e2e", action="store_true", help="only the end-to-end LLM.generate comparison")
+    ap.add_argument("--e2e-prompts", type=int, default=64)
+    ap.add_argument("--e2e-prompt-len", type=int, default=128)
+    ap.add_argument("--e2e-new-tokens", type=int, default=128)
+    ap.add_argument("--e2e-reps", type=int, default=3)
+    ap.add_argument("--e2e-max-batch", type=int, default=64, help="LLM's max_decode_batch_size")
+    ap.add_argument("--json", default="", help="write all samples here")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
+    return ap.parse_args()
+
+
+def pin_threads(n: int) -> None:
+    """Pin this process to n cores and size XLA's CPU pool to n; call before importing jax or torch."""
+    if n <= 0:
+        return
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))[:n]
+        os.sched_setaffinity(0, cpus)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "intra_op_parallelism_threads" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={n}".strip()
+    os.environ.setdefault("OMP_NUM_THREADS", str(n))
+
+
+def interleaved(contenders: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each contender, run A B C A B C ... `reps` times after one warm-up round.
+
+    A contender that returns a float reports its own timed part (work it must redo between
+    samples, such as restoring a cache, is left out); otherwise its wall time counts.
+    """
+    for fn in contenders.values():
         fn()
-    samples = []
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            own = fn()
+            samples[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
+    return samples
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+class RatioGate:
+    """Prints a ratio only while the load average is at most `max_load` (or labelled LOADED if allowed)."""
+
+    def __init__(self, max_load: float, allow_loaded: bool) -> None:
+        self.max_load, self.allow_loaded = max_load, allow_loaded
+
+    def __call__(self, value: float, width: int = 0) -> str:
+        load = load_avg()
+        if load <= self.max_load:
+            text = f"{value:.2f}x"
+        elif self.allow_loaded:
+            text = f"{value:.2f}x LOADED"
+        else:
+            text = f"(load {load:.1f})"
+        return f"{text:>{width}}" if width else text
+
+
+def stats(xs: list[float]) -> tuple[float, float]:
+    return min(xs), statistics.median(xs)
+
+
+def main() -> int:
+    args = _parse()
+    pin_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import opt
+    from models.checkpoint import params_from_hf_tensors
+    from models.config import get_config
+
+    cfg = get_config(args.model)
+    dtype = jnp.dtype(args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    use_torch = not args.no_torch
+    torch: Any = None
+    hf: Any = None
+    if use_torch:
+        import torch
+        import transformers
+
+        from jaxserve.testing.hf import make_hf_model
+
+        transformers.logging.set_verbosity_error()
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        hf = make_hf_model(cfg, seed=0)
+        tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+        hf = hf.to(args.torch_device)
+        host = params_from_hf_tensors(tensors, cfg, source="in-memory HF model")
+    else:
+        host = jax.tree.map(np.asarray, opt.init_params(cfg, jax.random.key(0), jnp.float32))
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), host)
+    params["layers"] = opt.unstack_layers(params["layers"])  # the serving layout (what ShardedOPT runs)
+    del host
+    load_before = load_avg()
+    print(
+        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {dtype.name}; jax {jax.__version__} on {jax.devices()[0]}"
+    )
+    print(
+        f"cpus: {os.cpu_count()} (affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}),"
+        f" threads pinned: {args.threads or 'no'}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+        + (f", torch {torch.__version__} threads {torch.get_num_threads()}" if use_torch else ", no torch")
+    )
+    print(f"load average before: {load_before:.2f}  (reps {args.reps}, interleaved)")
+    rng = np.random.default_rng(0)
+    record: dict[str, Any] = {"model": cfg.name, "dtype": dtype.name, "platform": jax.devices()[0].platform}
+
+    if args.e2e:
+        record["e2e"] = _e2e(args, cfg, hf, torch)
+        return _finish(args, record, load_before)
+
+    # ---------------- bandwidth probe ----------------
+    w = jnp.asarray(rng.standard_normal((cfg.hidden_size, 50272)), jnp.float32)  # 154 MB for h = 768
+    vec = jnp.ones((1, cfg.hidden_size), jnp.float32)
+    probe_fn = jax.jit(lambda v, m: v @ m)
+
+    def probe() -> None:
+        probe_fn(vec, w).block_until_ready()
+
+    # ---------------- prefill ----------------
+    if not args.no_prefill:
+        record["prefill"] = _prefill(args, cfg, params, hf, torch, rng)
+
+    # ---------------- decode ----------------
+    ctx, steps = args.context, args.decode_steps
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed_positions"].nbytes
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.hidden_size * dtype.itemsize
+    print()
+    print(f"decode step at context {ctx}, {steps} steps per sample; ms per step (min / median of {args.reps})")
+    head = f"  {'batch':>5}{'jax':>16}{'paged':>16}{'torch':>16}{'probe GB/s':>12}{'floor ms':>10}"
+    print(head + f"{'jax/torch':>16}{'paged/torch':>16}{'paged/floor':>14}")
+    gate = RatioGate(args.max_load, args.allow_loaded)
+    rows = []
+    for bsz in batches:
+        prompts = rng.integers(3, cfg.vocab_size, (bsz, ctx)).astype(np.int32)
+        contenders = _jax_decode_contenders(params, cfg, prompts, steps, args.block_size)
+        if use_torch:
+            contenders["torch"] = _torch_decode_contender(hf, torch, prompts, steps, args.torch_device)
+        contenders["probe"] = probe
+        raw = interleaved(contenders, args.reps)
+        per_step = {k: [x / steps for x in v] for k, v in raw.items() if k != "probe"}
+        gbps = [w.nbytes / s / 1e9 for s in raw["probe"]]
+        bytes_read = weight_bytes + bsz * ctx * kv_bytes_per_token
+        floor_s = bytes_read / (max(gbps) * 1e9)
+        row = {
+            "batch": bsz,
+            "bytes_read": bytes_read,
+            "probe_gbps": gbps,
+            "floor_ms": floor_s * 1e3,
+            **{f"{k}_ms": [x * 1e3 for x in v] for k, v in per_step.items()},
+        }
+        rows.append(row)
+        cells = "".join(
+            f"{stats(row[k + '_ms'])[0]:>8.1f}/{stats(row[k + '_ms'])[1]:<7.1f}" if k + "_ms" in row else f"{'-':>16}"
+            for k in ("jax", "paged", "torch")
+        )
+        if "torch_ms" in row:
+            t_min = min(row["torch_ms"])
+            ratio = gate(t_min / min(row["jax_ms"]), 16) + gate(t_min / min(row["paged_ms"]), 16)
+        else:
+            ratio = f"{'-':>16}{'-':>16}"
+        bw = gate(floor_s * 1e3 / min(row["paged_ms"]), 14).replace("x", "", 1) if bsz == 1 else f"{'':>14}"
+        print(f"  {bsz:>5}{cells}{max(gbps):>12.1f}{floor_s * 1e3:>10.1f}{ratio}{bw}", flush=True)
+    record["decode"] = rows
+    print("  targets: jax and paged >= 1.5x torch at every batch; paged at batch 1 >= 60% of the bandwidth floor")
+    _plot(args.plot, rows, cfg.name, dtype.name)
+    return _finish(args, record, load_before)
+
+
+def _finish(args: argparse.Namespace, record: dict[str, Any], load_before: float) -> int:
+    load_after = load_avg()
+    record["load_before"], record["load_after"] = load_before, load_after
+    loaded = max(load_before, load_after) > args.max_load
+    record["loaded"] = loaded
+    print()
+    print(f"load average before {load_before:.2f}, after {load_after:.2f} (limit {args.max_load})")
+    if loaded:
+        if args.allow_loaded:
+            print("LOADED: the machine was busy; ratios above are labelled LOADED and are not a result")
+        else:
+            print("REFUSED: the machine was busy, so no ratio was printed (rerun on a quiet machine or --allow-loaded)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"samples written to {args.json}")
+    return 0
+
+
+def _prefill(args: argparse.Namespace, cfg: Any, params: Any, hf: Any, torch: Any, rng: Any) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import opt
+
+    t = args.prompt_len
+    prompt = rng.integers(3, cfg.vocab_size, (1, t)).astype(np.int32)
+    lengths = np.array([t], np.int32)
+    flops = prefill_flops(cfg, t)
+    n = max(1, round((flops / 2) ** (1 / 3)))  # one square f32 jnp.dot with the prefill's FLOPs
+    a = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    contenders: dict[str, Callable[[], Any]] = {
+        "jax": lambda: jax.block_until_ready(opt.prefill(params, cfg, prompt, lengths)),
+        "dot": lambda: dot(a, b).block_until_ready(),
+    }
+    if hf is not None:
+        ids = torch.from_numpy(prompt).long().to(args.torch_device)
+
+        def run_torch() -> None:
+            with torch.inference_mode():
+                hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+            if args.torch_device.startswith("cuda"):
+                torch.cuda.synchronize()
+
+        contenders["torch"] = run_torch
+    raw = interleaved(contenders, args.reps)
+    jax_s, dot_s = min(raw["jax"]), min(raw["dot"])
+    dot_rate = 2 * n**3 / dot_s
+    print()
+    print(f"prefill, 1 x {t} tokens ({flops / 1e9:.1f} GFLOP); min / median ms")
+    for k, v in raw.items():
+        print(f"  {k:<8}{min(v) * 1e3:>8.1f} /{statistics.median(v) * 1e3:>8.1f}")
+    gate = RatioGate(args.max_load, args.allow_loaded)
+    print(f"  jax prefill / bare matmul rate: {gate(flops / jax_s / dot_rate).replace('x', '', 1)} (target >= 0.75)")
+    if "torch" in raw:
+        print(f"  jax / transformers prefill speed: {gate(min(raw['torch']) / jax_s)}")
+    return {"flops": flops, "dot_n": n, **{f"{k}_ms": [x * 1e3 for x in v] for k, v in raw.items()}}
 
 
 def prefill_flops(cfg: Any, t: int) -> float:
@@ -50,95 +304,14 @@ def prefill_flops(cfg: Any, t: int) -> float:
     return float(linear + attention + proj + lm_head)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="opt-125m")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--batches", default="1,8,16,32")
-    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repetition")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--torch-threads", type=int, default=0, help="0: leave torch's default")
-    args = ap.parse_args()
+def _jax_decode_contenders(
+    params: Any, cfg: Any, prompts: Any, steps: int, block_size: int
+) -> dict[str, Callable[[], None]]:
+    """Contiguous `decode` (cache as long as context + steps) and paged `extend_paged` after a prefill."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-    import torch
-    import transformers
-
-    from jaxserve.testing.hf import make_hf_model
-    from models import opt
-    from models.checkpoint import params_from_hf_tensors
-    from models.config import get_config
-
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notices
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    cfg = get_config(args.model)
-    batches = [int(b) for b in args.batches.split(",")]
-    print(
-        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, float32; jax {jax.__version__} on {jax.devices()[0].platform}"
-    )
-    print(
-        f"cpus: {os.cpu_count()}, torch {torch.__version__} threads: {torch.get_num_threads()}, transformers on the same weights"
-    )
-
-    hf = make_hf_model(cfg, seed=0)
-    tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    params = jax.tree.map(jnp.asarray, params_from_hf_tensors(tensors, cfg, source="in-memory HF model"))
-    rng = np.random.default_rng(0)
-
-    # ---------------- prefill ----------------
-    t = args.prompt_len
-    prompt = rng.integers(3, cfg.vocab_size, (1, t)).astype(np.int32)
-    lengths = np.array([t], np.int32)
-    jax_prefill = _time(lambda: jax.block_until_ready(opt.prefill(params, cfg, prompt, lengths)), args.reps)
-    with torch.inference_mode():
-        ids = torch.from_numpy(prompt).long()
-        torch_prefill = _time(lambda: hf(input_ids=ids, use_cache=True, logits_to_keep=1), args.reps)
-    flops = prefill_flops(cfg, t)
-    # the bare-matmul reference: one square f32 jnp.dot with the prefill's FLOPs
-    n = max(1, round((flops / 2) ** (1 / 3)))
-    a = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot_s = _time(lambda: dot(a, b).block_until_ready(), args.reps)
-    dot_rate = 2 * n**3 / dot_s
-    jax_rate = flops / jax_prefill
-    print()
-    print(f"prefill, 1 x {t} tokens ({flops / 1e9:.1f} GFLOP)")
-    print(f"  {'':<18}{'ms':>10}{'tok/s':>10}{'GFLOP/s':>10}")
-    print(f"  {'jax':<18}{jax_prefill * 1e3:>10.1f}{t / jax_prefill:>10.0f}{jax_rate / 1e9:>10.1f}")
-    print(
-        f"  {'transformers':<18}{torch_prefill * 1e3:>10.1f}{t / torch_prefill:>10.0f}{flops / torch_prefill / 1e9:>10.1f}"
-    )
-    print(f"  {f'jnp.dot {n}^3':<18}{dot_s * 1e3:>10.1f}{'':>10}{dot_rate / 1e9:>10.1f}")
-    print(f"  jax prefill / bare matmul rate: {jax_rate / dot_rate:.0%} (target >= 70%)")
-    print(f"  jax / transformers prefill speed: {torch_prefill / jax_prefill:.2f}x")
-
-    # ---------------- decode ----------------
-    ctx, steps = args.context, args.decode_steps
-    print()
-    print(f"decode step at context {ctx} (median of {args.reps} x {steps} steps)")
-    print(
-        f"  {'batch':>5}{'jax ms':>10}{'paged ms':>10}{'torch ms':>10}{'jax tok/s':>11}{'torch tok/s':>12}{'jax/torch':>10}{'paged/torch':>12}"
-    )
-    for bsz in batches:
-        prompts = rng.integers(3, cfg.vocab_size, (bsz, ctx)).astype(np.int32)
-        jax_s, paged_s = _jax_decode_step_s(params, cfg, prompts, steps, args.reps, args.block_size)
-        torch_s = _torch_decode_step_s(hf, prompts, steps, args.reps)
-        print(
-            f"  {bsz:>5}{jax_s * 1e3:>10.1f}{paged_s * 1e3:>10.1f}{torch_s * 1e3:>10.1f}{bsz / jax_s:>11.0f}"
-            f"{bsz / torch_s:>12.0f}{torch_s / jax_s:>9.2f}x{torch_s / paged_s:>11.2f}x"
-        )
-    print("  target: jax (and paged) >= 2x transformers tokens/s at batch >= 16")
-    return 0
-
-
-def _jax_decode_step_s(
-    params: Any, cfg: Any, prompts: np.ndarray, steps: int, reps: int, block_size: int
-) -> tuple[float, float]:
-    """Seconds per decode step after a prefill of `prompts` [B, ctx]: contiguous `decode`, paged `extend_paged`."""
     from models import opt
 
     bsz, ctx = prompts.shape
@@ -156,46 +329,147 @@ def _jax_decode_step_s(
         jax.block_until_ready(logits)
         state["cache"] = cache
 
-    contiguous_s = _time(run_contiguous, reps) / steps
     per_seq = (cap + block_size - 1) // block_size
-    tables = jnp.arange(bsz * per_seq, dtype=jnp.int32).reshape(bsz, per_seq)
-    pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size)
-    state["cache"] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
+    width = 1
+    while width < per_seq:  # the engine's power-of-two table-width bucket over the filled blocks
+        width *= 2
+    tables = jnp.asarray(
+        np.pad(np.arange(bsz * per_seq, dtype=np.int32).reshape(bsz, per_seq), ((0, 0), (0, width - per_seq)))
+    )
+    pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype)
+    state["pages"] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
     del kv, pool
     ones = jnp.ones((bsz,), jnp.int32)
 
     def run_paged() -> None:
-        cache = state["cache"]
+        cache = state["pages"]
         for pos in positions:
             logits, cache = opt.extend_paged(params, cfg, tok[:, None], pos, ones, cache, tables)
         jax.block_until_ready(logits)
-        state["cache"] = cache
+        state["pages"] = cache
 
-    paged_s = _time(run_paged, reps) / steps
-    return contiguous_s, paged_s
-
-
-def _torch_decode_step_s(hf: Any, prompts: np.ndarray, steps: int, reps: int) -> float:
-    """Seconds per transformers decode step (DynamicCache) after a prefill of `prompts`."""
-    import torch
-
-    with torch.inference_mode():
-        base = hf(input_ids=torch.from_numpy(prompts).long(), use_cache=True, logits_to_keep=1).cache
-        tok = torch.from_numpy(prompts[:, -1:]).long()
-
-        def run() -> None:
-            cache = _copy_cache(base)  # every repetition starts from the same context
-            for _ in range(steps):
-                cache = hf(input_ids=tok, cache=cache, use_cache=True).cache
-
-        copy_s = _time(lambda: _copy_cache(base), reps)  # taken back out of the step time
-        return max(_time(run, reps) - copy_s, 1e-9) / steps
+    return {"jax": run_contiguous, "paged": run_paged}
 
 
-def _copy_cache(cache: Any) -> Any:
+def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, device: str) -> Callable[[], float]:
+    """transformers decode steps (DynamicCache) after a prefill; each sample restarts from that context.
+
+    Returns the seconds of the `steps` decode steps only: the cache copy that restarts the next
+    sample is made after the clock stops.
+    """
     import copy
+    import inspect
 
-    return copy.deepcopy(cache)
+    # transformers 5.2x names the cache `cache`; earlier releases `past_key_values`
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        out = hf(input_ids=torch.from_numpy(prompts).long().to(device), use_cache=True, logits_to_keep=1)
+    base = getattr(out, name)
+    tok = torch.from_numpy(prompts[:, -1:]).long().to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    state = {"cache": copy.deepcopy(base)}
+
+    def run() -> float:
+        cache = state["cache"]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(steps):
+                cache = getattr(hf(input_ids=tok, use_cache=True, **{name: cache}), name)
+        sync()
+        elapsed = time.perf_counter() - t0
+        state["cache"] = copy.deepcopy(base)
+        return elapsed
+
+    return run
+
+
+def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, Any]:
+    """`LLM.generate` vs transformers `generate` (greedy, batched) on the same weights, interleaved."""
+    import numpy as np
+
+    from jaxserve.llm import LLM
+    from jaxserve.runtime.controller import ControllerConfig
+    from jaxserve.runtime.request import SamplingParams
+    from models.checkpoint import save_checkpoint
+    from models.sharding import ShardedOPT
+
+    if hf is None:
+        raise SystemExit("--e2e compares against transformers: drop --no-torch")
+    import tempfile
+
+    import jax
+
+    from models.checkpoint import params_from_hf_tensors
+
+    n, plen, new = args.e2e_prompts, args.e2e_prompt_len, args.e2e_new_tokens
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64)
+    tmp = tempfile.mkdtemp(prefix="jaxserve-bench-")
+    tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    model = ShardedOPT.from_params(cfg, params_from_hf_tensors(tensors, cfg), 1, 1, jax.devices()[:1])
+    save_checkpoint(tmp, model)
+    del model
+    # a pool that holds every sequence at once and a batch cap of --e2e-max-batch, as transformers batches all
+    blocks = n * -(-(plen + new) // 16) + 16
+    config = ControllerConfig(
+        block_size=16, num_kv_blocks=blocks, max_decode_batch_size=args.e2e_max_batch, max_batch_tokens=max(512, plen)
+    )
+    llm = LLM(model=tmp, deployment="colocated:tp1", config=config)
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    ids = torch.from_numpy(prompts)
+
+    def run_jax() -> None:
+        outs = llm.generate([list(map(int, p)) for p in prompts], sp)
+        assert all(len(o.token_ids) == new for o in outs)
+
+    def run_torch() -> None:
+        with torch.inference_mode():
+            hf.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=cfg.pad_token_id,
+            )
+
+    print()
+    print(f"end to end: {n} prompts x {plen} tokens, {new} new tokens each, greedy; s per run (min / median)")
+    raw = interleaved({"jax": run_jax, "torch": run_torch}, args.e2e_reps)
+    llm.shutdown()
+    out_tokens = n * new
+    for k, v in raw.items():
+        print(f"  {k:<8}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
+    gate = RatioGate(args.max_load, args.allow_loaded)
+    print(f"  LLM.generate / transformers generate: {gate(min(raw['torch']) / min(raw['jax']))} (target >= 1.5x)")
+    return {"prompts": n, "prompt_len": plen, "new_tokens": new, **{f"{k}_s": v for k, v in raw.items()}}
+
+
+def _plot(path: str, rows: list[dict[str, Any]], model: str, dtype: str) -> None:
+    if not path:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("jax_ms", "jax contiguous"), ("paged_ms", "jax paged"), ("torch_ms", "transformers")):
+        if all(key in r for r in rows):
+            ax.plot(batches, [min(r[key]) for r in rows], marker="o", label=label)
+    ax.plot(batches, [r["floor_ms"] for r in rows], linestyle="--", color="gray", label="bandwidth floor")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("ms per decode step (min)")
+    ax.set_title(f"{model} {dtype}: decode step time vs batch")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,17 @@ overlap).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -36,12 +44,55 @@ from jaxserve.runtime.engine import (
     bucket,
 )
 from jaxserve.runtime.kv_pool import write_sequence
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.request import SamplingParams
+from jaxserve.runtime.sampling import SamplingInputs, sample, sample_traced, sampling_inputs
+from models import opt
 from models.config import OPTConfig
-from models.opt import KVCache, PagedKVCache
+from models.opt import KVCache, PagedKVCache, Params
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What `OPTEngine.warmup` compiled: one entry per program shape, and the wall time it took."""
+
+    prefill_shapes: tuple[tuple[int, int], ...]  # (rows, tokens)
+    step_shapes: tuple[tuple[int, int, int], ...]  # (rows, tokens, table width)
+    seconds: float
+    pages: KVPages | None = None  # the pool passed in, after the warm-up steps (which write nothing)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.prefill_shapes) + len(self.step_shapes)
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, n = [], bucket(lo)
+    while n <= bucket(hi):
+        out.append(n)
+        n *= 2
+    return out
+
+
+def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_time_s: float = 0.2) -> Path:
+    """Turn on JAX's persistent compilation cache so a restarted server skips its compiles.
+
+    Default directory: `$XDG_CACHE_HOME/jaxserve/xla` (or `~/.cache/jaxserve/xla`), never the repo.
+    Programs that compiled in under `min_compile_time_s` are not stored. Returns the directory.
+    """
+    if cache_dir is None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        cache_dir = base / "jaxserve" / "xla"
+    path = Path(cache_dir).expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
 
 
 class OPTEngine:
@@ -71,6 +122,103 @@ class OPTEngine:
 
     def kv_layout(self) -> KVLayout:
         return self._layout
+
+    # ---- sizing and warm-up --------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV block takes on the device that holds the most of it (heads split over tp)."""
+        cfg = self._cfg
+        layers = max(self._layout.stage_layers)
+        itemsize = np.dtype(self.model.dtype).itemsize
+        return 2 * layers * block_size * (cfg.num_heads // self.model.tp) * cfg.head_dim * itemsize
+
+    def kv_blocks_for_memory(self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None) -> int:
+        """How many KV blocks fit in the memory the weights leave (vLLM's `gpu_memory_utilization`).
+
+        On an accelerator: per device, `memory_fraction * bytes_limit - bytes_in_use` (weights and
+        whatever else is already allocated) divided by `kv_block_bytes`; the smallest device wins.
+        On CPU, where devices report no memory limit and host RAM is shared with everything else
+        on the machine: `memory_fraction` of the host's *available* memory (MemAvailable, i.e.
+        after the weights already loaded) split evenly over this process's CPU devices, each device
+        holding its part of every block. `max_blocks` caps the result (a server passes what its
+        batch limits can use); never below 1.
+        """
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        per_block = self.kv_block_bytes(block_size)
+        budgets = []
+        for d in self.devices:
+            stats = d.memory_stats() if d.platform != "cpu" else None
+            if stats and "bytes_limit" in stats:
+                budgets.append(memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        if not budgets:  # CPU: each device's share of the host's available memory, against its part of a block
+            budgets.append(memory_fraction * _host_available_bytes() / max(1, len(jax.devices("cpu"))))
+        blocks = int(max(0.0, min(budgets)) // per_block)
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks)
+        return max(1, blocks)
+
+    def warmup(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_decode_batch_size: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        prefill: bool = True,
+        decode: bool = True,
+        pages: KVPages | None = None,
+    ) -> WarmupReport:
+        """Compile (by running once, on padding that writes no KV) every shape the limits allow.
+
+        Prefill: rows x tokens buckets with rows * tokens <= max(max_batch_tokens, tokens).
+        Decode: row buckets up to `max_decode_batch_size` x table widths up to the blocks
+        `max_seq_len` positions fill. Colocated chunked prefill (`chunk_size`): one chunk row of
+        each token bucket up to the chunk, at every table width. Pass the instance's `pages` to
+        warm on its pool (returned in the report); otherwise a pool of `num_blocks` is made and
+        dropped. Sampling is warmed too (greedy and random). Returns what was compiled and how long.
+        """
+        t0 = time.perf_counter()
+        cfg = self._cfg
+        max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        greedy = SamplingParams(temperature=0.0)
+        rand = SamplingParams(temperature=1.0, top_p=0.9)
+        prefill_shapes: list[tuple[int, int]] = []
+        if prefill:
+            for t in _powers_of_two(MIN_PROMPT_BUCKET, min(max_len, max_batch_tokens)):
+                t_pad = bucket(t, MIN_PROMPT_BUCKET, cfg.max_position_embeddings)
+                for b in _powers_of_two(1, max(1, max_batch_tokens // t_pad)):
+                    items = [
+                        PrefillItem(f"warm{i}", (cfg.pad_token_id,) * t_pad, rand if i == 0 else greedy, 0)
+                        for i in range(b)
+                    ]
+                    self.prefill(items)
+                    if b > 1:  # the all-greedy sampler of this row count as well
+                        self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
+                    prefill_shapes.append((b, t_pad))
+        step_shapes: list[tuple[int, int, int]] = []
+        if decode or chunk_size:
+            caches = [PagedKVCache(k=p.k, v=p.v) for p in (pages or self.init_pages(num_blocks, block_size))]
+            widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            shapes: list[tuple[int, int, int]] = []
+            if decode:
+                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch_size) for m in widths]
+            if chunk_size:
+                shapes += [(1, t, m) for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size) for m in widths]
+            for b, t, m in shapes:
+                tokens = np.full((b, t), cfg.pad_token_id, np.int32)
+                zeros = np.zeros(b, np.int32)  # length 0: nothing is written
+                logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
+                sample(logits, [greedy] * b, [0] * b, [0] * b)
+                jax.block_until_ready(sample(logits, [rand] * b, [0] * b, [0] * b))
+                step_shapes.append((b, t, m))
+            pages = tuple(StagePages(k=c.k, v=c.v) for c in caches) if pages is not None else None
+        seconds = time.perf_counter() - t0
+        log.info(
+            "warm-up compiled %d prefill and %d step shapes in %.1f s", len(prefill_shapes), len(step_shapes), seconds
+        )
+        return WarmupReport(tuple(prefill_shapes), tuple(step_shapes), seconds, pages)
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -109,42 +257,177 @@ class OPTEngine:
         return write_sequence(pages, kv, num_tokens, block_table)
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        """One paged step over `batch`; decode rows and prompt chunks run as separate sub-batches.
+
+        A mixed (chunked-prefill) step would otherwise pad every one-token decode row to the
+        chunk's length: 15 decodes beside a 256-token chunk cost 25x the two parts alone. Split,
+        each part costs what its tokens cost, and both are dispatched before either is read.
+        """
         rows = batch.rows
         caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
-        num_micro = min(self.model.pp, len(rows))
-        # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
-        # result is read; each micro-batch threads the (donated) caches on to the next.
-        groups = [list(g) for g in np.array_split(np.arange(len(rows)), num_micro)] if num_micro > 1 else []
-        sampled = []
-        for g in groups or [list(range(len(rows)))]:
-            tokens, caches = self._dispatch_step([rows[i] for i in g], caches)
-            sampled.append((g, tokens))
+        block_size = int(pages[0].k.shape[2])
+        decode_ids = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        chunk_ids = [i for i, r in enumerate(rows) if len(r.token_ids) != 1]
+        sampled: list[tuple[list[int], jax.Array]] = []
+        for ids in (chunk_ids, decode_ids):
+            if not ids:
+                continue
+            num_micro = min(self.model.pp, len(ids))
+            # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
+            # result is read; each micro-batch threads the (donated) caches on to the next.
+            groups = [[ids[j] for j in g] for g in np.array_split(np.arange(len(ids)), num_micro)]
+            for g in groups:
+                tokens, caches = self._dispatch_step([rows[i] for i in g], caches, block_size)
+                sampled.append((g, tokens))
         out = [0] * len(rows)
         for g, tokens in sampled:
             for i, tok in zip(g, np.asarray(tokens)[: len(g)], strict=True):
                 out[i] = int(tok)
         return out, tuple(StagePages(k=c.k, v=c.v) for c in caches)
 
-    def _dispatch_step(
-        self, rows: Sequence[StepRow], caches: list[PagedKVCache]
-    ) -> tuple[jax.Array, list[PagedKVCache]]:
+    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
+        """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
+
+        Sampling and stop checks run on the device; the host sees the tokens once, after the last
+        step. Row r continues from `token_ids[0]` at `start_position`, and stops after its EOS
+        (unless `ignore_eos`), a stop token id, or `sampling.max_tokens - sample_index` tokens;
+        its list ends there. Its block table must cover the positions it may reach. One pipeline
+        stage only. Tokens equal `num_steps` calls of `decode_step` (same seeds and indices).
+        """
+        rows = batch.rows
+        if self.model.pp != 1:
+            raise NotImplementedError("multi-step decoding runs on one pipeline stage")
+        if any(len(r.token_ids) != 1 for r in rows):
+            raise ValueError("multi-step decoding takes one-token (decode) rows only")
+        block_size = int(pages[0].k.shape[2])
+        b = bucket(len(rows), 2)
+        m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
+        tokens = np.full(b, self._cfg.pad_token_id, np.int32)
+        starts = np.zeros(b, np.int32)
+        active = np.zeros(b, bool)
+        remaining = np.zeros(b, np.int32)
+        tables = np.zeros((b, m), np.int32)
+        stops = [
+            tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else (self._cfg.eos_token_id,))
+            for r in rows
+        ]
+        stop_ids = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], starts[i], active[i] = r.token_ids[0], r.start_position, True
+            remaining[i] = r.sampling.max_tokens - r.sample_index
+            table = r.block_table[:m]
+            tables[i, : len(table)] = table
+            stop_ids[i, : len(stops[i])] = stops[i]
+        inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
+        put = self.model.replicated(0)
+        out, cache = _decode_loop(
+            self.model.run_params[0],
+            *(jax.device_put(a, put) for a in (tokens, starts, active, remaining)),
+            PagedKVCache(k=pages[0].k, v=pages[0].v),
+            jax.device_put(tables, put),
+            SamplingInputs(*(jax.device_put(a, put) for a in inputs)),
+            jax.device_put(stop_ids, put),
+            cfg=self._cfg,
+            num_steps=num_steps,
+            greedy=all(r.sampling.is_greedy for r in rows),
+        )
+        host = np.asarray(out)
+        result = []
+        for i in range(len(rows)):
+            toks = host[i]
+            result.append([int(t) for t in toks[toks >= 0]])
+        return result, (StagePages(k=cache.k, v=cache.v),)
+
+    def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
+        """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
+
+        The table width follows the blocks the rows have *filled* (positions < start + tokens),
+        not the blocks they reserved for their whole output: attention reads `width * block_size`
+        positions per row, so a reservation-wide table made the step's cost grow with `max_tokens`.
+        """
         longest = max(len(r.token_ids) for r in rows)
         # A one-row one-token step compiles (XLA CPU) to a path ~2x slower than two rows; pad it to two.
         b = bucket(len(rows), 2 if longest == 1 else 1)
         t = 1 if longest == 1 else bucket(longest, MIN_PROMPT_BUCKET)
-        m = bucket(max(len(r.block_table) for r in rows), 4)
+        m = bucket(max(filled_blocks(r, block_size) for r in rows))
+        return b, t, m
+
+    def _dispatch_step(
+        self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int
+    ) -> tuple[jax.Array, list[PagedKVCache]]:
+        b, t, m = self.step_shape(rows, block_size)
         tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
         starts = np.zeros(b, dtype=np.int32)
         lengths = np.zeros(b, dtype=np.int32)  # padding rows: length 0, nothing written
         tables = np.zeros((b, m), dtype=np.int32)
         for i, r in enumerate(rows):
+            filled = r.block_table[: filled_blocks(r, block_size)]
             tokens[i, : len(r.token_ids)] = r.token_ids
             starts[i] = r.start_position
             lengths[i] = len(r.token_ids)
-            tables[i, : len(r.block_table)] = r.block_table
+            tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
         sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
         return sampled, caches
+
+
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy"), donate_argnames=("cache",))
+def _decode_loop(
+    params: Params,
+    tokens: jax.Array,  # [B] the last token of each row
+    starts: jax.Array,  # [B] its position
+    active: jax.Array,  # [B] bool
+    remaining: jax.Array,  # [B] tokens each row may still produce
+    cache: PagedKVCache,
+    tables: jax.Array,  # [B, M]
+    inputs: SamplingInputs,
+    stop_ids: jax.Array,  # [B, K] (-1 padding)
+    *,
+    cfg: OPTConfig,
+    num_steps: int,
+    greedy: bool,
+) -> tuple[jax.Array, PagedKVCache]:
+    """`num_steps` paged decode steps in one program: sample on device, stop rows on device.
+
+    A row stops after a stop token or its last allowed token; a stopped row writes no KV and
+    reports -1 for the remaining steps. Returns tokens [B, num_steps] and the pool.
+    """
+
+    def body(k: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        tok, pos, act, rem, c, out = carry
+        lengths = act.astype(jnp.int32)
+        x = opt.embed(params, cfg, tok[:, None], pos[:, None])
+        x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables)
+        logits = opt.lm_head(params, cfg, x[:, 0])  # [B, V]
+        new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
+        out = out.at[:, k].set(jnp.where(act, new, -1))
+        stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (rem <= 1)
+        return new, pos + 1, act & ~stop, rem - 1, c, out
+
+    out = jnp.full((tokens.shape[0], num_steps), -1, jnp.int32)
+    carry = (tokens, starts, active, remaining, cache, out)
+    *_, cache, out = jax.lax.fori_loop(0, num_steps, body, carry)
+    return out, cache
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux); else free physical pages; else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def filled_blocks(row: StepRow, block_size: int) -> int:
+    """Blocks of `row.block_table` that hold a position after this step: ceil((start + tokens) / block_size)."""
+    return min(len(row.block_table), -(-(row.start_position + len(row.token_ids)) // block_size))
 
 
 def opt_engine_factory(

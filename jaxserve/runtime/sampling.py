@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,38 @@ def _sample_row(
 _sample_batch = jax.jit(jax.vmap(_sample_row))
 
 
+class SamplingInputs(NamedTuple):
+    """Per-row sampling parameters as arrays [B] (padding rows greedy), ready to go to the device."""
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int32
+    top_p: np.ndarray  # float32
+    seed_hi: np.ndarray  # uint32
+    seed_lo: np.ndarray  # uint32
+    sample_index: np.ndarray  # uint32: each row's sample index (its position in its output)
+
+
+def sampling_inputs(
+    params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int], batch: int
+) -> SamplingInputs:
+    pad = batch - len(params)
+    seeds_arr = np.array(list(seeds) + [0] * pad, dtype=np.uint64)
+    return SamplingInputs(
+        temperature=np.array([p.temperature for p in params] + [0.0] * pad, dtype=np.float32),
+        top_k=np.array([p.top_k for p in params] + [0] * pad, dtype=np.int32),
+        top_p=np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32),
+        seed_hi=(seeds_arr >> np.uint64(32)).astype(np.uint32),
+        seed_lo=(seeds_arr & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+        sample_index=np.array(list(indices) + [0] * pad, dtype=np.uint32),
+    )
+
+
+def sample_traced(logits: jax.Array, inputs: SamplingInputs, offset: jax.Array | int = 0) -> jax.Array:
+    """`sample` inside a traced program: row b draws its sample `inputs.index[b] + offset`. -> [B] int32."""
+    index = jnp.asarray(inputs.sample_index) + jnp.asarray(offset, jnp.uint32)
+    return _sample_batch(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed_hi, inputs.seed_lo, index)
+
+
 def sample(
     logits: jax.Array, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
 ) -> jax.Array:
@@ -68,13 +101,4 @@ def sample(
     """
     if all(p.is_greedy for p in params):
         return _greedy(logits)
-    b = logits.shape[0]
-    pad = b - len(params)
-    temperature = np.array([p.temperature for p in params] + [0.0] * pad, dtype=np.float32)
-    top_k = np.array([p.top_k for p in params] + [0] * pad, dtype=np.int32)
-    top_p = np.array([p.top_p for p in params] + [1.0] * pad, dtype=np.float32)
-    seeds_arr = np.array(list(seeds) + [0] * pad, dtype=np.uint64)
-    seed_hi = (seeds_arr >> np.uint64(32)).astype(np.uint32)
-    seed_lo = (seeds_arr & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    index = np.array(list(indices) + [0] * pad, dtype=np.uint32)
-    return _sample_batch(logits, temperature, top_k, top_p, seed_hi, seed_lo, index)
+    return _sample_batch(logits, *sampling_inputs(params, seeds, indices, logits.shape[0]))

@@ -1,0 +1,81 @@
+"""OPTEngine warm-up (every bucket the limits allow), KV pool sizing, persistent compilation cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxserve.runtime.engine import StepBatch, StepRow
+from jaxserve.runtime.opt_engine import OPTEngine, _host_available_bytes, enable_compilation_cache
+from jaxserve.runtime.request import SamplingParams
+from models.sharding import ShardedOPT
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine() -> OPTEngine:
+    return OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+
+
+def _paged_cache_size(engine: OPTEngine) -> int:
+    return sum(fn._cache_size() for key, fn in engine.model._fns.items() if key[0] == "paged")  # type: ignore[attr-defined]
+
+
+def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: OPTEngine) -> None:
+    report = engine.warmup(
+        num_blocks=8, block_size=4, max_decode_batch_size=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
+    )
+    # prefill: 16-token prompts, 1 or 2 rows (2 x 16 <= 32); decode: rows {2, 4} x widths {1, 2, 4};
+    # chunks: one 16-token row at every width
+    assert report.prefill_shapes == ((1, 16), (2, 16))
+    assert report.step_shapes == (
+        (2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 1), (4, 1, 2), (4, 1, 4), (1, 16, 1), (1, 16, 2), (1, 16, 4),
+    )  # fmt: skip
+    assert report.num_programs == 11 and report.seconds > 0
+    compiled = _paged_cache_size(engine)
+    pages = engine.init_pages(8, 4)
+    rows = tuple(StepRow(f"r{i}", (5,), 6, (i, 4 + i), GREEDY, 0, 0) for i in range(3))  # 3 rows -> 4, width 2
+    _, pages = engine.decode_step(StepBatch(rows), pages)
+    assert _paged_cache_size(engine) == compiled
+
+
+def test_warmup_on_a_pool_returns_it(engine: OPTEngine) -> None:
+    pages = engine.init_pages(8, 4)
+    report = engine.warmup(
+        num_blocks=8, block_size=4, max_decode_batch_size=2, max_seq_len=4, prefill=False, pages=pages
+    )
+    assert report.step_shapes == ((2, 1, 1),)
+    assert report.pages is not None and report.pages[0].k.shape == pages[0].k.shape
+
+
+def test_kv_block_bytes_is_exact(engine: OPTEngine) -> None:
+    # opt-tiny: 2 layers x 4 heads x 16 head dims, K and V, float32
+    assert engine.kv_block_bytes(16) == 2 * 2 * 16 * 4 * 16 * 4
+    tp2 = OPTEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
+    assert tp2.kv_block_bytes(16) == 2 * 2 * 16 * 2 * 16 * 4  # heads split over tp
+
+
+def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(engine: OPTEngine) -> None:
+    share = 1 / len(jax.devices("cpu"))
+    expected = 0.5 * _host_available_bytes() * share / engine.kv_block_bytes(16)
+    got = engine.kv_blocks_for_memory(16, memory_fraction=0.5)
+    assert abs(got - expected) / expected < 0.05  # MemAvailable moves a little between the two reads
+    assert engine.kv_blocks_for_memory(16, memory_fraction=0.5, max_blocks=300) == 300
+    # tp=2: each device holds half of every block, so twice the blocks fit in the same per-device share
+    tp2 = OPTEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
+    assert abs(tp2.kv_blocks_for_memory(16, memory_fraction=0.5) - 2 * expected) / (2 * expected) < 0.05
+    with pytest.raises(ValueError, match="memory_fraction"):
+        engine.kv_blocks_for_memory(16, memory_fraction=0.0)
+
+
+def test_enable_compilation_cache_sets_the_directory(tmp_path: Path) -> None:
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        path = enable_compilation_cache(tmp_path / "xla")
+        assert path == (tmp_path / "xla").absolute() and path.is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
