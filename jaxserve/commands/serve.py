@@ -48,13 +48,10 @@ def compile_cache_dir(value: str | None) -> Path | None:
 
 
 def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (created if missing)."""
-    import jax
+    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX)."""
+    from jaxserve.runtime.opt_engine import enable_compilation_cache
 
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    enable_compilation_cache(directory, min_compile_time_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", default=None, help="--engine timed: the latency profile (built-in name or JSON file) it sleeps"
     )
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compilation) before the ready line")
+    parser.add_argument(
+        "--warmup-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm-up compiles every padded shape the limits allow, not only one request's (default: on)",
+    )
     parser.add_argument(
         "--compile-cache",
         metavar="DIR",
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout,
+        warmup_buckets=args.warmup_buckets,
     )
     try:
         engine_factory: EngineFactory | None = None

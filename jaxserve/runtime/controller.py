@@ -58,7 +58,7 @@ from jaxserve.plan import DeploymentPlan
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
-from jaxserve.runtime.engine import DecodeEngine, PrefillEngine
+from jaxserve.runtime.engine import BucketWarmable, DecodeEngine, PrefillEngine
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -101,6 +101,7 @@ class ControllerConfig:
     drain_timeout_s: float = 30.0
     num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
+    warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
 
 
 _END = object()
@@ -301,8 +302,16 @@ class Controller:
             inst.start()
 
     def warmup(self) -> float:
-        """One short request through every front instance (compiles the first shapes); seconds taken."""
+        """Compile before the first client; seconds taken.
+
+        With `warmup_buckets`, every engine that can (`BucketWarmable`) first runs each padded shape its
+        instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table
+        widths up to the longest sequence; chunk shapes), so no user waits on XLA. Then one short
+        request goes through every front instance, which also warms the hand-off path.
+        """
         started = time.monotonic()
+        if self.config.warmup_buckets:
+            self._warm_buckets()
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
         bos = self.model_config.bos_token_id
         sampling = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -310,6 +319,42 @@ class Controller:
         for stream in streams:
             stream.collect(timeout_s=600)
         return time.monotonic() - started
+
+    def _warm_buckets(self) -> None:
+        max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
+        cfg = self.config
+        for p in self.prefill_instances:
+            if isinstance(p.engine, BucketWarmable):
+                p.engine.warmup(
+                    num_blocks=1,
+                    block_size=cfg.block_size,
+                    max_batch_tokens=p.config.max_batch_tokens,
+                    max_seq_len=self.max_prompt_tokens,
+                    max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
+                    decode=False,
+                )
+        pooled: list[DecodeInstance | ColocatedInstance] = [*self.decode_instances, *self.colocated_instances]
+        for inst in pooled:
+            if not isinstance(inst.engine, BucketWarmable):
+                continue
+            # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
+            chunk = (
+                (inst.config.chunk_size or inst.config.max_batch_tokens)
+                if isinstance(inst, ColocatedInstance)
+                else None
+            )
+            with inst.cond:  # no request is running yet; the pool is the instance's own
+                warmed = inst.engine.warmup(
+                    num_blocks=inst.config.num_blocks,
+                    block_size=inst.config.block_size,
+                    max_decode_batch_size=inst.config.max_batch_size,
+                    max_seq_len=max_seq_len,
+                    chunk_size=chunk,
+                    prefill=False,
+                    pages=inst.pages,
+                )
+                if warmed.pages is not None:
+                    inst.pages = warmed.pages
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""

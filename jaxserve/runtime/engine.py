@@ -183,6 +183,33 @@ class LocalDecodeEngine(DecodeEngine, Protocol):
 
 
 @runtime_checkable
+class BucketWarmable(Protocol):
+    """An engine that can compile every padded shape the serving limits allow before traffic (`OPTEngine`)."""
+
+    def warmup(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_decode_batch_size: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        prefill: bool = True,
+        decode: bool = True,
+        pages: KVPages | None = None,
+        max_prefill_rows: int | None = None,
+    ) -> WarmedPages: ...
+
+
+class WarmedPages(Protocol):
+    """What a warm-up hands back: the pool it was given, after steps that wrote nothing."""
+
+    @property
+    def pages(self) -> KVPages | None: ...
+
+
+@runtime_checkable
 class Engine(PrefillEngine, LocalDecodeEngine, Protocol):
     """Both roles in one process (`OPTEngine`, `FakeEngine`): what the embedded factories build."""
 

@@ -70,6 +70,11 @@ class WarmupReport:
         return len(self.prefill_shapes) + len(self.step_shapes)
 
 
+def _prompt_buckets(max_len: int, max_positions: int) -> list[int]:
+    """The padded lengths `bucket(n, MIN_PROMPT_BUCKET, max_positions)` takes for 1 <= n <= max_len."""
+    return sorted({bucket(t, MIN_PROMPT_BUCKET, max_positions) for t in _powers_of_two(MIN_PROMPT_BUCKET, max_len)})
+
+
 def _powers_of_two(lo: int, hi: int) -> list[int]:
     out, n = [], bucket(lo)
     while n <= bucket(hi):
@@ -86,7 +91,7 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
     """
     if cache_dir is None:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        cache_dir = base / "jaxserve" / "xla"
+        cache_dir = base / "jaxserve" / "xla"  # the same default as `jaxserve serve --compile-cache`
     path = Path(cache_dir).expanduser().absolute()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -169,13 +174,19 @@ class OPTEngine:
         prefill: bool = True,
         decode: bool = True,
         pages: KVPages | None = None,
+        max_prefill_rows: int | None = None,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
-        Prefill: rows x tokens buckets with rows * tokens <= max(max_batch_tokens, tokens).
+        Prefill: every (rows, tokens) bucket some batch can land in — the smallest batch of the bucket
+        (rows/2 + 1 prompts, the longest tokens/2 + 1 long, the others one token each) fits the token
+        cap — with rows up to `max_prefill_rows` (a prefill instance's buffer slots), plus a single
+        prompt of every length bucket up to `max_seq_len` (a longer prompt than the cap runs alone).
+        Decode side: also the insert of a pulled KV of every length bucket.
         Decode: row buckets up to `max_decode_batch_size` x table widths up to the blocks
-        `max_seq_len` positions fill. Colocated chunked prefill (`chunk_size`): one chunk row of
-        each token bucket up to the chunk, at every table width. Pass the instance's `pages` to
+        `max_seq_len` positions fill. Colocated prefill (`chunk_size`: the step's prompt-token budget,
+        the chunk or the token cap): every (rows, tokens) bucket of prompt rows that budget allows, at
+        every table width. Pass the instance's `pages` to
         warm on its pool (returned in the report); otherwise a pool of `num_blocks` is made and
         dropped. Sampling is warmed too (greedy and random). Returns what was compiled and how long.
         """
@@ -186,16 +197,33 @@ class OPTEngine:
         rand = SamplingParams(temperature=1.0, top_p=0.9)
         prefill_shapes: list[tuple[int, int]] = []
         if prefill:
-            for t in _powers_of_two(MIN_PROMPT_BUCKET, min(max_len, max_batch_tokens)):
-                t_pad = bucket(t, MIN_PROMPT_BUCKET, cfg.max_position_embeddings)
-                for b in _powers_of_two(1, max(1, max_batch_tokens // t_pad)):
-                    items = [
-                        PrefillItem(f"warm{i}", (cfg.pad_token_id,) * t_pad, rand if i == 0 else greedy, 0)
-                        for i in range(b)
-                    ]
-                    self.prefill(items)
-                    if b > 1:  # the all-greedy sampler of this row count as well
-                        self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
+            for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
+                t_min = 1 if t_pad == MIN_PROMPT_BUCKET else t_pad // 2 + 1
+                rows = [
+                    b
+                    for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
+                    if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
+                ]
+                # Each row's KV is cut to its own padded length: rows of every shorter bucket too.
+                shorter = [n for n in _prompt_buckets(t_pad, cfg.max_position_embeddings) if n < t_pad]
+                for b in rows:
+                    others = shorter or [t_pad]
+                    batches = (
+                        [[t_pad]]
+                        if b == 1
+                        else [
+                            [t_pad] + [others[(k + j) % len(others)] for j in range(b - 1)]
+                            for k in range(0, len(others), b - 1)
+                        ]
+                    )
+                    for k, lengths in enumerate(batches):
+                        items = [
+                            PrefillItem(f"warm{i}", (cfg.pad_token_id,) * n, rand if i == 0 else greedy, 0)
+                            for i, n in enumerate(lengths)
+                        ]
+                        self.prefill(items)
+                        if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
+                            self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
                     prefill_shapes.append((b, t_pad))
         step_shapes: list[tuple[int, int, int]] = []
         if decode or chunk_size:
@@ -204,8 +232,12 @@ class OPTEngine:
             shapes: list[tuple[int, int, int]] = []
             if decode:
                 shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch_size) for m in widths]
-            if chunk_size:
-                shapes += [(1, t, m) for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size) for m in widths]
+            if chunk_size:  # prompt rows: a step's prompt-token budget may be split over several prompts
+                for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size):
+                    t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
+                    for b in _powers_of_two(1, max(1, min(max_decode_batch_size, chunk_size))):
+                        if b == 1 or b // 2 + t_min <= chunk_size:
+                            shapes += [(b, t, m) for m in widths]
             for b, t, m in shapes:
                 tokens = np.full((b, t), cfg.pad_token_id, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -213,7 +245,19 @@ class OPTEngine:
                 sample(logits, [greedy] * b, [0] * b, [0] * b)
                 jax.block_until_ready(sample(logits, [rand] * b, [0] * b, [0] * b))
                 step_shapes.append((b, t, m))
-            pages = tuple(StagePages(k=c.k, v=c.v) for c in caches) if pages is not None else None
+            warmed = tuple(StagePages(k=c.k, v=c.v) for c in caches)
+            if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
+                layout = self.kv_layout()
+                for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
+                    kv = tuple(
+                        StageKV(
+                            k=jax.device_put(np.zeros((n, t_pad, *page.k.shape[3:]), page.k.dtype), sharding),
+                            v=jax.device_put(np.zeros((n, t_pad, *page.v.shape[3:]), page.v.dtype), sharding),
+                        )
+                        for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
+                    )
+                    warmed = write_sequence(warmed, kv, 0, [0])
+            pages = warmed if pages is not None else None
         seconds = time.perf_counter() - t0
         log.info(
             "warm-up compiled %d prefill and %d step shapes in %.1f s", len(prefill_shapes), len(step_shapes), seconds

@@ -1,0 +1,83 @@
+"""Cold buckets: after `Controller.warmup()` with `warmup_buckets`, no request shape the limits allow compiles.
+
+The issue: the server compiled only batch size 1 before `ready`, so the first users of every other
+batch / prompt / table-width bucket waited on XLA. JAX's own compile log is the witness: with
+`jax_log_compiles` on, every compilation logs a line; a burst of mixed requests after the warm-up
+must log none.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxserve.plan import parse_deployment
+from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.testing.hf import make_hf_checkpoint
+from models.config import get_config
+
+CFG = get_config("opt-tiny")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-warm"), CFG, seed=5)
+
+
+class _Compiles(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "Compiling" in msg or "compilation" in msg.lower():
+            self.lines.append(msg)
+
+
+def _burst(c: Controller, tag: str) -> None:
+    """Mixed prompt lengths and batch sizes, greedy and sampled, all at once."""
+    reqs = []
+    for i in range(11):
+        prompt = (2, *range(10, 10 + 3 * i + 1))  # 2 .. 32 tokens: several prompt buckets
+        sampling = SamplingParams(max_tokens=3 + i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        reqs.append(GenerateRequest(f"{tag}-{i}", prompt, sampling))
+    streams = [c.submit(r) for r in reqs]
+    for s in streams:
+        s.collect(timeout_s=300)
+
+
+@pytest.mark.parametrize(
+    "spec", ["disagg:prefill=tp1,decode=tp1", pytest.param("colocated:tp1,chunk=16", marks=pytest.mark.slow)]
+)
+def test_after_bucket_warmup_no_request_compiles(spec: str, checkpoint: Path) -> None:
+    config = ControllerConfig(
+        block_size=4,
+        num_kv_blocks=64,
+        max_batch_tokens=64,
+        max_decode_batch_size=16,
+        max_prompt_tokens=40,
+        max_tokens_limit=24,
+        warmup_buckets=True,
+    )
+    c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
+    handler = _Compiles()
+    logger = logging.getLogger("jax")
+    c.start()
+    try:
+        c.warmup()
+        logger.addHandler(handler)
+        jax.config.update("jax_log_compiles", True)  # global: the instances compile on their own threads
+        jax.jit(lambda x: x * 3 + 1)(jax.numpy.ones(7)).block_until_ready()  # the witness sees a compile
+        assert handler.lines, "jax_log_compiles logged nothing for a fresh program: the check would be blind"
+        handler.lines.clear()
+        _burst(c, "after")
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+        c.shutdown()
+    assert handler.lines == [], f"{len(handler.lines)} compilations after the warm-up, first: {handler.lines[:2]}"
