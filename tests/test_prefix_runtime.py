@@ -251,3 +251,18 @@ def test_nothing_stays_pinned_after_cancels_and_faults(spec, factory, transfer_e
         assert c.stats().num_live_requests == 0
     finally:
         c.shutdown(drain_timeout_s=0)
+
+
+def test_samples_of_one_prompt_share_its_blocks() -> None:
+    """n > 1: the samples after the first find the prompt cached (a duplicate waits one batch for it)."""
+    c = _controller("disagg:prefill=tp1,decode=tp1", prefix_caching=True)
+    try:
+        streams = [c.submit(_req(f"n{j}", P1)) for j in range(3)]
+        lasts = [s.collect(timeout_s=60) for s in streams]
+        assert all(ids == reference_tokens(P1, 6, V) for ids, _ in lasts)
+        cached = sorted(last.timings.cached_prompt_tokens for _, last in lasts)
+        assert cached == [0, 16, 16]  # 20 tokens: 2 full blocks shared, the 4-token tail computed again
+        assert c.prefill_instances[0].num_computed_tokens == 20 + 4 + 4
+        _assert_nothing_pinned(c)
+    finally:
+        c.shutdown(drain_timeout_s=0)

@@ -262,21 +262,36 @@ class PrefillInstance(Worker):
 
     # ---- prefix caching ------------------------------------------------------
     def _acquire(self, batch: list[LiveRequest]) -> dict[str, CacheHit]:
-        """Under the lock: pin each member's cached prefix; members that do not fit go back to the queue head."""
+        """Under the lock: pin each member's cached prefix; members that wait go back to the queue head.
+
+        A member whose prompt equals an earlier member's (the samples of an `n` > 1 request) waits
+        for the next batch, where it finds that prompt's blocks cached instead of computing them
+        again; a member the pool cannot take now waits too (with everything after it).
+        """
         if self._paged is None:
             return {}
         hits: dict[str, CacheHit] = {}
-        for k, live in enumerate(batch):
+        kept: list[LiveRequest] = []
+        back: list[LiveRequest] = []
+        seen: set[tuple[int, ...]] = set()
+        full = False
+        for live in batch:
             ids = live.prefill_token_ids
+            if full or (len(ids) > self.cache.block_size and ids in seen):
+                back.append(live)  # after one that did not fit (FCFS), or a duplicate of an earlier prompt
+                continue
             try:
                 hits[live.request_id] = self.cache.acquire(
                     live.request_id, ids, len(ids), names=live.block_names(self.cache.block_size)
                 )
             except OutOfBlocksError:
-                for back in reversed(batch[k:]):
-                    self._queue.appendleft(back)
-                del batch[k:]
-                break
+                full = True
+                back.append(live)
+                continue
+            kept.append(live)
+            seen.add(ids)
+        self._queue.extendleft(reversed(back))
+        batch[:] = kept
         return hits
 
     def _prefill_paged(
