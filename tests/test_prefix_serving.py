@@ -32,6 +32,6 @@ def test_http_and_grpc_report_the_cached_prompt_tokens(server) -> None:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # 4 blocks; the last token is computed
     assert second["usage"]["prompt_tokens"] == 18
     with Client(server.grpc_address) as client:
-        chunks = list(client.stream(prompt_ids=PROMPT + [99, 98], max_tokens=4, ignore_eos=True))
+        chunks = list(client.stream(prompt_ids=[*PROMPT, 99, 98], max_tokens=4, ignore_eos=True))
     final = chunks[-1]
     assert final.finished and final.num_cached_tokens == 16  # 20 tokens: the 4 cached blocks of PROMPT
