@@ -257,7 +257,11 @@ class PrefillInstance(Worker):
             self._on_prefilled(self, live)
         done = now()
         lengths = tuple(len(item.token_ids) for item in items)
-        self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
+        if any(hit.num_cached_tokens for hit in hits.values()):
+            # Suffixes over cached prefixes are not whole prompts: not a "prefill" to fit the latency model on.
+            self.record_step(StepRecord("mixed", done - decided_at, batch=len(items), at=done))
+        else:
+            self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
         return True
 
     # ---- prefix caching ------------------------------------------------------
