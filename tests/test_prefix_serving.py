@@ -35,3 +35,16 @@ def test_http_and_grpc_report_the_cached_prompt_tokens(server) -> None:
         chunks = list(client.stream(prompt_ids=[*PROMPT, 99, 98], max_tokens=4, ignore_eos=True))
     final = chunks[-1]
     assert final.finished and final.num_cached_tokens == 16  # 20 tokens: the 4 cached blocks of PROMPT
+
+
+def test_metrics_export_the_prefix_cache(server) -> None:
+    from serving_helpers import metric_value
+
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        for _ in range(2):  # the second finds the first's blocks
+            http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
+        text = http.get("/metrics").text
+    labels = {"instance": "prefill-0", "role": "prefill"}
+    assert metric_value(text, "jaxserve:prefix_cache_hit_tokens", labels) >= 16
+    assert metric_value(text, "jaxserve:prefix_cache_query_tokens", labels) >= 18
+    assert metric_value(text, "jaxserve:prefix_cache_blocks", labels) >= 4
