@@ -48,6 +48,10 @@ class RequestRecord:
     error: str | None = None
     server_ttft_s: float | None = None  # the server's own view, when it reports one
     server_tpot_s: float | None = None
+    cached_tokens: int | None = None  # prompt tokens the server served from a prefix cache (usage)
+    kv_transfer_bytes: int | None = None  # KV bytes the server moved for this request
+    conversation: int | None = None  # multi-turn workloads: which conversation, which turn
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -171,6 +175,13 @@ def summarize(records: Sequence[RequestRecord], slo: SloSpec | None = None) -> d
     out["tpot_s"] = _stats([r.tpot_s for r in done if r.num_output_tokens > 1])
     out["itl_s"] = _stats([g for r in done for g in r.itl_s])
     out["e2e_s"] = _stats([r.e2e_s for r in done])
+    if any(r.cached_tokens is not None for r in done):
+        prompt = sum(r.input_len for r in done)
+        cached = sum(r.cached_tokens or 0 for r in done)
+        out["cached_tokens"] = cached
+        out["hit_rate"] = cached / prompt if prompt else 0.0
+    if any(r.kv_transfer_bytes is not None for r in done):
+        out["kv_transfer_bytes"] = sum(r.kv_transfer_bytes or 0 for r in done)
     if slo is not None:
         ttft, tpot = latency_arrays(records)
         good = int(np.sum((ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)))
@@ -200,6 +211,10 @@ def format_summary(summary: dict[str, Any], title: str = "") -> str:
         row(f"  TPOT≤{slo['tpot_s'] * 1e3:g}ms)", f"{summary['attainment'] * 100:.1f} %")
         row("Request goodput (req/s)", f"{summary['request_goodput']:.3f}")
         row("Tightest SLO scale at target", f"{summary['tightest_slo_scale']:.3f}")
+    if "hit_rate" in summary:
+        row("Prefix-cache hit rate (tokens)", f"{summary['hit_rate'] * 100:.1f} %")
+    if "kv_transfer_bytes" in summary:
+        row("KV bytes moved (MB)", f"{summary['kv_transfer_bytes'] / 1e6:.2f}")
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency")):
         lines.append(f" {label} (ms) ".center(width, "-"))
         stats = summary[key]

@@ -15,7 +15,8 @@ batching, admission and link model are the simulator's own. A request's life wit
    prefix there (`PrefixCache.acquire`).
 2. Prefill computes only the uncached suffix: a batch costs `prefill_stage_s(Σ new, Σ new·(new +
    2·cached), B)` (the chunked-prefill form of the latency model). When it finishes, the prompt's
-   full blocks are named in the prefill cache (`commit`); they stay pinned until the KV is pulled.
+   full blocks are named in the prefill cache (`commit`) and unpinned (`release`): the runtime's
+   prefill instance copies the prompt's KV out of its pool for the buffer at the end of the step.
 3. Decode choice prefers the instance holding the conversation's blocks; admission reserves the
    whole sequence (`admit_decodes` is unchanged and counts no credit for cached blocks), the decode
    cache pins the prompt's cached prefix, and the pull moves only the tokens it lacks
@@ -270,6 +271,8 @@ class PrefixSimulator(Simulator):
         cache = self.prefill_caches[k]
         for i in batch:
             cache.commit(str(i), self._prompt(i), self._prompt_names(i))
+            # The runtime copies the prompt's KV out of the pool for the buffer and unpins at once.
+            cache.release(str(i))
             self._pending_compute[k] -= int(self._computed[i])
         super()._on_prefill_done(k, batch)
 

@@ -16,6 +16,13 @@ E2E (vLLM `bench serve` definitions, see `jaxserve_bench/records.py`).
   bisected from `--rate` (`--max-probes`, `--rel-tol`).
 * `--sweep-slo-scale`: the tightest SLO scale each run still meets (exact, from its requests), and
   the attainment-vs-scale curve for `--plot`.
+* `--conversations N`: a multi-turn workload instead (`placement.conversations`): N conversations
+  over `--system-prompts` shared system prompts, each turn's prompt = the previous prompt + the
+  answer the server gave + `--user-tokens` new tokens, closed loop per conversation (the next turn
+  leaves `--think-time` seconds, exponential mean, after the last token; conversations start so
+  that requests arrive at about `--rate`). gRPC only; the summary adds the prefix-cache hit rate
+  (the server's `usage.cached_tokens`) and the KV bytes the server moved
+  (`jaxserve_bench/conversations.py`).
 * `--json FILE`: every run with every request's numbers; `--plot FILE.png`: attainment vs rate (and
   vs SLO scale), one line per target/deployment.
 """
@@ -58,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, help="write every run and request here")
     parser.add_argument("--plot", default=None, help="PNG: attainment vs rate (and vs SLO scale)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    conv = parser.add_argument_group("multi-turn workload (--conversations)")
+    conv.add_argument("--conversations", type=int, default=None, help="run N closed-loop conversations instead")
+    conv.add_argument("--system-prompts", type=int, default=8, help="distinct shared system prompts")
+    conv.add_argument("--system-tokens", type=int, default=256, help="tokens per system prompt")
+    conv.add_argument("--user-tokens", type=int, default=64, help="new user tokens per turn")
+    conv.add_argument("--answer-tokens", type=int, default=32, help="output tokens per turn")
+    conv.add_argument("--min-turns", type=int, default=2)
+    conv.add_argument("--max-turns", type=int, default=6)
+    conv.add_argument("--think-time", type=float, default=1.0, help="mean seconds between an answer and the next turn")
 
 
 def _fail(message: str) -> int:
@@ -89,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.ttft is None) != (args.tpot is None) or (needs_slo and args.ttft is None):
         return _fail("--ttft and --tpot go together (and are required by --sweep-*/--plot)")
     slo = SloSpec(args.ttft, args.tpot, args.attainment) if args.ttft is not None else None
+    if args.conversations is not None:
+        return _run_conversations(args, rates, slo)
     is_trace = args.workload.endswith(".jsonl")
     if not rates and not is_trace:
         return _fail("--rate or --rates is required (a .jsonl trace alone replays at its own times)")
@@ -206,6 +224,67 @@ def _measure(
             f"P90 TTFT {summary['ttft_s']['p90'] * 1e3:.1f} ms, P90 TPOT {summary['tpot_s']['p90'] * 1e3:.1f} ms{att}"
         )
     return attainment(bench.records, slo) if slo is not None else 1.0
+
+
+def _run_conversations(args: argparse.Namespace, rates: list[float], slo: Any) -> int:
+    """`--conversations`: one closed-loop multi-turn run per target and rate."""
+    import asyncio
+
+    import numpy as np
+
+    from jaxserve.client import AsyncClient
+    from jaxserve_bench import loadgen
+    from jaxserve_bench.conversations import grpc_sender, run_conversations
+    from jaxserve_bench.records import format_summary, summarize
+    from placement.conversations import ConversationSpec, generate_conversations
+
+    if args.http:
+        return _fail("--conversations runs over gRPC (it reads usage.cached_tokens); drop --http")
+    if args.conversations < 1 or not rates:
+        return _fail("--conversations needs N >= 1 and --rate (or --rates)")
+    if args.sweep_rates or args.sweep_slo_scale or args.plot:
+        return _fail("--conversations does not sweep or plot yet; give --rate/--rates")
+    output: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "targets": []}
+    for address in args.target:
+        target = loadgen.Target(address, False, args.api_key, None, args.timeout)
+        try:
+            info = loadgen.probe(target)
+        except Exception as e:
+            return _fail(f"cannot reach {address}: {e}")
+        try:
+            spec = ConversationSpec(
+                num_system_prompts=args.system_prompts,
+                system_prompt_tokens=args.system_tokens,
+                min_turns=args.min_turns,
+                max_turns=args.max_turns,
+                user_tokens=args.user_tokens,
+                answer_tokens=args.answer_tokens,
+                think_time_s=args.think_time,
+                max_positions=args.max_positions or info.max_positions or 2048,
+                vocab_size=args.vocab_size or info.vocab_size or 512,
+            )
+        except ValueError as e:
+            return _fail(str(e))
+        convs = generate_conversations(spec, args.conversations, np.random.default_rng(args.seed))
+        label = info.deployment or address
+        entry: dict[str, Any] = {"target": address, "deployment": info.deployment, "runs": []}
+        for rate in rates:
+            trace = convs.at_rate(rate)
+
+            async def main(trace: Any = trace, address: str = address) -> list[Any]:
+                async with AsyncClient(address, api_key=args.api_key, timeout_s=args.timeout) as client:
+                    return await run_conversations(trace, grpc_sender(client))
+
+            records = asyncio.run(main())
+            summary = summarize(records, slo)
+            entry["runs"].append({"rate": rate, "summary": summary, "requests": [r.to_dict() for r in records]})
+            title = f"{label} @ {rate:.3g} req/s, {args.conversations} conversations"
+            print(format_summary(summary, title))
+        output["targets"].append(entry)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(output, fh, indent=1, default=_json_default)
+    return 0
 
 
 def _closest_run(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:

@@ -119,6 +119,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
+    cache = parser.add_argument_group("prefix caching (docs/prefix_caching.md)")
+    cache.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep KV blocks content-addressed on every instance, compute and pull only uncached prompt parts, "
+        "route by cached prefix (embedded backend only)",
+    )
+    cache.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="conditional disaggregation: a prompt whose part uncached on its decode instance is shorter than "
+        "this is prefilled there, with no transfer (0: never)",
+    )
+    cache.add_argument(
+        "--prefill-kv-blocks",
+        type=int,
+        default=None,
+        help="a caching prefill instance's pool (default --num-kv-blocks)",
+    )
     parser.add_argument(
         "--cpus",
         default=None,
@@ -193,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxserve.runtime.controller import Controller, ControllerConfig
     from jaxserve.runtime.instances import place
+    from jaxserve.scheduling import PrefixPolicy
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
@@ -207,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout,
         warmup_buckets=args.warmup_buckets,
+        prefix_caching=args.prefix_caching,
+        prefill_num_kv_blocks=args.prefill_kv_blocks,
+        prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),
     )
     try:
         engine_factory: EngineFactory | None = None

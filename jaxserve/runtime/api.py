@@ -36,6 +36,10 @@ class InstanceStats:
     num_kv_blocks_free: int = 0
     num_prefill_buffer_used: int = 0  # prefilled sequences held until pulled
     prefill_buffer_capacity: int = 0
+    num_cached_blocks: int = 0  # prefix cache: named blocks held (pinned or evictable)
+    num_prefix_query_tokens: int = 0  # prefix cache: prompt tokens looked up since start
+    num_prefix_hit_tokens: int = 0  # ... and found cached
+    num_prefix_evictions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,7 @@ class ControllerStats:
     num_transfers: int
     kv_transfer_bytes: int
     faults: FaultStats
+    kv_transfer_tokens: int = 0  # positions pulled (a prefix cache on the decode side moves fewer)
 
 
 class ServingController(Protocol):

@@ -19,6 +19,11 @@ Loop (one thread, `Worker` shell), each `step()`:
    stop rules as on a decode instance; ended or cancelled requests free their
    blocks at once.
 
+Prefix caching (`ColocatedConfig.prefix_caching`): the pool is run by a `PrefixCache`; an
+admitted request pins its longest cached prefix and its prompt chunks start after it (the
+policy's chunk is cut to the uncached part); a completed prompt's full blocks are named, and a
+finished request names prompt + answer (but the last token) and unpins them.
+
 Inputs: `enqueue()` from the controller. Outputs: tokens through `emit()`.
 `load()` (dispatch) is `scheduling.colocated_load`, as in the simulator: a
 partially prefilled request holds its blocks and counts as running.
@@ -31,6 +36,7 @@ import dataclasses
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engine import DecodeEngine, StepBatch, StepRow
 from jaxserve.runtime.kv_pool import BlockAllocator
+from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
@@ -43,6 +49,7 @@ class ColocatedConfig:
     max_batch_size: int = 32
     max_batch_tokens: int = 512  # L_m for prefill-priority steps
     chunk_size: int | None = None  # set: Sarathi chunked prefill with piggybacked decodes
+    prefix_caching: bool = False  # prompts start after their longest cached prefix in this pool
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,7 +83,8 @@ class ColocatedInstance(Worker):
         super().__init__(name, emitter)
         self.engine = engine
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        self.allocator = self.cache.allocator
         self.pages = engine.init_pages(config.num_blocks, config.block_size)
         self._seqs: dict[str, _Seq] = {}  # arrival order
 
@@ -88,6 +96,11 @@ class ColocatedInstance(Worker):
             self._seqs[live.request_id] = _Seq.of(live)
             self.cond.notify_all()
 
+    def num_cached_tokens(self, live: LiveRequest) -> int:
+        """Prompt tokens of `live` this instance's cache would serve now (routing asks this)."""
+        with self.cond:
+            return self.cache.num_cached_tokens(live.prefill_token_ids, names=live.block_names(self.cache.block_size))
+
     def load(self) -> PrefillLoad:
         with self.cond:
             return colocated_load([s.policy_view() for s in self._seqs.values()])
@@ -97,7 +110,9 @@ class ColocatedInstance(Worker):
             running = sum(1 for s in self._seqs.values() if s.block_table is not None)
             return InstanceStats(
                 "colocated", self.name, self.error is None, len(self._seqs) - running, running,
-                num_kv_blocks_used=self.allocator.num_used, num_kv_blocks_free=self.allocator.num_free,
+                num_kv_blocks_used=self.cache.num_blocks - self.cache.num_available,
+                num_kv_blocks_free=self.cache.num_available,
+                **cache_stats(self.cache),
             )  # fmt: skip
 
     @property
@@ -114,7 +129,7 @@ class ColocatedInstance(Worker):
         with self.cond:
             if self._seqs.pop(request_id, None) is None:
                 return False
-            self.allocator.free(request_id)
+            self.cache.release(request_id)
             self.cond.notify_all()
             return True
 
@@ -123,7 +138,7 @@ class ColocatedInstance(Worker):
         seqs = list(self._seqs.values())
         decision = schedule_colocated(
             [s.policy_view() for s in seqs],
-            num_free_blocks=self.allocator.num_free,
+            num_free_blocks=self.cache.num_available,
             block_size=self.config.block_size,
             max_batch_size=self.config.max_batch_size,
             max_batch_tokens=self.config.max_batch_tokens,
@@ -131,20 +146,32 @@ class ColocatedInstance(Worker):
         )
         for reservation in decision.admit:
             rid = reservation.request_id
-            self._seqs[rid].block_table = self.allocator.allocate(rid, reservation.num_blocks)
+            s = self._seqs[rid]
+            hit = self.cache.acquire(
+                rid,
+                s.prefill_ids,
+                reservation.num_blocks * self.config.block_size,
+                names=s.live.block_names(self.config.block_size),
+            )
+            s.block_table, s.num_prefilled = hit.block_table, hit.num_cached_tokens
+            if s.live.timings.prefill_start_at is None:
+                s.live.timings.cached_prompt_tokens = hit.num_cached_tokens
         rows: list[StepRow] = []
         at = now()
         for chunk in decision.prefill:
             s = self._seqs[chunk.request_id]
             assert s.block_table is not None
+            start = max(chunk.start, s.num_prefilled)  # a cache hit on admission skips the cached prefix
+            if start >= chunk.start + chunk.num_tokens:
+                continue
             if s.live.timings.prefill_start_at is None:
                 s.live.timings.prefill_start_at = at
             prompt = s.prefill_ids
             rows.append(
                 StepRow(
                     request_id=chunk.request_id,
-                    token_ids=tuple(prompt[chunk.start : chunk.start + chunk.num_tokens]),
-                    start_position=chunk.start,
+                    token_ids=tuple(prompt[start : chunk.start + chunk.num_tokens]),
+                    start_position=start,
                     block_table=s.block_table,
                     sampling=s.live.request.sampling,
                     seed=s.live.seed,
@@ -178,7 +205,7 @@ class ColocatedInstance(Worker):
 
     def drop_all(self) -> None:
         for rid in self._seqs:
-            self.allocator.free(rid)
+            self.cache.release(rid)
         self._seqs.clear()
 
     def step(self) -> bool:
@@ -198,9 +225,10 @@ class ColocatedInstance(Worker):
                 if self._seqs.get(rid) is not s:  # cancelled during the step
                     continue
                 if row.is_prompt:
-                    s.num_prefilled += len(row.token_ids)
+                    s.num_prefilled = row.start_position + len(row.token_ids)
                     if s.num_prefilled < len(s.prefill_ids):
                         continue
+                    self.cache.commit(rid, s.prefill_ids, s.live.block_names(self.config.block_size))
                     if s.resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
                     s.live.timings.prefill_end_at = at
@@ -209,7 +237,8 @@ class ColocatedInstance(Worker):
                 emits.append((s.live, int(token), finish))
                 if finish is not None:
                     del self._seqs[rid]
-                    self.allocator.free(rid)
+                    self.cache.commit(rid, s.live.request.prompt_token_ids + tuple(s.live.output_ids[:-1]))
+                    self.cache.release(rid)
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
         whole = [

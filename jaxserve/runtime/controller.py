@@ -15,6 +15,15 @@ A request's life (disaggregated):
 4. The final `TokenChunk` carries `finish_reason` and the `RequestTimings`;
    the observer (metrics) hears about every finished request and transfer.
 
+Prefix caching (`ControllerConfig.prefix_caching`, off by default; see docs/prefix_caching.md):
+every instance keeps KV blocks content-addressed (`PrefixCache`), step 1 picks the prefill
+instance with `scheduling.choose_prefill_instance_cached` (cached prefix against queued uncached
+tokens), step 2 the decode instance with `choose_decode_instance_cached` (the one holding the
+conversation, within an imbalance bound), and a pull moves only what the decode instance lacks.
+Conditional disaggregation (`prefix_policy.local_prefill_tokens` > 0): in step 1 the decode
+instance is chosen first; when the part of the prompt it lacks is shorter than the threshold
+(`scheduling.prefill_locally`) it prefills the prompt itself (`enqueue_local`), no transfer.
+
 Colocated deployments skip 2-3: the colocated instance does both phases.
 `cancel()` (or `RequestStream.cancel()`, or cancelling the task consuming
 `generate()`) removes the request wherever it is and frees its blocks or
@@ -65,7 +74,16 @@ from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
-from jaxserve.scheduling import choose_decode_instance, choose_prefill_instance
+from jaxserve.scheduling import (
+    CachedDecodeLoad,
+    CachedPrefillLoad,
+    PrefixPolicy,
+    choose_decode_instance,
+    choose_decode_instance_cached,
+    choose_prefill_instance,
+    choose_prefill_instance_cached,
+    prefill_locally,
+)
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -102,6 +120,15 @@ class ControllerConfig:
     num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
     warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
+    prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
+    prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
+    prefix_policy: PrefixPolicy = dataclasses.field(
+        default_factory=PrefixPolicy
+    )  # routing weights and the local-prefill threshold
+
+    @property
+    def prefill_pool_blocks(self) -> int:
+        return self.num_kv_blocks if self.prefill_num_kv_blocks is None else self.prefill_num_kv_blocks
 
 
 _END = object()
@@ -224,7 +251,13 @@ class Controller:
             if p.spec.role == "prefill":
                 if not isinstance(p.engine, PrefillEngine):
                     raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
-                pc = PrefillConfig(max_batch_tokens=cfg.max_batch_tokens, buffer_capacity=cfg.prefill_buffer_capacity)
+                pc = PrefillConfig(
+                    max_batch_tokens=cfg.max_batch_tokens,
+                    buffer_capacity=cfg.prefill_buffer_capacity,
+                    prefix_caching=cfg.prefix_caching,
+                    num_blocks=cfg.prefill_pool_blocks,
+                    block_size=cfg.block_size,
+                )
                 self.prefill_instances.append(PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled))
                 continue
             if not isinstance(p.engine, DecodeEngine):
@@ -232,7 +265,7 @@ class Controller:
             if p.spec.role == "decode":
                 dc = DecodeConfig(
                     cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
-                    cfg.on_pull_failure,
+                    cfg.on_pull_failure, cfg.prefix_caching,
                 )  # fmt: skip
                 self.decode_instances.append(
                     DecodeInstance(p.name, p.engine, dc, self, make_transfer(p.engine), self._on_kv_transfer)
@@ -244,6 +277,7 @@ class Controller:
                     cfg.max_decode_batch_size,
                     cfg.max_batch_tokens,
                     p.spec.chunk_size,
+                    cfg.prefix_caching,
                 )
                 self.colocated_instances.append(ColocatedInstance(p.name, p.engine, cc, self))
         mc = self.model_config
@@ -333,6 +367,20 @@ class Controller:
                     max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
                     decode=False,
                 )
+                if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
+                    with p.cond:
+                        warmed = p.engine.warmup(
+                            num_blocks=p.config.num_blocks,
+                            block_size=p.config.block_size,
+                            max_decode_batch_size=p.config.buffer_capacity,
+                            max_seq_len=self.max_prompt_tokens,
+                            chunk_size=p.config.max_batch_tokens,
+                            prefill=False,
+                            decode=False,
+                            pages=p.pages,
+                        )
+                        if warmed.pages is not None:
+                            p.pages = warmed.pages
         pooled: list[DecodeInstance | ColocatedInstance] = [*self.decode_instances, *self.colocated_instances]
         for inst in pooled:
             if not isinstance(inst.engine, BucketWarmable):
@@ -407,6 +455,13 @@ class Controller:
                 field="max_tokens",
             )
         capacity = self.config.num_kv_blocks * self.config.block_size
+        if self.config.prefix_caching and self.prefill_instances:
+            prefill_capacity = self.config.prefill_pool_blocks * self.config.block_size
+            if len(prompt) > prefill_capacity:
+                raise InvalidRequestError(
+                    f"prompt ({len(prompt)}) exceeds a prefill instance's KV pool ({prefill_capacity} tokens)",
+                    field="prompt_token_ids",
+                )
         if total > capacity:
             raise InvalidRequestError(
                 f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({capacity} tokens)", field="max_tokens"
@@ -439,12 +494,54 @@ class Controller:
             live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
             stream = RequestStream(request.request_id, self)
             self._live[request.request_id] = (live, stream)
-            target = alive[choose_prefill_instance([inst.load() for inst in alive])]
+            local = self._local_prefill_target(live)
+            target = alive[self._choose_front(alive, live)]
         try:
-            target.enqueue(live)
+            if local is not None:
+                local.enqueue_local(live)
+            else:
+                target.enqueue(live)
         except JaxServeError as e:
             self.fail(live, e)
         return stream
+
+    # ---- routing -----------------------------------------------------------------
+    def _choose_front(self, alive: Sequence[PrefillInstance | ColocatedInstance], live: LiveRequest) -> int:
+        """The prefill (or colocated) instance for `live`: cache-aware when caching is on."""
+        if not self.config.prefix_caching:
+            return choose_prefill_instance([inst.load() for inst in alive])
+        bs = self.config.block_size
+        loads = []
+        for inst in alive:
+            load = inst.load()
+            loads.append(
+                CachedPrefillLoad(inst.num_cached_tokens(live) // bs, load.num_queued_tokens, load.num_queued_requests)
+            )
+        return choose_prefill_instance_cached(loads, self.config.prefix_policy.weight(bs))
+
+    def _choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
+        if not self.config.prefix_caching:
+            return choose_decode_instance([d.load() for d in alive])
+        bs = self.config.block_size
+        loads = []
+        for d in alive:
+            load = d.load()
+            cached = d.num_cached_tokens(live) // bs
+            loads.append(CachedDecodeLoad(cached, load.num_running, load.num_waiting, load.num_free_blocks))
+        return choose_decode_instance_cached(loads, self.config.prefix_policy.max_decode_imbalance)
+
+    def _local_prefill_target(self, live: LiveRequest) -> DecodeInstance | None:
+        """Conditional disaggregation: the decode instance that should prefill `live` itself, or None."""
+        threshold = self.config.prefix_policy.local_prefill_tokens
+        if not self.config.prefix_caching or threshold <= 0 or not self.prefill_instances:
+            return None
+        alive = [d for d in self.decode_instances if d.error is None]
+        if not alive:
+            return None
+        decode = alive[self._choose_decode(alive, live)]
+        if prefill_locally(live.num_prefill_tokens, decode.num_cached_tokens(live, 1), threshold):
+            return decode
+        return None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Async token stream; cancelling the consuming task cancels the request."""
@@ -508,7 +605,7 @@ class Controller:
         if not alive:
             self.fail(live, EngineDeadError("every decode instance is dead"))
             return
-        target = alive[choose_decode_instance([d.load() for d in alive])]
+        target = alive[self._choose_decode(alive, live)]
         try:
             target.enqueue_pull(live, source)
         except JaxServeError as e:
@@ -554,7 +651,7 @@ class Controller:
         if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
             self.fail(live, EngineDeadError(f"{why}, and no live instance is left to continue {live.request_id!r}"))
             return
-        target = alive[choose_prefill_instance([inst.load() for inst in alive])]
+        target = alive[self._choose_front(alive, live)]
         log.warning(
             "continuing %s (%d tokens streamed) on %s: %s", live.request_id, len(live.output_ids), target.name, why
         )
@@ -574,6 +671,7 @@ class Controller:
             num_transfers=sum(d.num_transfers for d in self.decode_instances),
             kv_transfer_bytes=sum(d.kv_transfer_bytes for d in self.decode_instances),
             faults=self.faults.snapshot(),
+            kv_transfer_tokens=sum(d.kv_transfer_tokens for d in self.decode_instances),
         )
 
     def fault_stats(self) -> FaultStats:

@@ -25,6 +25,19 @@ Loop (one thread, `Worker` shell), each `step()`:
    sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
    or cancelled sequence returns its blocks to the free list immediately.
 
+Prefix caching (`DecodeConfig.prefix_caching`): the pool is run by a `PrefixCache`.
+Admission pins the longest cached prefix of the prompt (`acquire(..., min_uncached_tokens=0)`)
+and the pull moves only positions `c = hit.num_cached_tokens ..` (a dense slice of the prefill
+side's KV, `kv_pool.slice_sequence`), written into the blocks from `c // block_size` on; the
+prompt's full blocks are then named (`commit`). A finished request names its blocks of prompt +
+answer (but the last token, whose KV is never computed) and unpins them, so the next turn of a
+conversation finds them. `enqueue_local()` is conditional disaggregation: the request was never
+prefilled elsewhere; after admission its uncached prompt suffix rides as a prompt row
+(`StepRow(is_prompt=True)`) in the next decode step with the running decodes, whose sample is its
+first token. Every path that ends a request here (finish, cancel, failed pull, death) calls
+`cache.release` exactly once for it (idempotent anyway). Without caching the cache is a plain
+allocator front (`PrefixCache(enabled=False)`).
+
 Inputs: `enqueue_pull()` from the controller (a request and the prefill
 instance holding its KV). Outputs: tokens through `emit()`, lost KVs through
 `recompute()`, per-request pull failures through `fail()`, transfer sizes and
@@ -44,10 +57,11 @@ from collections.abc import Callable
 from typing import Literal
 
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.engine import DecodeEngine, StepBatch, StepRow
-from jaxserve.runtime.kv_pool import BlockAllocator
+from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, StepBatch, StepRow, bucket
+from jaxserve.runtime.kv_pool import BlockAllocator, slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
-from jaxserve.runtime.prefill_instance import PrefillInstance
+from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
+from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes
@@ -64,12 +78,14 @@ class DecodeConfig:
     max_batch_size: int = 32
     num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
+    prefix_caching: bool = False  # keep finished requests' blocks cached; pull only what is missing
 
 
 @dataclasses.dataclass(eq=False)
 class _Running:
     live: LiveRequest
     block_table: tuple[int, ...]
+    prompt_from: int | None = None  # a local prefill: its prompt row (positions prompt_from..) is still to run
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,6 +93,7 @@ class _Pull:
     live: LiveRequest
     source: PrefillInstance
     block_table: tuple[int, ...]
+    num_cached_tokens: int = 0  # prompt positions this instance already holds (not pulled)
     handle: TransferHandle | None = None
     num_failures: int = 0
 
@@ -98,13 +115,18 @@ class DecodeInstance(Worker):
         self.config = config
         self.transfer: KVTransfer = transfer or InProcessTransfer(engine)
         self._on_transfer = on_transfer
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        self.allocator = self.cache.allocator
         self.pages = engine.init_pages(config.num_blocks, config.block_size)
-        self._pending: collections.deque[tuple[LiveRequest, PrefillInstance]] = collections.deque()
+        # (request, the prefill instance holding its KV, or None: prefill it here)
+        self._pending: collections.deque[tuple[LiveRequest, PrefillInstance | None]] = collections.deque()
         self._pulling: dict[str, _Pull] = {}
         self._running: dict[str, _Running] = {}
         self.num_transfers = 0
         self.kv_transfer_bytes = 0
+        self.kv_transfer_tokens = 0  # positions pulled (prompt minus what this cache held)
+        self.num_local_prefills = 0
+        self.num_local_prefill_tokens = 0  # prompt tokens computed here by local prefills
 
     # ---- controller side (thread-safe) --------------------------------------
     def enqueue_pull(self, live: LiveRequest, source: PrefillInstance) -> None:
@@ -117,19 +139,38 @@ class DecodeInstance(Worker):
             self._pending.append((live, source))
             self.cond.notify_all()
 
+    def enqueue_local(self, live: LiveRequest) -> None:
+        """Conditional disaggregation: prefill `live`'s uncached prompt suffix here (no transfer)."""
+        with self.cond:
+            if self.error is not None:
+                raise self.dead_error()
+            if live.cancelled:
+                return
+            self._pending.append((live, None))
+            self.cond.notify_all()
+
+    def num_cached_tokens(self, live: LiveRequest, min_uncached_tokens: int = 0) -> int:
+        """Leading prompt tokens of `live` this instance's cache holds (routing asks this)."""
+        with self.cond:
+            return self.cache.num_cached_tokens(
+                live.prefill_token_ids, min_uncached_tokens, names=live.block_names(self.cache.block_size)
+            )
+
     def load(self) -> DecodeLoad:
         with self.cond:
             return DecodeLoad(
                 num_running=len(self._running) + len(self._pulling),
                 num_waiting=len(self._pending),
-                num_free_blocks=self.allocator.num_free,
+                num_free_blocks=self.cache.num_available,
             )
 
     def stats(self) -> InstanceStats:
         with self.cond:
             return InstanceStats(
                 "decode", self.name, self.error is None, len(self._pending), len(self._running) + len(self._pulling),
-                num_kv_blocks_used=self.allocator.num_used, num_kv_blocks_free=self.allocator.num_free,
+                num_kv_blocks_used=self.cache.num_blocks - self.cache.num_available,
+                num_kv_blocks_free=self.cache.num_available,
+                **cache_stats(self.cache),
             )  # fmt: skip
 
     @property
@@ -153,14 +194,15 @@ class DecodeInstance(Worker):
             for entry in self._pending:
                 if entry[0].request_id == request_id:
                     self._pending.remove(entry)
-                    entry[1].release(request_id)
+                    if entry[1] is not None:
+                        entry[1].release(request_id)
                     return True
             pull = self._pulling.pop(request_id, None)
             if pull is not None:
                 pull.source.release(request_id)
             elif self._running.pop(request_id, None) is None:
                 return False
-            self.allocator.free(request_id)
+            self.cache.release(request_id)
             self.cond.notify_all()
             return True
 
@@ -168,12 +210,13 @@ class DecodeInstance(Worker):
     def _admit(self) -> list[_Pull]:
         """Under the lock: apply `admit_decodes`' decision (reserve its blocks); the pulls to start."""
         while self._pending and self._pending[0][0].cancelled:  # belt and braces: never block the head
-            live, source = self._pending.popleft()
-            source.release(live.request_id)
+            live, src = self._pending.popleft()
+            if src is not None:
+                src.release(live.request_id)
         pending = [PendingDecode(live.request_id, live.num_prompt_tokens, live.max_tokens) for live, _ in self._pending]
         decision = admit_decodes(
             pending,
-            num_free_blocks=self.allocator.num_free,
+            num_free_blocks=self.cache.num_available,
             num_running=len(self._running) + len(self._pulling),
             max_batch_size=self.config.max_batch_size,
             block_size=self.config.block_size,
@@ -182,8 +225,19 @@ class DecodeInstance(Worker):
         for reservation in decision.admitted:
             live, source = self._pending.popleft()
             assert live.request_id == reservation.request_id
-            table = self.allocator.allocate(live.request_id, reservation.num_blocks)
-            pull = _Pull(live, source, table)
+            ids = live.prefill_token_ids
+            # A pull needs no position computed here (min 0); a local prefill needs the last one's logits.
+            hit = self.cache.acquire(
+                live.request_id,
+                ids,
+                reservation.num_blocks * self.config.block_size,
+                min_uncached_tokens=0 if source is not None else 1,
+                names=live.block_names(self.config.block_size),
+            )
+            if source is None:
+                self._running[live.request_id] = _Running(live, hit.block_table, prompt_from=hit.num_cached_tokens)
+                continue
+            pull = _Pull(live, source, hit.block_table, hit.num_cached_tokens)
             self._pulling[live.request_id] = pull
             started.append(pull)
         return started
@@ -192,7 +246,7 @@ class DecodeInstance(Worker):
         pending = [PendingDecode(live.request_id, live.num_prompt_tokens, live.max_tokens) for live, _ in self._pending]
         decision = admit_decodes(
             pending[:1],
-            num_free_blocks=self.allocator.num_free,
+            num_free_blocks=self.cache.num_available,
             num_running=len(self._running) + len(self._pulling),
             max_batch_size=self.config.max_batch_size,
             block_size=self.config.block_size,
@@ -211,12 +265,13 @@ class DecodeInstance(Worker):
 
     def drop_all(self) -> None:
         for live, source in self._pending:
-            source.release(live.request_id)
+            if source is not None:
+                source.release(live.request_id)
         self._pending.clear()
         for pull in self._pulling.values():
             pull.source.release(pull.live.request_id)
         for rid in [*self._pulling, *self._running]:
-            self.allocator.free(rid)
+            self.cache.release(rid)
         self._pulling.clear()
         self._running.clear()
 
@@ -231,28 +286,46 @@ class DecodeInstance(Worker):
             running = list(self._running.values())
         if not running:
             return bool(started) or joined
-        rows = tuple(
-            StepRow(
-                request_id=r.live.request_id,
-                token_ids=(r.live.output_ids[-1],),
-                start_position=r.live.num_prompt_tokens + len(r.live.output_ids) - 1,
-                block_table=r.block_table,
-                sampling=r.live.request.sampling,
-                seed=r.live.seed,
-                sample_index=len(r.live.output_ids),
-            )
-            for r in running
-        )
+        rows = tuple(self._row(r) for r in running)
         started_at = now()
         for r in running:
-            if r.live.timings.decode_start_at is None:
-                r.live.timings.decode_start_at = started_at
+            t = r.live.timings
+            if r.prompt_from is not None and t.prefill_start_at is None:
+                t.prefill_start_at, t.prefill_instance = started_at, self.name
+                t.cached_prompt_tokens = r.prompt_from
+            if t.decode_start_at is None:
+                t.decode_start_at = started_at
         tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
         self._apply(running, tokens)
         done = now()
         ctx = sum(row.start_position for row in rows)
-        self.record_step(StepRecord("decode", done - decided_at, batch=len(rows), ctx_sum=ctx, at=done))
+        kind: Literal["decode", "mixed"] = "mixed" if any(row.is_prompt for row in rows) else "decode"
+        self.record_step(StepRecord(kind, done - decided_at, batch=len(rows), ctx_sum=ctx, at=done))
         return True
+
+    def _row(self, r: _Running) -> StepRow:
+        live = r.live
+        if r.prompt_from is not None:  # a local prefill: the uncached prompt suffix, its sample the next token
+            ids = live.prefill_token_ids
+            return StepRow(
+                request_id=live.request_id,
+                token_ids=ids[r.prompt_from :],
+                start_position=r.prompt_from,
+                block_table=r.block_table,
+                sampling=live.request.sampling,
+                seed=live.seed,
+                sample_index=len(live.output_ids),
+                is_prompt=True,
+            )
+        return StepRow(
+            request_id=live.request_id,
+            token_ids=(live.output_ids[-1],),
+            start_position=live.num_prompt_tokens + len(live.output_ids) - 1,
+            block_table=r.block_table,
+            sampling=live.request.sampling,
+            seed=live.seed,
+            sample_index=len(live.output_ids),
+        )
 
     def _start_pull(self, pull: _Pull) -> None:
         """Start (or restart) one pull; a KV the prefill instance no longer holds is a failed pull."""
@@ -266,6 +339,12 @@ class DecodeInstance(Worker):
             return
         if pull.live.timings.transfer_start_at is None:
             pull.live.timings.transfer_start_at = now()
+        c = pull.num_cached_tokens
+        if c > 0:  # this instance holds the first c positions: move only the rest
+            rest = seq.num_tokens - c
+            seq = PrefilledSequence(
+                seq.request_id, seq.first_token, rest, slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
+            )
         try:
             pull.handle = self.transfer.start(seq)
         except Exception as e:  # a transfer that cannot even start fails this pull, not the instance
@@ -290,8 +369,11 @@ class DecodeInstance(Worker):
             with self.cond:
                 if self._pulling.get(rid) is not pull:
                     continue  # cancelled while in flight (its blocks are already free)
+            c = pull.num_cached_tokens
             try:
-                self.pages = handle.insert(pull.live.num_prefill_tokens, self.pages, pull.block_table)
+                # c is a multiple of the block size: positions c.. start at block c // block_size.
+                table = pull.block_table[c // self.config.block_size :]
+                self.pages = handle.insert(pull.live.num_prefill_tokens - c, self.pages, table)
             except Exception as e:
                 # `insert` donates the pool: a failure inside it leaves the pool unusable, so it kills the instance.
                 raise RuntimeError(f"writing the KV of {rid!r} into the pool failed") from e
@@ -300,10 +382,13 @@ class DecodeInstance(Worker):
             t = pull.live.timings
             t.transfer_end_at = now()
             t.kv_transfer_bytes, t.kv_transfer_s, t.decode_instance = handle.num_bytes, seconds, self.name
+            t.kv_transfer_tokens = pull.live.num_prefill_tokens - c
             with self.cond:
                 self.num_transfers += 1
                 self.kv_transfer_bytes += handle.num_bytes
+                self.kv_transfer_tokens += pull.live.num_prefill_tokens - c
                 if self._pulling.pop(rid, None) is not None:
+                    self.cache.commit(rid, pull.live.prefill_token_ids, pull.live.block_names(self.config.block_size))
                     self._running[rid] = _Running(pull.live, pull.block_table)
                     joined = True
             if self._on_transfer is not None:
@@ -324,7 +409,7 @@ class DecodeInstance(Worker):
         with self.cond:
             if self._pulling.pop(rid, None) is not pull:
                 return  # cancelled meanwhile
-            self.allocator.free(rid)
+            self.cache.release(rid)
             self.cond.notify_all()
         pull.source.release(rid)
         if pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
@@ -350,10 +435,23 @@ class DecodeInstance(Worker):
                 rid = r.live.request_id
                 if self._running.get(rid) is not r:  # cancelled during the step
                     continue
+                if r.prompt_from is not None:  # a local prefill ran: the prompt's KV is in the pool now
+                    ids = r.live.prefill_token_ids
+                    self.num_local_prefills += 1
+                    self.num_local_prefill_tokens += len(ids) - r.prompt_from
+                    self.cache.commit(rid, ids, r.live.block_names(self.config.block_size))
+                    r.prompt_from = None
+                    r.live.timings.prefill_end_at = at
+                    r.live.timings.decode_instance = self.name
+                    if r.live.is_resumed:  # its KV is rebuilt; the next token comes from a decode row
+                        continue
                 finish = r.live.append_token(int(token), eos, at)
                 emits.append((r.live, int(token), finish))
                 if finish is not None:
                     del self._running[rid]
-                    self.allocator.free(rid)
+                    # Name prompt + answer but the last token (whose KV was never computed), then unpin.
+                    done_ids = r.live.request.prompt_token_ids + tuple(r.live.output_ids[:-1])
+                    self.cache.commit(rid, done_ids)
+                    self.cache.release(rid)
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)

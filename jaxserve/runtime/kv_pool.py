@@ -13,6 +13,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -105,3 +106,43 @@ def dense_sharding(pages: StagePages) -> NamedSharding:
     if not isinstance(sharding, NamedSharding):
         raise TypeError("KV pages must carry a NamedSharding")
     return NamedSharding(sharding.mesh, PartitionSpec(None, None, "tp", None))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _read_stage(pages: StagePages, table: jax.Array, padded: int) -> StageKV:
+    # table: [M] block ids covering >= padded positions; gathers [L_s, M, BS, H, D] -> [L_s, padded, H, D].
+    k, v = pages.k[:, table], pages.v[:, table]
+    num_layers, m, bs = k.shape[0], k.shape[1], k.shape[2]
+    k = k.reshape(num_layers, m * bs, *k.shape[3:])[:, :padded]
+    v = v.reshape(num_layers, m * bs, *v.shape[3:])[:, :padded]
+    return StageKV(k=k, v=v)
+
+
+def read_sequence(pages: KVPages, block_table: Sequence[int], num_tokens: int, padded: int) -> SequenceKV:
+    """Gather positions 0..`padded` of `block_table`'s blocks into a dense `SequenceKV` (the inverse of
+    `write_sequence`); entries from `num_tokens` on are padding (whatever the blocks hold).
+
+    A prefix-caching prefill instance computes a prompt into its paged pool and hands the decode
+    side this dense copy, so the pull path is the same as without caching.
+    """
+    block_size = pages[0].k.shape[2]
+    if num_tokens > len(block_table) * block_size:
+        raise ValueError(f"{num_tokens} positions do not fit in {len(block_table)} blocks of {block_size}")
+    m = -(-padded // block_size)
+    table = np.zeros(m, dtype=np.int32)
+    table[: min(m, len(block_table))] = list(block_table)[:m]
+    return tuple(_read_stage(p, table, padded) for p in pages)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _slice_stage(kv: StageKV, start: jax.Array, length: int) -> StageKV:
+    idx = jnp.clip(start + jnp.arange(length), 0, kv.k.shape[1] - 1)
+    return StageKV(k=jnp.take(kv.k, idx, axis=1), v=jnp.take(kv.v, idx, axis=1))
+
+
+def slice_sequence(kv: SequenceKV, start: int, padded: int) -> SequenceKV:
+    """Positions `start`.. of a dense KV as a new dense KV of `padded` entries (past the end: padding).
+
+    What a pull moves when the decode instance already holds the first `start` positions.
+    """
+    return tuple(_slice_stage(s, np.int32(start), padded) for s in kv)

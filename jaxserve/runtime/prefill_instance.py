@@ -16,6 +16,15 @@ Loop (one thread, `Worker` shell), each `step()`:
    buffer and the controller is told (`on_prefilled`) so it can assign a decode
    instance. A request cancelled meanwhile is dropped here.
 
+Prefix caching (`PrefillConfig.prefix_caching`): the instance keeps a paged pool under a
+`PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
+too full leaves it queued), execute runs only the uncached suffixes as prompt rows of the
+engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does) and gathers
+each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`),
+and apply names the prompt's full blocks (`commit`) and unpins them (`release`). So blocks are
+pinned only within one step, the buffer and the pull path are the same as without caching, and
+the pool is touched by this thread alone. Needs an engine with a paged step (`DecodeEngine`).
+
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
 KV is pulled (or by `cancel()`); `holds_kv()` tells a lease keeper (Ray) which
@@ -31,7 +40,18 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.engine import PrefilledSequence, PrefillEngine, PrefillItem
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    PrefilledSequence,
+    PrefillEngine,
+    PrefillItem,
+    PrefillResult,
+    StepBatch,
+    StepRow,
+    bucket,
+)
+from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError, read_sequence
+from jaxserve.runtime.prefix_cache import CacheHit, PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 from jaxserve.scheduling import (
@@ -47,6 +67,12 @@ from jaxserve.scheduling import (
 class PrefillConfig:
     max_batch_tokens: int = 512  # L_m: prompt tokens per batch (a longer prompt runs alone)
     buffer_capacity: int = DEFAULT_PREFILL_BUFFER_SLOTS  # prefilled sequences held here until pulled
+    prefix_caching: bool = False  # keep prompts' KV in a paged pool and compute only uncached suffixes
+    num_blocks: int = 256  # that pool (used only with prefix_caching)
+    block_size: int = 16
+
+
+MIN_PROMPT_BUCKET = 16  # dense copies are padded like the engine's prefill output
 
 
 class PrefillInstance(Worker):
@@ -68,6 +94,17 @@ class PrefillInstance(Worker):
         self._running: list[LiveRequest] = []
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
+        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        self._paged: DecodeEngine | None = None
+        if config.prefix_caching:
+            if not isinstance(engine, DecodeEngine):
+                raise TypeError(
+                    f"prefix caching on a prefill instance needs an engine with a paged step; "
+                    f"{type(engine).__name__} has none (the Ray backend does not support prefix caching yet)"
+                )
+            self._paged = engine
+            self.pages = engine.init_pages(config.num_blocks, config.block_size)
+        self.num_computed_tokens = 0  # prompt tokens this instance really computed (cached ones excluded)
 
     # ---- controller / decode side (thread-safe) -----------------------------
     def enqueue(self, live: LiveRequest) -> None:
@@ -77,11 +114,23 @@ class PrefillInstance(Worker):
             self._queue.append(live)
             self.cond.notify_all()
 
+    def _uncached(self, live: LiveRequest) -> int:
+        """Tokens `live` costs here: its prefill tokens less what the cache holds now (all without caching)."""
+        if self._paged is None:
+            return live.num_prefill_tokens
+        ids = live.prefill_token_ids
+        return len(ids) - self.cache.num_cached_tokens(ids, names=live.block_names(self.cache.block_size))
+
+    def num_cached_tokens(self, live: LiveRequest) -> int:
+        """Prompt tokens of `live` this instance's cache would serve now (routing asks this)."""
+        with self.cond:
+            return self.cache.num_cached_tokens(live.prefill_token_ids, names=live.block_names(self.cache.block_size))
+
     def load(self) -> PrefillLoad:
         with self.cond:
             return PrefillLoad(
-                num_queued_tokens=sum(r.num_prefill_tokens for r in self._queue)
-                + sum(r.num_prefill_tokens for r in self._running),
+                num_queued_tokens=sum(self._uncached(r) for r in self._queue)
+                + sum(self._uncached(r) for r in self._running),
                 num_queued_requests=len(self._queue) + len(self._running),
             )
 
@@ -90,6 +139,7 @@ class PrefillInstance(Worker):
             return InstanceStats(
                 "prefill", self.name, self.error is None, len(self._queue), len(self._running),
                 num_prefill_buffer_used=len(self._buffer), prefill_buffer_capacity=self.config.buffer_capacity,
+                **cache_stats(self.cache),
             )  # fmt: skip
 
     @property
@@ -151,6 +201,8 @@ class PrefillInstance(Worker):
         return [*self._queue, *self._running, *(live for live, _ in self._buffer.values())]
 
     def drop_all(self) -> None:
+        for live in self._running:
+            self.cache.release(live.request_id)
         self._queue.clear()
         self._running.clear()
         self._buffer.clear()
@@ -161,13 +213,17 @@ class PrefillInstance(Worker):
             waiting = [WaitingPrompt(r.request_id, r.num_prefill_tokens) for r in self._queue]
             decision = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
             batch = [self._queue.popleft() for _ in decision.request_ids]
+            hits = self._acquire(batch)
             self._running = batch
         if not batch:
             return False
         started_at = now()
         items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
         resumed = [r.is_resumed for r in batch]
-        result = self.engine.prefill(items)
+        if self._paged is None:
+            result = self.engine.prefill(items)
+        else:
+            result = self._prefill_paged(self._paged, items, hits)
         ended_at = now()
         eos = self.engine.model_config.eos_token_id
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
@@ -177,6 +233,10 @@ class PrefillInstance(Worker):
                 t = live.timings
                 if t.prefill_start_at is None:  # a resumed request keeps its first prefill's times
                     t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
+                    t.cached_prompt_tokens = hits[live.request_id].num_cached_tokens if hits else 0
+                if self._paged is not None:
+                    self.cache.commit(live.request_id, live.prefill_token_ids, live.block_names(self.cache.block_size))
+                    self.cache.release(live.request_id)
                 if live.cancelled:
                     continue
                 finish = None
@@ -187,6 +247,9 @@ class PrefillInstance(Worker):
                     self._buffer[live.request_id] = (live, seq)
                     handed.append(live)
             self._running = []
+            self.num_computed_tokens += sum(
+                len(i.token_ids) - (hits[i.request_id].num_cached_tokens if hits else 0) for i in items
+            )
             self.max_buffer_used = max(self.max_buffer_used, len(self._buffer))
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
@@ -194,5 +257,71 @@ class PrefillInstance(Worker):
             self._on_prefilled(self, live)
         done = now()
         lengths = tuple(len(item.token_ids) for item in items)
-        self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
+        if any(hit.num_cached_tokens for hit in hits.values()):
+            # Suffixes over cached prefixes are not whole prompts: not a "prefill" to fit the latency model on.
+            self.record_step(StepRecord("mixed", done - decided_at, batch=len(items), at=done))
+        else:
+            self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
         return True
+
+    # ---- prefix caching ------------------------------------------------------
+    def _acquire(self, batch: list[LiveRequest]) -> dict[str, CacheHit]:
+        """Under the lock: pin each member's cached prefix; members that wait go back to the queue head.
+
+        A member whose prompt equals an earlier member's (the samples of an `n` > 1 request) waits
+        for the next batch, where it finds that prompt's blocks cached instead of computing them
+        again; a member the pool cannot take now waits too (with everything after it).
+        """
+        if self._paged is None:
+            return {}
+        hits: dict[str, CacheHit] = {}
+        kept: list[LiveRequest] = []
+        back: list[LiveRequest] = []
+        seen: set[tuple[int, ...]] = set()
+        full = False
+        for live in batch:
+            ids = live.prefill_token_ids
+            if full or (len(ids) > self.cache.block_size and ids in seen):
+                back.append(live)  # after one that did not fit (FCFS), or a duplicate of an earlier prompt
+                continue
+            try:
+                hits[live.request_id] = self.cache.acquire(
+                    live.request_id, ids, len(ids), names=live.block_names(self.cache.block_size)
+                )
+            except OutOfBlocksError:
+                full = True
+                back.append(live)
+                continue
+            kept.append(live)
+            seen.add(ids)
+        self._queue.extendleft(reversed(back))
+        batch[:] = kept
+        return hits
+
+    def _prefill_paged(
+        self, engine: DecodeEngine, items: list[PrefillItem], hits: dict[str, CacheHit]
+    ) -> PrefillResult:
+        """Compute each prompt's uncached suffix into the pool, then copy every prompt's KV out densely."""
+        rows = []
+        for item in items:
+            hit = hits[item.request_id]
+            c = hit.num_cached_tokens
+            rows.append(
+                StepRow(
+                    request_id=item.request_id,
+                    token_ids=item.token_ids[c:],
+                    start_position=c,
+                    block_table=hit.block_table,
+                    sampling=item.sampling,
+                    seed=item.seed,
+                    sample_index=0,
+                    is_prompt=True,
+                )
+            )
+        tokens, self.pages = engine.decode_step(StepBatch(tuple(rows)), self.pages)
+        out = []
+        for item, token in zip(items, tokens, strict=True):
+            n = len(item.token_ids)
+            kv = read_sequence(self.pages, hits[item.request_id].block_table, n, bucket(n, MIN_PROMPT_BUCKET))
+            out.append(PrefilledSequence(item.request_id, int(token), n, kv))
+        return PrefillResult(tuple(out))

@@ -305,3 +305,13 @@ class PrefixCache:
     def _drop(self, block: _Block) -> None:
         del self._blocks[block.block_id]
         self.allocator.free(block.key)
+
+
+def cache_stats(cache: PrefixCache) -> dict[str, int]:
+    """The prefix-cache fields of an instance's `InstanceStats`."""
+    return {
+        "num_cached_blocks": cache.num_cached,
+        "num_prefix_query_tokens": cache.stats.num_query_tokens,
+        "num_prefix_hit_tokens": cache.stats.num_hit_tokens,
+        "num_prefix_evictions": cache.stats.num_evictions,
+    }

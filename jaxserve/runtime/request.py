@@ -102,6 +102,8 @@ class RequestTimings:
     kv_transfer_s: float = 0.0
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens served from a prefix cache where the prompt was computed
+    kv_transfer_tokens: int = 0  # positions the pull moved (the prompt minus what the decode cache held)
 
     @property
     def ttft_s(self) -> float | None:

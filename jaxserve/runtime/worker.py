@@ -34,6 +34,7 @@ from typing import ClassVar, Literal, Protocol
 
 from jaxserve.errors import EngineDeadError
 from jaxserve.runtime.api import FaultStats, InstanceStats
+from jaxserve.runtime.prefix_cache import block_hashes
 from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,14 @@ class LiveRequest:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
+    _names: tuple[int, int, tuple[bytes, ...]] | None = dataclasses.field(default=None, repr=False)
+
+    def block_names(self, block_size: int) -> tuple[bytes, ...]:
+        """The prefix-cache names of `prefill_token_ids`' full blocks (computed once per length)."""
+        ids = self.prefill_token_ids
+        if self._names is None or self._names[:2] != (block_size, len(ids)):
+            self._names = (block_size, len(ids), block_hashes(ids, block_size))
+        return self._names[2]
 
     @property
     def request_id(self) -> str:

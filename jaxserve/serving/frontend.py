@@ -242,6 +242,7 @@ class Frontend:
             timings=timings,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_out,
+            num_cached_tokens=timings.cached_prompt_tokens if timings is not None else 0,
         )
 
 

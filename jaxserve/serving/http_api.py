@@ -269,11 +269,12 @@ class _Render:
     def usage(self, choices: list[Choice], lasts: list[Chunk]) -> dict[str, Any]:
         prompt = sum(last.num_prompt_tokens for c, last in zip(choices, lasts, strict=True) if c.counts_prompt)
         completion = sum(last.num_output_tokens for last in lasts)
+        cached = sum(last.num_cached_tokens for c, last in zip(choices, lasts, strict=True) if c.counts_prompt)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0},  # no prefix cache yet
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def _choice(

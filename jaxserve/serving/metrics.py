@@ -145,6 +145,10 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("prefill_buffer_used", "num_prefill_buffer_used", "Finished prefills waiting for a decode instance to pull them."),
     ("prefill_buffer_capacity", "prefill_buffer_capacity", "Bound of the prefill instance's finished-prefill buffer."),
     ("instance_alive", "alive", "1 while the instance's worker runs, 0 once it died."),
+    ("prefix_cache_blocks", "num_cached_blocks", "Prefix cache: named KV blocks held (pinned or evictable)."),
+    ("prefix_cache_query_tokens", "num_prefix_query_tokens", "Prefix cache: prompt tokens looked up since start."),
+    ("prefix_cache_hit_tokens", "num_prefix_hit_tokens", "Prefix cache: prompt tokens found cached since start."),
+    ("prefix_cache_evictions", "num_prefix_evictions", "Prefix cache: blocks evicted (LRU) since start."),
 )
 
 _FAULT_COUNTERS: tuple[tuple[str, str, str], ...] = (

@@ -75,6 +75,7 @@ class Timings:
     token_times_s: tuple[float, ...] = ()
     prefill_instance: str = ""
     decode_instance: str = ""
+    cached_prompt_tokens: int = 0  # prompt tokens served from a prefix cache (not on the wire's timings)
 
     @property
     def inter_token_latencies_s(self) -> tuple[float, ...]:
@@ -103,6 +104,7 @@ class Timings:
             token_times_s=tuple(x - arrival for x in times),
             prefill_instance=t.prefill_instance or "",
             decode_instance=t.decode_instance or "",
+            cached_prompt_tokens=int(t.cached_prompt_tokens),
         )
 
 
@@ -121,6 +123,7 @@ class Chunk:
     timings: Timings | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far (all chunks), final value on the last chunk
+    num_cached_tokens: int = 0  # on the last chunk: prompt tokens served from a prefix cache
     index: int = 0  # which sample of the request (n > 1)
 
     @property
@@ -336,6 +339,7 @@ def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
             out.timings.CopyFrom(timings_to_proto(chunk.timings))
         out.usage.prompt_tokens = chunk.num_prompt_tokens
         out.usage.completion_tokens = chunk.num_output_tokens
+        out.usage.cached_tokens = chunk.num_cached_tokens
     return out
 
 
@@ -349,6 +353,7 @@ def chunk_from_proto(m: pb.GenerateResponse, num_output_tokens_before: int = 0) 
         timings=timings_from_proto(m.timings) if m.HasField("timings") else None,
         num_prompt_tokens=m.usage.prompt_tokens if finished else 0,
         num_output_tokens=m.usage.completion_tokens if finished else num_output_tokens_before + len(m.token_ids),
+        num_cached_tokens=m.usage.cached_tokens if finished else 0,
         index=m.index,
     )
 

@@ -166,6 +166,11 @@ class RayController(Controller):
 
         rc = ray_config or RayConfig()
         config = config or ControllerConfig()
+        if config.prefix_caching:
+            raise PlanError(
+                "the Ray backend does not support prefix caching yet (its prefill actors keep dense KV "
+                "outside this process); serve with the embedded backend or without --prefix-caching"
+            )
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)

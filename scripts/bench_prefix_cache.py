@@ -1,0 +1,242 @@
+"""Prefix caching on the real runtime: a closed-loop multi-turn benchmark, caching on vs off, and the
+simulator's prediction on the same trace.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. .venv/bin/python scripts/bench_prefix_cache.py
+
+Two embedded controllers of the same disaggregated deployment live side by side on the 8 virtual
+CPU devices (arm "off" on devices 0..k-1, arm "on" on k..2k-1; random-weight `opt-mini` by
+default), so each compiles once. Each repetition draws a fresh trace of conversations over shared
+system prompts (`placement.conversations`, new token ids: a repetition cannot hit the previous
+one's blocks), warms both arms up on a separate trace, then runs the arms interleaved (off, on,
+off, on, ...) and reports per arm: the prompt-token hit rate (1 − computed / prompt tokens), the
+KV positions and bytes pulled, TTFT P50/P90 (client side, in this process; medians over
+repetitions), then the simulator (`placement.prefix_sim.PrefixSimulator`, the runtime's pool sizes
+and policies) on each measured trace: its hit rate and bytes against the runtime's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+
+from jaxserve.plan import parse_deployment
+from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.scheduling import PrefixPolicy
+from jaxserve_bench.conversations import controller_sender, run_conversations
+from models.config import get_config
+from placement.conversations import ConversationSpec, SharedPrefixWorkload, generate_conversations
+from placement.hardware import ClusterSpec, get_device
+from placement.latency import LatencyProvider
+from placement.prefix_sim import PrefixSimulator
+from placement.simulator import SimOptions
+
+
+@dataclasses.dataclass
+class ArmRun:
+    prompt_tokens: int
+    computed_tokens: int
+    transfer_tokens: int
+    transfer_bytes: int  # as moved (dense copies padded to a power-of-two bucket >= 16 positions)
+    local_prefills: int
+    ttft_p50: float
+    ttft_p90: float
+    failed: int
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.computed_tokens / self.prompt_tokens
+
+
+def _counters(c: Controller) -> tuple[int, int, int, int]:
+    stats = c.stats()
+    computed = sum(p.num_computed_tokens for p in c.prefill_instances)
+    computed += sum(d.num_local_prefill_tokens for d in c.decode_instances)
+    return (
+        computed,
+        stats.kv_transfer_tokens,
+        stats.kv_transfer_bytes,
+        sum(d.num_local_prefills for d in c.decode_instances),
+    )
+
+
+def run_arm(c: Controller, trace: SharedPrefixWorkload) -> ArmRun:
+    before = _counters(c)
+    records = asyncio.run(run_conversations(trace, controller_sender(c)))
+    after = _counters(c)
+    done = [r for r in records if r.ok]
+    ttft = np.asarray([r.ttft_s for r in done])
+    return ArmRun(
+        prompt_tokens=int(trace.workload.input_lens.sum()),
+        computed_tokens=after[0] - before[0],
+        transfer_tokens=after[1] - before[1],
+        transfer_bytes=after[2] - before[2],
+        local_prefills=after[3] - before[3],
+        ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p90=float(np.percentile(ttft, 90)),
+        failed=len(records) - len(done),
+    )
+
+
+def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: PrefixPolicy) -> tuple[float, float]:
+    """The simulator's (hit rate, KV bytes moved) on `trace` with the runtime's pools and policies."""
+    cfg = get_config(args.model)
+    device = get_device("cpu")
+    sim = PrefixSimulator(
+        parse_deployment(args.deployment),
+        LatencyProvider(cfg, device),
+        ClusterSpec(device, 1, 8),
+        trace,
+        options=SimOptions(block_size=args.block_size, max_decode_batch=args.max_decode_batch),
+        policy=policy,
+        prefill_pool_blocks=args.num_kv_blocks,
+        decode_pool_blocks=args.num_kv_blocks,
+    )
+    sim.run()
+    stats = sim.stats()
+    return stats.hit_rate, stats.kv_bytes_moved
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="opt-mini")
+    ap.add_argument("--deployment", default="disagg:prefill=2xtp1,decode=2xtp1")
+    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--rate", type=float, default=4.0, help="requests/s the conversation starts aim at")
+    ap.add_argument("--think-time", type=float, default=0.5, help="mean seconds from an answer to the next turn")
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=128)
+    ap.add_argument("--user-tokens", type=int, default=48)
+    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--min-turns", type=int, default=2)
+    ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-kv-blocks", type=int, default=256, help="every instance's pool (prefill and decode)")
+    ap.add_argument("--max-decode-batch", type=int, default=32)
+    ap.add_argument("--local", type=int, default=0, help="local-prefill threshold (tokens) for the 'on' arm")
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (fresh trace each)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write every run here")
+    args = ap.parse_args()
+
+    plan = parse_deployment(args.deployment)
+    k = plan.num_devices
+    devices = jax.devices()
+    if len(devices) < 2 * k:
+        print(f"need {2 * k} devices for two arms of {args.deployment}, have {len(devices)}", file=sys.stderr)
+        return 2
+    cfg = get_config(args.model)
+    base = dict(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_decode_batch_size=args.max_decode_batch,
+        max_queued_requests=4096,
+    )
+    on_policy = PrefixPolicy(local_prefill_tokens=args.local)
+    arms = {
+        "off": ControllerConfig(**base),  # type: ignore[arg-type]
+        "on": ControllerConfig(**base, prefix_caching=True, prefix_policy=on_policy),  # type: ignore[arg-type]
+    }
+    sim_policies = {"off": PrefixPolicy(enabled=False), "on": on_policy}
+    spec = ConversationSpec(
+        num_system_prompts=args.system_prompts,
+        system_prompt_tokens=args.system_tokens,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        think_time_s=args.think_time,
+        max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
+        vocab_size=cfg.vocab_size,
+    )
+    started = time.monotonic()
+    controllers = {
+        name: Controller.from_plan(args.model, plan, devices[i * k : (i + 1) * k], config=config)
+        for i, (name, config) in enumerate(arms.items())
+    }
+    for c in controllers.values():
+        c.start()
+    results: dict[str, list[ArmRun]] = {name: [] for name in arms}
+    sims: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    try:
+        warm = generate_conversations(spec, max(8, args.conversations // 2), np.random.default_rng(10_000 + args.seed))
+        for c in controllers.values():
+            run_arm(c, warm.at_rate(args.rate * 2))  # compiles the shapes; not measured
+        for rep in range(args.reps):
+            convs = generate_conversations(spec, args.conversations, np.random.default_rng(args.seed + rep))
+            trace = convs.at_rate(args.rate)
+            for name, c in controllers.items():
+                results[name].append(run_arm(c, trace))
+                sims[name].append(simulate(args, trace, sim_policies[name]))
+    finally:
+        for c in controllers.values():
+            c.shutdown(drain_timeout_s=0)
+
+    kv_token_bytes = cfg.kv_bytes_per_token
+    print(
+        f"{args.model}, {args.deployment} x 2 arms on {2 * k} CPU devices; {args.conversations} conversations "
+        f"x {args.reps} reps at {args.rate:g} rps (think {args.think_time:g} s), block {args.block_size}, "
+        f"{args.num_kv_blocks} blocks per pool; load average {os.getloadavg()[0]:.1f}; {time.monotonic() - started:.0f} s"
+    )
+    print()
+    print(
+        "| arm | requests | hit rate | prefill tokens computed | KV positions pulled | KV MB pulled (positions) "
+        "| KV MB moved (padded) | local prefills | TTFT P50 ms | TTFT P90 ms | sim hit rate | sim KV MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    out = {}
+    for name in arms:
+        runs = results[name]
+        med = statistics.median
+        row = {
+            "hit_rate": med([r.hit_rate for r in runs]),
+            "computed_tokens": med([r.computed_tokens for r in runs]),
+            "prompt_tokens": med([r.prompt_tokens for r in runs]),
+            "transfer_tokens": med([r.transfer_tokens for r in runs]),
+            "transfer_mb": med([r.transfer_tokens * kv_token_bytes / 1e6 for r in runs]),
+            "moved_mb": med([r.transfer_bytes / 1e6 for r in runs]),
+            "local_prefills": med([r.local_prefills for r in runs]),
+            "ttft_p50_ms": med([r.ttft_p50 * 1e3 for r in runs]),
+            "ttft_p90_ms": med([r.ttft_p90 * 1e3 for r in runs]),
+            "failed": sum(r.failed for r in runs),
+            "sim_hit_rate": med([s[0] for s in sims[name]]),
+            "sim_kv_mb": med([s[1] / 1e6 for s in sims[name]]),
+            "runs": [dataclasses.asdict(r) for r in runs],
+            "sims": sims[name],
+        }
+        out[name] = row
+        print(
+            f"| {name} | {len(trace)} | {row['hit_rate']:.1%} | {row['computed_tokens']:.0f} / {row['prompt_tokens']:.0f} "
+            f"| {row['transfer_tokens']:.0f} | {row['transfer_mb']:.2f} | {row['moved_mb']:.2f} | {row['local_prefills']:.0f} "
+            f"| {row['ttft_p50_ms']:.1f} | {row['ttft_p90_ms']:.1f} | {row['sim_hit_rate']:.1%} | {row['sim_kv_mb']:.2f} |"
+        )
+    on, off = out["on"], out["off"]
+    print()
+    print(
+        f"on vs off: prefill tokens x{on['computed_tokens'] / off['computed_tokens']:.3f} "
+        f"(1 - hit rate = {1 - on['hit_rate']:.3f}), KV positions pulled x{on['transfer_tokens'] / off['transfer_tokens']:.3f}, "
+        f"TTFT P50 x{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, P90 x{on['ttft_p90_ms'] / off['ttft_p90_ms']:.2f}; "
+        f"simulator vs runtime (on): hit rate {on['sim_hit_rate']:.1%} vs {on['hit_rate']:.1%}, "
+        f"KV MB {on['sim_kv_mb']:.2f} vs {on['transfer_mb']:.2f} ({on['sim_kv_mb'] / on['transfer_mb'] - 1:+.1%})"
+    )
+    if any(row["failed"] for row in out.values()):
+        print("WARNING: some requests failed", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "arms": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
