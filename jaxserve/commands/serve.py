@@ -18,8 +18,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
+
+if TYPE_CHECKING:
+    from jaxserve.replanning import ReplanLoop
+    from placement.search import SearchContext
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
@@ -102,6 +107,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: most tokens in one prefill batch")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
+    replan = parser.add_argument_group("replanning (docs/replanning.md)")
+    replan.add_argument(
+        "--replan",
+        choices=["off", "advise", "auto"],
+        default="off",
+        help="off: monitor only; advise: log and expose a better plan; auto: also switch to it live (embedded)",
+    )
+    replan.add_argument("--profile", help="latency profile (name or JSON) the replanner plans with")
+    replan.add_argument("--device", default="cpu", help="device the profile / roofline describes (default cpu)")
+    replan.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO in seconds, for the monitor and the planner")
+    replan.add_argument("--tpot", type=float, default=0.2, help="TPOT SLO in seconds")
+    replan.add_argument("--window", type=float, default=300.0, help="monitor window, seconds")
+    replan.add_argument("--slice", type=float, default=30.0, help="monitor slice (and loop tick), seconds")
+    replan.add_argument("--sustain", type=float, default=120.0, help="a shift must hold this long, seconds")
+    replan.add_argument("--cooldown", type=float, default=1800.0, help="at most one replan per this many seconds")
     parser.add_argument(
         "--cpus",
         default=None,
@@ -128,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.replan == "auto" and args.backend == "ray":
+        print(
+            "error: --replan auto needs the embedded backend (the Ray backend cannot switch live yet); "
+            "use --replan advise",
+            file=sys.stderr,
+        )
+        return 2
     if args.cpus is not None:
         try:
             pin_to_cpus(parse_cpus(args.cpus))
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("compilation cache: %s", cache_dir)
 
     from jaxserve.runtime.controller import Controller, ControllerConfig
-    from jaxserve.runtime.instances import place
+    from jaxserve.runtime.instances import EngineFactory, place
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
@@ -160,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     try:
-        engine_factory = None
+        import time
+
+        started = time.monotonic()
+        engine_factory: EngineFactory | None = None
         if args.engine == "fake":
             from jaxserve.testing.fake_engine import fake_engine_factory
             from models.config import PRESETS, OPTConfig, get_config
@@ -172,9 +202,15 @@ def run(args: argparse.Namespace) -> int:
 
             controller = launch_from_args(model, plan, config, args)
         else:
+            if engine_factory is None:
+                from jaxserve.runtime.opt_engine import opt_engine_factory
+
+                engine_factory = opt_engine_factory(model, dtype=args.dtype)
             controller = Controller.from_plan(
                 model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
             )
+        build_s = time.monotonic() - started
+        loop = build_replan_loop(args, controller, None if args.backend == "ray" else engine_factory, build_s)
         for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
                 "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
@@ -204,12 +240,62 @@ def run(args: argparse.Namespace) -> int:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
 
     def ready(server: object) -> None:
+        loop.start()  # after the warm-up: its requests are not the workload's
         print(f"ready grpc={server.grpc_address} http={server.http_address}", flush=True)  # type: ignore[attr-defined]
 
     try:
-        run_until_signal(controller, server_config, on_ready=ready)
+        run_until_signal(controller, server_config, on_ready=ready, admin=loop)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        loop.stop()
     log.info("stopped")
     return 0
+
+
+def build_replan_loop(
+    args: argparse.Namespace, controller: object, engine_factory: object, weights_load_s: float
+) -> ReplanLoop:
+    """The replanning loop for `--replan` (monitor always; planner context for advise/auto)."""
+    import jax
+
+    from jaxserve.replanning import ReplanLoop, ReplanLoopConfig
+    from jaxserve.runtime.controller import Controller
+    from jaxserve.runtime.instances import EngineFactory
+    from jaxserve.runtime.switch import PlanSwitcher
+    from jaxserve.workload_monitor import DetectorConfig, MonitorConfig
+
+    assert isinstance(controller, Controller)
+    monitor = MonitorConfig(window_s=args.window, slice_s=args.slice, ttft_slo_s=args.ttft, tpot_slo_s=args.tpot)
+    detector = DetectorConfig(sustain_s=args.sustain, cooldown_s=args.cooldown)
+    config = ReplanLoopConfig(mode=args.replan, monitor=monitor, detector=detector)
+    switcher = None
+    if engine_factory is not None:
+        factory: EngineFactory = engine_factory  # type: ignore[assignment]
+        switcher = PlanSwitcher(controller, factory, drain_timeout_s=args.drain_timeout)
+    context = None
+    if args.replan != "off":
+        context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),
+                                   args.ttft, args.tpot)  # fmt: skip
+    return ReplanLoop(controller, config, switcher=switcher, context=context, weights_load_s=weights_load_s)
+
+
+def planning_context(
+    model_config: object, device: str, profile: str | None, num_devices: int, ttft_s: float, tpot_s: float
+) -> SearchContext:
+    """The planner's fixed inputs for replanning this deployment (its workload comes from the window)."""
+    import numpy as np
+
+    from placement.hardware import ClusterSpec, get_device
+    from placement.latency import LatencyProvider, load_profile
+    from placement.search import SearchContext
+    from placement.slo import SloSpec
+    from placement.workload import Workload
+
+    spec = get_device(device)
+    latency = LatencyProvider(model_config, spec, load_profile(profile) if profile else None)  # type: ignore[arg-type]
+    cluster = ClusterSpec(spec, 1, num_devices)
+    one = np.ones(1, dtype=np.int64)
+    placeholder = Workload(np.zeros(1), one, one, 1.0)  # replaced by the window's in every round
+    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1)
