@@ -65,6 +65,8 @@ class SwitchReport:
     kept: tuple[str, ...]
     added: tuple[str, ...]
     retired: tuple[InstanceStats, ...]  # each retired instance's last stats (KV blocks, buffer slots in use)
+    started_at: float  # monotonic time the switch began
+    routed_at: float  # monotonic time new requests started going to the new instance set
     drained_first: bool  # retiring instances were drained before the build, to free their devices
     num_moved: int  # requests moved off retiring instances at the drain timeout
     build_s: float
@@ -198,6 +200,7 @@ class PlanSwitcher:
         added_iter = iter(names)
         for _, kept in pairs:
             new_names.append(kept if kept is not None else next(added_iter))
+        routed_at = time.monotonic()
         c.route(new_names)  # (after a drain-first, the kept ones are routed already: this adds the built ones)
         c.plan = DeploymentPlan(
             tuple(c.placed_of[n].spec for n in new_names), model=old.model, expected=dict(plan.expected)
@@ -213,6 +216,8 @@ class PlanSwitcher:
             kept=tuple(kept_names),
             added=tuple(names),
             retired=tuple(retired),
+            started_at=started,
+            routed_at=routed_at,
             drained_first=drain_first,
             num_moved=num_moved,
             build_s=build_s,
