@@ -97,15 +97,15 @@ class ReplanLoop:
         against (default: the context's). `switcher`: None when the backend cannot switch live."""
         self.controller = controller
         self.config = config or ReplanLoopConfig()
+        if self.config.mode != "off" and context is None:
+            raise ValueError("replanning (advise/auto) needs a planning context (cluster, SLOs, latency profile)")
+        if self.config.mode == "auto" and switcher is None:
+            raise SwitchUnsupportedError("--replan auto needs a backend that can switch live (the embedded one)")
         self.switcher = switcher
         self.context = context
         self.latency = latency if latency is not None else (context.latency if context is not None else None)
         self.weights_load_s = weights_load_s
         self.clock = clock
-        if self.config.mode != "off" and context is None:
-            raise ValueError("replanning (advise/auto) needs a planning context (cluster, SLOs, latency profile)")
-        if self.config.mode == "auto" and switcher is None:
-            raise SwitchUnsupportedError("--replan auto needs a backend that can switch live (the embedded one)")
         self._lock = threading.Lock()
         self.monitor = WorkloadMonitor(self.config.monitor, start_at=clock())
         self.detector = ShiftDetector(self.config.detector)
