@@ -255,3 +255,42 @@ def test_one_switch_at_a_time() -> None:
             switcher.switch(parse_deployment("disagg:prefill=2xtp1,decode=tp1"))
     finally:
         c.shutdown()
+
+
+def test_step_sweep_feeds_observed_against_predicted_step_times_per_instance() -> None:
+    """Each step the instances log reaches the monitor once, with the latency model's prediction for it."""
+    from placement.hardware import get_device
+    from placement.latency import LatencyProvider
+    from placement.replan import predicted_step_s
+
+    c = _controller("disagg:prefill=tp1,decode=tp2")
+    latency = LatencyProvider(CFG, get_device("cpu"))  # the roofline of this host
+    loop = ReplanLoop(c, ReplanLoopConfig(monitor=MonitorConfig(window_s=30.0, slice_s=0.25)), latency=latency)
+    try:
+        loop.controller.workload_hook = loop
+        since = time.monotonic()
+        for k in range(6):
+            prompt = tuple(range(3, 3 + 5 * (k + 1)))
+            got = c.submit(GenerateRequest(f"s{k}", prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
+            assert got.collect(timeout_s=60)[0] == reference_tokens(prompt, 5, V)
+        loop.tick()
+        loop.tick()  # a second sweep adds nothing twice
+        time.sleep(0.3)  # the slice holding the steps completes
+        window = loop.monitor.window(time.monotonic())
+        for entry in c.step_records(since):
+            name, steps = str(entry["name"]), entry["steps"]
+            assert isinstance(steps, list) and steps
+            spec = c.placed_of[name].spec
+            model = latency.instance("dist", spec.tp, spec.pp)
+            predicted = sum(
+                predicted_step_s(model, s["kind"], tuple(s["prompt_lengths"]), s["batch"], s["ctx_sum"]) for s in steps
+            )
+            corr = window.corrections[name]
+            assert corr.num_steps == len(steps) and corr.role == entry["role"]
+            assert corr.observed_s == pytest.approx(sum(s["seconds"] for s in steps))
+            assert corr.predicted_s == pytest.approx(predicted)
+        assert window.num_arrivals == 6 and window.num_finished == 6
+        hist = window.output_lengths
+        assert hist.counts[hist.edges.index(4)] == 6 and hist.max_seen == 5  # every output in the [4, 6) bin
+    finally:
+        c.shutdown()
