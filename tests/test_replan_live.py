@@ -121,11 +121,12 @@ def test_match_keeps_instances_of_the_same_role_and_shape() -> None:
     assert retiring == ["decode-0", "decode-1"]
 
 
-def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> None:
+def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load]:
+    """prefill=tp1,decode=tp1 under chat load, the loop in `mode`, then the load turns to long prompts."""
     c = _controller("disagg:prefill=tp1,decode=tp1")
     switcher = PlanSwitcher(c, FACTORY, drain_timeout_s=60)
     config = ReplanLoopConfig(
-        mode="auto",
+        mode=mode,  # type: ignore[arg-type]
         monitor=MonitorConfig(window_s=2.0, slice_s=0.5),
         detector=DetectorConfig(rate_change=5.0, min_requests=20, sustain_s=2.0, cooldown_s=600.0),
         apply_corrections=False,  # the profile is OPT-13B on an A100, not this engine: its factors mean nothing here
@@ -138,10 +139,15 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         time.sleep(3.0)  # chat: the first full window becomes the detector's reference
         assert loop.num_rounds == 0
         load.phase = "long"
-        _wait_for(lambda: loop.num_switches >= 1 or (loop.last_decision or {}).get("action") in ("keep", "none"), 120)
-        time.sleep(1.0)  # more load on the new plan
+        _wait_for(lambda: loop.last_decision is not None, 120)
+        time.sleep(1.0)  # more load after the decision
     finally:
         load.stop()
+    return c, switcher, loop, load
+
+
+def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> None:
+    c, switcher, loop, load = _shift_loop("auto")
     try:
         timings = load.check_all()  # every request, token for token
         decision = loop.last_decision
@@ -169,6 +175,23 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         assert c.retiring == () and "decode-0" not in c.instance_names
         snap = loop.workload_snapshot()
         assert snap["num_switches"] == 1 and snap["plan"] == new_plan.describe()
+    finally:
+        loop.stop()
+        c.shutdown()
+
+
+def test_advise_exposes_the_better_plan_and_keeps_serving_the_current_one() -> None:
+    c, switcher, loop, load = _shift_loop("advise")
+    try:
+        load.check_all()
+        decision = loop.last_decision
+        assert decision is not None and decision["action"] == "advised", decision
+        assert loop.num_rounds == 1 and loop.num_switches == 0 and switcher.last_report is None
+        assert c.plan.describe() == "disagg:prefill=tp1,decode=tp1"
+        snap = loop.workload_snapshot()
+        advised = snap["advised_plan"]
+        assert isinstance(advised, dict)
+        assert DeploymentPlan.from_dict(advised).describe() == decision["decision"]["candidate"]["plan"]  # type: ignore[index]
     finally:
         loop.stop()
         c.shutdown()
