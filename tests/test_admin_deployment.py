@@ -169,3 +169,32 @@ def test_serve_refuses_replan_auto_on_ray(capsys) -> None:  # type: ignore[no-un
 
     assert main(["serve", "--backend", "ray", "--replan", "auto", "--deployment", PLAN]) == 2
     assert "--replan auto needs the embedded backend" in capsys.readouterr().err
+
+
+def test_serve_cli_wires_the_replan_loop_and_the_admin_route() -> None:
+    """`jaxserve serve --engine fake --replan advise`: /debug/workload, a manual switch, the plan gauge."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # let serve size the virtual devices
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--engine", "fake", "--model", "opt-tiny", "--deployment", PLAN,
+           "--grpc-port", "0", "--http-port", "0", "--no-warmup", "--compile-cache", "off", "--replan", "advise",
+           "--window", "10", "--slice", "1", "--api-key", KEY]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), proc.stderr.read() if proc.stderr else line
+        http = "http://" + line.split("http=")[1].strip()
+        snap = httpx.get(f"{http}/debug/workload", headers=AUTH, timeout=30).json()
+        assert snap["mode"] == "advise" and snap["plan"] == PLAN and snap["detector"]["last_check"] is None
+        r = httpx.post(f"{http}/admin/deployment", content="disagg:prefill=2xtp1,decode=tp1", headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["added"] == ["prefill-1"] and r.json()["retired"] == []
+        metrics = httpx.get(f"{http}/metrics", timeout=30).text
+        assert metric_value(metrics, "jaxserve:deployment_plan_info", {"plan": "disagg:prefill=2xtp1,decode=tp1"}) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

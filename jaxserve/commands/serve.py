@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="off: monitor only; advise: log and expose a better plan; auto: also switch to it live (embedded)",
     )
+    replan.add_argument(
+        "--num-devices",
+        type=int,
+        default=None,
+        help="CPU hosts: virtual devices to create (live switches build new instances on the free ones; "
+        "default: the plan's count, at least 8 with --replan advise/auto)",
+    )
     replan.add_argument("--profile", help="latency profile (name or JSON) the replanner plans with")
     replan.add_argument("--device", default="cpu", help="device the profile / roofline describes (default cpu)")
     replan.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO in seconds, for the monitor and the planner")
@@ -162,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --cpus: {e}", file=sys.stderr)
             return 2
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
-    ensure_host_devices(highest + 1)
+    wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
+    ensure_host_devices(max(wanted, highest + 1))
     cache_dir = compile_cache_dir(args.compile_cache)
     if cache_dir is not None:
         try:
