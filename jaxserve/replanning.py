@@ -204,19 +204,6 @@ class ReplanLoop:
             self.last_replan_at = time.time()
             log.info("workload shifted (%s): replanning in the background", "; ".join(check.reasons))
 
-    def wait_for_round(self, timeout_s: float = 120.0) -> ReplanOutcome | None:
-        """Tests and tools: block until the round in flight finishes and handle it like a tick would."""
-        if self._replanner is None:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            outcome = self._replanner.poll()
-            if outcome is not None:
-                self._on_outcome(outcome)
-                return outcome
-            time.sleep(0.02)
-        return None
-
     def _job(self, window: WindowStats, now: float) -> ReplanJob:
         from placement.replan import ReplanJob
 

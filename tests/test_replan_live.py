@@ -121,9 +121,10 @@ def test_match_keeps_instances_of_the_same_role_and_shape() -> None:
     assert retiring == ["decode-0", "decode-1"]
 
 
-def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load]:
+def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load, weakref.ref]:
     """prefill=tp1,decode=tp1 under chat load, the loop in `mode`, then the load turns to long prompts."""
     c = _controller("disagg:prefill=tp1,decode=tp1")
+    first_decode = weakref.ref(c.decode_instances[0])
     switcher = PlanSwitcher(c, FACTORY, drain_timeout_s=60)
     config = ReplanLoopConfig(
         mode=mode,  # type: ignore[arg-type]
@@ -143,11 +144,11 @@ def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load]:
         time.sleep(1.0)  # more load after the decision
     finally:
         load.stop()
-    return c, switcher, loop, load
+    return c, switcher, loop, load, first_decode
 
 
 def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> None:
-    c, switcher, loop, load = _shift_loop("auto")
+    c, switcher, loop, load, first_decode = _shift_loop("auto")
     try:
         timings = load.check_all()  # every request, token for token
         decision = loop.last_decision
@@ -173,6 +174,8 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         for s in report.retired:
             assert s.num_kv_blocks_used == 0 and s.num_prefill_buffer_used == 0 and s.num_running == 0
         assert c.retiring == () and "decode-0" not in c.instance_names
+        gc.collect()
+        assert first_decode() is None  # the retired instance is gone, its KV pool with it
         snap = loop.workload_snapshot()
         assert snap["num_switches"] == 1 and snap["plan"] == new_plan.describe()
     finally:
@@ -181,7 +184,7 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
 
 
 def test_advise_exposes_the_better_plan_and_keeps_serving_the_current_one() -> None:
-    c, switcher, loop, load = _shift_loop("advise")
+    c, switcher, loop, load, _ = _shift_loop("advise")
     try:
         load.check_all()
         decision = loop.last_decision

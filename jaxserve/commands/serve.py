@@ -283,9 +283,12 @@ def build_replan_loop(
         factory: EngineFactory = engine_factory  # type: ignore[assignment]
         switcher = PlanSwitcher(controller, factory, drain_timeout_s=args.drain_timeout)
     context = None
-    if args.replan != "off":
+    if args.replan != "off" or args.profile:  # off with a profile: the correction factors are still measured
         context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),
                                    args.ttft, args.tpot)  # fmt: skip
+    if args.replan == "off":
+        latency = context.latency if context is not None else None
+        return ReplanLoop(controller, config, switcher=switcher, latency=latency, weights_load_s=weights_load_s)
     return ReplanLoop(controller, config, switcher=switcher, context=context, weights_load_s=weights_load_s)
 
 
