@@ -320,3 +320,23 @@ def test_step_sweep_feeds_observed_against_predicted_step_times_per_instance() -
         assert hist.counts[hist.edges.index(4)] == 6 and hist.max_seen == 5  # every output in the [4, 6) bin
     finally:
         c.shutdown()
+
+
+def test_colocated_deployments_switch_too() -> None:
+    """colocated:tp1 -> colocated:tp2: the new instance warms up alone, the old one drains its batch."""
+    c = _controller("colocated:tp1")
+    switcher = PlanSwitcher(c, FACTORY)
+    load = Load(c, rate=30.0, seed=9).start()
+    try:
+        time.sleep(1.0)
+        report = switcher.switch(parse_deployment("colocated:tp2"))
+        time.sleep(0.5)
+    finally:
+        load.stop()
+    try:
+        load.check_all()
+        assert report.kept == () and report.added == ("colocated-1",)
+        assert [s.name for s in report.retired] == ["colocated-0"] and report.retired[0].num_kv_blocks_used == 0
+        assert c.plan.describe() == "colocated:tp2" and c.plan.instances[0].devices == (1, 2)
+    finally:
+        c.shutdown()
