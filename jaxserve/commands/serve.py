@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from jaxserve.plan import DeploymentPlan
     from jaxserve.runtime.instances import EngineFactory
 
+if TYPE_CHECKING:
+    from jaxserve.replanning import ReplanLoop
+    from placement.search import SearchContext
+
 API_KEY_ENV = "JAXSERVE_API_KEY"
 COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
 
@@ -81,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
     )
     parser.add_argument(
-        "--profile", default=None, help="--engine timed: the latency profile (built-in name or JSON file) it sleeps"
+        "--profile",
+        default=None,
+        help="latency profile (built-in name or JSON file): what --engine timed sleeps, and what the replanner plans with",
     )
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compilation) before the ready line")
     parser.add_argument(
@@ -139,6 +145,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a caching prefill instance's pool (default --num-kv-blocks)",
     )
+    replan = parser.add_argument_group("replanning (docs/replanning.md)")
+    replan.add_argument(
+        "--replan",
+        choices=["off", "advise", "auto"],
+        default="off",
+        help="off: monitor only; advise: log and expose a better plan; auto: also switch to it live (embedded)",
+    )
+    replan.add_argument(
+        "--num-devices",
+        type=int,
+        default=None,
+        help="CPU hosts: virtual devices to create (live switches build new instances on the free ones; "
+        "default: the plan's count, at least 8 with --replan advise/auto)",
+    )
+    replan.add_argument("--device", default="cpu", help="device the profile / roofline describes (default cpu)")
+    replan.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO in seconds, for the monitor and the planner")
+    replan.add_argument("--tpot", type=float, default=0.2, help="TPOT SLO in seconds")
+    replan.add_argument("--window", type=float, default=300.0, help="monitor window, seconds")
+    replan.add_argument("--slice", type=float, default=30.0, help="monitor slice (and loop tick), seconds")
+    replan.add_argument("--sustain", type=float, default=120.0, help="a shift must hold this long, seconds")
+    replan.add_argument("--cooldown", type=float, default=1800.0, help="at most one replan per this many seconds")
     parser.add_argument(
         "--cpus",
         default=None,
@@ -194,6 +221,13 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.replan == "auto" and args.backend == "ray":
+        print(
+            "error: --replan auto needs the embedded backend (the Ray backend cannot switch live yet); "
+            "use --replan advise",
+            file=sys.stderr,
+        )
+        return 2
     if args.cpus is not None:
         try:
             pin_to_cpus(parse_cpus(args.cpus))
@@ -201,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --cpus: {e}", file=sys.stderr)
             return 2
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
-    ensure_host_devices(highest + 1)
+    wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
+    ensure_host_devices(max(wanted, highest + 1))
     cache_dir = compile_cache_dir(args.compile_cache)
     if cache_dir is not None:
         try:
@@ -233,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
         prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),
     )
     try:
+        import time
+
+        started = time.monotonic()
         engine_factory: EngineFactory | None = None
         if args.engine == "fake":
             from jaxserve.testing.fake_engine import fake_engine_factory
@@ -247,9 +285,15 @@ def run(args: argparse.Namespace) -> int:
 
             controller = launch_from_args(model, plan, config, args)
         else:
+            if engine_factory is None:
+                from jaxserve.runtime.opt_engine import opt_engine_factory
+
+                engine_factory = opt_engine_factory(model, dtype=args.dtype)
             controller = Controller.from_plan(
                 model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
             )
+        build_s = time.monotonic() - started
+        loop = build_replan_loop(args, controller, None if args.backend == "ray" else engine_factory, build_s)
         for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
                 "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
@@ -279,12 +323,64 @@ def run(args: argparse.Namespace) -> int:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
 
     def ready(server: object) -> None:
+        loop.start()  # after the warm-up: its requests are not the workload's
         print(f"ready grpc={server.grpc_address} http={server.http_address}", flush=True)  # type: ignore[attr-defined]
 
     try:
-        run_until_signal(controller, server_config, on_ready=ready)
+        run_until_signal(controller, server_config, on_ready=ready, admin=loop)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        loop.stop()
     log.info("stopped")
     return 0
+
+
+def build_replan_loop(
+    args: argparse.Namespace, controller: object, engine_factory: object, weights_load_s: float
+) -> ReplanLoop:
+    """The replanning loop for `--replan` (monitor always; planner context for advise/auto)."""
+    import jax
+
+    from jaxserve.replanning import ReplanLoop, ReplanLoopConfig
+    from jaxserve.runtime.controller import Controller
+    from jaxserve.runtime.switch import PlanSwitcher
+    from jaxserve.workload_monitor import DetectorConfig, MonitorConfig
+
+    assert isinstance(controller, Controller)
+    monitor = MonitorConfig(window_s=args.window, slice_s=args.slice, ttft_slo_s=args.ttft, tpot_slo_s=args.tpot)
+    detector = DetectorConfig(sustain_s=args.sustain, cooldown_s=args.cooldown)
+    config = ReplanLoopConfig(mode=args.replan, monitor=monitor, detector=detector)
+    switcher = None
+    if engine_factory is not None:
+        factory: EngineFactory = engine_factory  # type: ignore[assignment]
+        switcher = PlanSwitcher(controller, factory, drain_timeout_s=args.drain_timeout)
+    context = None
+    if args.replan != "off" or args.profile:  # off with a profile: the correction factors are still measured
+        context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),
+                                   args.ttft, args.tpot)  # fmt: skip
+    if args.replan == "off":
+        latency = context.latency if context is not None else None
+        return ReplanLoop(controller, config, switcher=switcher, latency=latency, weights_load_s=weights_load_s)
+    return ReplanLoop(controller, config, switcher=switcher, context=context, weights_load_s=weights_load_s)
+
+
+def planning_context(
+    model_config: object, device: str, profile: str | None, num_devices: int, ttft_s: float, tpot_s: float
+) -> SearchContext:
+    """The planner's fixed inputs for replanning this deployment (its workload comes from the window)."""
+    import numpy as np
+
+    from placement.hardware import ClusterSpec, get_device
+    from placement.latency import LatencyProvider, load_profile
+    from placement.search import SearchContext
+    from placement.slo import SloSpec
+    from placement.workload import Workload
+
+    spec = get_device(device)
+    latency = LatencyProvider(model_config, spec, load_profile(profile) if profile else None)  # type: ignore[arg-type]
+    cluster = ClusterSpec(spec, 1, num_devices)
+    one = np.ones(1, dtype=np.int64)
+    placeholder = Workload(np.zeros(1), one, one, 1.0)  # replaced by the window's in every round
+    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1)

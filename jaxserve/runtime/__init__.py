@@ -7,6 +7,7 @@
 * `kv_transfer.py` — the in-process KV pull; `ray_backend/` the cross-process one and the
   Ray deployment of a plan.
 * `controller.py` — dispatch, hand-off from prefill to decode, streaming, re-routing.
+* `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain).
 * `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets.
 * `request.py` — request-level types shared with the serving layer and `jaxserve.LLM`.
 * `step_timing.py` — times the real engine at a grid of shapes for `jaxserve profile`.

@@ -104,6 +104,14 @@ class Observer(Protocol):
     def on_kv_transfer(self, num_bytes: int, seconds: float) -> None: ...
 
 
+class WorkloadHook(Protocol):
+    """What the workload monitor hears (`jaxserve/replanning.py`): admissions and finishes; keep it quick."""
+
+    def on_arrival(self, arrival_at: float, num_prompt_tokens: int) -> None: ...
+
+    def on_finish(self, timings: RequestTimings, num_output_tokens: int, finish_reason: FinishReason) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     # The serving limits' defaults are jaxserve/limits.py's, which the simulator shares.
@@ -242,47 +250,63 @@ class Controller:
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
         self._shutting_down = False
         self._started = False
-        cfg = self.config
         self.prefill_instances: list[PrefillInstance] = []
         self.decode_instances: list[DecodeInstance] = []
         self.colocated_instances: list[ColocatedInstance] = []
-        make_transfer: TransferFactory = transfer or InProcessTransfer
+        self._make_transfer: TransferFactory = transfer or InProcessTransfer
+        # the live switch (`jaxserve/runtime/switch.py`): staged instances warm up unrouted, retiring ones drain
+        self.placed_of: dict[str, PlacedInstance] = {}
+        self._staged: list[Instance] = []
+        self._retiring: list[Instance] = []
+        self._pinned: dict[str, DecodeInstance] = {}  # switch warm-up request -> the decode instance it must use
+        self._internal: set[str] = set()  # switch warm-up request ids (not the workload's)
+        self.workload_hook: WorkloadHook | None = None
         for p in placed:
-            if p.spec.role == "prefill":
-                if not isinstance(p.engine, PrefillEngine):
-                    raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
-                pc = PrefillConfig(
-                    max_batch_tokens=cfg.max_batch_tokens,
-                    buffer_capacity=cfg.prefill_buffer_capacity,
-                    prefix_caching=cfg.prefix_caching,
-                    num_blocks=cfg.prefill_pool_blocks,
-                    block_size=cfg.block_size,
-                )
-                self.prefill_instances.append(PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled))
-                continue
-            if not isinstance(p.engine, DecodeEngine):
-                raise TypeError(f"{p.name} needs a DecodeEngine, got {type(p.engine).__name__}")
-            if p.spec.role == "decode":
-                dc = DecodeConfig(
-                    cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
-                    cfg.on_pull_failure, cfg.prefix_caching,
-                )  # fmt: skip
-                self.decode_instances.append(
-                    DecodeInstance(p.name, p.engine, dc, self, make_transfer(p.engine), self._on_kv_transfer)
-                )
-            else:
-                cc = ColocatedConfig(
-                    cfg.num_kv_blocks,
-                    cfg.block_size,
-                    cfg.max_decode_batch_size,
-                    cfg.max_batch_tokens,
-                    p.spec.chunk_size,
-                    cfg.prefix_caching,
-                )
-                self.colocated_instances.append(ColocatedInstance(p.name, p.engine, cc, self))
-        mc = self.model_config
+            self._route_instance(self._make_instance(p))
+        mc, cfg = self.model_config, self.config
         self.max_prompt_tokens = cfg.max_prompt_tokens or mc.max_position_embeddings - 1
         self.max_tokens_limit = cfg.max_tokens_limit or mc.max_position_embeddings
+
+    def _make_instance(self, p: PlacedInstance) -> Instance:
+        """An instance (not started) for a placed engine."""
+        cfg = self.config
+        self.placed_of[p.name] = p
+        if p.spec.role == "prefill":
+            if not isinstance(p.engine, PrefillEngine):
+                raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
+            pc = PrefillConfig(
+                max_batch_tokens=cfg.max_batch_tokens,
+                buffer_capacity=cfg.prefill_buffer_capacity,
+                prefix_caching=cfg.prefix_caching,
+                num_blocks=cfg.prefill_pool_blocks,
+                block_size=cfg.block_size,
+            )
+            return PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled)
+        if not isinstance(p.engine, DecodeEngine):
+            raise TypeError(f"{p.name} needs a DecodeEngine, got {type(p.engine).__name__}")
+        if p.spec.role == "decode":
+            dc = DecodeConfig(
+                cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
+                cfg.on_pull_failure, cfg.prefix_caching,
+            )  # fmt: skip
+            return DecodeInstance(p.name, p.engine, dc, self, self._make_transfer(p.engine), self._on_kv_transfer)
+        cc = ColocatedConfig(
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            cfg.max_decode_batch_size,
+            cfg.max_batch_tokens,
+            p.spec.chunk_size,
+            cfg.prefix_caching,
+        )
+        return ColocatedInstance(p.name, p.engine, cc, self)
+
+    def _route_instance(self, inst: Instance) -> None:
+        if isinstance(inst, PrefillInstance):
+            self.prefill_instances.append(inst)
+        elif isinstance(inst, DecodeInstance):
+            self.decode_instances.append(inst)
+        else:
+            self.colocated_instances.append(inst)
 
     @classmethod
     def from_plan(
@@ -313,7 +337,13 @@ class Controller:
 
     @property
     def instances(self) -> list[Instance]:
-        return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+        return [
+            *self.prefill_instances,
+            *self.decode_instances,
+            *self.colocated_instances,
+            *self._staged,
+            *self._retiring,
+        ]
 
     @property
     def instance_names(self) -> tuple[str, ...]:
@@ -474,12 +504,12 @@ class Controller:
         if not self._started:
             raise ShuttingDownError("the controller is not started; call start()")
         self.validate(request)
-        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-        alive = [inst for inst in front if inst.error is None]
-        if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
-            dead = next(inst for inst in self.instances if inst.error is not None)
-            raise dead.dead_error()
         with self._lock:
+            front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+            alive = [inst for inst in front if inst.error is None]
+            if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
+                dead = next(inst for inst in self.instances if inst.error is not None)
+                raise dead.dead_error()
             if self._shutting_down:
                 raise ShuttingDownError("the server is shutting down")
             if request.request_id in self._live:
@@ -496,13 +526,12 @@ class Controller:
             self._live[request.request_id] = (live, stream)
             local = self._local_prefill_target(live)
             target = alive[self._choose_front(alive, live)]
-        try:
-            if local is not None:
-                local.enqueue_local(live)
-            else:
-                target.enqueue(live)
-        except JaxServeError as e:
-            self.fail(live, e)
+            # Under the lock: a switch never retires an instance in between.
+            error = _enqueue_local(local, live) if local is not None else _enqueue(target, live)
+        if error is not None:
+            self.fail(live, error)
+        elif self.workload_hook is not None:
+            self.workload_hook.on_arrival(live.timings.arrival_at, live.num_prompt_tokens)
         return stream
 
     # ---- routing -----------------------------------------------------------------
@@ -590,6 +619,8 @@ class Controller:
         entry[1]._push(error)
 
     def _finish_observed(self, live: LiveRequest, reason: FinishReason) -> None:
+        if self.workload_hook is not None and live.request_id not in self._internal:
+            self.workload_hook.on_finish(live.timings, len(live.output_ids), reason)
         if self.observer is not None:
             self.observer.on_request_finished(live.timings, live.num_prompt_tokens, len(live.output_ids), reason)
 
@@ -601,15 +632,15 @@ class Controller:
         if live.cancelled:  # cancelled between its prefill and this hand-off: drop it here
             source.release(live.request_id)
             return
-        alive = [d for d in self.decode_instances if d.error is None]
-        if not alive:
-            self.fail(live, EngineDeadError("every decode instance is dead"))
-            return
-        target = alive[self._choose_decode(alive, live)]
-        try:
-            target.enqueue_pull(live, source)
-        except JaxServeError as e:
-            self.fail(live, e)
+        with self._lock:
+            alive = [d for d in self.decode_instances if d.error is None]
+            pinned = self._pinned.pop(live.request_id, None)
+            error: JaxServeError | None = EngineDeadError("every decode instance is dead")
+            if pinned is not None or alive:
+                target = pinned or alive[self._choose_decode(alive, live)]
+                error = _enqueue(target, live, source)
+        if error is not None:
+            self.fail(live, error)
 
     def count_fault(self, kind: FaultKind, n: int = 1) -> None:
         self.faults.count(kind, n)
@@ -646,19 +677,157 @@ class Controller:
             entry = self._live.get(live.request_id)
             if entry is None or entry[0] is not live:
                 return  # finished or cancelled meanwhile
-        front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-        alive = [inst for inst in front if inst.error is None]
-        if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
-            self.fail(live, EngineDeadError(f"{why}, and no live instance is left to continue {live.request_id!r}"))
-            return
-        target = alive[self._choose_front(alive, live)]
-        log.warning(
-            "continuing %s (%d tokens streamed) on %s: %s", live.request_id, len(live.output_ids), target.name, why
-        )
+        with self._lock:
+            front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
+            alive = [inst for inst in front if inst.error is None]
+            if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
+                error: JaxServeError | None = EngineDeadError(
+                    f"{why}, and no live instance is left to continue {live.request_id!r}"
+                )
+            else:
+                target = alive[self._choose_front(alive, live)]
+                log.warning(
+                    "continuing %s (%d tokens streamed) on %s: %s",
+                    live.request_id, len(live.output_ids), target.name, why,
+                )  # fmt: skip
+                error = _enqueue(target, live)
+        if error is not None:
+            self.fail(live, error)
+
+    # ---- live switch (driven by jaxserve/runtime/switch.py) ------------------------
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
+        """Build and start instances for `placed`, *staged*: they take no traffic until `route()` names them."""
+        clash = {p.name for p in placed} & set(self.placed_of)
+        if clash:
+            raise ValueError(f"instance names already in use: {sorted(clash)}")
+        new = [self._make_instance(p) for p in placed]
+        with self._lock:
+            self._staged.extend(new)
+        if self._started:
+            for inst in new:
+                inst.start()
+        return new
+
+    def warm_up_staged(self, timeout_s: float = 600.0) -> float:
+        """One short request through every staged instance (pinned to it; compiles its first shapes); seconds."""
+        started = time.monotonic()
+        with self._lock:
+            staged = list(self._staged)
+            routed_prefills = [p for p in self.prefill_instances if p.error is None]
+            routed_decodes = [d for d in self.decode_instances if d.error is None]
+        decodes = [i for i in staged if isinstance(i, DecodeInstance)]
+        pairs: list[tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None]] = []
+        for k, front in enumerate(i for i in staged if not isinstance(i, DecodeInstance)):
+            pool = decodes or routed_decodes
+            pairs.append((front, pool[k % len(pool)] if isinstance(front, PrefillInstance) else None))
+        covered = {d.name for _, d in pairs if d is not None}
+        for k, d in enumerate(d for d in decodes if d.name not in covered):
+            pairs.append((routed_prefills[k % len(routed_prefills)], d))
+        bos = self.model_config.bos_token_id
+        streams = []
+        for k, (front, decode) in enumerate(pairs):
+            rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
+            request = GenerateRequest(rid, (bos, bos), SamplingParams(max_tokens=2, ignore_eos=True))
+            live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
+            stream = RequestStream(rid, self)
+            with self._lock:
+                self._live[rid] = (live, stream)
+                self._internal.add(rid)
+                if decode is not None:
+                    self._pinned[rid] = decode
+                error = _enqueue(front, live)
+            if error is not None:
+                self.fail(live, error)
+            streams.append(stream)
         try:
-            target.enqueue(live)
-        except JaxServeError as e:
-            self.fail(live, e)
+            for stream in streams:
+                stream.collect(timeout_s=timeout_s)
+        finally:
+            self._internal.difference_update(s.request_id for s in streams)
+        return time.monotonic() - started
+
+    def discard_staged(self) -> None:
+        """Stop and drop every staged instance (a switch that failed before routing to them)."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+            for inst in staged:
+                self.placed_of.pop(inst.name, None)
+        for inst in staged:
+            inst.stop()
+
+    def route(self, names: Sequence[str]) -> list[Instance]:
+        """Atomically make the routed instances exactly `names` (routed or staged ones), in that order.
+
+        New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
+        out *retire*: they finish what they hold (see `retire_drained`). Returns them.
+        """
+        with self._lock:
+            routed: list[Instance] = [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+            pool: dict[str, Instance] = {i.name: i for i in [*routed, *self._staged]}
+            missing = [n for n in names if n not in pool]
+            if missing:
+                raise ValueError(f"no routed or staged instance named {missing}")
+            chosen = [pool[n] for n in names]
+            prefills = [i for i in chosen if isinstance(i, PrefillInstance)]
+            decodes = [i for i in chosen if isinstance(i, DecodeInstance)]
+            colocated = [i for i in chosen if isinstance(i, ColocatedInstance)]
+            if not (bool(prefills) == bool(decodes) and bool(prefills) != bool(colocated)):
+                raise ValueError("route either prefill and decode instances, or colocated ones only")
+            retired = [i for i in routed if i.name not in names]
+            self.prefill_instances[:] = prefills
+            self.decode_instances[:] = decodes
+            self.colocated_instances[:] = colocated
+            self._staged = [i for i in self._staged if i.name not in names]
+            self._retiring.extend(retired)
+        return retired
+
+    def routed_instances(self) -> list[Instance]:
+        """The instances taking new requests now (staged and retiring ones left out)."""
+        with self._lock:
+            return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+
+    @property
+    def retiring(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(i.name for i in self._retiring)
+
+    def num_held_by_retiring(self) -> int:
+        with self._lock:
+            retiring = list(self._retiring)
+        total = 0
+        for inst in retiring:
+            with inst.cond:
+                total += len(inst.held_requests())
+        return total
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
+        """Stop each retiring instance that holds nothing and let it go (engine, KV pool and buffers with it).
+
+        With `force`, a retiring instance still holding requests is stopped too and they move to routed
+        instances (the re-route path: resumed where their streams stand). Returns the stats each stopped
+        instance had last (its KV blocks and buffer slots in use then: 0 unless something leaked).
+        """
+        with self._lock:
+            candidates = list(self._retiring)
+        done: list[InstanceStats] = []
+        for inst in candidates:
+            with self._lock, inst.cond:  # every enqueue happens under _lock: unrouted and empty stays empty
+                empty = not inst.held_requests()
+            if not empty and not force:
+                continue
+            inst.stop()
+            with inst.cond:
+                held = inst.held_requests()
+                inst.drop_all()
+            for live in held:
+                if not (live.cancelled or live.finished or self._held_by_live_instance(live)):
+                    self._move(live, f"instance {inst.name} retired by a deployment switch")
+            stats = inst.stats()
+            with self._lock:
+                self._retiring.remove(inst)
+                self.placed_of.pop(inst.name, None)
+            done.append(stats)
+        return done
 
     # ---- introspection -----------------------------------------------------------
     def stats(self) -> ControllerStats:
@@ -677,6 +846,32 @@ class Controller:
     def fault_stats(self) -> FaultStats:
         """The fault counters alone (what `stats().faults` holds)."""
         return self.faults.snapshot()
+
+
+def _enqueue(
+    target: PrefillInstance | DecodeInstance | ColocatedInstance,
+    live: LiveRequest,
+    source: PrefillInstance | None = None,
+) -> JaxServeError | None:
+    """Hand `live` to `target` (a pull from `source` for a decode instance); the error instead of raising it."""
+    try:
+        if isinstance(target, DecodeInstance):
+            assert source is not None
+            target.enqueue_pull(live, source)
+        else:
+            target.enqueue(live)
+    except JaxServeError as e:
+        return e
+    return None
+
+
+def _enqueue_local(target: DecodeInstance, live: LiveRequest) -> JaxServeError | None:
+    """Hand `live` to a decode instance that prefills its short uncached part itself; the error instead of raising."""
+    try:
+        target.enqueue_local(live)
+    except JaxServeError as e:
+        return e
+    return None
 
 
 def _is_a_serving_controller(controller: Controller) -> ServingController:

@@ -1,5 +1,9 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
+Operator routes behind the same API key: `GET /debug/steps`, `GET /debug/workload` (the workload
+monitor, when the server has one) and `POST /admin/deployment` (a live switch: 400 for a bad plan,
+409 while another switch runs, 501 on a backend that cannot switch).
+
 The request schemas and their checks are `jaxserve.serving.openai_protocol`; a request
 becomes one `Frontend.stream` per choice (prompts x n), merged into OpenAI's response or
 server-sent events (choice `i * n + j` is sample `j` of prompt `i`). Responses and events have OpenAI's shape;
@@ -33,6 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.plan import PlanError
+from jaxserve.runtime.switch import SwitchError, SwitchInProgressError, SwitchUnsupportedError
+from jaxserve.serving.admin import DeploymentAdmin, parse_plan_body
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
 from jaxserve.serving.grpc_service import bearer_ok
 from jaxserve.serving.openai_protocol import (
@@ -79,6 +86,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = 1 << 20,
     is_serving: Callable[[], bool] = lambda: True,
+    admin: DeploymentAdmin | None = None,
 ) -> ASGIApp:
     """The ASGI app: FastAPI routes wrapped in the request-body size limit."""
     app = FastAPI(title="jaxserve", version="0.1.0", docs_url=None, redoc_url=None)
@@ -140,6 +148,37 @@ def create_app(
         authorize(request)
         records = frontend.controller.step_records(since)
         return JSONResponse({"now": time.monotonic(), "instances": records})
+
+    @app.get("/debug/workload")
+    async def debug_workload(request: Request) -> JSONResponse:
+        """The workload monitor's windows, the shift detector's state and the last replan decision."""
+        authorize(request)
+        if admin is None:
+            raise APIError(404, "this server runs no workload monitor", type_="invalid_request_error")
+        snapshot = await asyncio.get_running_loop().run_in_executor(None, admin.workload_snapshot)
+        return JSONResponse(snapshot)
+
+    @app.post("/admin/deployment")
+    async def admin_deployment(request: Request) -> JSONResponse:
+        """Switch the deployment live to a plan file (JSON body) or a spec string; answers when it is done."""
+        authorize(request)
+        if admin is None:
+            raise APIError(404, "this server cannot change its deployment", type_="invalid_request_error")
+        try:
+            plan = parse_plan_body(await request.body())
+        except PlanError as e:
+            raise APIError(400, f"bad plan: {e}", type_="invalid_request_error", code="bad_plan") from None
+        if admin.switch_busy():
+            raise APIError(409, "a deployment switch is already running", type_="conflict", code="switch_running")
+        try:
+            report = await asyncio.get_running_loop().run_in_executor(None, admin.apply_deployment, plan)
+        except SwitchInProgressError as e:
+            raise APIError(409, str(e), type_="conflict", code="switch_running") from None
+        except SwitchUnsupportedError as e:
+            raise APIError(501, str(e), type_="server_error", code="switch_unsupported") from None
+        except (SwitchError, PlanError) as e:
+            raise APIError(400, f"cannot switch: {e}", type_="invalid_request_error", code="bad_plan") from None
+        return JSONResponse(report)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

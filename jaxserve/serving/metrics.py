@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jaxserve.runtime.api import ControllerStats
+from jaxserve.serving.admin import WorkloadGauges
 from jaxserve.serving.wire import Timings
 
 PREFIX = "jaxserve:"
@@ -182,3 +183,55 @@ class LiveStatsCollector(Collector):
             yield family
         for name, attr, doc in _FAULT_COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=float(getattr(stats.faults, attr)))
+
+
+class WorkloadCollector(Collector):
+    """The workload monitor's gauges (window rate, mean lengths, step-time corrections, replans), read per scrape."""
+
+    def __init__(self, gauges: Callable[[], WorkloadGauges]) -> None:
+        self._gauges = gauges
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self._gauges()))
+
+    @staticmethod
+    def _families(g: WorkloadGauges | None) -> list[Metric]:
+        def gauge(name: str, doc: str, value: float | None, labels: list[str] | None = None) -> GaugeMetricFamily:
+            if labels is not None:
+                return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            return GaugeMetricFamily(PREFIX + name, doc, value=value if g is not None else None)
+
+        rate = gauge(
+            "workload_arrival_rate", "Arrivals per second over the monitor's window.", g.window_rate_rps if g else None
+        )
+        prompt = gauge(
+            "workload_mean_prompt_tokens",
+            "Mean prompt length over the monitor's window.",
+            g.mean_prompt_tokens if g else None,
+        )
+        output = gauge(
+            "workload_mean_output_tokens",
+            "Mean output length over the monitor's window.",
+            g.mean_output_tokens if g else None,
+        )
+        factor = gauge(
+            "latency_correction_factor",
+            "Observed / predicted step time over the window, per role (1: the latency model is right or no data).",
+            None,
+            ["role"],
+        )
+        last = gauge(
+            "replan_last_timestamp_seconds",
+            "Unix time of the last replan round or deployment switch (0: none yet).",
+            (g.last_replan_at or 0.0) if g else None,
+        )
+        plan = gauge("deployment_plan_info", "The deployment being served (1, labelled by plan id and spec).", None,
+                     ["plan_id", "plan"])  # fmt: skip
+        if g is not None:
+            for role, value in sorted(g.correction_factors.items()):
+                factor.add_metric([role], value)
+            plan.add_metric([g.plan_id, g.plan], 1.0)
+        return [rate, prompt, output, factor, last, plan]

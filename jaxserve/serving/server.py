@@ -37,10 +37,11 @@ import grpc
 import uvicorn
 
 from jaxserve.runtime.api import ServingController
+from jaxserve.serving.admin import DeploymentAdmin
 from jaxserve.serving.frontend import Frontend
 from jaxserve.serving.grpc_service import build_grpc_server, set_serving
 from jaxserve.serving.http_api import create_app
-from jaxserve.serving.metrics import ServingMetrics
+from jaxserve.serving.metrics import ServingMetrics, WorkloadCollector
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,16 @@ class _UvicornServer(uvicorn.Server):
 
 
 class JaxServeServer:
-    def __init__(self, controller: ServingController, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self, controller: ServingController, config: ServerConfig | None = None, admin: DeploymentAdmin | None = None
+    ) -> None:
         self.controller = controller
         self.config = config or ServerConfig()
         self.frontend = Frontend(controller, model_name=self.config.model_name)
         self.metrics: ServingMetrics = self.frontend.metrics
+        self.admin = admin  # the replanning loop: workload gauges, /debug/workload, /admin/deployment
+        if admin is not None:
+            self.metrics.registry.register(WorkloadCollector(admin.gauges))
         self.grpc_address = ""
         self.http_address = ""
         self._serving = False
@@ -125,6 +131,7 @@ class JaxServeServer:
             api_key=cfg.api_key,
             max_request_bytes=cfg.max_request_bytes,
             is_serving=lambda: self._serving,
+            admin=self.admin,
         )
         uv_config = uvicorn.Config(
             app,
@@ -176,12 +183,15 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_until_signal(
-    controller: ServingController, config: ServerConfig, on_ready: Callable[[JaxServeServer], None] | None = None
+    controller: ServingController,
+    config: ServerConfig,
+    on_ready: Callable[[JaxServeServer], None] | None = None,
+    admin: DeploymentAdmin | None = None,
 ) -> None:
     """Serve in the foreground until SIGINT or SIGTERM, then drain and stop (main thread only)."""
 
     async def main() -> None:
-        server = JaxServeServer(controller, config)
+        server = JaxServeServer(controller, config, admin)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -217,8 +227,10 @@ class ServerThread:
     servers accept requests) and stops it (drain, shutdown) on exit.
     """
 
-    def __init__(self, controller: ServingController, config: ServerConfig | None = None) -> None:
-        self.server = JaxServeServer(controller, config)
+    def __init__(
+        self, controller: ServingController, config: ServerConfig | None = None, admin: DeploymentAdmin | None = None
+    ) -> None:
+        self.server = JaxServeServer(controller, config, admin)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-server", daemon=True)
 

@@ -1,0 +1,267 @@
+"""The live switch: move a running embedded deployment to another plan without losing a request.
+
+`PlanSwitcher.switch(plan)` runs one switch, start to end (one at a time; a second caller gets
+`SwitchInProgressError`):
+
+1. match: each instance of the new plan that has the role and shape (tp, pp, chunk size) of a
+   routed instance keeps that instance (no reload, no drain; `placement.replan.plan_delta` counts
+   the same way); the others are *added*, and the routed instances left unmatched *retire*.
+2. devices: added instances go on devices no instance holds. When there are too few, the retiring
+   instances are routed away and drained first and their devices are reused; that needs a kept
+   instance of every routed role to serve meanwhile, else the switch is refused (`SwitchError`)
+   before anything changed.
+3. build: `engine_factory(spec, devices)` loads each added instance's weights straight into its own
+   sharding; `Controller.add_instances` starts them *staged* (no traffic), and
+   `Controller.warm_up_staged` sends one pinned request through each (first compilations).
+4. route: `Controller.route(kept + added)` switches new requests, hand-offs and re-routes to the
+   new instance set atomically (under the controller's lock); `controller.plan` becomes the new plan
+   (device indices are those the instances really hold).
+5. drain: retiring instances finish what they hold (queued prompts are prefilled, buffered KVs are
+   pulled by decode instances, decodes run to completion) and are stopped and dropped, KV pool and
+   buffers with them (`Controller.retire_drained`). After `drain_timeout_s` whatever they still hold
+   moves to routed instances through the re-route path (resumed, token for token).
+
+Nothing here imports the planner: the replanning loop above (`jaxserve/replanning.py`) decides
+*what* to switch to; this module only knows how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+
+from jaxserve.errors import JaxServeError
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.controller import Controller
+from jaxserve.runtime.instances import EngineFactory, PlacedInstance
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[str, int, int, int | None]
+
+
+class SwitchError(JaxServeError):
+    """The switch cannot be made (nothing was changed)."""
+
+
+class SwitchUnsupportedError(SwitchError):
+    """This backend cannot switch deployments live (the Ray backend)."""
+
+
+class SwitchInProgressError(JaxServeError):
+    """Another switch is running."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchReport:
+    from_plan: str
+    to_plan: str
+    kept: tuple[str, ...]
+    added: tuple[str, ...]
+    retired: tuple[InstanceStats, ...]  # each retired instance's last stats (KV blocks, buffer slots in use)
+    started_at: float  # monotonic time the switch began
+    routed_at: float  # monotonic time new requests started going to the new instance set
+    drained_first: bool  # retiring instances were drained before the build, to free their devices
+    num_moved: int  # requests moved off retiring instances at the drain timeout
+    build_s: float
+    warmup_s: float
+    drain_s: float
+    total_s: float
+
+    def to_dict(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out["retired"] = [dataclasses.asdict(s) for s in self.retired]
+        return out
+
+
+def shape_of(spec: InstanceSpec) -> Shape:
+    return (spec.role, spec.tp, spec.pp, spec.chunk_size)
+
+
+def match_instances(
+    routed: Sequence[tuple[str, InstanceSpec]], plan: DeploymentPlan
+) -> tuple[list[tuple[InstanceSpec, str | None]], list[str]]:
+    """For each instance of `plan`: the routed instance it keeps (same role and shape) or None (to add);
+    and the routed instances nobody keeps (to retire). First come, first kept."""
+    free = list(routed)
+    pairs: list[tuple[InstanceSpec, str | None]] = []
+    for spec in plan.instances:
+        hit = next((k for k, (_, s) in enumerate(free) if shape_of(s) == shape_of(spec)), None)
+        pairs.append((spec, free.pop(hit)[0] if hit is not None else None))
+    return pairs, [name for name, _ in free]
+
+
+class PlanSwitcher:
+    """Switches an embedded `Controller` between plans (one switch at a time)."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        engine_factory: EngineFactory,
+        devices: Sequence[jax.Device] | None = None,
+        *,
+        drain_timeout_s: float = 60.0,
+        warmup_timeout_s: float = 600.0,
+    ) -> None:
+        self.controller = controller
+        self.engine_factory = engine_factory
+        self.devices = tuple(devices) if devices is not None else tuple(jax.devices())
+        self.drain_timeout_s = drain_timeout_s
+        self.warmup_timeout_s = warmup_timeout_s
+        self._lock = threading.Lock()
+        self.last_report: SwitchReport | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def switch(self, plan: DeploymentPlan) -> SwitchReport:
+        """Move the deployment to `plan` (blocking until the retired instances are gone)."""
+        if not self._lock.acquire(blocking=False):
+            raise SwitchInProgressError("a deployment switch is already running; retry when it has finished")
+        try:
+            report = self._switch(plan)
+        finally:
+            self._lock.release()
+        self.last_report = report
+        return report
+
+    # ---- steps -------------------------------------------------------------------
+    def _switch(self, plan: DeploymentPlan) -> SwitchReport:
+        c = self.controller
+        started = time.monotonic()
+        old = c.plan
+        if plan.kind != old.kind:
+            raise SwitchError(f"cannot switch a {old.kind} deployment to a {plan.kind} one ({plan.describe()})")
+        routed = c.routed_instances()
+        routed_specs = [(i.name, c.placed_of[i.name].spec) for i in routed]
+        pairs, retiring = match_instances(routed_specs, plan)
+        to_add = [spec for spec, kept in pairs if kept is None]
+        index = {d: k for k, d in enumerate(self.devices)}
+        held = {index[d] for p in c.placed_of.values() for d in p.devices if d in index}
+        free = [k for k in range(len(self.devices)) if k not in held]
+        need = sum(s.num_devices for s in to_add)
+        retiring_devices = sorted(index[d] for n in retiring for d in c.placed_of[n].devices if d in index)
+        drain_first = need > len(free)
+        if drain_first and need > len(free) + len(retiring_devices):
+            raise SwitchError(
+                f"{plan.describe()} needs {need} new devices; {len(free)} are free and retiring instances "
+                f"free {len(retiring_devices)} more (of {len(self.devices)})"
+            )
+        kept_names = [k for _, k in pairs if k is not None]
+        num_moved = 0
+        drain_s = 0.0
+        if drain_first:
+            kept_roles = {c.placed_of[n].spec.role for n in kept_names}
+            needed = {"colocated"} if plan.kind == "colocated" else {"prefill", "decode"}
+            if not needed <= kept_roles:
+                raise SwitchError(
+                    f"{plan.describe()} needs {need} new devices but only {len(free)} are free; draining the "
+                    f"retiring instances first would leave no {sorted(needed - kept_roles)} instance serving"
+                )
+            log.info("switch: draining %s first to free their devices", retiring)
+            c.route(kept_names)
+            t = time.monotonic()
+            retired, num_moved = self._drain()
+            drain_s = time.monotonic() - t
+            free = sorted([*free, *retiring_devices])
+        # build the added instances on free devices, consecutive per instance
+        t = time.monotonic()
+        names: list[str] = []
+        try:
+            placed: list[PlacedInstance] = []
+            taken = set(c.placed_of)
+            cursor = 0
+            for spec in to_add:
+                ids = tuple(free[cursor : cursor + spec.num_devices])
+                cursor += spec.num_devices
+                name = _fresh_name(spec.role, taken)
+                taken.add(name)
+                placed_spec = dataclasses.replace(spec, devices=ids, nodes=None)
+                devs = tuple(self.devices[k] for k in ids)
+                placed.append(PlacedInstance(name, placed_spec, devs, self.engine_factory(placed_spec, devs)))
+                names.append(name)
+            c.add_instances(placed)
+            build_s = time.monotonic() - t
+            warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
+        except Exception as e:
+            c.discard_staged()
+            if drain_first:
+                c.plan = DeploymentPlan(tuple(c.placed_of[n].spec for n in kept_names), model=old.model)
+            raise SwitchError(f"building the new instances of {plan.describe()} failed: {e}") from e
+        # route: kept and added, in the new plan's order
+        new_names: list[str] = []
+        added_iter = iter(names)
+        for _, kept in pairs:
+            new_names.append(kept if kept is not None else next(added_iter))
+        routed_at = time.monotonic()
+        c.route(new_names)  # (after a drain-first, the kept ones are routed already: this adds the built ones)
+        c.plan = DeploymentPlan(
+            tuple(c.placed_of[n].spec for n in new_names), model=old.model, expected=dict(plan.expected)
+        )
+        log.info("switch: now routing to %s (%s)", c.plan.describe(), ", ".join(new_names))
+        if not drain_first:
+            t = time.monotonic()
+            retired, num_moved = self._drain()
+            drain_s = time.monotonic() - t
+        report = SwitchReport(
+            from_plan=old.describe(),
+            to_plan=c.plan.describe(),
+            kept=tuple(kept_names),
+            added=tuple(names),
+            retired=tuple(retired),
+            started_at=started,
+            routed_at=routed_at,
+            drained_first=drain_first,
+            num_moved=num_moved,
+            build_s=build_s,
+            warmup_s=warmup_s,
+            drain_s=drain_s,
+            total_s=time.monotonic() - started,
+        )
+        log.info(
+            "switch %s -> %s: kept %s, added %s, retired %s in %.2f s (build %.2f, warm-up %.2f, drain %.2f)",
+            report.from_plan, report.to_plan, list(report.kept), list(report.added),
+            [s.name for s in report.retired], report.total_s, build_s, warmup_s, drain_s,
+        )  # fmt: skip
+        return report
+
+    def _drain(self) -> tuple[list[InstanceStats], int]:
+        """Wait for the retiring instances to finish what they hold; move the rest at the timeout."""
+        c = self.controller
+        retired: list[InstanceStats] = []
+        deadline = time.monotonic() + self.drain_timeout_s
+        while c.retiring and time.monotonic() < deadline:
+            retired.extend(c.retire_drained())
+            time.sleep(0.005)
+        num_moved = 0
+        if c.retiring:
+            num_moved = c.num_held_by_retiring()
+            log.warning("switch: %d requests still on %s after %.0f s: moving them", num_moved, c.retiring,
+                        self.drain_timeout_s)  # fmt: skip
+            retired.extend(c.retire_drained(force=True))
+        return retired, num_moved
+
+
+def _fresh_name(role: str, taken: set[str]) -> str:
+    k = 0
+    while f"{role}-{k}" in taken:
+        k += 1
+    return f"{role}-{k}"
+
+
+__all__ = [
+    "PlanError",
+    "PlanSwitcher",
+    "SwitchError",
+    "SwitchInProgressError",
+    "SwitchReport",
+    "SwitchUnsupportedError",
+    "match_instances",
+]
