@@ -28,13 +28,15 @@ def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: 
     report = engine.warmup(
         num_blocks=8, block_size=4, max_decode_batch_size=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
     )
-    # prefill: 16-token prompts, 1 or 2 rows (2 x 16 <= 32); decode: rows {2, 4} x widths {1, 2, 4};
-    # chunks: one 16-token row at every width
-    assert report.prefill_shapes == ((1, 16), (2, 16))
+    # prefill: 16-token prompts; rows up to 32, since 32 one-token prompts fit the 32-token cap (the
+    # smallest batch of each row bucket, rows/2 + 1 prompts, must fit); decode: rows {2, 4} x widths
+    # {1, 2, 4}; prompt rows of a colocated step: the 16-token budget split over 1, 2 or 4 prompts
+    assert report.prefill_shapes == ((1, 16), (2, 16), (4, 16), (8, 16), (16, 16), (32, 16))
     assert report.step_shapes == (
-        (2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 1), (4, 1, 2), (4, 1, 4), (1, 16, 1), (1, 16, 2), (1, 16, 4),
+        (2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 1), (4, 1, 2), (4, 1, 4),
+        (1, 16, 1), (1, 16, 2), (1, 16, 4), (2, 16, 1), (2, 16, 2), (2, 16, 4), (4, 16, 1), (4, 16, 2), (4, 16, 4),
     )  # fmt: skip
-    assert report.num_programs == 11 and report.seconds > 0
+    assert report.num_programs == 21 and report.seconds > 0
     compiled = _paged_cache_size(engine)
     pages = engine.init_pages(8, 4)
     rows = tuple(StepRow(f"r{i}", (5,), 6, (i, 4 + i), GREEDY, 0, 0) for i in range(3))  # 3 rows -> 4, width 2
