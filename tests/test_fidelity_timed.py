@@ -26,20 +26,13 @@ def check(tmp_path_factory: pytest.TempPathFactory) -> fidelity.Check:
     return fidelity.Check(fidelity.slowed_profile(SLOWDOWN, path), SLOWDOWN)
 
 
-PULLS_BLOCK_DECODING = (
-    "the runtime pulls KV on the decode thread before each step (main at 15d937d), the simulator overlaps pulls "
-    "with decoding; at 2 prefill instances per decode instance that adds host time to each decode step (TPOT "
-    "+10-20 % near saturation). The runtime issue makes pulls overlap decoding."
-)
-
-
 @pytest.mark.parametrize(
     "spec",
     [
         "colocated:tp1",
         "colocated:tp1,chunk=256",
         "disagg:prefill=tp1,decode=tp1",
-        pytest.param("disagg:prefill=2xtp1,decode=tp1", marks=pytest.mark.xfail(reason=PULLS_BLOCK_DECODING)),
+        "disagg:prefill=2xtp1,decode=tp1",  # was an xfail while pulls blocked decoding; they overlap now
         "disagg:prefill=tp1,decode=tp1pp2",
     ],
 )
