@@ -48,6 +48,11 @@ LIMITS = ServingLimits(num_kv_blocks=1024, max_decode_batch=32, max_batch_tokens
 SLO = SloSpec(0.15, 0.1, 0.9, "joint")  # TTFT binds (queueing spreads it); TPOT of a fixed workload is too narrow
 WORKLOAD = "fixed:256:16"
 RATE_SCALES = (0.7, 0.9, 1.05, 1.2)  # x the simulated goodput: attainment from ~100 % down to ~50 %
+# A request whose latency lies within this fraction of its SLO is decided by host jitter, not by the model:
+# the runtime's host time adds ~1 % to TTFT here, more on a loaded machine, and at 60 requests a point one
+# such request is 1.7 points. The predicted attainment is the band the simulation gives with the SLO scaled
+# by 1 -/+ this; a measurement inside the band is no error.
+SLO_JITTER = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +63,12 @@ class Point:
     predicted: dict[str, float]
 
     def errors(self) -> dict[str, float]:
-        """Attainment difference in points; latency percentiles as relative differences."""
-        out = {"attainment_pts": 100 * abs(self.measured["attainment"] - self.predicted["attainment"])}
+        """Attainment: points outside the predicted band (`SLO_JITTER`); latency percentiles: relative differences."""
+        m, lo, hi = self.measured["attainment"], self.predicted["attainment_lo"], self.predicted["attainment_hi"]
+        out = {
+            "attainment_pts": 100 * max(lo - m, m - hi, 0.0),
+            "attainment_pts_raw": 100 * abs(m - self.predicted["attainment"]),
+        }
         for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
             out[key] = abs(self.measured[key] - self.predicted[key]) / self.predicted[key]
         return out
@@ -141,7 +150,11 @@ def measured_stats(records: Sequence[RequestRecord], slo: SloSpec) -> dict[str, 
 
 def predicted_stats(check: Check, spec: str, trace: Workload) -> dict[str, float]:
     result = simulate(parse_deployment(spec), check.latency(), cluster(), trace, None, options())
-    return _stats(result.ttft_s, result.tpot_s, check.slo)
+    out = _stats(result.ttft_s, result.tpot_s, check.slo)
+    for key, scale in (("attainment_lo", 1 - SLO_JITTER), ("attainment_hi", 1 + SLO_JITTER)):
+        slo = dataclasses.replace(check.slo, ttft_s=check.slo.ttft_s * scale, tpot_s=check.slo.tpot_s * scale)
+        out[key] = _stats(result.ttft_s, result.tpot_s, slo)["attainment"]
+    return out
 
 
 def server_args(check: Check, limits: ServingLimits = LIMITS) -> list[str]:
@@ -175,7 +188,9 @@ def check_deployment(check: Check, spec: str, rates: Sequence[float], n: int, se
 def verdict(points: Sequence[Point]) -> dict[str, float]:
     errs = [p.errors() for p in points]
     att = [e["attainment_pts"] for e in errs]
+    raw = [e["attainment_pts_raw"] for e in errs]
     out = {"attainment_pts_median": statistics.median(att), "attainment_pts_max": max(att)}
+    out |= {"attainment_pts_raw_median": statistics.median(raw), "attainment_pts_raw_max": max(raw)}
     for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
         out[f"{key}_max_rel"] = max(e[key] for e in errs)
     return out
@@ -183,13 +198,14 @@ def verdict(points: Sequence[Point]) -> dict[str, float]:
 
 def table(points: Sequence[Point]) -> str:
     lines = [
-        f"{'deployment':<34} {'rate':>6} {'attain meas/sim':>16} {'TTFT p50 meas/sim ms':>21} "
+        f"{'deployment':<34} {'rate':>6} {'attain meas/sim [band]':>26} {'TTFT p50 meas/sim ms':>21} "
         f"{'TTFT p90':>13} {'TPOT p50':>11} {'TPOT p90':>11}"
     ]
     for p in points:
         m, s = p.measured, p.predicted
         lines.append(
-            f"{p.deployment:<34} {p.rate:>6.2f} {100 * m['attainment']:>7.1f}/{100 * s['attainment']:<8.1f} "
+            f"{p.deployment:<34} {p.rate:>6.2f} {100 * m['attainment']:>7.1f}/{100 * s['attainment']:<5.1f}"
+            f"[{100 * s['attainment_lo']:.1f},{100 * s['attainment_hi']:.1f}] "
             f"{1e3 * m['ttft_p50']:>10.1f}/{1e3 * s['ttft_p50']:<10.1f} {1e3 * m['ttft_p90']:>6.1f}/{1e3 * s['ttft_p90']:<6.1f} "
             f"{1e3 * m['tpot_p50']:>5.1f}/{1e3 * s['tpot_p50']:<5.1f} {1e3 * m['tpot_p90']:>5.1f}/{1e3 * s['tpot_p90']:<5.1f}"
         )

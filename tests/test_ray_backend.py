@@ -481,6 +481,25 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         controller.shutdown(drain_timeout_s=5)
 
 
+def test_idle_decode_actor_gone_for_good_is_found_dead_by_its_first_pull(cluster, reference) -> None:
+    """A decode actor killed while it holds nothing: the first pull into it finds it gone, the instance dies
+    and that request moves to the other decode instance. (Counting the dead actor as a failed pull instead
+    recomputed the request and routed it straight back to the emptiest instance, the dead one, forever.)"""
+    plan = parse_deployment("disagg:prefill=tp2,decode=2xtp1")
+    controller = RayController.launch(MODEL, plan, CONFIG, RAY_CONFIG)
+    controller.start()
+    try:
+        ray.kill(controller.actor("decode-0"), no_restart=True)
+        got = _run_streaming(controller, "idle-gone")
+        assert got == reference
+        faults = controller.fault_stats()
+        assert faults.num_rerouted_requests > 0 and faults.num_recomputed == 0, faults
+        alive = {d.name: d.error is None for d in controller.decode_instances}
+        assert alive == {"decode-0": False, "decode-1": True}
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
 def test_decode_actor_gone_for_good_seeded_sampling_continues_at_the_same_sample_positions(cluster) -> None:
     """A re-routed request resumes at its own next sample index: seeded random outputs equal a run without failure."""
     plan = parse_deployment("disagg:prefill=tp2,decode=2xtp1")

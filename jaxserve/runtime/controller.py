@@ -525,9 +525,10 @@ class Controller:
             stream = RequestStream(request.request_id, self)
             self._live[request.request_id] = (live, stream)
             local = self._local_prefill_target(live)
-            target = alive[self._choose_front(alive, live)]
             # Under the lock: a switch never retires an instance in between.
-            error = _enqueue_local(local, live) if local is not None else _enqueue(target, live)
+            error = _enqueue_local(local, live) if local is not None else None
+            if local is None or _died(local, error):
+                error = self._enqueue_front(alive, live)
         if error is not None:
             self.fail(live, error)
         elif self.workload_hook is not None:
@@ -547,6 +548,19 @@ class Controller:
                 CachedPrefillLoad(inst.num_cached_tokens(live) // bs, load.num_queued_tokens, load.num_queued_requests)
             )
         return choose_prefill_instance_cached(loads, self.config.prefix_policy.weight(bs))
+
+    def _enqueue_front(
+        self, alive: list[PrefillInstance | ColocatedInstance], live: LiveRequest
+    ) -> JaxServeError | None:
+        """Queue `live` on the chosen front instance; one that died since `alive` was taken is skipped."""
+        error: JaxServeError | None = EngineDeadError(f"no live instance is left to take {live.request_id!r}")
+        while alive:
+            target = alive[self._choose_front(alive, live)]
+            error = _enqueue(target, live)
+            if not _died(target, error):
+                return error
+            alive.remove(target)
+        return error
 
     def _choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
         if not self.config.prefix_caching:
@@ -636,9 +650,16 @@ class Controller:
             alive = [d for d in self.decode_instances if d.error is None]
             pinned = self._pinned.pop(live.request_id, None)
             error: JaxServeError | None = EngineDeadError("every decode instance is dead")
-            if pinned is not None or alive:
-                target = pinned or alive[self._choose_decode(alive, live)]
-                error = _enqueue(target, live, source)
+            if pinned is not None:
+                error = _enqueue(pinned, live, source)
+            elif alive:
+                # An instance found alive above may die before it takes the request: try the next one.
+                while alive:
+                    target = alive[self._choose_decode(alive, live)]
+                    error = _enqueue(target, live, source)
+                    if not _died(target, error):
+                        break
+                    alive.remove(target)
         if error is not None:
             self.fail(live, error)
 
@@ -685,12 +706,8 @@ class Controller:
                     f"{why}, and no live instance is left to continue {live.request_id!r}"
                 )
             else:
-                target = alive[self._choose_front(alive, live)]
-                log.warning(
-                    "continuing %s (%d tokens streamed) on %s: %s",
-                    live.request_id, len(live.output_ids), target.name, why,
-                )  # fmt: skip
-                error = _enqueue(target, live)
+                log.warning("continuing %s (%d tokens streamed): %s", live.request_id, len(live.output_ids), why)
+                error = self._enqueue_front(alive, live)
         if error is not None:
             self.fail(live, error)
 
@@ -863,6 +880,11 @@ def _enqueue(
     except JaxServeError as e:
         return e
     return None
+
+
+def _died(target: Instance, error: JaxServeError | None) -> bool:
+    """True when `target` refused a request because it died after it was chosen (a worker sets `error` on its own)."""
+    return isinstance(error, EngineDeadError) and target.error is not None
 
 
 def _enqueue_local(target: DecodeInstance, live: LiveRequest) -> JaxServeError | None:

@@ -342,11 +342,14 @@ class RemoteHandle:
         return self._report.seconds if self._report is not None else None
 
     def _collect(self) -> None:
+        """The pull's report, or its error. EngineDeadError (the decode actor is gone for good) propagates:
+        that is the instance dying, not this pull failing, and a failed pull would be recomputed and routed
+        straight back to the dead instance."""
         import ray
 
         try:
             self._report = self._engine.finish_pull(self._ref, self._order)
-        except (ray.exceptions.RayError, EngineDeadError) as e:
+        except ray.exceptions.RayError as e:
             log.error("KV pull of %s failed: %r", self.request_id, e)
             self._error = e
 
