@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from placement.search import SearchContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="re-simulate the chosen plan and the runner-up on this many more workload samples (0: none)",
     )
+    caching = parser.add_argument_group("multi-turn workload with prefix caching (placement/prefix_plan.py)")
+    caching.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="plan for N sampled chat conversations (placement.conversations defaults) served with prefix "
+        "caching: screen on the cache-adjusted workload, judge with the cache-aware simulator (disaggregated only)",
+    )
+    caching.add_argument(
+        "--local-prefill-tokens",
+        default="0,256",
+        help="conditional-disaggregation thresholds to judge, comma-separated (0: always disaggregate)",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -81,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
+    if args.conversations is not None:
+        return _run_conversations(args, ctx)
 
     def reseed(seed: int) -> Workload:
         return build_base_workload(args.workload, latency, len(workload), seed, args.cv)
@@ -150,6 +169,77 @@ def run(args: argparse.Namespace) -> int:
         for c in ratio.candidates:
             print(f"  {c.label:<40} {c.num_devices:>3} devices {c.goodput_rps:8.3f} rps {c.per_device:8.3f} rps/device")
         print(f"  best: {ratio.reason}")
+    for inst in plan.instances:
+        print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
+    if args.output:
+        print(f"plan written to {args.output}")
+    return 0
+
+
+def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
+    """`--conversations N`: plan a disaggregated deployment and caching policy for a multi-turn workload."""
+    import numpy as np
+
+    from jaxserve.plan import PlanError
+    from placement.conversations import ConversationSpec, generate_conversations
+    from placement.prefix_plan import plan_for_conversations
+
+    try:
+        thresholds = [int(t) for t in args.local_prefill_tokens.split(",") if t.strip()]
+        if args.conversations < 1 or not thresholds or min(thresholds) < 0:
+            raise ValueError
+    except ValueError:
+        print(
+            "jaxserve plan: error: --conversations needs N >= 1 and --local-prefill-tokens integers >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    if args.kind == "colocated":
+        print("jaxserve plan: error: --conversations plans disaggregated deployments only", file=sys.stderr)
+        return 2
+    conversations = generate_conversations(ConversationSpec(), args.conversations, np.random.default_rng(args.seed))
+    progress = None if args.no_progress else _progress_bar()
+    try:
+        report = plan_for_conversations(
+            ctx, conversations, local_thresholds=thresholds, affinity=args.affinity, workers=args.workers,
+            seed=args.seed, progress=progress,
+        )  # fmt: skip
+    except PlanError as e:
+        print(f"jaxserve plan: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if progress is not None:
+            progress.close()
+    plan = report.plan
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(plan.to_json() + "\n")
+    if args.json:
+        print(plan.to_json())
+        return 0
+    cfg, cluster, slo = ctx.latency.cfg, ctx.cluster, ctx.slo
+    print(
+        f"{cfg.name} on {cluster.num_nodes} x {cluster.devices_per_node} {cluster.device.name}, "
+        f"{args.conversations} conversations ({len(conversations.turns)} requests; an unbounded cache would serve "
+        f"{report.ideal_hit_rate:.1%} of prompt tokens), TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s "
+        f"at {slo.attainment:.0%} ({slo.mode})"
+    )
+    print(f"\n{'proposed by':<12} {'plan':<34} {'caching':<28} {'goodput rps':>11} {'rps/device':>10}")
+    for a in report.arms:
+        screen = "cache screen" if a.source == "cached" else "plain screen"
+        print(
+            f"{screen:<12} {a.plan.describe():<34} {a.label:<28} {a.goodput_rps:>11.3f} {a.goodput_per_device:>10.3f}"
+        )
+    best, plain = report.best, report.best_without_caching()
+    gain = best.goodput_per_device / plain.goodput_per_device if plain.goodput_per_device > 0 else float("inf")
+    print(
+        f"\nchosen: {plan.describe()} with {best.label}: {best.goodput_rps:.3f} rps, {best.goodput_per_device:.3f} "
+        f"rps/device ({gain:.2f}x the best without caching, {plain.plan.describe()} {plain.goodput_per_device:.3f}); "
+        f"hit rate {report.hit_rate:.1%} at that rate"
+    )
+    if best.policy.enabled:
+        local = best.policy.local_prefill_tokens
+        print("serve it with: --prefix-caching" + (f" --local-prefill-tokens {local}" if local else ""))
     for inst in plan.instances:
         print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:
