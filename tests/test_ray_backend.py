@@ -481,6 +481,25 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         controller.shutdown(drain_timeout_s=5)
 
 
+def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(cluster, reference) -> None:
+    """`warmup()` with `warmup_buckets` compiles every padded shape inside each actor (the engines live there):
+    a mixed burst afterwards compiles nothing in any actor (counted by JAX's compile events in each process)."""
+    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
+    controller.start()
+    try:
+        controller.warmup()
+        names = ("prefill-0", "decode-0")
+        before = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
+        assert all(count > 0 for count in before.values()), before
+        got = _run_streaming(controller, "warm")
+        after = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
+        assert got == reference
+        assert after == before
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
 def test_idle_decode_actor_gone_for_good_is_found_dead_by_its_first_pull(cluster, reference) -> None:
     """A decode actor killed while it holds nothing: the first pull into it finds it gone, the instance dies
     and that request moves to the other decode instance. (Counting the dead actor as a failed pull instead

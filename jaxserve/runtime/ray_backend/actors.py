@@ -17,6 +17,11 @@ actor frees it once it is staged on its side (`cancel`). `renew` / `cancel`
 are also the controller's lease calls; a reaper thread frees KVs whose lease
 ran out.
 
+Both compile every padded shape before traffic when the controller asks (`warmup`, the same
+`BucketWarmable.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
+their XLA compilations (`num_compiles`), so a test can see that traffic after the warm-up compiles
+nothing.
+
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
 the order (retries, then recompute or fail per `TransferConfig`), checks the
 peer's model signature at first contact, and stages the KV in this actor's
@@ -34,12 +39,12 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, cast
 
 import jax
 
-from jaxserve.runtime.engine import Engine, KVPages, PrefillItem, SequenceKV, StepBatch
+from jaxserve.runtime.engine import BucketWarmable, Engine, KVPages, PrefillItem, SequenceKV, StepBatch
 from jaxserve.runtime.ray_backend.transfer import (
     HostKV,
     JaxTicket,
@@ -199,8 +204,25 @@ def build_engine(spec: EngineSpec) -> Engine:
     return OPTEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
 
 
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile
+WarmupOptions = Mapping[str, int | bool | None]  # keyword arguments of `BucketWarmable.warmup` (no `pages`)
+
+
+class _CompileCounter:
+    """Counts this process's XLA compilations (JAX's monitoring events)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+
 class _ActorBase:
     def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+        self._compiles = _CompileCounter()
         self.name = name
         self.spec = spec
         self.transfer = transfer
@@ -220,6 +242,22 @@ class _ActorBase:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def num_compiles(self) -> int:
+        """XLA compilations in this process so far (a restarted actor counts from 0)."""
+        return self._compiles.count
+
+    def warmup(self, options: WarmupOptions) -> float:
+        """Compile every padded shape `options` allow (`BucketWarmable.warmup`); seconds. An engine that
+        cannot (the fake one) does nothing."""
+        if not isinstance(self.engine, BucketWarmable):
+            return 0.0
+        started = time.monotonic()
+        self._warm(self.engine, options)
+        return time.monotonic() - started
+
+    def _warm(self, engine: BucketWarmable, options: WarmupOptions) -> None:
+        engine.warmup(**options)  # type: ignore[arg-type]
 
     def signature(self) -> ModelSignature:
         return self._signature
@@ -381,6 +419,11 @@ class DecodeActor(_ActorBase):
             return False
         self.pages = self.engine.insert(kv, num_tokens, self._require_pages(), block_table)
         return True
+
+    def _warm(self, engine: BucketWarmable, options: WarmupOptions) -> None:
+        warmed = engine.warmup(**options, pages=self._require_pages())  # type: ignore[arg-type]
+        if warmed.pages is not None:
+            self.pages = warmed.pages
 
     def decode_step(self, batch: StepBatch) -> list[int]:
         tokens, self.pages = self.engine.decode_step(batch, self._require_pages())

@@ -90,6 +90,13 @@ def wait_until_alive(actor: ActorHandle, name: str, timeout_s: float) -> None:
     raise EngineDeadError(f"actor {name} is gone (no restart left, or none within {timeout_s:.0f} s): {last!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Warmed:
+    """`WarmedPages` of a remote warm-up: the pool never leaves the actor, so the proxy's placeholder comes back."""
+
+    pages: KVPages | None
+
+
 class _RemoteBase:
     def __init__(
         self, name: str, actor: ActorHandle, info: ActorInfo, model_config: OPTConfig, restart_timeout_s: float,
@@ -109,6 +116,32 @@ class _RemoteBase:
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         return ()  # they live in the actor's process
+
+    def warmup(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_decode_batch_size: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        prefill: bool = True,
+        decode: bool = True,
+        pages: KVPages | None = None,
+        max_prefill_rows: int | None = None,
+    ) -> _Warmed:
+        """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's)."""
+        import ray
+
+        options = {
+            "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch_size": max_decode_batch_size,
+            "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
+            "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows,
+        }  # fmt: skip
+        seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
+        log.info("%s warmed its buckets in %.1f s", self.name, seconds)
+        return _Warmed(pages)
 
     def _call(self, fn: Callable[[], T], on_restart: Callable[[], None] | None = None) -> T:
         """Run `fn` (one actor call); on actor death wait for the restart, run `on_restart`, try again."""
