@@ -100,7 +100,7 @@ class ReplanLoop:
         if self.config.mode != "off" and context is None:
             raise ValueError("replanning (advise/auto) needs a planning context (cluster, SLOs, latency profile)")
         if self.config.mode == "auto" and switcher is None:
-            raise SwitchUnsupportedError("--replan auto needs a backend that can switch live (the embedded one)")
+            raise SwitchUnsupportedError("--replan auto needs a switcher (a way to build new instances)")
         self.switcher = switcher
         self.context = context
         self.latency = latency if latency is not None else (context.latency if context is not None else None)
@@ -303,7 +303,7 @@ class ReplanLoop:
         """Switch to `plan` now (blocking). Raises SwitchInProgressError, SwitchError, PlanError."""
         if self.switcher is None:
             raise SwitchUnsupportedError(
-                "this backend cannot switch deployments live (the Ray backend: restart it with the new plan)"
+                "this server cannot switch deployments live (it runs without a switcher): restart it with the new plan"
             )
         report: SwitchReport = self.switcher.switch(plan)
         self.num_switches += 1

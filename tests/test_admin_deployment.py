@@ -145,7 +145,7 @@ def test_admin_deployment_auth_bad_plans_conflict_and_a_switch_under_load() -> N
 
 
 def test_a_backend_without_a_switcher_refuses_live_switches() -> None:
-    """What `serve --backend ray` builds: a loop without a switcher refuses auto; the admin route answers 501."""
+    """A loop without a switcher (a library user's; `serve` always builds one) refuses auto; the admin route answers 501."""
     import pytest
 
     from jaxserve.runtime.switch import SwitchUnsupportedError
@@ -162,13 +162,6 @@ def test_a_backend_without_a_switcher_refuses_live_switches() -> None:
             assert r.status_code == 501 and "cannot switch" in r.json()["error"]["message"]
     finally:
         c.shutdown()
-
-
-def test_serve_refuses_replan_auto_on_ray(capsys) -> None:  # type: ignore[no-untyped-def]
-    from jaxserve.cli import main
-
-    assert main(["serve", "--backend", "ray", "--replan", "auto", "--deployment", PLAN]) == 2
-    assert "--replan auto needs the embedded backend" in capsys.readouterr().err
 
 
 def test_serve_cli_wires_the_replan_loop_and_the_admin_route() -> None:

@@ -42,10 +42,17 @@ from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
     PrefillActor,
     PullOrder,
 )
-from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, actor_env, loopback_only  # noqa: E402
+from jaxserve.runtime.ray_backend.deployment import (  # noqa: E402
+    RayActors,
+    RayConfig,
+    RayController,
+    actor_env,
+    loopback_only,
+)
 from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
+from jaxserve.runtime.switch import PlanSwitcher  # noqa: E402
 from jaxserve.runtime.worker import FaultCounters, LiveRequest  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -496,6 +503,55 @@ def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(
         after = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
         assert got == reference
         assert after == before
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
+def test_live_switch_on_ray_under_load_loses_nothing_and_kills_the_retired_actors(cluster, reference) -> None:
+    """prefill=tp2,decode=tp1 -> prefill=tp1,decode=2xtp1 while requests stream: the decode actor is kept, a
+    tp1 prefill actor and a second decode actor are started (own placement), warmed and routed; the tp2
+    prefill actor drains and is killed. Every request of the run is token-identical to the reference, and
+    requests after the switch run on the new actors (their KV pulled from the new prefill actor)."""
+    controller = RayController.launch(MODEL, parse_deployment(PLAN), CONFIG, RAY_CONFIG)
+    controller.start()
+    switcher = PlanSwitcher(controller, RayActors(controller), drain_timeout_s=60)
+    reports: list[object] = []
+    errors: list[BaseException] = []
+
+    def switch() -> None:
+        try:
+            reports.append(switcher.switch(parse_deployment("disagg:prefill=tp1,decode=2xtp1")))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=switch, daemon=True)
+    try:
+        old_prefill = controller.actor("prefill-0")
+
+        def start_switch(num_seen: int) -> bool:
+            if num_seen >= NUM_REQUESTS * MAX_TOKENS // 4:
+                thread.start()
+                return True
+            return False
+
+        got = _run_streaming(controller, "switch", start_switch)
+        thread.join(timeout=300)
+        assert not errors, errors
+        assert got == reference
+        report = reports[0]
+        assert report.kept == ("decode-0",) and len(report.added) == 2  # type: ignore[attr-defined]
+        assert [s.name for s in report.retired] == ["prefill-0"]  # type: ignore[attr-defined]
+        assert report.retired[0].num_prefill_buffer_used == 0 and report.num_moved == 0  # type: ignore[attr-defined]
+        assert controller.plan.describe() == "disagg:prefill=tp1,decode=2xtp1"
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(old_prefill.ping.remote(), timeout=30)
+        assert "prefill-0" not in controller.actors
+        new_prefill = next(n for n in report.added if n.startswith("prefill"))  # type: ignore[attr-defined]
+        after = _run_streaming(controller, "after")
+        assert after == reference
+        pulled = [s for s in controller.stats().instances if s.name == new_prefill]
+        assert pulled and pulled[0].alive
+        assert ray.get(controller.actor(new_prefill).buffer_stats.remote()).num_pulled >= NUM_REQUESTS
     finally:
         controller.shutdown(drain_timeout_s=5)
 

@@ -221,13 +221,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    if args.replan == "auto" and args.backend == "ray":
-        print(
-            "error: --replan auto needs the embedded backend (the Ray backend cannot switch live yet); "
-            "use --replan advise",
-            file=sys.stderr,
-        )
-        return 2
     if args.cpus is not None:
         try:
             pin_to_cpus(parse_cpus(args.cpus))
@@ -293,7 +286,13 @@ def run(args: argparse.Namespace) -> int:
                 model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
             )
         build_s = time.monotonic() - started
-        loop = build_replan_loop(args, controller, None if args.backend == "ray" else engine_factory, build_s)
+        builder: object = engine_factory
+        if args.backend == "ray":
+            from jaxserve.runtime.ray_backend.deployment import RayActors, RayController
+
+            assert isinstance(controller, RayController)
+            builder = RayActors(controller)
+        loop = build_replan_loop(args, controller, builder, build_s)
         for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
                 "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
@@ -338,14 +337,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_replan_loop(
-    args: argparse.Namespace, controller: object, engine_factory: object, weights_load_s: float
+    args: argparse.Namespace, controller: object, builder: object, weights_load_s: float
 ) -> ReplanLoop:
-    """The replanning loop for `--replan` (monitor always; planner context for advise/auto)."""
+    """The replanning loop for `--replan` (monitor always; planner context for advise/auto). `builder`: where a
+    live switch's new instances come from (`InstanceBuilder`, or the embedded backend's engine factory)."""
     import jax
 
     from jaxserve.replanning import ReplanLoop, ReplanLoopConfig
     from jaxserve.runtime.controller import Controller
-    from jaxserve.runtime.switch import PlanSwitcher
+    from jaxserve.runtime.switch import InstanceBuilder, PlanSwitcher
     from jaxserve.workload_monitor import DetectorConfig, MonitorConfig
 
     assert isinstance(controller, Controller)
@@ -353,9 +353,9 @@ def build_replan_loop(
     detector = DetectorConfig(sustain_s=args.sustain, cooldown_s=args.cooldown)
     config = ReplanLoopConfig(mode=args.replan, monitor=monitor, detector=detector)
     switcher = None
-    if engine_factory is not None:
-        factory: EngineFactory = engine_factory  # type: ignore[assignment]
-        switcher = PlanSwitcher(controller, factory, drain_timeout_s=args.drain_timeout)
+    if builder is not None:
+        how: InstanceBuilder | EngineFactory = builder  # type: ignore[assignment]
+        switcher = PlanSwitcher(controller, how, drain_timeout_s=args.drain_timeout)
     context = None
     if args.replan != "off" or args.profile:  # off with a profile: the correction factors are still measured
         context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),

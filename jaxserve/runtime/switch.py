@@ -1,24 +1,28 @@
 """The live switch: move a running embedded deployment to another plan without losing a request.
 
 `PlanSwitcher.switch(plan)` runs one switch, start to end (one at a time; a second caller gets
-`SwitchInProgressError`):
+`SwitchInProgressError`). Where new instances come from is an `InstanceBuilder`: `LocalDevices`
+(this process's JAX devices and an engine factory: the embedded backend) or the Ray backend's
+`RayActors` (a new actor per instance, placed by Ray; retired actors are killed). The steps:
 
 1. match: each instance of the new plan that has the role and shape (tp, pp, chunk size) of a
    routed instance keeps that instance (no reload, no drain; `placement.replan.plan_delta` counts
    the same way); the others are *added*, and the routed instances left unmatched *retire*.
-2. devices: added instances go on devices no instance holds. When there are too few, the retiring
-   instances are routed away and drained first and their devices are reused; that needs a kept
-   instance of every routed role to serve meanwhile, else the switch is refused (`SwitchError`)
-   before anything changed.
-3. build: `engine_factory(spec, devices)` loads each added instance's weights straight into its own
-   sharding; `Controller.add_instances` starts them *staged* (no traffic), and
+2. devices: added instances go on devices no instance holds (`InstanceBuilder.can_build`). When
+   there are too few, the retiring instances are routed away and drained first and their devices
+   are reused; that needs a kept instance of every routed role to serve meanwhile, else the switch
+   is refused (`SwitchError`) before anything changed.
+3. build: `InstanceBuilder.build` loads each added instance's weights straight into its own
+   sharding (embedded: `engine_factory(spec, devices)` on consecutive free devices; Ray: an actor);
+   `Controller.add_instances` starts them *staged* (no traffic), and
    `Controller.warm_up_staged` sends one pinned request through each (first compilations).
 4. route: `Controller.route(kept + added)` switches new requests, hand-offs and re-routes to the
    new instance set atomically (under the controller's lock); `controller.plan` becomes the new plan
    (device indices are those the instances really hold).
 5. drain: retiring instances finish what they hold (queued prompts are prefilled, buffered KVs are
    pulled by decode instances, decodes run to completion) and are stopped and dropped, KV pool and
-   buffers with them (`Controller.retire_drained`). After `drain_timeout_s` whatever they still hold
+   buffers with them (`Controller.retire_drained`; the Ray backend also kills their actors). After
+   `drain_timeout_s` whatever they still hold
    moves to routed instances through the re-route path (resumed, token for token).
 
 Nothing here imports the planner: the replanning loop above (`jaxserve/replanning.py`) decides
@@ -32,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import jax
 
@@ -51,7 +56,7 @@ class SwitchError(JaxServeError):
 
 
 class SwitchUnsupportedError(SwitchError):
-    """This backend cannot switch deployments live (the Ray backend)."""
+    """This deployment cannot switch live (no way to build new instances was given)."""
 
 
 class SwitchInProgressError(JaxServeError):
@@ -97,21 +102,85 @@ def match_instances(
     return pairs, [name for name, _ in free]
 
 
+@runtime_checkable
+class InstanceBuilder(Protocol):
+    """Where a switch's new instances come from, and what the devices allow."""
+
+    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+        """Whether `specs` fit on what no instance holds, plus what the instances `freeing` hold."""
+        ...
+
+    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+        """Why they do not fit, in words (for the SwitchError)."""
+        ...
+
+    def build(
+        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+    ) -> list[PlacedInstance]:
+        """Load an engine for each spec (weights in place), named `names`; nothing is routed yet."""
+        ...
+
+    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+        """Give back what `build` took for instances that will never be routed (a failed switch)."""
+        ...
+
+
+class LocalDevices:
+    """The embedded backend: consecutive free devices of this process, engines from `engine_factory`."""
+
+    def __init__(self, engine_factory: EngineFactory, devices: Sequence[jax.Device] | None = None) -> None:
+        self.engine_factory = engine_factory
+        self.devices = tuple(devices) if devices is not None else tuple(jax.devices())
+
+    def _free(self, controller: Controller, freeing: Sequence[str]) -> list[int]:
+        index = {d: k for k, d in enumerate(self.devices)}
+        gone = set(freeing)
+        held = {index[d] for n, p in controller.placed_of.items() if n not in gone for d in p.devices if d in index}
+        return [k for k in range(len(self.devices)) if k not in held]
+
+    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+        return sum(s.num_devices for s in specs) <= len(self._free(controller, freeing))
+
+    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+        free, freed = len(self._free(controller, ())), len(self._free(controller, freeing))
+        return (
+            f"it needs {sum(s.num_devices for s in specs)} new devices; {free} are free and retiring instances "
+            f"free {freed - free} more (of {len(self.devices)})"
+        )
+
+    def build(
+        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+    ) -> list[PlacedInstance]:
+        free = self._free(controller, ())
+        placed: list[PlacedInstance] = []
+        cursor = 0
+        for spec, name in zip(specs, names, strict=True):
+            ids = tuple(free[cursor : cursor + spec.num_devices])
+            cursor += spec.num_devices
+            placed_spec = dataclasses.replace(spec, devices=ids, nodes=None)
+            devs = tuple(self.devices[k] for k in ids)
+            placed.append(PlacedInstance(name, placed_spec, devs, self.engine_factory(placed_spec, devs)))
+        return placed
+
+    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+        del controller, names  # the engines' arrays go with the instances
+
+
 class PlanSwitcher:
-    """Switches an embedded `Controller` between plans (one switch at a time)."""
+    """Switches a running `Controller` between plans (one switch at a time)."""
 
     def __init__(
         self,
         controller: Controller,
-        engine_factory: EngineFactory,
+        builder: InstanceBuilder | EngineFactory,
         devices: Sequence[jax.Device] | None = None,
         *,
         drain_timeout_s: float = 60.0,
         warmup_timeout_s: float = 600.0,
     ) -> None:
+        """`builder`: an `InstanceBuilder`, or an engine factory (then `LocalDevices(builder, devices)`)."""
         self.controller = controller
-        self.engine_factory = engine_factory
-        self.devices = tuple(devices) if devices is not None else tuple(jax.devices())
+        self.builder = builder if isinstance(builder, InstanceBuilder) else LocalDevices(builder, devices)
         self.drain_timeout_s = drain_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self._lock = threading.Lock()
@@ -143,17 +212,10 @@ class PlanSwitcher:
         routed_specs = [(i.name, c.placed_of[i.name].spec) for i in routed]
         pairs, retiring = match_instances(routed_specs, plan)
         to_add = [spec for spec, kept in pairs if kept is None]
-        index = {d: k for k, d in enumerate(self.devices)}
-        held = {index[d] for p in c.placed_of.values() for d in p.devices if d in index}
-        free = [k for k in range(len(self.devices)) if k not in held]
-        need = sum(s.num_devices for s in to_add)
-        retiring_devices = sorted(index[d] for n in retiring for d in c.placed_of[n].devices if d in index)
-        drain_first = need > len(free)
-        if drain_first and need > len(free) + len(retiring_devices):
-            raise SwitchError(
-                f"{plan.describe()} needs {need} new devices; {len(free)} are free and retiring instances "
-                f"free {len(retiring_devices)} more (of {len(self.devices)})"
-            )
+        builder = self.builder
+        drain_first = not builder.can_build(c, to_add, ())
+        if drain_first and not builder.can_build(c, to_add, retiring):
+            raise SwitchError(f"{plan.describe()} cannot be built: {builder.capacity_note(c, to_add, retiring)}")
         kept_names = [k for _, k in pairs if k is not None]
         num_moved = 0
         drain_s = 0.0
@@ -162,36 +224,29 @@ class PlanSwitcher:
             needed = {"colocated"} if plan.kind == "colocated" else {"prefill", "decode"}
             if not needed <= kept_roles:
                 raise SwitchError(
-                    f"{plan.describe()} needs {need} new devices but only {len(free)} are free; draining the "
-                    f"retiring instances first would leave no {sorted(needed - kept_roles)} instance serving"
+                    f"{plan.describe()} does not fit beside the running instances ({builder.capacity_note(c, to_add, ())}); "
+                    f"draining the retiring instances first would leave no {sorted(needed - kept_roles)} instance serving"
                 )
             log.info("switch: draining %s first to free their devices", retiring)
             c.route(kept_names)
             t = time.monotonic()
             retired, num_moved = self._drain()
             drain_s = time.monotonic() - t
-            free = sorted([*free, *retiring_devices])
-        # build the added instances on free devices, consecutive per instance
+        # build the added instances (embedded: on free devices, consecutive per instance)
         t = time.monotonic()
         names: list[str] = []
+        taken = set(c.placed_of)
+        for spec in to_add:
+            names.append(_fresh_name(spec.role, taken))
+            taken.add(names[-1])
         try:
-            placed: list[PlacedInstance] = []
-            taken = set(c.placed_of)
-            cursor = 0
-            for spec in to_add:
-                ids = tuple(free[cursor : cursor + spec.num_devices])
-                cursor += spec.num_devices
-                name = _fresh_name(spec.role, taken)
-                taken.add(name)
-                placed_spec = dataclasses.replace(spec, devices=ids, nodes=None)
-                devs = tuple(self.devices[k] for k in ids)
-                placed.append(PlacedInstance(name, placed_spec, devs, self.engine_factory(placed_spec, devs)))
-                names.append(name)
+            placed = builder.build(c, to_add, names) if to_add else []
             c.add_instances(placed)
             build_s = time.monotonic() - t
             warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
         except Exception as e:
             c.discard_staged()
+            builder.discard(c, names)
             if drain_first:
                 c.plan = DeploymentPlan(tuple(c.placed_of[n].spec for n in kept_names), model=old.model)
             raise SwitchError(f"building the new instances of {plan.describe()} failed: {e}") from e
@@ -257,6 +312,8 @@ def _fresh_name(role: str, taken: set[str]) -> str:
 
 
 __all__ = [
+    "InstanceBuilder",
+    "LocalDevices",
     "PlanError",
     "PlanSwitcher",
     "SwitchError",

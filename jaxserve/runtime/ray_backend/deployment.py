@@ -33,12 +33,15 @@ import dataclasses
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-from jaxserve.plan import DeploymentPlan, PlanError
-from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
+from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.controller import Controller, ControllerConfig, Instance, Observer
 from jaxserve.runtime.engine import DecodeEngine
 from jaxserve.runtime.instances import PlacedInstance, instance_names
+from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
     BufferStats,
@@ -57,6 +60,7 @@ from jaxserve.runtime.ray_backend.remote_engine import (
     RemotePrefillEngine,
 )
 from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.runtime.switch import SwitchUnsupportedError
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -134,11 +138,13 @@ class RayController(Controller):
         counters: FaultCounters,
         observer: Observer | None = None,
         tokenizer: Tokenizer | None = None,
+        launch: _LaunchInputs | None = None,
     ) -> None:
-        holders = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
+        # Every decode instance's transfer looks prefill actors up here: a live switch adds to it.
+        self._holders: dict[str, ActorHandle] = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
 
         def transfer(engine: DecodeEngine) -> RayKVTransfer:
-            return RayKVTransfer(engine, holders)
+            return RayKVTransfer(engine, self._holders)
 
         super().__init__(
             placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer, faults=counters
@@ -146,6 +152,12 @@ class RayController(Controller):
         self.actors = actors
         self.actor_infos = infos
         self.placement = placement
+        self.launch_inputs = launch
+        self.counters = counters
+        # Instances whose bundle sits in a placement group shared with others (the launch's, per plan
+        # node): retiring one frees nothing until shutdown. Instances a switch adds get their own group.
+        self._shared_group = {p.name for p in placed} if placement.groups else set()
+        self._own_placement: dict[str, Placement] = {}
         for inst in self.prefill_instances:
             engine = inst.engine
             assert isinstance(engine, RemotePrefillEngine)
@@ -162,7 +174,6 @@ class RayController(Controller):
         observer: Observer | None = None,
         dtype: str = "float32",
     ) -> RayController:
-        import ray
 
         rc = ray_config or RayConfig()
         config = config or ControllerConfig()
@@ -174,55 +185,20 @@ class RayController(Controller):
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
+        inputs = _LaunchInputs(model_source, dtype, rc, config.block_size)
         placement = place_on_cluster(plan, rc.placement)
         names = instance_names(plan)
-        actors: dict[str, ActorHandle] = {}
         try:
-            for name, inst, opts in zip(names, plan.instances, placement.options, strict=True):
-                assert inst.role in ("prefill", "decode")
-                spec = EngineSpec(
-                    inst.role, inst.tp, inst.pp, model_source, dtype, config.block_size, rc.engine, rc.fake_config
-                )
-                actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
-                remote_cls = ray.remote(actor_cls)
-                actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
-                    max_restarts=rc.max_restarts,
-                    max_concurrency=4,  # decode: a step and pulls in flight at once
-                    runtime_env=actor_env(spec, rc.placement.use_gpus),
-                    **opts,
-                ).remote(name, spec, rc.transfer)
-            refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
-            infos: dict[str, ActorInfo] = {}
-            for name, ref in refs.items():
-                infos[name] = cast(ActorInfo, fetch(ref, rc.start_timeout_s))
-            first = names[0]
-            for name in names[1:]:
-                check_compatible(infos[first].signature, infos[name].signature, first, name)
+            actors, infos = _start_actors(inputs, names, plan.instances, placement.options)
         except BaseException:
-            for a in actors.values():
-                ray.kill(a, no_restart=True)
             placement.remove()
             raise
-        model_config = infos[first].model_config
         counters = FaultCounters()
-        placed = []
-        for name, inst in zip(names, plan.instances, strict=True):
-            info, actor = infos[name], actors[name]
-            engine: RemotePrefillEngine | RemoteDecodeEngine
-            if inst.role == "prefill":
-                engine = RemotePrefillEngine(
-                    name, actor, info, model_config, rc.restart_timeout_s, counters, lease_s=rc.transfer.lease_s
-                )
-            else:
-                layers = info.stage_layers
-                engine = RemoteDecodeEngine(
-                    name, actor, info, model_config, rc.restart_timeout_s, counters, stage_layers=layers
-                )
-            log.info(
-                "instance %s: role=%s tp=%d x pp=%d actor pid=%d node=%s (%s)",
-                name, inst.role, inst.tp, inst.pp, info.pid, info.node_id[:12], info.node_ip,
-            )  # fmt: skip
-            placed.append(PlacedInstance(name, inst, (), engine))
+        model_config = infos[names[0]].model_config
+        placed = [
+            _placed(inputs, name, inst, actors[name], infos[name], model_config, counters)
+            for name, inst in zip(names, plan.instances, strict=True)
+        ]
         tokenizer = None
         try:
             from models.checkpoint import load_tokenizer
@@ -232,8 +208,81 @@ class RayController(Controller):
             tokenizer = None
         return cls(
             placed, plan, config, actors=actors, infos=infos, placement=placement, counters=counters,
-            observer=observer, tokenizer=tokenizer,
+            observer=observer, tokenizer=tokenizer, launch=inputs,
         )  # fmt: skip
+
+    # ---- live switch (jaxserve/runtime/switch.py with `RayActors`) ------------------------------
+    def start_actors(self, specs: Sequence[InstanceSpec], names: Sequence[str]) -> list[PlacedInstance]:
+        """New actors for `specs` (each in its own placement group when it names a node), checked against
+        the running model, wrapped in proxies; not yet instances of this controller."""
+        if self.launch_inputs is None:
+            raise SwitchUnsupportedError("this Ray controller was not started by RayController.launch")
+        inputs = self.launch_inputs
+        started: list[str] = []
+        try:
+            for name, spec in zip(names, specs, strict=True):
+                placement = place_on_cluster([spec], inputs.ray.placement)
+                self._own_placement[name] = placement
+                started.append(name)
+                actors, infos = _start_actors(inputs, [name], [spec], placement.options)
+                reference = next(iter(self.actor_infos))
+                check_compatible(self.actor_infos[reference].signature, infos[name].signature, reference, name)
+                self.actors.update(actors)
+                self.actor_infos.update(infos)
+        except BaseException:
+            self.release_actors(started)
+            raise
+        return [
+            _placed(inputs, name, spec, self.actors[name], self.actor_infos[name], self.model_config, self.counters)
+            for name, spec in zip(names, specs, strict=True)
+        ]
+
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
+        new = super().add_instances(placed)
+        for inst in new:
+            if isinstance(inst, PrefillInstance):
+                engine = inst.engine
+                assert isinstance(engine, RemotePrefillEngine)
+                self._holders[inst.name] = engine.actor
+                engine.start_lease_keeper(inst.holds_kv)
+        return new
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
+        """`Controller.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
+        with self._lock:
+            engines = {inst.name: inst.engine for inst in self._retiring}
+        retired = super().retire_drained(force)
+        for stats in retired:
+            engine = engines.get(stats.name)
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+        self.release_actors([s.name for s in retired])
+        return retired
+
+    def release_actors(self, names: Sequence[str]) -> None:
+        """Kill the actors of instances that are gone (retired, or built for a switch that failed)."""
+        import ray
+
+        for name in names:
+            actor = self.actors.pop(name, None)
+            self.actor_infos.pop(name, None)
+            self._holders.pop(name, None)
+            if actor is not None:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(actor, no_restart=True)
+            placement = self._own_placement.pop(name, None)
+            if placement is not None:
+                placement.remove()
+
+    def freed_resources(self, names: Sequence[str]) -> dict[str, float]:
+        """The Ray resources killing these instances' actors gives back (none for a shared launch group)."""
+        out: dict[str, float] = {}
+        for name in names:
+            if name in self._shared_group or name not in self.placed_of or self.launch_inputs is None:
+                continue
+            for key, value in _actor_resources(self.placed_of[name].spec, self.launch_inputs.ray).items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
     # ---- introspection ---------------------------------------------------------------------
     def actor(self, name: str) -> ActorHandle:
@@ -258,6 +307,141 @@ class RayController(Controller):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         self.placement.remove()
+        for placement in self._own_placement.values():
+            placement.remove()
+        self._own_placement.clear()
+
+
+class RayActors:
+    """`InstanceBuilder` of a live switch on the Ray backend: one new actor per added instance.
+
+    What fits is what Ray has available now plus what the retiring actors give back (their CPU / GPU
+    bundle; an instance placed in the launch's shared per-node group frees nothing until shutdown).
+    """
+
+    def __init__(self, controller: RayController) -> None:
+        self.controller = controller
+
+    def _needs(self, specs: Sequence[InstanceSpec]) -> dict[str, float]:
+        assert self.controller.launch_inputs is not None
+        out: dict[str, float] = {}
+        for spec in specs:
+            for key, value in _actor_resources(spec, self.controller.launch_inputs.ray).items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def _short(self, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> dict[str, tuple[float, float]]:
+        import ray
+
+        available = ray.available_resources()
+        freed = self.controller.freed_resources(freeing)
+        have = {k: available.get(k, 0.0) + freed.get(k, 0.0) for k in self._needs(specs)}
+        return {k: (need, have[k]) for k, need in self._needs(specs).items() if need > have[k] + 1e-9}
+
+    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+        del controller
+        return not self._short(specs, freeing)
+
+    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+        del controller
+        short = self._short(specs, freeing)
+        return "the Ray cluster is short of " + ", ".join(
+            f"{k} (needs {n:g}, has {h:g})" for k, (n, h) in short.items()
+        )
+
+    def build(
+        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+    ) -> list[PlacedInstance]:
+        del controller
+        return self.controller.start_actors(specs, names)
+
+    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+        del controller
+        self.controller.release_actors(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchInputs:
+    """What a deployment's actors are started from (kept for the actors a live switch adds)."""
+
+    model_source: str
+    dtype: str
+    ray: RayConfig
+    block_size: int
+
+
+def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
+    out = {"CPU": rc.placement.num_cpus_per_actor}
+    if rc.placement.use_gpus:
+        out["GPU"] = float(spec.num_devices)
+    return out
+
+
+def _start_actors(
+    inputs: _LaunchInputs,
+    names: Sequence[str],
+    specs: Sequence[InstanceSpec],
+    options: Sequence[dict[str, object]],
+) -> tuple[dict[str, ActorHandle], dict[str, ActorInfo]]:
+    """Start one actor per instance and wait for each to report; all are killed if one fails."""
+    import ray
+
+    rc = inputs.ray
+    actors: dict[str, ActorHandle] = {}
+    try:
+        for name, inst, opts in zip(names, specs, options, strict=True):
+            assert inst.role in ("prefill", "decode")
+            spec = EngineSpec(
+                inst.role, inst.tp, inst.pp, inputs.model_source, inputs.dtype, inputs.block_size, rc.engine,
+                rc.fake_config,
+            )  # fmt: skip
+            actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
+            remote_cls = ray.remote(actor_cls)
+            actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
+                max_restarts=rc.max_restarts,
+                max_concurrency=4,  # decode: a step and pulls in flight at once
+                runtime_env=actor_env(spec, rc.placement.use_gpus),
+                **opts,
+            ).remote(name, spec, rc.transfer)
+        refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
+        infos: dict[str, ActorInfo] = {}
+        for name, ref in refs.items():
+            infos[name] = cast(ActorInfo, fetch(ref, rc.start_timeout_s))
+        first = names[0]
+        for name in names[1:]:
+            check_compatible(infos[first].signature, infos[name].signature, first, name)
+    except BaseException:
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+        raise
+    return actors, infos
+
+
+def _placed(
+    inputs: _LaunchInputs,
+    name: str,
+    inst: InstanceSpec,
+    actor: ActorHandle,
+    info: ActorInfo,
+    model_config: OPTConfig,
+    counters: FaultCounters,
+) -> PlacedInstance:
+    """The controller's view of one actor: its spec and the proxy engine."""
+    rc = inputs.ray
+    engine: RemotePrefillEngine | RemoteDecodeEngine
+    if inst.role == "prefill":
+        engine = RemotePrefillEngine(
+            name, actor, info, model_config, rc.restart_timeout_s, counters, lease_s=rc.transfer.lease_s
+        )
+    else:
+        engine = RemoteDecodeEngine(
+            name, actor, info, model_config, rc.restart_timeout_s, counters, stage_layers=info.stage_layers
+        )
+    log.info(
+        "instance %s: role=%s tp=%d x pp=%d actor pid=%d node=%s (%s)",
+        name, inst.role, inst.tp, inst.pp, info.pid, info.node_id[:12], info.node_ip,
+    )  # fmt: skip
+    return PlacedInstance(name, inst, (), engine)
 
 
 def launch_from_args(

@@ -15,6 +15,7 @@ custom resource `f"{prefix}{n}"` (how tests simulate nodes with
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
@@ -53,9 +54,10 @@ def bundle(spec: InstanceSpec, config: PlacementConfig) -> dict[str, float]:
     return out
 
 
-def group_by_node(plan: DeploymentPlan) -> dict[int, list[int]]:
-    """Plan node -> indices (into plan.instances) of the instances on it; empty when the plan names no nodes."""
-    nodes = [instance_node(spec) for spec in plan.instances]
+def group_by_node(plan: DeploymentPlan | Sequence[InstanceSpec]) -> dict[int, list[int]]:
+    """Plan node -> indices (into the instances) of the instances on it; empty when they name no nodes."""
+    specs = plan.instances if isinstance(plan, DeploymentPlan) else plan
+    nodes = [instance_node(spec) for spec in specs]
     if any(n is None for n in nodes) and any(n is not None for n in nodes):
         raise PlanError("either every instance names its node or none does")
     out: dict[int, list[int]] = {}
@@ -80,21 +82,23 @@ class Placement:
         self.groups = []
 
 
-def place_on_cluster(plan: DeploymentPlan, config: PlacementConfig) -> Placement:
-    """Create the placement groups a plan needs (waiting until they are ready) and each actor's options."""
+def place_on_cluster(plan: DeploymentPlan | Sequence[InstanceSpec], config: PlacementConfig) -> Placement:
+    """Create the placement groups a plan (or some instances: a live switch's) needs, waiting until they are
+    ready, and each actor's options."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    specs = plan.instances if isinstance(plan, DeploymentPlan) else tuple(plan)
     options: list[dict[str, object]] = []
-    for spec in plan.instances:
+    for spec in specs:
         opt: dict[str, object] = {"num_cpus": config.num_cpus_per_actor}
         if config.use_gpus:
             opt["num_gpus"] = spec.num_devices
         options.append(opt)
     groups = []
-    for node, members in sorted(group_by_node(plan).items()):
-        pg = placement_group([bundle(plan.instances[i], config) for i in members], strategy="STRICT_PACK")
+    for node, members in sorted(group_by_node(specs).items()):
+        pg = placement_group([bundle(specs[i], config) for i in members], strategy="STRICT_PACK")
         try:
             ray.get(pg.ready(), timeout=config.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
