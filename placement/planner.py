@@ -141,10 +141,11 @@ def choose_plan(
         # returns less than low affinity on the same cluster.
         try:
             local = algorithm2(ctx, rate, workers=workers, progress=progress)
+            # with a target rate Algorithm 2 replicates pairs without counting nodes: more than fit is no plan
+            local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
         except PlanError:
             local = None
         if local is not None:
-            local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
             local_pd = local.goodput_rps / local_plan.num_devices
             if disagg_plan is None or local_pd > disagg_pd * (1 + 1e-9):
                 prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"

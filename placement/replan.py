@@ -7,10 +7,11 @@ Three parts, one role each:
   keep the pairing), and `CorrectedLatency` multiplies the latency model's prefill and decode step
   times by the factors the window observed (Σ observed / Σ predicted step time per role, the
   prediction of each recorded step from `predicted_step_s`).
-* `plan_for_rate`, the one adapter to the planner: Algorithm 1 for a target rate, placed on the
-  cluster, then the whole plan simulated jointly; while that joint goodput falls short of the rate
-  (Algorithm 1 sizes each phase alone) one instance of whichever phase raises it more is added. The
-  lead re-points this function at the planner's library entry point once there is one.
+* `plan_for_rate`, the one adapter to the planner: `placement.planner.choose_plan` for a target
+  rate, the call `jaxserve plan --rate R --kind K` makes, so the replanner and `jaxserve plan` choose
+  the same deployment for the same workload; its goodput is the planner's (the joint simulation of a
+  verified Algorithm-1 plan). A live switch keeps the deployment's kind, so a round plans for the
+  current plan's kind.
 * `decide(current, candidate, required_rps, config)`, pure: compare the two plans by the goodput per
   device they would *deliver* on the required rate, min(goodput, rate) / devices, and switch only when
   the candidate's gain exceeds `min_gain` plus the switch cost spread over the horizon the new plan is
@@ -35,11 +36,12 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.plan import DeploymentPlan, PlanError
 from jaxserve.workload_monitor import WindowStats
 from placement.goodput import GoodputSearch, max_rate
 from placement.latency import DeploymentKind, LatencyProvider, StageLatency, pipeline_decode_round_s
-from placement.search import SearchContext, algorithm1, assign_nodes
+from placement.planner import PlanKind, choose_plan
+from placement.search import SearchContext
 from placement.workload import Workload, arrival_times
 
 
@@ -154,31 +156,17 @@ def estimate(ctx: SearchContext, plan: DeploymentPlan) -> PlanEstimate:
     return PlanEstimate(plan, max_rate(search, ctx.rel_tol))
 
 
-def plan_for_rate(ctx: SearchContext, rate: float, max_top_ups: int = 4, workers: int = 1) -> PlanEstimate:
-    """A disaggregated plan serving `rate` on the context's workload (the adapter to the planner).
+def plan_for_rate(ctx: SearchContext, rate: float, kind: PlanKind = "disagg", workers: int = 1) -> PlanEstimate:
+    """The deployment `jaxserve plan --rate rate --kind kind` chooses for the context's workload.
 
-    Mirrors the disaggregated path of `jaxserve plan --rate`: Algorithm 1, placement, a joint
-    simulation. Then, while the joint goodput is below `rate` and the cluster has room, it adds one
-    prefill or one decode instance of the chosen shapes, whichever gives the higher joint goodput.
+    The planner's own entry point with its defaults (high node affinity, joint verification), so the
+    replanner never plans with another search than the `plan` command. The goodput is the one the
+    planner reports for its choice. It may fall short of `rate` (Algorithm 1 sizes each phase alone
+    and the joint simulation can find less); `decide` then refuses a candidate that does not cover the
+    rate while the current plan does.
     """
-    found = algorithm1(ctx, rate, workers=workers)
-    best = estimate(ctx, assign_nodes(found.plan, ctx.cluster))
-    for _ in range(max_top_ups):
-        if best.goodput_rps >= rate:
-            break
-        options = []
-        for role in ("prefill", "decode"):
-            extra: InstanceSpec = dataclasses.replace(best.plan.of_role(role)[0], devices=None, nodes=None)
-            bare = [dataclasses.replace(i, devices=None, nodes=None) for i in best.plan.instances]
-            try:
-                grown = assign_nodes(DeploymentPlan((*bare, extra), model=best.plan.model), ctx.cluster)
-            except PlanError:
-                continue
-            options.append(estimate(ctx, grown))
-        if not options:
-            break
-        best = max(options, key=lambda e: e.goodput_rps)  # first (prefill) on ties
-    return best
+    report = choose_plan(ctx, kind=kind, rate=rate, workers=workers)
+    return PlanEstimate(report.plan, report.goodput_rps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +309,7 @@ def replan(job: ReplanJob) -> ReplanOutcome:
             job.context, workload=workload, latency=CorrectedLatency.from_window(job.context.latency, window)
         )
         required = window.rate * cfg.headroom
-        candidate = plan_for_rate(ctx, required)
+        candidate = plan_for_rate(ctx, required, kind=job.current.kind)
         current = estimate(ctx, job.current)
     except (PlanError, ValueError) as e:
         return ReplanOutcome(job, None, f"{type(e).__name__}: {e}")

@@ -40,6 +40,7 @@ from jaxserve.plan import DeploymentPlan
 from jaxserve.workload_monitor import DetectorConfig, MonitorConfig, ShiftDetector, WorkloadMonitor
 from placement.hardware import ClusterSpec
 from placement.latency import LatencyProvider
+from placement.planner import PlanKind
 from placement.replan import PlanEstimate, ReplanConfig, ReplanJob, plan_delta, plan_for_rate, replan
 from placement.search import SearchContext
 from placement.simulator import SimOptions, simulate
@@ -90,6 +91,7 @@ class Experiment:
     options: SimOptions = dataclasses.field(default_factory=SimOptions)
     plan_requests: int = 600  # requests per goodput probe when planning
     max_pp: int | None = 1
+    kind: PlanKind = "disagg"  # what every plan is searched as (`jaxserve plan --kind`; a live switch keeps it)
     seed: int = 0
 
     @property
@@ -171,7 +173,7 @@ def static_plan(exp: Experiment, trace: Workload, which: str) -> tuple[PlanEstim
     else:
         raise ValueError(f"unknown static plan {which!r}")
     sample = planning_sample(source, exp.plan_requests, exp.seed)
-    return plan_for_rate(exp.context(sample), rate * headroom), why
+    return plan_for_rate(exp.context(sample), rate * headroom, kind=exp.kind), why
 
 
 def _simulate_epochs(
@@ -204,7 +206,7 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
     first = select(trace, hour_of(trace, exp.hour_s) == 0)
     rate0 = len(first) / exp.hour_s
     initial = plan_for_rate(
-        exp.context(planning_sample(first, exp.plan_requests, exp.seed)), rate0 * loop.replan.headroom
+        exp.context(planning_sample(first, exp.plan_requests, exp.seed)), rate0 * loop.replan.headroom, kind=exp.kind
     )
     monitor = WorkloadMonitor(loop.monitor)
     detector = ShiftDetector(loop.detector)

@@ -9,9 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from jaxserve.cli import main
 from jaxserve.plan import parse_deployment
 from jaxserve.workload_monitor import MonitorConfig, WorkloadMonitor
 from models.config import get_config
+from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
 from placement.replan import (
@@ -23,10 +25,12 @@ from placement.replan import (
     decide,
     empirical_workload,
     plan_delta,
+    plan_for_rate,
     predicted_step_s,
     replan,
 )
 from placement.search import SearchContext
+from placement.simulator import SimOptions
 from placement.slo import SloSpec
 from placement.workload import generate, get_length_distribution
 
@@ -149,6 +153,50 @@ def test_replan_moves_a_chat_plan_to_more_prefill_for_long_prompts() -> None:
     prefill_devices = sum(i.num_devices for i in d.candidate.plan.of_role("prefill"))
     assert prefill_devices > 4  # long prompts: more prefill than the chat plan had
     json.dumps(out.to_dict())
+
+
+def test_plan_for_rate_chooses_what_jaxserve_plan_chooses(capsys: pytest.CaptureFixture[str]) -> None:
+    """The replanner's adapter and the `plan` command: the same deployment for the same workload and rate.
+
+    OPT-13B on one node of 8 A100s, 200 ShareGPT requests, 4 rps. Here the two used to differ: the old
+    adapter (Algorithm 1 alone, then top-ups) chose prefill=tp4,decode=tp1, while the planner takes the
+    node-local tp2 + tp2 pair of Algorithm 2, which serves more per device once KV transfers count.
+    """
+    argv = ["plan", "--model", "opt-13b", "--device", "a100-80gb", "--profile", "a100-80gb-distserve"]
+    argv += ["--nodes", "1", "--inter-node-gbps", "800", "--workload", "sharegpt", "--num-requests", "200"]
+    argv += ["--ttft", "0.25", "--tpot", "0.1", "--rate", "4", "--kind", "disagg", "--max-pp", "1"]
+    argv += ["--workers", "1", "--no-progress", "--json"]
+    assert main(argv) == 0
+    cli = capsys.readouterr().out.strip()
+    # the same inputs, built the way the replanner and the experiment build them
+    lat = _latency()
+    cluster = ClusterSpec(lat.device, 1, 8, inter_node_bandwidth=800e9 / 8)
+    workload = base_workload("sharegpt", 200, 0, 1.0, lat.cfg.max_position_embeddings)
+    ctx = SearchContext(lat, cluster, workload, SloSpec(0.25, 0.1), SimOptions(), max_pp=1)
+    est = plan_for_rate(ctx, 4.0)
+    assert est.plan.to_json() == cli  # shapes, devices, expected metrics and serving limits alike
+    assert est.plan.describe() == "disagg:prefill=tp2,decode=tp2"
+    assert est.goodput_rps == est.plan.expected["goodput_rps"] >= 4.0
+
+
+def test_a_rate_needing_more_node_local_pairs_than_fit_falls_back_to_algorithm_1() -> None:
+    """At 14 rps Algorithm 2 asks for 3 node-local tp2 + tp2 pairs (12 devices) on one 8-device node.
+
+    That plan cannot be placed, so it is no candidate: the planner returns Algorithm 1's plan (it
+    raised PlanError from the placement before, which stopped the 24 h experiment at its peak plan).
+    """
+    lat = _latency()
+    cluster = ClusterSpec(lat.device, 1, 8, inter_node_bandwidth=800e9 / 8)
+    workload = base_workload("sharegpt", 200, 0, 1.0, lat.cfg.max_position_embeddings)
+    est = plan_for_rate(SearchContext(lat, cluster, workload, SloSpec(0.25, 0.1), max_pp=1), 14.0)
+    assert est.plan.describe() == "disagg:prefill=tp4,decode=4xtp1" and est.num_devices == 8
+
+
+def test_a_round_plans_for_the_kind_of_the_current_deployment() -> None:
+    """A live switch keeps the deployment's kind, so a colocated deployment gets a colocated candidate."""
+    out = replan(_job("colocated:tp2"))
+    assert out.error is None and out.decision is not None
+    assert out.decision.candidate.plan.kind == "colocated"
 
 
 def test_background_replanner_runs_the_same_round_in_another_process() -> None:

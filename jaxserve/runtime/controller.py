@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -384,10 +385,13 @@ class Controller:
             stream.collect(timeout_s=600)
         return time.monotonic() - started
 
-    def _warm_buckets(self) -> None:
+    def _warm_buckets(self, instances: Sequence[Instance] | None = None) -> None:
+        """Compile every padded shape of `instances` (default: the routed ones; a live switch: the staged)."""
+        chosen = [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+        chosen = chosen if instances is None else list(instances)
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         cfg = self.config
-        for p in self.prefill_instances:
+        for p in (i for i in chosen if isinstance(i, PrefillInstance)):
             if isinstance(p.engine, BucketWarmable):
                 p.engine.warmup(
                     num_blocks=1,
@@ -411,7 +415,7 @@ class Controller:
                         )
                         if warmed.pages is not None:
                             p.pages = warmed.pages
-        pooled: list[DecodeInstance | ColocatedInstance] = [*self.decode_instances, *self.colocated_instances]
+        pooled = [i for i in chosen if isinstance(i, (DecodeInstance, ColocatedInstance))]
         for inst in pooled:
             if not isinstance(inst.engine, BucketWarmable):
                 continue
@@ -726,7 +730,15 @@ class Controller:
         return new
 
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
-        """One short request through every staged instance (pinned to it; compiles its first shapes); seconds."""
+        """Warm every staged instance before it is routed; seconds.
+
+        With `warmup_buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
+        instances (every padded shape their limits allow); then the hand-off path of every prefill ->
+        decode pair a staged instance is part of, for every padded prompt length (a KV moved between
+        meshes of other shapes or devices compiles its resharding per length): requests pinned to the
+        pair with prompts of 1, 2, 4, ... tokens and of the longest prompt allowed. Without it: one
+        short request pinned through each staged instance.
+        """
         started = time.monotonic()
         with self._lock:
             staged = list(self._staged)
@@ -734,17 +746,28 @@ class Controller:
             routed_decodes = [d for d in self.decode_instances if d.error is None]
         decodes = [i for i in staged if isinstance(i, DecodeInstance)]
         pairs: list[tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None]] = []
-        for k, front in enumerate(i for i in staged if not isinstance(i, DecodeInstance)):
-            pool = decodes or routed_decodes
-            pairs.append((front, pool[k % len(pool)] if isinstance(front, PrefillInstance) else None))
-        covered = {d.name for _, d in pairs if d is not None}
-        for k, d in enumerate(d for d in decodes if d.name not in covered):
-            pairs.append((routed_prefills[k % len(routed_prefills)], d))
+        lengths = [2]
+        if self.config.warmup_buckets:
+            self._warm_buckets(staged)
+            longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
+            lengths = sorted({*(1 << k for k in range(longest.bit_length())), longest})
+            fronts = [i for i in staged if isinstance(i, PrefillInstance | ColocatedInstance)]
+            new_prefills = [i for i in fronts if isinstance(i, PrefillInstance)]
+            pairs += [(c, None) for c in fronts if isinstance(c, ColocatedInstance)]
+            pairs += [(p, d) for p in new_prefills for d in [*routed_decodes, *decodes]]
+            pairs += [(p, d) for p in routed_prefills for d in decodes]
+        else:
+            for k, front in enumerate(i for i in staged if not isinstance(i, DecodeInstance)):
+                pool = decodes or routed_decodes
+                pairs.append((front, pool[k % len(pool)] if isinstance(front, PrefillInstance) else None))
+            covered = {d.name for _, d in pairs if d is not None}
+            for k, d in enumerate(d for d in decodes if d.name not in covered):
+                pairs.append((routed_prefills[k % len(routed_prefills)], d))
         bos = self.model_config.bos_token_id
         streams = []
-        for k, (front, decode) in enumerate(pairs):
+        for k, ((front, decode), n) in enumerate(itertools.product(pairs, lengths)):
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
-            request = GenerateRequest(rid, (bos, bos), SamplingParams(max_tokens=2, ignore_eos=True))
+            request = GenerateRequest(rid, (bos,) * n, SamplingParams(max_tokens=2, ignore_eos=True))
             live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
             stream = RequestStream(rid, self)
             with self._lock:

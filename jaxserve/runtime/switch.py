@@ -15,7 +15,10 @@
 3. build: `InstanceBuilder.build` loads each added instance's weights straight into its own
    sharding (embedded: `engine_factory(spec, devices)` on consecutive free devices; Ray: an actor);
    `Controller.add_instances` starts them *staged* (no traffic), and
-   `Controller.warm_up_staged` sends one pinned request through each (first compilations).
+   `Controller.warm_up_staged` warms them before they are routed: with the controller's
+   `warmup_buckets` (serve's default) the bucket warm-up `serve` runs (every padded shape the
+   instance's limits allow) and every new prefill -> decode pair's hand-off at every padded prompt
+   length; otherwise one pinned request through each. `SwitchReport.warmup_s` is what it took.
 4. route: `Controller.route(kept + added)` switches new requests, hand-offs and re-routes to the
    new instance set atomically (under the controller's lock); `controller.plan` becomes the new plan
    (device indices are those the instances really hold).
@@ -74,8 +77,8 @@ class SwitchReport:
     routed_at: float  # monotonic time new requests started going to the new instance set
     drained_first: bool  # retiring instances were drained before the build, to free their devices
     num_moved: int  # requests moved off retiring instances at the drain timeout
-    build_s: float
-    warmup_s: float
+    build_s: float  # loading the added instances' weights
+    warmup_s: float  # compiling them before routing (`Controller.warm_up_staged`)
     drain_s: float
     total_s: float
 
