@@ -194,6 +194,18 @@ class MultiStepDecoder(Protocol):
 
 
 @runtime_checkable
+class MemorySizedPool(Protocol):
+    """An engine that can say how many KV blocks the memory its weights leave holds (`OPTEngine`)."""
+
+    @property
+    def model_config(self) -> OPTConfig: ...
+
+    def kv_blocks_for_memory(
+        self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None
+    ) -> int: ...
+
+
+@runtime_checkable
 class LocalDecodeEngine(DecodeEngine, Protocol):
     """A decode engine in this process: dense KV pulled here is written into its pool with `insert`."""
 
