@@ -116,3 +116,27 @@ def test_eos_mid_call_is_exact(checkpoint: Path, tmp_path: Path) -> None:
         got, why, _ = _run(eos_checkpoint, "disagg:prefill=tp1,decode=tp1", steps, sampling)
         assert got == expect, steps
         assert why == ["stop" if eos in t else "length" for t in one], steps
+
+
+def test_pipeline_engine_runs_multi_step_as_single_steps() -> None:
+    """With pp > 1 `OPTEngine.decode_steps` falls back to single steps: the same tokens as the on-device loop."""
+    import jax
+
+    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.opt_engine import OPTEngine
+
+    got = []
+    for pp in (1, 2):
+        engine = OPTEngine.load("opt-tiny", jax.devices()[:pp], pp=pp)
+        pages = engine.init_pages(32, 4)
+        sampling = [SamplingParams(max_tokens=m, temperature=t, seed=9) for m, t in ((7, 0.0), (4, 0.9))]
+        items = [PrefillItem(f"r{i}", PROMPTS[i], s, 9) for i, s in enumerate(sampling)]
+        rows = []
+        for i, seq in enumerate(engine.prefill(items).sequences):
+            table = tuple(range(i * 8, (i + 1) * 8))
+            pages = engine.insert(seq.dense_kv, seq.num_tokens, pages, table)
+            rows.append(StepRow(f"r{i}", (seq.first_token,), seq.num_tokens, table, sampling[i], 9, 1))
+        lists, pages = engine.decode_steps(StepBatch(tuple(rows)), pages, 8)
+        got.append(lists)
+    assert [len(x) for x in got[0]] == [6, 3]  # max_tokens - 1 (the first came from the prefill)
+    assert got[1] == got[0]
