@@ -19,6 +19,7 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
 
     .venv/bin/python scripts/bench_model.py --threads 2             # opt-125m, ~5 minutes on 2 cores
     .venv/bin/python scripts/bench_model.py --e2e --threads 2       # end to end (64 x 128 in, 128 out)
+    .venv/bin/python scripts/bench_model.py --e2e --no-torch --e2e-decode-steps 1,4,8 --e2e-reps 5  # multi-step A/B
     .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
 
@@ -63,6 +64,12 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--e2e-new-tokens", type=int, default=128)
     ap.add_argument("--e2e-reps", type=int, default=3)
     ap.add_argument("--e2e-max-batch", type=int, default=64, help="LLM's max_decode_batch_size")
+    ap.add_argument(
+        "--e2e-decode-steps",
+        default="1",
+        help="decode steps per engine call, one LLM per value, interleaved (e.g. 1,4,8: multi-step A/B); "
+        "with --no-torch the e2e run uses the preset's random weights and skips transformers",
+    )
     ap.add_argument("--json", default="", help="write all samples here")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
     return ap.parse_args()
@@ -400,45 +407,62 @@ def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, devic
 
 
 def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, Any]:
-    """`LLM.generate` vs transformers `generate` (greedy, batched) on the same weights, interleaved."""
+    """`LLM.generate` (one LLM per `--e2e-decode-steps` value) vs transformers `generate`, interleaved.
+
+    Greedy, `ignore_eos`, on the same weights (without torch: the preset's random weights, jax only).
+    """
+    import tempfile
+
+    import jax
     import numpy as np
 
     from jaxserve.llm import LLM
     from jaxserve.runtime.controller import ControllerConfig
     from jaxserve.runtime.request import SamplingParams
-    from models.checkpoint import save_checkpoint
+    from models.checkpoint import params_from_hf_tensors, save_checkpoint
     from models.sharding import ShardedOPT
 
-    if hf is None:
-        raise SystemExit("--e2e compares against transformers: drop --no-torch")
-    import tempfile
-
-    import jax
-
-    from models.checkpoint import params_from_hf_tensors
-
     n, plen, new = args.e2e_prompts, args.e2e_prompt_len, args.e2e_new_tokens
+    steps = [int(x) for x in str(args.e2e_decode_steps).split(",")]
     rng = np.random.default_rng(1)
     prompts = rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64)
-    tmp = tempfile.mkdtemp(prefix="jaxserve-bench-")
-    tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    model = ShardedOPT.from_params(cfg, params_from_hf_tensors(tensors, cfg), 1, 1, jax.devices()[:1])
-    save_checkpoint(tmp, model)
-    del model
+    source = args.model  # a preset name: random weights
+    if hf is not None:
+        source = tempfile.mkdtemp(prefix="jaxserve-bench-")
+        tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+        model = ShardedOPT.from_params(cfg, params_from_hf_tensors(tensors, cfg), 1, 1, jax.devices()[:1])
+        save_checkpoint(source, model)
+        del model
     # a pool that holds every sequence at once and a batch cap of --e2e-max-batch, as transformers batches all
     blocks = n * -(-(plen + new) // 16) + 16
-    config = ControllerConfig(
-        block_size=16, num_kv_blocks=blocks, max_decode_batch_size=args.e2e_max_batch, max_batch_tokens=max(512, plen)
-    )
-    llm = LLM(model=tmp, deployment="colocated:tp1", config=config)
+    llms = {
+        k: LLM(
+            model=source,
+            deployment="colocated:tp1",
+            config=ControllerConfig(
+                block_size=16,
+                num_kv_blocks=blocks,
+                max_decode_batch_size=args.e2e_max_batch,
+                max_batch_tokens=max(512, plen),
+                decode_steps_per_call=k,
+            ),
+        )
+        for k in steps
+    }
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    ids = torch.from_numpy(prompts)
+    batch = [list(map(int, p)) for p in prompts]
+    outputs: dict[int, list[list[int]]] = {}
 
-    def run_jax() -> None:
-        outs = llm.generate([list(map(int, p)) for p in prompts], sp)
-        assert all(len(o.token_ids) == new for o in outs)
+    def run_jax(k: int) -> Callable[[], None]:
+        def run() -> None:
+            outs = llms[k].generate(batch, sp)
+            assert all(len(o.token_ids) == new for o in outs)
+            outputs[k] = [list(o.token_ids) for o in outs]
+
+        return run
 
     def run_torch() -> None:
+        ids = torch.from_numpy(prompts)
         with torch.inference_mode():
             hf.generate(
                 input_ids=ids,
@@ -449,16 +473,37 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
                 pad_token_id=cfg.pad_token_id,
             )
 
+    contenders: dict[str, Callable[[], Any]] = {f"jax N={k}": run_jax(k) for k in steps}
+    if hf is not None:
+        contenders["torch"] = run_torch
     print()
-    print(f"end to end: {n} prompts x {plen} tokens, {new} new tokens each, greedy; s per run (min / median)")
-    raw = interleaved({"jax": run_jax, "torch": run_torch}, args.e2e_reps)
-    llm.shutdown()
+    print(
+        f"end to end: {n} prompts x {plen} tokens, {new} new tokens each, greedy; N = decode steps per call; "
+        f"s per run (min / median); load average {load_avg():.2f}"
+    )
+    raw = interleaved(contenders, args.e2e_reps)
+    for llm in llms.values():
+        llm.shutdown()
     out_tokens = n * new
     for k, v in raw.items():
-        print(f"  {k:<8}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
+        print(f"  {k:<10}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
+    same = all(outputs[k] == outputs[steps[0]] for k in steps)
+    print(f"  outputs identical across N: {same}; load average after: {load_avg():.2f}")
     gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
-    print(f"  LLM.generate / transformers generate: {gate(min(raw['torch']) / min(raw['jax']))} (target >= 1.5x)")
-    return {"prompts": n, "prompt_len": plen, "new_tokens": new, **{f"{k}_s": v for k, v in raw.items()}}
+    base = f"jax N={steps[0]}"
+    for k in steps[1:]:
+        print(f"  N={k} / N={steps[0]} throughput: {gate(min(raw[base]) / min(raw[f'jax N={k}']))}")
+    if hf is not None:
+        for k in steps:
+            ratio = gate(min(raw["torch"]) / min(raw[f"jax N={k}"]))
+            print(f"  LLM.generate (N={k}) / transformers generate: {ratio} (target >= 1.5x)")
+    return {
+        "prompts": n,
+        "prompt_len": plen,
+        "new_tokens": new,
+        "same_outputs": same,
+        **{f"{k}_s": v for k, v in raw.items()},
+    }
 
 
 def _plot(path: str, rows: list[dict[str, Any]], model: str, dtype: str) -> None:

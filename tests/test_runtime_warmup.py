@@ -52,9 +52,15 @@ def _burst(c: Controller, tag: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["disagg:prefill=tp1,decode=tp1", pytest.param("colocated:tp1,chunk=16", marks=pytest.mark.slow)]
+    ("spec", "steps"),
+    [
+        ("disagg:prefill=tp1,decode=tp1", 1),
+        ("disagg:prefill=tp1,decode=tp1", 4),  # multi-step decoding: its loop programs are warmed too
+        pytest.param("colocated:tp1,chunk=16", 1, marks=pytest.mark.slow),
+        pytest.param("colocated:tp1", 4, marks=pytest.mark.slow),
+    ],
 )
-def test_after_bucket_warmup_no_request_compiles(spec: str, checkpoint: Path) -> None:
+def test_after_bucket_warmup_no_request_compiles(spec: str, steps: int, checkpoint: Path) -> None:
     config = ControllerConfig(
         block_size=4,
         num_kv_blocks=64,
@@ -63,6 +69,7 @@ def test_after_bucket_warmup_no_request_compiles(spec: str, checkpoint: Path) ->
         max_prompt_tokens=40,
         max_tokens_limit=24,
         warmup_buckets=True,
+        decode_steps_per_call=steps,
     )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
     handler = _Compiles()

@@ -142,6 +142,10 @@ def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
         stderr = proc.stderr.read() if proc.stderr else ""
         assert re.search(r"instance prefill-0: role=prefill tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
         assert re.search(r"instance decode-0: role=decode tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
+        # No --num-kv-blocks: the pool is sized from the memory the weights leave, and the size is logged.
+        assert re.search(
+            r"KV pool: \d+ blocks x 16 tokens per decode / colocated instance \(--kv-memory-fraction 0.9\)", stderr
+        ), stderr
     finally:
         if proc.poll() is None:
             proc.kill()

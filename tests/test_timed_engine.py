@@ -89,3 +89,26 @@ def test_back_to_back_steps_hide_the_host_time_between_them() -> None:
 def test_tokens_are_seeded_and_never_special() -> None:
     assert random_token(3, 5, 100) == random_token(3, 5, 100) != random_token(4, 5, 100)
     assert min(random_token(s, i, 10) for s in range(50) for i in range(20)) >= MIN_TOKEN
+
+
+def test_multi_step_call_sleeps_the_rounds_it_ran_and_ends_rows_exactly() -> None:
+    """`decode_steps`: the tokens of single steps, rows cut at max_tokens, one sleep of every round's time."""
+    engine, clock = _engine("colocated")
+    pages = engine.init_pages(8, 16)
+    a_row = StepRow("a", (7,), 99, (0,), SamplingParams(max_tokens=3), seed=1, sample_index=1)  # 2 tokens left
+    b_row = StepRow("b", (7,), 9, (0,), SamplingParams(max_tokens=20), seed=2, sample_index=1)
+    lists, _ = engine.decode_steps(StepBatch((a_row, b_row)), pages, 4)
+    assert lists == [
+        [random_token(1, k, CFG.vocab_size) for k in (1, 2)],
+        [random_token(2, k, CFG.vocab_size) for k in (1, 2, 3, 4)],
+    ]
+    a, b, c = COLOC.decode_small
+    # rounds 0 and 1: both rows (contexts 100 + 10, then 101 + 11); rounds 2 and 3: b alone (12, then 13)
+    rounds = [(2, 110), (2, 112), (1, 12), (1, 13)]
+    expected = sum((a + b * ctx + c * n) / 1000 + 0.002 + ctx * 1e-7 for n, ctx in rounds)
+    assert clock.slept == [pytest.approx(expected, rel=1e-12)]
+    # A stop token id met mid-call ends the row on it.
+    stop = random_token(2, 2, CFG.vocab_size)
+    b_stop = StepRow("b", (7,), 9, (0,), SamplingParams(max_tokens=20, stop_token_ids=(stop,)), seed=2, sample_index=1)
+    lists, _ = engine.decode_steps(StepBatch((b_stop,)), pages, 4)
+    assert lists == [[random_token(2, 1, CFG.vocab_size), stop]]

@@ -25,8 +25,12 @@ from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_h
 from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
-    from jaxserve.plan import DeploymentPlan
-    from jaxserve.runtime.instances import EngineFactory
+    from collections.abc import Sequence
+
+    import jax
+
+    from jaxserve.plan import DeploymentPlan, InstanceSpec
+    from jaxserve.runtime.instances import EngineFactory, RoleEngine
 
 if TYPE_CHECKING:
     from jaxserve.replanning import ReplanLoop
@@ -119,7 +123,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits = parser.add_argument_group("runtime limits")
     # Defaults: the plan's recorded limits with --plan, else jaxserve/limits.py (what plan/simulate assume).
-    limits.add_argument("--num-kv-blocks", type=int, default=None, help="paged KV blocks per decode instance")
+    limits.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="paged KV blocks per decode / colocated instance (default: the plan's, else sized from the memory "
+        "the weights leave, --kv-memory-fraction; the fake/timed engines and the Ray backend: 256)",
+    )
+    limits.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=0.9,
+        help="without --num-kv-blocks: the KV pool takes this fraction of each device's memory less what the "
+        "weights use (CPU: of the host's available memory, shared by its devices), capped at what a full "
+        "decode batch of the longest sequences can hold (vLLM's gpu_memory_utilization)",
+    )
+    limits.add_argument(
+        "--decode-steps-per-call",
+        type=int,
+        default=1,
+        help="decode / colocated instances run up to N decode steps per engine call (multi-step decoding: "
+        "tokens reach clients N at a time; 1 = one step per call)",
+    )
     limits.add_argument("--block-size", type=int, default=None)
     limits.add_argument("--max-decode-batch-size", type=int, default=None)
     limits.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
@@ -259,7 +284,16 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching,
         prefill_num_kv_blocks=args.prefill_kv_blocks,
         prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),
+        decode_steps_per_call=args.decode_steps_per_call,
     )
+    if args.decode_steps_per_call < 1:
+        print("error: --decode-steps-per-call must be >= 1", file=sys.stderr)
+        return 2
+    if not 0.0 < args.kv_memory_fraction <= 1.0:
+        print("error: --kv-memory-fraction must be in (0, 1]", file=sys.stderr)
+        return 2
+    # The pool's size is sized from memory unless a number was given (the flag, or a plan file's limits).
+    pool_given = args.num_kv_blocks is not None or (plan.limits is not None and plan.limits.num_kv_blocks is not None)
     try:
         import time
 
@@ -282,6 +316,18 @@ def run(args: argparse.Namespace) -> int:
                 from jaxserve.runtime.opt_engine import opt_engine_factory
 
                 engine_factory = opt_engine_factory(model, dtype=args.dtype)
+                if not pool_given:
+                    blocks, engine_factory = kv_blocks_from_memory(
+                        plan, engine_factory, config.block_size, config.max_decode_batch_size, args.kv_memory_fraction
+                    )
+                    if blocks is not None:
+                        config = dataclasses.replace(config, num_kv_blocks=blocks)
+            log.info(
+                "KV pool: %d blocks x %d tokens per decode / colocated instance (%s)",
+                config.num_kv_blocks,
+                config.block_size,
+                "given" if pool_given or args.engine != "opt" else f"--kv-memory-fraction {args.kv_memory_fraction}",
+            )
             controller = Controller.from_plan(
                 model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
             )
@@ -334,6 +380,41 @@ def run(args: argparse.Namespace) -> int:
         loop.stop()
     log.info("stopped")
     return 0
+
+
+def kv_blocks_from_memory(
+    plan: DeploymentPlan, factory: EngineFactory, block_size: int, max_decode_batch: int, memory_fraction: float
+) -> tuple[int | None, EngineFactory]:
+    """Load the plan's engines now and size the KV pool from the memory their weights leave.
+
+    Every instance's engine is built first (so the weights are in memory), then each decode /
+    colocated engine that can say (`kv_blocks_for_memory`: `OPTEngine`) gives the blocks
+    `memory_fraction` of its devices' memory leaves, capped at what a full decode batch of
+    sequences of the model's length can reserve; the smallest instance sets the number
+    (`ControllerConfig.num_kv_blocks` is one number for all). Returns it (None: no engine could
+    say) and a factory that hands the built engines to `Controller.from_plan` (and loads any
+    later instance, such as a replan's, itself).
+    """
+    from jaxserve.runtime.engine import MemorySizedPool
+    from jaxserve.runtime.instances import place
+
+    built: dict[tuple[int, ...], RoleEngine] = {}
+    blocks: list[int] = []
+    for _, spec, devices in place(plan):
+        engine = factory(spec, devices)
+        built[tuple(d.id for d in devices)] = engine
+    for _, spec, devices in place(plan):
+        engine = built[tuple(d.id for d in devices)]
+        if spec.role == "prefill" or not isinstance(engine, MemorySizedPool):
+            continue
+        cap = max_decode_batch * -(-engine.model_config.max_position_embeddings // block_size)
+        blocks.append(engine.kv_blocks_for_memory(block_size, memory_fraction, max_blocks=cap))
+
+    def cached(spec: InstanceSpec, devices: Sequence[jax.Device]) -> RoleEngine:
+        engine = built.pop(tuple(d.id for d in devices), None)
+        return engine if engine is not None else factory(spec, devices)
+
+    return (min(blocks) if blocks else None), cached
 
 
 def build_replan_loop(

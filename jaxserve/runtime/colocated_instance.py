@@ -13,7 +13,10 @@ Loop (one thread, `Worker` shell), each `step()`:
    streamed tokens but the last, and its completing chunk's sample is discarded.
 2. execute: one `engine.decode_step` whose rows are prompt chunks (several
    tokens, `is_prompt`) and decodes (one token), all written into the paged
-   pool; one token is sampled per row.
+   pool; one token is sampled per row. A decode-only step with
+   `decode_steps_per_call = N > 1` and a `MultiStepDecoder` engine runs up to N
+   steps in one call (`runtime/multi_step.py`); requests admitted meanwhile
+   wait for the call boundary.
 3. apply (under the lock): a chunk that completes its prompt yields the first
    token (a partial chunk's sample is discarded); decode rows append a token;
    stop rules as on a decode instance; ended or cancelled requests free their
@@ -34,8 +37,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.engine import DecodeEngine, StepBatch, StepRow
+from jaxserve.runtime.engine import DecodeEngine, StepRow
 from jaxserve.runtime.kv_pool import BlockAllocator
+from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
@@ -50,6 +54,7 @@ class ColocatedConfig:
     max_batch_tokens: int = 512  # L_m for prefill-priority steps
     chunk_size: int | None = None  # set: Sarathi chunked prefill with piggybacked decodes
     prefix_caching: bool = False  # prompts start after their longest cached prefix in this pool
+    decode_steps_per_call: int = 1  # N > 1: decode-only steps run up to N steps per engine call
 
 
 @dataclasses.dataclass(eq=False)
@@ -215,12 +220,12 @@ class ColocatedInstance(Worker):
             seqs = [self._seqs[r.request_id] for r in rows]
         if not rows:
             return False
-        tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
+        lists, self.pages, multi = decode_call(self.engine, rows, self.pages, self.config.decode_steps_per_call)
         at = now()
         eos = self.engine.model_config.eos_token_id
-        emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
+        emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
-            for row, s, token in zip(rows, seqs, tokens, strict=True):
+            for row, s, tokens in zip(rows, seqs, lists, strict=True):
                 rid = row.request_id
                 if self._seqs.get(rid) is not s:  # cancelled during the step
                     continue
@@ -233,14 +238,25 @@ class ColocatedInstance(Worker):
                         continue
                     s.live.timings.prefill_end_at = at
                     s.live.timings.prefill_instance = s.live.timings.decode_instance = self.name
-                finish = s.live.append_token(int(token), eos, at)
-                emits.append((s.live, int(token), finish))
+                taken: list[int] = []
+                finish: FinishReason | None = None
+                for token in tokens:  # a multi-step row's tokens end where single steps would have ended it
+                    taken.append(int(token))
+                    finish = s.live.append_token(int(token), eos, at)
+                    if finish is not None:
+                        break
+                emits.append((s.live, tuple(taken), finish))
                 if finish is not None:
                     del self._seqs[rid]
                     self.cache.commit(rid, s.live.request.prompt_token_ids + tuple(s.live.output_ids[:-1]))
                     self.cache.release(rid)
-        for live, token, finish in emits:
-            self.emitter.emit(live, (token,), finish)
+        for live, chunk, finish in emits:
+            self.emitter.emit(live, chunk, finish)
+        if multi:
+            done = now()
+            for record in decode_records(rows, lists, done - decided_at, done):
+                self.record_step(record)
+            return True
         whole = [
             r.start_position == 0 and len(r.token_ids) == len(s.prefill_ids) for r, s in zip(rows, seqs, strict=True)
         ]

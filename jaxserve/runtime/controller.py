@@ -131,6 +131,7 @@ class ControllerConfig:
     warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
     prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
+    decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
     prefix_policy: PrefixPolicy = dataclasses.field(
         default_factory=PrefixPolicy
     )  # routing weights and the local-prefill threshold
@@ -288,7 +289,7 @@ class Controller:
         if p.spec.role == "decode":
             dc = DecodeConfig(
                 cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
-                cfg.on_pull_failure, cfg.prefix_caching,
+                cfg.on_pull_failure, cfg.prefix_caching, cfg.decode_steps_per_call,
             )  # fmt: skip
             return DecodeInstance(p.name, p.engine, dc, self, self._make_transfer(p.engine), self._on_kv_transfer)
         cc = ColocatedConfig(
@@ -298,6 +299,7 @@ class Controller:
             cfg.max_batch_tokens,
             p.spec.chunk_size,
             cfg.prefix_caching,
+            cfg.decode_steps_per_call,
         )
         return ColocatedInstance(p.name, p.engine, cc, self)
 
@@ -434,6 +436,7 @@ class Controller:
                     chunk_size=chunk,
                     prefill=False,
                     pages=inst.pages,
+                    decode_steps=inst.config.decode_steps_per_call,
                 )
                 if warmed.pages is not None:
                     inst.pages = warmed.pages

@@ -19,10 +19,15 @@ Loop (one thread, `Worker` shell), each `step()`:
    prefill instance and it comes back here or elsewhere) or fails alone with
    `KVTransferError` (`"fail"`). The instance keeps decoding the others.
 3. execute: one `engine.decode_step` over every running sequence (one token
-   each; the engine pads the batch to a bucketed size). Pulls in flight do not
-   hold it back: they overlap decoding, as the simulator models.
-4. apply (under the lock): append each sampled token, stream it, and end a
-   sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
+   each; the engine pads the batch to a bucketed size), or, with
+   `decode_steps_per_call = N > 1` and an engine that can (`MultiStepDecoder`),
+   up to N steps in one call when no local prompt row rides along
+   (`runtime/multi_step.py`: the reservation already covers them; rows stop
+   on the device exactly where single steps would). Pulls in flight do not
+   hold it back: they overlap decoding, as the simulator models; a finished
+   pull joins at the next call boundary.
+4. apply (under the lock): append each sampled token (N per row after a
+   multi-step call, streamed as one chunk), and end a sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
    or cancelled sequence returns its blocks to the free list immediately.
 
 Prefix caching (`DecodeConfig.prefix_caching`): the pool is run by a `PrefixCache`.
@@ -57,9 +62,10 @@ from collections.abc import Callable
 from typing import Literal
 
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, StepBatch, StepRow, bucket
+from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, StepRow, bucket
 from jaxserve.runtime.kv_pool import BlockAllocator, slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
+from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
 from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
@@ -79,6 +85,7 @@ class DecodeConfig:
     num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
     prefix_caching: bool = False  # keep finished requests' blocks cached; pull only what is missing
+    decode_steps_per_call: int = 1  # N > 1: up to N decode steps per engine call (a `MultiStepDecoder`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -295,9 +302,13 @@ class DecodeInstance(Worker):
                 t.cached_prompt_tokens = r.prompt_from
             if t.decode_start_at is None:
                 t.decode_start_at = started_at
-        tokens, self.pages = self.engine.decode_step(StepBatch(rows), self.pages)
-        self._apply(running, tokens)
+        lists, self.pages, multi = decode_call(self.engine, rows, self.pages, self.config.decode_steps_per_call)
+        self._apply(running, lists)
         done = now()
+        if multi:
+            for record in decode_records(rows, lists, done - decided_at, done):
+                self.record_step(record)
+            return True
         ctx = sum(row.start_position for row in rows)
         kind: Literal["decode", "mixed"] = "mixed" if any(row.is_prompt for row in rows) else "decode"
         self.record_step(StepRecord(kind, done - decided_at, batch=len(rows), ctx_sum=ctx, at=done))
@@ -426,12 +437,12 @@ class DecodeInstance(Worker):
                 pull.live, KVTransferError(f"the KV of {rid!r} could not be pulled to {self.name}: {why}")
             )
 
-    def _apply(self, running: list[_Running], tokens: list[int]) -> None:
+    def _apply(self, running: list[_Running], lists: list[list[int]]) -> None:
         at = now()
         eos = self.engine.model_config.eos_token_id
-        emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
+        emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
-            for r, token in zip(running, tokens, strict=False):
+            for r, tokens in zip(running, lists, strict=False):
                 rid = r.live.request_id
                 if self._running.get(rid) is not r:  # cancelled during the step
                     continue
@@ -445,13 +456,19 @@ class DecodeInstance(Worker):
                     r.live.timings.decode_instance = self.name
                     if r.live.is_resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
-                finish = r.live.append_token(int(token), eos, at)
-                emits.append((r.live, int(token), finish))
+                taken: list[int] = []
+                finish: FinishReason | None = None
+                for token in tokens:  # a multi-step row's tokens end where single steps would have ended it
+                    taken.append(int(token))
+                    finish = r.live.append_token(int(token), eos, at)
+                    if finish is not None:
+                        break
+                emits.append((r.live, tuple(taken), finish))
                 if finish is not None:
                     del self._running[rid]
                     # Name prompt + answer but the last token (whose KV was never computed), then unpin.
                     done_ids = r.live.request.prompt_token_ids + tuple(r.live.output_ids[:-1])
                     self.cache.commit(rid, done_ids)
                     self.cache.release(rid)
-        for live, token, finish in emits:
-            self.emitter.emit(live, (token,), finish)
+        for live, chunk, finish in emits:
+            self.emitter.emit(live, chunk, finish)

@@ -11,6 +11,11 @@ own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
   pool (`KVPages`); `decode_step(batch, pages) -> (tokens, KVPages)` appends each
   row's new tokens (1 for a decode, a prompt chunk for colocated prefill) into
   the pool and samples one token per row; `kv_layout()` says where it keeps KV.
+* `MultiStepDecoder` (optional, checked with `isinstance` like `BucketWarmable`):
+  `decode_steps(batch, pages, num_steps)` runs up to `num_steps` decode steps of one-token rows in
+  one call, each row stopping exactly where single steps would stop it (stop token, EOS unless
+  `ignore_eos`, `max_tokens`); a decode or colocated instance with `decode_steps_per_call > 1` uses
+  it, any other engine runs one step per call.
 * `LocalDecodeEngine` adds `insert(kv, num_tokens, pages, block_table)`: write a
   dense `SequenceKV` pulled into this process into the pool at the given blocks.
   A decode instance never calls it itself: its `KVTransfer` (bound to the
@@ -176,6 +181,31 @@ class DecodeEngine(Protocol):
 
 
 @runtime_checkable
+class MultiStepDecoder(Protocol):
+    """An engine that runs several decode steps per call (`OPTEngine`, `TimedEngine`).
+
+    `decode_steps(batch, pages, num_steps)` -> each row's tokens (1..num_steps of them) and the pool.
+    Rows are one-token decode rows; row r's list ends at its first stop token (its `stop_token_ids`,
+    or EOS unless `ignore_eos`) or after `sampling.max_tokens - sample_index` tokens, so the tokens
+    equal `num_steps` calls of `decode_step` with the same seeds and sample indices.
+    """
+
+    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]: ...
+
+
+@runtime_checkable
+class MemorySizedPool(Protocol):
+    """An engine that can say how many KV blocks the memory its weights leave holds (`OPTEngine`)."""
+
+    @property
+    def model_config(self) -> OPTConfig: ...
+
+    def kv_blocks_for_memory(
+        self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None
+    ) -> int: ...
+
+
+@runtime_checkable
 class LocalDecodeEngine(DecodeEngine, Protocol):
     """A decode engine in this process: dense KV pulled here is written into its pool with `insert`."""
 
@@ -199,6 +229,7 @@ class BucketWarmable(Protocol):
         decode: bool = True,
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
+        decode_steps: int = 1,
     ) -> WarmedPages: ...
 
 
@@ -215,6 +246,43 @@ class Engine(PrefillEngine, LocalDecodeEngine, Protocol):
 
     @property
     def devices(self) -> tuple[jax.Device, ...]: ...
+
+
+def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
+    """The token ids that end `row`'s request: its stop token ids, and EOS unless `ignore_eos`."""
+    return tuple(row.sampling.stop_token_ids) + (() if row.sampling.ignore_eos else (eos_token_id,))
+
+
+def decode_steps_one_by_one(
+    engine: DecodeEngine, batch: StepBatch, pages: KVPages, num_steps: int
+) -> tuple[list[list[int]], KVPages]:
+    """`MultiStepDecoder.decode_steps` as `num_steps` calls of `engine.decode_step` (stops checked on the host).
+
+    For engines whose multi-step program does not apply (pipeline parallelism): the same tokens, one
+    dispatch per step.
+    """
+    eos = engine.model_config.eos_token_id
+    out: list[list[int]] = [[] for _ in batch.rows]
+    live = list(range(len(batch.rows)))
+    for k in range(num_steps):
+        if not live:
+            break
+        step = []
+        for i in live:
+            r = batch.rows[i]
+            last = out[i][-1] if out[i] else r.token_ids[0]
+            step.append(dataclasses.replace(r, token_ids=(last,), start_position=r.start_position + k,
+                                            sample_index=r.sample_index + k))  # fmt: skip
+        tokens, pages = engine.decode_step(StepBatch(tuple(step)), pages)
+        for i, tok in zip(live, tokens, strict=True):
+            out[i].append(tok)
+        live = [
+            i
+            for i in live
+            if out[i][-1] not in row_stops(batch.rows[i], eos)
+            and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
+        ]
+    return out, pages
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

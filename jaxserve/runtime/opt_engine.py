@@ -42,6 +42,8 @@ from jaxserve.runtime.engine import (
     StepBatch,
     StepRow,
     bucket,
+    decode_steps_one_by_one,
+    row_stops,
 )
 from jaxserve.runtime.kv_pool import write_sequence
 from jaxserve.runtime.request import SamplingParams
@@ -52,6 +54,7 @@ from models.opt import KVCache, PagedKVCache, Params
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
+MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,11 @@ class WarmupReport:
     step_shapes: tuple[tuple[int, int, int], ...]  # (rows, tokens, table width)
     seconds: float
     pages: KVPages | None = None  # the pool passed in, after the warm-up steps (which write nothing)
+    multi_step_shapes: tuple[tuple[int, int, int], ...] = ()  # (rows, steps, table width) of decode_steps
 
     @property
     def num_programs(self) -> int:
-        return len(self.prefill_shapes) + len(self.step_shapes)
+        return len(self.prefill_shapes) + len(self.step_shapes) + len(self.multi_step_shapes)
 
 
 def _prompt_buckets(max_len: int, max_positions: int) -> list[int]:
@@ -175,6 +179,7 @@ class OPTEngine:
         decode: bool = True,
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
+        decode_steps: int = 1,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
@@ -186,7 +191,9 @@ class OPTEngine:
         Decode: row buckets up to `max_decode_batch_size` x table widths up to the blocks
         `max_seq_len` positions fill. Colocated prefill (`chunk_size`: the step's prompt-token budget,
         the chunk or the token cap): every (rows, tokens) bucket of prompt rows that budget allows, at
-        every table width. Pass the instance's `pages` to
+        every table width. `decode_steps > 1` (an instance's `decode_steps_per_call`): also the
+        multi-step program (`decode_steps`) of every row bucket x table width, greedy and sampled
+        (one pipeline stage only; with pp > 1 it runs single steps). Pass the instance's `pages` to
         warm on its pool (returned in the report); otherwise a pool of `num_blocks` is made and
         dropped. Sampling is warmed too (greedy and random). Returns what was compiled and how long.
         """
@@ -226,6 +233,7 @@ class OPTEngine:
                             self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
                     prefill_shapes.append((b, t_pad))
         step_shapes: list[tuple[int, int, int]] = []
+        multi_step_shapes: list[tuple[int, int, int]] = []
         if decode or chunk_size:
             caches = [PagedKVCache(k=p.k, v=p.v) for p in (pages or self.init_pages(num_blocks, block_size))]
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
@@ -245,6 +253,24 @@ class OPTEngine:
                 sample(logits, [greedy] * b, [0] * b, [0] * b)
                 jax.block_until_ready(sample(logits, [rand] * b, [0] * b, [0] * b))
                 step_shapes.append((b, t, m))
+            if decode and decode_steps > 1 and self.model.pp == 1:
+                for b in _powers_of_two(2, max_decode_batch_size):
+                    for m in widths:
+                        for all_greedy in (True, False):
+                            caches[0] = self._run_loop(
+                                np.full(b, cfg.pad_token_id, np.int32),
+                                np.zeros(b, np.int32),
+                                np.zeros(b, bool),  # no row active: nothing is written, the loop ends at once
+                                np.zeros(b, np.int32),
+                                caches[0],
+                                np.zeros((b, m), np.int32),
+                                sampling_inputs([], [], [], b),
+                                np.full((b, MIN_STOP_WIDTH), -1, np.int32),
+                                decode_steps,
+                                all_greedy,
+                            )[1]
+                        multi_step_shapes.append((b, decode_steps, m))
+                jax.block_until_ready(caches[0].k)
             warmed = tuple(StagePages(k=c.k, v=c.v) for c in caches)
             if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
                 layout = self.kv_layout()
@@ -260,9 +286,10 @@ class OPTEngine:
             pages = warmed if pages is not None else None
         seconds = time.perf_counter() - t0
         log.info(
-            "warm-up compiled %d prefill and %d step shapes in %.1f s", len(prefill_shapes), len(step_shapes), seconds
-        )
-        return WarmupReport(tuple(prefill_shapes), tuple(step_shapes), seconds, pages)
+            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s",
+            len(prefill_shapes), len(step_shapes), len(multi_step_shapes), seconds,
+        )  # fmt: skip
+        return WarmupReport(tuple(prefill_shapes), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -332,17 +359,18 @@ class OPTEngine:
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
         """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
 
-        Sampling and stop checks run on the device; the host sees the tokens once, after the last
-        step. Row r continues from `token_ids[0]` at `start_position`, and stops after its EOS
-        (unless `ignore_eos`), a stop token id, or `sampling.max_tokens - sample_index` tokens;
-        its list ends there. Its block table must cover the positions it may reach. One pipeline
-        stage only. Tokens equal `num_steps` calls of `decode_step` (same seeds and indices).
+        Sampling and stop checks run on the device (a `lax.while_loop` that ends when every row has
+        stopped); the host sees the tokens once, after the last step. Row r continues from
+        `token_ids[0]` at `start_position`, and stops after its EOS (unless `ignore_eos`), a stop
+        token id, or `sampling.max_tokens - sample_index` tokens; its list ends there. Its block table
+        must cover the positions it may reach. Tokens equal `num_steps` calls of `decode_step` (same
+        seeds and indices: step k samples index `sample_index + k`). With pp > 1: single steps.
         """
         rows = batch.rows
-        if self.model.pp != 1:
-            raise NotImplementedError("multi-step decoding runs on one pipeline stage")
-        if any(len(r.token_ids) != 1 for r in rows):
+        if any(len(r.token_ids) != 1 or r.is_prompt for r in rows):
             raise ValueError("multi-step decoding takes one-token (decode) rows only")
+        if self.model.pp != 1:
+            return decode_steps_one_by_one(self, batch, pages, num_steps)
         block_size = int(pages[0].k.shape[2])
         b = bucket(len(rows), 2)
         m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
@@ -351,11 +379,8 @@ class OPTEngine:
         active = np.zeros(b, bool)
         remaining = np.zeros(b, np.int32)
         tables = np.zeros((b, m), np.int32)
-        stops = [
-            tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else (self._cfg.eos_token_id,))
-            for r in rows
-        ]
-        stop_ids = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
+        stops = [row_stops(r, self._cfg.eos_token_id) for r in rows]
+        stop_ids = np.full((b, bucket(max(len(x) for x in stops), MIN_STOP_WIDTH)), -1, np.int32)
         for i, r in enumerate(rows):
             tokens[i], starts[i], active[i] = r.token_ids[0], r.start_position, True
             remaining[i] = r.sampling.max_tokens - r.sample_index
@@ -363,17 +388,10 @@ class OPTEngine:
             tables[i, : len(table)] = table
             stop_ids[i, : len(stops[i])] = stops[i]
         inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
-        put = self.model.replicated(0)
-        out, cache = _decode_loop(
-            self.model.run_params[0],
-            *(jax.device_put(a, put) for a in (tokens, starts, active, remaining)),
-            PagedKVCache(k=pages[0].k, v=pages[0].v),
-            jax.device_put(tables, put),
-            SamplingInputs(*(jax.device_put(a, put) for a in inputs)),
-            jax.device_put(stop_ids, put),
-            cfg=self._cfg,
-            num_steps=num_steps,
-            greedy=all(r.sampling.is_greedy for r in rows),
+        greedy = all(r.sampling.is_greedy for r in rows)
+        cache = PagedKVCache(k=pages[0].k, v=pages[0].v)
+        out, cache = self._run_loop(
+            tokens, starts, active, remaining, cache, tables, inputs, stop_ids, num_steps, greedy
         )
         host = np.asarray(out)
         result = []
@@ -381,6 +399,32 @@ class OPTEngine:
             toks = host[i]
             result.append([int(t) for t in toks[toks >= 0]])
         return result, (StagePages(k=cache.k, v=cache.v),)
+
+    def _run_loop(
+        self,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        active: np.ndarray,
+        remaining: np.ndarray,
+        cache: PagedKVCache,
+        tables: np.ndarray,
+        inputs: SamplingInputs,
+        stop_ids: np.ndarray,
+        num_steps: int,
+        greedy: bool,
+    ) -> tuple[jax.Array, PagedKVCache]:
+        put = self.model.replicated(0)
+        return _decode_loop(  # type: ignore[no-any-return]
+            self.model.run_params[0],
+            *(jax.device_put(a, put) for a in (tokens, starts, active, remaining)),
+            cache,
+            jax.device_put(tables, put),
+            SamplingInputs(*(jax.device_put(a, put) for a in inputs)),
+            jax.device_put(stop_ids, put),
+            cfg=self._cfg,
+            num_steps=num_steps,
+            greedy=greedy,
+        )
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
@@ -431,14 +475,19 @@ def _decode_loop(
     num_steps: int,
     greedy: bool,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """`num_steps` paged decode steps in one program: sample on device, stop rows on device.
+    """Up to `num_steps` paged decode steps in one program: sample on device, stop rows on device.
 
     A row stops after a stop token or its last allowed token; a stopped row writes no KV and
-    reports -1 for the remaining steps. Returns tokens [B, num_steps] and the pool.
+    reports -1 for the remaining steps; the loop ends once no row is active. Returns tokens
+    [B, num_steps] and the pool.
     """
 
-    def body(k: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        tok, pos, act, rem, c, out = carry
+    def cond(carry: tuple[Any, ...]) -> jax.Array:
+        k, _, _, act, *_ = carry
+        return (k < num_steps) & jnp.any(act)
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        k, tok, pos, act, rem, c, out = carry
         lengths = act.astype(jnp.int32)
         x = opt.embed(params, cfg, tok[:, None], pos[:, None])
         x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables)
@@ -446,11 +495,11 @@ def _decode_loop(
         new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))
         stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (rem <= 1)
-        return new, pos + 1, act & ~stop, rem - 1, c, out
+        return k + 1, new, pos + 1, act & ~stop, rem - 1, c, out
 
     out = jnp.full((tokens.shape[0], num_steps), -1, jnp.int32)
-    carry = (tokens, starts, active, remaining, cache, out)
-    *_, cache, out = jax.lax.fori_loop(0, num_steps, body, carry)
+    carry = (jnp.int32(0), tokens, starts, active, remaining, cache, out)
+    *_, cache, out = jax.lax.while_loop(cond, body, carry)
     return out, cache
 
 

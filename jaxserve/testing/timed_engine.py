@@ -7,6 +7,8 @@ simulator's own step formulas — charges that step's real shape:
 * `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe;
 * `decode_step(batch)`: a decode round of the batch's rows over their contexts, or, with prompt rows
   (colocated), the mixed step of those chunks with the decodes riding along;
+* `decode_steps(batch, n)` (multi-step decoding, `MultiStepDecoder`): the sum of the decode rounds the
+  rows run — step k over the rows still going, each one position further — in one sleep;
 * `insert(kv, n)`: the KV transfer of `n` tokens of the modelled model at the profile's device link, as the
   simulator charges a pull between two instances on one node (the runtime calls it on the decode thread).
 
@@ -42,6 +44,7 @@ from jaxserve.runtime.engine import (
     StagePages,
     StepBatch,
     bucket,
+    row_stops,
 )
 from models.config import OPTConfig
 from placement.hardware import ClusterSpec
@@ -162,6 +165,28 @@ class TimedEngine:
         seconds = mixed_step_s(self.model, self.overhead, chunks, priors, decode_batch, float(decode_ctx))
         self._wait("mixed" if chunks else "decode", started, seconds)
         return tokens, pages
+
+    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
+        started = self._clock()
+        eos = self._config.eos_token_id
+        out: list[list[int]] = [[] for _ in batch.rows]
+        live = list(range(len(batch.rows)))
+        seconds = 0.0
+        for k in range(num_steps):
+            if not live:
+                break
+            ctx = sum(batch.rows[i].start_position + k + 1 for i in live)
+            seconds += mixed_step_s(self.model, self.overhead, [], [], len(live), float(ctx))
+            for i in live:
+                out[i].append(random_token(batch.rows[i].seed, batch.rows[i].sample_index + k, self._config.vocab_size))
+            live = [
+                i
+                for i in live
+                if out[i][-1] not in row_stops(batch.rows[i], eos)
+                and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
+            ]
+        self._wait("decode", started, seconds)
+        return out, pages
 
 
 def timed_engine_factory(

@@ -130,10 +130,14 @@ class _RemoteBase:
         decode: bool = True,
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
+        decode_steps: int = 1,
     ) -> _Warmed:
-        """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's)."""
+        """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's).
+        A remote decode engine runs one step per call (it is no `MultiStepDecoder`), so `decode_steps` is
+        not passed on: the loop programs would never run."""
         import ray
 
+        del decode_steps
         options = {
             "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch_size": max_decode_batch_size,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,

@@ -1,0 +1,54 @@
+"""`jaxserve serve` without `--num-kv-blocks`: the KV pool is sized from the memory the loaded weights leave."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from jaxserve.commands.serve import kv_blocks_from_memory
+from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.runtime.instances import RoleEngine
+from jaxserve.runtime.opt_engine import OPTEngine, opt_engine_factory
+from models.config import get_config
+
+CFG = get_config("opt-tiny")
+
+
+def _counting_factory() -> tuple[list[RoleEngine], object]:
+    made: list[RoleEngine] = []
+    load = opt_engine_factory("opt-tiny")
+
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> RoleEngine:
+        engine = load(spec, devices)
+        made.append(engine)
+        return engine
+
+    return made, factory
+
+
+def test_pool_is_capped_at_what_a_full_batch_can_reserve() -> None:
+    made, factory = _counting_factory()
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices()
+    blocks, cached = kv_blocks_from_memory(plan, factory, 16, 4, 0.5)  # type: ignore[arg-type]
+    # A tiny model's blocks are a few KiB: memory is not the limit, 4 sequences of every position are.
+    assert blocks == 4 * -(-CFG.max_position_embeddings // 16)
+    assert len(made) == 2  # every engine was loaded before sizing
+    # Controller.from_plan gets the engines already built (not loaded twice); a later instance loads anew.
+    from jaxserve.runtime.instances import place
+
+    handed = [cached(spec, devs) for _, spec, devs in place(plan)]
+    assert handed == made and len(made) == 2
+    spec, devs = place(plan)[1][1:]
+    assert cached(spec, devs) is not made[1] and len(made) == 3
+
+
+def test_pool_follows_the_memory_fraction_when_memory_is_the_limit() -> None:
+    made, factory = _counting_factory()
+    plan = parse_deployment("colocated:tp1").assign_devices()
+    blocks, _ = kv_blocks_from_memory(plan, factory, 16, 10**9, 0.5)  # type: ignore[arg-type]
+    engine = made[0]
+    assert isinstance(engine, OPTEngine)
+    # The engine's own rule for that memory (MemAvailable moves a little between the two reads).
+    expected = engine.kv_blocks_for_memory(16, 0.5)
+    assert blocks is not None and abs(blocks - expected) / expected < 0.05
