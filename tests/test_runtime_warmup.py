@@ -55,7 +55,8 @@ def _burst(c: Controller, tag: str) -> None:
     ("spec", "steps"),
     [
         ("disagg:prefill=tp1,decode=tp1", 1),
-        ("disagg:prefill=tp1,decode=tp1", 4),  # multi-step decoding: its loop programs are warmed too
+        # multi-step decoding: its loop programs are warmed too (slow: every row bucket x table width x sampling)
+        pytest.param("disagg:prefill=tp1,decode=tp1", 4, marks=pytest.mark.slow),
         pytest.param("colocated:tp1,chunk=16", 1, marks=pytest.mark.slow),
         pytest.param("colocated:tp1", 4, marks=pytest.mark.slow),
     ],
