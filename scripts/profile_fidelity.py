@@ -215,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--min-total-s",
         type=float,
-        default=0.25,
+        default=0.1,
         help="repeat a shape (up to 50 x --repeats) until its runs total this",
     )
+    parser.add_argument("--passes", type=int, default=3, help="passes over all shapes (the fastest per shape kept)")
     parser.add_argument("--from-json", default=None, help="refit and predict from a --json file's timings")
     parser.add_argument("--json", default=None, help="also write the rows, fitted entries and summary here")
     args = parser.parse_args(argv)
