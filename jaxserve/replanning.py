@@ -46,7 +46,7 @@ from jaxserve.serving.admin import WorkloadGauges
 from jaxserve.workload_monitor import DetectorConfig, MonitorConfig, Role, ShiftDetector, WindowStats, WorkloadMonitor
 
 if TYPE_CHECKING:
-    from placement.latency import LatencyProvider, StageLatency
+    from placement.latency import LatencyProvider, StageLatency, StepOverhead
     from placement.replan import BackgroundReplanner, ReplanConfig, ReplanJob, ReplanOutcome
     from placement.search import SearchContext
 
@@ -268,6 +268,10 @@ class ReplanLoop:
             self._models[key] = model
         return self._models[key]
 
+    def _overhead(self, role: str, tp: int) -> StepOverhead:
+        assert self.latency is not None
+        return self.latency.step_overhead("colocated" if role == "colocated" else "disagg", tp)
+
     def _sweep_steps(self) -> None:
         if self.latency is None or not self.config.apply_corrections:
             return
@@ -290,8 +294,9 @@ class ReplanLoop:
                 if model is None or step["kind"] == "mixed":
                     continue
                 predicted = predicted_step_s(
-                    model, str(step["kind"]), tuple(step["prompt_lengths"]), int(step["batch"]), int(step["ctx_sum"])
-                )
+                    model, str(step["kind"]), tuple(step["prompt_lengths"]), int(step["batch"]), int(step["ctx_sum"]),
+                    self._overhead(str(role), placed.spec.tp),
+                )  # fmt: skip
                 rows.append((at, name, role, float(step["seconds"]), predicted))  # type: ignore[arg-type]
         self._steps_since = latest
         with self._lock:

@@ -1,17 +1,26 @@
-"""Fitting the Appendix-A latency coefficients to measured step times (pure numpy, no JAX).
+"""Fitting the Appendix-A latency coefficients and the per-step overhead to measured step times (numpy, no JAX).
 
 `jaxserve profile` (the JAX side is `jaxserve/runtime/step_timing.py`) times the real engine at a grid of
-batch shapes; this module turns those times into a profile entry `placement/latency.py` reads:
+batch shapes; this module turns those times into a profile entry `placement/latency.py` reads, in exactly
+the terms the simulator's step formulas (`placement/step_time.py`) charge at pp = 1:
 
-* **prefill** samples `(prompt lengths, seconds)` fit `C1` (s per multiply-add), `C2` (s per
-  attention element, the `3(h/tp)·Σl²/b` term) and `C3` (s per batch) — the prefill formula of
-  `AppendixModel` is linear in them, so the fit is a non-negative least squares over its three
-  features. Rows are weighted by 1/seconds, so the fit minimises *relative* error: a 2 ms step and
-  a 200 ms step count alike.
-* **decode** samples `(batch, Σ context, seconds)` fit `C4` (s per weight element read), `C5`
-  (s per KV element read) and `C6` (s per step). The decode formula's `max(C4, C1·B)` roofline is
-  handled by fixing `C1` from the prefill fit and iterating: rows whose GEMMs are compute-bound
-  under the current `C4` take `C1·B` as a known term instead of the `C4` feature.
+* prefill step of prompts `l` (padded to the engine's buckets when `padding` is given):
+  `C1·(L·W·Σl + head·B) + C2·3L(h/tp)·Σl²/b + overhead(Σl, prefill)`;
+* decode step of `B` rows over `Σctx`: `max(C4, C1·B)·(L·W + head) + C5·3L(h/tp)·Σctx + C6 + overhead(Σctx)`;
+* `overhead(n, prefill) = fixed_s + per_ctx_token_s·n (+ prefill_s on a prompt step)` — the profile's
+  `step_overhead`, host time charged on the *actual* tokens while the kernel terms see the padded shape.
+
+All of it is one non-negative least squares over the prefill and decode samples together (C1 is shared
+by the prefill GEMMs and compute-bound decode steps). The decode formula's `max(C4, C1·B)` roofline is
+handled by trying every batch size as the memory/compute split and keeping the best split consistent
+with its own C4. Rows are weighted by 1/seconds, so the fit minimises *relative* error: a 2 ms step
+and a 200 ms step count alike.
+
+At pp = 1 a per-step constant cannot be told apart from a per-stage one, so the fitted constants go to
+`step_overhead` (once per step, as the host work they are): `fixed_s` is the smaller of the prefill and
+decode step constants, and the excess goes to `prefill_s` (prompt steps) or `C6` (decode steps); `C3`
+is 0. Every term is non-negative, and each phase's constant is reproduced exactly.
+
 * **tp > 1** adds `allreduce_s_per_byte`, fitted on the all-reduce bytes the model charges.
 * **L_m** — the prompt-token budget beyond which prefill stops gaining from batching: the smallest
   measured batch total whose throughput (tokens/s) reaches `saturation` (90 %) of the best measured.
@@ -30,22 +39,22 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
 from models.config import OPTConfig
 from placement.latency import DEFAULT_BLOCK_SIZE, allreduce_bytes_per_device, layer_gemm_macs
 from placement.padding import EnginePadding
 
-
-@dataclasses.dataclass(frozen=True)
-class PrefillSample:
-    lengths: tuple[int, ...]  # prompt lengths in the batch
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSample:
-    batch: int
-    ctx_sum: int  # Σ context tokens the step attends over
-    seconds: float
+__all__ = [
+    "DecodeSample",
+    "FitError",
+    "InstanceFit",
+    "PrefillSample",
+    "detect_lm",
+    "fit_instance",
+    "nnls",
+    "profile_entry",
+    "samples_from_steps",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,38 +104,42 @@ def _lm_head_macs(cfg: OPTConfig, tp: int, batch: int) -> float:
     return batch * cfg.vocab_size * cfg.embed_dim / tp
 
 
-def _allreduce_latency_s(cfg: OPTConfig, tp: int, link_latency_s: float) -> float:
-    return 0.0 if tp == 1 else 2 * cfg.num_layers * 2 * (tp - 1) * link_latency_s
+# Columns of the joint fit.
+_C1, _C2, _C4, _C5, _PREFILL_CONST, _DECODE_CONST, _PER_CTX, _ALLREDUCE = range(8)
 
 
-def prefill_features(
-    cfg: OPTConfig, tp: int, lengths: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE
+def _prefill_row(
+    cfg: OPTConfig, tp: int, lengths: Sequence[int], padded: Sequence[int], block_size: int
 ) -> list[float]:
-    """[C1, C2, C3, allreduce_s_per_byte] features of one prefill batch (the AppendixModel formula, pp = 1)."""
-    t = float(sum(lengths))
-    t2 = float(sum(n * n for n in lengths))
+    """Features of one prefill step: kernel terms on the `padded` batch, overhead on the actual `lengths`."""
+    t = float(sum(padded))
+    t2 = float(sum(n * n for n in padded))
     L, h = cfg.num_layers, cfg.hidden_size
-    return [
-        L * _layer_elems(cfg, tp) * t + _lm_head_macs(cfg, tp, len(lengths)),
-        L * 3 * (h / tp) * t2 / block_size,
-        1.0,
-        2 * L * allreduce_bytes_per_device(cfg, tp, int(t)),
-    ]
+    row = [0.0] * 8
+    row[_C1] = L * _layer_elems(cfg, tp) * t + _lm_head_macs(cfg, tp, len(padded))
+    row[_C2] = L * 3 * (h / tp) * t2 / block_size
+    row[_PREFILL_CONST] = 1.0
+    row[_PER_CTX] = float(sum(lengths))
+    row[_ALLREDUCE] = 2 * L * allreduce_bytes_per_device(cfg, tp, int(t))
+    return row
 
 
-def decode_features(
-    cfg: OPTConfig, tp: int, batch: int, ctx_sum: float, c1: float, compute_bound: bool
-) -> tuple[list[float], float]:
-    """([C4, C5, C6, allreduce_s_per_byte] features, known seconds) of one decode step.
-
-    A compute-bound step (the formula's `max(C4, C1·B)` taken by `C1·B`) charges its GEMMs as known
-    seconds from `c1`; a memory-bound one has the weight elements as its C4 feature.
-    """
+def _decode_row(
+    cfg: OPTConfig, tp: int, ctx_sum: float, rows: int, padded_ctx: float, compute_bound: bool
+) -> list[float]:
+    """Features of one decode step of `rows` (padded) rows: GEMMs on C1·B when compute-bound, else on C4."""
     L, h = cfg.num_layers, cfg.hidden_size
-    weights = L * _layer_elems(cfg, tp)
-    head = cfg.vocab_size * cfg.embed_dim / tp
-    c4_feature, known = (0.0, c1 * batch * (weights + head)) if compute_bound else (weights + head, 0.0)
-    return [c4_feature, L * 3 * (h / tp) * ctx_sum, 1.0, 2 * L * allreduce_bytes_per_device(cfg, tp, batch)], known
+    weights = L * _layer_elems(cfg, tp) + cfg.vocab_size * cfg.embed_dim / tp
+    row = [0.0] * 8
+    if compute_bound:
+        row[_C1] = rows * weights
+    else:
+        row[_C4] = weights
+    row[_C5] = L * 3 * (h / tp) * padded_ctx
+    row[_DECODE_CONST] = 1.0
+    row[_PER_CTX] = float(ctx_sum)
+    row[_ALLREDUCE] = 2 * L * allreduce_bytes_per_device(cfg, tp, rows)
+    return row
 
 
 def _padded_lengths(lengths: Sequence[int], padding: EnginePadding | None) -> Sequence[int]:
@@ -142,75 +155,69 @@ def _rel_errors(pred: np.ndarray, y: np.ndarray) -> FitError:
 
 
 @dataclasses.dataclass(frozen=True)
-class PhaseFit:
+class InstanceFit:
+    """C1..C6 (and `allreduce_s_per_byte` at tp > 1), the step overhead, and the fit error per phase."""
+
     coefficients: dict[str, float]
-    error: FitError
+    overhead: tuple[float, float, float]  # step_overhead: fixed_s, per_ctx_token_s, prefill_s
+    prefill_error: FitError
+    decode_error: FitError
 
 
-def fit_prefill(
+def fit_instance(
     cfg: OPTConfig,
     tp: int,
-    samples: Sequence[PrefillSample],
+    prefill: Sequence[PrefillSample],
+    decode: Sequence[DecodeSample],
     block_size: int = DEFAULT_BLOCK_SIZE,
     link_latency_s: float = 10e-6,
     padding: EnginePadding | None = None,
-) -> PhaseFit:
-    """C1, C2, C3 (and allreduce_s_per_byte at tp > 1) from prefill step times.
+) -> InstanceFit:
+    """Fit one instance's latency model to its prefill and decode step times (the formulas in the module doc).
 
-    With `padding`, the features are those of the padded batch the engine really computes.
+    With `padding`, the kernel features are those of the padded batch the engine really computes; the
+    overhead's per-token term stays on the actual tokens, as `placement/step_time.py` charges it.
     """
-    if len(samples) < 3:
-        raise ValueError("need at least 3 prefill samples")
-    cols = 4 if tp > 1 else 3
-    a = np.array([prefill_features(cfg, tp, _padded_lengths(s.lengths, padding), block_size)[:cols] for s in samples])
-    y = np.array([s.seconds for s in samples]) - _allreduce_latency_s(cfg, tp, link_latency_s)
-    w = 1.0 / np.array([s.seconds for s in samples])
-    coef = nnls(a * w[:, None], y * w)
-    pred = a @ coef + _allreduce_latency_s(cfg, tp, link_latency_s)
-    names = ["C1", "C2", "C3", "allreduce_s_per_byte"][:cols]
-    return PhaseFit(
-        dict(zip(names, map(float, coef), strict=True)), _rel_errors(pred, np.array([s.seconds for s in samples]))
-    )
-
-
-def fit_decode(
-    cfg: OPTConfig,
-    tp: int,
-    samples: Sequence[DecodeSample],
-    c1: float,
-    link_latency_s: float = 10e-6,
-    padding: EnginePadding | None = None,
-) -> PhaseFit:
-    """C4, C5, C6 (and allreduce_s_per_byte at tp > 1) from decode step times, with C1 fixed.
-
-    The roofline `max(C4, C1·B)` splits the batches at some size: below it steps are memory-bound,
-    at or above it compute-bound. Every split point is fitted; the best one that is consistent with
-    its own C4 (C1·B ≤ C4 below, ≥ above) wins.
-    """
-    if len(samples) < 3:
-        raise ValueError("need at least 3 decode samples")
-    cols = 4 if tp > 1 else 3
-    y_all = np.array([s.seconds for s in samples])
-    w = 1.0 / y_all
-    shapes = [padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum) for s in samples]
-    batches = sorted({b for b, _ in shapes})
-    fixed = _allreduce_latency_s(cfg, tp, link_latency_s)
+    if len(prefill) < 3 or len(decode) < 3:
+        raise ValueError("need at least 3 prefill and 3 decode samples")
+    cols = [_C1, _C2, _C4, _C5, _PREFILL_CONST, _DECODE_CONST, _PER_CTX] + ([_ALLREDUCE] if tp > 1 else [])
+    fixed = 0.0 if tp == 1 else 2 * cfg.num_layers * 2 * (tp - 1) * link_latency_s  # all-reduce latency
+    pre_rows = [_prefill_row(cfg, tp, s.lengths, _padded_lengths(s.lengths, padding), block_size) for s in prefill]
+    shapes = [(s.ctx_sum, *(padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum))) for s in decode]
+    y = np.array([s.seconds for s in prefill] + [s.seconds for s in decode])
+    w = 1.0 / y
+    n_pre = len(prefill)
     best: tuple[bool, float, np.ndarray, np.ndarray] | None = None
-    for split in [*batches, math.inf]:  # batches ≥ split are compute-bound
-        rows = [decode_features(cfg, tp, b, ctx, c1, b >= split) for b, ctx in shapes]
-        a = np.array([f[:cols] for f, _ in rows])
-        known = np.array([k for _, k in rows])
-        coef = nnls(a * w[:, None], (y_all - known - fixed) * w)
-        pred = a @ coef + known + fixed
-        resid = float(np.sum(((pred - y_all) * w) ** 2))
-        c4 = coef[0]
-        consistent = all((c1 * b >= c4 * (1 - 1e-6)) == (b >= split) for b, _ in shapes) if c4 > 0 else True
-        key = (not consistent, resid)
-        if best is None or key < (best[0], best[1]):
+    for split in [*sorted({rows for _, rows, _ in shapes}), math.inf]:  # decode rows ≥ split: compute-bound
+        dec_rows = [_decode_row(cfg, tp, ctx, rows, pctx, rows >= split) for ctx, rows, pctx in shapes]
+        a = np.array(pre_rows + dec_rows)[:, cols]
+        coef = nnls(a * w[:, None], (y - fixed) * w)
+        pred = a @ coef + fixed
+        resid = float(np.sum(((pred - y) * w) ** 2))
+        c1, c4 = coef[cols.index(_C1)], coef[cols.index(_C4)]
+        consistent = all((c1 * rows >= c4 * (1 - 1e-6)) == (rows >= split) for _, rows, _ in shapes) if c4 > 0 else True
+        if best is None or (not consistent, resid) < (best[0], best[1]):
             best = (not consistent, resid, coef, pred)
     assert best is not None
-    names = ["C4", "C5", "C6", "allreduce_s_per_byte"][:cols]
-    return PhaseFit(dict(zip(names, map(float, best[2]), strict=True)), _rel_errors(best[3], y_all))
+    _, _, coef, pred = best
+    got = dict(zip(cols, map(float, coef), strict=True))
+    base = min(got[_PREFILL_CONST], got[_DECODE_CONST])
+    coefficients = {
+        "C1": got[_C1],
+        "C2": got[_C2],
+        "C3": 0.0,
+        "C4": got[_C4],
+        "C5": got[_C5],
+        "C6": got[_DECODE_CONST] - base,
+    }
+    if tp > 1:
+        coefficients["allreduce_s_per_byte"] = got[_ALLREDUCE]
+    return InstanceFit(
+        coefficients,
+        (base, got[_PER_CTX], got[_PREFILL_CONST] - base),
+        _rel_errors(pred[:n_pre], y[:n_pre]),
+        _rel_errors(pred[n_pre:], y[n_pre:]),
+    )
 
 
 def detect_lm(samples: Sequence[PrefillSample], saturation: float = 0.9) -> int:
@@ -239,32 +246,25 @@ def profile_entry(
     saturation: float = 0.9,
     padding: EnginePadding | None = None,
 ) -> dict[str, Any]:
-    """One profile entry (the schema in `placement/latency.py`) with its fit errors under `fit`.
+    """One profile entry (the schema in `placement/latency.py`): C1..C6, `step_overhead`, L_m, and the fit
+    errors under `fit`.
 
     With `padding` the coefficients are per padded element; the entry says so under `engine_padding`
     and `LatencyProvider.instance` then charges padded shapes.
     """
-    pf = fit_prefill(cfg, tp, prefill, block_size, padding=padding)
-    df = fit_decode(cfg, tp, decode, pf.coefficients["C1"], padding=padding)
+    fit = fit_instance(cfg, tp, prefill, decode, block_size, padding=padding)
     entry: dict[str, Any] = {
         "engine": engine,
         "model": cfg.name.lower(),
         "tp": tp,
-        "C1": pf.coefficients["C1"],
-        "C2": pf.coefficients["C2"],
-        "C3": pf.coefficients["C3"],
-        "C4": df.coefficients["C4"],
-        "C5": df.coefficients["C5"],
-        "C6": df.coefficients["C6"],
+        **fit.coefficients,
+        "step_overhead": list(fit.overhead),
         "block_size": block_size,
         "L_m": l_m if l_m is not None else detect_lm(prefill, saturation),
-        "fit": {"prefill": pf.error.to_dict(), "decode": df.error.to_dict()},
+        "fit": {"prefill": fit.prefill_error.to_dict(), "decode": fit.decode_error.to_dict()},
     }
     if padding is not None:
         entry["engine_padding"] = dataclasses.asdict(padding)
-    if tp > 1:
-        # One all-reduce cost per byte for the instance: the prefill fit sees the large messages.
-        entry["allreduce_s_per_byte"] = pf.coefficients.get("allreduce_s_per_byte", 0.0)
     return entry
 
 

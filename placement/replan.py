@@ -39,9 +39,10 @@ import numpy as np
 from jaxserve.plan import DeploymentPlan, PlanError
 from jaxserve.workload_monitor import WindowStats
 from placement.goodput import GoodputSearch, max_rate
-from placement.latency import DeploymentKind, LatencyProvider, StageLatency, pipeline_decode_round_s
+from placement.latency import NO_OVERHEAD, DeploymentKind, LatencyProvider, StageLatency, StepOverhead
 from placement.planner import PlanKind, choose_plan
 from placement.search import SearchContext
+from placement.step_time import decode_step_s, prefill_step_s
 from placement.workload import Workload, arrival_times
 
 
@@ -59,18 +60,24 @@ def empirical_workload(window: WindowStats, num_requests: int, seed: int, max_po
 
 
 def predicted_step_s(
-    model: StageLatency, kind: str, prompt_lengths: tuple[int, ...] = (), batch: int = 0, ctx_sum: int = 0
+    model: StageLatency,
+    kind: str,
+    prompt_lengths: tuple[int, ...] = (),
+    batch: int = 0,
+    ctx_sum: int = 0,
+    overhead: StepOverhead = NO_OVERHEAD,
 ) -> float:
     """What the latency model predicts for one recorded engine step (the monitor's `predicted_s`).
 
     `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
-    rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it.
+    rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it, by the formula the
+    simulator and the timed engine share (`placement/step_time.py`), the profile's per-step `overhead`
+    included (a measured profile keeps its per-step constants there).
     """
     if kind == "prefill":
-        lengths = np.asarray(prompt_lengths, dtype=np.float64)
-        return model.pp * model.prefill_stage_s(float(lengths.sum()), float((lengths**2).sum()), len(lengths))
+        return prefill_step_s(model, overhead, prompt_lengths)
     if kind == "decode":
-        return pipeline_decode_round_s(model, batch, float(ctx_sum))
+        return decode_step_s(model, overhead, batch, float(ctx_sum))
     raise ValueError(f"no prediction for a {kind!r} step")
 
 

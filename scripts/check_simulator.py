@@ -61,11 +61,10 @@ from placement.latency import (  # noqa: E402
     DeploymentKind,
     LatencyProvider,
     load_profile,
-    pipeline_decode_round_s,
-    pipeline_prefill_s,
 )
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
+from placement.step_time import decode_step_s, prefill_step_s  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
 
 DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")
@@ -223,9 +222,10 @@ def provider(cfg: CheckConfig, profile_path: Path) -> LatencyProvider:
 def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
     n_in, _ = fixed_lengths(cfg.workload)
     engine: DeploymentKind = "disagg" if latency.supports("disagg", 1) else "colocated"
-    model = latency.instance(engine, 1, 1)
-    ttft = cfg.ttft_s or cfg.ttft_factor * pipeline_prefill_s(model, np.array([n_in]))
-    tpot = cfg.tpot_s or cfg.tpot_factor * pipeline_decode_round_s(model, 1, float(n_in))
+    model, overhead = latency.instance(engine, 1, 1), latency.step_overhead(engine, 1)
+    # a step as the simulator charges it: kernels plus the profile's per-step overhead
+    ttft = cfg.ttft_s or cfg.ttft_factor * prefill_step_s(model, overhead, [n_in])
+    tpot = cfg.tpot_s or cfg.tpot_factor * decode_step_s(model, overhead, 1, float(n_in))
     return SloSpec(round(ttft, 4), round(tpot, 4))
 
 

@@ -8,16 +8,17 @@ import pytest
 
 from models.config import get_config
 from placement.hardware import get_device
-from placement.latency import AppendixCoefficients, AppendixModel, LatencyProvider, Profile
+from placement.latency import AppendixCoefficients, AppendixModel, LatencyProvider, Profile, StepOverhead
+from placement.padding import EnginePadding, PaddedModel
 from placement.profile_fit import (
     DecodeSample,
     PrefillSample,
     detect_lm,
-    fit_decode,
-    fit_prefill,
+    fit_instance,
     nnls,
     profile_entry,
 )
+from placement.step_time import decode_step_s, prefill_step_s
 
 CFG = get_config("opt-mini")
 TRUE = AppendixCoefficients(C1=2.0e-11, C2=3.0e-10, C3=1.5e-3, C4=4.0e-10, C5=6.0e-10, C6=8.0e-4)
@@ -55,39 +56,75 @@ def test_nnls_matches_hand_solution() -> None:
 
 def test_fit_recovers_exact_coefficients() -> None:
     pre, dec = _samples(TRUE)
-    pf = fit_prefill(CFG, 1, pre)
-    assert pf.coefficients["C1"] == pytest.approx(TRUE.C1, rel=1e-6)
-    assert pf.coefficients["C2"] == pytest.approx(TRUE.C2, rel=1e-6)
-    assert pf.coefficients["C3"] == pytest.approx(TRUE.C3, rel=1e-6)
-    assert pf.error.max_rel < 1e-9
-    df = fit_decode(CFG, 1, dec, pf.coefficients["C1"])
+    fit = fit_instance(CFG, 1, pre, dec)
+    c = fit.coefficients
     # Large batches are compute-bound (C1·B > C4 from B = 20): the fit must use the roofline's max.
     assert TRUE.C1 * 64 > TRUE.C4 > TRUE.C1 * 16
-    assert df.coefficients["C4"] == pytest.approx(TRUE.C4, rel=1e-6)
-    assert df.coefficients["C5"] == pytest.approx(TRUE.C5, rel=1e-6)
-    assert df.coefficients["C6"] == pytest.approx(TRUE.C6, rel=1e-6)
-    assert df.error.max_rel < 1e-9
+    for name in ("C1", "C2", "C4", "C5"):
+        assert c[name] == pytest.approx(getattr(TRUE, name), rel=1e-6)
+    # At pp = 1 the per-step constants are step overhead: the decode constant C6 = 0.8 ms is fixed_s,
+    # the prefill constant C3 = 1.5 ms is fixed_s + prefill_s (0.7 ms); nothing per context token.
+    assert c["C3"] == 0.0 and c["C6"] == pytest.approx(0.0, abs=1e-12)
+    fixed_s, per_ctx_token_s, prefill_s = fit.overhead
+    assert fixed_s == pytest.approx(8.0e-4, rel=1e-6) and prefill_s == pytest.approx(7.0e-4, rel=1e-6)
+    assert per_ctx_token_s == pytest.approx(0.0, abs=1e-15)
+    assert fit.prefill_error.max_rel < 1e-9 and fit.decode_error.max_rel < 1e-9
+
+
+def test_fit_yields_the_step_overhead_the_simulator_charges() -> None:
+    """Step times from `placement/step_time.py` itself (padded kernels + a StepOverhead with every term,
+    the per-token one on actual tokens): the fit returns that overhead, and the profile entry, loaded by
+    the planner, predicts every step exactly."""
+    kernel = AppendixCoefficients(C1=TRUE.C1, C2=TRUE.C2, C3=0.0, C4=TRUE.C4, C5=TRUE.C5, C6=0.0)
+    overhead = StepOverhead(fixed_s=1.2e-3, per_ctx_token_s=2.0e-7, prefill_s=0.5e-3)
+    pad = EnginePadding()
+    engine = PaddedModel(_model(kernel), pad)
+    pre = [PrefillSample((n,) * b, prefill_step_s(engine, overhead, (n,) * b)) for b, n in PREFILL_SHAPES]
+    pre += [PrefillSample((n,) * b, prefill_step_s(engine, overhead, (n,) * b)) for b, n in [(1, 100), (3, 70)]]
+    dec = [DecodeSample(b, b * c, decode_step_s(engine, overhead, b, float(b * c))) for b, c in DECODE_SHAPES]
+    dec += [DecodeSample(b, b * c, decode_step_s(engine, overhead, b, float(b * c))) for b, c in [(3, 100), (5, 40)]]
+    entry = profile_entry(CFG, 1, "disagg", pre, dec, padding=pad)
+    assert entry["step_overhead"] == pytest.approx([1.2e-3, 2.0e-7, 0.5e-3], rel=1e-6)
+    assert entry["C3"] == 0.0 and entry["C6"] == pytest.approx(0.0, abs=1e-12)
+    provider = LatencyProvider(CFG, get_device("cpu"), Profile.from_dict({"name": "f", "entries": [entry]}))
+    model, fitted = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
+    assert fitted == StepOverhead(*entry["step_overhead"])
+    for b, n in [(1, 200), (2, 90), (5, 33)]:  # off the grid
+        want = prefill_step_s(engine, overhead, (n,) * b)
+        assert prefill_step_s(model, fitted, (n,) * b) == pytest.approx(want, rel=1e-6)
+    for b, c in [(6, 77), (24, 200), (1, 500)]:
+        want = decode_step_s(engine, overhead, b, float(b * c))
+        assert decode_step_s(model, fitted, b, float(b * c)) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_decode_constant_above_the_prefill_one_goes_to_c6() -> None:
+    # Prefill steps cost 0.4 ms beyond their kernels, decode steps 1 ms: fixed_s 0.4 ms, C6 0.6 ms, no prefill_s.
+    coeffs = AppendixCoefficients(**{**TRUE.__dict__, "C3": 0.4e-3, "C6": 1.0e-3})
+    pre, dec = _samples(coeffs)
+    fit = fit_instance(CFG, 1, pre, dec)
+    assert fit.overhead[0] == pytest.approx(0.4e-3, rel=1e-6) and fit.overhead[2] == pytest.approx(0.0, abs=1e-12)
+    assert fit.coefficients["C6"] == pytest.approx(0.6e-3, rel=1e-6)
 
 
 def test_fit_with_tensor_parallel_allreduce() -> None:
     coeffs = AppendixCoefficients(**{**TRUE.__dict__, "allreduce_s_per_byte": 2e-10})
-    pre, _ = _samples(coeffs, tp=2)
-    pf = fit_prefill(CFG, 2, pre)
-    assert pf.coefficients["allreduce_s_per_byte"] == pytest.approx(2e-10, rel=1e-6)
-    assert pf.coefficients["C1"] == pytest.approx(TRUE.C1, rel=1e-6)
+    pre, dec = _samples(coeffs, tp=2)
+    fit = fit_instance(CFG, 2, pre, dec)
+    assert fit.coefficients["allreduce_s_per_byte"] == pytest.approx(2e-10, rel=1e-6)
+    assert fit.coefficients["C1"] == pytest.approx(TRUE.C1, rel=1e-6)
 
 
 def test_fit_under_noise_predicts_within_noise() -> None:
     pre, dec = _samples(TRUE, noise=0.05, seed=1)
     entry = profile_entry(CFG, 1, "disagg", pre, dec)
-    fitted = Profile.from_dict({"name": "t", "entries": [entry]}).lookup("disagg", "opt-mini", 1)
-    assert isinstance(fitted, AppendixCoefficients)
-    m_true, m_fit = _model(TRUE), _model(fitted)
+    provider = LatencyProvider(CFG, get_device("cpu"), Profile.from_dict({"name": "t", "entries": [entry]}))
+    m_fit, overhead = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
+    m_true = _model(TRUE)
     for b, n in [(1, 200), (2, 100), (3, 64)]:
         t, t2 = float(b * n), float(b * n * n)
-        assert m_fit.prefill_stage_s(t, t2, b) == pytest.approx(m_true.prefill_stage_s(t, t2, b), rel=0.08)
+        assert prefill_step_s(m_fit, overhead, (n,) * b) == pytest.approx(m_true.prefill_stage_s(t, t2, b), rel=0.08)
     for b, c in [(3, 100), (24, 200)]:
-        assert m_fit.decode_stage_s(b, b * c) == pytest.approx(m_true.decode_stage_s(b, b * c), rel=0.08)
+        assert decode_step_s(m_fit, overhead, b, b * c) == pytest.approx(m_true.decode_stage_s(b, b * c), rel=0.08)
     assert entry["fit"]["prefill"]["mean_rel_error"] < 0.08
     assert entry["fit"]["decode"]["num_samples"] == len(DECODE_SHAPES)
 
@@ -107,13 +144,13 @@ def test_profile_entry_round_trips_through_the_planner() -> None:
     provider = LatencyProvider(CFG, get_device("cpu"), profile)
     assert provider.supports("colocated", 1) and not provider.supports("disagg", 1)
     assert provider.prefill_token_budget("colocated", 1) == 384
-    model = provider.instance("colocated", 1, 1)
-    assert model.decode_stage_s(4, 400.0) == pytest.approx(_model(TRUE).decode_stage_s(4, 400.0), rel=1e-6)
+    model, overhead = provider.instance("colocated", 1, 1), provider.step_overhead("colocated", 1)
+    assert decode_step_s(model, overhead, 4, 400.0) == pytest.approx(_model(TRUE).decode_stage_s(4, 400.0), rel=1e-6)
 
 
 def test_engine_padding_mirrors_the_engine_buckets() -> None:
     from jaxserve.runtime.engine import bucket as engine_bucket
-    from placement.padding import EnginePadding, PaddedModel, bucket
+    from placement.padding import bucket
 
     for n in range(1, 300):
         assert bucket(n) == engine_bucket(n) and bucket(n, 16) == engine_bucket(n, 16)
@@ -130,8 +167,6 @@ def test_engine_padding_mirrors_the_engine_buckets() -> None:
 
 
 def test_padded_fit_recovers_coefficients_of_a_padded_engine() -> None:
-    from placement.padding import EnginePadding, PaddedModel
-
     pad = EnginePadding()
     engine = PaddedModel(_model(TRUE), pad)  # an engine that computes padded shapes
     pre = [

@@ -102,6 +102,20 @@ def test_corrected_latency_scales_prefill_and_decode_steps() -> None:
     assert CorrectedLatency.from_window(lat, WorkloadMonitor().window(0.0)).instance("disagg", 2, 1) == base
 
 
+def test_predicted_step_includes_the_profiles_step_overhead() -> None:
+    """A measured profile keeps its per-step constants in `step_overhead`: the correction factors' prediction
+    charges it as the simulator does (2 ms + 1e-7 s per context token, + 1 ms x pp on a prefill step here)."""
+    lat = _latency()
+    model, over = lat.instance("disagg", 1, 1), lat.step_overhead("disagg", 1)
+    assert over.fixed_s > 0 and over.prefill_s > 0
+    base = predicted_step_s(model, "decode", batch=8, ctx_sum=4000)
+    with_overhead = predicted_step_s(model, "decode", batch=8, ctx_sum=4000, overhead=over)
+    assert with_overhead == pytest.approx(base + over.fixed_s + over.per_ctx_token_s * 4000)
+    base = predicted_step_s(model, "prefill", (100, 300))
+    with_overhead = predicted_step_s(model, "prefill", (100, 300), overhead=over)
+    assert with_overhead == pytest.approx(base + over.fixed_s + over.per_ctx_token_s * 400 + over.prefill_s)
+
+
 def test_predicted_step_matches_the_profile_coefficients() -> None:
     model = _latency().instance("disagg", 1, 1)
     # OPT-13B tp1 folded prefill (ms): 18.1 + 0.1019 * sum + 7.122e-6 * sum of squares

@@ -25,7 +25,8 @@ from jaxserve.runtime.engine import StepRow
 from jaxserve.runtime.request import SamplingParams
 from models.config import get_config
 from placement.hardware import get_device
-from placement.latency import LatencyProvider, load_profile, pipeline_decode_round_s, pipeline_prefill_s
+from placement.latency import LatencyProvider, load_profile
+from placement.step_time import decode_step_s, prefill_step_s
 
 PREFILL_S, DECODE_S = 0.030, 0.010
 PROMPT_LEN, MAX_TOKENS = 20, 6
@@ -75,11 +76,13 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert [e["engine"] for e in doc["entries"]] == ["disagg"] and doc["entries"][0]["L_m"] == 512
-    model = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), load_profile(str(out))).instance("disagg", 1, 1)
+    # predicted as the simulator charges a step: the kernel model plus the fitted step overhead
+    provider = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), load_profile(str(out)))
+    model, overhead = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
     median_prefill = float(np.median([s["seconds"] for s in prefills if len(s["prompt_lengths"]) == 1]))
-    assert pipeline_prefill_s(model, np.array([PROMPT_LEN])) == pytest.approx(median_prefill, rel=0.25)
+    assert prefill_step_s(model, overhead, [PROMPT_LEN]) == pytest.approx(median_prefill, rel=0.25)
     one_row = [s["seconds"] for s in decodes if s["batch"] == 1]
-    assert pipeline_decode_round_s(model, 1, PROMPT_LEN + 2) == pytest.approx(float(np.median(one_row)), rel=0.25)
+    assert decode_step_s(model, overhead, 1, PROMPT_LEN + 2) == pytest.approx(float(np.median(one_row)), rel=0.25)
 
 
 def test_from_server_needs_the_deployment_and_a_reachable_server(capsys, tmp_path: Path) -> None:

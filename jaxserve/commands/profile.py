@@ -7,8 +7,10 @@
 
 For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
-shapes (`jaxserve/runtime/step_timing.py`), fits C1..C6 by least squares (`placement/profile_fit.py`), finds
-L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
+shapes (`jaxserve/runtime/step_timing.py`; the fastest of `--repeats` runs per shape, compile excluded),
+fits C1..C6 and the per-step overhead (`step_overhead`: a constant per step, a term per context token, an
+extra constant per prompt step — what `placement/step_time.py` charges) by one least squares
+(`placement/profile_fit.py`), finds L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
 `engine_padding`: plan and simulate then charge a batch what the engine really computes.
@@ -16,7 +18,9 @@ every step to a power-of-two bucket, so by default the fit is in padded shapes a
 On a CPU, Eigen is made single-threaded unless `--cpu-multi-thread`; serve with the same XLA flags.
 That does not make one XLA device one core: a process runs every device's kernels on one intra-op
 pool sized to the cores it may use (at least one thread per device). To time what a pinned server
-gets, pin the profile the same way (`--cpus`, as `jaxserve serve --cpus`).
+gets, pin the profile the same way (`--cpus`, as `jaxserve serve --cpus`). On a machine other work
+shares, `--clock cpu` reads each step's CPU time instead of elapsed time (`scripts/profile_fidelity.py`
+checks such a fit against shapes off the grid).
 Pipeline stages are not timed separately: the latency model derives a stage from the per-tp fit.
 
 `--from-server HOST:PORT` fits instead to the steps a running server recorded (`GET /debug/steps` on
@@ -53,7 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-batches", default="1,2,3,4", help="grid: prompts per prefill batch")
     parser.add_argument("--decode-batches", default="1,2,4,8,16,32", help="grid: sequences per decode step")
     parser.add_argument("--decode-contexts", default="16,64,160,320", help="grid: context tokens per sequence")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median kept)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (the fastest is kept)")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time per step (a dedicated machine); cpu: this process's CPU time per step, "
+        "which other processes on a shared machine do not inflate",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="paged KV block size the server uses")
     parser.add_argument("--saturation", type=float, default=0.9, help="L_m: share of peak prefill throughput")
     parser.add_argument("--prefill-tokens", type=int, default=None, help="write this L_m instead of detecting it")
@@ -162,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         grid = default_grid(cfg.max_position_embeddings, args.quick, args.block_size)
+    grid = dataclasses.replace(grid, clock=args.clock)
     if args.repeats:
         grid = dataclasses.replace(grid, repeats=args.repeats)
     if "colocated" not in engines:
@@ -204,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
             fit = entry["fit"]
             print(
                 f"{cfg.name} tp{tp} {engine:<5}: C1 {entry['C1']:.3e} C2 {entry['C2']:.3e} C3 {entry['C3']:.3e} "
-                f"C4 {entry['C4']:.3e} C5 {entry['C5']:.3e} C6 {entry['C6']:.3e}  L_m {entry['L_m']}  "
+                f"C4 {entry['C4']:.3e} C5 {entry['C5']:.3e} C6 {entry['C6']:.3e} "
+                f"step_overhead [{', '.join(f'{v:.3e}' for v in entry['step_overhead'])}]  L_m {entry['L_m']}  "
                 f"fit error prefill mean {fit['prefill']['mean_rel_error']:.1%} max {fit['prefill']['max_rel_error']:.1%}, "
                 f"decode mean {fit['decode']['mean_rel_error']:.1%} max {fit['decode']['max_rel_error']:.1%}"
             )

@@ -10,7 +10,8 @@
 * `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain).
 * `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets.
 * `request.py` — request-level types shared with the serving layer and `jaxserve.LLM`.
-* `step_timing.py` — times the real engine at a grid of shapes for `jaxserve profile`.
+* `step_timing.py` — times the real engine at a grid of shapes for `jaxserve profile`; `step_samples.py`
+  the measured samples it hands to the planner's fit.
 
 Nothing here imports `jaxserve.serving` or the planner (`placement/`).
 """

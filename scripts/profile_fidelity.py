@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Does a `jaxserve profile` fit predict the real engine at shapes it never timed?
+
+One command, pinned the way `jaxserve profile --cpus` pins (this process on `--cpus`, XLA's CPU
+intra-op work single-threaded, one virtual device):
+
+1. times the real XLA engine (`jaxserve/runtime/step_timing.py`, the fastest of `--repeats` runs per
+   shape in each of `--passes` passes over all shapes, compile excluded, on the process's CPU clock
+   by default: other tenants of a shared machine do not count) on a fit grid of prefill batches (`engine.prefill`), colocated prompt
+   steps (`decode_step` over prompt rows) and decode steps (batch × context);
+2. fits the profile entries exactly as `jaxserve profile` does (`placement/profile_fit.py`, padded
+   shapes, C1..C6 and `step_overhead`);
+3. times shapes *off* the grid (other batch sizes, prompt lengths, contexts, some beyond the grid)
+   and predicts each with what the simulator charges: `placement/step_time.py` on the
+   `LatencyProvider` model and step overhead of the fitted profile;
+4. prints predicted vs measured per shape, the median and P90 relative error, and the load average.
+
+    .venv/bin/python scripts/profile_fidelity.py                  # opt-mini on CPU 0
+    .venv/bin/python scripts/profile_fidelity.py --cpus 1 --repeats 9 --json out.json
+
+`tests/test_profile_fidelity.py` runs this script in a subprocess and reads its `--json` document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus  # noqa: E402
+from jaxserve.commands.profile import SINGLE_CORE_FLAGS  # noqa: E402
+
+# The fit grid: what `jaxserve profile --prefill-lengths 16,32,64,128,256,512 --prefill-batches 1,2,4` times
+# for prefill; decode batches 1..32 over contexts 16..320, up to 8192 attended positions a step once
+# padded (32 rows of 256): with opt-mini's 4 layers that is 16 MB of K and V per layer, inside a 32 MB L3.
+# The formula is linear and has no cache term; beyond the L3 a step is slower than it says (see
+# docs/simulator-fidelity.md), so the grid and the shapes predicted stay on this side of it.
+FIT_PREFILL = tuple((1, n) for n in (16, 32, 64, 128, 256, 512)) + tuple(
+    (b, n) for b in (2, 4) for n in (16, 32, 64, 128, 256) if b * n <= 512
+)
+FIT_DECODE = (*((b, c) for b in (1, 2, 4, 8, 16) for c in (16, 64, 160, 320)), (32, 16), (32, 64), (32, 160))
+# Off the grid: batch sizes, lengths and contexts the fit never saw, some in buckets it never timed
+# (6 prompts run as 8 rows, 48 decodes as 64, a context of 600 attends over 1024 positions).
+OFF_PREFILL = ((1, 48), (1, 100), (1, 200), (1, 384), (3, 40), (3, 96), (2, 160), (5, 50), (6, 64), (3, 150))
+OFF_DECODE = ((3, 40), (3, 250), (6, 100), (12, 30), (12, 200), (24, 100), (10, 300), (5, 600), (40, 50), (48, 64))
+
+
+BLOCK_SIZE = 16  # the server's KV page size
+
+
+def _percentile(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.array(values), q))
+
+
+def measure(
+    model: str = "opt-mini",
+    repeats: int = 5,
+    dtype: str = "float32",
+    clock: str = "cpu",
+    colocated: bool = True,
+    min_total_s: float = 0.1,
+    passes: int = 3,
+) -> dict[str, Any]:
+    """Time the real engine on the fit grid and off it: the samples as a JSON-able dict."""
+    import jax
+
+    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.step_timing import time_coloc_prefill, time_decode, time_prefill
+
+    engine = OPTEngine.load(model, jax.devices()[:1], tp=1, pp=1, dtype=dtype)
+    started = time.perf_counter()
+
+    def prefill(shapes: tuple[tuple[int, int], ...], seed: int) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(x) for x in time_prefill(engine, shapes, repeats, seed, clock, min_total_s)]
+
+    def coloc(shapes: tuple[tuple[int, int], ...], seed: int) -> list[dict[str, Any]]:
+        if not colocated:
+            return []
+        timed = time_coloc_prefill(engine, shapes, repeats, BLOCK_SIZE, seed, clock, min_total_s)
+        return [dataclasses.asdict(x) for x in timed]
+
+    def decode(shapes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(x) for x in time_decode(engine, shapes, repeats, BLOCK_SIZE, clock, min_total_s)]
+
+    def one_pass() -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+        fit = {"prefill": prefill(FIT_PREFILL, 0), "decode": decode(FIT_DECODE), "coloc_prefill": coloc(FIT_PREFILL, 0)}
+        off = {"prefill": prefill(OFF_PREFILL, 1), "decode": decode(OFF_DECODE), "coloc_prefill": coloc(OFF_PREFILL, 1)}
+        return fit, off
+
+    # Several passes over every shape, the fastest per shape kept: a shape's runs are spread over minutes,
+    # so a stretch when a neighbour held the core (or its SMT sibling) does not decide its time.
+    fit, off = one_pass()
+    for _ in range(passes - 1):
+        more_fit, more_off = one_pass()
+        for kept, new in ((fit, more_fit), (off, more_off)):
+            for key, rows in kept.items():
+                for row, again in zip(rows, new[key], strict=True):
+                    row["seconds"] = min(row["seconds"], again["seconds"])
+    return {
+        "model": model,
+        "repeats": repeats,
+        "clock": clock,
+        "min_total_s": min_total_s,
+        "passes": passes,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "timing_s": time.perf_counter() - started,
+        "fit_samples": fit,
+        "off_grid_samples": off,
+    }
+
+
+def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
+    """Fit the grid samples as `jaxserve profile` does; predict the off-grid ones as the simulator charges them.
+
+    Adds the fitted `entries`, one row per off-grid shape and the error summary to `doc`.
+    """
+    from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
+    from models.checkpoint import is_hf_dir, load_hf_config
+    from models.config import get_config
+    from placement.hardware import get_device
+    from placement.latency import DeploymentKind, LatencyProvider, Profile
+    from placement.padding import EnginePadding
+    from placement.profile_fit import profile_entry
+    from placement.step_time import decode_step_s, prefill_step_s
+
+    path = Path(doc["model"])
+    cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(doc["model"])
+
+    def pre(rows: list[dict[str, Any]]) -> list[PrefillSample]:
+        return [PrefillSample(tuple(r["lengths"]), r["seconds"]) for r in rows]
+
+    def dec(rows: list[dict[str, Any]]) -> list[DecodeSample]:
+        return [DecodeSample(r["batch"], r["ctx_sum"], r["seconds"]) for r in rows]
+
+    fit, off = doc["fit_samples"], doc["off_grid_samples"]
+    padding = EnginePadding(block_size=BLOCK_SIZE)
+    entries = [profile_entry(cfg, 1, "disagg", pre(fit["prefill"]), dec(fit["decode"]), padding=padding)]
+    if fit["coloc_prefill"]:
+        entries.append(
+            profile_entry(cfg, 1, "colocated", pre(fit["coloc_prefill"]), dec(fit["decode"]), padding=padding)
+        )
+    provider = LatencyProvider(cfg, get_device("cpu"), Profile.from_dict({"name": "fit", "entries": entries}))
+    rows: list[dict[str, Any]] = []
+    phases: tuple[tuple[str, DeploymentKind, str], ...] = (
+        ("prefill", "disagg", "prefill"),
+        ("coloc prefill", "colocated", "coloc_prefill"),
+    )
+    for phase, kind, key in phases:
+        if not off[key]:
+            continue
+        m, overhead = provider.instance(kind, 1, 1), provider.step_overhead(kind, 1)
+        for s in pre(off[key]):
+            predicted = prefill_step_s(m, overhead, s.lengths)
+            shape = f"{len(s.lengths)} x {s.lengths[0]} tokens"
+            rows.append({"phase": phase, "shape": shape, "measured_s": s.seconds, "predicted_s": predicted})
+    m, overhead = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
+    for d in dec(off["decode"]):
+        predicted = decode_step_s(m, overhead, d.batch, float(d.ctx_sum))
+        shape = f"{d.batch} x ctx {d.ctx_sum // d.batch}"
+        rows.append({"phase": "decode", "shape": shape, "measured_s": d.seconds, "predicted_s": predicted})
+    for r in rows:
+        r["rel_error"] = abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+    errors = [r["rel_error"] for r in rows]
+    return {
+        **doc,
+        "entries": entries,
+        "rows": rows,
+        "median_rel_error": _percentile(errors, 50),
+        "p90_rel_error": _percentile(errors, 90),
+        "max_rel_error": max(errors),
+    }
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    lines = [
+        f"{'phase':<14} {'shape':<18} {'measured ms':>12} {'predicted ms':>13} {'error':>7}",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"{r['phase']:<14} {r['shape']:<18} {1e3 * r['measured_s']:>12.2f} {1e3 * r['predicted_s']:>13.2f} "
+            f"{r['rel_error']:>7.1%}"
+        )
+    lines.append(
+        f"off-grid relative error: median {doc['median_rel_error']:.1%}, P90 {doc['p90_rel_error']:.1%}, "
+        f"max {doc['max_rel_error']:.1%} over {len(doc['rows'])} shapes"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="opt-mini", help="preset name or checkpoint directory")
+    parser.add_argument("--cpus", default="0", help="pin to these CPUs, as `jaxserve profile --cpus` ('' = no pin)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape (the fastest is kept)")
+    parser.add_argument(
+        "--clock",
+        default="cpu",
+        choices=["cpu", "wall"],
+        help="cpu: the process's CPU time per step (robust on a shared machine); wall: elapsed time",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated prompt steps")
+    parser.add_argument(
+        "--min-total-s",
+        type=float,
+        default=0.1,
+        help="repeat a shape (up to 50 x --repeats) until its runs total this",
+    )
+    parser.add_argument("--passes", type=int, default=3, help="passes over all shapes (the fastest per shape kept)")
+    parser.add_argument("--from-json", default=None, help="refit and predict from a --json file's timings")
+    parser.add_argument("--json", default=None, help="also write the rows, fitted entries and summary here")
+    args = parser.parse_args(argv)
+    if args.cpus and not args.from_json:
+        pin_to_cpus(parse_cpus(args.cpus))
+    ensure_host_devices(1, SINGLE_CORE_FLAGS)  # as `jaxserve profile` (no --cpu-multi-thread)
+    if args.from_json:
+        doc = evaluate(json.loads(Path(args.from_json).read_text()))
+        load_before = tuple(doc["loadavg_before"])
+    else:
+        load_before = os.getloadavg()
+        measured = measure(
+            args.model, args.repeats, args.dtype, args.clock, not args.no_colocated, args.min_total_s, args.passes
+        )
+        measured["loadavg_before"] = list(load_before)
+        measured["loadavg_after"] = list(os.getloadavg())
+        if args.json:  # the timings first: a fit that fails can be redone from them (--from-json)
+            Path(args.json).write_text(json.dumps(measured, indent=2) + "\n")
+        doc = evaluate(measured)
+    print(format_table(doc))
+    for e in doc["entries"]:
+        fit = e["fit"]
+        print(
+            f"fit {e['engine']:<9}: step_overhead {[f'{v:.3g}' for v in e['step_overhead']]}, grid error prefill "
+            f"mean {fit['prefill']['mean_rel_error']:.1%} decode mean {fit['decode']['mean_rel_error']:.1%}"
+        )
+    print(
+        f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{' '.join(f'{x:.2f}' for x in doc['loadavg_after'])}; timing took {doc['timing_s']:.0f} s; "
+        f"cpus {doc['cpus']}; XLA_FLAGS {doc['xla_flags']!r}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
