@@ -71,8 +71,13 @@ def paged_decode_attention(
 
 
 def default_impl() -> Impl:
-    """The implementation to use on the default backend (XLA everywhere until a kernel is measured faster)."""
-    return "xla"
+    """The implementation to use on the default backend.
+
+    The chunked loop of "xla" was measured on CPU only (it wins by keeping each chunk in cache); on
+    an accelerator each iteration is a handful of kernel launches, so the one-gather form stays the
+    default there until an A/B on the device (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
+    """
+    return "xla" if jax.default_backend() == "cpu" else "xla_gather"
 
 
 def _xla_gather(
