@@ -422,9 +422,10 @@ def run_layers_paged(
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h].
 
-    `attention` picks the decode (T == 1) attention of `models.paged_attention`; "xla" attends
-    to the pages and the new token as two parts of one softmax, a kernel reads the new token back
-    from the pages it was just written to (so its position must lie inside the row's table).
+    `attention` picks the decode (T == 1) attention of `models.paged_attention`; the XLA forms attend
+    to the pages before `start_positions` and the new token as two parts of one softmax, a kernel
+    reads the new token back from the pages it was just written to (so its position must lie inside
+    the row's table). A chunked prefill (T > 1) always gathers the table's pages once per layer.
     """
     b, t, _ = x.shape
     num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
@@ -447,12 +448,18 @@ def run_layers_paged(
             k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
             v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
         )
-        if attention != "xla" and t == 1:
+        if t == 1 and attention == "pallas_gpu":  # the kernel reads the new token back from the pages
             o = paged_decode_attention(
-                q[:, 0], c.k[i], c.v[i], block_tables, start_positions + lengths, scale=scale, impl=attention
+                q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention, layer=i
             )
             return o[:, None].astype(q.dtype), c
-        # one gather straight from the pool (no slice of layer i first: that would be a copy)
+        if t == 1:  # the pages before start and the new token in one softmax, the pool read in place
+            o = paged_decode_attention(
+                q[:, 0], c.k, c.v, block_tables, start_positions, scale=scale, impl=attention, layer=i,
+                new_kv=(k[:, 0], v[:, 0]),
+            )  # fmt: skip
+            return o[:, None].astype(q.dtype), c
+        # chunked prefill: one gather straight from the pool (no slice of layer i first: that would be a copy)
         keys = c.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
         vals = c.v[i, block_tables].reshape(b, m * bs, nh, hd)
         return _attention(q, [(keys, vals, old), (k, v, new)], scale), c

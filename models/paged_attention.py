@@ -1,12 +1,22 @@
-"""Decode attention over a paged KV pool: one function, an XLA implementation and a Pallas one.
+"""Decode attention over a paged KV pool: one function, XLA implementations and a Pallas one.
 
 `paged_decode_attention(q, k_pages, v_pages, block_tables, lengths)` attends one query per row
 to the first `lengths[b]` positions of row b's pages (position p in block `block_tables[b, p //
 block_size]`, slot `p % block_size`). The pool is one layer of the engine's pool, `[num_blocks,
-block_size, H, D]` (the layout `models.opt.PagedKVCache` and the KV transfer use).
+block_size, H, D]` (the layout `models.opt.PagedKVCache` and the KV transfer use), or the whole
+pool `[L, num_blocks, block_size, H, D]` with `layer=i` (the gather then reads layer i in place:
+slicing the layer out first is a copy of it on XLA:CPU). `new_kv=(k, v)` adds one more position
+per row that is not in the pages (a decode step's own token) to the same softmax.
 
-* `impl="xla"` (default, every backend): gather the row's blocks, put them head-major and run two
-  batched matrix-vector products (see `models.opt._decode_attention` for why head-major);
+* `impl="xla"` (default, every backend): a loop over chunks of table columns (`CHUNK_BYTES`) that
+  stops after the longest row's last filled block, with an online (flash-decoding) softmax. Each
+  chunk's blocks are gathered, put head-major ([B, H, S, D], see `models.opt._decode_attention` for
+  why) and attended while they are still in cache. The engine buckets table widths to powers of
+  two, so up to half a table's columns are empty: they are never read. One chunk is small enough
+  that its gather and transpose stay in the CPU's caches instead of streaming the whole
+  gathered context through memory twice (docs/performance.md has the A/B);
+* `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
+  whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
   the pages in place and wants them head-major `[H, num_blocks, block_size, D]`; the transpose
   here is a copy of the layer's pool, so this pays only where the gather would cost more.
@@ -15,50 +25,139 @@ block_size, H, D]` (the layout `models.opt.PagedKVCache` and the KV transfer use
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["xla", "pallas_gpu"]
+Impl = Literal["xla", "xla_gather", "pallas_gpu"]
+IMPLS: tuple[Impl, ...] = ("xla", "xla_gather", "pallas_gpu")
 _MASK_VALUE = -1e30
+# Bytes of K (and again of V) that one loop iteration of impl="xla" gathers: the chunk is this many
+# bytes' worth of table columns over the whole batch, at least one column. opt-125m, context 512, on
+# 2 CPU cores under load, interleaved: batch 16 at 1 column (786 KB) per iteration 267 ms/step, 2
+# columns 356, 4 columns 844; batch 1 at 1, 4 or 16 columns within noise (36-39 ms).
+CHUNK_BYTES = 256 * 1024
 
 
 def paged_decode_attention(
     q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, H, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, H, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, H, D], or [L, num_blocks, block_size, H, D] with `layer`
+    v_pages: jax.Array,
     block_tables: jax.Array,  # [B, M] int32
     lengths: jax.Array,  # [B] int32: positions 0..lengths[b]-1 are attended
     *,
     scale: float,
     impl: Impl = "xla",
     interpret: bool = False,
+    layer: Any = None,  # int or traced int32: index of the leading layer axis of the pool
+    new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, H, D], v [B, H, D]): one more position per row
+    chunk_blocks: int = 0,  # impl="xla": table columns per loop iteration (0: from CHUNK_BYTES)
 ) -> jax.Array:
-    """Softmax(q . k * scale) . v over each row's first `lengths[b]` paged positions -> [B, H, D] float32."""
-    if impl == "xla":
-        return _xla(q, k_pages, v_pages, block_tables, lengths, scale)
+    """Softmax(q . k * scale) . v over each row's first `lengths[b]` paged positions (and `new_kv`) -> [B, H, D] f32."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown paged attention implementation {impl!r}")
     if impl == "pallas_gpu":
+        if new_kv is not None:
+            raise ValueError("the Pallas kernel reads every position from the pages: write new_kv first")
+        if layer is not None:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
         return _pallas_gpu(q, k_pages, v_pages, block_tables, lengths, scale, interpret)
-    raise ValueError(f"unknown paged attention implementation {impl!r}")
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    if impl == "xla_gather":
+        return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv)
+    return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks)
 
 
 def default_impl() -> Impl:
-    """The implementation to use on the default backend (XLA everywhere until a kernel is measured faster)."""
-    return "xla"
+    """The implementation to use on the default backend.
+
+    The chunked loop of "xla" was measured on CPU only (it wins by keeping each chunk in cache); on
+    an accelerator each iteration is a handful of kernel launches, so the one-gather form stays the
+    default there until an A/B on the device (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
+    """
+    return "xla" if jax.default_backend() == "cpu" else "xla_gather"
 
 
-def _xla(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array, scale: float
+def _xla_gather(
+    q: jax.Array,
+    k_pages: jax.Array,  # [L, N, bs, H, D]
+    v_pages: jax.Array,
+    layer: Any,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    new_kv: tuple[jax.Array, jax.Array] | None,
 ) -> jax.Array:
     b, m = block_tables.shape
-    _, bs, h, d = k_pages.shape
-    keys = jnp.swapaxes(k_pages[block_tables].reshape(b, m * bs, h, d), 1, 2)  # [B, H, S, D]
-    vals = jnp.swapaxes(v_pages[block_tables].reshape(b, m * bs, h, d), 1, 2)
+    _, _, bs, h, d = k_pages.shape
+    keys = jnp.swapaxes(k_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)  # [B, H, S, D]
+    vals = jnp.swapaxes(v_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)
     s = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=jnp.float32) * scale  # [B, H, S]
-    valid = jnp.arange(m * bs)[None, None, :] < lengths[:, None, None]
-    p = jax.nn.softmax(jnp.where(valid, s, _MASK_VALUE), axis=-1)
-    return jnp.einsum("bhs,bhsd->bhd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    s = jnp.where(jnp.arange(m * bs)[None, None, :] < lengths[:, None, None], s, _MASK_VALUE)
+    if new_kv is None:
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bhs,bhsd->bhd", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    k_new, v_new = new_kv
+    s_new = jnp.einsum("bhd,bhd->bh", q, k_new, preferred_element_type=jnp.float32)[..., None] * scale  # [B, H, 1]
+    p = jax.nn.softmax(jnp.concatenate([s, s_new], axis=-1), axis=-1)
+    out = jnp.einsum("bhs,bhsd->bhd", p[..., :-1].astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    return out + p[..., -1:] * v_new.astype(jnp.float32)
+
+
+def _xla_chunked(
+    q: jax.Array,
+    k_pages: jax.Array,  # [L, N, bs, H, D]
+    v_pages: jax.Array,
+    layer: Any,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    new_kv: tuple[jax.Array, jax.Array] | None,
+    chunk_blocks: int,
+) -> jax.Array:
+    b, m = block_tables.shape
+    _, _, bs, h, d = k_pages.shape
+    column_bytes = b * bs * h * d * k_pages.dtype.itemsize  # one table column over the batch
+    c = min(chunk_blocks or max(1, CHUNK_BYTES // column_bytes), m)
+    width = -(-m // c) * c
+    # padding columns name block 0: a valid block whose positions lie past every length (masked)
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - m))).reshape(b, width // c, c)  # [B, M/C, C]
+    num_chunks = jnp.minimum((jnp.max(lengths) + c * bs - 1) // (c * bs), width // c)  # only filled chunks
+    qf = q.astype(jnp.float32)
+
+    if new_kv is None:  # start from an empty softmax
+        run_max = jnp.full((b, h), _MASK_VALUE, jnp.float32)
+        run_sum = jnp.zeros((b, h), jnp.float32)
+        acc = jnp.zeros((b, h, d), jnp.float32)
+    else:  # start from the softmax over the new position alone
+        k_new, v_new = new_kv
+        run_max = jnp.einsum("bhd,bhd->bh", qf, k_new.astype(jnp.float32)) * scale
+        run_sum = jnp.ones((b, h), jnp.float32)
+        acc = v_new.astype(jnp.float32)
+
+    _Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (chunk, running max, running sum, weighted values)
+
+    def body(carry: _Carry) -> _Carry:
+        j, run_max, run_sum, acc = carry
+        ids = jax.lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [B, C]
+        keys = jnp.swapaxes(k_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)  # [B, H, C*bs, D]
+        vals = jnp.swapaxes(v_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)
+        s = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=jnp.float32) * scale  # [B, H, C*bs]
+        pos = j * (c * bs) + jnp.arange(c * bs)
+        s = jnp.where(pos[None, None, :] < lengths[:, None, None], s, _MASK_VALUE)
+        new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
+        rescale = jnp.exp(run_max - new_max)  # [B, H]
+        e = jnp.exp(s - new_max[..., None])  # masked positions: exp(-1e30 - max) == 0 once any score is real
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "bhs,bhsd->bhd", e.astype(vals.dtype), vals, preferred_element_type=jnp.float32
+        )
+        return j + 1, new_max, run_sum * rescale + jnp.sum(e, axis=-1), acc
+
+    init = (jnp.zeros((), jnp.int32), run_max, run_sum, acc)
+    _, _, run_sum, acc = jax.lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
+    return acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]  # 0 only when nothing at all was attended
 
 
 def _pallas_gpu(

@@ -22,6 +22,8 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --e2e --no-torch --e2e-decode-steps 1,4,8 --e2e-reps 5  # multi-step A/B
     .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla_gather,xla
+                                                                   # paged attention A/B (old vs new)
 
 `--json PATH` writes every sample; `--plot PATH` (default docs/performance.png) draws step time
 vs batch for jax, paged, transformers and the bandwidth floor.
@@ -35,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,11 @@ def _parse() -> argparse.Namespace:
         default="1",
         help="decode steps per engine call, one LLM per value, interleaved (e.g. 1,4,8: multi-step A/B); "
         "with --no-torch the e2e run uses the preset's random weights and skips transformers",
+    )
+    ap.add_argument(
+        "--paged-ab",
+        default="",
+        help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first)",
     )
     ap.add_argument("--json", default="", help="write all samples here")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
@@ -192,6 +199,9 @@ def main() -> int:
 
     if args.e2e:
         record["e2e"] = _e2e(args, cfg, hf, torch)
+        return _finish(args, record, load_before)
+    if args.paged_ab:
+        record.update(_paged_ab(args, cfg, params, rng))
         return _finish(args, record, load_before)
 
     # ---------------- bandwidth probe ----------------
@@ -328,9 +338,13 @@ def prefill_flops(cfg: Any, t: int) -> float:
 
 
 def _jax_decode_contenders(
-    params: Any, cfg: Any, prompts: Any, steps: int, block_size: int
+    params: Any, cfg: Any, prompts: Any, steps: int, block_size: int, paged_impls: Sequence[str] = ("xla",)
 ) -> dict[str, Callable[[], None]]:
-    """Contiguous `decode` (cache as long as context + steps) and paged `extend_paged` after a prefill."""
+    """Contiguous `decode` (cache as long as context + steps) and paged `extend_paged` after a prefill.
+
+    One paged contender per attention implementation in `paged_impls`, each on its own pool: named
+    "paged" when there is one, "paged:<impl>" when several are compared.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -352,6 +366,7 @@ def _jax_decode_contenders(
         jax.block_until_ready(logits)
         state["cache"] = cache
 
+    contenders: dict[str, Callable[[], None]] = {"jax": run_contiguous}
     per_seq = (cap + block_size - 1) // block_size
     width = 1
     while width < per_seq:  # the engine's power-of-two table-width bucket over the filled blocks
@@ -359,19 +374,52 @@ def _jax_decode_contenders(
     tables = jnp.asarray(
         np.pad(np.arange(bsz * per_seq, dtype=np.int32).reshape(bsz, per_seq), ((0, 0), (0, width - per_seq)))
     )
-    pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype)
-    state["pages"] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
-    del kv, pool
     ones = jnp.ones((bsz,), jnp.int32)
+    for impl in paged_impls:
+        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype)
+        state["pages", impl] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
 
-    def run_paged() -> None:
-        cache = state["pages"]
-        for pos in positions:
-            logits, cache = opt.extend_paged(params, cfg, tok[:, None], pos, ones, cache, tables)
-        jax.block_until_ready(logits)
-        state["pages"] = cache
+        def run_paged(impl: str = impl) -> None:
+            cache = state["pages", impl]
+            for pos in positions:
+                logits, cache = opt.extend_paged(params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl)
+            jax.block_until_ready(logits)
+            state["pages", impl] = cache
 
-    return {"jax": run_contiguous, "paged": run_paged}
+        contenders["paged" if len(paged_impls) == 1 else f"paged:{impl}"] = run_paged
+    del kv
+    return contenders
+
+
+def _paged_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dict[str, Any]:
+    """`--paged-ab A,B`: paged decode steps with attention implementations A and B, interleaved, per batch."""
+    import numpy as np
+
+    impls = args.paged_ab.split(",")
+    base = f"paged:{impls[0]}"
+    print(f"paged decode A/B at context {args.context}, {args.decode_steps} steps per sample; ms per step (min/median)")
+    print(
+        f"  {'batch':>5}" + "".join(f"{i:>18}" for i in impls) + "".join(f"{i + '/' + impls[0]:>22}" for i in impls[1:])
+    )
+    gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
+    rows = []
+    for bsz in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(3, cfg.vocab_size, (bsz, args.context)).astype(np.int32)
+        contenders = _jax_decode_contenders(params, cfg, prompts, args.decode_steps, args.block_size, impls)
+        del contenders["jax"]
+        load = load_avg()
+        raw = interleaved(contenders, args.reps)
+        ms = {k: [x / args.decode_steps * 1e3 for x in v] for k, v in raw.items()}
+        cells = "".join(f"{stats(ms[f'paged:{i}'])[0]:>9.1f}/{stats(ms[f'paged:{i}'])[1]:<8.1f}" for i in impls)
+        # speed-up of each contender over the first: min over min and median over median
+        ratios = "".join(
+            gate(min(ms[base]) / min(ms[f"paged:{i}"]), 10)
+            + f" ({statistics.median(ms[base]) / statistics.median(ms[f'paged:{i}']):.2f}x)"
+            for i in impls[1:]
+        )
+        print(f"  {bsz:>5}{cells}{ratios}   load {load:.2f} -> {load_avg():.2f}", flush=True)
+        rows.append({"batch": bsz, **{f"{k}_ms": v for k, v in ms.items()}})
+    return {"paged_ab": rows}
 
 
 def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, device: str) -> Callable[[], float]:

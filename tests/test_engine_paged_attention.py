@@ -1,4 +1,4 @@
-"""`models.paged_attention.paged_decode_attention`: XLA and Pallas (interpret mode on CPU) against numpy."""
+"""`models.paged_attention.paged_decode_attention`: both XLA forms and Pallas (interpret mode on CPU) against numpy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from models.paged_attention import paged_decode_attention
 
 
 def _numpy_reference(
-    q: np.ndarray, kp: np.ndarray, vp: np.ndarray, tables: np.ndarray, lengths: np.ndarray, scale: float
+    q: np.ndarray,
+    kp: np.ndarray,
+    vp: np.ndarray,
+    tables: np.ndarray,
+    lengths: np.ndarray,
+    scale: float,
+    new_kv: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     b, h, d = q.shape
     bs = kp.shape[1]
@@ -19,6 +25,9 @@ def _numpy_reference(
         pos = np.arange(lengths[r])
         k = kp[tables[r, pos // bs], pos % bs].astype(np.float64)  # [S, H, D]
         v = vp[tables[r, pos // bs], pos % bs].astype(np.float64)
+        if new_kv is not None:  # one more position after the pages
+            k = np.concatenate([k, new_kv[0][r][None]])
+            v = np.concatenate([v, new_kv[1][r][None]])
         s = np.einsum("hd,shd->hs", q[r], k) * scale
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -38,7 +47,7 @@ def case() -> tuple[np.ndarray, ...]:
     return q, kp, vp, tables, lengths
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["xla", "xla_gather", "pallas_gpu"])
 def test_paged_decode_attention_matches_numpy(impl: str, case: tuple[np.ndarray, ...]) -> None:
     q, kp, vp, tables, lengths = case
     scale = 16**-0.5
@@ -47,6 +56,43 @@ def test_paged_decode_attention_matches_numpy(impl: str, case: tuple[np.ndarray,
         scale=scale, impl=impl, interpret=True,  # type: ignore[arg-type]
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 4])
+def test_chunked_xla_over_filled_chunks_only(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
+    """The loop over chunks of table columns: rows ending in different chunks, a width that is not a
+    multiple of the chunk, and table columns past the longest row holding NaN pages that must never be read."""
+    q, kp, vp, tables, lengths = case
+    poisoned = np.concatenate([kp, np.full((1, *kp.shape[1:]), np.nan, np.float32)])  # block 20: NaN
+    # 11 columns (not a multiple of 2, 3, 4): 4 used, 3 padding on block 0, then 4 on the NaN block that
+    # no chunk reaching the longest row's last block (16 positions = 4 columns) touches
+    tables = np.concatenate([tables, np.zeros((3, 3), np.int32), np.full((3, 4), 20, np.int32)], axis=1)
+    scale = 16**-0.5
+    got = paged_decode_attention(
+        jnp.asarray(q), jnp.asarray(poisoned), jnp.asarray(np.concatenate([vp, poisoned[-1:]])),
+        jnp.asarray(tables), jnp.asarray(lengths), scale=scale, impl="xla", chunk_blocks=chunk_blocks,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_gather"])
+def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) -> None:
+    """`new_kv` is one more position per row in the same softmax (a row with no cached position attends
+    to it alone); `layer` picks a layer of a [L, N, bs, H, D] pool."""
+    q, kp, vp, tables, lengths = case
+    rng = np.random.default_rng(2)
+    k_new, v_new = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(2))
+    lengths = np.array([9, 0, 13], np.int32)
+    pool_k = np.stack([np.zeros_like(kp), kp])  # layer 1 holds the pages
+    pool_v = np.stack([np.zeros_like(vp), vp])
+    scale = 16**-0.5
+    got = paged_decode_attention(
+        jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(lengths),
+        scale=scale, impl=impl, layer=1, new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)), chunk_blocks=1,
+    )  # fmt: skip
+    want = _numpy_reference(q, kp, vp, tables, lengths, scale, (k_new, v_new))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got)[1], v_new[1], atol=1e-6)  # nothing cached: the new value itself
 
 
 def test_unknown_impl_is_an_error(case: tuple[np.ndarray, ...]) -> None:
@@ -70,7 +116,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 9)), jnp.int32)
     lengths = jnp.asarray([9, 6], jnp.int32)
     results = {}
-    for impl in ("xla", "pallas_gpu"):
+    for impl in ("xla", "xla_gather", "pallas_gpu"):
         pool = opt.init_paged_cache(cfg, 8, bs)
         _, pool = opt.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
         tok = jnp.asarray([[11], [12]], jnp.int32)
@@ -78,4 +124,6 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
         results[impl] = (np.asarray(logits), np.asarray(pool.k))
     np.testing.assert_allclose(results["pallas_gpu"][0], results["xla"][0], atol=1e-4)
     np.testing.assert_allclose(results["pallas_gpu"][1], results["xla"][1], atol=1e-5)  # layer 1 sees layer 0 rounding
+    np.testing.assert_allclose(results["xla_gather"][0], results["xla"][0], atol=1e-4)
+    np.testing.assert_allclose(results["xla_gather"][1], results["xla"][1], atol=1e-5)
     assert m == tables.shape[1]
