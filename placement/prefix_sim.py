@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxserve.plan import DeploymentPlan
-from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError
+from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.prefix_cache import BlockHash, PrefixCache, block_hashes
 from jaxserve.scheduling import (
     CachedDecodeLoad,

@@ -93,8 +93,8 @@ def _checkpoint(args: argparse.Namespace):
 def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> float:
     import jax
 
+    from jaxserve.runtime.blocks import BlockAllocator
     from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.kv_pool import BlockAllocator
     from jaxserve.runtime.opt_engine import OPTEngine
     from jaxserve.runtime.request import SamplingParams
 
@@ -291,9 +291,9 @@ def part_figure1(args: argparse.Namespace) -> None:
     import jax
 
     from jaxserve.plan import parse_deployment
+    from jaxserve.runtime.blocks import BlockAllocator
     from jaxserve.runtime.controller import Controller, ControllerConfig
     from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.kv_pool import BlockAllocator
     from jaxserve.runtime.opt_engine import OPTEngine
     from jaxserve.runtime.request import SamplingParams
 

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.engine import StageKV
-from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError, write_sequence
+from jaxserve.runtime.kv_pool import write_sequence
 from jaxserve.testing.fake_engine import FakeEngine
 from models.config import OPTConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError
+from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.prefix_cache import PrefixCache, block_hashes, hash_block
 
 BS = 4

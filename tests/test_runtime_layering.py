@@ -44,3 +44,16 @@ def test_the_fit_reads_the_runtime_sample_types() -> None:
 
     assert profile_fit.PrefillSample is step_samples.PrefillSample
     assert profile_fit.DecodeSample is step_samples.DecodeSample
+
+
+def test_the_simulators_load_no_device_runtime() -> None:
+    """The simulators (plain and prefix-caching) share the runtime's pure pieces (block allocator, prefix
+    cache, scheduling policies) but never load JAX: `placement` runs on a machine without accelerators' stacks
+    warm, and a planner process pool must not pay JAX's import per worker."""
+    code = (
+        "import sys; import placement.simulator, placement.prefix_sim, placement.planner; "
+        "sys.exit(1 if 'jax' in sys.modules else 0)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

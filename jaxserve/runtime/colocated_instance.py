@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.blocks import BlockAllocator
 from jaxserve.runtime.engine import DecodeEngine, StepRow
-from jaxserve.runtime.kv_pool import BlockAllocator
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason

@@ -62,8 +62,9 @@ from collections.abc import Callable
 from typing import Literal
 
 from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.blocks import BlockAllocator
 from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, StepRow, bucket
-from jaxserve.runtime.kv_pool import BlockAllocator, slice_sequence
+from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance

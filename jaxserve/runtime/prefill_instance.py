@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.engine import (
     DecodeEngine,
     PrefilledSequence,
@@ -50,7 +51,7 @@ from jaxserve.runtime.engine import (
     StepRow,
     bucket,
 )
-from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError, read_sequence
+from jaxserve.runtime.kv_pool import read_sequence
 from jaxserve.runtime.prefix_cache import CacheHit, PrefixCache, cache_stats
 from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now

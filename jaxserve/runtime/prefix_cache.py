@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.runtime.kv_pool import BlockAllocator, OutOfBlocksError
+from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 
 BlockHash = bytes
 _ROOT = b"\x00" * 16  # the parent hash of a sequence's first block

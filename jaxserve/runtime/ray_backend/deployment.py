@@ -247,6 +247,16 @@ class RayController(Controller):
                 engine.start_lease_keeper(inst.holds_kv)
         return new
 
+    def discard_staged(self) -> None:
+        """`Controller.discard_staged` (a switch that failed before routing), and the new prefill proxies'
+        lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
+        with self._lock:
+            engines = [inst.engine for inst in self._staged]
+        super().discard_staged()
+        for engine in engines:
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+
     def retire_drained(self, force: bool = False) -> list[InstanceStats]:
         """`Controller.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
         with self._lock:
