@@ -30,10 +30,15 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
     for entry in doc["entries"]:
         assert entry["model"] == "opt-tiny" and entry["tp"] == 1
         assert all(entry[c] >= 0 for c in ("C1", "C2", "C3", "C4", "C5", "C6"))
-        assert entry["C1"] > 0 or entry["C4"] > 0
         # the per-step host cost is the profile's step_overhead [fixed_s, per_ctx_token_s, prefill_s]
         assert len(entry["step_overhead"]) == 3 and all(v >= 0 for v in entry["step_overhead"])
-        assert entry["step_overhead"][0] + entry["C6"] > 0
+        # Usable: the fit explains the steps it was fitted on. Which terms carry the time is not asserted:
+        # opt-tiny's quick-grid steps are mostly fixed cost, and on 5 shapes a fixed term and a per-token
+        # one are nearly collinear, so the non-negative fit splits them differently with the timing noise
+        # (the off-grid fidelity of a fit on a real grid is tests/test_profile_fidelity.py).
+        for part in ("prefill", "decode"):
+            assert entry["fit"][part]["mean_rel_error"] < 0.5, entry["fit"]
+        assert max(*(entry[c] for c in ("C1", "C2", "C3", "C4", "C5", "C6")), *entry["step_overhead"]) > 0
         assert entry["L_m"] in {sum([n] * b) for b, n in [(1, 16), (1, 32), (1, 128), (2, 32), (2, 64)]}
         assert entry["fit"]["prefill"]["num_samples"] == 5
         # fitted in the engine's padded shapes (the default), so the planner charges those
