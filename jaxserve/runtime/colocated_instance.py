@@ -238,14 +238,8 @@ class ColocatedInstance(Worker):
                         continue
                     s.live.timings.prefill_end_at = at
                     s.live.timings.prefill_instance = s.live.timings.decode_instance = self.name
-                taken: list[int] = []
-                finish: FinishReason | None = None
-                for token in tokens:  # a multi-step row's tokens end where single steps would have ended it
-                    taken.append(int(token))
-                    finish = s.live.append_token(int(token), eos, at)
-                    if finish is not None:
-                        break
-                emits.append((s.live, tuple(taken), finish))
+                taken, finish = s.live.append_tokens(tokens, eos, at)
+                emits.append((s.live, taken, finish))
                 if finish is not None:
                     del self._seqs[rid]
                     self.cache.commit(rid, s.live.request.prompt_token_ids + tuple(s.live.output_ids[:-1]))

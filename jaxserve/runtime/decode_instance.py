@@ -457,14 +457,8 @@ class DecodeInstance(Worker):
                     r.live.timings.decode_instance = self.name
                     if r.live.is_resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
-                taken: list[int] = []
-                finish: FinishReason | None = None
-                for token in tokens:  # a multi-step row's tokens end where single steps would have ended it
-                    taken.append(int(token))
-                    finish = r.live.append_token(int(token), eos, at)
-                    if finish is not None:
-                        break
-                emits.append((r.live, tuple(taken), finish))
+                taken, finish = r.live.append_tokens(tokens, eos, at)
+                emits.append((r.live, taken, finish))
                 if finish is not None:
                     del self._running[rid]
                     # Name prompt + answer but the last token (whose KV was never computed), then unpin.

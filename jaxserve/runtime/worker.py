@@ -100,6 +100,19 @@ class LiveRequest:
             return "length"
         return None
 
+    def append_tokens(
+        self, tokens: Sequence[int], eos_token_id: int, now: float
+    ) -> tuple[tuple[int, ...], FinishReason | None]:
+        """Record a call's tokens up to the one that finishes the request (a multi-step row's extra tokens
+        end where single steps would have ended it); the tokens taken and why it stops, or None."""
+        taken: list[int] = []
+        for token in tokens:
+            taken.append(int(token))
+            finish = self.append_token(int(token), eos_token_id, now)
+            if finish is not None:
+                return tuple(taken), finish
+        return tuple(taken), None
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
