@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from jaxserve.plan import DeploymentPlan
     from placement.search import SearchContext
 
 
@@ -127,11 +128,7 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
     plan, disagg, colocated, ratio = report.plan, report.disagg, report.colocated, report.ratio
     simulated, disagg_pd, goodput_rps = report.joint_rps, report.disagg_per_device, report.goodput_rps
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(plan.to_json() + "\n")
-    if args.json:
-        print(plan.to_json())
+    if _emit_json(args, plan):
         return 0
 
     source = latency.profile.name if latency.profile else f"roofline of {cluster.device.name}"
@@ -176,6 +173,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit_json(args: argparse.Namespace, plan: DeploymentPlan) -> bool:
+    """Write the plan to `--output`; with `--json` print it too and say the table is not wanted."""
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(plan.to_json() + "\n")
+    if args.json:
+        print(plan.to_json())
+    return bool(args.json)
+
+
 def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
     """`--conversations N`: plan a disaggregated deployment and caching policy for a multi-turn workload."""
     import numpy as np
@@ -211,11 +218,7 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
         if progress is not None:
             progress.close()
     plan = report.plan
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(plan.to_json() + "\n")
-    if args.json:
-        print(plan.to_json())
+    if _emit_json(args, plan):
         return 0
     cfg, cluster, slo = ctx.latency.cfg, ctx.cluster, ctx.slo
     print(
