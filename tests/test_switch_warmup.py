@@ -13,11 +13,11 @@ from pathlib import Path
 
 import jax
 import pytest
+from test_runtime_warmup import _burst, _Compiles  # the same witness and burst as the serve warm-up test
 
 from jaxserve.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.opt_engine import opt_engine_factory
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
@@ -30,29 +30,6 @@ CFG = get_config("opt-tiny")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-switch-warm"), CFG, seed=7)
-
-
-class _Compiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "Compiling" in msg or "compilation" in msg.lower():
-            self.lines.append(msg)
-
-
-def _burst(c: Controller, tag: str) -> None:
-    """Mixed prompt lengths and batch sizes, greedy and sampled, all at once."""
-    reqs = []
-    for i in range(11):
-        prompt = (2, *range(10, 10 + 3 * i + 1))  # 2 .. 32 tokens: several prompt buckets
-        sampling = SamplingParams(max_tokens=3 + i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-        reqs.append(GenerateRequest(f"{tag}-{i}", prompt, sampling))
-    streams = [c.submit(r) for r in reqs]
-    for s in streams:
-        s.collect(timeout_s=300)
 
 
 def test_after_a_switch_to_new_instances_no_request_compiles(checkpoint: Path) -> None:
