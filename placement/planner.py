@@ -18,11 +18,13 @@ from jaxserve.plan import DeploymentPlan, PlanError
 from placement.goodput import GoodputSearch, max_rate
 from placement.latency import kv_capacity_tokens
 from placement.search import (
+    Candidate,
     SearchContext,
     SearchResult,
     algorithm1,
     algorithm2,
     assign_nodes,
+    candidate_samples,
     choose_deployment,
     colocated_search,
     ratio_search,
@@ -53,6 +55,16 @@ class PlanReport:
     chosen_samples: tuple[float, ...] = ()
     runner_up: DeploymentPlan | None = None
     runner_up_samples: tuple[float, ...] = ()
+    # With `reseed`: the leading candidates of each search (the best `interval_top` per phase / kind) with
+    # their goodput per device on the same workload samples, the search's own first.
+    candidate_intervals: tuple[tuple[Candidate, tuple[float, ...]], ...] = ()
+
+    def interval(self, cand: Candidate) -> tuple[float, float] | None:
+        """The range of `cand`'s goodput per device over the workload samples, when it was re-simulated."""
+        for c, samples in self.candidate_intervals:
+            if c is cand:
+                return min(samples), max(samples)
+        return None
 
     def lead(self) -> str | None:
         """The chosen plan's lead over the runner-up, with each one's range over the seeds."""
@@ -101,6 +113,7 @@ def choose_plan(
     progress: Callable[[int, int], None] | None = None,
     reseed: Callable[[int], Workload] | None = None,
     seeds: int = 2,
+    interval_top: int = 3,
 ) -> PlanReport:
     """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them."""
     if rate is not None and rate <= 0:
@@ -187,10 +200,16 @@ def choose_plan(
         runner_up = disagg_plan
     chosen_samples: tuple[float, ...] = ()
     runner_samples: tuple[float, ...] = ()
-    if reseed is not None and runner_up is not None:
-        workloads = [ctx.workload, *(reseed(1000 + i) for i in range(seeds))]
-        chosen_samples = tuple(_per_device(ctx, plan, w) for w in workloads)
-        runner_samples = tuple(_per_device(ctx, runner_up, w) for w in workloads)
+    intervals: tuple[tuple[Candidate, tuple[float, ...]], ...] = ()
+    if reseed is not None and seeds > 0:
+        extra = [reseed(1000 + i) for i in range(seeds)]
+        if runner_up is not None:
+            workloads = [ctx.workload, *extra]
+            chosen_samples = tuple(_per_device(ctx, plan, w) for w in workloads)
+            runner_samples = tuple(_per_device(ctx, runner_up, w) for w in workloads)
+        leaders = _leaders([r for r in (disagg, colocated) if r is not None], interval_top)
+        resampled = candidate_samples(ctx, leaders, extra, workers)
+        intervals = tuple((c, (c.per_device, *more)) for c, more in zip(leaders, resampled, strict=True))
     return PlanReport(
         plan=plan,
         result=result,
@@ -205,7 +224,21 @@ def choose_plan(
         chosen_samples=chosen_samples,
         runner_up=runner_up,
         runner_up_samples=runner_samples,
+        candidate_intervals=intervals,
     )
+
+
+def _leaders(results: list[SearchResult], top: int) -> list[Candidate]:
+    """The `top` best candidates (goodput per device, meeting the SLOs somewhere) of each kind of each search."""
+    out: list[Candidate] = []
+    for result in results:
+        kinds = dict.fromkeys(c.kind for c in result.candidates)
+        for kind in kinds:
+            ranked = sorted(
+                (c for c in result.candidates if c.kind == kind and c.goodput_rps > 0), key=lambda c: -c.per_device
+            )
+            out.extend(ranked[:top])
+    return out
 
 
 def _per_device(ctx: SearchContext, plan: DeploymentPlan, workload: Workload) -> float:

@@ -27,7 +27,7 @@ import multiprocessing
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import OPTConfig
@@ -154,6 +154,37 @@ def _eval(job: tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]) -
     return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
 
+def candidate_job(
+    ctx: SearchContext, cand: Candidate, workload: Workload | None = None
+) -> tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]:
+    """The evaluation that produced `cand` (the same SLO and simulator mode), on `workload` if given."""
+    if workload is not None:
+        ctx = dataclasses.replace(ctx, workload=workload)
+    if cand.kind == "prefill":
+        return ctx, "prefill", cand.plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill")
+    if cand.kind == "decode":
+        return ctx, "decode", cand.plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode")
+    return ctx, cand.kind, cand.plan, ctx.slo, ctx.options
+
+
+def _mode(ctx: SearchContext, mode: Literal["prefill", "decode"]) -> SimOptions:
+    return dataclasses.replace(ctx.options, mode=mode)
+
+
+def candidate_samples(
+    ctx: SearchContext,
+    cands: Sequence[Candidate],
+    workloads: Sequence[Workload],
+    workers: int = 1,
+) -> list[tuple[float, ...]]:
+    """Each candidate's goodput per device on each of `workloads` (common random numbers: every
+    candidate sees the same samples), evaluated exactly as the search evaluated it."""
+    jobs = [candidate_job(ctx, c, w) for c in cands for w in workloads]
+    rates = [r.per_device for r in _map(_eval, jobs, workers, None)]
+    n = len(workloads)
+    return [tuple(rates[k * n : (k + 1) * n]) for k in range(len(cands))]
+
+
 def _phase_jobs(
     ctx: SearchContext, shapes: Iterable[tuple[int, int]]
 ) -> list[tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]]:
@@ -163,8 +194,8 @@ def _phase_jobs(
     for tp, pp in shapes:
         # A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips.
         plan = DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
-        jobs.append((ctx, "prefill", plan, ttft_only, dataclasses.replace(ctx.options, mode="prefill")))
-        jobs.append((ctx, "decode", plan, tpot_only, dataclasses.replace(ctx.options, mode="decode")))
+        jobs.append((ctx, "prefill", plan, ttft_only, _mode(ctx, "prefill")))
+        jobs.append((ctx, "decode", plan, tpot_only, _mode(ctx, "decode")))
     return jobs
 
 

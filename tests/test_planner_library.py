@@ -53,3 +53,38 @@ def test_choose_plan_reports_its_lead_over_the_runner_up_on_common_workloads() -
     assert min(report.chosen_samples) > 0
     lead = report.lead()
     assert lead is not None and "lead" in lead and "of 3" in lead
+
+
+def test_leading_candidates_get_a_range_over_the_same_workload_samples() -> None:
+    """Each phase's / kind's best candidates are re-simulated on the reseeded workloads exactly as the search
+    judged them: the first sample is the search's own figure, and another is what an independent
+    `GoodputSearch` of that candidate on that workload (same SLO, same mode) gives."""
+    import dataclasses
+    import math
+
+    from placement.goodput import GoodputSearch, max_rate
+
+    ctx = _ctx()
+
+    def reseed(seed: int):
+        return build_base_workload("fixed:512:64", ctx.latency, 150, seed)
+
+    report = choose_plan(ctx, kind="auto", reseed=reseed, seeds=2, interval_top=2)
+    assert report.disagg is not None and report.colocated is not None
+    kinds = [c.kind for c, _ in report.candidate_intervals]
+    for kind in ("prefill", "decode", "colocated"):
+        meeting = [
+            c for r in (report.disagg, report.colocated) for c in r.candidates if c.kind == kind and c.goodput_rps > 0
+        ]
+        assert kinds.count(kind) == min(2, len(meeting))
+        best = max(meeting, key=lambda c: c.per_device)
+        assert report.interval(best) is not None  # the kind's best always gets its range
+    for cand, samples in report.candidate_intervals:
+        assert len(samples) == 3 and samples[0] == cand.per_device
+        lo, hi = report.interval(cand) or (math.nan, math.nan)
+        assert lo == min(samples) and hi == max(samples)
+    cand, samples = next((c, s) for c, s in report.candidate_intervals if c.kind == "decode")
+    slo = dataclasses.replace(ctx.slo, ttft_s=math.inf)
+    options = dataclasses.replace(ctx.options, mode="decode")
+    search = GoodputSearch(cand.plan, ctx.latency, ctx.cluster, reseed(1001), slo, options)
+    assert samples[2] == pytest.approx(max_rate(search, ctx.rel_tol) / cand.num_devices)

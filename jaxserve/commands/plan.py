@@ -55,7 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=int,
         default=2,
-        help="re-simulate the chosen plan and the runner-up on this many more workload samples (0: none)",
+        help="re-simulate the chosen plan, the runner-up and the leading candidates on this many more workload "
+        "samples (0: none)",
+    )
+    parser.add_argument(
+        "--interval-top",
+        type=int,
+        default=3,
+        help="with --seeds: how many of each phase's / kind's best candidates get a range over the seeds",
     )
     caching = parser.add_argument_group("multi-turn workload with prefix caching (placement/prefix_plan.py)")
     caching.add_argument(
@@ -94,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ratio-devices must be >= 0")
         if args.max_pp is not None and args.max_pp < 1:
             raise UsageError("--max-pp must be >= 1")
+        if args.seeds < 0 or args.interval_top < 0:
+            raise UsageError("--seeds and --interval-top must be >= 0")
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             reseed=None if args.json else reseed,
             seeds=args.seeds,
+            interval_top=args.interval_top,
         )
     except (PlanError, ProfileError) as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
@@ -136,13 +146,21 @@ def run(args: argparse.Namespace) -> int:
         f"{latency.cfg.name} on {cluster.num_nodes} x {cluster.devices_per_node} {cluster.device.name}, workload {args.workload}, "
         f"TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s at {slo.attainment:.0%} ({slo.mode}); latency from {source}"
     )
-    print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}")
+    print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}  {'range over seeds':>17}")
     rows = (list(disagg.candidates) if disagg else []) + (list(colocated.candidates) if colocated else [])
     for c in rows:
         mark = " *" if c.at_bound else ""
-        print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}{mark}")
+        span = report.interval(c)
+        spread = f"[{span[0]:.3f}, {span[1]:.3f}]" if span else ""
+        print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}  {spread:>17}{mark}")
     if any(c.at_bound for c in rows):
         print("* met the SLOs at its throughput bound (the search's ceiling); its true goodput is at most this")
+    if report.candidate_intervals:
+        n = len(report.candidate_intervals[0][1])
+        print(
+            f"range over seeds: rps/device on the search's workload and {n - 1} more samples of it (the same samples "
+            f"for every candidate), for the best {args.interval_top} of each phase / kind"
+        )
     if disagg is not None:
         print(f"\nbest disaggregated: {disagg.reason}")
         if simulated is not None:
