@@ -354,8 +354,7 @@ def _jax_decode_contenders(
     bsz, ctx = prompts.shape
     cap = ctx + steps + 1
     _, kv = opt.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
-    pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
-    state: dict[str, Any] = {"cache": opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))}
+    state: dict[str, Any] = {"cache": opt.DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
     tok = jnp.asarray(prompts[:, -1])
     positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
 
