@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import flax.struct
 import jax
@@ -69,6 +69,34 @@ class KVCache:
 
 
 @flax.struct.dataclass
+class DecodeCache:
+    """Contiguous decode cache, one head-major buffer per layer: `k[i]`, `v[i]` [B * H, T, D] (row b, head h at b * H + h).
+
+    What `decode` reads and updates in place. Head-major so the attention products read each
+    head's positions as one contiguous [T, D] matrix; one buffer per layer so no layer is sliced
+    out of a stacked array (on XLA:CPU that slice, and the transpose a [B, T, H, D] layout needs,
+    are element-wise copies that cost more than the attention itself). Batch and heads share one
+    axis because with a [B, H, T, D] buffer at batch 1 XLA drops the unit axis and copies the
+    whole buffer around the in-place write. `from_kv` builds it from a prefill's `KVCache`.
+    """
+
+    k: tuple[jax.Array, ...]  # L x [B * H, T, D]
+    v: tuple[jax.Array, ...]
+
+    @staticmethod
+    def from_kv(kv: KVCache, max_len: int | None = None) -> DecodeCache:
+        """`kv` [L, B, T, H, D] -> per-layer [B * H, max_len, D] (positions past T zero)."""
+        n, b, t, h, d = kv.k.shape
+        pad = ((0, 0), (0, 0), (0, 0), (0, (max_len or t) - t), (0, 0))
+
+        def split(x: jax.Array) -> tuple[jax.Array, ...]:
+            x = jnp.pad(jnp.swapaxes(x, 2, 3), pad).reshape(n, b * h, -1, d)  # [L, B*H, T', D]
+            return tuple(x[i] for i in range(n))
+
+        return DecodeCache(k=split(kv.k), v=split(kv.v))
+
+
+@flax.struct.dataclass
 class PagedKVCache:
     """Decode-side block pool: position p of a sequence lives in block `table[p // bs]`, slot `p % bs`."""
 
@@ -82,6 +110,10 @@ class PagedKVCache:
     @property
     def block_size(self) -> int:
         return int(self.k.shape[2])
+
+
+# The two contiguous cache layouts `decode` takes (it returns the layout it was given).
+KVCacheT = TypeVar("KVCacheT", KVCache, DecodeCache)
 
 
 def _as_dtype(dtype: Any) -> jnp.dtype:
@@ -254,28 +286,38 @@ def _weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
 def _decode_attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
     """`_attention` for one query per row (a decode step): q [B,1,H,D] -> [B,1,H,D].
 
-    Each part's K/V is put head-major ([B,H,S,D]) first, so both products are batched
-    matrix-vector products whose contraction runs along contiguous memory. Written as
-    `bthd,bshd` einsums, XLA:CPU lowered them to per-element loops ~5x slower than this
-    (measured on opt-125m, batch 1, context 512; see docs/performance.md).
+    Each part's K/V is put head-major ([B,H,S,D]) first and attended by `_head_major_attention`.
     """
-    q1 = q[:, 0]  # [B, H, D]
-    heads = [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), m[:, 0]) for k, v, m in parts]  # [B,H,S,D], [B,S]
+    heads = [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), m[:, :1]) for k, v, m in parts]  # [B,H,S,D], [B,1,S]
+    return _head_major_attention(q[:, 0], heads, scale)[:, None].astype(q.dtype)
+
+
+def _head_major_attention(
+    q1: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float
+) -> jax.Array:
+    """One query per (row, head) over head-major parts: q [..., D] -> float32 [..., D].
+
+    Each part is (k [..., S, D], v [..., S, D], mask broadcastable to [..., S]); the leading dims
+    are (batch, head), or one flattened batch * head dim (`DecodeCache`).
+
+    Both products are batched matrix-vector products whose contraction runs along contiguous
+    memory. Written as `bthd,bshd` einsums over [B,S,H,D], XLA:CPU lowered them to per-element
+    loops ~5x slower; and the transpose that puts a [B,S,H,D] cache head-major is itself an
+    element-wise loop that costs more than both products (docs/performance.md).
+    """
     scores = [
-        jnp.where(
-            m[:, None, :], jnp.einsum("bhd,bhsd->bhs", q1, k, preferred_element_type=jnp.float32) * scale, _MASK_VALUE
-        )
-        for k, _, m in heads
+        jnp.where(m, jnp.einsum("...d,...sd->...s", q1, k, preferred_element_type=jnp.float32) * scale, _MASK_VALUE)
+        for k, _, m in parts
     ]  # [B, H, S_i]
     p = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
     out = jnp.zeros(q1.shape, jnp.float32)
     offset = 0
-    for (_, v, _), si in zip(heads, scores, strict=True):
+    for (_, v, _), si in zip(parts, scores, strict=True):
         width = si.shape[-1]
         pi = p[..., offset : offset + width].astype(v.dtype)
-        out = out + jnp.einsum("bhs,bhsd->bhd", pi, v, preferred_element_type=jnp.float32)
+        out = out + jnp.einsum("...s,...sd->...d", pi, v, preferred_element_type=jnp.float32)
         offset += width
-    return out[:, None].astype(q.dtype)
+    return out
 
 
 def _attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
@@ -387,9 +429,11 @@ def run_layers_prefill(layers: Layers, cfg: OPTConfig, x: jax.Array, lengths: ja
 
 
 def run_layers_decode(
-    layers: Layers, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    """One token per row at `positions[b]` over a contiguous cache. x [B,1,h]."""
+    layers: Layers, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: KVCacheT
+) -> tuple[jax.Array, KVCacheT]:
+    """One token per row at `positions[b]` over a contiguous cache (`KVCache` or `DecodeCache`). x [B,1,h]."""
+    if isinstance(cache, DecodeCache):
+        return _run_layers_decode_head_major(layers, cfg, x, positions, cache)
     b = x.shape[0]
     s = cache.k.shape[2]
     old = (jnp.arange(s)[None, :] < positions[:, None])[:, None, :]  # [B, 1, S]: what the cache already holds
@@ -407,6 +451,32 @@ def run_layers_decode(
         return _attention(q, [(c.k[i], c.v[i], old), (k, v, self_mask)], scale), c
 
     x, _, _, cache = _run_layers(layers, cfg, x, attend, cache)
+    return x, cache
+
+
+def _run_layers_decode_head_major(
+    layers: Layers, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: DecodeCache
+) -> tuple[jax.Array, DecodeCache]:
+    """`run_layers_decode` over a `DecodeCache`: unrolled over layers (stacked leaves are sliced per layer)."""
+    b, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
+    n, s = b * nh, cache.k[0].shape[1]
+    pos = jnp.repeat(positions, nh)  # [B*H]: each (row, head) line's write position
+    old = jnp.arange(s)[None, :] < pos[:, None]  # [B*H, S]
+    scale = cfg.head_dim**-0.5
+    lines = jnp.arange(n)
+    per_layer = layers if isinstance(layers, Sequence) else unstack_layers(layers)
+
+    def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        k1, v1 = k.reshape(n, hd), v.reshape(n, hd)
+        # write this layer's new K/V in place (a position past the cache writes nothing), then read the layer
+        ki = c.k[i].at[lines, pos].set(k1, mode="drop")
+        vi = c.v[i].at[lines, pos].set(v1, mode="drop")
+        c = DecodeCache(k=(*c.k[:i], ki, *c.k[i + 1 :]), v=(*c.v[:i], vi, *c.v[i + 1 :]))
+        new = (k1[:, None], v1[:, None], jnp.ones((n, 1), bool))  # the step's own token, [B*H, 1, D]
+        o = _head_major_attention(q.reshape(n, hd), [(ki, vi, old), new], scale)
+        return o.reshape(q.shape).astype(q.dtype), c
+
+    x, _, _, cache = _run_layers(per_layer, cfg, x, attend, cache)
     return x, cache
 
 
@@ -493,11 +563,13 @@ def prefill(
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode(
-    params: Params, cfg: OPTConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
+    params: Params, cfg: OPTConfig, tokens: jax.Array, positions: jax.Array, cache: KVCacheT
+) -> tuple[jax.Array, KVCacheT]:
     """One token per row: tokens/positions [B]; writes K/V at `positions[b]`, attends to 0..positions[b].
 
     `cache` is donated (updated in place). A position past the cache's length writes nothing.
+    A `DecodeCache` (`DecodeCache.from_kv(prefill_kv, max_len)`) is the fast layout; a stacked
+    `KVCache` [L,B,T,H,D] also works but slices and transposes each layer every step.
     """
     x = embed(params, cfg, tokens[:, None], positions[:, None])
     x, cache = run_layers_decode(params["layers"], cfg, x, positions, cache)

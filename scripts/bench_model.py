@@ -24,6 +24,8 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla_gather,xla
                                                                    # paged attention A/B (old vs new)
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --decode-ab
+                                                                   # contiguous decode: stacked vs per-layer cache
 
 `--json PATH` writes every sample; `--plot PATH` (default docs/performance.png) draws step time
 vs batch for jax, paged, transformers and the bandwidth floor.
@@ -38,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,11 @@ def _parse() -> argparse.Namespace:
         "--paged-ab",
         default="",
         help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first)",
+    )
+    ap.add_argument(
+        "--decode-ab",
+        action="store_true",
+        help="only contiguous decode: the stacked KVCache [L,B,T,H,D] (old) vs the per-layer DecodeCache, interleaved",
     )
     ap.add_argument("--json", default="", help="write all samples here")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
@@ -202,6 +210,9 @@ def main() -> int:
         return _finish(args, record, load_before)
     if args.paged_ab:
         record.update(_paged_ab(args, cfg, params, rng))
+        return _finish(args, record, load_before)
+    if args.decode_ab:
+        record.update(_decode_ab(args, cfg, params, rng))
         return _finish(args, record, load_before)
 
     # ---------------- bandwidth probe ----------------
@@ -354,8 +365,7 @@ def _jax_decode_contenders(
     bsz, ctx = prompts.shape
     cap = ctx + steps + 1
     _, kv = opt.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
-    pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
-    state: dict[str, Any] = {"cache": opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))}
+    state: dict[str, Any] = {"cache": opt.DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
     tok = jnp.asarray(prompts[:, -1])
     positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
 
@@ -420,6 +430,51 @@ def _paged_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dict
         print(f"  {bsz:>5}{cells}{ratios}   load {load:.2f} -> {load_avg():.2f}", flush=True)
         rows.append({"batch": bsz, **{f"{k}_ms": v for k, v in ms.items()}})
     return {"paged_ab": rows}
+
+
+def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dict[str, Any]:
+    """`--decode-ab`: contiguous decode steps over the stacked `KVCache` and over a `DecodeCache`, interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import opt
+
+    ctx, steps = args.context, args.decode_steps
+    print(f"contiguous decode A/B at context {ctx}, {steps} steps per sample; ms per step (min/median)")
+    print(f"  {'batch':>5}{'stacked':>18}{'head-major':>18}{'speed-up':>22}")
+    gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
+    rows = []
+    for bsz in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(3, cfg.vocab_size, (bsz, ctx)).astype(np.int32)
+        _, kv = opt.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
+        cap = ctx + steps + 1
+        pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
+        state: dict[str, Any] = {
+            "stacked": opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad)),
+            "head_major": opt.DecodeCache.from_kv(kv, cap),
+        }
+        del kv
+        tok = jnp.asarray(prompts[:, -1])
+        positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
+
+        def run(name: str, state: dict[str, Any] = state, tok: Any = tok, positions: list[Any] = positions) -> None:
+            cache = state[name]
+            for pos in positions:
+                logits, cache = opt.decode(params, cfg, tok, pos, cache)
+            jax.block_until_ready(logits)
+            state[name] = cache
+
+        load = load_avg()
+        raw = interleaved({k: partial(run, k) for k in ("stacked", "head_major")}, args.reps)
+        ms = {k: [x / steps * 1e3 for x in v] for k, v in raw.items()}
+        cells = "".join(f"{stats(ms[k])[0]:>9.1f}/{stats(ms[k])[1]:<8.1f}" for k in ("stacked", "head_major"))
+        ratio = gate(min(ms["stacked"]) / min(ms["head_major"]), 10) + (
+            f" ({statistics.median(ms['stacked']) / statistics.median(ms['head_major']):.2f}x)"
+        )
+        print(f"  {bsz:>5}{cells}{ratio}   load {load:.2f} -> {load_avg():.2f}", flush=True)
+        rows.append({"batch": bsz, **{f"{k}_ms": v for k, v in ms.items()}})
+    return {"decode_ab": rows}
 
 
 def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, device: str) -> Callable[[], float]:

@@ -29,25 +29,37 @@ def _shuffled_tables(num_blocks: int, per_seq: int, seed: int = 0) -> np.ndarray
     return perm[: B * per_seq].reshape(B, per_seq).astype(np.int32)
 
 
-def test_prefill_then_decode_equals_full_forward(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
+def _decode_cache(kv: opt.KVCache, extra: int, layout: str) -> opt.KVCache | opt.DecodeCache:
+    """The prefill's cache grown by `extra` positions, stacked (`KVCache`) or per-layer head-major (`DecodeCache`)."""
+    if layout == "head_major":
+        return opt.DecodeCache.from_kv(kv, kv.k.shape[2] + extra)
+    pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+    return opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "head_major"])
+def test_prefill_then_decode_equals_full_forward(
+    setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], layout: str
+) -> None:
     cfg, params, tokens, full = setup
     logits, kv = opt.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
     np.testing.assert_allclose(np.asarray(logits), full[:, N - 1], atol=1e-5)
-    pad = ((0, 0), (0, 0), (0, M), (0, 0), (0, 0))
-    cache = opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
+    cache = _decode_cache(kv, M, layout)
     for j in range(M):
         pos = np.full(B, N + j, np.int32)
         logits, cache = opt.decode(params, cfg, tokens[:, N + j], pos, cache)
         np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
 
 
-def test_decode_rows_at_different_positions(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
+@pytest.mark.parametrize("layout", ["stacked", "head_major"])
+def test_decode_rows_at_different_positions(
+    setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], layout: str
+) -> None:
     """Right-padded prompts of different lengths, then each row decodes at its own position."""
     cfg, params, tokens, full = setup
     lengths = np.array([4, 9, 6], np.int32)
     _, kv = opt.prefill(params, cfg, tokens[:, :N], lengths)
-    pad = ((0, 0), (0, 0), (0, M), (0, 0), (0, 0))
-    cache = opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
+    cache = _decode_cache(kv, M, layout)
     pos = lengths.copy()
     for _ in range(3):
         logits, cache = opt.decode(params, cfg, tokens[np.arange(B), pos], pos, cache)

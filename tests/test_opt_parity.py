@@ -96,8 +96,7 @@ def test_greedy_tokens_match_hf_generate(setup: tuple[OPTConfig, Any, Any]) -> N
     width = max(PROMPT_LENS)
     tokens, lengths = _right_pad(prompts, width, cfg.pad_token_id)
     logits, kv = opt.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    pad = ((0, 0), (0, 0), (0, NUM_NEW), (0, 0), (0, 0))
-    cache = opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
+    cache = opt.DecodeCache.from_kv(kv, width + NUM_NEW)  # the per-layer head-major decode layout
     ours = []
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     pos = jnp.asarray(lengths)
