@@ -51,6 +51,7 @@ class ArmRun:
     transfer_tokens: int
     transfer_bytes: int  # as moved (dense copies padded to a power-of-two bucket >= 16 positions)
     local_prefills: int
+    evictions: int  # cached blocks evicted (LRU) on all instances during the run
     ttft_p50: float
     ttft_p90: float
     failed: int
@@ -60,7 +61,7 @@ class ArmRun:
         return 1.0 - self.computed_tokens / self.prompt_tokens
 
 
-def _counters(c: Controller) -> tuple[int, int, int, int]:
+def _counters(c: Controller) -> tuple[int, int, int, int, int]:
     stats = c.stats()
     computed = sum(p.num_computed_tokens for p in c.prefill_instances)
     computed += sum(d.num_local_prefill_tokens for d in c.decode_instances)
@@ -69,6 +70,8 @@ def _counters(c: Controller) -> tuple[int, int, int, int]:
         stats.kv_transfer_tokens,
         stats.kv_transfer_bytes,
         sum(d.num_local_prefills for d in c.decode_instances),
+        sum(p.cache.stats.num_evictions for p in c.prefill_instances)
+        + sum(d.cache.stats.num_evictions for d in c.decode_instances),
     )
 
 
@@ -84,14 +87,15 @@ def run_arm(c: Controller, trace: SharedPrefixWorkload) -> ArmRun:
         transfer_tokens=after[1] - before[1],
         transfer_bytes=after[2] - before[2],
         local_prefills=after[3] - before[3],
+        evictions=after[4] - before[4],
         ttft_p50=float(np.percentile(ttft, 50)),
         ttft_p90=float(np.percentile(ttft, 90)),
         failed=len(records) - len(done),
     )
 
 
-def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: PrefixPolicy) -> tuple[float, float]:
-    """The simulator's (hit rate, KV bytes moved) on `trace` with the runtime's pools and policies."""
+def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: PrefixPolicy) -> tuple[float, float, int]:
+    """The simulator's (hit rate, KV bytes moved, evictions) on `trace` with the runtime's pools and policies."""
     cfg = get_config(args.model)
     device = get_device("cpu")
     sim = PrefixSimulator(
@@ -106,7 +110,7 @@ def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: Pref
     )
     sim.run()
     stats = sim.stats()
-    return stats.hit_rate, stats.kv_bytes_moved
+    return stats.hit_rate, stats.kv_bytes_moved, stats.num_prefill_evictions + stats.num_decode_evictions
 
 
 def main() -> int:
@@ -169,7 +173,7 @@ def main() -> int:
     for c in controllers.values():
         c.start()
     results: dict[str, list[ArmRun]] = {name: [] for name in arms}
-    sims: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    sims: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
     try:
         warm = generate_conversations(spec, max(8, args.conversations // 2), np.random.default_rng(10_000 + args.seed))
         for c in controllers.values():
@@ -193,9 +197,10 @@ def main() -> int:
     print()
     print(
         "| arm | requests | hit rate | prefill tokens computed | KV positions pulled | KV MB pulled (positions) "
-        "| KV MB moved (padded) | local prefills | TTFT P50 ms | TTFT P90 ms | sim hit rate | sim KV MB |"
+        "| KV MB moved (padded) | local prefills | TTFT P50 ms | TTFT P90 ms | sim hit rate | sim KV MB "
+        "| evictions | sim evictions |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = {}
     for name in arms:
         runs = results[name]
@@ -213,6 +218,8 @@ def main() -> int:
             "failed": sum(r.failed for r in runs),
             "sim_hit_rate": med([s[0] for s in sims[name]]),
             "sim_kv_mb": med([s[1] / 1e6 for s in sims[name]]),
+            "evictions": med([r.evictions for r in runs]),
+            "sim_evictions": med([s[2] for s in sims[name]]),
             "runs": [dataclasses.asdict(r) for r in runs],
             "sims": sims[name],
         }
@@ -220,7 +227,8 @@ def main() -> int:
         print(
             f"| {name} | {len(trace)} | {row['hit_rate']:.1%} | {row['computed_tokens']:.0f} / {row['prompt_tokens']:.0f} "
             f"| {row['transfer_tokens']:.0f} | {row['transfer_mb']:.2f} | {row['moved_mb']:.2f} | {row['local_prefills']:.0f} "
-            f"| {row['ttft_p50_ms']:.1f} | {row['ttft_p90_ms']:.1f} | {row['sim_hit_rate']:.1%} | {row['sim_kv_mb']:.2f} |"
+            f"| {row['ttft_p50_ms']:.1f} | {row['ttft_p90_ms']:.1f} | {row['sim_hit_rate']:.1%} | {row['sim_kv_mb']:.2f} "
+            f"| {row['evictions']:.0f} | {row['sim_evictions']:.0f} |"
         )
     on, off = out["on"], out["off"]
     print()
