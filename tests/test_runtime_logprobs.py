@@ -18,7 +18,7 @@ from jaxserve.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.request import MAX_LOGPROBS, GenerateRequest, SamplingParams, TokenChunk, TokenLogprobs
 from jaxserve.testing.fake_engine import fake_engine_factory
-from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
+from jaxserve.testing.hf import hf_logprobs, make_hf_checkpoint, make_hf_model
 from models.config import get_config
 
 CFG = get_config("opt-tiny")
@@ -32,19 +32,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-hf"), CFG, seed=3)
 
 
-def hf_logprobs(prompt: tuple[int, ...], output: list[int]) -> np.ndarray:
-    """log_softmax of Hugging Face's logits at each output token's position: [len(output), V]."""
-    import torch
-
-    model = make_hf_model(CFG, seed=3)
-    with torch.no_grad():
-        logits = model(torch.tensor([list(prompt) + output])).logits[0].double()  # [T, V]
-    logp = torch.log_softmax(logits, dim=-1).numpy()
-    return logp[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+@pytest.fixture(scope="module")
+def hf_model():  # type: ignore[no-untyped-def]
+    return make_hf_model(CFG, seed=3)
 
 
-def check_against_hf(prompt: tuple[int, ...], output: list[int], logprobs: list[TokenLogprobs], k: int) -> None:
-    expected = hf_logprobs(prompt, output)
+def check_against_hf(
+    model: object, prompt: tuple[int, ...], output: list[int], logprobs: list[TokenLogprobs], k: int
+) -> None:
+    expected = hf_logprobs(model, prompt, output)
     assert len(logprobs) == len(output)
     for pos, (tok, lp) in enumerate(zip(output, logprobs, strict=True)):
         row = expected[pos]
@@ -78,7 +74,7 @@ def run(c: Controller, requests: list[GenerateRequest]) -> list[list[TokenChunk]
         ("colocated:tp1,chunk=8", 1),
     ],
 )
-def test_logprobs_match_transformers(spec: str, steps: int, checkpoint: Path) -> None:
+def test_logprobs_match_transformers(spec: str, steps: int, checkpoint: Path, hf_model: object) -> None:
     config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64, decode_steps_per_call=steps)
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
     c.start()
@@ -96,7 +92,7 @@ def test_logprobs_match_transformers(spec: str, steps: int, checkpoint: Path) ->
         for ch in chunks:  # every chunk carries one entry per token it carries
             assert ch.logprobs is not None and len(ch.logprobs) == len(ch.token_ids)
         logprobs = [lp for ch in chunks for lp in ch.logprobs or ()]
-        check_against_hf(request.prompt_token_ids, output, logprobs, request.sampling.logprobs or 0)
+        check_against_hf(hf_model, request.prompt_token_ids, output, logprobs, request.sampling.logprobs or 0)
     assert all(ch.logprobs is None for ch in results[2])  # the request that did not ask gets none
     assert [t for ch in results[2] for t in ch.token_ids] == [t for ch in results[0] for t in ch.token_ids]
 
