@@ -10,7 +10,8 @@
 
 `generate` returns a `Completion` (`.token_ids`, `.text`, `.finish_reason`,
 `.timings`); `stream` yields `Chunk`s with the new `.token_ids` and `.text`, the last
-one with `.finish_reason` and `.timings`. Leaving a stream early (break, `cancel()`,
+one with `.finish_reason` and `.timings`. `logprobs=k` (0..20) adds `.logprobs`: one
+`TokenLogprobs` (`.logprob`, `.top` = k (token id, logprob) pairs) per token. Leaving a stream early (break, `cancel()`,
 `close()`, or cancelling the task consuming an `AsyncClient` stream) cancels the call,
 and the server cancels the request and frees its KV blocks. `timeout_s` is a gRPC
 deadline. Failures raise a `ClientError` subclass chosen by the gRPC status code.
@@ -171,8 +172,10 @@ def _request(
     n: int | None = None,
     echo: bool = False,
     messages: Sequence[Mapping[str, str]] | None = None,
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     return wire.request_to_proto(
+        logprobs=logprobs,
         n=n,
         echo=echo,
         messages=[(m["role"], m["content"]) for m in messages or ()],
@@ -275,6 +278,7 @@ class Client:
         n: int | None = None,
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> Stream:
         request = _request(
@@ -292,6 +296,7 @@ class Client:
             n,
             echo,
             messages,
+            logprobs,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
@@ -313,6 +318,7 @@ class Client:
         n: int | None = None,
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = list(
@@ -331,6 +337,7 @@ class Client:
                 n=_one(n),
                 echo=echo,
                 messages=messages,
+                logprobs=logprobs,
                 timeout_s=timeout_s,
             )
         )
@@ -416,6 +423,7 @@ class AsyncClient:
         n: int | None = None,
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
@@ -434,6 +442,7 @@ class AsyncClient:
             n,
             echo,
             messages,
+            logprobs,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         num_tokens: dict[int, int] = {}  # per sample index
@@ -465,6 +474,7 @@ class AsyncClient:
         n: int | None = None,
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = [
@@ -484,6 +494,7 @@ class AsyncClient:
                 n=_one(n),
                 echo=echo,
                 messages=messages,
+                logprobs=logprobs,
                 timeout_s=timeout_s,
             )
         ]

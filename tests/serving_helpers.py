@@ -106,10 +106,17 @@ class CompletionUsage(_Strict):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(_Strict):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Strict):
     finish_reason: Literal["stop", "length", "content_filter"]
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     text: str
     token_ids: list[int] | None = None  # jaxserve/vLLM extension, only with return_token_ids
 
@@ -138,10 +145,25 @@ class ChatMessageOut(_Strict):
     content: str | None
 
 
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Strict):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(_Strict):
     finish_reason: Literal["stop", "length", "content_filter"]
     index: int
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     message: ChatMessageOut
     token_ids: list[int] | None = None
 
@@ -165,7 +187,7 @@ class ChatStreamChoice(_Strict):
     delta: ChoiceDelta
     finish_reason: Literal["stop", "length", "content_filter"] | None
     index: int
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 

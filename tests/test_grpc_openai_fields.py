@@ -70,3 +70,14 @@ def test_usage_reports_cached_tokens():
     msg = wire.chunk_to_proto(chunk)
     assert msg.usage.cached_tokens == 0 and msg.usage.prompt_tokens == 3
     assert pb.GenerateRequest(n=2, echo=True).n == 2
+
+
+def test_logprobs_on_an_engine_without_them_is_invalid_argument(client):
+    """The fake engine's tokens come from arithmetic: `logprobs` is refused, naming the field
+    (real-model logprobs over gRPC: tests/test_serving_logprobs.py)."""
+    with pytest.raises(InvalidArgumentError) as e:
+        client.generate(prompt_ids=[4, 5, 6], max_tokens=2, logprobs=2)
+    assert e.value.field == "logprobs"
+    with pytest.raises(InvalidArgumentError) as e:
+        client.generate(prompt_ids=[4, 5, 6], max_tokens=2, logprobs=21)
+    assert e.value.field == "logprobs"

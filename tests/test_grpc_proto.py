@@ -13,7 +13,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.plan import parse_deployment
 from jaxserve.proto import PROTO_PATH
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runtime.request import RequestTimings
+from jaxserve.runtime.request import RequestTimings, TokenLogprobs
 from jaxserve.serving import wire
 
 GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")
@@ -91,6 +91,21 @@ def test_chunk_and_timings_round_trip():
     back = wire.chunk_from_proto(pb.GenerateResponse.FromString(wire.chunk_to_proto(chunk).SerializeToString()))
     assert back == chunk
     assert back.timings is not None and math.isclose(back.timings.inter_token_latencies_s[0], 1.0)
+
+
+def test_logprobs_round_trip():
+    """`logprobs` set travels (0 included: each token's own logprob, no alternatives); unset stays unset;
+    each response's `TokenLogprobs` come back as sent (values exactly representable in a double)."""
+    for k in (0, 3):
+        req = wire.request_to_proto(prompt_ids=[2, 3], logprobs=k)
+        assert wire.params_from_proto(pb.GenerateRequest.FromString(req.SerializeToString())).sampling.logprobs == k
+    assert wire.params_from_proto(wire.request_to_proto(prompt_ids=[2])).sampling.logprobs is None
+    lps = (TokenLogprobs(-0.5, ((7, -0.5), (9, -1.25))), TokenLogprobs(-2.0, ((4, -0.75), (8, -2.0))))
+    chunk = wire.Chunk("r1", (7, 8), "ab", logprobs=lps, num_output_tokens=2)
+    back = wire.chunk_from_proto(pb.GenerateResponse.FromString(wire.chunk_to_proto(chunk).SerializeToString()))
+    assert back == chunk
+    plain = wire.Chunk("r1", (7,), "a", num_output_tokens=1)
+    assert wire.chunk_from_proto(wire.chunk_to_proto(plain)).logprobs is None
 
 
 def test_deployment_round_trip():

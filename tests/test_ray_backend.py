@@ -184,6 +184,31 @@ def test_ray_matches_embedded_greedy(deployment, reference) -> None:
     assert faults.num_failed_pulls == 0 and faults.num_recomputed == 0 and faults.num_instance_restarts == 0
 
 
+def test_ray_carries_logprobs_like_embedded(deployment) -> None:
+    """Logprobs cross the actor boundary: the prefill's first token's (in `PrefillMeta`) and each decode step's
+    (`decode_step_logprobs`) equal the embedded runtime's on the same model, to float32 rounding."""
+    requests = [
+        GenerateRequest(f"lp-{i}", p, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3))
+        for i, p in enumerate(_prompts()[:3])
+    ]
+    assert all(info.computes_logprobs for info in deployment.actor_infos.values())
+    with Controller.from_plan(MODEL, parse_deployment(PLAN), config=CONFIG) as embedded:
+        want = [_with_logprobs(embedded.submit(r)) for r in requests]
+    got = [_with_logprobs(deployment.submit(r)) for r in requests]
+    for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want, strict=True):
+        assert g_ids == w_ids and len(g_lp) == len(g_ids) == 5
+        assert [x.logprob for x in g_lp] == pytest.approx([x.logprob for x in w_lp], abs=1e-5)
+        assert [[t for t, _ in x.top] for x in g_lp] == [[t for t, _ in x.top] for x in w_lp]
+
+
+def _with_logprobs(stream) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+    ids, lps = [], []
+    for chunk in stream:
+        ids.extend(chunk.token_ids)
+        lps.extend(chunk.logprobs or ())
+    return ids, lps
+
+
 def test_unpulled_kv_is_freed_after_its_lease(deployment) -> None:
     prefill = deployment.actor("prefill-0")
     before = deployment.buffer_stats("prefill-0")

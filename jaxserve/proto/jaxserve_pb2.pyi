@@ -27,7 +27,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output", "n", "echo", "messages")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output", "n", "echo", "messages", "logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -56,10 +57,11 @@ class GenerateRequest(_message.Message):
     n: int
     echo: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timings", "usage", "index")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timings", "usage", "index", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -74,7 +77,24 @@ class GenerateResponse(_message.Message):
     timings: RequestTimings
     usage: Usage
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -220,12 +220,14 @@ class ColocatedInstance(Worker):
             seqs = [self._seqs[r.request_id] for r in rows]
         if not rows:
             return False
-        lists, self.pages, multi = decode_call(self.engine, rows, self.pages, self.config.decode_steps_per_call)
+        lists, logprobs, self.pages, multi = decode_call(
+            self.engine, rows, self.pages, self.config.decode_steps_per_call
+        )
         at = now()
         eos = self.engine.model_config.eos_token_id
         emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
-            for row, s, tokens in zip(rows, seqs, lists, strict=True):
+            for row, s, tokens, lps in zip(rows, seqs, lists, logprobs, strict=True):
                 rid = row.request_id
                 if self._seqs.get(rid) is not s:  # cancelled during the step
                     continue
@@ -238,7 +240,7 @@ class ColocatedInstance(Worker):
                         continue
                     s.live.timings.prefill_end_at = at
                     s.live.timings.prefill_instance = s.live.timings.decode_instance = self.name
-                taken, finish = s.live.append_tokens(tokens, eos, at)
+                taken, finish = s.live.append_tokens(tokens, eos, at, lps)
                 emits.append((s.live, taken, finish))
                 if finish is not None:
                     del self._seqs[rid]

@@ -68,7 +68,7 @@ from jaxserve.plan import DeploymentPlan
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
-from jaxserve.runtime.engine import BucketWarmable, DecodeEngine, PrefillEngine
+from jaxserve.runtime.engine import BucketWarmable, DecodeEngine, LogprobEngine, PrefillEngine
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -484,6 +484,11 @@ class Controller:
                 f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}", field="prompt_token_ids"
             )
         request.sampling.validate(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
+        if request.sampling.logprobs is not None and not self.computes_logprobs():
+            raise InvalidRequestError(
+                "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",
+                field="logprobs",
+            )
         total = len(prompt) + request.sampling.max_tokens
         if total > mc.max_position_embeddings:
             raise InvalidRequestError(
@@ -503,6 +508,10 @@ class Controller:
             raise InvalidRequestError(
                 f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({capacity} tokens)", field="max_tokens"
             )
+
+    def computes_logprobs(self) -> bool:
+        """Whether every instance's engine reports logprobs (`LogprobEngine`)."""
+        return all(isinstance(i.engine, LogprobEngine) and i.engine.computes_logprobs() for i in self.instances)
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue a request; thread-safe. Raises InvalidRequestError, OverloadedError, ShuttingDownError."""
@@ -621,13 +630,14 @@ class Controller:
             if finish_reason is not None:
                 del self._live[live.request_id]
         stream = entry[1]
+        logprobs = live.logprobs_of_last(len(token_ids))
         if finish_reason is not None:
             live.finished = True
             live.timings.finished_at = now()
             self._finish_observed(live, finish_reason)
-            stream._push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings))
+            stream._push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings, logprobs))
         else:
-            stream._push(TokenChunk(live.request_id, token_ids))
+            stream._push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
 
     def fail(self, live: LiveRequest, error: BaseException) -> None:
         with self._lock:

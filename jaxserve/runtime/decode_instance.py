@@ -63,7 +63,7 @@ from typing import Literal
 
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.blocks import BlockAllocator
-from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, StepRow, bucket
+from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, RowLogprobs, StepRow, bucket
 from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.multi_step import decode_call, decode_records
@@ -303,8 +303,10 @@ class DecodeInstance(Worker):
                 t.cached_prompt_tokens = r.prompt_from
             if t.decode_start_at is None:
                 t.decode_start_at = started_at
-        lists, self.pages, multi = decode_call(self.engine, rows, self.pages, self.config.decode_steps_per_call)
-        self._apply(running, lists)
+        lists, logprobs, self.pages, multi = decode_call(
+            self.engine, rows, self.pages, self.config.decode_steps_per_call
+        )
+        self._apply(running, lists, logprobs)
         done = now()
         if multi:
             for record in decode_records(rows, lists, done - decided_at, done):
@@ -354,9 +356,8 @@ class DecodeInstance(Worker):
         c = pull.num_cached_tokens
         if c > 0:  # this instance holds the first c positions: move only the rest
             rest = seq.num_tokens - c
-            seq = PrefilledSequence(
-                seq.request_id, seq.first_token, rest, slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
-            )
+            kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
+            seq = PrefilledSequence(seq.request_id, seq.first_token, rest, kv, seq.first_logprobs)
         try:
             pull.handle = self.transfer.start(seq)
         except Exception as e:  # a transfer that cannot even start fails this pull, not the instance
@@ -438,12 +439,12 @@ class DecodeInstance(Worker):
                 pull.live, KVTransferError(f"the KV of {rid!r} could not be pulled to {self.name}: {why}")
             )
 
-    def _apply(self, running: list[_Running], lists: list[list[int]]) -> None:
+    def _apply(self, running: list[_Running], lists: list[list[int]], logprobs: list[RowLogprobs]) -> None:
         at = now()
         eos = self.engine.model_config.eos_token_id
         emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
-            for r, tokens in zip(running, lists, strict=False):
+            for r, tokens, lps in zip(running, lists, logprobs, strict=False):
                 rid = r.live.request_id
                 if self._running.get(rid) is not r:  # cancelled during the step
                     continue
@@ -457,7 +458,7 @@ class DecodeInstance(Worker):
                     r.live.timings.decode_instance = self.name
                     if r.live.is_resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
-                taken, finish = r.live.append_tokens(tokens, eos, at)
+                taken, finish = r.live.append_tokens(tokens, eos, at, lps)
                 emits.append((r.live, taken, finish))
                 if finish is not None:
                     del self._running[rid]

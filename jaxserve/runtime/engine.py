@@ -16,6 +16,11 @@ own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
   one call, each row stopping exactly where single steps would stop it (stop token, EOS unless
   `ignore_eos`, `max_tokens`); a decode or colocated instance with `decode_steps_per_call > 1` uses
   it, any other engine runs one step per call.
+* `LogprobEngine` (optional, checked with `isinstance`): `computes_logprobs()` says the engine reports
+  logprobs: its `prefill` fills `PrefilledSequence.first_logprobs` for items whose sampling asks, and
+  (a decode engine, `LogprobDecoder`) `decode_step_logprobs` / `decode_steps_logprobs` return them beside
+  the tokens. The controller refuses requests with logprobs unless every engine computes them.
+  `step_tokens` / `steps_tokens` are the calls instances make: logprobs only when some row asks.
 * `LocalDecodeEngine` adds `insert(kv, num_tokens, pages, block_table)`: write a
   dense `SequenceKV` pulled into this process into the pool at the given blocks.
   A decode instance never calls it itself: its `KVTransfer` (bound to the
@@ -39,7 +44,7 @@ import jax
 from flax import struct
 from jax.sharding import NamedSharding
 
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.runtime.request import SamplingParams, TokenLogprobs
 from models.config import OPTConfig
 
 
@@ -113,6 +118,7 @@ class PrefilledSequence:
     first_token: int
     num_tokens: int
     kv: SequenceKV | HeldKV
+    first_logprobs: TokenLogprobs | None = None  # when the item's sampling asked and the engine computes them
 
     @property
     def num_bytes(self) -> int:
@@ -193,6 +199,55 @@ class MultiStepDecoder(Protocol):
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]: ...
 
 
+RowLogprobs = tuple[TokenLogprobs, ...] | None  # one per token a row produced; None: the row did not ask
+
+
+@runtime_checkable
+class LogprobEngine(Protocol):
+    """An engine that may report logprobs; `computes_logprobs()` says whether it does (a Ray proxy asks its actor)."""
+
+    def computes_logprobs(self) -> bool: ...
+
+
+@runtime_checkable
+class LogprobDecoder(Protocol):
+    """A decode engine that returns each asking row's logprobs with its token (`OPTEngine`, the Ray proxy).
+
+    `decode_step_logprobs` is `decode_step` plus, per row, a `TokenLogprobs` (None for a row whose
+    `sampling.logprobs` is None).
+    """
+
+    def decode_step_logprobs(
+        self, batch: StepBatch, pages: KVPages
+    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]: ...
+
+
+@runtime_checkable
+class MultiStepLogprobDecoder(Protocol):
+    """`MultiStepDecoder.decode_steps` with each asking row's logprobs, one per token (`OPTEngine`)."""
+
+    def decode_steps_logprobs(
+        self, batch: StepBatch, pages: KVPages, num_steps: int
+    ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]: ...
+
+
+def wants_logprobs(rows: Sequence[StepRow]) -> bool:
+    return any(r.sampling.logprobs is not None for r in rows)
+
+
+def step_tokens(
+    engine: DecodeEngine, batch: StepBatch, pages: KVPages
+) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
+    """One `decode_step`; with a row that asks for logprobs (and an engine that reports them) its logprobs too.
+
+    A batch where no row asks runs the plain step: no logprob computation, no extra transfer.
+    """
+    if wants_logprobs(batch.rows) and isinstance(engine, LogprobDecoder):
+        return engine.decode_step_logprobs(batch, pages)
+    tokens, pages = engine.decode_step(batch, pages)
+    return tokens, [None] * len(tokens), pages
+
+
 @runtime_checkable
 class MemorySizedPool(Protocol):
     """An engine that can say how many KV blocks the memory its weights leave holds (`OPTEngine`)."""
@@ -255,14 +310,15 @@ def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
 
 def decode_steps_one_by_one(
     engine: DecodeEngine, batch: StepBatch, pages: KVPages, num_steps: int
-) -> tuple[list[list[int]], KVPages]:
-    """`MultiStepDecoder.decode_steps` as `num_steps` calls of `engine.decode_step` (stops checked on the host).
+) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
+    """`MultiStepDecoder.decode_steps` as `num_steps` calls of `step_tokens` (stops checked on the host).
 
-    For engines whose multi-step program does not apply (pipeline parallelism): the same tokens, one
-    dispatch per step.
+    For engines whose multi-step program does not apply (pipeline parallelism): the same tokens (and,
+    for rows that ask, logprobs), one dispatch per step.
     """
     eos = engine.model_config.eos_token_id
     out: list[list[int]] = [[] for _ in batch.rows]
+    lps: list[list[TokenLogprobs | None]] = [[] for _ in batch.rows]
     live = list(range(len(batch.rows)))
     for k in range(num_steps):
         if not live:
@@ -273,16 +329,22 @@ def decode_steps_one_by_one(
             last = out[i][-1] if out[i] else r.token_ids[0]
             step.append(dataclasses.replace(r, token_ids=(last,), start_position=r.start_position + k,
                                             sample_index=r.sample_index + k))  # fmt: skip
-        tokens, pages = engine.decode_step(StepBatch(tuple(step)), pages)
-        for i, tok in zip(live, tokens, strict=True):
+        tokens, logprobs, pages = step_tokens(engine, StepBatch(tuple(step)), pages)
+        for i, tok, lp in zip(live, tokens, logprobs, strict=True):
             out[i].append(tok)
+            lps[i].append(lp)
         live = [
             i
             for i in live
             if out[i][-1] not in row_stops(batch.rows[i], eos)
             and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
         ]
-    return out, pages
+    return out, [_row_logprobs(x) for x in lps], pages
+
+
+def _row_logprobs(values: Sequence[TokenLogprobs | None]) -> RowLogprobs:
+    taken = [v for v in values if v is not None]
+    return tuple(taken) if taken and len(taken) == len(values) else None
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

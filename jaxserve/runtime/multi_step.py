@@ -12,32 +12,51 @@ the capability, or N = 1 runs one `decode_step`. Semantics the instances keep (t
   more KV; its list is cut there;
 * cancellation and stop strings (the front end cancels) take effect at the next call boundary, and a
   request whose pull finished (or that was admitted) joins at the next call boundary;
-* each row's tokens are streamed as one chunk as soon as the call returns.
+* each row's tokens are streamed as one chunk as soon as the call returns;
+* a row that asks for logprobs gets one `TokenLogprobs` per token from the same call (the loop carries
+  them on the device: `MultiStepLogprobDecoder`); a call where no row asks computes none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxserve.runtime.engine import DecodeEngine, KVPages, MultiStepDecoder, StepBatch, StepRow
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    KVPages,
+    MultiStepDecoder,
+    MultiStepLogprobDecoder,
+    RowLogprobs,
+    StepBatch,
+    StepRow,
+    step_tokens,
+    wants_logprobs,
+)
 from jaxserve.runtime.worker import StepRecord
 
 
 def decode_call(
     engine: DecodeEngine, rows: tuple[StepRow, ...], pages: KVPages, num_steps: int
-) -> tuple[list[list[int]], KVPages, bool]:
-    """Run `rows` for up to `num_steps` steps: (each row's tokens, the pool, whether it ran multi-step)."""
+) -> tuple[list[list[int]], list[RowLogprobs], KVPages, bool]:
+    """Run `rows` for up to `num_steps` steps: (each row's tokens, each row's logprobs (None where the row
+    did not ask), the pool, whether it ran multi-step)."""
+    logprobs = wants_logprobs(rows)
     multi = (
         num_steps > 1
         and isinstance(engine, MultiStepDecoder)
+        and (not logprobs or isinstance(engine, MultiStepLogprobDecoder))
         and all(not r.is_prompt and len(r.token_ids) == 1 for r in rows)
     )
+    if multi and logprobs:
+        assert isinstance(engine, MultiStepLogprobDecoder)
+        lists, lps, pages = engine.decode_steps_logprobs(StepBatch(rows), pages, num_steps)
+        return lists, lps, pages, True
     if multi:
         assert isinstance(engine, MultiStepDecoder)
         lists, pages = engine.decode_steps(StepBatch(rows), pages, num_steps)
-        return lists, pages, True
-    tokens, pages = engine.decode_step(StepBatch(rows), pages)
-    return [[t] for t in tokens], pages, False
+        return lists, [None] * len(rows), pages, True
+    tokens, step_lps, pages = step_tokens(engine, StepBatch(rows), pages)
+    return [[t] for t in tokens], [None if lp is None else (lp,) for lp in step_lps], pages, False
 
 
 def decode_records(

@@ -36,6 +36,7 @@ from jaxserve.runtime.engine import (
     PrefilledSequence,
     PrefillItem,
     PrefillResult,
+    RowLogprobs,
     SequenceKV,
     StageKV,
     StagePages,
@@ -46,8 +47,17 @@ from jaxserve.runtime.engine import (
     row_stops,
 )
 from jaxserve.runtime.kv_pool import write_sequence
-from jaxserve.runtime.request import SamplingParams
-from jaxserve.runtime.sampling import SamplingInputs, sample, sample_traced, sampling_inputs
+from jaxserve.runtime.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.sampling import (
+    SamplingInputs,
+    StepLogprobs,
+    logprobs_rows,
+    sample,
+    sample_traced,
+    sampling_inputs,
+    token_logprobs,
+    token_logprobs_traced,
+)
 from models import opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
@@ -299,16 +309,21 @@ class OPTEngine:
             groups = [list(range(len(items)))]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
         out: list[PrefilledSequence] = []
-        for g, (tokens, caches) in zip(groups, dispatched, strict=True):
+        for g, (tokens, lp, caches) in zip(groups, dispatched, strict=True):
             first = np.asarray(tokens)
+            firsts_lp = _host_logprobs(lp, [items[i].sampling for i in g])
             for row, i in enumerate(g):
                 n = len(items[i].token_ids)
                 padded = bucket(n, MIN_PROMPT_BUCKET)
                 kv = tuple(StageKV(k=c.k[:, row, :padded], v=c.v[:, row, :padded]) for c in caches)  # [L_s, T, H, D]
-                out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv))
+                out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv, firsts_lp[row]))
         return PrefillResult(tuple(out))
 
-    def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, list[KVCache]]:
+    def computes_logprobs(self) -> bool:
+        """`LogprobEngine`: prefill and every step report the logprobs rows ask for."""
+        return True
+
+    def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         b = bucket(len(items))
         t = bucket(max(len(i.token_ids) for i in items), MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings)
         tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
@@ -318,7 +333,8 @@ class OPTEngine:
             lengths[r] = len(item.token_ids)
         logits, caches = self.model.prefill(tokens, lengths)  # [B, V]
         first = sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
-        return first, caches
+        lp = token_logprobs(logits, first) if any(i.sampling.logprobs is not None for i in items) else None
+        return first, lp, caches
 
     # ---- decode side -----------------------------------------------------------
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
@@ -334,12 +350,25 @@ class OPTEngine:
         chunk's length: 15 decodes beside a 256-token chunk cost 25x the two parts alone. Split,
         each part costs what its tokens cost, and both are dispatched before either is read.
         """
+        tokens, _, pages = self._step(batch, pages, with_logprobs=False)
+        return tokens, pages
+
+    def decode_step_logprobs(
+        self, batch: StepBatch, pages: KVPages
+    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
+        """`decode_step`, and the logprobs of each row that asks (`LogprobDecoder`); a sub-batch where no
+        row asks computes none."""
+        return self._step(batch, pages, with_logprobs=True)
+
+    def _step(
+        self, batch: StepBatch, pages: KVPages, *, with_logprobs: bool
+    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
         rows = batch.rows
         caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
         block_size = int(pages[0].k.shape[2])
         decode_ids = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         chunk_ids = [i for i, r in enumerate(rows) if len(r.token_ids) != 1]
-        sampled: list[tuple[list[int], jax.Array]] = []
+        sampled: list[tuple[list[int], jax.Array, StepLogprobs | None]] = []
         for ids in (chunk_ids, decode_ids):
             if not ids:
                 continue
@@ -348,13 +377,18 @@ class OPTEngine:
             # result is read; each micro-batch threads the (donated) caches on to the next.
             groups = [[ids[j] for j in g] for g in np.array_split(np.arange(len(ids)), num_micro)]
             for g in groups:
-                tokens, caches = self._dispatch_step([rows[i] for i in g], caches, block_size)
-                sampled.append((g, tokens))
+                part = [rows[i] for i in g]
+                asks = with_logprobs and any(r.sampling.logprobs is not None for r in part)
+                tokens, lp, caches = self._dispatch_step(part, caches, block_size, asks)
+                sampled.append((g, tokens, lp))
         out = [0] * len(rows)
-        for g, tokens in sampled:
+        out_lp: list[TokenLogprobs | None] = [None] * len(rows)
+        for g, tokens, lp in sampled:
             for i, tok in zip(g, np.asarray(tokens)[: len(g)], strict=True):
                 out[i] = int(tok)
-        return out, tuple(StagePages(k=c.k, v=c.v) for c in caches)
+            for i, row_lp in zip(g, _host_logprobs(lp, [rows[i].sampling for i in g]), strict=True):
+                out_lp[i] = row_lp
+        return out, out_lp, tuple(StagePages(k=c.k, v=c.v) for c in caches)
 
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
         """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
@@ -366,11 +400,28 @@ class OPTEngine:
         must cover the positions it may reach. Tokens equal `num_steps` calls of `decode_step` (same
         seeds and indices: step k samples index `sample_index + k`). With pp > 1: single steps.
         """
+        lists, _, pages = self._steps(batch, pages, num_steps, with_logprobs=False)
+        return lists, pages
+
+    def decode_steps_logprobs(
+        self, batch: StepBatch, pages: KVPages, num_steps: int
+    ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
+        """`decode_steps`, and one `TokenLogprobs` per token of each row that asks (`MultiStepLogprobDecoder`):
+        the loop program's logprob variant computes them on the device, step by step, with the tokens."""
+        return self._steps(batch, pages, num_steps, with_logprobs=True)
+
+    def _steps(
+        self, batch: StepBatch, pages: KVPages, num_steps: int, *, with_logprobs: bool
+    ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
+        """`decode_steps` / `decode_steps_logprobs` (logprobs only for rows that ask, only `with_logprobs`)."""
         rows = batch.rows
         if any(len(r.token_ids) != 1 or r.is_prompt for r in rows):
             raise ValueError("multi-step decoding takes one-token (decode) rows only")
         if self.model.pp != 1:
-            return decode_steps_one_by_one(self, batch, pages, num_steps)
+            if with_logprobs:
+                return decode_steps_one_by_one(self, batch, pages, num_steps)
+            lists, _, pages = decode_steps_one_by_one(self, StepBatch(_without_logprobs(rows)), pages, num_steps)
+            return lists, [None] * len(rows), pages
         block_size = int(pages[0].k.shape[2])
         b = bucket(len(rows), 2)
         m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
@@ -389,16 +440,26 @@ class OPTEngine:
             stop_ids[i, : len(stops[i])] = stops[i]
         inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
         greedy = all(r.sampling.is_greedy for r in rows)
+        asks = with_logprobs and any(r.sampling.logprobs is not None for r in rows)
         cache = PagedKVCache(k=pages[0].k, v=pages[0].v)
-        out, cache = self._run_loop(
-            tokens, starts, active, remaining, cache, tables, inputs, stop_ids, num_steps, greedy
+        out, cache, lp = self._run_loop(
+            tokens, starts, active, remaining, cache, tables, inputs, stop_ids, num_steps, greedy, asks
         )
-        host = np.asarray(out)
+        host = np.asarray(out)  # [B, N]
         result = []
         for i in range(len(rows)):
             toks = host[i]
             result.append([int(t) for t in toks[toks >= 0]])
-        return result, (StagePages(k=cache.k, v=cache.v),)
+        row_lps: list[RowLogprobs] = [None] * len(rows)
+        if lp is not None:
+            chosen, top_ids, top_lp = (np.asarray(a) for a in lp)  # [B, N], [B, N, K], [B, N, K]
+            for i, r in enumerate(rows):
+                if r.sampling.logprobs is None:
+                    continue
+                n = len(result[i])
+                per_step = logprobs_rows(chosen[i, :n], top_ids[i, :n], top_lp[i, :n], [r.sampling] * n)
+                row_lps[i] = tuple(x for x in per_step if x is not None)
+        return result, row_lps, (StagePages(k=cache.k, v=cache.v),)
 
     def _run_loop(
         self,
@@ -412,7 +473,8 @@ class OPTEngine:
         stop_ids: np.ndarray,
         num_steps: int,
         greedy: bool,
-    ) -> tuple[jax.Array, PagedKVCache]:
+        with_logprobs: bool = False,
+    ) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]:
         put = self.model.replicated(0)
         return _decode_loop(  # type: ignore[no-any-return]
             self.model.run_params[0],
@@ -424,6 +486,7 @@ class OPTEngine:
             cfg=self._cfg,
             num_steps=num_steps,
             greedy=greedy,
+            logprobs=with_logprobs,
         )
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
@@ -441,8 +504,8 @@ class OPTEngine:
         return b, t, m
 
     def _dispatch_step(
-        self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int
-    ) -> tuple[jax.Array, list[PagedKVCache]]:
+        self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int, with_logprobs: bool = False
+    ) -> tuple[jax.Array, StepLogprobs | None, list[PagedKVCache]]:
         b, t, m = self.step_shape(rows, block_size)
         tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
         starts = np.zeros(b, dtype=np.int32)
@@ -456,10 +519,10 @@ class OPTEngine:
             tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
         sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
-        return sampled, caches
+        return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy", "logprobs"), donate_argnames=("cache",))
 def _decode_loop(
     params: Params,
     tokens: jax.Array,  # [B] the last token of each row
@@ -474,12 +537,14 @@ def _decode_loop(
     cfg: OPTConfig,
     num_steps: int,
     greedy: bool,
-) -> tuple[jax.Array, PagedKVCache]:
+    logprobs: bool = False,
+) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]:
     """Up to `num_steps` paged decode steps in one program: sample on device, stop rows on device.
 
     A row stops after a stop token or its last allowed token; a stopped row writes no KV and
     reports -1 for the remaining steps; the loop ends once no row is active. Returns tokens
-    [B, num_steps] and the pool.
+    [B, num_steps], the pool, and with `logprobs` (a separate program) each step's sampled-token
+    logprob [B, num_steps] and top `MAX_LOGPROBS` [B, num_steps, K] (else None).
     """
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
@@ -487,20 +552,49 @@ def _decode_loop(
         return (k < num_steps) & jnp.any(act)
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        k, tok, pos, act, rem, c, out = carry
+        k, tok, pos, act, rem, c, out, lp = carry
         lengths = act.astype(jnp.int32)
         x = opt.embed(params, cfg, tok[:, None], pos[:, None])
         x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables)
         logits = opt.lm_head(params, cfg, x[:, 0])  # [B, V]
         new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))
+        if logprobs:
+            step = token_logprobs_traced(logits, new)
+            lp = StepLogprobs(*(whole.at[:, k].set(part) for whole, part in zip(lp, step, strict=True)))
         stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (rem <= 1)
-        return k + 1, new, pos + 1, act & ~stop, rem - 1, c, out
+        return k + 1, new, pos + 1, act & ~stop, rem - 1, c, out, lp
 
-    out = jnp.full((tokens.shape[0], num_steps), -1, jnp.int32)
-    carry = (jnp.int32(0), tokens, starts, active, remaining, cache, out)
-    *_, cache, out = jax.lax.while_loop(cond, body, carry)
-    return out, cache
+    b = tokens.shape[0]
+    out = jnp.full((b, num_steps), -1, jnp.int32)
+    lp0 = None
+    if logprobs:
+        top = min(MAX_LOGPROBS, cfg.vocab_size)
+        lp0 = StepLogprobs(
+            jnp.zeros((b, num_steps), jnp.float32),
+            jnp.zeros((b, num_steps, top), jnp.int32),
+            jnp.zeros((b, num_steps, top), jnp.float32),
+        )
+    carry = (jnp.int32(0), tokens, starts, active, remaining, cache, out, lp0)
+    *_, cache, out, lp = jax.lax.while_loop(cond, body, carry)
+    return out, cache, lp
+
+
+def _host_logprobs(lp: StepLogprobs | None, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
+    """A dispatched step's logprobs read back (one transfer) for the rows of `params`; all None without any."""
+    if lp is None:
+        return [None] * len(params)
+    chosen, top_ids, top_lp = (np.asarray(a) for a in lp)
+    return logprobs_rows(chosen, top_ids, top_lp, params)
+
+
+def _without_logprobs(rows: Sequence[StepRow]) -> tuple[StepRow, ...]:
+    return tuple(
+        r
+        if r.sampling.logprobs is None
+        else dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logprobs=None))
+        for r in rows
+    )
 
 
 def _host_available_bytes() -> int:

@@ -50,6 +50,7 @@ from jaxserve.runtime.engine import (
     StepBatch,
     StepRow,
     bucket,
+    step_tokens,
 )
 from jaxserve.runtime.kv_pool import read_sequence
 from jaxserve.runtime.prefix_cache import CacheHit, PrefixCache, cache_stats
@@ -242,7 +243,7 @@ class PrefillInstance(Worker):
                     continue
                 finish = None
                 if not is_resumed:
-                    finish = live.append_token(seq.first_token, eos, ended_at)
+                    finish = live.append_token(seq.first_token, eos, ended_at, seq.first_logprobs)
                     emits.append((live, seq.first_token, finish))
                 if finish is None:
                     self._buffer[live.request_id] = (live, seq)
@@ -319,10 +320,10 @@ class PrefillInstance(Worker):
                     is_prompt=True,
                 )
             )
-        tokens, self.pages = engine.decode_step(StepBatch(tuple(rows)), self.pages)
+        tokens, logprobs, self.pages = step_tokens(engine, StepBatch(tuple(rows)), self.pages)
         out = []
-        for item, token in zip(items, tokens, strict=True):
+        for item, token, lp in zip(items, tokens, logprobs, strict=True):
             n = len(item.token_ids)
             kv = read_sequence(self.pages, hits[item.request_id].block_table, n, bucket(n, MIN_PROMPT_BUCKET))
-            out.append(PrefilledSequence(item.request_id, int(token), n, kv))
+            out.append(PrefilledSequence(item.request_id, int(token), n, kv, lp))
         return PrefillResult(tuple(out))

@@ -17,6 +17,20 @@ FinishReason = Literal["stop", "length", "abort"]
 
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability and the most likely alternatives at its position.
+
+    Log-probabilities are the log-softmax of the model's raw logits (before temperature, top-k and
+    top-p), as vLLM reports them by default: a greedy token's logprob is the top one. `top` holds the
+    `SamplingParams.logprobs` most likely tokens, most likely first (it may or may not hold the token).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and its k most likely alternatives
 
     @property
     def is_greedy(self) -> bool:
@@ -63,6 +78,11 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", field="seed")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", field="logprobs"
+            )
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {tok!r}", field="stop_token_ids")
@@ -124,12 +144,16 @@ class RequestTimings:
 
 @dataclasses.dataclass(frozen=True)
 class TokenChunk:
-    """New tokens of one request (never repeated); the final chunk has `finish_reason` and `timings`."""
+    """New tokens of one request (never repeated); the final chunk has `finish_reason` and `timings`.
+
+    `logprobs`: one entry per token when the request asked (`SamplingParams.logprobs`), else None.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     timings: RequestTimings | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

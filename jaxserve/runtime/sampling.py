@@ -1,5 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
 
+`token_logprobs` computes, on the device and only for a batch in which some row asked, each sampled
+token's log-probability and the `MAX_LOGPROBS` most likely tokens (one static K, so the number a
+request asks for never compiles a new program); `logprobs_rows` turns them into `TokenLogprobs`
+on the host, cut to what each row asked. They are the log-softmax of the raw logits, before
+temperature / top-k / top-p (vLLM's default "raw logprobs").
+
 Each row draws from its own key, `fold_in(key(seed), sample_index)`, so a
 request's tokens depend only on its seed and position in its output, never on
 which other requests share the batch or where in the batch it sits.
@@ -15,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.runtime.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 
 def default_seed(request_id: str) -> int:
@@ -102,3 +108,37 @@ def sample(
     if all(p.is_greedy for p in params):
         return _greedy(logits)
     return _sample_batch(logits, *sampling_inputs(params, seeds, indices, logits.shape[0]))
+
+
+class StepLogprobs(NamedTuple):
+    """Device arrays of one step's logprobs: the sampled tokens' and the top `MAX_LOGPROBS` per row."""
+
+    chosen: jax.Array  # [B] float32
+    top_ids: jax.Array  # [B, MAX_LOGPROBS] int32, most likely first
+    top_logprobs: jax.Array  # [B, MAX_LOGPROBS] float32
+
+
+def token_logprobs_traced(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
+    """Log-softmax of `logits` [B, V] (float32): each row's `tokens` [B] entry and its top `MAX_LOGPROBS`."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]  # [B]
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logits.shape[-1]))  # [B, K]
+    return StepLogprobs(chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+token_logprobs = jax.jit(token_logprobs_traced)
+
+
+def logprobs_rows(
+    chosen: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray, params: Sequence[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Host arrays [B], [B, K], [B, K] -> one `TokenLogprobs` per row of `params` that asked (else None)."""
+    out: list[TokenLogprobs | None] = []
+    for r, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        k = p.logprobs
+        top = tuple((int(i), float(v)) for i, v in zip(top_ids[r, :k], top_logprobs[r, :k], strict=True))
+        out.append(TokenLogprobs(float(chosen[r]), top))
+    return out

@@ -35,7 +35,7 @@ from typing import ClassVar, Literal, Protocol
 from jaxserve.errors import EngineDeadError
 from jaxserve.runtime.api import FaultStats, InstanceStats
 from jaxserve.runtime.prefix_cache import block_hashes
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings
+from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class LiveRequest:
     seed: int
     timings: RequestTimings
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # parallel to output_ids, if asked
     finished: bool = False
     cancelled: bool = False
     _names: tuple[int, int, tuple[bytes, ...]] | None = dataclasses.field(default=None, repr=False)
@@ -87,8 +88,24 @@ class LiveRequest:
         """Tokens were streamed already: its prefill only rebuilds KV (its sample is discarded)."""
         return bool(self.output_ids)
 
-    def append_token(self, token: int, eos_token_id: int, now: float) -> FinishReason | None:
-        """Record one output token; return why the request stops, or None."""
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.sampling.logprobs is not None
+
+    def logprobs_of_last(self, num_tokens: int) -> tuple[TokenLogprobs, ...] | None:
+        """The logprobs of the last `num_tokens` output tokens (what an emitted chunk carries); None if not asked."""
+        if not self.wants_logprobs:
+            return None
+        return tuple(self.output_logprobs[len(self.output_logprobs) - num_tokens :]) if num_tokens else ()
+
+    def append_token(
+        self, token: int, eos_token_id: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> FinishReason | None:
+        """Record one output token (and its logprobs, when the request asked); return why the request stops, or None."""
+        if self.wants_logprobs:
+            if logprobs is None:
+                raise ValueError(f"request {self.request_id!r} asked for logprobs but its token came without them")
+            self.output_logprobs.append(logprobs)
         self.output_ids.append(token)
         self.timings.token_times.append(now)
         if self.timings.first_token_at is None:
@@ -101,14 +118,19 @@ class LiveRequest:
         return None
 
     def append_tokens(
-        self, tokens: Sequence[int], eos_token_id: int, now: float
+        self,
+        tokens: Sequence[int],
+        eos_token_id: int,
+        now: float,
+        logprobs: Sequence[TokenLogprobs] | None = None,
     ) -> tuple[tuple[int, ...], FinishReason | None]:
         """Record a call's tokens up to the one that finishes the request (a multi-step row's extra tokens
-        end where single steps would have ended it); the tokens taken and why it stops, or None."""
+        end where single steps would have ended it); the tokens taken and why it stops, or None.
+        `logprobs`: one per token, when the request asked."""
         taken: list[int] = []
-        for token in tokens:
+        for k, token in enumerate(tokens):
             taken.append(int(token))
-            finish = self.append_token(int(token), eos_token_id, now)
+            finish = self.append_token(int(token), eos_token_id, now, None if logprobs is None else logprobs[k])
             if finish is not None:
                 return tuple(taken), finish
         return tuple(taken), None
@@ -169,7 +191,9 @@ class FaultCounters:
 class Emitter(Protocol):
     """The controller side of a worker: where tokens, lost KVs, dead instances and failures go."""
 
-    def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None: ...
+    def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None:
+        """Stream `token_ids`, the tokens `live` just appended (their logprobs are the last ones in `live`)."""
+        ...
 
     def fail(self, live: LiveRequest, error: BaseException) -> None: ...
 

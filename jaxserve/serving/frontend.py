@@ -38,7 +38,7 @@ from typing import Protocol
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.runtime.api import ServingController
-from jaxserve.runtime.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings
+from jaxserve.runtime.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
@@ -176,6 +176,15 @@ class Frontend:
         request = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", r.prompt_token_ids, sampling)
         return dataclasses.replace(prepared, request=request)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs (special tokens included); `token_id:<id>` without a tokenizer.
+
+        A token holding part of a multi-byte character decodes to U+FFFD, as in vLLM's per-token text.
+        """
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
     def decode_prompt(self, prepared: PreparedRequest) -> str:
         """The prompt as text (for echo); empty without a tokenizer."""
         if self.tokenizer is None:
@@ -202,15 +211,17 @@ class Frontend:
                     async for rest in gen:
                         engine_timings = rest.timings or engine_timings
                     timings = _timings(engine_timings, prepared.arrival_at, num_out)
-                    yield self._finish(request, tc.token_ids, text, "stop", timings, num_out)
+                    yield self._finish(request, tc, text, "stop", timings, num_out)
                     return
                 if tc.finished:
                     finished = True
                     reason: FinishReason = "stop" if stopped else tc.finish_reason or "abort"
                     timings = _timings(tc.timings, prepared.arrival_at, num_out)
-                    yield self._finish(request, tc.token_ids, text, reason, timings, num_out)
+                    yield self._finish(request, tc, text, reason, timings, num_out)
                     return
-                yield Chunk(request.request_id, tuple(tc.token_ids), text, num_output_tokens=num_out)
+                yield Chunk(
+                    request.request_id, tuple(tc.token_ids), text, num_output_tokens=num_out, logprobs=tc.logprobs
+                )
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away (cancel, deadline, disconnect) mid-request.
             if not finished:
@@ -226,7 +237,7 @@ class Frontend:
     def _finish(
         self,
         request: GenerateRequest,
-        token_ids: Sequence[int],
+        tc: TokenChunk,
         text: str,
         reason: FinishReason,
         timings: Timings | None,
@@ -236,13 +247,14 @@ class Frontend:
         self.metrics.observe_finished(timings, num_prompt, num_out, reason)
         return Chunk(
             request_id=request.request_id,
-            token_ids=tuple(token_ids),
+            token_ids=tuple(tc.token_ids),
             text=text,
             finish_reason=reason,
             timings=timings,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_out,
             num_cached_tokens=timings.cached_prompt_tokens if timings is not None else 0,
+            logprobs=tc.logprobs,
         )
 
 

@@ -27,7 +27,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.plan import PlanError
+from jaxserve.runtime.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchError, SwitchInProgressError, SwitchUnsupportedError
 from jaxserve.serving.admin import DeploymentAdmin, parse_plan_body
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
@@ -49,7 +50,7 @@ from jaxserve.serving.openai_protocol import (
     chat_job,
     completion_job,
 )
-from jaxserve.serving.wire import Chunk
+from jaxserve.serving.wire import Chunk, Completion
 
 
 class APIError(Exception):
@@ -227,7 +228,7 @@ def create_app(
             for st in streams:
                 await st.aclose()
             return Response(status_code=499)
-        render = _Render(response_id, model_name, created, job, chat)
+        render = _Render(response_id, model_name, created, job, chat, frontend.token_text)
         if job.stream:
             disconnected.cancel()  # from here on the streaming response watches the connection
             events = _sse_events(render, choices, streams, firsts)
@@ -291,15 +292,60 @@ async def _collect(rest: AsyncGenerator[Chunk, None], first: Chunk) -> list[Chun
     return collected
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token of probability 0 reports this (as vLLM does)
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if not math.isnan(value) else LOGPROB_FLOOR
+
+
 class _Render:
     """OpenAI's response bodies and stream events, completions or chat."""
 
-    def __init__(self, response_id: str, model: str, created: int, job: OpenAIJob, chat: bool) -> None:
+    def __init__(
+        self, response_id: str, model: str, created: int, job: OpenAIJob, chat: bool, token_text: Callable[[int], str]
+    ) -> None:
         self.id = response_id
         self.model = model
         self.created = created
         self.job = job
         self.chat = chat
+        self.token_text = token_text
+        self._text_offsets: dict[int, int] = {}  # completions logprobs: each choice's text offset so far
+
+    def logprobs(
+        self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
+    ) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object for these tokens of choice `index` (None when the client did not ask).
+
+        Completions: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`; chat:
+        `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal}`.
+        """
+        if self.job.logprobs is None or logprobs is None:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
+        if self.chat:
+
+            def entry(text: str, value: float) -> dict[str, Any]:
+                return {"token": text, "logprob": _json_logprob(value), "bytes": list(text.encode())}
+
+            content = [
+                {**entry(text, lp.logprob), "top_logprobs": [entry(self.token_text(t), v) for t, v in lp.top]}
+                for text, lp in zip(texts, logprobs, strict=True)
+            ]
+            return {"content": content, "refusal": None}
+        offset = self._text_offsets.get(index, 0)
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        self._text_offsets[index] = offset
+        return {
+            "tokens": texts,
+            "token_logprobs": [_json_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{self.token_text(t): _json_logprob(v) for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def _envelope(self, chunk_object: bool) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk_object else "chat.completion") if self.chat else "text_completion"
@@ -317,7 +363,14 @@ class _Render:
         }
 
     def _choice(
-        self, index: int, text: str, token_ids: list[int], reason: str | None, delta: bool, first: bool = False
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        reason: str | None,
+        delta: bool,
+        first: bool = False,
+        logprobs: Sequence[TokenLogprobs] | None = None,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {"index": index}
         if self.chat and delta:
@@ -326,7 +379,7 @@ class _Render:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
-        out["logprobs"] = None
+        out["logprobs"] = self.logprobs(index, token_ids, logprobs)
         out["finish_reason"] = reason
         if self.job.return_token_ids:
             out["token_ids"] = token_ids
@@ -341,6 +394,7 @@ class _Render:
                 [t for ch in chunks for t in ch.token_ids],
                 chunks[-1].finish_reason,
                 delta=False,
+                logprobs=Completion.from_chunks(chunks).logprobs,
             )
             for c, chunks in zip(choices, collected, strict=True)
         ]
@@ -352,7 +406,15 @@ class _Render:
         out = self._envelope(chunk_object=True)
         text = (choice.echo if first else "") + chunk.text
         out["choices"] = [
-            self._choice(choice.index, text, list(chunk.token_ids), chunk.finish_reason, delta=True, first=first)
+            self._choice(
+                choice.index,
+                text,
+                list(chunk.token_ids),
+                chunk.finish_reason,
+                delta=True,
+                first=first,
+                logprobs=chunk.logprobs,
+            )
         ]
         if self.job.include_usage:
             out["usage"] = None

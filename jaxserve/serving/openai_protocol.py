@@ -10,6 +10,12 @@ request may carry a list of prompts), `n` samples of each, and how to render the
 
 Chat messages become one prompt through `jaxserve.serving.chat_template` (see
 docs/serving.md).
+
+Logprobs: completions' `logprobs` (0..5, OpenAI's legacy limit) and chat's `logprobs` +
+`top_logprobs` (0..20) become `SamplingParams.logprobs`; the values are the log-softmax of the
+model's raw logits (see docs/serving.md). Completions with both `echo` and `logprobs` are refused:
+the prompt's own logprobs would cost a log-softmax over every prompt position, which the engine
+does not compute.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from jaxserve.serving.wire import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
 MAX_CHOICES = 64  # prompts x n in one request
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (= jaxserve.runtime.request.MAX_LOGPROBS)
 
 
 class _Strict(BaseModel):
@@ -112,6 +120,7 @@ class OpenAIJob:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: int | None = None  # alternatives per token when the client asked for logprobs, else None
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -139,7 +148,7 @@ def _check_common(body: _SamplingFields) -> tuple[tuple[str, ...], bool]:
     return stop, include_usage
 
 
-def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -148,6 +157,7 @@ def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
         seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
     )
 
 
@@ -157,7 +167,10 @@ def completion_job(body: CompletionRequest) -> OpenAIJob:
     if body.best_of not in (None, 1, body.n):
         raise _bad("best_of", "best_of must equal n (no server-side ranking)")
     if body.logprobs is not None:
-        raise _bad("logprobs", "logprobs are not supported yet")
+        if not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise _bad("logprobs", f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
+        if body.echo:
+            raise _bad("logprobs", "logprobs with echo=true is not supported (the prompt's logprobs are not computed)")
     if body.suffix:
         raise _bad("suffix", "suffix is not supported")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -177,7 +190,7 @@ def completion_job(body: CompletionRequest) -> OpenAIJob:
         raise _bad("prompt", "the prompt is empty")
     if len(prompts) * body.n > MAX_CHOICES:
         raise _bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {body.n}")
-    sampling = _sampling(body, max_tokens)
+    sampling = _sampling(body, max_tokens, body.logprobs)
     params = tuple(
         CompletionParams(
             prompt_text=p if isinstance(p, str) else None,
@@ -188,24 +201,30 @@ def completion_job(body: CompletionRequest) -> OpenAIJob:
         )
         for p in prompts
     )
-    return OpenAIJob(params, body.n, body.echo, body.stream, include_usage, body.return_token_ids)
+    return OpenAIJob(params, body.n, body.echo, body.stream, include_usage, body.return_token_ids, body.logprobs)
 
 
 def chat_job(body: ChatCompletionRequest) -> OpenAIJob:
     """Check a chat request and render its messages into one prompt."""
     stop, include_usage = _check_common(body)
-    if body.logprobs or body.top_logprobs is not None:
-        raise _bad("logprobs", "logprobs are not supported yet")
+    logprobs: int | None = None
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise _bad("top_logprobs", "top_logprobs needs logprobs=true")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}")
+    if body.logprobs:
+        logprobs = body.top_logprobs or 0
     if not body.messages:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = CompletionParams(
         prompt_text=render_chat(body.messages),
         prompt_token_ids=None,
-        sampling=_sampling(body, max_tokens or 1),
+        sampling=_sampling(body, max_tokens or 1, logprobs),
         stop=stop,
         prompt_field="messages",
         include_stop_str_in_output=body.include_stop_str_in_output,
         fill_max_tokens=max_tokens is None,
     )
-    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids)
+    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs)

@@ -21,7 +21,7 @@ from google.protobuf import unknown_fields
 from jaxserve.errors import InvalidRequestError
 from jaxserve.plan import DeploymentPlan
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runtime.request import FinishReason, RequestTimings, SamplingParams
+from jaxserve.runtime.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 from jaxserve.serving.chat_template import render_chat
 
 _FINISH_TO_PROTO: dict[FinishReason | None, int] = {
@@ -125,6 +125,7 @@ class Chunk:
     num_output_tokens: int = 0  # total so far (all chunks), final value on the last chunk
     num_cached_tokens: int = 0  # on the last chunk: prompt tokens served from a prefix cache
     index: int = 0  # which sample of the request (n > 1)
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -141,6 +142,7 @@ class Completion:
     finish_reason: FinishReason | None
     timings: Timings | None
     num_prompt_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
 
     @property
     def num_output_tokens(self) -> int:
@@ -158,6 +160,9 @@ class Completion:
             finish_reason=last.finish_reason,
             timings=last.timings,
             num_prompt_tokens=last.num_prompt_tokens,
+            logprobs=None
+            if all(c.logprobs is None for c in chunks)
+            else tuple(lp for c in chunks for lp in c.logprobs or ()),
         )
 
 
@@ -236,6 +241,7 @@ def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
         seed=req.seed if req.HasField("seed") else None,
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
     return CompletionParams(
         prompt_text=text,
@@ -263,6 +269,7 @@ def request_to_proto(
     n: int | None = None,
     echo: bool = False,
     messages: Sequence[tuple[str, str]] = (),
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """Build a request message (client side). Unset optional fields take the server's defaults."""
     req = pb.GenerateRequest(
@@ -287,6 +294,8 @@ def request_to_proto(
         req.top_k = top_k
     if seed is not None:
         req.seed = seed
+    if logprobs is not None:
+        req.logprobs = logprobs
     return req
 
 
@@ -333,6 +342,7 @@ def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
         text=chunk.text,
         finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],  # type: ignore[arg-type]
         index=chunk.index,
+        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs or ()],
     )
     if chunk.finished:
         if chunk.timings is not None:
@@ -355,7 +365,16 @@ def chunk_from_proto(m: pb.GenerateResponse, num_output_tokens_before: int = 0) 
         num_output_tokens=m.usage.completion_tokens if finished else num_output_tokens_before + len(m.token_ids),
         num_cached_tokens=m.usage.cached_tokens if finished else 0,
         index=m.index,
+        logprobs=tuple(logprobs_from_proto(lp) for lp in m.logprobs) if len(m.logprobs) else None,
     )
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_from_proto(m: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(m.logprob, tuple((int(t.token_id), t.logprob) for t in m.top))
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,16 @@ def make_hf_checkpoint(
         kwargs["max_shard_size"] = max(total // 4, 1024)
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def hf_logprobs(model: Any, prompt: Sequence[int], output: Sequence[int]) -> Any:
+    """Hugging Face's log_softmax of the logits that predicted each token of `output` after `prompt`.
+
+    A float64 numpy array [len(output), V]: row i is the distribution output[i] was drawn from.
+    """
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(output)])).logits[0].double()  # [T, V]
+    logp = torch.log_softmax(logits, dim=-1).numpy()
+    return logp[len(prompt) - 1 : len(prompt) - 1 + len(output)]

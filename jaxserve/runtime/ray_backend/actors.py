@@ -26,7 +26,8 @@ nothing.
 the order (retries, then recompute or fail per `TransferConfig`), checks the
 peer's model signature at first contact, and stages the KV in this actor's
 layout; `insert` writes a staged KV into the paged pool; `decode_step` runs one
-step; `rebuild` re-prefills known token contexts into their blocks after a
+step (`decode_step_logprobs`: with the logprobs of the rows that ask; `PrefillMeta` carries a
+first token's); `rebuild` re-prefills known token contexts into their blocks after a
 restart. Pages never leave the actor.
 
 Both are plain classes; `remote_engine.py` wraps them with `ray.remote`.
@@ -44,7 +45,16 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import jax
 
-from jaxserve.runtime.engine import BucketWarmable, Engine, KVPages, PrefillItem, SequenceKV, StepBatch
+from jaxserve.runtime.engine import (
+    BucketWarmable,
+    Engine,
+    KVPages,
+    LogprobEngine,
+    PrefillItem,
+    SequenceKV,
+    StepBatch,
+    step_tokens,
+)
 from jaxserve.runtime.ray_backend.transfer import (
     HostKV,
     JaxTicket,
@@ -62,7 +72,7 @@ from jaxserve.runtime.ray_backend.transfer import (
     to_host,
     to_layout,
 )
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.runtime.request import SamplingParams, TokenLogprobs
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -134,6 +144,7 @@ class ActorInfo:
     signature: ModelSignature
     model_config: OPTConfig
     stage_layers: tuple[int, ...]
+    computes_logprobs: bool = False  # the actor's engine is a `LogprobEngine` that computes them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +153,7 @@ class PrefillMeta:
     first_token: int
     num_tokens: int
     num_bytes: int
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +250,7 @@ class _ActorBase:
         return ActorInfo(
             self.name, os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address(), len(jax.devices()),
             self._signature, self.engine.model_config, self._stage_layers,
+            isinstance(self.engine, LogprobEngine) and self.engine.computes_logprobs(),
         )  # fmt: skip
 
     def ping(self) -> int:
@@ -283,7 +296,7 @@ class PrefillActor(_ActorBase):
         out = []
         for seq in result.sequences:
             self.buffer.put(seq.request_id, seq.dense_kv, at)
-            out.append(PrefillMeta(seq.request_id, seq.first_token, seq.num_tokens, seq.num_bytes))
+            out.append(PrefillMeta(seq.request_id, seq.first_token, seq.num_tokens, seq.num_bytes, seq.first_logprobs))
         return out
 
     def renew(self, request_ids: Sequence[str]) -> int:
@@ -428,6 +441,10 @@ class DecodeActor(_ActorBase):
     def decode_step(self, batch: StepBatch) -> list[int]:
         tokens, self.pages = self.engine.decode_step(batch, self._require_pages())
         return [int(t) for t in tokens]
+
+    def decode_step_logprobs(self, batch: StepBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        tokens, logprobs, self.pages = step_tokens(self.engine, batch, self._require_pages())
+        return [int(t) for t in tokens], logprobs
 
     def rebuild(self, items: Sequence[RebuildItem]) -> None:
         """Re-prefill each context and write its KV into its blocks (the pool after a restart)."""

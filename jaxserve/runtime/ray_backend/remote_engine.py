@@ -57,6 +57,7 @@ from jaxserve.runtime.engine import (
 from jaxserve.runtime.kv_transfer import TransferState
 from jaxserve.runtime.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
 from jaxserve.runtime.ray_backend.transfer import fetch
+from jaxserve.runtime.request import TokenLogprobs
 from jaxserve.runtime.worker import FaultCounters
 from models.config import OPTConfig
 
@@ -116,6 +117,10 @@ class _RemoteBase:
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         return ()  # they live in the actor's process
+
+    def computes_logprobs(self) -> bool:
+        """`LogprobEngine`: whether the actor's engine computes logprobs (it said so at start)."""
+        return self.info.computes_logprobs
 
     def warmup(
         self,
@@ -195,7 +200,11 @@ class RemotePrefillEngine(_RemoteBase):
             self._outstanding.update(m.request_id for m in metas)
         seqs = tuple(
             PrefilledSequence(
-                m.request_id, m.first_token, m.num_tokens, HeldKV(self.name, m.num_bytes, by_id[m.request_id])
+                m.request_id,
+                m.first_token,
+                m.num_tokens,
+                HeldKV(self.name, m.num_bytes, by_id[m.request_id]),
+                m.first_logprobs,
             )
             for m in metas
         )
@@ -334,6 +343,24 @@ class RemoteDecodeEngine(_RemoteBase):
         import ray
 
         tokens: list[int] = self._call(lambda: ray.get(self.actor.decode_step.remote(batch)), self._rebuild)
+        self._after_step(batch)
+        return tokens, pages
+
+    def decode_step_logprobs(
+        self, batch: StepBatch, pages: KVPages
+    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
+        """`LogprobDecoder`: the step on the actor, with the logprobs of the rows that ask."""
+        import ray
+
+        def run() -> tuple[list[int], list[TokenLogprobs | None]]:
+            out: object = ray.get(self.actor.decode_step_logprobs.remote(batch))
+            return cast(tuple[list[int], list[TokenLogprobs | None]], out)
+
+        tokens, logprobs = self._call(run, self._rebuild)
+        self._after_step(batch)
+        return tokens, logprobs, pages
+
+    def _after_step(self, batch: StepBatch) -> None:
         # Only now is this step's KV in the pool: record it (a retry above replayed from the old state).
         in_batch = set()
         for row in batch.rows:
@@ -346,7 +373,6 @@ class RemoteDecodeEngine(_RemoteBase):
             if rid not in in_batch and rid not in self._new_since_step:
                 del self._tracked[rid]
         self._new_since_step.clear()
-        return tokens, pages
 
     @property
     def num_tracked(self) -> int:
