@@ -209,9 +209,9 @@ class ReplanConfig:
         A probe replays its sample at rates around the required one. A sample shorter than a few
         request lifetimes ends before the decode batches and the queues of a slightly overloaded
         deployment reach their steady state, so it overrates goodput near saturation: OPT-13B on
-        `prefill=4xtp4,decode=9xtp1` at 07:40 of the diurnal day, 600 requests (13 s at 46 rps)
-        predict 42-47 rps, 9,600 requests 36 rps (what an hour of that traffic really gets). A
-        duration, not a count, is what bounds that error at every rate.
+        `prefill=4xtp4,decode=9xtp1` in the diurnal day, 600-request samples of the 07:40 window
+        (13 s at 46 rps) predict 41-47 rps; on hour 08's requests 600 predict 42 rps and 9,600 36 rps
+        (what that hour really got). A duration, not a count, is what bounds that error at every rate.
         """
         return max(self.num_requests, math.ceil(required_rps * self.probe_s))
 
