@@ -16,7 +16,9 @@ one through the runtime's generic switch (`jaxserve/runtime/switch.py`).
 * a daemon thread ticks every `slice_s`: the detector checks the window; when it fires (mode
   advise or auto) a replan round (`ReplanJob`) runs in a background process (`BackgroundReplanner`:
   the search never stalls serving) and the detector starts its cool-down; a finished round's
-  decision is logged with its reasons either way and kept for `GET /debug/workload`. In `advise`
+  decision is logged with its reasons either way and kept for `GET /debug/workload`; the goodput it
+  predicts for the plan left serving goes to the detector (`set_capacity`), whose overload trigger
+  then fires through the cool-down once the load eats that plan's headroom. In `advise`
   mode the better plan is only exposed; in `auto` a decision to switch is applied at once.
   `weights_load_s` of the switch cost is the measured start-up (engine build) time, or the last
   switch's build + warm-up; `drain_s` is the p90 of recent request durations.
@@ -65,7 +67,8 @@ class ReplanLoopConfig:
     headroom: float = 1.2
     min_gain: float = 0.05
     horizon_s: float | None = None  # default: the detector's cool-down (at least 60 s)
-    num_requests: int = 600  # requests sampled from the window per goodput probe
+    num_requests: int = 600  # requests sampled from the window per goodput probe, at least ...
+    probe_s: float = 60.0  # ... this many seconds of traffic at the required rate (ReplanConfig.sample_size)
     default_drain_s: float = 10.0  # before any request finished
 
     def __post_init__(self) -> None:
@@ -224,12 +227,13 @@ class ReplanLoop:
             weights = last.build_s + last.warmup_s
         return ReplanConfig(
             headroom=cfg.headroom, min_gain=cfg.min_gain, weights_load_s=weights, drain_s=drain,
-            horizon_s=horizon, num_requests=cfg.num_requests,
+            horizon_s=horizon, num_requests=cfg.num_requests, probe_s=cfg.probe_s,
         )  # fmt: skip
 
     def _on_outcome(self, outcome: ReplanOutcome) -> None:
         record = outcome.to_dict()
         decision = outcome.decision
+        applied = False
         if decision is None:
             log.warning("replan round failed: %s", outcome.error)
             record["action"] = "none"
@@ -247,12 +251,16 @@ class ReplanLoop:
             log.info("replan: switching to %s: %s", decision.candidate.plan.describe(), " | ".join(decision.reasons))
             try:
                 report = self.apply_deployment(decision.candidate.plan)
+                applied = True
                 record["action"] = "switched"
                 record["switch"] = report
             except Exception as e:
                 log.exception("replan: the switch to %s failed", decision.candidate.plan.describe())
                 record["action"] = "switch_failed"
                 record["error"] = f"{type(e).__name__}: {e}"
+        if decision is not None:  # the serving plan's predicted goodput: the detector's overload trigger
+            with self._lock:
+                self.detector.set_capacity(decision.serving_goodput_rps(applied))
         self.last_decision = record
 
     # ---- step corrections -------------------------------------------------------------------

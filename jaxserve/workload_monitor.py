@@ -24,6 +24,15 @@ completed slice for `sustain_s` before it fires, and it never fires within `cool
 replan (`mark_replanned`, which also makes the current window the new reference). "Hold for
 `sustain_s`" means: it fires at the first check at least `sustain_s` after the first check that saw
 the shift, with every check in between seeing it too (one that does not resets the clock).
+
+One shift is not held back by the cool-down: *overload*. When the replanner reports the goodput it
+predicts for the plan now serving (`set_capacity`), a window whose rate × `capacity_margin` exceeds
+that goodput means the plan has used up its headroom; sustained for `sustain_s`, that fires even
+while cooling down (a plan that cannot carry the load must not wait out the cool-down). It only
+counts when the plan covered its reference window with that margin (capacity ≥ reference rate ×
+margin): a plan that was already short when it was adopted — the planner found nothing better —
+would get the same answer from another round, so only the ordinary rate trigger, after the
+cool-down, asks again.
 """
 
 from __future__ import annotations
@@ -384,13 +393,18 @@ class DetectorConfig:
     ks_alpha: float = 0.01  # ... when also significant at this level
     min_requests: int = 50  # fewer arrivals (or finishes) in the window than this: no verdict on it
     sustain_s: float = 120.0  # a shift must hold this long (in completed slices) before it fires
-    cooldown_s: float = 1800.0  # never two replans closer than this
+    cooldown_s: float = 1800.0  # never two replans closer than this ...
+    # ... unless the window's rate × this exceeds the current plan's predicted goodput (overload;
+    # None: no overload trigger)
+    capacity_margin: float | None = 1.1
 
     def __post_init__(self) -> None:
         if self.rate_change <= 0 or not 0 < self.min_ks < 1 or not 0 < self.ks_alpha < 1:
             raise ValueError("rate_change > 0, 0 < min_ks < 1 and 0 < ks_alpha < 1 required")
         if self.sustain_s < 0 or self.cooldown_s < 0 or self.min_requests < 1:
             raise ValueError("sustain_s, cooldown_s >= 0 and min_requests >= 1 required")
+        if self.capacity_margin is not None and self.capacity_margin <= 0:
+            raise ValueError("capacity_margin must be > 0 (or None)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,13 +419,15 @@ class ShiftCheck:
     output_ks: float | None
     shifted_since: float | None
     fire: bool
+    overloaded: bool = False  # the rate × capacity_margin exceeds the plan's predicted goodput
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
 class ShiftDetector:
-    """Fires when the window has differed from the reference for `sustain_s`, at most once per cool-down.
+    """Fires when the window has differed from the reference for `sustain_s`, at most once per cool-down
+    (an overload of the plan's predicted goodput excepted; see the module docstring).
 
     Call `check(window)` after each completed slice (repeating it within a slice changes nothing).
     The first window checked with at least `min_requests` arrivals becomes the reference unless
@@ -421,14 +437,34 @@ class ShiftDetector:
     def __init__(self, config: DetectorConfig | None = None) -> None:
         self.config = config or DetectorConfig()
         self.reference: WindowStats | None = None
+        self.capacity_rps: float | None = None  # the serving plan's predicted goodput (None: unknown)
         self.last_replan_at: float | None = None
         self.shifted_since: float | None = None
         self.last_check: ShiftCheck | None = None
         self._last_checked_end: float | None = None
+        self._overloaded_since: float | None = None
 
     def set_reference(self, window: WindowStats) -> None:
         self.reference = window
         self.shifted_since = None
+        self._overloaded_since = None
+
+    def set_capacity(self, goodput_rps: float | None) -> None:
+        """The goodput the replanner predicts for the plan now serving (the plan a round kept or
+        switched to); None: unknown, no overload trigger."""
+        self.capacity_rps = goodput_rps
+
+    def overloaded(self, window: WindowStats) -> str | None:
+        """Why the window overloads the serving plan (None when it does not, or cannot be judged)."""
+        cfg, ref, cap = self.config, self.reference, self.capacity_rps
+        margin = cfg.capacity_margin
+        if margin is None or cap is None or ref is None or window.num_arrivals < cfg.min_requests:
+            return None
+        if cap < ref.rate * margin:  # short already when adopted: another round would say the same
+            return None
+        if window.rate * margin <= cap:
+            return None
+        return f"rate {window.rate:.3g} rps x margin {margin:g} exceeds the plan's predicted goodput {cap:.3g} rps"
 
     def mark_replanned(self, now: float, window: WindowStats) -> None:
         """A replan ran (whether or not it switched): start the cool-down; `window` is the new reference."""
@@ -475,24 +511,36 @@ class ShiftDetector:
             self.last_check = check
             return check
         reasons, ratio, in_ks, out_ks = self.compare(window)
+        overload = self.overloaded(window)
+        if overload is not None:
+            reasons.append(overload)
         shifted = bool(reasons)
         if not shifted:
             self.shifted_since = None
         elif self.shifted_since is None:
             self.shifted_since = now  # the end of the first window that showed it
+        if overload is None:
+            self._overloaded_since = None
+        elif self._overloaded_since is None:
+            self._overloaded_since = now
         fire = False
         if shifted:
             assert self.shifted_since is not None
             held = now - self.shifted_since
             cooling = self.last_replan_at is not None and now - self.last_replan_at < cfg.cooldown_s
+            overload_held = self._overloaded_since is not None and now - self._overloaded_since >= cfg.sustain_s
             if held < cfg.sustain_s:
                 reasons.append(f"held {held:g} s of {cfg.sustain_s:g} s")
-            elif cooling:
+            elif cooling and not overload_held:
                 assert self.last_replan_at is not None
                 reasons.append(f"cooling down until {self.last_replan_at + cfg.cooldown_s:g}")
             else:
+                if cooling:
+                    reasons.append("overloaded: the cool-down does not hold this back")
                 fire = True
-        check = ShiftCheck(now, shifted, tuple(reasons), ratio, in_ks, out_ks, self.shifted_since, fire)
+        check = ShiftCheck(
+            now, shifted, tuple(reasons), ratio, in_ks, out_ks, self.shifted_since, fire, overload is not None
+        )
         self.last_check = check
         return check
 
@@ -500,6 +548,7 @@ class ShiftDetector:
         return {
             "config": dataclasses.asdict(self.config),
             "reference": self.reference.to_dict() if self.reference is not None else None,
+            "capacity_rps": self.capacity_rps,
             "last_replan_at": self.last_replan_at,
             "shifted_since": self.shifted_since,
             "last_check": self.last_check.to_dict() if self.last_check is not None else None,

@@ -6,7 +6,9 @@ Three parts, one role each:
   draws prompt and output lengths from the window's histograms (independently: the histograms do not
   keep the pairing), and `CorrectedLatency` multiplies the latency model's prefill and decode step
   times by the factors the window observed (Σ observed / Σ predicted step time per role, the
-  prediction of each recorded step from `predicted_step_s`).
+  prediction of each recorded step from `predicted_step_s`). The sample holds
+  `ReplanConfig.sample_size(required rate)` requests: at least `probe_s` seconds of traffic at the
+  rate the plan must carry, since a shorter probe overrates goodput near saturation.
 * `plan_for_rate`, the one adapter to the planner: `placement.planner.choose_plan` for a target
   rate, the call `jaxserve plan --rate R --kind K` makes, so the replanner and `jaxserve plan` choose
   the same deployment for the same workload; its goodput is the planner's (the joint simulation of a
@@ -22,7 +24,11 @@ Three parts, one role each:
   Every decision carries its reasons.
 
 `replan(job)` runs a whole round (search, both estimates, decision) as one picklable function, and
-`BackgroundReplanner` runs it in a worker process so the search never stalls a serving loop.
+`BackgroundReplanner` runs it in a worker process so the search never stalls a serving loop. The
+goodput of the plan a round leaves serving (`ReplanDecision.serving_goodput_rps`) goes back to the
+shift detector (`ShiftDetector.set_capacity`): a load that eats its headroom fires the next round
+through the cool-down. The runtime loop (`jaxserve/replanning.py`) and the simulated one
+(`placement/replan_sim.py`) both do exactly this.
 """
 
 from __future__ import annotations
@@ -186,14 +192,28 @@ class ReplanConfig:
     weights_load_s: float = 120.0  # new instances: load weights and warm up (measured on the deployment)
     drain_s: float = 60.0  # old instances: finish what they hold
     horizon_s: float = 3600.0  # how long a new plan is expected to serve (at least the detector's cool-down)
-    num_requests: int = 600  # requests sampled from the window for each goodput probe
+    num_requests: int = 600  # requests sampled from the window for each goodput probe, at least ...
+    probe_s: float = 60.0  # ... this many seconds of traffic at the required rate (see `sample_size`)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.headroom < 1 or self.min_gain < 0 or self.horizon_s <= 0 or self.num_requests < 10:
             raise ValueError("headroom >= 1, min_gain >= 0, horizon_s > 0 and num_requests >= 10 required")
-        if self.weights_load_s < 0 or self.drain_s < 0:
-            raise ValueError("weights_load_s and drain_s must be >= 0")
+        if self.weights_load_s < 0 or self.drain_s < 0 or self.probe_s < 0:
+            raise ValueError("weights_load_s, drain_s and probe_s must be >= 0")
+
+    def sample_size(self, required_rps: float) -> int:
+        """Requests per goodput probe: `num_requests`, or `probe_s` seconds of traffic at `required_rps`
+        if that is more.
+
+        A probe replays its sample at rates around the required one. A sample shorter than a few
+        request lifetimes ends before the decode batches and the queues of a slightly overloaded
+        deployment reach their steady state, so it overrates goodput near saturation: OPT-13B on
+        `prefill=4xtp4,decode=9xtp1` in the diurnal day, 600-request samples of the 07:40 window
+        (13 s at 46 rps) predict 41-47 rps; on hour 08's requests 600 predict 42 rps and 9,600 36 rps
+        (what that hour really got). A duration, not a count, is what bounds that error at every rate.
+        """
+        return max(self.num_requests, math.ceil(required_rps * self.probe_s))
 
     def switch_cost(self, current_devices: int, added_devices: int, removed_devices: int) -> float:
         """The switch's idle device-seconds (added instances loading, removed ones draining) as a share
@@ -227,6 +247,11 @@ class ReplanDecision:
     @property
     def chosen(self) -> PlanEstimate:
         return self.candidate if self.switch else self.current
+
+    def serving_goodput_rps(self, applied: bool) -> float:
+        """The predicted goodput of the plan serving after this decision: the candidate's when the
+        switch was `applied`, else the current plan's (kept, only advised, or a failed switch)."""
+        return self.candidate.goodput_rps if self.switch and applied else self.current.goodput_rps
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -298,10 +323,12 @@ class ReplanOutcome:
     job: ReplanJob
     decision: ReplanDecision | None
     error: str | None = None
+    num_requests: int = 0  # requests per goodput probe (`ReplanConfig.sample_size`)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "requested_at": self.job.requested_at,
+            "num_requests": self.num_requests,
             "decision": self.decision.to_dict() if self.decision else None,
             "error": self.error,
         }
@@ -310,17 +337,18 @@ class ReplanOutcome:
 def replan(job: ReplanJob) -> ReplanOutcome:
     """Search a plan for the window's workload and decide whether to switch to it."""
     cfg, window = job.config, job.window
+    required = window.rate * cfg.headroom
+    n = cfg.sample_size(required)
     try:
-        workload = empirical_workload(window, cfg.num_requests, cfg.seed, job.context.cfg.max_position_embeddings)
+        workload = empirical_workload(window, n, cfg.seed, job.context.cfg.max_position_embeddings)
         ctx = dataclasses.replace(
             job.context, workload=workload, latency=CorrectedLatency.from_window(job.context.latency, window)
         )
-        required = window.rate * cfg.headroom
         candidate = plan_for_rate(ctx, required, kind=job.current.kind)
         current = estimate(ctx, job.current)
     except (PlanError, ValueError) as e:
-        return ReplanOutcome(job, None, f"{type(e).__name__}: {e}")
-    return ReplanOutcome(job, decide(current, candidate, required, cfg))
+        return ReplanOutcome(job, None, f"{type(e).__name__}: {e}", n)
+    return ReplanOutcome(job, decide(current, candidate, required, cfg), None, n)
 
 
 class BackgroundReplanner:

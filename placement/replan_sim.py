@@ -5,6 +5,9 @@
 * `adaptive` — the replanning loop: the workload monitor (`jaxserve/workload_monitor.py`) is fed every
   arrival, its shift detector is checked at each slice end, and when it fires a replan round
   (`placement/replan.py`: search on the window's empirical workload, then the switch decision) runs.
+  The detector knows the predicted goodput of the plan serving (the initial plan's, then what each
+  round leaves serving), so a load that eats the plan's headroom fires through the cool-down — the
+  runtime loop feeds it the same way.
   A switch is charged as unavailable devices: instances of the same role and shape in both plans are
   kept; the instances the new plan adds are held from the end of the search (`search_s`, during which
   the old plan serves alone) through weights loading and warm-up (`weights_load_s`) before they take
@@ -26,7 +29,8 @@ arrival (the runtime sees it at the finish, seconds later); the step-time correc
 briefly hold more devices than the cluster has (the report gives the peak). With a compressed day
 (`hour_s` < 3600) every control-loop duration — windows, slices, sustain, cool-down, search time,
 weights load, drain estimate, horizon — is scaled by `hour_s / 3600` too, so the loop's timing
-relative to the cycle is that of a real day; request latencies are not scaled.
+relative to the cycle is that of a real day; request latencies are not scaled, nor is the traffic a
+goodput probe replays (`ReplanConfig.probe_s`, a duration of request dynamics).
 """
 
 from __future__ import annotations
@@ -89,7 +93,6 @@ class Experiment:
     num_hours: int = 24
     loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     options: SimOptions = dataclasses.field(default_factory=SimOptions)
-    plan_requests: int = 600  # requests per goodput probe when planning
     max_pp: int | None = 1
     kind: PlanKind = "disagg"  # what every plan is searched as (`jaxserve plan --kind`; a live switch keeps it)
     seed: int = 0
@@ -100,6 +103,12 @@ class Experiment:
 
     def context(self, workload: Workload) -> SearchContext:
         return SearchContext(self.latency, self.cluster, workload, self.slo, self.options, max_pp=self.max_pp)
+
+    def sample_size(self, required_rps: float) -> int:
+        """Requests per goodput probe when planning for `required_rps`, static plans included: the
+        replan rounds' rule (`ReplanConfig.sample_size`; its `probe_s` is a request-latency
+        duration, never compressed with the day)."""
+        return self.loop.replan.sample_size(required_rps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +181,7 @@ def static_plan(exp: Experiment, trace: Workload, which: str) -> tuple[PlanEstim
         why = f"day mean {rate:.3g} rps x headroom {headroom:g}, whole-day length mix"
     else:
         raise ValueError(f"unknown static plan {which!r}")
-    sample = planning_sample(source, exp.plan_requests, exp.seed)
+    sample = planning_sample(source, exp.sample_size(rate * headroom), exp.seed)
     return plan_for_rate(exp.context(sample), rate * headroom, kind=exp.kind), why
 
 
@@ -205,11 +214,13 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
     loop = exp.loop.scaled(exp.hour_s / 3600.0)
     first = select(trace, hour_of(trace, exp.hour_s) == 0)
     rate0 = len(first) / exp.hour_s
+    required0 = rate0 * loop.replan.headroom
     initial = plan_for_rate(
-        exp.context(planning_sample(first, exp.plan_requests, exp.seed)), rate0 * loop.replan.headroom, kind=exp.kind
+        exp.context(planning_sample(first, exp.sample_size(required0), exp.seed)), required0, kind=exp.kind
     )
     monitor = WorkloadMonitor(loop.monitor)
     detector = ShiftDetector(loop.detector)
+    detector.set_capacity(initial.goodput_rps)
     epochs = [Epoch(initial.plan, 0.0, 0.0, math.inf)]
     decisions: list[dict[str, object]] = []
     ctx = exp.context(planning_sample(first, 16, exp.seed))  # its workload is replaced per round
@@ -231,6 +242,8 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
         job = ReplanJob(epochs[-1].plan, window, ctx, dataclasses.replace(loop.replan, seed=exp.seed + k), now)
         outcome = replan(job)
         detector.mark_replanned(now, window)
+        if outcome.decision is not None:
+            detector.set_capacity(outcome.decision.serving_goodput_rps(applied=True))
         entry: dict[str, object] = {"at_hour": now / exp.hour_s, "trigger": list(check.reasons), **outcome.to_dict()}
         decisions.append(entry)
         if outcome.decision is not None and outcome.decision.switch:

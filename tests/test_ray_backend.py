@@ -532,6 +532,54 @@ def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(
         controller.shutdown(drain_timeout_s=5)
 
 
+def _kill_and_wait_for_restart(actor) -> None:
+    """Kill an idle actor and wait for its new incarnation without calling through the proxy."""
+    pid_before = ray.get(actor.ping.remote())
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(actor.ping.remote(), timeout=10) != pid_before:
+                return
+        except ray.exceptions.RayActorError:
+            time.sleep(0.2)
+    raise AssertionError("the actor did not come back")
+
+
+def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, reference) -> None:
+    """Bucket warm-up at launch, then both actors killed while idle. Each new incarnation is cold; its
+    proxy notices at the first call (the prefill actor refuses a `warm` call cold, the decode actor has
+    no pool), runs the launch's warm-ups in it again and only then the call. The prefill actor ends the
+    burst with exactly the compilations the launch's warm-up left (traffic compiled nothing). The decode
+    actor also re-prefills the sequences it tracked (the warm-up request's, here) into its fresh pool,
+    which compiles prefill programs its warm-up does not cover; it ends with at least the launch's
+    count, and a second burst compiles nothing in either actor."""
+    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
+    controller.start()
+    try:
+        controller.warmup()
+        names = ("prefill-0", "decode-0")
+        warmed = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
+        restarts = controller.fault_stats().num_instance_restarts
+        for n in names:
+            _kill_and_wait_for_restart(controller.actor(n))
+        assert not any(ray.get(controller.actor(n).is_warm.remote()) for n in names)
+        cold = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}  # building the engine
+        assert all(cold[n] < warmed[n] for n in names), (cold, warmed)
+        got = _run_streaming(controller, "rewarm")
+        assert got == reference
+        assert all(ray.get(controller.actor(n).is_warm.remote()) for n in names)
+        after = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
+        assert after["prefill-0"] == warmed["prefill-0"]
+        assert after["decode-0"] >= warmed["decode-0"]
+        assert controller.fault_stats().num_instance_restarts == restarts + 2
+        assert _run_streaming(controller, "rewarm2") == reference
+        assert {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names} == after
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+
+
 def test_live_switch_on_ray_under_load_loses_nothing_and_kills_the_retired_actors(cluster, reference) -> None:
     """prefill=tp2,decode=tp1 -> prefill=tp1,decode=2xtp1 while requests stream: the decode actor is kept, a
     tp1 prefill actor and a second decode actor are started (own placement), warmed and routed; the tp2

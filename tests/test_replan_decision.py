@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from placement.replan import (
     ReplanJob,
     decide,
     empirical_workload,
+    estimate,
     plan_delta,
     plan_for_rate,
     predicted_step_s,
@@ -39,6 +41,66 @@ P6 = parse_deployment("disagg:prefill=tp4,decode=tp2")  # 6 devices
 P4 = parse_deployment("disagg:prefill=tp2,decode=tp2")  # 4 devices
 P8 = parse_deployment("disagg:prefill=tp4,decode=2xtp2")  # 8 devices
 P6B = parse_deployment("disagg:prefill=tp2,decode=tp4")  # 6 devices
+
+
+def test_a_probe_replays_at_least_probe_s_seconds_of_traffic_at_the_required_rate() -> None:
+    cfg = ReplanConfig(num_requests=600, probe_s=60.0)
+    assert cfg.sample_size(46.0) == 2760  # 46 rps x 60 s
+    assert cfg.sample_size(5.0) == 600  # 300 requests would last 60 s: the count is the floor
+    assert cfg.sample_size(10.01) == 601  # ceil(600.6)
+    assert ReplanConfig(num_requests=600, probe_s=0.0).sample_size(46.0) == 600
+    with pytest.raises(ValueError, match="probe_s"):
+        ReplanConfig(probe_s=-1.0)
+
+
+def test_the_serving_plans_goodput_after_a_decision() -> None:
+    switch = decide(PlanEstimate(P6, 13.0), PlanEstimate(P4, 9.0), 8.0, CFG)
+    assert switch.switch
+    assert switch.serving_goodput_rps(applied=True) == 9.0  # switched: the candidate serves
+    assert switch.serving_goodput_rps(applied=False) == 13.0  # advised only, or the switch failed
+    keep = decide(PlanEstimate(P4, 9.0), PlanEstimate(P4, 9.5), 8.0, CFG)
+    assert not keep.switch and keep.serving_goodput_rps(applied=True) == 9.0
+
+
+def test_a_60_s_probe_does_not_overrate_the_plan_the_diurnal_day_missed_an_hour_with() -> None:
+    """The 24 h experiment's round at 07:40 (OPT-13B, A100 coefficients, the generated day at 600 s
+    hours): window rate 35.38 rps, required 35.38 x 1.3 = 46.0 rps. On the round's own sample (seed
+    920), 600 requests (13 s at 46 rps) rated the serving prefill=4xtp4,decode=9xtp1 at 46.9 rps, so
+    the round kept it, and hour 08 ran at 71 % attainment (an hour of that traffic gets ~36 rps).
+    60 s of traffic at 46 rps (2,760 requests) rates it below the required rate: the round replaces it.
+    """
+    from placement.replan_sim import LoopConfig
+    from placement.timevarying import DiurnalSpec, generate_diurnal
+
+    trace = generate_diurnal(DiurnalSpec(), 600.0, np.random.default_rng(0))
+    loop = LoopConfig().scaled(600.0 / 3600.0)
+    now = 7 * 600.0 + 400.0  # 07:40
+    mon = WorkloadMonitor(loop.monitor)
+    m = (trace.arrival_at >= now - loop.monitor.window_s) & (trace.arrival_at < now)
+    arrivals, inputs, outputs = (
+        trace.arrival_at[m].tolist(),
+        trace.input_lens[m].tolist(),
+        trace.output_lens[m].tolist(),
+    )
+    for t, i, o in zip(arrivals, inputs, outputs, strict=True):
+        mon.record_arrival(t, i)
+        mon.record_finish(t, o, None, None)
+    window = mon.window(now)
+    assert window.num_arrivals == 1769
+    required = window.rate * loop.replan.headroom
+    assert required == pytest.approx(45.994)
+    lat = _latency()
+    cluster = ClusterSpec(lat.device, 8, 8, inter_node_bandwidth=800e9 / 8)
+    plan = parse_deployment("disagg:prefill=4xtp4,decode=9xtp1")
+
+    def goodput(n: int) -> float:
+        ctx = SearchContext(lat, cluster, empirical_workload(window, n, 920), SloSpec(0.25, 0.1), max_pp=1)
+        return estimate(ctx, plan).goodput_rps
+
+    assert goodput(600) > required  # the old fixed count: "covers it", keep
+    n = loop.replan.sample_size(required)
+    assert n == 2760
+    assert goodput(n) < 0.95 * required  # 41.5 rps
 
 
 def test_switch_cost_counts_only_the_instances_that_change() -> None:
@@ -154,7 +216,8 @@ def _job(current: str) -> ReplanJob:
     cluster = ClusterSpec(lat.device, 4, 8, inter_node_bandwidth=800e9 / 8)
     window = _window_of("longbench", 10.0, 120).window(120.0)
     ctx = SearchContext(lat, cluster, empirical_workload(window, 50, 0), SloSpec(0.25, 0.1), max_pp=1)
-    return ReplanJob(parse_deployment(current), window, ctx, ReplanConfig(num_requests=300), requested_at=120.0)
+    config = ReplanConfig(num_requests=300, probe_s=30.0)
+    return ReplanJob(parse_deployment(current), window, ctx, config, requested_at=120.0)
 
 
 def test_replan_moves_a_chat_plan_to_more_prefill_for_long_prompts() -> None:
@@ -164,6 +227,7 @@ def test_replan_moves_a_chat_plan_to_more_prefill_for_long_prompts() -> None:
     assert d.required_rps == pytest.approx(10.0 * 1.2, rel=0.1)
     assert d.current.goodput_rps < d.required_rps <= d.candidate.goodput_rps
     assert d.switch
+    assert out.num_requests == math.ceil(d.required_rps * 30.0) > 300  # 30 s of traffic at the required rate
     prefill_devices = sum(i.num_devices for i in d.candidate.plan.of_role("prefill"))
     assert prefill_devices > 4  # long prompts: more prefill than the chat plan had
     json.dumps(out.to_dict())

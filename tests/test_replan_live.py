@@ -187,6 +187,9 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         assert first_decode() is None  # the retired instance is gone, its KV pool with it
         snap = loop.workload_snapshot()
         assert snap["num_switches"] == 1 and snap["plan"] == new_plan.describe()
+        # the detector's overload trigger now watches the new plan's predicted goodput
+        assert loop.detector.capacity_rps == d["candidate"]["goodput_rps"]  # type: ignore[index]
+        assert snap["detector"]["capacity_rps"] == loop.detector.capacity_rps  # type: ignore[index]
     finally:
         loop.stop()
         c.shutdown()
@@ -204,6 +207,8 @@ def test_advise_exposes_the_better_plan_and_keeps_serving_the_current_one() -> N
         advised = snap["advised_plan"]
         assert isinstance(advised, dict)
         assert DeploymentPlan.from_dict(advised).describe() == decision["decision"]["candidate"]["plan"]  # type: ignore[index]
+        # only advised: the plan still serving is the current one, and so is the goodput the detector watches
+        assert loop.detector.capacity_rps == decision["decision"]["current"]["goodput_rps"]  # type: ignore[index]
     finally:
         loop.stop()
         c.shutdown()

@@ -165,3 +165,67 @@ def test_length_shift_is_detected_by_ks_at_the_same_rate() -> None:
     assert check.input_ks == pytest.approx(1.0) and check.rate_ratio == pytest.approx(1.0)
     assert check.reasons[0].startswith("prompt lengths moved (KS 1.000")
     json.dumps(det.snapshot())
+
+
+def _overload_run(capacity: float | None, margin: float | None = 1.1) -> tuple[list[int], dict[int, object]]:
+    """10 rps until 60 s, then 11 rps (+10 %: under the 25 % rate trigger). A round at 30 s adopted a plan
+    predicted at `capacity` rps and started a 600 s cool-down."""
+    mon = WorkloadMonitor(MonitorConfig(window_s=60, slice_s=30))
+    det = ShiftDetector(
+        DetectorConfig(rate_change=0.25, min_requests=10, sustain_s=60, cooldown_s=600, capacity_margin=margin)
+    )
+    phases = [(0, 60, 10, 100), (60, 400, 11, 100)]
+    fired, checks = [], {}
+    for now in range(30, 400, 30):
+        _run_slice(mon, phases, now)
+        window = mon.window(float(now))
+        check = det.check(window)
+        checks[now] = check
+        if now == 30 or check.fire:
+            det.mark_replanned(float(now), window)
+            if now == 30:
+                det.set_capacity(capacity)
+            else:
+                fired.append(now)
+    return fired, checks
+
+
+def test_an_overload_of_the_plans_predicted_goodput_fires_through_the_cool_down() -> None:
+    # capacity 11.6 covered the reference (10 rps x 1.1 = 11); the window 30..90 holds 300 + 330
+    # arrivals (10.5 rps x 1.1 = 11.55 <= 11.6), the window 60..120 11 rps (x 1.1 = 12.1 > 11.6):
+    # overloaded from 120, held 60 s at 180, long before the cool-down ends (30 + 600)
+    fired, checks = _overload_run(11.6)
+    assert fired == [180]
+    assert not checks[90].shifted and checks[120].overloaded and checks[120].rate_ratio == pytest.approx(1.1)
+    assert checks[150].reasons[-1] == "held 30 s of 60 s"
+    assert checks[180].reasons == (
+        "rate 11 rps x margin 1.1 exceeds the plan's predicted goodput 11.6 rps",
+        "overloaded: the cool-down does not hold this back",
+    )
+    # after that round the reference is the 11 rps window and nobody reported a better plan:
+    # 11.6 < 11 x 1.1, short already when adopted, so it does not fire again
+    assert not any(c.fire for t, c in checks.items() if t > 180)
+    assert not checks[240].overloaded
+
+
+@pytest.mark.parametrize(
+    ("capacity", "margin"),
+    [
+        (None, 1.1),  # no prediction known (before the first round)
+        (12.5, 1.1),  # 11 x 1.1 = 12.1 <= 12.5: headroom left
+        (10.5, 1.1),  # short of the reference's 10 x 1.1 = 11 when adopted
+        (11.6, None),  # overload trigger off
+    ],
+)
+def test_no_overload_fire_without_a_covering_prediction_that_the_load_exceeds(
+    capacity: float | None, margin: float | None
+) -> None:
+    fired, checks = _overload_run(capacity, margin)
+    assert fired == []
+    assert not any(c.overloaded for c in checks.values())
+    json.dumps(ShiftDetector().snapshot())
+
+
+def test_capacity_margin_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="capacity_margin"):
+        DetectorConfig(capacity_margin=0.0)

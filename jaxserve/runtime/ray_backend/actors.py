@@ -20,7 +20,8 @@ ran out.
 Both compile every padded shape before traffic when the controller asks (`warmup`, the same
 `BucketWarmable.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
 their XLA compilations (`num_compiles`), so a test can see that traffic after the warm-up compiles
-nothing.
+nothing. A restarted incarnation is cold: a call that expects a warmed actor (`prefill(items,
+warm=True)`) raises `ActorRestartedError` there, so the controller warms it again first.
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
 the order (retries, then recompute or fail per `TransferConfig`), checks the
@@ -82,7 +83,8 @@ EngineKind = Literal["opt", "fake"]
 
 
 class ActorRestartedError(RuntimeError):
-    """A call reached a restarted decode actor whose pool the controller has not rebuilt yet."""
+    """A call reached a restarted actor the controller has not recovered yet: a decode actor without
+    its pool, or an actor the controller had warmed that has not been warmed again."""
 
 
 class IncompatiblePeerError(ValueError):
@@ -242,6 +244,7 @@ class _ActorBase:
         self._signature = ModelSignature.of(self.engine.model_config, spec.dtype, spec.block_size)
         self._stage_layers = self.engine.kv_layout().stage_layers
         self._server = start_transfer_server() if transfer.mechanism == "jax" else None
+        self.warmed = False  # this incarnation ran `warmup` (a restart starts cold again)
 
     def info(self) -> ActorInfo:
         import ray
@@ -264,10 +267,19 @@ class _ActorBase:
         """Compile every padded shape `options` allow (`BucketWarmable.warmup`); seconds. An engine that
         cannot (the fake one) does nothing."""
         if not isinstance(self.engine, BucketWarmable):
+            self.warmed = True
             return 0.0
         started = time.monotonic()
         self._warm(self.engine, options)
+        self.warmed = True
         return time.monotonic() - started
+
+    def is_warm(self) -> bool:
+        return self.warmed
+
+    def _require_warm(self, warm: bool) -> None:
+        if warm and not self.warmed:  # the controller warmed an earlier incarnation: Ray restarted this one
+            raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) is cold: restarted, not warmed again")
 
     def _warm(self, engine: BucketWarmable, options: WarmupOptions) -> None:
         engine.warmup(**options)  # type: ignore[arg-type]
@@ -289,7 +301,10 @@ class PrefillActor(_ActorBase):
             time.sleep(min(self.transfer.lease_s / 4, 0.25))
             self.buffer.expire(time.monotonic())
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[PrefillMeta]:
+    def prefill(self, items: Sequence[PrefillItem], warm: bool = False) -> list[PrefillMeta]:
+        """Run the batch and hold each KV under a lease. `warm`: the caller warmed this actor; a cold
+        (restarted) incarnation refuses rather than compile under traffic."""
+        self._require_warm(warm)
         result = self.engine.prefill(items)
         jax.block_until_ready([s.dense_kv for s in result.sequences])
         at = time.monotonic()
@@ -375,10 +390,12 @@ class DecodeActor(_ActorBase):
             raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
         return to_layout(from_host(host), self.layout), host_num_bytes(host)
 
-    def pull(self, order: PullOrder) -> PullReport:
-        """Stage one request's KV here: pulled from its prefill actor, or recomputed when that fails."""
+    def pull(self, order: PullOrder, warm: bool = False) -> PullReport:
+        """Stage one request's KV here: pulled from its prefill actor, or recomputed when that fails.
+        `warm`: as for `PrefillActor.prefill` (a cold incarnation refuses)."""
         import ray
 
+        self._require_warm(warm)
         self._check_peer(order)
         started_at = time.monotonic()
         failures: list[str] = []

@@ -19,7 +19,11 @@ of `scheduling.py`) drive these proxies exactly as they drive a local engine:
   the staged KV into the pool (`insert_staged`).
 
 Failures: a proxy that sees its actor die (`RayActorError`) waits for Ray to
-restart it (`max_restarts`), then retries the call. Prefill: the batch runs
+restart it (`max_restarts`), then retries the call. A proxy that warmed its
+actor (`warmup`) runs the same warm-ups in the new incarnation again before
+the retry, so a restarted actor never compiles under traffic (a prefill actor
+restarted between two calls is noticed by the same means: a prefill call marked
+`warm` refuses on a cold actor). Prefill: the batch runs
 again on the restarted actor (its requests never left the controller's queue;
 KV the dead actor held is recomputed by the decode side). Decode: the proxy
 knows, for every sequence in the pool, every token whose KV it held (prompt +
@@ -109,6 +113,7 @@ class _RemoteBase:
         self._model_config = model_config
         self.restart_timeout_s = restart_timeout_s
         self.counters = counters
+        self._warmups: list[dict[str, int | bool | None]] = []  # every warm-up's options (a restart repeats them)
 
     @property
     def model_config(self) -> OPTConfig:
@@ -149,11 +154,32 @@ class _RemoteBase:
             "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows,
         }  # fmt: skip
         seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
+        if options not in self._warmups:
+            self._warmups.append(options)
         log.info("%s warmed its buckets in %.1f s", self.name, seconds)
         return _Warmed(pages)
 
+    @property
+    def warmed(self) -> bool:
+        """Whether the controller warmed this instance (then a cold incarnation must be warmed again)."""
+        return bool(self._warmups)
+
+    def _rewarm(self) -> None:
+        """After a restart: the new incarnation runs the warm-ups the old one ran, in order, before any traffic."""
+        import ray
+
+        if not self._warmups:
+            return
+        seconds = sum(cast(float, ray.get(self.actor.warmup.remote(options))) for options in self._warmups)
+        log.warning("%s restarted: warmed its buckets again in %.1f s", self.name, seconds)
+
+    def _recover(self) -> None:
+        """After a restart, before the call is tried again: what the new incarnation needs first."""
+        self._rewarm()
+
     def _call(self, fn: Callable[[], T], on_restart: Callable[[], None] | None = None) -> T:
-        """Run `fn` (one actor call); on actor death wait for the restart, run `on_restart`, try again."""
+        """Run `fn` (one actor call); on actor death wait for the restart, recover it (`_recover`), run
+        `on_restart`, try again."""
         import ray
 
         while True:
@@ -165,6 +191,7 @@ class _RemoteBase:
             except ActorRestartedError:  # it died and came back between two of our calls
                 log.warning("%s was restarted between calls", self.name)
             self.counters.count("instance_restart")
+            self._recover()
             if on_restart is not None:
                 on_restart()
 
@@ -189,7 +216,7 @@ class RemotePrefillEngine(_RemoteBase):
         import ray
 
         def run() -> list:  # type: ignore[type-arg]
-            return ray.get(self.actor.prefill.remote(list(items)))
+            return ray.get(self.actor.prefill.remote(list(items), self.warmed))
 
         def rerouted() -> None:
             self.counters.count("rerouted", len(items))
@@ -279,27 +306,30 @@ class RemoteDecodeEngine(_RemoteBase):
         import ray
 
         self._pool_shape = (num_blocks, block_size)
-        self._call(lambda: ray.get(self.actor.init_pages.remote(num_blocks, block_size)), self._rebuild)
+        self._call(lambda: ray.get(self.actor.init_pages.remote(num_blocks, block_size)))
         return ()
 
-    def _rebuild(self) -> None:
-        """After a restart: a fresh pool, then every tracked sequence re-prefilled into its blocks."""
+    def _recover(self) -> None:
+        """After a restart: a fresh pool, the warm-up again (on the empty pool, as at launch), then every
+        tracked sequence re-prefilled into its blocks."""
         import ray
 
-        assert self._pool_shape is not None
+        if self._pool_shape is None:  # restarted before it had a pool: nothing to rebuild or warm
+            return
         items = [
             RebuildItem(rid, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
             for rid, t in self._tracked.items()
         ]
         log.warning("%s restarted: rebuilding %d sequences", self.name, len(items))
         ray.get(self.actor.init_pages.remote(*self._pool_shape))
+        self._rewarm()
         ray.get(self.actor.rebuild.remote(items))
         self.counters.count("rerouted", len(items))
 
     # ---- pulls (started by RemoteHandle, finished at a step boundary) -------------------------
     def start_pull(self, order: PullOrder) -> object:
         """Start the actor's pull of `order` (returns at once): the ObjectRef of its `PullReport`."""
-        return self.actor.pull.remote(order)
+        return self.actor.pull.remote(order, self.warmed)
 
     def pull_done(self, ref: object) -> bool:
         import ray
@@ -313,8 +343,9 @@ class RemoteDecodeEngine(_RemoteBase):
 
         try:
             report = cast(PullReport, fetch(ref))
-        except ray.exceptions.RayActorError:
-            report = self._call(lambda: cast(PullReport, fetch(self.actor.pull.remote(order))), self._rebuild)
+        except (ray.exceptions.RayActorError, ActorRestartedError):  # died meanwhile, or found cold
+            warm = self.warmed
+            report = self._call(lambda: cast(PullReport, fetch(self.actor.pull.remote(order, warm))))
         if report.num_failed_attempts:
             self.counters.count("failed_pull", report.num_failed_attempts)
             self.counters.count("pull_retry", report.num_failed_attempts - int(report.recomputed))
@@ -332,17 +363,17 @@ class RemoteDecodeEngine(_RemoteBase):
         def run() -> bool:
             return bool(ray.get(self.actor.insert.remote(request_id, num_tokens, tuple(block_table))))
 
-        if not self._call(run, self._rebuild):
+        if not self._call(run):
             # The staged KV was lost with a restart between pull and insert: re-prefill this prompt too.
             t = self._tracked[request_id]
             rebuild = RebuildItem(request_id, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
-            self._call(lambda: ray.get(self.actor.rebuild.remote([rebuild])), self._rebuild)
+            self._call(lambda: ray.get(self.actor.rebuild.remote([rebuild])))
             self.counters.count("recomputed")
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
         import ray
 
-        tokens: list[int] = self._call(lambda: ray.get(self.actor.decode_step.remote(batch)), self._rebuild)
+        tokens: list[int] = self._call(lambda: ray.get(self.actor.decode_step.remote(batch)))
         self._after_step(batch)
         return tokens, pages
 
@@ -356,7 +387,7 @@ class RemoteDecodeEngine(_RemoteBase):
             out: object = ray.get(self.actor.decode_step_logprobs.remote(batch))
             return cast(tuple[list[int], list[TokenLogprobs | None]], out)
 
-        tokens, logprobs = self._call(run, self._rebuild)
+        tokens, logprobs = self._call(run)
         self._after_step(batch)
         return tokens, logprobs, pages
 
