@@ -69,6 +69,7 @@ class ReplanLoopConfig:
     horizon_s: float | None = None  # default: the detector's cool-down (at least 60 s)
     num_requests: int = 600  # requests sampled from the window per goodput probe, at least ...
     probe_s: float = 60.0  # ... this many seconds of traffic at the required rate (ReplanConfig.sample_size)
+    rate_z: float = 1.64  # plan for the window rate's upper confidence bound (ReplanConfig.required_rate)
     default_drain_s: float = 10.0  # before any request finished
 
     def __post_init__(self) -> None:
@@ -227,7 +228,7 @@ class ReplanLoop:
             weights = last.build_s + last.warmup_s
         return ReplanConfig(
             headroom=cfg.headroom, min_gain=cfg.min_gain, weights_load_s=weights, drain_s=drain,
-            horizon_s=horizon, num_requests=cfg.num_requests, probe_s=cfg.probe_s,
+            horizon_s=horizon, num_requests=cfg.num_requests, probe_s=cfg.probe_s, rate_z=cfg.rate_z,
         )  # fmt: skip
 
     def _on_outcome(self, outcome: ReplanOutcome) -> None:

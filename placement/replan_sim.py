@@ -1,7 +1,8 @@
 """The replanning experiment: one time-varying workload, three ways of provisioning for it.
 
 * `peak` — a static plan sized for the busiest hour (its rate × headroom, its length mix);
-* `average` — a static plan sized for the day's mean rate × headroom and the whole day's mix;
+* `average` — a static plan sized for the day's mean rate × headroom and the whole day's mix
+  (every policy plans for `ReplanConfig.required_rate`: the count's upper confidence bound × headroom);
 * `adaptive` — the replanning loop: the workload monitor (`jaxserve/workload_monitor.py`) is fed every
   arrival, its shift detector is checked at each slice end, and when it fires a replan round
   (`placement/replan.py`: search on the window's empirical workload, then the switch decision) runs.
@@ -168,21 +169,21 @@ def planning_sample(workload: Workload, n: int, seed: int) -> Workload:
 
 def static_plan(exp: Experiment, trace: Workload, which: str) -> tuple[PlanEstimate, str]:
     """The `peak` (busiest hour) or `average` (whole day) plan, sized for its rate × headroom."""
-    headroom = exp.loop.replan.headroom
+    cfg = exp.loop.replan
     if which == "peak":
         counts = np.bincount(hour_of(trace, exp.hour_s), minlength=exp.num_hours)[: exp.num_hours]
         hour = int(np.argmax(counts))
-        rate = counts[hour] / exp.hour_s
+        required = cfg.required_rate(int(counts[hour]), exp.hour_s)
         source = select(trace, hour_of(trace, exp.hour_s) == hour)
-        why = f"busiest hour {hour}: {rate:.3g} rps x headroom {headroom:g}"
+        why = f"busiest hour {hour}: {counts[hour] / exp.hour_s:.3g} rps, planned for {required:.3g}"
     elif which == "average":
-        rate = len(trace) / exp.day_s
+        required = cfg.required_rate(len(trace), exp.day_s)
         source = trace
-        why = f"day mean {rate:.3g} rps x headroom {headroom:g}, whole-day length mix"
+        why = f"day mean {len(trace) / exp.day_s:.3g} rps, planned for {required:.3g}, whole-day length mix"
     else:
         raise ValueError(f"unknown static plan {which!r}")
-    sample = planning_sample(source, exp.sample_size(rate * headroom), exp.seed)
-    return plan_for_rate(exp.context(sample), rate * headroom, kind=exp.kind), why
+    sample = planning_sample(source, exp.sample_size(required), exp.seed)
+    return plan_for_rate(exp.context(sample), required, kind=exp.kind), why
 
 
 def _simulate_epochs(
@@ -214,7 +215,7 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
     loop = exp.loop.scaled(exp.hour_s / 3600.0)
     first = select(trace, hour_of(trace, exp.hour_s) == 0)
     rate0 = len(first) / exp.hour_s
-    required0 = rate0 * loop.replan.headroom
+    required0 = loop.replan.required_rate(len(first), exp.hour_s)
     initial = plan_for_rate(
         exp.context(planning_sample(first, exp.sample_size(required0), exp.seed)), required0, kind=exp.kind
     )
@@ -256,9 +257,7 @@ def run_adaptive(exp: Experiment, trace: Workload) -> PolicyRun:
             busy_until = serve_from
     assert i <= n
     done, ttft, tpot = _simulate_epochs(exp, trace, epochs)
-    why = (
-        f"initial plan for hour 0 ({rate0:.3g} rps x headroom {loop.replan.headroom:g}); {len(decisions)} replan rounds"
-    )
+    why = f"initial plan for hour 0 ({rate0:.3g} rps, planned for {required0:.3g}); {len(decisions)} replan rounds"
     return PolicyRun("adaptive", done, ttft, tpot, decisions, why)
 
 

@@ -292,3 +292,17 @@ def test_background_replanner_runs_the_same_round_in_another_process() -> None:
         assert out is not None and bg.poll() is None
         assert bg.submit(dataclasses.replace(job, requested_at=1.0))  # free again once collected
     assert out.decision == expected.decision
+
+
+def test_the_required_rate_is_the_counts_upper_confidence_bound_times_headroom() -> None:
+    from placement.replan import ReplanConfig
+
+    cfg = ReplanConfig(headroom=1.2, rate_z=2.0)
+    # 100 arrivals in 10 s: (100 + 2 * 10) / 10 * 1.2
+    assert cfg.required_rate(100, 10.0) == pytest.approx(14.4)
+    # 10,000 in 1,000 s: the same 10 rps, a bound 2 % above it
+    assert cfg.required_rate(10_000, 1000.0) == pytest.approx(10.2 * 1.2)
+    assert ReplanConfig(headroom=1.0, rate_z=0.0).required_rate(100, 10.0) == pytest.approx(10.0)
+    assert cfg.required_rate(5, 0.0) == 0.0
+    with pytest.raises(ValueError):
+        ReplanConfig(rate_z=-1.0)
