@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus  # noqa: E402
-from jaxserve.commands.profile import SINGLE_CORE_FLAGS  # noqa: E402
+from jaxserve.commands.profile import SINGLE_CORE_FLAGS, engine_padding  # noqa: E402
 
 # The fit grid: what `jaxserve profile --prefill-lengths 16,32,64,128,256,512 --prefill-batches 1,2,4` times
 # for prefill; decode batches 1..32 over contexts 16..320, up to 8192 attended positions a step once
@@ -109,6 +109,7 @@ def measure(
                     row["seconds"] = min(row["seconds"], again["seconds"])
     return {
         "model": model,
+        "dtype": dtype,
         "repeats": repeats,
         "clock": clock,
         "min_total_s": min_total_s,
@@ -131,7 +132,6 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     from models.config import get_config
     from placement.hardware import get_device
     from placement.latency import DeploymentKind, LatencyProvider, Profile
-    from placement.padding import EnginePadding
     from placement.profile_fit import profile_entry
     from placement.step_time import decode_step_s, prefill_step_s
 
@@ -145,7 +145,7 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
         return [DecodeSample(r["batch"], r["ctx_sum"], r["seconds"]) for r in rows]
 
     fit, off = doc["fit_samples"], doc["off_grid_samples"]
-    padding = EnginePadding(block_size=BLOCK_SIZE)
+    padding = engine_padding(cfg, BLOCK_SIZE, doc.get("dtype", "float32"))
     entries = [profile_entry(cfg, 1, "disagg", pre(fit["prefill"]), dec(fit["decode"]), padding=padding)]
     if fit["coloc_prefill"]:
         entries.append(
