@@ -367,8 +367,9 @@ class Simulator:
         t = self.now
         for s in range(p.model.pp):
             start = max(t, p.stage_free_at[s])
+            # the host work delays the batch itself too: alone it is done after `prefill_step_s`
             p.stage_free_at[s] = start + stage_s + (host_s if s == 0 else 0.0)
-            t = start + stage_s + send_s
+            t = p.stage_free_at[s] + send_s
         self._push(p.stage_free_at[-1], _PREFILL_DONE, k, batch)
         if p.model.pp > 1:
             self._push(p.stage_free_at[0], _PREFILL_STAGE_FREE, k)

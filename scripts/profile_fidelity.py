@@ -44,10 +44,17 @@ from jaxserve.commands.profile import SINGLE_CORE_FLAGS, engine_padding  # noqa:
 # padded (32 rows of 256): with opt-mini's 4 layers that is 16 MB of K and V per layer, inside a 32 MB L3.
 # The formula is linear and has no cache term; beyond the L3 a step is slower than it says (see
 # docs/simulator-fidelity.md), so the grid and the shapes predicted stay on this side of it.
-FIT_PREFILL = tuple((1, n) for n in (16, 32, 64, 128, 256, 512)) + tuple(
-    (b, n) for b in (2, 4) for n in (16, 32, 64, 128, 256) if b * n <= 512
+FIT_PREFILL = (
+    *((1, n) for n in (16, 32, 64, 128, 256, 512)),
+    *((b, n) for b in (2, 4) for n in (16, 32, 64, 128, 256) if b * n <= 512),
+    # not all powers of two: the engine computes the padded shape, the host handles the actual one, and a
+    # grid where the two coincide cannot tell which a cost follows
+    *((1, 24), (1, 80), (1, 192), (2, 80), (4, 24), (7, 16), (7, 32)),
 )
-FIT_DECODE = (*((b, c) for b in (1, 2, 4, 8, 16) for c in (16, 64, 160, 320)), (32, 16), (32, 64), (32, 160))
+FIT_DECODE = (  # batches of 7 and 20 rows run as 8 and 32 (see FIT_PREFILL)
+    *((b, c) for b in (1, 2, 4, 7, 8, 16) for c in (16, 64, 160, 320)),
+    *((b, c) for b in (20, 32) for c in (16, 64, 160)),
+)
 # Off the grid: batch sizes, lengths and contexts the fit never saw, some in buckets it never timed
 # (6 prompts run as 8 rows, 48 decodes as 64, a context of 600 attends over 1024 positions).
 OFF_PREFILL = ((1, 48), (1, 100), (1, 200), (1, 384), (3, 40), (3, 96), (2, 160), (5, 50), (6, 64), (3, 150))

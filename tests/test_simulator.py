@@ -86,6 +86,27 @@ def test_pipelined_prefill_overlaps_batches() -> None:
     np.testing.assert_allclose(r.prefill_start_at, [0, stage, 2 * stage])
 
 
+def test_pipelined_prefill_charges_the_step_overhead_to_the_batch() -> None:
+    """With a step overhead, the first stage does each batch's host work before its kernels: a batch alone
+    is done after `prefill_step_s` (what the timed engine sleeps), the next enters when stage 0 frees."""
+    from placement.step_time import prefill_step_s
+
+    lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"), prefill_tokens=512)
+    cluster = ClusterSpec(A100, 1, 8)
+    plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
+    options = SimOptions(mode="prefill", max_batch_tokens=512)  # one prompt a batch
+    r = simulate(plan, lp, cluster, _workload([0, 0, 0], [512] * 3, [1] * 3), None, options)
+    model, overhead = lp.instance("disagg", 1, 2, cluster.nvlink_bandwidth), lp.step_overhead("disagg", 1)
+    stage, send = model.prefill_stage_s(512, 512**2, 1), model.send_s(512)
+    host = overhead.step_s(512, 2, True)
+    assert host > 0
+    assert r.first_token_at[0] == pytest.approx(prefill_step_s(model, overhead, [512]))
+    np.testing.assert_allclose(
+        r.first_token_at, [2 * stage + host + send, 3 * stage + 2 * host + send, 4 * stage + 3 * host + send]
+    )
+    np.testing.assert_allclose(r.prefill_start_at, [0, stage + host, 2 * (stage + host)])
+
+
 def test_prefill_batches_follow_lm_and_shortest_queue() -> None:
     lp = LatencyProvider(OPT13B, A100, PROFILE, prefill_tokens=512)
     plan = parse_deployment("disagg:prefill=2xtp1,decode=tp1")

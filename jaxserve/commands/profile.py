@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
     parser.add_argument("--prefill-lengths", default=None, help="grid: prompt lengths, e.g. 64,128,256")
     parser.add_argument("--prefill-batches", default="1,2,3,4", help="grid: prompts per prefill batch")
-    parser.add_argument("--decode-batches", default="1,2,4,8,16,32", help="grid: sequences per decode step")
+    parser.add_argument("--decode-batches", default="1,2,3,4,8,12,16,32", help="grid: sequences per decode step")
     parser.add_argument("--decode-contexts", default="16,64,160,320", help="grid: context tokens per sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (the fastest is kept)")
     parser.add_argument(

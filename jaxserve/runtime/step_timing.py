@@ -73,7 +73,9 @@ def default_grid(max_positions: int, quick: bool = False, block_size: int = 16) 
         (b, n) for b in batches if b > 1 for n in lengths if b * n <= 2 * longest
     )
     ctxs = [c for c in (16, 64, 160, 320) if c < max_positions - 1]
-    decode = tuple((b, c) for b in (1, 2, 4, 8, 16, 32) for c in ctxs)
+    # batches between powers of two too: the engine pads rows, so only such a grid tells a cost per padded
+    # row (kernels) from one per actual row or context token (host work)
+    decode = tuple((b, c) for b in (1, 2, 3, 4, 8, 12, 16, 32) for c in ctxs)
     return Grid(
         prefill=prefill,
         decode=decode,
