@@ -19,9 +19,10 @@ import numpy as np
 
 from jaxserve.plan import DeploymentPlan
 from placement.hardware import ClusterSpec
-from placement.latency import DeploymentKind, LatencyProvider, kv_capacity_tokens, pipeline_decode_round_s
+from placement.latency import DeploymentKind, LatencyProvider, StageLatency, StepOverhead, kv_capacity_tokens
 from placement.simulator import SimOptions, simulate
 from placement.slo import SloSpec
+from placement.step_time import decode_step_s, mixed_step_s, prefill_step_s
 from placement.workload import Workload, generate, get_length_distribution
 
 MIN_RATE = 1e-3  # rps; below this a deployment is reported as having no goodput
@@ -54,9 +55,10 @@ class GoodputSearch:
         """Attainment if every request ran alone on an idle deployment (an upper bound on any rate's).
 
         Each prompt is prefilled alone on the fastest prefill-capable instance and each request decodes
-        alone (batch 1) on the fastest decode-capable one; transfers and queues are taken as free.
+        alone (batch 1) on the fastest decode-capable one, each step charged as the simulator charges it
+        (`placement/step_time.py`: the kernels and the profile's step overhead); transfers and queues are
+        taken as free.
         """
-        from placement.latency import pipeline_prefill_s
         from placement.slo import attainment
 
         w, opts = self.workload, self.options
@@ -65,11 +67,14 @@ class GoodputSearch:
         tpot = np.full(len(w), np.inf)
         for inst in self.plan.instances:
             model = self.latency.instance(engine, inst.tp, inst.pp)
-            if inst.role in ("prefill", "colocated"):
-                ttft = np.minimum(ttft, [pipeline_prefill_s(model, np.array([n])) for n in w.input_lens])
+            overhead = self.latency.step_overhead(engine, inst.tp)
+            if inst.role == "prefill":
+                ttft = np.minimum(ttft, [prefill_step_s(model, overhead, [int(n)]) for n in w.input_lens])
+            elif inst.role == "colocated":  # a prompt step of the whole prompt, no decodes riding along
+                ttft = np.minimum(ttft, [mixed_step_s(model, overhead, [int(n)], [0], 0, 0.0) for n in w.input_lens])
             if inst.role in ("decode", "colocated"):
                 ctx = w.input_lens + w.output_lens / 2
-                tpot = np.minimum(tpot, [pipeline_decode_round_s(model, 1, float(c)) for c in ctx])
+                tpot = np.minimum(tpot, [decode_step_s(model, overhead, 1, float(c)) for c in ctx])
         if opts.mode == "decode" or not np.isfinite(ttft).any():
             ttft = np.zeros(len(w))
         if opts.mode == "prefill" or not np.isfinite(tpot).any():
@@ -80,11 +85,14 @@ class GoodputSearch:
     def throughput_bound(self) -> float:
         """An upper bound on the request rate the deployment can sustain at all, from the latency model.
 
-        Prefill: back-to-back batches of mean-length prompts (about L_m tokens each) through the
-        slowest stage. Decode: the best tokens per second over batch sizes that memory and
-        `max_decode_batch` allow. Colocated: each request costs its prefill plus its share of decode
-        rounds at that batch. A finite trace can pass at any rate once the rate is high enough that
-        it arrives as one burst, so `max_rate` never searches above this bound.
+        Prefill: back-to-back batches of mean-length prompts (about L_m tokens each, or as many as the
+        engine's token cap takes, whichever is cheaper per prompt), each the step's host work (the
+        profile's step overhead) and then the whole pipe, one batch at a time. Decode: the best tokens per second over
+        batch sizes that memory and `max_decode_batch` allow, each round charged with its step overhead.
+        Colocated: each request costs its prompt step's share plus its share of decode rounds at that
+        batch. Every step is charged what the simulator charges it (`placement/step_time.py`). A finite
+        trace can pass at any rate once the rate is high enough that it arrives as one burst, so
+        `max_rate` never searches above this bound.
         """
         w, opts, cluster, cfg = self.workload, self.options, self.cluster, self.latency.cfg
         mean_in = float(w.input_lens.mean())
@@ -93,8 +101,15 @@ class GoodputSearch:
         prefill_rate = decode_rate = coloc_rate = 0.0
         for inst in self.plan.instances:
             model = self.latency.instance(engine, inst.tp, inst.pp)
-            per_batch = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
-            prefill_s = model.prefill_stage_s(per_batch * mean_in, per_batch * mean_in**2, per_batch) / per_batch
+            overhead = self.latency.step_overhead(engine, inst.tp)
+            budget = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
+            cap = (
+                opts.max_batch_tokens
+                if opts.max_batch_tokens is not None
+                else self.latency.engine_token_cap(engine, inst.tp)
+            )
+            capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step
+            prefill_s = min(prefill_batch_s(model, overhead, b, mean_in) for b in (budget, capped))
             blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.block_size
             per_request_blocks = math.ceil((mean_in + mean_out) / opts.block_size)
             max_batch = max(1, min(opts.max_decode_batch, int(blocks // per_request_blocks)))
@@ -103,7 +118,7 @@ class GoodputSearch:
                 {int(b) for b in np.geomspace(1, max_batch, 24)} | {max_batch} | {b for b in (94, 95) if b <= max_batch}
             )
             decode_s = min(
-                pipeline_decode_round_s(model, b, b * (mean_in + mean_out / 2)) * max(mean_out - 1, 1) / b
+                decode_step_s(model, overhead, b, b * (mean_in + mean_out / 2)) * max(mean_out - 1, 1) / b
                 for b in sizes
             )
             if inst.role == "prefill":
@@ -111,7 +126,9 @@ class GoodputSearch:
             elif inst.role == "decode":
                 decode_rate += 1 / decode_s
             else:
-                coloc_rate += 1 / (prefill_s * inst.pp + decode_s)
+                coloc_rate += 1 / (
+                    min(coloc_prompt_s(model, overhead, b, mean_in) for b in (budget, capped)) + decode_s
+                )
         if self.plan.kind == "colocated":
             return coloc_rate
         if opts.mode == "prefill":
@@ -119,6 +136,21 @@ class GoodputSearch:
         if opts.mode == "decode":
             return decode_rate
         return min(prefill_rate, decode_rate)
+
+
+def prefill_batch_s(model: StageLatency, overhead: StepOverhead, batch: int, length: float) -> float:
+    """Per prompt, a prefill batch of `batch` prompts of `length` tokens: the step's host work and the batch
+    through every stage (`prefill_step_s`); the instance runs one batch at a time, as the runtime does."""
+    t = batch * length
+    stage = model.prefill_stage_s(t, batch * length**2, batch)
+    send = (model.pp - 1) * model.send_s(int(t)) if model.pp > 1 else 0.0
+    return (model.pp * stage + send + overhead.step_s(t, model.pp, True)) / batch
+
+
+def coloc_prompt_s(model: StageLatency, overhead: StepOverhead, batch: int, length: float) -> float:
+    """Per prompt, a colocated prompt step of `batch` prompts of `length` tokens (no decodes riding along)."""
+    n = max(1, round(length))
+    return mixed_step_s(model, overhead, [n] * batch, [0] * batch, 0, 0.0) / batch
 
 
 def max_rate(search: GoodputSearch, rel_tol: float = 0.02, max_probes: int = 40) -> float:

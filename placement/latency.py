@@ -427,7 +427,7 @@ class Profile:
                     raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
                 if entry.get("engine_padding") is not None:
                     pad = entry["engine_padding"]
-                    known = {"min_prompt_tokens", "block_size", "min_table_blocks", "min_decode_rows"}
+                    known = {f.name for f in dataclasses.fields(EnginePadding)}
                     if not isinstance(pad, dict) or set(pad) - known:
                         raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
                     padding[key] = {k: int(v) for k, v in pad.items()}

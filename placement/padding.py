@@ -2,15 +2,25 @@
 
 `jaxserve/runtime/opt_engine.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
 rows to the next power of two and prompt tokens to the next power of two ≥ 16; decode rows to the
-next power of two ≥ 2 and each row's block table to the next power of two ≥ 4 blocks (attention runs
-over the whole padded table). The Appendix-A formula charges actual tokens and context, so an engine
-step of 5 decode rows costs what 8 rows cost while the formula says 5. `EnginePadding` maps a
-batch's actual statistics to the padded ones (rules mirrored here, without importing JAX; a test
-checks them against `jaxserve.runtime.engine.bucket`); `PaddedModel` wraps an instance's latency model with it,
-so the simulator charges what the engine computes. Coefficients used this way must be fitted in the
-same padded terms (`profile_fit`'s `padding=`, which `jaxserve profile` uses by default); such a
-profile entry says so under `engine_padding`, and `LatencyProvider.instance` then wraps its models.
-Prefill batches are described by Σl, Σl² and B only, so each prompt is taken at the RMS length.
+next power of two ≥ 2 and each row's block table to the next power of two of the blocks it has
+filled. The Appendix-A formula charges actual tokens and context, so an engine step of 5 decode rows
+costs what 8 rows cost while the formula says 5. `EnginePadding` maps a batch's actual statistics to
+the padded ones (rules mirrored here, without importing JAX; `tests/test_profile_fit.py` checks them
+against `OPTEngine.step_shape` and `models.paged_attention`); `PaddedModel` wraps an instance's
+latency model with it, so the simulator charges what the engine computes.
+
+Which table columns a decode step's attention reads depends on the engine's attention: the one-gather
+form (`xla_gather`, an accelerator's default) reads the whole padded table, the chunked loop (`xla`,
+the CPU default) reads chunks of `attention_chunk_bytes` over the batch (`kv_column_bytes` per row and
+table column) up to the chunk holding the last filled position, so a table's empty columns cost
+nothing. With `attention_chunk_bytes = 0` (and in profiles written before it existed) the whole
+padded table is charged.
+
+Coefficients used this way must be fitted in the same padded terms (`profile_fit`'s `padding=`,
+which `jaxserve profile` uses by default); such a profile entry says so under `engine_padding`, and
+`LatencyProvider.instance` then wraps its models. Prefill batches are described by Σl, Σl² and B
+only, so each prompt is taken at the RMS length; a decode batch by B and Σctx, so each row at the
+mean context.
 """
 
 from __future__ import annotations
@@ -33,8 +43,10 @@ def bucket(n: int, minimum: int = 1) -> int:
 class EnginePadding:
     min_prompt_tokens: int = 16
     block_size: int = 16
-    min_table_blocks: int = 4
+    min_table_blocks: int = 1
     min_decode_rows: int = 2
+    attention_chunk_bytes: int = 0  # > 0: decode attention reads only the filled chunks of this many bytes
+    kv_column_bytes: int = 0  # bytes of K one row's table column holds (block_size · heads · head_dim · itemsize)
 
     def prefill(self, num_tokens: float, sum_sq: float, batch: int) -> tuple[float, float, int]:
         """(Σl, Σl², B) of the padded prefill batch."""
@@ -50,8 +62,13 @@ class EnginePadding:
             return batch, ctx_sum
         rows = bucket(batch, self.min_decode_rows)
         blocks = math.ceil((ctx_sum / batch + 1) / self.block_size)  # the new token's slot included
-        width = bucket(blocks, self.min_table_blocks) * self.block_size
-        return rows, float(rows * width)
+        width = bucket(blocks, self.min_table_blocks)
+        if self.attention_chunk_bytes > 0 and self.kv_column_bytes > 0:
+            # `models.paged_attention._xla_chunked`: chunks of `chunk` columns up to the last position
+            # before the new token (which joins the softmax apart from the pages)
+            chunk = min(max(1, self.attention_chunk_bytes // (rows * self.kv_column_bytes)), width)
+            width = math.ceil(ctx_sum / batch / (chunk * self.block_size)) * chunk
+        return rows, float(rows * width * self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)

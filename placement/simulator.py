@@ -8,10 +8,11 @@ and are processed after heap events at the same instant. Durations come only fro
 
 * disaggregated — a request goes to the prefill instance chosen by `choose_prefill_instance`; the
   instance starts a batch (`form_prefill_batch`, FCFS up to L_m tokens, limited by free room in its KV
-  buffer) whenever its first pipeline stage is free. Each stage is busy for the batch's stage time;
-  batches follow each other down the pipe (stage k of batch i starts when stage k−1 of batch i and
-  stage k of batch i−1 are both done), so a pp-stage instance overlaps pp batches. At the last stage
-  the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
+  buffer) whenever it is idle. A batch takes `prefill_step_s`: the step's host work, then every
+  stage in turn (pp stage times and pp − 1 sends). As in the runtime (the prefill instance waits for
+  `OPTEngine.prefill`, which returns after the last stage), the next batch starts only then: a
+  pp-stage prefill instance does not overlap batches in its pipe (docs/simulator-fidelity.md). At
+  the last stage the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
   `choose_decode_instance`'s pick; that instance pulls it when `admit_decodes` allows (batch room and
   KV blocks for prompt + output), the KV crosses the link between the two instances (NVLink inside a
   node, the network across nodes; transfers on one link go one at a time), and the request joins the
@@ -71,7 +72,6 @@ from placement.slo import SloSpec, VerdictTracker
 from placement.workload import Workload
 
 # Event kinds (the heap orders by time and then by scheduling order, never by kind).
-_PREFILL_STAGE_FREE = 0
 _PREFILL_DONE = 1
 _TRANSFER_DONE = 2
 _DECODE_ROUND_DONE = 3
@@ -88,7 +88,7 @@ class _Prefill:
     max_batch_tokens: int
     capacity_tokens: int
     nodes: tuple[int, ...]
-    stage_free_at: list[float]
+    busy_until: float = 0.0  # the running batch's end (the instance runs one batch at a time)
     queue: deque[WaitingPrompt] = dataclasses.field(default_factory=deque)
     queued_tokens: int = 0
     inflight_tokens: int = 0
@@ -210,7 +210,6 @@ class Simulator:
                     max_batch_tokens=self._token_cap("disagg", i.tp),
                     capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
                     nodes=_instance_nodes(i, cluster),
-                    stage_free_at=[0.0] * i.pp,
                 )
                 for i in self.plan.of_role("prefill")
             ]
@@ -294,9 +293,7 @@ class Simulator:
         return result.attainment(slo) >= slo.attainment - 1e-12
 
     def _dispatch(self, kind: int, inst: int, payload: object) -> None:
-        if kind == _PREFILL_STAGE_FREE:
-            self._try_start_prefill(inst)
-        elif kind == _PREFILL_DONE:
+        if kind == _PREFILL_DONE:
             assert isinstance(payload, list)
             self._on_prefill_done(inst, payload)
         elif kind == _TRANSFER_DONE:
@@ -337,7 +334,7 @@ class Simulator:
     # ---- prefill -----------------------------------------------------------------------------
     def _try_start_prefill(self, k: int) -> None:
         p = self.prefills[k]
-        if not p.queue or p.stage_free_at[0] > self.now:
+        if not p.queue or p.busy_until > self.now:
             return
         # Backpressure: the batch must fit in what is left of the KV buffer, in memory and in slots.
         room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
@@ -364,14 +361,12 @@ class Simulator:
         stage_s = self._prefill_stage_s(k, batch)  # prefix-cache hook
         send_s = p.model.send_s(total) if p.model.pp > 1 else 0.0
         host_s = p.overhead.step_s(total, p.model.pp, True)  # on the first stage, once per step
-        t = self.now
-        for s in range(p.model.pp):
-            start = max(t, p.stage_free_at[s])
-            p.stage_free_at[s] = start + stage_s + (host_s if s == 0 else 0.0)
-            t = start + stage_s + send_s
-        self._push(p.stage_free_at[-1], _PREFILL_DONE, k, batch)
-        if p.model.pp > 1:
-            self._push(p.stage_free_at[0], _PREFILL_STAGE_FREE, k)
+        # The host work, then the batch through every stage (`prefill_step_s`). The runtime's prefill
+        # instance hands the engine its next batch only once this one's first tokens are back
+        # (`OPTEngine.prefill` returns after the last stage), so with pp > 1 batches do not overlap in
+        # the pipe either: the instance is busy until the batch is done.
+        p.busy_until = self.now + host_s + p.model.pp * stage_s + (p.model.pp - 1) * send_s
+        self._push(p.busy_until, _PREFILL_DONE, k, batch)
 
     def _on_prefill_done(self, k: int, batch: list[int]) -> None:
         p = self.prefills[k]
@@ -386,8 +381,7 @@ class Simulator:
                 p.buffer_tokens += int(self.input_lens[i])
                 p.buffer_requests += 1
                 self._first_token(i, src=k)
-        if p.model.pp == 1:
-            self._try_start_prefill(k)
+        self._try_start_prefill(k)
 
     def _first_token(self, i: int, src: int = -1, finish_now: bool = False) -> None:
         ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s

@@ -37,17 +37,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus  # noqa: E402
-from jaxserve.commands.profile import SINGLE_CORE_FLAGS  # noqa: E402
+from jaxserve.commands.profile import SINGLE_CORE_FLAGS, engine_padding  # noqa: E402
 
 # The fit grid: what `jaxserve profile --prefill-lengths 16,32,64,128,256,512 --prefill-batches 1,2,4` times
 # for prefill; decode batches 1..32 over contexts 16..320, up to 8192 attended positions a step once
 # padded (32 rows of 256): with opt-mini's 4 layers that is 16 MB of K and V per layer, inside a 32 MB L3.
 # The formula is linear and has no cache term; beyond the L3 a step is slower than it says (see
 # docs/simulator-fidelity.md), so the grid and the shapes predicted stay on this side of it.
-FIT_PREFILL = tuple((1, n) for n in (16, 32, 64, 128, 256, 512)) + tuple(
-    (b, n) for b in (2, 4) for n in (16, 32, 64, 128, 256) if b * n <= 512
+FIT_PREFILL = (
+    *((1, n) for n in (16, 32, 64, 128, 256, 512)),
+    *((b, n) for b in (2, 4) for n in (16, 32, 64, 128, 256) if b * n <= 512),
+    # not all powers of two: the engine computes the padded shape, the host handles the actual one, and a
+    # grid where the two coincide cannot tell which a cost follows
+    *((1, 24), (1, 80), (1, 192), (2, 80), (4, 24), (7, 16), (7, 32)),
 )
-FIT_DECODE = (*((b, c) for b in (1, 2, 4, 8, 16) for c in (16, 64, 160, 320)), (32, 16), (32, 64), (32, 160))
+FIT_DECODE = (  # batches of 7 and 20 rows run as 8 and 32 (see FIT_PREFILL)
+    *((b, c) for b in (1, 2, 4, 7, 8, 16) for c in (16, 64, 160, 320)),
+    *((b, c) for b in (20, 32) for c in (16, 64, 160)),
+)
 # Off the grid: batch sizes, lengths and contexts the fit never saw, some in buckets it never timed
 # (6 prompts run as 8 rows, 48 decodes as 64, a context of 600 attends over 1024 positions).
 OFF_PREFILL = ((1, 48), (1, 100), (1, 200), (1, 384), (3, 40), (3, 96), (2, 160), (5, 50), (6, 64), (3, 150))
@@ -109,6 +116,7 @@ def measure(
                     row["seconds"] = min(row["seconds"], again["seconds"])
     return {
         "model": model,
+        "dtype": dtype,
         "repeats": repeats,
         "clock": clock,
         "min_total_s": min_total_s,
@@ -131,7 +139,6 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     from models.config import get_config
     from placement.hardware import get_device
     from placement.latency import DeploymentKind, LatencyProvider, Profile
-    from placement.padding import EnginePadding
     from placement.profile_fit import profile_entry
     from placement.step_time import decode_step_s, prefill_step_s
 
@@ -145,7 +152,7 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
         return [DecodeSample(r["batch"], r["ctx_sum"], r["seconds"]) for r in rows]
 
     fit, off = doc["fit_samples"], doc["off_grid_samples"]
-    padding = EnginePadding(block_size=BLOCK_SIZE)
+    padding = engine_padding(cfg, BLOCK_SIZE, doc.get("dtype", "float32"))
     entries = [profile_entry(cfg, 1, "disagg", pre(fit["prefill"]), dec(fit["decode"]), padding=padding)]
     if fit["coloc_prefill"]:
         entries.append(

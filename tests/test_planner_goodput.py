@@ -11,7 +11,7 @@ from jaxserve.plan import parse_deployment
 from models.config import get_config
 from placement.goodput import GoodputSearch, base_workload, goodput, max_rate, slo_scale
 from placement.hardware import ClusterSpec, get_device
-from placement.latency import LatencyProvider, load_profile
+from placement.latency import LatencyProvider, Profile, load_profile
 from placement.simulator import SimOptions
 from placement.slo import SloSpec, VerdictTracker, attainment
 
@@ -78,3 +78,44 @@ def test_goodput_per_device_and_slo_scale() -> None:
     assert scale < 1.0  # at half its goodput the deployment meets tighter SLOs
     assert GoodputSearch(search.plan, LP, cluster, w, slo.scaled(scale)).meets(total / 2)
     assert not GoodputSearch(search.plan, LP, cluster, w, slo.scaled(scale * 0.9)).meets(total / 2)
+
+
+def test_bounds_charge_the_step_overhead() -> None:
+    """zero_load_attainment and throughput_bound charge each step its profile step overhead, as the
+    simulator does. Folded profile (ms): prefill 10 + 0.1·tokens, decode round 5; step overhead 2 ms a
+    step plus 3 ms on a prompt step; every prompt 100 tokens, 11 output tokens; one prompt per batch."""
+    entry = {
+        "model": "opt-13b",
+        "tp": 1,
+        "prefill": [10.0, 0.1, 0.0],
+        "decode_small": [5.0, 0.0, 0.0],
+        "step_overhead": [2e-3, 0.0, 3e-3],
+        "L_m": 100,
+    }
+    latency = LatencyProvider(
+        get_config("opt-13b", "float16"), A100, Profile.from_dict({"name": "hand", "entries": [entry]})
+    )
+    w = base_workload("fixed:100:11", 50, seed=0)
+    options = SimOptions(max_decode_batch=32, max_batch_tokens=100)
+    disagg = parse_deployment("disagg:prefill=tp1,decode=tp1")
+
+    def search(plan: str, ttft: float, tpot: float) -> GoodputSearch:
+        return GoodputSearch(parse_deployment(plan), latency, ClusterSpec(A100, 1, 2), w, SloSpec(ttft, tpot), options)
+
+    # Alone: TTFT = 10 + 0.1·100 = 20 ms of kernels + 2 + 3 ms of host work = 25 ms; TPOT = 5 + 2 = 7 ms.
+    assert search("disagg:prefill=tp1,decode=tp1", 0.0251, 0.0071).zero_load_attainment() == 1.0
+    assert search("disagg:prefill=tp1,decode=tp1", 0.0249, 1.0).zero_load_attainment() == 0.0  # was 1 (20 ms)
+    assert search("disagg:prefill=tp1,decode=tp1", 1.0, 0.0069).zero_load_attainment() == 0.0  # was 1 (5 ms)
+    assert search("colocated:tp1", 0.0249, 1.0).zero_load_attainment() == 0.0
+    # Prefill: one 25 ms step per prompt -> 40 rps (50 without the overhead). Decode: 32 rows, 10 rounds of
+    # 7 ms each -> 70 ms per 32 requests, 457 rps. The pair is limited by prefill.
+    assert GoodputSearch(disagg, latency, ClusterSpec(A100, 1, 2), w, SloSpec(1, 1), options).throughput_bound() == (
+        pytest.approx(40.0)
+    )
+    # pp = 2 prefill: 10 ms per stage, one send, host work 2 ms + 3 ms per stage = 8 ms; one batch at a time
+    # (the runtime waits for the whole pipe): 28 ms + send per prompt.
+    pp2 = search("disagg:prefill=tp1pp2,decode=tp1", 1.0, 1.0)
+    send = latency.instance("disagg", 1, 2).send_s(100)
+    assert 0 < send < 1e-3 and pp2.throughput_bound() == pytest.approx(1 / (0.028 + send))
+    # Colocated: a 25 ms prompt step plus 10 rounds of 7 ms shared by 32 requests per request.
+    assert search("colocated:tp1", 1.0, 1.0).throughput_bound() == pytest.approx(1 / (0.025 + 0.070 / 32))

@@ -13,7 +13,7 @@ from jaxserve.plan import parse_deployment
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import AppendixCoefficients, LatencyProvider, load_profile
-from placement.padding import PaddedModel
+from placement.padding import EnginePadding, PaddedModel
 from placement.simulator import simulate
 from placement.workload import generate
 
@@ -42,11 +42,15 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         assert entry["L_m"] in {sum([n] * b) for b, n in [(1, 16), (1, 32), (1, 128), (2, 32), (2, 64)]}
         assert entry["fit"]["prefill"]["num_samples"] == 5
         # fitted in the engine's padded shapes (the default), so the planner charges those
+        # (opt-tiny's K: 16 positions x 64 floats = 4 KiB a table column; XLA:CPU's decode attention
+        # reads the table in chunks of 256 KiB up to the last filled one)
         assert entry["engine_padding"] == {
             "min_prompt_tokens": 16,
             "block_size": 16,
-            "min_table_blocks": 4,
+            "min_table_blocks": 1,
             "min_decode_rows": 2,
+            "attention_chunk_bytes": 256 * 1024,
+            "kv_column_bytes": 16 * 64 * 4,
         }
 
     profile = load_profile(str(out))
@@ -60,3 +64,44 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         assert result.num_finished == 20
         # A prefill takes what the fitted model says for 64 tokens at least (TTFT includes it).
         assert np.all(result.ttft_s > 0)
+
+
+def test_engine_padding_is_the_shape_the_engine_computes() -> None:
+    """`jaxserve profile`'s padding for this engine: the rows and table width `OPTEngine.step_shape` gives a
+    decode sub-batch, and the chunked attention of `models.paged_attention` (the CPU default) on top."""
+    import jax
+
+    from jaxserve.commands.profile import engine_padding
+    from jaxserve.runtime.engine import StepRow
+    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.request import SamplingParams
+    from jaxserve.scheduling import blocks_for
+    from models.paged_attention import CHUNK_BYTES, default_impl
+
+    cfg = get_config("opt-tiny")
+    engine = OPTEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
+    pad = engine_padding(cfg, 16, "float32")
+    assert default_impl() == "xla" and pad.attention_chunk_bytes == CHUNK_BYTES
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    for batch, ctx in [(1, 20), (3, 40), (5, 100), (12, 30), (48, 64), (3, 250)]:
+        per = blocks_for(ctx + 1, 16)
+        rows = [StepRow(f"r{i}", (5,), ctx, tuple(range(i * per, (i + 1) * per)), greedy, i, 1) for i in range(batch)]
+        b, t, m = engine.step_shape(rows, 16)
+        assert t == 1
+        padded_rows, attended = pad.decode(batch, float(batch * ctx))
+        assert padded_rows == b
+        # the one-gather form reads the whole padded table
+        assert EnginePadding(block_size=16).decode(batch, float(batch * ctx)) == (b, float(b * m * 16))
+        # opt-tiny: 4 KiB per row and column; 256 KiB over the padded batch is 64 / b columns a chunk (at
+        # most the table's m), and the loop runs chunks up to the one holding position ctx - 1.
+        chunk = min(max(1, 64 // b), m)
+        assert attended == b * -(-ctx // (chunk * 16)) * chunk * 16, (batch, ctx)
+
+
+def test_fastest_of_keeps_each_shapes_fastest_pass() -> None:
+    from jaxserve.runtime.step_samples import DecodeSample
+    from jaxserve.runtime.step_timing import fastest_of
+
+    one = [DecodeSample(1, 16, 2.0e-3), DecodeSample(8, 128, 5.0e-3)]
+    two = [DecodeSample(1, 16, 1.5e-3), DecodeSample(8, 128, 6.0e-3)]
+    assert fastest_of([one, two]) == [DecodeSample(1, 16, 1.5e-3), DecodeSample(8, 128, 5.0e-3)]

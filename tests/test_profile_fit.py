@@ -157,7 +157,7 @@ def test_engine_padding_mirrors_the_engine_buckets() -> None:
     pad = EnginePadding()
     # 5 rows of context 270: rows -> 8; blocks ceil(271/16) = 17 -> table of 32 blocks = 512 positions per row.
     assert pad.decode(5, 5 * 270.0) == (8, 8 * 512.0)
-    assert pad.decode(1, 20.0) == (2, 2 * 64.0)  # one row runs as two; at least 4 blocks
+    assert pad.decode(1, 20.0) == (2, 2 * 32.0)  # one row runs as two; blocks ceil(21/16) = 2, already a power of 2
     # 3 prompts of 100 -> 4 rows of 128 tokens.
     assert pad.prefill(300.0, 3 * 100.0**2, 3) == (512.0, 4 * 128.0**2, 4)
     base = _model(TRUE)
@@ -178,3 +178,21 @@ def test_padded_fit_recovers_coefficients_of_a_padded_engine() -> None:
     assert padded["C1"] == pytest.approx(TRUE.C1, rel=1e-6) and padded["C5"] == pytest.approx(TRUE.C5, rel=1e-6)
     assert padded["fit"]["decode"]["max_rel_error"] < 1e-9
     assert plain["fit"]["decode"]["max_rel_error"] > 0.05  # the unpadded formula cannot describe it
+
+
+def test_chunked_decode_attention_is_charged_the_chunks_it_reads() -> None:
+    """The CPU engine's decode attention (`models.paged_attention`, impl "xla") reads the table in chunks of
+    CHUNK_BYTES over the batch up to the chunk holding the last position before the new token; a padded
+    table's empty columns cost nothing. opt-mini: one column of K is 16 · 256 · 4 = 16 KiB per row."""
+    pad = EnginePadding(attention_chunk_bytes=256 * 1024, kv_column_bytes=16 * 256 * 4)
+    # 10 rows (16 padded) of context 300: 256 KiB / (16 · 16 KiB) = 1 column a chunk, ceil(300/16) = 19 chunks
+    # (the table is 32 columns wide): 16 rows x 19 · 16 positions.
+    assert pad.decode(10, 3000.0) == (16, 16 * 19 * 16.0)
+    # 5 rows (8) of context 600: 2 columns a chunk, ceil(600/32) = 19 chunks = 38 columns; the same work.
+    assert pad.decode(5, 3000.0) == (8, 8 * 38 * 16.0)
+    # 4 rows of context 64: 4 columns a chunk, one chunk (64 positions precede the new token) of an 8-wide table.
+    assert pad.decode(4, 256.0) == (4, 4 * 4 * 16.0)
+    # 2 rows of context 16: 8 columns a chunk, capped at the 2-column table.
+    assert pad.decode(2, 32.0) == (2, 2 * 2 * 16.0)
+    # Without a chunk size (the one-gather form, and profiles written before the field) the whole table.
+    assert EnginePadding().decode(10, 3000.0) == (16, 16 * 32 * 16.0)

@@ -7,13 +7,15 @@
 
 For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
-shapes (`jaxserve/runtime/step_timing.py`; the fastest of `--repeats` runs per shape, compile excluded),
+shapes (`jaxserve/runtime/step_timing.py`; per shape the fastest of `--repeats` runs in each of `--passes`
+passes over the grid, compile excluded),
 fits C1..C6 and the per-step overhead (`step_overhead`: a constant per step, a term per context token, an
 extra constant per prompt step — what `placement/step_time.py` charges) by one least squares
 (`placement/profile_fit.py`), finds L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
-`engine_padding`: plan and simulate then charge a batch what the engine really computes.
+`engine_padding` (the buckets and which table columns its decode attention reads): plan and simulate
+then charge a batch what the engine really computes.
 
 On a CPU, Eigen is made single-threaded unless `--cpu-multi-thread`; serve with the same XLA flags.
 That does not make one XLA device one core: a process runs every device's kernels on one intra-op
@@ -36,10 +38,32 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+if TYPE_CHECKING:
+    from models.config import OPTConfig
+    from placement.padding import EnginePadding
+
+
+def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding:
+    """The shapes this process's engine computes: `OPTEngine`'s buckets and its decode attention's form
+    (`models.paged_attention.default_impl`, which `models.sharding.ShardedOPT` runs: the CPU's chunked
+    loop reads only filled chunks of the table, the one-gather form all of it)."""
+    import jax.numpy as jnp
+
+    from models.paged_attention import CHUNK_BYTES, default_impl
+    from placement.padding import EnginePadding
+
+    chunked = default_impl() == "xla"
+    return EnginePadding(
+        block_size=block_size,
+        attention_chunk_bytes=CHUNK_BYTES if chunked else 0,
+        kv_column_bytes=block_size * cfg.num_heads * cfg.head_dim * jnp.dtype(dtype).itemsize if chunked else 0,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
     parser.add_argument("--prefill-lengths", default=None, help="grid: prompt lengths, e.g. 64,128,256")
     parser.add_argument("--prefill-batches", default="1,2,3,4", help="grid: prompts per prefill batch")
-    parser.add_argument("--decode-batches", default="1,2,4,8,16,32", help="grid: sequences per decode step")
+    parser.add_argument("--decode-batches", default="1,2,3,4,8,12,16,32", help="grid: sequences per decode step")
     parser.add_argument("--decode-contexts", default="16,64,160,320", help="grid: context tokens per sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (the fastest is kept)")
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=None,
+        help="passes over the whole grid, the fastest run per shape kept "
+        "(default 3, 1 with --quick: a shape's runs spread over minutes outlast a neighbour's busy stretch)",
+    )
     parser.add_argument(
         "--clock",
         default="wall",
@@ -144,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.runtime.step_timing import custom_grid, default_grid, measure
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
-    from placement.padding import EnginePadding
     from placement.profile_fit import profile_entry
 
     try:
@@ -176,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
     grid = dataclasses.replace(grid, clock=args.clock)
     if args.repeats:
         grid = dataclasses.replace(grid, repeats=args.repeats)
+    if args.passes is not None:
+        if args.passes < 1:
+            print("jaxserve profile: error: --passes must be >= 1", file=sys.stderr)
+            return 2
+        grid = dataclasses.replace(grid, passes=args.passes)
     if "colocated" not in engines:
         grid = dataclasses.replace(grid, coloc_prefill=())
     platform = jax.devices()[0].platform
@@ -210,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
                 # the engine pads every step to a bucket; fit (and later charge) what it computes
-                padding=None if args.no_padding else EnginePadding(block_size=args.block_size),
+                padding=None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype),
             )
             entries.append(entry)
             fit = entry["fit"]
@@ -245,7 +280,6 @@ def _from_server(args: argparse.Namespace) -> int:
     from jaxserve.plan import PlanError, parse_deployment
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
-    from placement.padding import EnginePadding
     from placement.profile_fit import profile_entry, samples_from_steps
 
     def fail(msg: str) -> int:
@@ -277,7 +311,7 @@ def _from_server(args: argparse.Namespace) -> int:
         by_role.setdefault(inst["role"], []).extend(inst["steps"])
     groups = [("colocated", by_role.get("colocated", []), by_role.get("colocated", []))]
     groups.append(("disagg", by_role.get("prefill", []), by_role.get("decode", [])))
-    padding = None if args.no_padding else EnginePadding(block_size=args.block_size)
+    padding = None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype)
     entries = []
     for engine, pre_steps, dec_steps in groups:
         if not pre_steps and not dec_steps:
