@@ -68,6 +68,9 @@ def test_a_60_s_probe_does_not_overrate_the_plan_the_diurnal_day_missed_an_hour_
     920), 600 requests (13 s at 46 rps) rated the serving prefill=4xtp4,decode=9xtp1 at 46.9 rps, so
     the round kept it, and hour 08 ran at 71 % attainment (an hour of that traffic gets ~36 rps).
     60 s of traffic at 46 rps (2,760 requests) rates it below the required rate: the round replaces it.
+    (Since the simulator's prefill timing and the goodput search's bounds charge the step overhead,
+    the 600-request sample rates it at 41.5 rps as well; the probe rule still bounds what a short
+    sample can hide near saturation.)
     """
     from placement.replan_sim import LoopConfig
     from placement.timevarying import DiurnalSpec, generate_diurnal
@@ -97,7 +100,6 @@ def test_a_60_s_probe_does_not_overrate_the_plan_the_diurnal_day_missed_an_hour_
         ctx = SearchContext(lat, cluster, empirical_workload(window, n, 920), SloSpec(0.25, 0.1), max_pp=1)
         return estimate(ctx, plan).goodput_rps
 
-    assert goodput(600) > required  # the old fixed count: "covers it", keep
     n = loop.replan.sample_size(required)
     assert n == 2760
     assert goodput(n) < 0.95 * required  # 41.5 rps
