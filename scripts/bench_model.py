@@ -24,6 +24,8 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla_gather,xla
                                                                    # paged attention A/B (old vs new)
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla,xla_tokens --batches 8,16
+                                                                   # head-major vs token-major chunks
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --decode-ab
                                                                    # contiguous decode: stacked vs per-layer cache
 
