@@ -107,6 +107,33 @@ def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) ->
     np.testing.assert_allclose(np.asarray(got)[1], v_new[1], atol=1e-6)  # nothing cached: the new value itself
 
 
+@pytest.mark.parametrize("chunk_blocks", [0, 1, 3])
+def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
+    """block_layout="heads": a [L, N, H, bs, D] pool (each block head-major), with new_kv and a layer axis."""
+    q, kp, vp, tables, lengths = case
+    rng = np.random.default_rng(3)
+    k_new, v_new = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(2))
+    short = np.array([9, 0, 13], np.int32)  # row 1 attends to its new position alone
+    pool_k = np.stack([np.zeros_like(kp), kp]).transpose(0, 1, 3, 2, 4)  # [2, N, H, bs, D], layer 1 holds the pages
+    pool_v = np.stack([np.zeros_like(vp), vp]).transpose(0, 1, 3, 2, 4)
+    scale = 16**-0.5
+    got = paged_decode_attention(
+        jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(short),
+        scale=scale, layer=1, new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)), chunk_blocks=chunk_blocks,
+        block_layout="heads",
+    )  # fmt: skip
+    want = _numpy_reference(q, kp, vp, tables, short, scale, (k_new, v_new))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    got = paged_decode_attention(  # no layer axis, no new position
+        jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables), jnp.asarray(lengths),
+        scale=scale, chunk_blocks=chunk_blocks, block_layout="heads",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
+    with pytest.raises(ValueError, match="block_layout"):
+        paged_decode_attention(jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables),
+                               jnp.asarray(lengths), scale=scale, impl="xla_gather", block_layout="heads")  # fmt: skip
+
+
 def test_tokens_below_the_batch_threshold_is_the_head_major_form(
     case: tuple[np.ndarray, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
