@@ -28,6 +28,8 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
                                                                    # head-major vs token-major chunks
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-layout-ab
                                                                    # attention only: pool blocks [bs,H,D] vs [H,bs,D]
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla,xla:heads
+                                                                   # the whole paged step over both pool layouts
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --decode-ab
                                                                    # contiguous decode: stacked vs per-layer cache
 
@@ -82,7 +84,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument(
         "--paged-ab",
         default="",
-        help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first)",
+        help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first); "
+        "IMPL:heads runs IMPL over a pool of head-major blocks (e.g. xla,xla:heads)",
     )
     ap.add_argument(
         "--paged-layout-ab",
@@ -398,18 +401,23 @@ def _jax_decode_contenders(
         np.pad(np.arange(bsz * per_seq, dtype=np.int32).reshape(bsz, per_seq), ((0, 0), (0, width - per_seq)))
     )
     ones = jnp.ones((bsz,), jnp.int32)
-    for impl in paged_impls:
-        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype)
-        state["pages", impl] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
+    for name in paged_impls:
+        impl, _, layout = name.partition(":")  # "xla:heads": impl "xla" over a pool of head-major blocks
+        layout = layout or "tokens"
+        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
+        filled = jnp.full((bsz,), ctx, jnp.int32)
+        state["pages", name] = opt.insert_into_pages(pool, kv, tables, filled, block_layout=layout)
 
-        def run_paged(impl: str = impl) -> None:
-            cache = state["pages", impl]
+        def run_paged(name: str = name, impl: str = impl, layout: str = layout) -> None:
+            cache = state["pages", name]
             for pos in positions:
-                logits, cache = opt.extend_paged(params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl)
+                logits, cache = opt.extend_paged(
+                    params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl, block_layout=layout
+                )
             jax.block_until_ready(logits)
-            state["pages", impl] = cache
+            state["pages", name] = cache
 
-        contenders["paged" if len(paged_impls) == 1 else f"paged:{impl}"] = run_paged
+        contenders["paged" if len(paged_impls) == 1 else f"paged:{name}"] = run_paged
     del kv
     return contenders
 
