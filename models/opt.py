@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import OPT_POSITION_OFFSET, OPTConfig
-from models.paged_attention import Impl, paged_decode_attention
+from models.paged_attention import BlockLayout, Impl, paged_decode_attention
 
 Params = dict[str, Any]
 
@@ -100,15 +100,17 @@ class DecodeCache:
 class PagedKVCache:
     """Decode-side block pool: position p of a sequence lives in block `table[p // bs]`, slot `p % bs`."""
 
-    k: jax.Array  # [L, num_blocks, block_size, H, D]
-    v: jax.Array  # [L, num_blocks, block_size, H, D]
+    k: (
+        jax.Array
+    )  # [L, num_blocks, block_size, H, D] (serving); [L, num_blocks, H, block_size, D] with block_layout="heads"
+    v: jax.Array
 
     @property
     def num_blocks(self) -> int:
         return int(self.k.shape[1])
 
     @property
-    def block_size(self) -> int:
+    def block_size(self) -> int:  # of the serving (token-major) layout
         return int(self.k.shape[2])
 
 
@@ -206,11 +208,23 @@ def init_cache(
 
 
 def init_paged_cache(
-    cfg: OPTConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32, num_layers: int | None = None
+    cfg: OPTConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: Any = jnp.float32,
+    num_layers: int | None = None,
+    block_layout: BlockLayout = "tokens",
 ) -> PagedKVCache:
-    """Zeroed block pool `[L, num_blocks, block_size, H, D]`."""
+    """Zeroed block pool `[L, num_blocks, block_size, H, D]` (`block_layout="heads"`: `[L, num_blocks, H, block_size, D]`).
+
+    The head-major blocks are an experiment (issue 13): `extend_paged` and `insert_into_pages` take
+    them, the serving pool (kv_pool, kv_transfer, sharding) does not.
+    """
     n = cfg.num_layers if num_layers is None else num_layers
-    shape = (n, num_blocks, block_size, cfg.num_heads, cfg.head_dim)
+    if block_layout == "heads":
+        shape = (n, num_blocks, cfg.num_heads, block_size, cfg.head_dim)
+    else:
+        shape = (n, num_blocks, block_size, cfg.num_heads, cfg.head_dim)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -489,6 +503,7 @@ def run_layers_paged(
     cache: PagedKVCache,
     block_tables: jax.Array,
     attention: Impl = "xla",
+    block_layout: BlockLayout = "tokens",
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h].
 
@@ -498,7 +513,10 @@ def run_layers_paged(
     the row's table). A chunked prefill (T > 1) always gathers the table's pages once per layer.
     """
     b, t, _ = x.shape
-    num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
+    heads = block_layout == "heads"  # pool blocks [H, bs, D] instead of [bs, H, D]
+    if heads and attention != "xla":
+        raise ValueError("head-major pool blocks are attended by attention='xla' only")
+    num_blocks, bs = cache.k.shape[1], cache.k.shape[3 if heads else 2]
     m = block_tables.shape[1]
     nh, hd = cfg.num_heads, cfg.head_dim
     # what the pages already hold: positions before start (later slots may be stale)
@@ -514,10 +532,16 @@ def run_layers_paged(
     write_slot = qpos % bs
 
     def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-        c = PagedKVCache(
-            k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
-            v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
-        )
+        if heads:  # index dims (block, slot) around a slice: the update is [B, T, H, D] as k is
+            c = PagedKVCache(
+                k=c.k.at[i, write_block, :, write_slot].set(k, mode="drop"),
+                v=c.v.at[i, write_block, :, write_slot].set(v, mode="drop"),
+            )
+        else:
+            c = PagedKVCache(
+                k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
+                v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
+            )
         if t == 1 and attention == "pallas_gpu":  # the kernel reads the new token back from the pages
             o = paged_decode_attention(
                 q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention, layer=i
@@ -526,12 +550,15 @@ def run_layers_paged(
         if t == 1:  # the pages before start and the new token in one softmax, the pool read in place
             o = paged_decode_attention(
                 q[:, 0], c.k, c.v, block_tables, start_positions, scale=scale, impl=attention, layer=i,
-                new_kv=(k[:, 0], v[:, 0]),
+                new_kv=(k[:, 0], v[:, 0]), block_layout=block_layout,
             )  # fmt: skip
             return o[:, None].astype(q.dtype), c
         # chunked prefill: one gather straight from the pool (no slice of layer i first: that would be a copy)
-        keys = c.k[i, block_tables].reshape(b, m * bs, nh, hd)  # [B, S, H, D]
-        vals = c.v[i, block_tables].reshape(b, m * bs, nh, hd)
+        keys, vals = c.k[i, block_tables], c.v[i, block_tables]  # [B, M, bs, H, D] (heads: [B, M, H, bs, D])
+        if heads:
+            keys, vals = jnp.swapaxes(keys, 2, 3), jnp.swapaxes(vals, 2, 3)
+        keys = keys.reshape(b, m * bs, nh, hd)  # [B, S, H, D]
+        vals = vals.reshape(b, m * bs, nh, hd)
         return _attention(q, [(keys, vals, old), (k, v, new)], scale), c
 
     x, _, _, cache = _run_layers(layers, cfg, x, attend, cache)
@@ -576,7 +603,7 @@ def decode(
     return lm_head(params, cfg, x[:, 0]), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention", "block_layout"), donate_argnames=("cache",))
 def extend_paged(
     params: Params,
     cfg: OPTConfig,
@@ -588,6 +615,7 @@ def extend_paged(
     *,
     all_logits: bool = False,
     attention: Impl = "xla",
+    block_layout: BlockLayout = "tokens",
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
 
@@ -599,19 +627,22 @@ def extend_paged(
     t = tokens.shape[1]
     positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
     x = embed(params, cfg, tokens, positions)
-    x, cache = run_layers_paged(params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
+    x, cache = run_layers_paged(
+        params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
+    )
     if not all_logits:
         x = select_last(x, lengths)
     return lm_head(params, cfg, x), cache
 
 
-@partial(jax.jit, donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("block_layout",), donate_argnames=("cache",))
 def insert_into_pages(
     cache: PagedKVCache,
     kv: KVCache,
     block_tables: jax.Array,
     lengths: jax.Array,
     start_positions: jax.Array | None = None,
+    block_layout: BlockLayout = "tokens",
 ) -> PagedKVCache:
     """Copy positions `0..lengths[b]-1` of a contiguous `kv` [L,B,T,H,D] into the pages of `block_tables` [B,M].
 
@@ -619,15 +650,20 @@ def insert_into_pages(
     `start_positions` (default 0) offsets where row b's positions land in its pages. `cache` is donated.
     """
     _, b, t, _, _ = kv.k.shape
-    num_blocks, bs = cache.k.shape[1], cache.k.shape[2]
+    heads = block_layout == "heads"
+    num_blocks, bs = cache.k.shape[1], cache.k.shape[3 if heads else 2]
     m = block_tables.shape[1]
     start = jnp.zeros((b,), jnp.int32) if start_positions is None else start_positions
     pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
     valid = (jnp.arange(t)[None, :] < lengths[:, None]) & (pos // bs < m)
     blk = jnp.where(valid, jnp.take_along_axis(block_tables, jnp.clip(pos // bs, 0, m - 1), axis=1), num_blocks)
     slot = pos % bs
-    k = cache.k.at[:, blk, slot].set(kv.k.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, blk, slot].set(kv.v.astype(cache.v.dtype), mode="drop")
+    if heads:  # index dims (block, slot) around slices go first: the update is [B, T, L, H, D]
+        k = cache.k.at[:, blk, :, slot].set(jnp.moveaxis(kv.k, 0, 2).astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, blk, :, slot].set(jnp.moveaxis(kv.v, 0, 2).astype(cache.v.dtype), mode="drop")
+    else:
+        k = cache.k.at[:, blk, slot].set(kv.k.astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, blk, slot].set(kv.v.astype(cache.v.dtype), mode="drop")
     return PagedKVCache(k=k, v=v)
 
 

@@ -15,6 +15,17 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   two, so up to half a table's columns are empty: they are never read. One chunk is small enough
   that its gather and transpose stay in the CPU's caches instead of streaming the whole
   gathered context through memory twice (docs/performance.md has the A/B);
+* `impl="xla_tokens"` (opt-in, CPU): the same loop, but each chunk is attended as gathered,
+  token-major [B, C*bs, H, D], with the products written as multiply + reduce (over D for the
+  scores, over the tokens for the values), which XLA:CPU lowers to YNNPACK reductions: no
+  transpose is materialised. Below `TOKEN_MIN_BATCH` rows it runs the head-major form (those
+  reductions are slow at batch 1). On opt-125m it was at most ~5% faster than "xla" at batch 8
+  and not faster at batch 16 (docs/performance.md), so it is not the default;
+* `block_layout="heads"` (impl="xla" only): the pool's blocks stored head-major, `[num_blocks, H,
+  block_size, D]` (or `[L, ...]`), each chunk gathered as [B, C, H, bs, D] and attended by two dots
+  with (b, c, h) as batch dims: no transpose and no token-axis reduction. 1.5-2.2x faster than
+  "xla" on the attention alone (`scripts/bench_model.py --paged-layout-ab`), but `PagedKVCache`,
+  kv_pool and kv_transfer keep token-major blocks, so nothing in serving uses it yet;
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -30,14 +41,26 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["xla", "xla_gather", "pallas_gpu"]
-IMPLS: tuple[Impl, ...] = ("xla", "xla_gather", "pallas_gpu")
+Impl = Literal["xla", "xla_tokens", "xla_gather", "pallas_gpu"]
+BlockLayout = Literal["tokens", "heads"]
+_Form = Literal["transpose", "tokens", "heads"]  # how impl="xla"'s chunk loop attends a chunk
+IMPLS: tuple[Impl, ...] = ("xla", "xla_tokens", "xla_gather", "pallas_gpu")
 _MASK_VALUE = -1e30
 # Bytes of K (and again of V) that one loop iteration of impl="xla" gathers: the chunk is this many
 # bytes' worth of table columns over the whole batch, at least one column. opt-125m, context 512, on
 # 2 CPU cores under load, interleaved: batch 16 at 1 column (786 KB) per iteration 267 ms/step, 2
 # columns 356, 4 columns 844; batch 1 at 1, 4 or 16 columns within noise (36-39 ms).
 CHUNK_BYTES = 256 * 1024
+# The same for impl="xla_tokens", rounded down to a power of two of columns: opt-125m attention alone
+# (12 layers, context 512, loaded 2 cores, min ms): batch 8 at 1/2/4/8 columns 134/85/116/120, batch 16
+# 156/137/106/185 (medians 255/218/232/307), so 2 columns (1.5 MB) at batch 8 and 16.
+TOKEN_CHUNK_BYTES = 1024 * 1024
+# The same for block_layout="heads": attention alone, opt-125m, batch 8 at 1/2/4/8 columns 47/42/38/39
+# ms min, batch 16 83/74/74/79 (loaded 2 cores, interleaved), so 4 columns (3 MB) at batch 8.
+HEADS_CHUNK_BYTES = 2 * 1024 * 1024
+# Below this batch impl="xla_tokens" runs the head-major form of impl="xla": at batch 1 XLA:CPU's
+# reductions over the token axis ran at under 1 GB/s (attention alone 50 ms vs 10 ms head-major).
+TOKEN_MIN_BATCH = 8
 
 
 def paged_decode_attention(
@@ -53,10 +76,13 @@ def paged_decode_attention(
     layer: Any = None,  # int or traced int32: index of the leading layer axis of the pool
     new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, H, D], v [B, H, D]): one more position per row
     chunk_blocks: int = 0,  # impl="xla": table columns per loop iteration (0: from CHUNK_BYTES)
+    block_layout: BlockLayout = "tokens",  # "heads": pages are [..., num_blocks, H, block_size, D] (impl="xla" only)
 ) -> jax.Array:
     """Softmax(q . k * scale) . v over each row's first `lengths[b]` paged positions (and `new_kv`) -> [B, H, D] f32."""
     if impl not in IMPLS:
         raise ValueError(f"unknown paged attention implementation {impl!r}")
+    if block_layout != "tokens" and impl != "xla":
+        raise ValueError(f"block_layout={block_layout!r} is implemented for impl='xla' only")
     if impl == "pallas_gpu":
         if new_kv is not None:
             raise ValueError("the Pallas kernel reads every position from the pages: write new_kv first")
@@ -67,7 +93,9 @@ def paged_decode_attention(
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if impl == "xla_gather":
         return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv)
-    return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks)
+    tokens = impl == "xla_tokens" and q.shape[0] >= TOKEN_MIN_BATCH
+    form: _Form = "heads" if block_layout == "heads" else "tokens" if tokens else "transpose"
+    return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, form)
 
 
 def default_impl() -> Impl:
@@ -116,11 +144,25 @@ def _xla_chunked(
     scale: float,
     new_kv: tuple[jax.Array, jax.Array] | None,
     chunk_blocks: int,
+    form: _Form,
 ) -> jax.Array:
+    """The chunk loop. form: "transpose" gathers [B, C*bs, H, D] and puts it head-major for two dots;
+    "tokens" attends it as gathered (multiply + reduce); "heads" gathers head-major blocks
+    [B, C, H, bs, D] from a [L, N, H, bs, D] pool and runs both dots with (b, c, h) as batch dims."""
     b, m = block_tables.shape
-    _, _, bs, h, d = k_pages.shape
+    if form == "heads":
+        _, _, h, bs, d = k_pages.shape
+    else:
+        _, _, bs, h, d = k_pages.shape
+    tokens = form == "tokens"
     column_bytes = b * bs * h * d * k_pages.dtype.itemsize  # one table column over the batch
-    c = min(chunk_blocks or max(1, CHUNK_BYTES // column_bytes), m)
+    if form == "heads":
+        auto = 1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1)
+    elif tokens:
+        auto = 1 << max(0, (TOKEN_CHUNK_BYTES // column_bytes).bit_length() - 1)  # a power of two, >= 1
+    else:
+        auto = max(1, CHUNK_BYTES // column_bytes)
+    c = min(chunk_blocks or auto, m)
     width = -(-m // c) * c
     # padding columns name block 0: a valid block whose positions lie past every length (masked)
     tables = jnp.pad(block_tables, ((0, 0), (0, width - m))).reshape(b, width // c, c)  # [B, M/C, C]
@@ -142,17 +184,33 @@ def _xla_chunked(
     def body(carry: _Carry) -> _Carry:
         j, run_max, run_sum, acc = carry
         ids = jax.lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [B, C]
-        keys = jnp.swapaxes(k_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)  # [B, H, C*bs, D]
-        vals = jnp.swapaxes(v_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)
-        s = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=jnp.float32) * scale  # [B, H, C*bs]
         pos = j * (c * bs) + jnp.arange(c * bs)
+        if form == "heads":  # [B, C, H, bs, D]: batched dots over (b, c, h), no transpose of K or V
+            kb = k_pages[layer, ids]
+            vb = v_pages[layer, ids]
+            sb = jnp.einsum("bchd,bchsd->bchs", jnp.broadcast_to(q[:, None], (b, c, h, d)), kb,
+                            preferred_element_type=jnp.float32)  # fmt: skip
+            s = jnp.swapaxes(sb, 1, 2).reshape(b, h, c * bs) * scale  # [B, H, C*bs] (small)
+        elif tokens:  # [B, C*bs, H, D] as gathered; products as multiply + reduce over D and over S
+            keys = k_pages[layer, ids].reshape(b, c * bs, h, d).astype(jnp.float32)
+            vals = v_pages[layer, ids].reshape(b, c * bs, h, d).astype(jnp.float32)
+            s = jnp.swapaxes(jnp.sum(keys * qf[:, None], axis=-1), 1, 2) * scale  # [B, H, C*bs] (small)
+        else:
+            keys = jnp.swapaxes(k_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)  # [B, H, C*bs, D]
+            vals = jnp.swapaxes(v_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)
+            s = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=jnp.float32) * scale  # [B, H, C*bs]
         s = jnp.where(pos[None, None, :] < lengths[:, None, None], s, _MASK_VALUE)
         new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
         rescale = jnp.exp(run_max - new_max)  # [B, H]
         e = jnp.exp(s - new_max[..., None])  # masked positions: exp(-1e30 - max) == 0 once any score is real
-        acc = acc * rescale[..., None] + jnp.einsum(
-            "bhs,bhsd->bhd", e.astype(vals.dtype), vals, preferred_element_type=jnp.float32
-        )
+        if form == "heads":
+            eb = jnp.swapaxes(e.reshape(b, h, c, bs), 1, 2).astype(vb.dtype)  # [B, C, H, bs] (small)
+            weighted = jnp.sum(jnp.einsum("bchs,bchsd->bchd", eb, vb, preferred_element_type=jnp.float32), axis=1)
+        elif tokens:
+            weighted = jnp.sum(jnp.swapaxes(e, 1, 2)[..., None] * vals, axis=1)  # [B, H, D]
+        else:
+            weighted = jnp.einsum("bhs,bhsd->bhd", e.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        acc = acc * rescale[..., None] + weighted
         return j + 1, new_max, run_sum * rescale + jnp.sum(e, axis=-1), acc
 
     init = (jnp.zeros((), jnp.int32), run_max, run_sum, acc)

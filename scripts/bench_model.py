@@ -24,6 +24,12 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla_gather,xla
                                                                    # paged attention A/B (old vs new)
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla,xla_tokens --batches 8,16
+                                                                   # head-major vs token-major chunks
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-layout-ab
+                                                                   # attention only: pool blocks [bs,H,D] vs [H,bs,D]
+    .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla,xla:heads
+                                                                   # the whole paged step over both pool layouts
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --decode-ab
                                                                    # contiguous decode: stacked vs per-layer cache
 
@@ -78,7 +84,14 @@ def _parse() -> argparse.Namespace:
     ap.add_argument(
         "--paged-ab",
         default="",
-        help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first)",
+        help="only paged decode, these attention implementations interleaved (e.g. xla_gather,xla; ratios vs the first); "
+        "IMPL:heads runs IMPL over a pool of head-major blocks (e.g. xla,xla:heads)",
+    )
+    ap.add_argument(
+        "--paged-layout-ab",
+        action="store_true",
+        help="only paged decode attention (all layers, no weights): the pool's blocks token-major [N,bs,H,D] "
+        "(impl xla, xla_tokens) vs head-major [N,H,bs,D] (block_layout='heads'), interleaved",
     )
     ap.add_argument(
         "--decode-ab",
@@ -210,6 +223,9 @@ def main() -> int:
         return _finish(args, record, load_before)
     if args.paged_ab:
         record.update(_paged_ab(args, cfg, params, rng))
+        return _finish(args, record, load_before)
+    if args.paged_layout_ab:
+        record.update(_paged_layout_ab(args, cfg, rng))
         return _finish(args, record, load_before)
     if args.decode_ab:
         record.update(_decode_ab(args, cfg, params, rng))
@@ -385,18 +401,23 @@ def _jax_decode_contenders(
         np.pad(np.arange(bsz * per_seq, dtype=np.int32).reshape(bsz, per_seq), ((0, 0), (0, width - per_seq)))
     )
     ones = jnp.ones((bsz,), jnp.int32)
-    for impl in paged_impls:
-        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype)
-        state["pages", impl] = opt.insert_into_pages(pool, kv, tables, jnp.full((bsz,), ctx, jnp.int32))
+    for name in paged_impls:
+        impl, _, layout = name.partition(":")  # "xla:heads": impl "xla" over a pool of head-major blocks
+        layout = layout or "tokens"
+        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
+        filled = jnp.full((bsz,), ctx, jnp.int32)
+        state["pages", name] = opt.insert_into_pages(pool, kv, tables, filled, block_layout=layout)
 
-        def run_paged(impl: str = impl) -> None:
-            cache = state["pages", impl]
+        def run_paged(name: str = name, impl: str = impl, layout: str = layout) -> None:
+            cache = state["pages", name]
             for pos in positions:
-                logits, cache = opt.extend_paged(params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl)
+                logits, cache = opt.extend_paged(
+                    params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl, block_layout=layout
+                )
             jax.block_until_ready(logits)
-            state["pages", impl] = cache
+            state["pages", name] = cache
 
-        contenders["paged" if len(paged_impls) == 1 else f"paged:{impl}"] = run_paged
+        contenders["paged" if len(paged_impls) == 1 else f"paged:{name}"] = run_paged
     del kv
     return contenders
 
@@ -430,6 +451,74 @@ def _paged_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dict
         print(f"  {bsz:>5}{cells}{ratios}   load {load:.2f} -> {load_avg():.2f}", flush=True)
         rows.append({"batch": bsz, **{f"{k}_ms": v for k, v in ms.items()}})
     return {"paged_ab": rows}
+
+
+def _paged_layout_ab(args: argparse.Namespace, cfg: Any, rng: Any) -> dict[str, Any]:
+    """`--paged-layout-ab`: `paged_decode_attention` over every layer of a random pool, per batch, with the
+    blocks token-major (today's `PagedKVCache`, impl "xla" and "xla_tokens") and head-major
+    (`block_layout="heads"`, a pool layout kv_pool / kv_transfer do not have yet), interleaved."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    nl, h, d, bs, ctx = cfg.num_layers, cfg.num_heads, cfg.head_dim, args.block_size, args.context
+    names = ("xla", "xla_tokens", "heads")
+    print(f"paged attention layout A/B at context {ctx}, {nl} layers, attention only; ms per step (min/median)")
+    print(f"  {'batch':>5}" + "".join(f"{n:>18}" for n in names) + "".join(f"{n + '/xla':>22}" for n in names[1:]))
+    gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
+    rows = []
+    for bsz in [int(b) for b in args.batches.split(",")]:
+        per_seq = -(-(ctx + 1) // bs)
+        width = 1 << (per_seq - 1).bit_length()  # the engine's power-of-two table width
+        n = bsz * per_seq + 1
+        tables = np.zeros((bsz, width), np.int32)
+        tables[:, :per_seq] = rng.permutation(n - 1)[: bsz * per_seq].reshape(bsz, per_seq) + 1
+        kp = rng.standard_normal((nl, n, bs, h, d), np.float32)
+        vp = rng.standard_normal((nl, n, bs, h, d), np.float32)
+        pools = {
+            "tokens": (jnp.asarray(kp), jnp.asarray(vp)),
+            "heads": (jnp.asarray(kp.transpose(0, 1, 3, 2, 4)), jnp.asarray(vp.transpose(0, 1, 3, 2, 4))),
+        }
+        del kp, vp
+        q = jnp.asarray(rng.standard_normal((bsz, h, d), np.float32))
+        lengths = jnp.full((bsz,), ctx, jnp.int32)
+        tab = jnp.asarray(tables)
+
+        contenders = {name: _layout_contender(name, nl, d, pools, q, tab, lengths) for name in names}
+        load = load_avg()
+        ms = {k: [x * 1e3 for x in v] for k, v in interleaved(contenders, args.reps).items()}
+        cells = "".join(f"{stats(ms[k])[0]:>9.1f}/{stats(ms[k])[1]:<8.1f}" for k in names)
+        ratios = "".join(
+            "  "
+            + gate(min(ms["xla"]) / min(ms[k]), 10)
+            + f" ({statistics.median(ms['xla']) / statistics.median(ms[k]):.2f}x)"
+            for k in names[1:]
+        )
+        print(f"  {bsz:>5}{cells}{ratios}   load {load:.2f} -> {load_avg():.2f}", flush=True)
+        rows.append({"batch": bsz, **{f"{k}_ms": v for k, v in ms.items()}})
+    return {"paged_layout_ab": rows}
+
+
+def _layout_contender(name: str, nl: int, d: int, pools: Any, q: Any, tab: Any, lengths: Any) -> Callable[[], None]:
+    """One `--paged-layout-ab` contender: attention over all `nl` layers of its pool, as one jitted call."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.paged_attention import paged_decode_attention
+
+    impl, layout = ("xla", "heads") if name == "heads" else (name, "tokens")
+    kpool, vpool = pools[layout]
+
+    @jax.jit
+    def step(q0: Any, kp: Any, vp: Any, tables: Any, lens: Any) -> Any:
+        acc = jnp.zeros_like(q0)
+        for i in range(nl):  # each layer's query depends on the previous output, as in the model
+            acc = acc + paged_decode_attention(
+                q0 + 1e-3 * acc, kp, vp, tables, lens, scale=d**-0.5, impl=impl, layer=i,
+                new_kv=(q0, q0), block_layout=layout,
+            )  # fmt: skip
+        return acc
+
+    return lambda: jax.block_until_ready(step(q, kpool, vpool, tab, lengths))
 
 
 def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dict[str, Any]:

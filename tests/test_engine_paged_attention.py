@@ -1,4 +1,9 @@
-"""`models.paged_attention.paged_decode_attention`: both XLA forms and Pallas (interpret mode on CPU) against numpy."""
+"""`models.paged_attention.paged_decode_attention`: the XLA forms and Pallas (interpret mode on CPU) against numpy.
+
+impl="xla_tokens" attends token-major only from `TOKEN_MIN_BATCH` rows on; these cases have 2-3 rows,
+so the module lowers the threshold to 1 to check the token-major form itself (and one test checks
+the fallback below the threshold).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import paged_attention
 from models.paged_attention import paged_decode_attention
+
+
+@pytest.fixture(autouse=True)
+def _token_major_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention, "TOKEN_MIN_BATCH", 1)
 
 
 def _numpy_reference(
@@ -47,7 +58,7 @@ def case() -> tuple[np.ndarray, ...]:
     return q, kp, vp, tables, lengths
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla_gather", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["xla", "xla_tokens", "xla_gather", "pallas_gpu"])
 def test_paged_decode_attention_matches_numpy(impl: str, case: tuple[np.ndarray, ...]) -> None:
     q, kp, vp, tables, lengths = case
     scale = 16**-0.5
@@ -58,8 +69,9 @@ def test_paged_decode_attention_matches_numpy(impl: str, case: tuple[np.ndarray,
     np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_tokens"])
 @pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 4])
-def test_chunked_xla_over_filled_chunks_only(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
+def test_chunked_xla_over_filled_chunks_only(impl: str, chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
     """The loop over chunks of table columns: rows ending in different chunks, a width that is not a
     multiple of the chunk, and table columns past the longest row holding NaN pages that must never be read."""
     q, kp, vp, tables, lengths = case
@@ -70,12 +82,12 @@ def test_chunked_xla_over_filled_chunks_only(chunk_blocks: int, case: tuple[np.n
     scale = 16**-0.5
     got = paged_decode_attention(
         jnp.asarray(q), jnp.asarray(poisoned), jnp.asarray(np.concatenate([vp, poisoned[-1:]])),
-        jnp.asarray(tables), jnp.asarray(lengths), scale=scale, impl="xla", chunk_blocks=chunk_blocks,
+        jnp.asarray(tables), jnp.asarray(lengths), scale=scale, impl=impl, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla_gather"])
+@pytest.mark.parametrize("impl", ["xla", "xla_tokens", "xla_gather"])
 def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) -> None:
     """`new_kv` is one more position per row in the same softmax (a row with no cached position attends
     to it alone); `layer` picks a layer of a [L, N, bs, H, D] pool."""
@@ -93,6 +105,47 @@ def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) ->
     want = _numpy_reference(q, kp, vp, tables, lengths, scale, (k_new, v_new))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got)[1], v_new[1], atol=1e-6)  # nothing cached: the new value itself
+
+
+@pytest.mark.parametrize("chunk_blocks", [0, 1, 3])
+def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
+    """block_layout="heads": a [L, N, H, bs, D] pool (each block head-major), with new_kv and a layer axis."""
+    q, kp, vp, tables, lengths = case
+    rng = np.random.default_rng(3)
+    k_new, v_new = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(2))
+    short = np.array([9, 0, 13], np.int32)  # row 1 attends to its new position alone
+    pool_k = np.stack([np.zeros_like(kp), kp]).transpose(0, 1, 3, 2, 4)  # [2, N, H, bs, D], layer 1 holds the pages
+    pool_v = np.stack([np.zeros_like(vp), vp]).transpose(0, 1, 3, 2, 4)
+    scale = 16**-0.5
+    got = paged_decode_attention(
+        jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(short),
+        scale=scale, layer=1, new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)), chunk_blocks=chunk_blocks,
+        block_layout="heads",
+    )  # fmt: skip
+    want = _numpy_reference(q, kp, vp, tables, short, scale, (k_new, v_new))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    got = paged_decode_attention(  # no layer axis, no new position
+        jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables), jnp.asarray(lengths),
+        scale=scale, chunk_blocks=chunk_blocks, block_layout="heads",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
+    with pytest.raises(ValueError, match="block_layout"):
+        paged_decode_attention(jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables),
+                               jnp.asarray(lengths), scale=scale, impl="xla_gather", block_layout="heads")  # fmt: skip
+
+
+def test_tokens_below_the_batch_threshold_is_the_head_major_form(
+    case: tuple[np.ndarray, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q, kp, vp, tables, lengths = case
+    args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables), jnp.asarray(lengths))
+    token_major = paged_decode_attention(*args, scale=0.25, impl="xla_tokens", chunk_blocks=1)
+    monkeypatch.setattr(paged_attention, "TOKEN_MIN_BATCH", q.shape[0] + 1)
+    below = paged_decode_attention(*args, scale=0.25, impl="xla_tokens", chunk_blocks=1)
+    np.testing.assert_array_equal(
+        np.asarray(below), np.asarray(paged_decode_attention(*args, scale=0.25, chunk_blocks=1))
+    )
+    np.testing.assert_allclose(np.asarray(token_major), np.asarray(below), atol=2e-5)
 
 
 def test_unknown_impl_is_an_error(case: tuple[np.ndarray, ...]) -> None:
@@ -116,7 +169,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 9)), jnp.int32)
     lengths = jnp.asarray([9, 6], jnp.int32)
     results = {}
-    for impl in ("xla", "xla_gather", "pallas_gpu"):
+    for impl in ("xla", "xla_tokens", "xla_gather", "pallas_gpu"):
         pool = opt.init_paged_cache(cfg, 8, bs)
         _, pool = opt.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
         tok = jnp.asarray([[11], [12]], jnp.int32)
@@ -126,4 +179,6 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     np.testing.assert_allclose(results["pallas_gpu"][1], results["xla"][1], atol=1e-5)  # layer 1 sees layer 0 rounding
     np.testing.assert_allclose(results["xla_gather"][0], results["xla"][0], atol=1e-4)
     np.testing.assert_allclose(results["xla_gather"][1], results["xla"][1], atol=1e-5)
+    np.testing.assert_allclose(results["xla_tokens"][0], results["xla"][0], atol=1e-4)
+    np.testing.assert_allclose(results["xla_tokens"][1], results["xla"][1], atol=1e-5)
     assert m == tables.shape[1]

@@ -9,6 +9,7 @@ import pytest
 
 from models import opt
 from models.config import OPTConfig, get_config
+from models.paged_attention import BlockLayout
 
 N, M = 9, 7  # prompt tokens, then decoded one by one
 B = 3
@@ -68,45 +69,81 @@ def test_decode_rows_at_different_positions(
         pos = pos + 1
 
 
-def test_paged_decode_with_shuffled_blocks(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
+@pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
+def test_paged_decode_with_shuffled_blocks(
+    setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], block_layout: BlockLayout
+) -> None:
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(4 * per_seq, per_seq)
-    cache = opt.init_paged_cache(cfg, 4 * per_seq, BLOCK)
+    cache = opt.init_paged_cache(cfg, 4 * per_seq, BLOCK, block_layout=block_layout)
     # prefill into pages with the paged path, then decode token by token
     logits, cache = opt.extend_paged(
-        params, cfg, tokens[:, :N], np.zeros(B, np.int32), np.full(B, N, np.int32), cache, tables
+        params,
+        cfg,
+        tokens[:, :N],
+        np.zeros(B, np.int32),
+        np.full(B, N, np.int32),
+        cache,
+        tables,
+        block_layout=block_layout,
     )
     np.testing.assert_allclose(np.asarray(logits), full[:, N - 1], atol=1e-5)
     for j in range(M):
         start = np.full(B, N + j, np.int32)
         logits, cache = opt.extend_paged(
-            params, cfg, tokens[:, N + j : N + j + 1], start, np.ones(B, np.int32), cache, tables
+            params,
+            cfg,
+            tokens[:, N + j : N + j + 1],
+            start,
+            np.ones(B, np.int32),
+            cache,
+            tables,
+            block_layout=block_layout,
         )
         np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
 
 
-def test_insert_contiguous_kv_into_pages(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
+@pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
+def test_insert_contiguous_kv_into_pages(
+    setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], block_layout: BlockLayout
+) -> None:
     """The decode side's insert: a prefill KVCache copied into pages, then paged decode continues it."""
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(3 * per_seq, per_seq, seed=5)
     _, kv = opt.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
-    cache = opt.insert_into_pages(opt.init_paged_cache(cfg, 3 * per_seq, BLOCK), kv, tables, np.full(B, N, np.int32))
+    cache = opt.insert_into_pages(
+        opt.init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout),
+        kv,
+        tables,
+        np.full(B, N, np.int32),
+        block_layout=block_layout,
+    )
     for j in range(M):
         start = np.full(B, N + j, np.int32)
         logits, cache = opt.extend_paged(
-            params, cfg, tokens[:, N + j : N + j + 1], start, np.ones(B, np.int32), cache, tables
+            params,
+            cfg,
+            tokens[:, N + j : N + j + 1],
+            start,
+            np.ones(B, np.int32),
+            cache,
+            tables,
+            block_layout=block_layout,
         )
         np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
 
 
-def test_chunked_prefill_into_pages(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
+@pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
+def test_chunked_prefill_into_pages(
+    setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], block_layout: BlockLayout
+) -> None:
     """Chunks of different sizes per row (and an idle row) reproduce the full forward's logits."""
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(3 * per_seq, per_seq, seed=9)
-    cache = opt.init_paged_cache(cfg, 3 * per_seq, BLOCK)
+    cache = opt.init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout)
     width = 6
     chunk_plan = [[6, 2, 5], [5, 0, 6], [5, 6, 5], [0, 6, 0], [0, 2, 0]]  # per step, tokens per row
     done = np.zeros(B, np.int32)
@@ -115,7 +152,9 @@ def test_chunked_prefill_into_pages(setup: tuple[OPTConfig, opt.Params, np.ndarr
         chunk = np.zeros((B, width), np.int32)
         for b in range(B):
             chunk[b, : lens[b]] = tokens[b, done[b] : done[b] + lens[b]]
-        logits, cache = opt.extend_paged(params, cfg, chunk, done, lens_a, cache, tables, all_logits=True)
+        logits, cache = opt.extend_paged(
+            params, cfg, chunk, done, lens_a, cache, tables, all_logits=True, block_layout=block_layout
+        )
         logits = np.asarray(logits)
         for b in range(B):
             if lens[b]:
