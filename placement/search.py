@@ -154,17 +154,25 @@ def _eval(job: tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]) -
     return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
 
+def _job(
+    ctx: SearchContext, kind: str, plan: DeploymentPlan
+) -> tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]:
+    """How a candidate of `kind` is judged: a phase alone under its own SLO and simulator mode, a whole
+    deployment under both SLOs."""
+    if kind == "prefill":
+        return ctx, kind, plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill")
+    if kind == "decode":
+        return ctx, kind, plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode")
+    return ctx, kind, plan, ctx.slo, ctx.options
+
+
 def candidate_job(
     ctx: SearchContext, cand: Candidate, workload: Workload | None = None
 ) -> tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]:
     """The evaluation that produced `cand` (the same SLO and simulator mode), on `workload` if given."""
     if workload is not None:
         ctx = dataclasses.replace(ctx, workload=workload)
-    if cand.kind == "prefill":
-        return ctx, "prefill", cand.plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill")
-    if cand.kind == "decode":
-        return ctx, "decode", cand.plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode")
-    return ctx, cand.kind, cand.plan, ctx.slo, ctx.options
+    return _job(ctx, cand.kind, cand.plan)
 
 
 def _mode(ctx: SearchContext, mode: Literal["prefill", "decode"]) -> SimOptions:
@@ -189,13 +197,11 @@ def _phase_jobs(
     ctx: SearchContext, shapes: Iterable[tuple[int, int]]
 ) -> list[tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]]:
     jobs = []
-    ttft_only = dataclasses.replace(ctx.slo, tpot_s=math.inf)
-    tpot_only = dataclasses.replace(ctx.slo, ttft_s=math.inf)
     for tp, pp in shapes:
         # A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips.
         plan = DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
-        jobs.append((ctx, "prefill", plan, ttft_only, _mode(ctx, "prefill")))
-        jobs.append((ctx, "decode", plan, tpot_only, _mode(ctx, "decode")))
+        jobs.append(_job(ctx, "prefill", plan))
+        jobs.append(_job(ctx, "decode", plan))
     return jobs
 
 
@@ -331,7 +337,7 @@ def algorithm2(
                     (InstanceSpec("prefill", tp_p, pp, nodes=nodes), InstanceSpec("decode", tp_d, pp, nodes=nodes)),
                     model=ctx.cfg.name,
                 )
-                jobs.append((ctx, "disagg", plan, ctx.slo, ctx.options))
+                jobs.append(_job(ctx, "disagg", plan))
     if not jobs:
         raise PlanError(f"no prefill + decode segment pair of {ctx.cfg.name} fits on one {cluster.device.name} node")
     cands = tuple(_map(_eval, jobs, workers, progress))
@@ -369,12 +375,10 @@ def colocated_search(
     limit = max_devices or ctx.cluster.devices_per_node
     shapes = instance_shapes(ctx, "colocated", limit)
     jobs = [
-        (
+        _job(
             ctx,
             "colocated",
             DeploymentPlan((InstanceSpec("colocated", tp, pp, chunk_size=chunk_size),), model=ctx.cfg.name),
-            ctx.slo,
-            ctx.options,
         )
         for tp, pp in shapes
     ]
@@ -451,7 +455,7 @@ def ratio_search(
     for x in range(1, max_devices // prefill.num_devices + 1):
         for y in range(1, (max_devices - x * prefill.num_devices) // decode.num_devices + 1):
             plan = DeploymentPlan(tuple([prefill] * x + [decode] * y), model=ctx.cfg.name)
-            jobs.append((ctx, "disagg", plan, ctx.slo, ctx.options))
+            jobs.append(_job(ctx, "disagg", plan))
     if not jobs:
         raise PlanError(f"{prefill.shape} + {decode.shape} need more than {max_devices} devices")
     cands = tuple(_map(_eval, jobs, workers, progress))
