@@ -69,6 +69,31 @@ def test_decode_rows_at_different_positions(
         pos = pos + 1
 
 
+def _decode_rest_and_check(
+    params: opt.Params,
+    cfg: OPTConfig,
+    tokens: np.ndarray,
+    full: np.ndarray,
+    cache: opt.PagedKVCache,
+    tables: np.ndarray,
+    block_layout: BlockLayout,
+) -> None:
+    """Paged decode of tokens N..N+M-1, one at a time; each step's logits equal the full forward's."""
+    for j in range(M):
+        start = np.full(B, N + j, np.int32)
+        logits, cache = opt.extend_paged(
+            params,
+            cfg,
+            tokens[:, N + j : N + j + 1],
+            start,
+            np.ones(B, np.int32),
+            cache,
+            tables,
+            block_layout=block_layout,
+        )
+        np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
+
+
 @pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
 def test_paged_decode_with_shuffled_blocks(
     setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], block_layout: BlockLayout
@@ -89,19 +114,7 @@ def test_paged_decode_with_shuffled_blocks(
         block_layout=block_layout,
     )
     np.testing.assert_allclose(np.asarray(logits), full[:, N - 1], atol=1e-5)
-    for j in range(M):
-        start = np.full(B, N + j, np.int32)
-        logits, cache = opt.extend_paged(
-            params,
-            cfg,
-            tokens[:, N + j : N + j + 1],
-            start,
-            np.ones(B, np.int32),
-            cache,
-            tables,
-            block_layout=block_layout,
-        )
-        np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
+    _decode_rest_and_check(params, cfg, tokens, full, cache, tables, block_layout)
 
 
 @pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
@@ -120,19 +133,7 @@ def test_insert_contiguous_kv_into_pages(
         np.full(B, N, np.int32),
         block_layout=block_layout,
     )
-    for j in range(M):
-        start = np.full(B, N + j, np.int32)
-        logits, cache = opt.extend_paged(
-            params,
-            cfg,
-            tokens[:, N + j : N + j + 1],
-            start,
-            np.ones(B, np.int32),
-            cache,
-            tables,
-            block_layout=block_layout,
-        )
-        np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
+    _decode_rest_and_check(params, cfg, tokens, full, cache, tables, block_layout)
 
 
 @pytest.mark.parametrize("block_layout", ["tokens", "heads"])  # heads: pool blocks [H, bs, D] (issue 13 experiment)
