@@ -100,18 +100,20 @@ class DecodeCache:
 class PagedKVCache:
     """Decode-side block pool: position p of a sequence lives in block `table[p // bs]`, slot `p % bs`."""
 
-    k: (
-        jax.Array
-    )  # [L, num_blocks, block_size, H, D] (serving); [L, num_blocks, H, block_size, D] with block_layout="heads"
+    k: jax.Array  # [L, num_blocks, block_size, H, D]; block_layout "heads": [L, num_blocks, H, block_size, D]
     v: jax.Array
+    # How a block holds its positions (static: part of the tree structure, so a jitted step
+    # compiles per layout). "heads" stores each block head-major, which the CPU's chunked decode
+    # attention reads without a transpose (models.paged_attention).
+    block_layout: BlockLayout = flax.struct.field(pytree_node=False, default="tokens")
 
     @property
     def num_blocks(self) -> int:
         return int(self.k.shape[1])
 
     @property
-    def block_size(self) -> int:  # of the serving (token-major) layout
-        return int(self.k.shape[2])
+    def block_size(self) -> int:
+        return int(self.k.shape[3 if self.block_layout == "heads" else 2])
 
 
 # The two contiguous cache layouts `decode` takes (it returns the layout it was given).
@@ -215,17 +217,25 @@ def init_paged_cache(
     num_layers: int | None = None,
     block_layout: BlockLayout = "tokens",
 ) -> PagedKVCache:
-    """Zeroed block pool `[L, num_blocks, block_size, H, D]` (`block_layout="heads"`: `[L, num_blocks, H, block_size, D]`).
+    """Zeroed block pool `[L, num_blocks, block_size, H, D]` (`block_layout="heads"`: `[L, num_blocks, H, block_size, D]`)."""
+    shape = paged_cache_shape(cfg, num_blocks, block_size, block_layout, num_layers)
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), block_layout=block_layout)
 
-    The head-major blocks are an experiment (issue 13): `extend_paged` and `insert_into_pages` take
-    them, the serving pool (kv_pool, kv_transfer, sharding) does not.
-    """
+
+def paged_cache_shape(
+    cfg: OPTConfig,
+    num_blocks: int,
+    block_size: int,
+    block_layout: BlockLayout = "tokens",
+    num_layers: int | None = None,
+) -> tuple[int, int, int, int, int]:
+    """Shape of one of a block pool's K / V arrays in `block_layout`."""
     n = cfg.num_layers if num_layers is None else num_layers
     if block_layout == "heads":
-        shape = (n, num_blocks, cfg.num_heads, block_size, cfg.head_dim)
-    else:
-        shape = (n, num_blocks, block_size, cfg.num_heads, cfg.head_dim)
-    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return (n, num_blocks, cfg.num_heads, block_size, cfg.head_dim)
+    if block_layout == "tokens":
+        return (n, num_blocks, block_size, cfg.num_heads, cfg.head_dim)
+    raise ValueError(f"unknown block layout {block_layout!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,9 +513,12 @@ def run_layers_paged(
     cache: PagedKVCache,
     block_tables: jax.Array,
     attention: Impl = "xla",
-    block_layout: BlockLayout = "tokens",
+    block_layout: BlockLayout | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names, attend over the pages. x [B,T,h].
+
+    The pool's blocks are read and written in `cache.block_layout` (`block_layout`, when given, must
+    name the same layout).
 
     `attention` picks the decode (T == 1) attention of `models.paged_attention`; the XLA forms attend
     to the pages before `start_positions` and the new token as two parts of one softmax, a kernel
@@ -513,10 +526,9 @@ def run_layers_paged(
     the row's table). A chunked prefill (T > 1) always gathers the table's pages once per layer.
     """
     b, t, _ = x.shape
-    heads = block_layout == "heads"  # pool blocks [H, bs, D] instead of [bs, H, D]
-    if heads and attention != "xla":
-        raise ValueError("head-major pool blocks are attended by attention='xla' only")
-    num_blocks, bs = cache.k.shape[1], cache.k.shape[3 if heads else 2]
+    layout = _pool_layout(cache, block_layout)
+    heads = layout == "heads"  # pool blocks [H, bs, D] instead of [bs, H, D]
+    num_blocks, bs = cache.num_blocks, cache.block_size
     m = block_tables.shape[1]
     nh, hd = cfg.num_heads, cfg.head_dim
     # what the pages already hold: positions before start (later slots may be stale)
@@ -534,23 +546,26 @@ def run_layers_paged(
     def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
         if heads:  # index dims (block, slot) around a slice: the update is [B, T, H, D] as k is
             c = PagedKVCache(
+                block_layout=c.block_layout,
                 k=c.k.at[i, write_block, :, write_slot].set(k, mode="drop"),
                 v=c.v.at[i, write_block, :, write_slot].set(v, mode="drop"),
             )
         else:
             c = PagedKVCache(
+                block_layout=c.block_layout,
                 k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
                 v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
             )
         if t == 1 and attention == "pallas_gpu":  # the kernel reads the new token back from the pages
             o = paged_decode_attention(
-                q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention, layer=i
-            )
+                q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention, layer=i,
+                block_layout=layout,
+            )  # fmt: skip
             return o[:, None].astype(q.dtype), c
         if t == 1:  # the pages before start and the new token in one softmax, the pool read in place
             o = paged_decode_attention(
                 q[:, 0], c.k, c.v, block_tables, start_positions, scale=scale, impl=attention, layer=i,
-                new_kv=(k[:, 0], v[:, 0]), block_layout=block_layout,
+                new_kv=(k[:, 0], v[:, 0]), block_layout=layout,
             )  # fmt: skip
             return o[:, None].astype(q.dtype), c
         # chunked prefill: one gather straight from the pool (no slice of layer i first: that would be a copy)
@@ -615,7 +630,7 @@ def extend_paged(
     *,
     all_logits: bool = False,
     attention: Impl = "xla",
-    block_layout: BlockLayout = "tokens",
+    block_layout: BlockLayout | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
 
@@ -642,7 +657,7 @@ def insert_into_pages(
     block_tables: jax.Array,
     lengths: jax.Array,
     start_positions: jax.Array | None = None,
-    block_layout: BlockLayout = "tokens",
+    block_layout: BlockLayout | None = None,
 ) -> PagedKVCache:
     """Copy positions `0..lengths[b]-1` of a contiguous `kv` [L,B,T,H,D] into the pages of `block_tables` [B,M].
 
@@ -650,8 +665,8 @@ def insert_into_pages(
     `start_positions` (default 0) offsets where row b's positions land in its pages. `cache` is donated.
     """
     _, b, t, _, _ = kv.k.shape
-    heads = block_layout == "heads"
-    num_blocks, bs = cache.k.shape[1], cache.k.shape[3 if heads else 2]
+    heads = _pool_layout(cache, block_layout) == "heads"
+    num_blocks, bs = cache.num_blocks, cache.block_size
     m = block_tables.shape[1]
     start = jnp.zeros((b,), jnp.int32) if start_positions is None else start_positions
     pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
@@ -664,7 +679,14 @@ def insert_into_pages(
     else:
         k = cache.k.at[:, blk, slot].set(kv.k.astype(cache.k.dtype), mode="drop")
         v = cache.v.at[:, blk, slot].set(kv.v.astype(cache.v.dtype), mode="drop")
-    return PagedKVCache(k=k, v=v)
+    return PagedKVCache(k=k, v=v, block_layout=cache.block_layout)
+
+
+def _pool_layout(cache: PagedKVCache, block_layout: BlockLayout | None) -> BlockLayout:
+    """The pool's own layout; a caller that names one must name the same (a mismatch would misread every block)."""
+    if block_layout is not None and block_layout != cache.block_layout:
+        raise ValueError(f"block_layout={block_layout!r} but the pool's blocks are {cache.block_layout!r}")
+    return cache.block_layout
 
 
 def num_params(params: Params) -> int:

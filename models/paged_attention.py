@@ -3,9 +3,9 @@
 `paged_decode_attention(q, k_pages, v_pages, block_tables, lengths)` attends one query per row
 to the first `lengths[b]` positions of row b's pages (position p in block `block_tables[b, p //
 block_size]`, slot `p % block_size`). The pool is one layer of the engine's pool, `[num_blocks,
-block_size, H, D]` (the layout `models.opt.PagedKVCache` and the KV transfer use), or the whole
-pool `[L, num_blocks, block_size, H, D]` with `layer=i` (the gather then reads layer i in place:
-slicing the layer out first is a copy of it on XLA:CPU). `new_kv=(k, v)` adds one more position
+block_size, H, D]` (`block_layout="tokens"`) or `[num_blocks, H, block_size, D]` (`"heads"`), or
+the whole pool `[L, ...]` with `layer=i` (the gather then reads layer i in place: slicing the
+layer out first is a copy of it on XLA:CPU). `new_kv=(k, v)` adds one more position
 per row that is not in the pages (a decode step's own token) to the same softmax.
 
 * `impl="xla"` (default, every backend): a loop over chunks of table columns (`CHUNK_BYTES`) that
@@ -21,11 +21,12 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   transpose is materialised. Below `TOKEN_MIN_BATCH` rows it runs the head-major form (those
   reductions are slow at batch 1). On opt-125m it was at most ~5% faster than "xla" at batch 8
   and not faster at batch 16 (docs/performance.md), so it is not the default;
-* `block_layout="heads"` (impl="xla" only): the pool's blocks stored head-major, `[num_blocks, H,
-  block_size, D]` (or `[L, ...]`), each chunk gathered as [B, C, H, bs, D] and attended by two dots
-  with (b, c, h) as batch dims: no transpose and no token-axis reduction. 1.5-2.2x faster than
-  "xla" on the attention alone (`scripts/bench_model.py --paged-layout-ab`), but `PagedKVCache`,
-  kv_pool and kv_transfer keep token-major blocks, so nothing in serving uses it yet;
+* `block_layout="heads"`: the pool's blocks stored head-major, `[num_blocks, H, block_size, D]`
+  (or `[L, ...]`). With impl="xla" each chunk is gathered as [B, C, H, bs, D] and attended by two
+  dots with (b, c, h) as batch dims: no transpose and no token-axis reduction (1.5-2.2x "xla" on
+  token-major blocks for the attention alone, `scripts/bench_model.py --paged-layout-ab`). It is
+  the serving pool's layout wherever impl="xla" runs (`block_layout_for`, i.e. on CPU);
+  "xla_gather" and "pallas_gpu" read it too, "xla_tokens" does not;
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 
 Impl = Literal["xla", "xla_tokens", "xla_gather", "pallas_gpu"]
 BlockLayout = Literal["tokens", "heads"]
+BLOCK_LAYOUTS: tuple[BlockLayout, ...] = ("tokens", "heads")
 _Form = Literal["transpose", "tokens", "heads"]  # how impl="xla"'s chunk loop attends a chunk
 IMPLS: tuple[Impl, ...] = ("xla", "xla_tokens", "xla_gather", "pallas_gpu")
 _MASK_VALUE = -1e30
@@ -76,23 +78,26 @@ def paged_decode_attention(
     layer: Any = None,  # int or traced int32: index of the leading layer axis of the pool
     new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, H, D], v [B, H, D]): one more position per row
     chunk_blocks: int = 0,  # impl="xla": table columns per loop iteration (0: from CHUNK_BYTES)
-    block_layout: BlockLayout = "tokens",  # "heads": pages are [..., num_blocks, H, block_size, D] (impl="xla" only)
+    block_layout: BlockLayout = "tokens",  # "heads": pages are [..., num_blocks, H, block_size, D] (not "xla_tokens")
 ) -> jax.Array:
     """Softmax(q . k * scale) . v over each row's first `lengths[b]` paged positions (and `new_kv`) -> [B, H, D] f32."""
     if impl not in IMPLS:
         raise ValueError(f"unknown paged attention implementation {impl!r}")
-    if block_layout != "tokens" and impl != "xla":
-        raise ValueError(f"block_layout={block_layout!r} is implemented for impl='xla' only")
+    if block_layout not in BLOCK_LAYOUTS:
+        raise ValueError(f"unknown block layout {block_layout!r}")
+    if block_layout == "heads" and impl == "xla_tokens":
+        raise ValueError("block_layout='heads' is not implemented for impl='xla_tokens' (a token-major form)")
+    heads = block_layout == "heads"
     if impl == "pallas_gpu":
         if new_kv is not None:
             raise ValueError("the Pallas kernel reads every position from the pages: write new_kv first")
         if layer is not None:
             k_pages, v_pages = k_pages[layer], v_pages[layer]
-        return _pallas_gpu(q, k_pages, v_pages, block_tables, lengths, scale, interpret)
+        return _pallas_gpu(q, k_pages, v_pages, block_tables, lengths, scale, interpret, heads)
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if impl == "xla_gather":
-        return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv)
+        return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
     tokens = impl == "xla_tokens" and q.shape[0] >= TOKEN_MIN_BATCH
     form: _Form = "heads" if block_layout == "heads" else "tokens" if tokens else "transpose"
     return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, form)
@@ -108,6 +113,18 @@ def default_impl() -> Impl:
     return "xla" if jax.default_backend() == "cpu" else "xla_gather"
 
 
+def block_layout_for(impl: Impl) -> BlockLayout:
+    """The pool layout a deployment whose paged decode attention is `impl` stores its blocks in.
+
+    "heads" for the chunked loop of "xla" (no transpose per chunk: 1.17x / 1.31x the whole paged
+    step at batch 8 / 16 on CPU, docs/performance.md); "tokens" for the others: "xla_tokens" needs
+    it, and "xla_gather" / "pallas_gpu" read either layout but were measured (on the GPU) on token-major blocks
+    only. The dense KV that instances exchange is the same in both layouts, so the choice is each
+    engine's own.
+    """
+    return "heads" if impl == "xla" else "tokens"
+
+
 def _xla_gather(
     q: jax.Array,
     k_pages: jax.Array,  # [L, N, bs, H, D]
@@ -117,11 +134,17 @@ def _xla_gather(
     lengths: jax.Array,
     scale: float,
     new_kv: tuple[jax.Array, jax.Array] | None,
+    heads: bool = False,  # pages [L, N, H, bs, D]
 ) -> jax.Array:
     b, m = block_tables.shape
-    _, _, bs, h, d = k_pages.shape
-    keys = jnp.swapaxes(k_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)  # [B, H, S, D]
-    vals = jnp.swapaxes(v_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)
+    if heads:  # gathered [B, M, H, bs, D] -> [B, H, M, bs, D] -> [B, H, S, D]
+        _, _, h, bs, d = k_pages.shape
+        keys = jnp.swapaxes(k_pages[layer, block_tables], 1, 2).reshape(b, h, m * bs, d)
+        vals = jnp.swapaxes(v_pages[layer, block_tables], 1, 2).reshape(b, h, m * bs, d)
+    else:
+        _, _, bs, h, d = k_pages.shape
+        keys = jnp.swapaxes(k_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)  # [B, H, S, D]
+        vals = jnp.swapaxes(v_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)
     s = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=jnp.float32) * scale  # [B, H, S]
     s = jnp.where(jnp.arange(m * bs)[None, None, :] < lengths[:, None, None], s, _MASK_VALUE)
     if new_kv is None:
@@ -226,6 +249,7 @@ def _pallas_gpu(
     lengths: jax.Array,
     scale: float,
     interpret: bool,
+    heads: bool = False,  # pages [N, H, bs, D]
 ) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel
 
@@ -234,8 +258,9 @@ def _pallas_gpu(
     k_splits = min(16, m)
     if m % k_splits:
         raise ValueError(f"table width {m} must be a multiple of {k_splits} for the Pallas kernel")
-    kh = jnp.transpose(k_pages, (2, 0, 1, 3))  # [H, N, bs, D]
-    vh = jnp.transpose(v_pages, (2, 0, 1, 3))
+    perm = (1, 0, 2, 3) if heads else (2, 0, 1, 3)
+    kh = jnp.transpose(k_pages, perm)  # [H, N, bs, D]
+    vh = jnp.transpose(v_pages, perm)
     out = kernel.paged_attention(
         (q * scale).astype(k_pages.dtype),  # the kernel does not scale q . k
         kh,

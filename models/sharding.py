@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from models import checkpoint, opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
-from models.paged_attention import Impl, default_impl
+from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,13 @@ _LAYER_SPECS: dict[str, dict[str, P]] = {
 }
 # [L, B, T, H, D] and [L, num_blocks, block_size, H, D]: heads split.
 KV_SPEC = P(None, None, None, TP_AXIS, None)
+# [L, num_blocks, H, block_size, D] (a pool of head-major blocks): heads split.
+HEADS_POOL_SPEC = P(None, None, TP_AXIS, None, None)
+
+
+def pool_spec(block_layout: BlockLayout) -> P:
+    """PartitionSpec of a block pool's K / V in `block_layout` (heads over `tp` either way)."""
+    return HEADS_POOL_SPEC if block_layout == "heads" else KV_SPEC
 
 
 def validate_parallelism(cfg: OPTConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
@@ -106,6 +113,10 @@ class StageLayout:
     param_shardings: dict[str, Any]  # NamedSharding tree matching opt.stage_params
     kv_sharding: NamedSharding  # for [L_stage, B, T, H, D] / [L_stage, N, bs, H, D]
     replicated: NamedSharding
+
+    def pool_sharding(self, block_layout: BlockLayout) -> NamedSharding:
+        """The sharding of this stage's block pool in `block_layout`."""
+        return NamedSharding(self.mesh, pool_spec(block_layout))
 
     @property
     def first(self) -> bool:
@@ -222,12 +233,15 @@ def _stage_paged(
     last: bool,
     all_logits: bool,
     attention: Impl = "xla",
+    block_layout: BlockLayout = "tokens",
 ) -> tuple[jax.Array, PagedKVCache]:
     if first:
         t = x.shape[1]
         positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
         x = opt.embed(sp, cfg, x, positions)
-    x, cache = opt.run_layers_paged(sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention)
+    x, cache = opt.run_layers_paged(
+        sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
+    )
     if last:
         if not all_logits:
             x = opt.select_last(x, lengths)
@@ -258,6 +272,7 @@ class ShardedOPT:
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # paged decode attention (models.paged_attention); set before the first step compiles
         self.attention_impl: Impl = default_impl()
+        self._block_layout: BlockLayout | None = None  # None: block_layout_for(attention_impl)
 
     # ---- construction ----------------------------------------------------------------------
     @property
@@ -301,6 +316,21 @@ class ShardedOPT:
         layout = shardings_for(cfg, tp, pp, devices)
         return cls(cfg, tp, pp, layout, checkpoint.load_stage_params(source, cfg, layout, dtype, seed=seed))
 
+    @property
+    def block_layout(self) -> BlockLayout:
+        """The layout `init_paged_caches` stores blocks in: the one `attention_impl` reads best, unless set.
+
+        Each pool carries its own layout (`PagedKVCache.block_layout`) and the paged step follows
+        the pool it is given, so this only decides what new pools look like.
+        """
+        return self._block_layout or block_layout_for(self.attention_impl)
+
+    @block_layout.setter
+    def block_layout(self, layout: BlockLayout | None) -> None:
+        if layout not in (None, *BLOCK_LAYOUTS):
+            raise ValueError(f"unknown block layout {layout!r}")
+        self._block_layout = layout
+
     # ---- shardings -------------------------------------------------------------------------
     def kv_sharding(self, stage: int) -> NamedSharding:
         return self.layout.stages[stage].kv_sharding
@@ -322,10 +352,10 @@ class ShardedOPT:
                 fn = jax.jit(partial(_stage_prefill, **flags, **static), out_shardings=out)
             elif kind == "decode":
                 fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
-            elif kind == "paged":
+            elif kind == "paged":  # static carries the pool's block_layout
                 fn = jax.jit(
                     partial(_stage_paged, **flags, **static, attention=self.attention_impl),
-                    out_shardings=out,
+                    out_shardings=(st.replicated, st.pool_sharding(static["block_layout"])),
                     donate_argnums=(4,),
                 )
             else:
@@ -368,7 +398,7 @@ class ShardedOPT:
         x: Any = tokens
         out = []
         for s in range(self.pp):
-            x, cache = self._fn("paged", s, all_logits=all_logits)(
+            x, cache = self._fn("paged", s, all_logits=all_logits, block_layout=caches[s].block_layout)(
                 self.run_params[s],
                 self._put(x, s),
                 self._put(start_positions, s),
@@ -380,13 +410,16 @@ class ShardedOPT:
         return x, out
 
     # ---- caches ------------------------------------------------------------------------------
-    def init_paged_caches(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
-        """Zeroed block pools, one per stage, split over heads."""
+    def init_paged_caches(
+        self, num_blocks: int, block_size: int, block_layout: BlockLayout | None = None
+    ) -> list[PagedKVCache]:
+        """Zeroed block pools, one per stage, split over heads, in `block_layout` (default: `self.block_layout`)."""
+        layout = self.block_layout if block_layout is None else block_layout
         caches = []
         for st in self.layout.stages:
-            shape = (st.num_layers, num_blocks, block_size, self.cfg.num_heads, self.cfg.head_dim)
-            zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.kv_sharding)
-            caches.append(PagedKVCache(k=zeros(), v=zeros()))
+            shape = opt.paged_cache_shape(self.cfg, num_blocks, block_size, layout, st.num_layers)
+            zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.pool_sharding(layout))
+            caches.append(PagedKVCache(k=zeros(), v=zeros(), block_layout=layout))
         return caches
 
     def init_caches(self, batch_size: int, max_len: int) -> list[KVCache]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models import paged_attention
-from models.paged_attention import paged_decode_attention
+from models.paged_attention import BlockLayout, Impl, paged_decode_attention
 
 
 @pytest.fixture(autouse=True)
@@ -129,9 +129,15 @@ def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> N
         scale=scale, chunk_blocks=chunk_blocks, block_layout="heads",
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
+    got = paged_decode_attention(  # the one-gather form reads head-major blocks too
+        jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(short),
+        scale=scale, layer=1, new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)), impl="xla_gather",
+        block_layout="heads",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     with pytest.raises(ValueError, match="block_layout"):
         paged_decode_attention(jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables),
-                               jnp.asarray(lengths), scale=scale, impl="xla_gather", block_layout="heads")  # fmt: skip
+                               jnp.asarray(lengths), scale=scale, impl="xla_tokens", block_layout="heads")  # fmt: skip
 
 
 def test_tokens_below_the_batch_threshold_is_the_head_major_form(
@@ -169,12 +175,23 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 9)), jnp.int32)
     lengths = jnp.asarray([9, 6], jnp.int32)
     results = {}
-    for impl in ("xla", "xla_tokens", "xla_gather", "pallas_gpu"):
-        pool = opt.init_paged_cache(cfg, 8, bs)
+    cases: list[tuple[Impl, BlockLayout]] = [
+        ("xla", "tokens"), ("xla_tokens", "tokens"), ("xla_gather", "tokens"), ("pallas_gpu", "tokens"),
+        ("xla", "heads"), ("xla_gather", "heads"), ("pallas_gpu", "heads"),
+    ]  # fmt: skip
+    for impl, layout in cases:
+        pool = opt.init_paged_cache(cfg, 8, bs, block_layout=layout)
         _, pool = opt.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
         tok = jnp.asarray([[11], [12]], jnp.int32)
         logits, pool = opt.extend_paged(params, cfg, tok, lengths, jnp.ones(b, jnp.int32), pool, tables, attention=impl)
-        results[impl] = (np.asarray(logits), np.asarray(pool.k))
+        k = np.asarray(pool.k)
+        results[impl if layout == "tokens" else f"{impl}:heads"] = (
+            np.asarray(logits),
+            k.swapaxes(2, 3) if layout == "heads" else k,  # compared token-major
+        )
+    for impl in ("xla", "xla_gather", "pallas_gpu"):  # head-major blocks: the same logits and the same K per slot
+        np.testing.assert_allclose(results[f"{impl}:heads"][0], results["xla"][0], atol=1e-4)
+        np.testing.assert_allclose(results[f"{impl}:heads"][1], results["xla"][1], atol=1e-5)
     np.testing.assert_allclose(results["pallas_gpu"][0], results["xla"][0], atol=1e-4)
     np.testing.assert_allclose(results["pallas_gpu"][1], results["xla"][1], atol=1e-5)  # layer 1 sees layer 0 rounding
     np.testing.assert_allclose(results["xla_gather"][0], results["xla"][0], atol=1e-4)

@@ -10,6 +10,7 @@ import pytest
 
 from models import opt
 from models.config import OPTConfig, get_config
+from models.paged_attention import BlockLayout
 from models.sharding import ShardedOPT, shardings_for, stage_layer_ranges, validate_parallelism
 
 B, T = 2, 7
@@ -64,15 +65,23 @@ def test_sharded_matches_unsharded(
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(got[b, :n], full[b, :n], atol=1e-5)
 
-    # paged: prefill into pages then decode one token, compared with the uncached forward
-    paged = model.init_paged_caches(num_blocks=8, block_size=4)
-    assert paged[0].k.addressable_shards[0].data.shape == (per_stage, 8, 4, cfg.num_heads // tp, cfg.head_dim)
-    tables = np.array([[5, 2], [0, 7]], np.int32)
+    # paged, in both block layouts (blocks [bs, H, D] and head-major [H, bs, D], heads split either way):
+    # prefill into pages then decode one token, compared with the uncached forward
+    assert model.block_layout == "heads"  # the CPU's default attention (impl "xla") reads head-major blocks
     full_len = np.full(B, T, np.int32)
-    _, paged = model.extend_paged(tokens[:, :T], np.zeros(B, np.int32), full_len, paged, tables)
-    logits, paged = model.extend_paged(tokens[:, T:], full_len, np.ones(B, np.int32), paged, tables)
-    np.testing.assert_allclose(np.asarray(logits), nxt[:, T], atol=1e-5)
-    assert paged[-1].k.sharding == model.kv_sharding(pp - 1)
+    cases: list[tuple[BlockLayout, tuple[int, ...]]] = [
+        ("tokens", (per_stage, 8, 3, cfg.num_heads // tp, cfg.head_dim)),
+        ("heads", (per_stage, 8, cfg.num_heads // tp, 3, cfg.head_dim)),
+    ]
+    for layout, shard_shape in cases:
+        paged = model.init_paged_caches(num_blocks=8, block_size=3, block_layout=layout)
+        assert paged[0].k.addressable_shards[0].data.shape == shard_shape
+        tables = np.array([[5, 2, 4], [0, 7, 1]], np.int32)
+        _, paged = model.extend_paged(tokens[:, :T], np.zeros(B, np.int32), full_len, paged, tables)
+        logits, paged = model.extend_paged(tokens[:, T:], full_len, np.ones(B, np.int32), paged, tables)
+        np.testing.assert_allclose(np.asarray(logits), nxt[:, T], atol=1e-5)
+        assert paged[-1].block_layout == layout
+        assert paged[-1].k.sharding == model.layout.stages[pp - 1].pool_sharding(layout)
 
     if (tp, pp) != (2, 2):
         return  # the contiguous path differs only in its attention kernel; one layout keeps the suite fast

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.runtime.request import SamplingParams, TokenLogprobs
 from models.config import OPTConfig
+from models.paged_attention import BlockLayout
 
 
 @struct.dataclass
@@ -62,10 +63,25 @@ class StageKV:
 
 @struct.dataclass
 class StagePages:
-    """One pipeline stage's paged KV pool."""
+    """One pipeline stage's paged KV pool.
 
-    k: jax.Array  # [L_s, num_blocks, block_size, H, D]
-    v: jax.Array  # [L_s, num_blocks, block_size, H, D]
+    `block_layout` says how a block holds its positions: "tokens" `[block_size, H, D]` or "heads"
+    `[H, block_size, D]` (what `OPTEngine` uses where its decode attention reads head-major blocks
+    best; `models.paged_attention.block_layout_for`). It is the engine's own choice: instances
+    exchange dense `StageKV`, and `kv_pool` reads and writes blocks in the pool's layout.
+    """
+
+    k: jax.Array  # [L_s, num_blocks, block_size, H, D]; "heads": [L_s, num_blocks, H, block_size, D]
+    v: jax.Array
+    block_layout: BlockLayout = struct.field(pytree_node=False, default="tokens")
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[3 if self.block_layout == "heads" else 2])
 
 
 SequenceKV = tuple[StageKV, ...]

@@ -3,7 +3,11 @@
 The pool arrays (`KVPages`, one `StagePages` per
 pipeline stage, heads sharded over `tp`) are replaced functionally by every
 write; `write_sequence` scatters a sequence's dense KV into its blocks
-(position p -> block table[p // block_size], slot p % block_size).
+(position p -> block table[p // block_size], slot p % block_size) and
+`read_sequence` gathers it back. Both follow the pool's `block_layout`
+("tokens": a block is `[block_size, H, D]`; "heads": `[H, block_size, D]`), so
+the dense KV they take and give, `[L_s, T, H, D]`, is the same in either layout:
+a prefill instance and a decode instance may keep their pools differently.
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ from jaxserve.runtime.engine import KVPages, SequenceKV, StageKV, StagePages
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _write_stage(pages: StagePages, kv: StageKV, slot_block: jax.Array, slot_offset: jax.Array) -> StagePages:
     # slot_block/slot_offset: [T]; padded positions point past the pool and are dropped.
-    k = pages.k.at[:, slot_block, slot_offset].set(kv.k.astype(pages.k.dtype), mode="drop")
-    v = pages.v.at[:, slot_block, slot_offset].set(kv.v.astype(pages.v.dtype), mode="drop")
-    return StagePages(k=k, v=v)
+    if pages.block_layout == "heads":  # index dims around a slice go first: the update is [T, L_s, H, D]
+        k = pages.k.at[:, slot_block, :, slot_offset].set(jnp.swapaxes(kv.k, 0, 1).astype(pages.k.dtype), mode="drop")
+        v = pages.v.at[:, slot_block, :, slot_offset].set(jnp.swapaxes(kv.v, 0, 1).astype(pages.v.dtype), mode="drop")
+    else:
+        k = pages.k.at[:, slot_block, slot_offset].set(kv.k.astype(pages.k.dtype), mode="drop")
+        v = pages.v.at[:, slot_block, slot_offset].set(kv.v.astype(pages.v.dtype), mode="drop")
+    return StagePages(k=k, v=v, block_layout=pages.block_layout)
 
 
 def write_sequence(
@@ -36,7 +44,7 @@ def write_sequence(
     """
     if len(pages) != len(kv):
         raise ValueError(f"pool has {len(pages)} stages, KV has {len(kv)}; convert the layout first")
-    num_blocks, block_size = pages[0].k.shape[1], pages[0].k.shape[2]
+    num_blocks, block_size = pages[0].num_blocks, pages[0].block_size
     padded = kv[0].k.shape[1]
     if start + num_tokens > len(block_table) * block_size:
         raise ValueError(f"{start + num_tokens} positions do not fit in {len(block_table)} blocks of {block_size}")
@@ -60,6 +68,8 @@ def dense_sharding(pages: StagePages) -> NamedSharding:
 def _read_stage(pages: StagePages, table: jax.Array, padded: int) -> StageKV:
     # table: [M] block ids covering >= padded positions; gathers [L_s, M, BS, H, D] -> [L_s, padded, H, D].
     k, v = pages.k[:, table], pages.v[:, table]
+    if pages.block_layout == "heads":  # [L_s, M, H, BS, D] -> [L_s, M, BS, H, D]
+        k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
     num_layers, m, bs = k.shape[0], k.shape[1], k.shape[2]
     k = k.reshape(num_layers, m * bs, *k.shape[3:])[:, :padded]
     v = v.reshape(num_layers, m * bs, *v.shape[3:])[:, :padded]
@@ -73,7 +83,7 @@ def read_sequence(pages: KVPages, block_table: Sequence[int], num_tokens: int, p
     A prefix-caching prefill instance computes a prompt into its paged pool and hands the decode
     side this dense copy, so the pull path is the same as without caching.
     """
-    block_size = pages[0].k.shape[2]
+    block_size = pages[0].block_size
     if num_tokens > len(block_table) * block_size:
         raise ValueError(f"{num_tokens} positions do not fit in {len(block_table)} blocks of {block_size}")
     m = -(-padded // block_size)

@@ -245,7 +245,7 @@ class OPTEngine:
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
         if decode or chunk_size:
-            caches = [PagedKVCache(k=p.k, v=p.v) for p in (pages or self.init_pages(num_blocks, block_size))]
+            caches = _caches(pages or self.init_pages(num_blocks, block_size))
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
             shapes: list[tuple[int, int, int]] = []
             if decode:
@@ -281,14 +281,14 @@ class OPTEngine:
                             )[1]
                         multi_step_shapes.append((b, decode_steps, m))
                 jax.block_until_ready(caches[0].k)
-            warmed = tuple(StagePages(k=c.k, v=c.v) for c in caches)
+            warmed = _pages(caches)
             if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
                         StageKV(
-                            k=jax.device_put(np.zeros((n, t_pad, *page.k.shape[3:]), page.k.dtype), sharding),
-                            v=jax.device_put(np.zeros((n, t_pad, *page.v.shape[3:]), page.v.dtype), sharding),
+                            k=jax.device_put(np.zeros((n, t_pad, cfg.num_heads, cfg.head_dim), page.k.dtype), sharding),
+                            v=jax.device_put(np.zeros((n, t_pad, cfg.num_heads, cfg.head_dim), page.v.dtype), sharding),
                         )
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
@@ -338,7 +338,7 @@ class OPTEngine:
 
     # ---- decode side -----------------------------------------------------------
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
-        return tuple(StagePages(k=c.k, v=c.v) for c in self.model.init_paged_caches(num_blocks, block_size))
+        return _pages(self.model.init_paged_caches(num_blocks, block_size))  # in the model's block_layout
 
     def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
         return write_sequence(pages, kv, num_tokens, block_table)
@@ -364,8 +364,8 @@ class OPTEngine:
         self, batch: StepBatch, pages: KVPages, *, with_logprobs: bool
     ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
         rows = batch.rows
-        caches = [PagedKVCache(k=p.k, v=p.v) for p in pages]
-        block_size = int(pages[0].k.shape[2])
+        caches = _caches(pages)
+        block_size = pages[0].block_size
         decode_ids = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         chunk_ids = [i for i, r in enumerate(rows) if len(r.token_ids) != 1]
         sampled: list[tuple[list[int], jax.Array, StepLogprobs | None]] = []
@@ -388,7 +388,7 @@ class OPTEngine:
                 out[i] = int(tok)
             for i, row_lp in zip(g, _host_logprobs(lp, [rows[i].sampling for i in g]), strict=True):
                 out_lp[i] = row_lp
-        return out, out_lp, tuple(StagePages(k=c.k, v=c.v) for c in caches)
+        return out, out_lp, _pages(caches)
 
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
         """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
@@ -422,7 +422,7 @@ class OPTEngine:
                 return decode_steps_one_by_one(self, batch, pages, num_steps)
             lists, _, pages = decode_steps_one_by_one(self, StepBatch(_without_logprobs(rows)), pages, num_steps)
             return lists, [None] * len(rows), pages
-        block_size = int(pages[0].k.shape[2])
+        block_size = pages[0].block_size
         b = bucket(len(rows), 2)
         m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
         tokens = np.full(b, self._cfg.pad_token_id, np.int32)
@@ -441,7 +441,7 @@ class OPTEngine:
         inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
         greedy = all(r.sampling.is_greedy for r in rows)
         asks = with_logprobs and any(r.sampling.logprobs is not None for r in rows)
-        cache = PagedKVCache(k=pages[0].k, v=pages[0].v)
+        cache = _caches(pages)[0]
         out, cache, lp = self._run_loop(
             tokens, starts, active, remaining, cache, tables, inputs, stop_ids, num_steps, greedy, asks
         )
@@ -459,7 +459,7 @@ class OPTEngine:
                 n = len(result[i])
                 per_step = logprobs_rows(chosen[i, :n], top_ids[i, :n], top_lp[i, :n], [r.sampling] * n)
                 row_lps[i] = tuple(x for x in per_step if x is not None)
-        return result, row_lps, (StagePages(k=cache.k, v=cache.v),)
+        return result, row_lps, _pages([cache])
 
     def _run_loop(
         self,
@@ -578,6 +578,15 @@ def _decode_loop(
     carry = (jnp.int32(0), tokens, starts, active, remaining, cache, out, lp0)
     *_, cache, out, lp = jax.lax.while_loop(cond, body, carry)
     return out, cache, lp
+
+
+def _caches(pages: KVPages) -> list[PagedKVCache]:
+    """The engine's pool as the model's block pools (same arrays, same block layout)."""
+    return [PagedKVCache(k=p.k, v=p.v, block_layout=p.block_layout) for p in pages]
+
+
+def _pages(caches: Sequence[PagedKVCache]) -> KVPages:
+    return tuple(StagePages(k=c.k, v=c.v, block_layout=c.block_layout) for c in caches)
 
 
 def _host_logprobs(lp: StepLogprobs | None, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
