@@ -25,6 +25,7 @@ from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimin
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
+    from models.paged_attention import BlockLayout
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,18 @@ class LLM:
         engine_factory: EngineFactory | None = None,
         backend: Literal["embedded", "ray"] = "embedded",
         ray_config: RayConfig | None = None,
+        block_layout: BlockLayout | None = None,
     ) -> None:
+        """`block_layout`: the KV pool's block layout on every instance ("tokens" or "heads"); default: the
+        one the backend's paged attention reads best (head-major on CPU, `models.paged_attention.block_layout_for`)."""
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         self.controller: Controller
+        if block_layout is not None and (engine_factory is not None or backend == "ray"):
+            raise ValueError("block_layout applies to the embedded backend's own engines (no engine_factory)")
+        if block_layout is not None:
+            from jaxserve.runtime.opt_engine import opt_engine_factory
+
+            engine_factory = opt_engine_factory(model, dtype=dtype, block_layout=block_layout)
         if backend == "ray":  # every instance a Ray actor; see jaxserve/runtime/ray_backend
             from jaxserve.runtime.ray_backend.deployment import RayController
 

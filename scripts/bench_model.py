@@ -3,7 +3,8 @@
 Measures, in one run on this machine's CPU (or an accelerator, see scripts/device_check.sh):
 
 * decode step time at batch 1, 8, 16, 32 with `--context` (default 512) tokens cached: JAX
-  contiguous `decode`, JAX paged `extend_paged` (T=1, block tables as wide as the filled blocks),
+  contiguous `decode`, JAX paged `extend_paged` as serving runs it (T=1, block tables as wide as the
+  filled blocks, the attention impl and pool block layout `ShardedOPT` picks on this backend),
   torch with its `DynamicCache`, and a bandwidth probe (a jitted `v @ W` over a 154 MB matrix);
 * the bandwidth floor of each batch: bytes the step must read (weights + KV of the context) at
   the probe's rate, and at batch 1 the fraction of it the paged step reaches;
@@ -80,6 +81,12 @@ def _parse() -> argparse.Namespace:
         default="1",
         help="decode steps per engine call, one LLM per value, interleaved (e.g. 1,4,8: multi-step A/B); "
         "with --no-torch the e2e run uses the preset's random weights and skips transformers",
+    )
+    ap.add_argument(
+        "--e2e-layouts",
+        default="",
+        help="KV pool block layouts for the e2e LLMs, one LLM per value, interleaved (e.g. tokens,heads: layout "
+        "A/B); default: the layout serving picks on this backend",
     )
     ap.add_argument(
         "--paged-ab",
@@ -216,7 +223,9 @@ def main() -> int:
     )
     print(f"load average before: {load_before:.2f}  (reps {args.reps}, interleaved)")
     rng = np.random.default_rng(0)
-    record: dict[str, Any] = {"model": cfg.name, "dtype": dtype.name, "platform": jax.devices()[0].platform}
+    record: dict[str, Any] = {
+        "model": cfg.name, "dtype": dtype.name, "platform": jax.devices()[0].platform, "paged": serving_paged()
+    }  # fmt: skip
 
     if args.e2e:
         record["e2e"] = _e2e(args, cfg, hf, torch)
@@ -249,6 +258,7 @@ def main() -> int:
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.hidden_size * dtype.itemsize
     print()
     print(f"decode step at context {ctx}, {steps} steps per sample; ms per step (min / median of {args.reps})")
+    print(f"  paged: what serving runs here, attention {serving_paged()!r} (IMPL:heads = head-major pool blocks)")
     head = f"  {'batch':>5}{'jax':>16}{'paged':>16}{'torch':>16}{'probe GB/s':>12}{'floor ms':>10}"
     print(head + f"{'jax/torch':>16}{'paged/torch':>16}{'paged/floor':>14}")
     gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
@@ -364,13 +374,22 @@ def prefill_flops(cfg: Any, t: int) -> float:
     return float(linear + attention + proj + lm_head)
 
 
+def serving_paged() -> str:
+    """What `ShardedOPT` serves the paged step with here: `IMPL` (token-major blocks) or `IMPL:heads`."""
+    from models.paged_attention import block_layout_for, default_impl
+
+    impl = default_impl()
+    return f"{impl}:heads" if block_layout_for(impl) == "heads" else impl
+
+
 def _jax_decode_contenders(
-    params: Any, cfg: Any, prompts: Any, steps: int, block_size: int, paged_impls: Sequence[str] = ("xla",)
+    params: Any, cfg: Any, prompts: Any, steps: int, block_size: int, paged_impls: Sequence[str] = ()
 ) -> dict[str, Callable[[], None]]:
     """Contiguous `decode` (cache as long as context + steps) and paged `extend_paged` after a prefill.
 
-    One paged contender per attention implementation in `paged_impls`, each on its own pool: named
-    "paged" when there is one, "paged:<impl>" when several are compared.
+    One paged contender per attention implementation in `paged_impls` (default: what serving runs,
+    `serving_paged()`), each on its own pool: named "paged" when there is one, "paged:<impl>" when
+    several are compared.
     """
     import jax
     import jax.numpy as jnp
@@ -401,6 +420,7 @@ def _jax_decode_contenders(
         np.pad(np.arange(bsz * per_seq, dtype=np.int32).reshape(bsz, per_seq), ((0, 0), (0, width - per_seq)))
     )
     ones = jnp.ones((bsz,), jnp.int32)
+    paged_impls = tuple(paged_impls) or (serving_paged(),)
     for name in paged_impls:
         impl, _, layout = name.partition(":")  # "xla:heads": impl "xla" over a pool of head-major blocks
         layout = layout or "tokens"
@@ -616,6 +636,9 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
 
     n, plen, new = args.e2e_prompts, args.e2e_prompt_len, args.e2e_new_tokens
     steps = [int(x) for x in str(args.e2e_decode_steps).split(",")]
+    layouts = [x for x in args.e2e_layouts.split(",") if x] or [None]  # None: what serving picks
+    # one LLM per (decode steps per call, pool layout); named "jax N=k" (+ " LAYOUT" with --e2e-layouts)
+    variants = {f"jax N={k}" + (f" {lay}" if lay else ""): (k, lay) for k in steps for lay in layouts}
     rng = np.random.default_rng(1)
     prompts = rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64)
     source = args.model  # a preset name: random weights
@@ -628,7 +651,7 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     # a pool that holds every sequence at once and a batch cap of --e2e-max-batch, as transformers batches all
     blocks = n * -(-(plen + new) // 16) + 16
     llms = {
-        k: LLM(
+        name: LLM(
             model=source,
             deployment="colocated:tp1",
             config=ControllerConfig(
@@ -638,18 +661,21 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
                 max_batch_tokens=max(512, plen),
                 decode_steps_per_call=k,
             ),
+            block_layout=lay,
         )
-        for k in steps
+        for name, (k, lay) in variants.items()
     }
+    for name, llm in llms.items():
+        print(f"  {name}: KV pool blocks {llm.controller.colocated_instances[0].pages[0].block_layout!r}")
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     batch = [list(map(int, p)) for p in prompts]
-    outputs: dict[int, list[list[int]]] = {}
+    outputs: dict[str, list[list[int]]] = {}
 
-    def run_jax(k: int) -> Callable[[], None]:
+    def run_jax(name: str) -> Callable[[], None]:
         def run() -> None:
-            outs = llms[k].generate(batch, sp)
+            outs = llms[name].generate(batch, sp)
             assert all(len(o.token_ids) == new for o in outs)
-            outputs[k] = [list(o.token_ids) for o in outs]
+            outputs[name] = [list(o.token_ids) for o in outs]
 
         return run
 
@@ -665,7 +691,7 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
                 pad_token_id=cfg.pad_token_id,
             )
 
-    contenders: dict[str, Callable[[], Any]] = {f"jax N={k}": run_jax(k) for k in steps}
+    contenders: dict[str, Callable[[], Any]] = {name: run_jax(name) for name in variants}
     if hf is not None:
         contenders["torch"] = run_torch
     print()
@@ -678,17 +704,19 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
         llm.shutdown()
     out_tokens = n * new
     for k, v in raw.items():
-        print(f"  {k:<10}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
-    same = all(outputs[k] == outputs[steps[0]] for k in steps)
-    print(f"  outputs identical across N: {same}; load average after: {load_avg():.2f}")
+        print(f"  {k:<18}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
+    names = list(variants)
+    same = all(outputs[k] == outputs[names[0]] for k in names)
+    print(f"  outputs identical across the LLMs: {same}; load average after: {load_avg():.2f}")
     gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
-    base = f"jax N={steps[0]}"
-    for k in steps[1:]:
-        print(f"  N={k} / N={steps[0]} throughput: {gate(min(raw[base]) / min(raw[f'jax N={k}']))}")
+    for k in names[1:]:
+        med = statistics.median(raw[names[0]]) / statistics.median(raw[k])
+        print(f"  {k} / {names[0]} throughput: {gate(min(raw[names[0]]) / min(raw[k]))} (median {med:.2f}x)")
     if hf is not None:
-        for k in steps:
-            ratio = gate(min(raw["torch"]) / min(raw[f"jax N={k}"]))
-            print(f"  LLM.generate (N={k}) / transformers generate: {ratio} (target >= 1.5x)")
+        for k in names:
+            med = statistics.median(raw["torch"]) / statistics.median(raw[k])
+            ratio = gate(min(raw["torch"]) / min(raw[k]))
+            print(f"  LLM.generate ({k}) / transformers generate: {ratio} (median {med:.2f}x; target >= 1.5x)")
     return {
         "prompts": n,
         "prompt_len": plen,

@@ -169,3 +169,18 @@ def test_served_greedy_matches_transformers_in_each_layout(
         role: layouts[role] for role, p in pools if p is not None
     }
     assert any(role != "prefill" and p is not None for role, p in pools)  # the decode side's pool was checked
+
+
+def test_llm_generate_runs_the_head_major_pool_by_default(checkpoint: Path, expected: list[list[int]]) -> None:
+    """Offline `LLM.generate` serves from head-major blocks on CPU; `block_layout="tokens"` gives the same tokens."""
+    from jaxserve.llm import LLM
+
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    layouts: tuple[BlockLayout | None, ...] = (None, "tokens")
+    for layout in layouts:
+        config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+        with LLM(str(checkpoint), "colocated:tp1", config=config, block_layout=layout) as llm:
+            got = [list(o.token_ids) for o in llm.generate(PROMPTS, sampling)]
+            pages = llm.controller.colocated_instances[0].pages
+        assert got == expected
+        assert pages[0].block_layout == (layout or "heads")

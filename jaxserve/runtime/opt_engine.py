@@ -61,6 +61,7 @@ from jaxserve.runtime.sampling import (
 from models import opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
+from models.paged_attention import BlockLayout
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
@@ -627,11 +628,18 @@ def filled_blocks(row: StepRow, block_size: int) -> int:
 
 
 def opt_engine_factory(
-    source: str, dtype: str = "float32"
+    source: str, dtype: str = "float32", block_layout: BlockLayout | None = None
 ) -> Callable[[InstanceSpec, Sequence[jax.Device]], OPTEngine]:
-    """An engine factory: every instance loads `source` straight into its own sharding."""
+    """An engine factory: every instance loads `source` straight into its own sharding.
+
+    `block_layout` sets every instance's KV pool layout (default: the one its attention impl reads
+    best, `ShardedOPT.block_layout`).
+    """
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> OPTEngine:
-        return OPTEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
+        engine = OPTEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
+        if block_layout is not None:
+            engine.model.block_layout = block_layout
+        return engine
 
     return factory
