@@ -36,6 +36,7 @@ def check(tmp_path_factory: pytest.TempPathFactory) -> fidelity.Check:
         "disagg:prefill=tp1,decode=tp1",
         "disagg:prefill=2xtp1,decode=tp1",  # was an xfail while pulls blocked decoding; they overlap now
         "disagg:prefill=tp1,decode=tp1pp2",
+        "disagg:prefill=tp1pp2,decode=tp1",  # batches pipelined in the prefill pipe (runtime and simulator)
     ],
 )
 def test_timed_server_matches_the_simulator(spec: str, check: fidelity.Check, tmp_path: Path) -> None:
