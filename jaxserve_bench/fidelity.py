@@ -43,6 +43,7 @@ DEPLOYMENTS = (
     "disagg:prefill=tp1,decode=tp1",
     "disagg:prefill=2xtp1,decode=tp1",
     "disagg:prefill=tp1,decode=tp1pp2",
+    "disagg:prefill=tp1pp2,decode=tp1",
 )
 LIMITS = ServingLimits(num_kv_blocks=1024, max_decode_batch=32, max_batch_tokens=2048, prefill_buffer_slots=8)
 SLO = SloSpec(0.15, 0.1, 0.9, "joint")  # TTFT binds (queueing spreads it); TPOT of a fixed workload is too narrow

@@ -86,8 +86,8 @@ class GoodputSearch:
         """An upper bound on the request rate the deployment can sustain at all, from the latency model.
 
         Prefill: back-to-back batches of mean-length prompts (about L_m tokens each, or as many as the
-        engine's token cap takes, whichever is cheaper per prompt), each the step's host work (the
-        profile's step overhead) and then the whole pipe, one batch at a time. Decode: the best tokens per second over
+        engine's token cap takes, whichever is cheaper per prompt) through the first stage, which also
+        does the step's host work (the profile's step overhead). Decode: the best tokens per second over
         batch sizes that memory and `max_decode_batch` allow, each round charged with its step overhead.
         Colocated: each request costs its prompt step's share plus its share of decode rounds at that
         batch. Every step is charged what the simulator charges it (`placement/step_time.py`). A finite
@@ -109,7 +109,7 @@ class GoodputSearch:
                 else self.latency.engine_token_cap(engine, inst.tp)
             )
             capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step
-            prefill_s = min(prefill_batch_s(model, overhead, b, mean_in) for b in (budget, capped))
+            prefill_s = min(prefill_stage0_s(model, overhead, b, mean_in) for b in (budget, capped))
             blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.block_size
             per_request_blocks = math.ceil((mean_in + mean_out) / opts.block_size)
             max_batch = max(1, min(opts.max_decode_batch, int(blocks // per_request_blocks)))
@@ -125,7 +125,7 @@ class GoodputSearch:
                 prefill_rate += 1 / prefill_s
             elif inst.role == "decode":
                 decode_rate += 1 / decode_s
-            else:
+            else:  # a colocated prompt step holds the whole pipe
                 coloc_rate += 1 / (
                     min(coloc_prompt_s(model, overhead, b, mean_in) for b in (budget, capped)) + decode_s
                 )
@@ -138,13 +138,11 @@ class GoodputSearch:
         return min(prefill_rate, decode_rate)
 
 
-def prefill_batch_s(model: StageLatency, overhead: StepOverhead, batch: int, length: float) -> float:
-    """Per prompt, a prefill batch of `batch` prompts of `length` tokens: the step's host work and the batch
-    through every stage (`prefill_step_s`); the instance runs one batch at a time, as the runtime does."""
+def prefill_stage0_s(model: StageLatency, overhead: StepOverhead, batch: int, length: float) -> float:
+    """Per prompt, how long a prefill batch of `batch` prompts of `length` tokens holds the first stage:
+    its kernels there and the step's host work (what the simulator's prefill pipe charges stage 0)."""
     t = batch * length
-    stage = model.prefill_stage_s(t, batch * length**2, batch)
-    send = (model.pp - 1) * model.send_s(int(t)) if model.pp > 1 else 0.0
-    return (model.pp * stage + send + overhead.step_s(t, model.pp, True)) / batch
+    return (model.prefill_stage_s(t, batch * length**2, batch) + overhead.step_s(t, model.pp, True)) / batch
 
 
 def coloc_prompt_s(model: StageLatency, overhead: StepOverhead, batch: int, length: float) -> float:

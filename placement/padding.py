@@ -91,10 +91,12 @@ class PaddedModel:
     def chunk_stage_s(
         self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
     ) -> float:
-        # A colocated prompt step is a paged step over prompt rows; decodes riding along are padded
-        # to the prompt length by the engine, which this approximation does not charge.
+        # The engine runs a mixed step as two sub-batches (`OPTEngine._step`): the prompt chunks, padded as
+        # prompt rows, and the decodes riding along, padded as a decode step of their own (rows to a power
+        # of two >= 2, each row's table to its bucket), not to the chunks' length.
         t, t2, b = self.padding.prefill(num_tokens, sum_sq, batch)
-        return self.base.chunk_stage_s(t, t2, b, decode_batch, decode_ctx_sum)
+        rows, ctx = self.padding.decode(decode_batch, decode_ctx_sum)
+        return self.base.chunk_stage_s(t, t2, b, rows, ctx)
 
     def send_s(self, num_tokens: int) -> float:
         return self.base.send_s(num_tokens)

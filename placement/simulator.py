@@ -8,11 +8,13 @@ and are processed after heap events at the same instant. Durations come only fro
 
 * disaggregated — a request goes to the prefill instance chosen by `choose_prefill_instance`; the
   instance starts a batch (`form_prefill_batch`, FCFS up to L_m tokens, limited by free room in its KV
-  buffer) whenever it is idle. A batch takes `prefill_step_s`: the step's host work, then every
-  stage in turn (pp stage times and pp − 1 sends). As in the runtime (the prefill instance waits for
-  `OPTEngine.prefill`, which returns after the last stage), the next batch starts only then: a
-  pp-stage prefill instance does not overlap batches in its pipe (docs/simulator-fidelity.md). At
-  the last stage the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
+  buffer) whenever its first pipeline stage is free. Stage 0 is busy for the step's host work and
+  the batch's stage time, every later stage for the stage time; batches follow each other down the
+  pipe (stage k of batch i starts when stage k−1 of batch i, plus the send, and stage k of batch i−1
+  are both done), so a pp-stage instance overlaps pp batches and a batch alone takes
+  `prefill_step_s`. The runtime does the same: `PrefillInstance` dispatches the next batch as soon as
+  the engine's first stage is free (`AsyncPrefillEngine`; docs/simulator-fidelity.md). At the last
+  stage the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
   `choose_decode_instance`'s pick; that instance pulls it when `admit_decodes` allows (batch room and
   KV blocks for prompt + output), the KV crosses the link between the two instances (NVLink inside a
   node, the network across nodes; transfers on one link go one at a time), and the request joins the
@@ -72,6 +74,7 @@ from placement.slo import SloSpec, VerdictTracker
 from placement.workload import Workload
 
 # Event kinds (the heap orders by time and then by scheduling order, never by kind).
+_PREFILL_STAGE_FREE = 0
 _PREFILL_DONE = 1
 _TRANSFER_DONE = 2
 _DECODE_ROUND_DONE = 3
@@ -88,7 +91,7 @@ class _Prefill:
     max_batch_tokens: int
     capacity_tokens: int
     nodes: tuple[int, ...]
-    busy_until: float = 0.0  # the running batch's end (the instance runs one batch at a time)
+    stage_free_at: list[float]
     queue: deque[WaitingPrompt] = dataclasses.field(default_factory=deque)
     queued_tokens: int = 0
     inflight_tokens: int = 0
@@ -210,6 +213,7 @@ class Simulator:
                     max_batch_tokens=self._token_cap("disagg", i.tp),
                     capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
                     nodes=_instance_nodes(i, cluster),
+                    stage_free_at=[0.0] * i.pp,
                 )
                 for i in self.plan.of_role("prefill")
             ]
@@ -293,7 +297,9 @@ class Simulator:
         return result.attainment(slo) >= slo.attainment - 1e-12
 
     def _dispatch(self, kind: int, inst: int, payload: object) -> None:
-        if kind == _PREFILL_DONE:
+        if kind == _PREFILL_STAGE_FREE:
+            self._try_start_prefill(inst)
+        elif kind == _PREFILL_DONE:
             assert isinstance(payload, list)
             self._on_prefill_done(inst, payload)
         elif kind == _TRANSFER_DONE:
@@ -334,7 +340,7 @@ class Simulator:
     # ---- prefill -----------------------------------------------------------------------------
     def _try_start_prefill(self, k: int) -> None:
         p = self.prefills[k]
-        if not p.queue or p.busy_until > self.now:
+        if not p.queue or p.stage_free_at[0] > self.now:
             return
         # Backpressure: the batch must fit in what is left of the KV buffer, in memory and in slots.
         room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
@@ -361,12 +367,15 @@ class Simulator:
         stage_s = self._prefill_stage_s(k, batch)  # prefix-cache hook
         send_s = p.model.send_s(total) if p.model.pp > 1 else 0.0
         host_s = p.overhead.step_s(total, p.model.pp, True)  # on the first stage, once per step
-        # The host work, then the batch through every stage (`prefill_step_s`). The runtime's prefill
-        # instance hands the engine its next batch only once this one's first tokens are back
-        # (`OPTEngine.prefill` returns after the last stage), so with pp > 1 batches do not overlap in
-        # the pipe either: the instance is busy until the batch is done.
-        p.busy_until = self.now + host_s + p.model.pp * stage_s + (p.model.pp - 1) * send_s
-        self._push(p.busy_until, _PREFILL_DONE, k, batch)
+        t = self.now
+        for s in range(p.model.pp):
+            start = max(t, p.stage_free_at[s])
+            # the host work delays the batch itself too: alone it is done after `prefill_step_s`
+            p.stage_free_at[s] = start + stage_s + (host_s if s == 0 else 0.0)
+            t = p.stage_free_at[s] + send_s
+        self._push(p.stage_free_at[-1], _PREFILL_DONE, k, batch)
+        if p.model.pp > 1:  # the next batch may enter then (the runtime's watcher wakes its loop then)
+            self._push(p.stage_free_at[0], _PREFILL_STAGE_FREE, k)
 
     def _on_prefill_done(self, k: int, batch: list[int]) -> None:
         p = self.prefills[k]
@@ -381,7 +390,8 @@ class Simulator:
                 p.buffer_tokens += int(self.input_lens[i])
                 p.buffer_requests += 1
                 self._first_token(i, src=k)
-        self._try_start_prefill(k)
+        if p.model.pp == 1:
+            self._try_start_prefill(k)
 
     def _first_token(self, i: int, src: int = -1, finish_now: bool = False) -> None:
         ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s

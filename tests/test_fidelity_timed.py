@@ -36,6 +36,13 @@ def check(tmp_path_factory: pytest.TempPathFactory) -> fidelity.Check:
         "disagg:prefill=tp1,decode=tp1",
         "disagg:prefill=2xtp1,decode=tp1",  # was an xfail while pulls blocked decoding; they overlap now
         "disagg:prefill=tp1,decode=tp1pp2",
+        # Batches pipelined in the prefill pipe (runtime and simulator). Attainment and TTFT match (0 points,
+        # TTFT within 5 % at load average 7-10); the decode side's TPOT ran 5-15 % over at the three highest rates
+        # (9.5-16 rps, 2P1D at the same load: 4-10 %): not yet isolated (docs/simulator-fidelity.md).
+        pytest.param(
+            "disagg:prefill=tp1pp2,decode=tp1",
+            marks=pytest.mark.xfail(strict=False, reason="decode TPOT +5-15 % behind a pp2 prefill, not isolated"),
+        ),
     ],
 )
 def test_timed_server_matches_the_simulator(spec: str, check: fidelity.Check, tmp_path: Path) -> None:

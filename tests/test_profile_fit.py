@@ -164,6 +164,10 @@ def test_engine_padding_mirrors_the_engine_buckets() -> None:
     padded = PaddedModel(base, pad)
     assert padded.decode_stage_s(5, 1350.0) == base.decode_stage_s(8, 4096.0)
     assert padded.prefill_stage_s(300.0, 30000.0, 3) == base.prefill_stage_s(512.0, 65536.0, 4)
+    # A mixed step: one 100-token chunk (-> 128) with those 5 decodes riding along, which the engine runs as a
+    # decode sub-batch of its own (8 rows of 512 positions), not padded to the chunk's length.
+    assert padded.chunk_stage_s(100.0, 100.0**2, 1, 5, 1350.0) == base.chunk_stage_s(128.0, 128.0**2, 1, 8, 4096.0)
+    assert padded.chunk_stage_s(100.0, 100.0**2, 1, 0, 0.0) == base.chunk_stage_s(128.0, 128.0**2, 1, 0, 0.0)
 
 
 def test_padded_fit_recovers_coefficients_of_a_padded_engine() -> None:

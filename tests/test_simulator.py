@@ -74,10 +74,21 @@ def test_one_request_disaggregated_timeline(devices_per_node: int) -> None:
     assert sum(phases[p][0] for p in PHASES) == pytest.approx(r.finish_at[0] - 0.5)
 
 
-def test_pipelined_prefill_runs_one_batch_at_a_time() -> None:
-    """A pp = 2 prefill instance, as the runtime runs it: the next batch starts when the previous one's
-    first tokens are back, after both stages (no second batch in the pipe), with the step's host work first:
-    alone a batch takes `prefill_step_s`, what the timed engine sleeps."""
+def test_pipelined_prefill_overlaps_batches() -> None:
+    lp = LatencyProvider(OPT13B, A100, PROFILE, prefill_tokens=512)
+    cluster = ClusterSpec(A100, 1, 8)
+    plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
+    r = simulate(plan, lp, cluster, _workload([0, 0, 0], [512] * 3, [1] * 3), None, SimOptions(mode="prefill"))
+    model = lp.instance("disagg", 1, 2, cluster.nvlink_bandwidth)
+    stage = model.prefill_stage_s(512, 512**2, 1)
+    send = model.send_s(512)
+    np.testing.assert_allclose(r.first_token_at, [2 * stage + send, 3 * stage + send, 4 * stage + send])
+    np.testing.assert_allclose(r.prefill_start_at, [0, stage, 2 * stage])
+
+
+def test_pipelined_prefill_charges_the_step_overhead_to_the_batch() -> None:
+    """With a step overhead, the first stage does each batch's host work before its kernels: a batch alone
+    is done after `prefill_step_s` (what the timed engine sleeps), the next enters when stage 0 frees."""
     from placement.step_time import prefill_step_s
 
     lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"), prefill_tokens=512)
@@ -89,10 +100,11 @@ def test_pipelined_prefill_runs_one_batch_at_a_time() -> None:
     stage, send = model.prefill_stage_s(512, 512**2, 1), model.send_s(512)
     host = overhead.step_s(512, 2, True)
     assert host > 0
-    batch = host + 2 * stage + send
-    assert batch == pytest.approx(prefill_step_s(model, overhead, [512]))
-    np.testing.assert_allclose(r.first_token_at, [batch, 2 * batch, 3 * batch])
-    np.testing.assert_allclose(r.prefill_start_at, [0, batch, 2 * batch])
+    assert r.first_token_at[0] == pytest.approx(prefill_step_s(model, overhead, [512]))
+    np.testing.assert_allclose(
+        r.first_token_at, [2 * stage + host + send, 3 * stage + 2 * host + send, 4 * stage + 3 * host + send]
+    )
+    np.testing.assert_allclose(r.prefill_start_at, [0, stage + host, 2 * (stage + host)])
 
 
 def test_prefill_batches_follow_lm_and_shortest_queue() -> None:

@@ -7,6 +7,11 @@ own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
   the prompts, sample each first token, and return each sequence's KV source
   (`PrefilledSequence.kv`: dense arrays on this engine's devices, one entry per
   pipeline stage, or `HeldKV` when another process holds them).
+* `AsyncPrefillEngine` (optional, checked with `isinstance`): `prefill_async(items)` dispatches the batch
+  and returns a `PrefillHandle` at once: `wait_first_stage()` blocks until the batch has left the first
+  pipeline stage (the next batch may enter it), `result()` until its first tokens are on the host. A
+  prefill instance keeps several batches in its pipe this way (a pp-stage instance pipelines batches);
+  `start_prefill` runs an engine without it (the Ray proxy) synchronously, as a `ReadyPrefill`.
 * `DecodeEngine` (a decode or colocated instance): `init_pages` builds the paged
   pool (`KVPages`); `decode_step(batch, pages) -> (tokens, KVPages)` appends each
   row's new tokens (1 for a decode, a prompt chunk for colocated prefill) into
@@ -186,6 +191,45 @@ class PrefillEngine(Protocol):
     def model_config(self) -> OPTConfig: ...
 
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult: ...
+
+
+class PrefillHandle(Protocol):
+    """A dispatched prefill batch (`AsyncPrefillEngine.prefill_async`); both calls may block, from any thread."""
+
+    def wait_first_stage(self) -> None:
+        """Return once the batch has left the first pipeline stage: the next batch may enter it."""
+        ...
+
+    def result(self) -> PrefillResult:
+        """Return once the batch's first tokens are on the host: its result."""
+        ...
+
+
+@runtime_checkable
+class AsyncPrefillEngine(Protocol):
+    """A prefill engine that dispatches a batch without waiting for it (`OPTEngine`, `TimedEngine`)."""
+
+    def prefill_async(self, items: Sequence[PrefillItem]) -> PrefillHandle: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyPrefill:
+    """A prefill that is already done (an engine without `prefill_async`): neither wait blocks."""
+
+    value: PrefillResult
+
+    def wait_first_stage(self) -> None:
+        return None
+
+    def result(self) -> PrefillResult:
+        return self.value
+
+
+def start_prefill(engine: PrefillEngine, items: Sequence[PrefillItem]) -> PrefillHandle:
+    """Dispatch `items` on `engine`: asynchronously where it can (`AsyncPrefillEngine`), else run it now."""
+    if isinstance(engine, AsyncPrefillEngine):
+        return engine.prefill_async(items)
+    return ReadyPrefill(engine.prefill(items))
 
 
 @runtime_checkable

@@ -10,7 +10,9 @@ Pipeline parallelism: `ShardedOPT` dispatches stage by stage without waiting,
 so `prefill` and `decode_step` split a batch into `pp` micro-batches and
 dispatch them all before reading any result: stage s+1 works on micro-batch k
 while stage s starts micro-batch k+1 (JAX's asynchronous dispatch does the
-overlap).
+overlap). `prefill_async` returns before reading anything back (`OPTPrefill`),
+so a prefill instance puts the next batch into stage 0 as soon as stage 0 has
+finished this one, while later stages still work on it.
 """
 
 from __future__ import annotations
@@ -304,21 +306,17 @@ class OPTEngine:
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
+        return self.prefill_async(items).result()
+
+    def prefill_async(self, items: Sequence[PrefillItem]) -> OPTPrefill:
+        """`AsyncPrefillEngine`: dispatch the batch (its `pp` micro-batches, stage after stage) and return at
+        once; nothing is read back until `result()`, so the next batch can enter stage 0 meanwhile."""
         num_micro = min(self.model.pp, len(items))
         groups = [list(g) for g in np.array_split(np.arange(len(items)), num_micro)] if num_micro > 1 else []
         if not groups:
             groups = [list(range(len(items)))]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
-        out: list[PrefilledSequence] = []
-        for g, (tokens, lp, caches) in zip(groups, dispatched, strict=True):
-            first = np.asarray(tokens)
-            firsts_lp = _host_logprobs(lp, [items[i].sampling for i in g])
-            for row, i in enumerate(g):
-                n = len(items[i].token_ids)
-                padded = bucket(n, MIN_PROMPT_BUCKET)
-                kv = tuple(StageKV(k=c.k[:, row, :padded], v=c.v[:, row, :padded]) for c in caches)  # [L_s, T, H, D]
-                out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv, firsts_lp[row]))
-        return PrefillResult(tuple(out))
+        return OPTPrefill(tuple(items), groups, dispatched)
 
     def computes_logprobs(self) -> bool:
         """`LogprobEngine`: prefill and every step report the logprobs rows ask for."""
@@ -588,6 +586,35 @@ def _caches(pages: KVPages) -> list[PagedKVCache]:
 
 def _pages(caches: Sequence[PagedKVCache]) -> KVPages:
     return tuple(StagePages(k=c.k, v=c.v, block_layout=c.block_layout) for c in caches)
+
+
+class OPTPrefill:
+    """A dispatched `OPTEngine` prefill batch (`PrefillHandle`): device arrays, read back only by `result()`."""
+
+    def __init__(
+        self,
+        items: tuple[PrefillItem, ...],
+        groups: list[list[int]],
+        dispatched: list[tuple[jax.Array, StepLogprobs | None, list[KVCache]]],
+    ) -> None:
+        self._items, self._groups, self._dispatched = items, groups, dispatched
+
+    def wait_first_stage(self) -> None:
+        """Stage 0 is free once it has written every micro-batch's KV (its program's outputs)."""
+        jax.block_until_ready([caches[0] for _, _, caches in self._dispatched])
+
+    def result(self) -> PrefillResult:
+        items = self._items
+        out: list[PrefilledSequence] = []
+        for g, (tokens, lp, caches) in zip(self._groups, self._dispatched, strict=True):
+            first = np.asarray(tokens)
+            firsts_lp = _host_logprobs(lp, [items[i].sampling for i in g])
+            for row, i in enumerate(g):
+                n = len(items[i].token_ids)
+                padded = bucket(n, MIN_PROMPT_BUCKET)
+                kv = tuple(StageKV(k=c.k[:, row, :padded], v=c.v[:, row, :padded]) for c in caches)  # [L_s, T, H, D]
+                out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv, firsts_lp[row]))
+        return PrefillResult(tuple(out))
 
 
 def _host_logprobs(lp: StepLogprobs | None, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:

@@ -2,19 +2,24 @@
 
 Loop (one thread, `Worker` shell), each `step()`:
 
-1. decide (under the lock): `scheduling.form_prefill_batch` takes prompts from
-   the head of the FCFS queue up to `L_m` tokens, and never more than the free
-   slots of the KV buffer. A full buffer means an empty batch: the instance
+1. decide (under the lock), when the engine can take a batch: `scheduling.form_prefill_batch` takes
+   prompts from the head of the FCFS queue up to `L_m` tokens, and never more than the free slots of
+   the KV buffer (batches in flight hold slots too). A full buffer means an empty batch: the instance
    stops taking work until a decode instance pulls something (backpressure).
-2. execute: `engine.prefill(batch)` on this instance's devices (the engine pads
-   to length buckets, so it compiles once per bucket, not per prompt length).
-   A resumed request (moved after tokens were streamed) prefills prompt +
-   streamed tokens but the last (`LiveRequest.prefill_token_ids`).
-3. apply (under the lock): record timings, emit each first token; a request
-   that is already finished (max_tokens 1, EOS) ends here; a resumed request
-   emits nothing (its sample is discarded); every other one's KV goes into the
-   buffer and the controller is told (`on_prefilled`) so it can assign a decode
-   instance. A request cancelled meanwhile is dropped here.
+2. dispatch: `start_prefill` hands the batch to the engine (padded to length buckets, so it compiles
+   once per bucket, not per prompt length). An `AsyncPrefillEngine` returns at once with a handle;
+   a watcher thread per batch waits on it and wakes the loop twice: when the batch has left the first
+   pipeline stage, and when its first tokens are back. The next batch is decided and dispatched as
+   soon as the first stage is free, so a pp-stage instance pipelines batches (stage 0 runs batch k+1
+   while later stages run batch k), which is the simulator's prefill pipe. An engine without it
+   (the Ray proxy) runs the batch in the call: one batch at a time. A resumed request (moved after
+   tokens were streamed) prefills prompt + streamed tokens but the last (`LiveRequest.prefill_token_ids`).
+3. apply (under the lock), oldest batch first, once its result is back: record timings, emit each
+   first token; a request that is already finished (max_tokens 1, EOS) ends here; a resumed request
+   emits nothing (its sample is discarded); every other one's KV goes into the buffer and the
+   controller is told (`on_prefilled`) so it can assign a decode instance. A request cancelled
+   meanwhile is dropped here. An engine failure reported by a watcher is raised here, so the
+   `Worker` shell's failure path (hand every held request back) runs on the loop's thread.
 
 Prefix caching (`PrefillConfig.prefix_caching`): the instance keeps a paged pool under a
 `PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
@@ -23,33 +28,39 @@ engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill doe
 each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`),
 and apply names the prompt's full blocks (`commit`) and unpins them (`release`). So blocks are
 pinned only within one step, the buffer and the pull path are the same as without caching, and
-the pool is touched by this thread alone. Needs an engine with a paged step (`DecodeEngine`).
+the pool is touched by this thread alone. The paged step runs in the call (one batch at a time), so
+each batch's blocks are committed before the next batch looks the cache up. Needs an engine with a paged step (`DecodeEngine`).
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
 KV is pulled (or by `cancel()`); `holds_kv()` tells a lease keeper (Ray) which
 KVs are still wanted (the batch being handed over or the buffer, read under one
 lock, so the hand-over is atomic). Only the lock is ever waited on; the engine
-call runs outside it.
+calls and waits run outside it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Callable
 
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.engine import (
+    AsyncPrefillEngine,
     DecodeEngine,
     PrefilledSequence,
     PrefillEngine,
+    PrefillHandle,
     PrefillItem,
     PrefillResult,
+    ReadyPrefill,
     StepBatch,
     StepRow,
     bucket,
+    start_prefill,
     step_tokens,
 )
 from jaxserve.runtime.kv_pool import read_sequence
@@ -77,6 +88,21 @@ class PrefillConfig:
 MIN_PROMPT_BUCKET = 16  # dense copies are padded like the engine's prefill output
 
 
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """A batch handed to the engine and not yet handed over; its watcher fills in the last four fields."""
+
+    batch: list[LiveRequest]
+    items: list[PrefillItem]
+    hits: dict[str, CacheHit]
+    decided_at: float
+    started_at: float = 0.0
+    stage_free: bool = False  # the batch has left the engine's first stage
+    result: PrefillResult | None = None
+    error: BaseException | None = None
+    ended_at: float = 0.0  # when the result was back
+
+
 class PrefillInstance(Worker):
     role = "prefill"
 
@@ -93,7 +119,8 @@ class PrefillInstance(Worker):
         self.config = config
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
-        self._running: list[LiveRequest] = []
+        self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
+        self._pipelined = isinstance(engine, AsyncPrefillEngine) and not config.prefix_caching
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
         self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
@@ -107,6 +134,11 @@ class PrefillInstance(Worker):
             self._paged = engine
             self.pages = engine.init_pages(config.num_blocks, config.block_size)
         self.num_computed_tokens = 0  # prompt tokens this instance really computed (cached ones excluded)
+
+    @property
+    def _running(self) -> list[LiveRequest]:
+        """Under the lock: every request in a batch in flight (dispatched, not yet handed over)."""
+        return [live for f in self._inflight for live in f.batch]
 
     # ---- controller / decode side (thread-safe) -----------------------------
     def enqueue(self, live: LiveRequest) -> None:
@@ -197,7 +229,7 @@ class PrefillInstance(Worker):
         return prefill_buffer_free_slots(self.config.buffer_capacity, len(self._buffer), len(self._running))
 
     def has_work(self) -> bool:
-        return bool(self._queue) and self._free_slots() > 0
+        return self._ready() is not None or (bool(self._queue) and self._free_slots() > 0 and self._pipe_open())
 
     def held_requests(self) -> list[LiveRequest]:
         return [*self._queue, *self._running, *(live for live, _ in self._buffer.values())]
@@ -206,27 +238,85 @@ class PrefillInstance(Worker):
         for live in self._running:
             self.cache.release(live.request_id)
         self._queue.clear()
-        self._running.clear()
+        self._inflight.clear()
         self._buffer.clear()
 
+    def _pipe_open(self) -> bool:
+        """Under the lock: may a new batch enter the engine now? An asynchronous engine takes one as soon as
+        its first stage has finished the last batch (a pp-stage instance pipelines batches, as the
+        simulator's prefill pipe does); a synchronous one (or prefix caching) runs one batch at a time."""
+        if not self._inflight:
+            return True
+        return self._pipelined and all(f.stage_free for f in self._inflight)
+
+    def _ready(self) -> _Flight | None:
+        """Under the lock: the oldest batch in flight if its result (or failure) is back."""
+        if self._inflight and (self._inflight[0].result is not None or self._inflight[0].error is not None):
+            return self._inflight[0]
+        return None
+
     def step(self) -> bool:
+        dispatched = self._dispatch()
+        with self.cond:
+            ready = self._ready()
+        if ready is not None:
+            self._apply(ready)
+        return dispatched or ready is not None
+
+    def _dispatch(self) -> bool:
+        """Decide a batch and hand it to the engine; False if none could start."""
         decided_at = now()
         with self.cond:
+            if not self._pipe_open():
+                return False
             waiting = [WaitingPrompt(r.request_id, r.num_prefill_tokens) for r in self._queue]
             decision = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
             batch = [self._queue.popleft() for _ in decision.request_ids]
             hits = self._acquire(batch)
-            self._running = batch
-        if not batch:
-            return False
-        started_at = now()
-        items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
-        resumed = [r.is_resumed for r in batch]
-        if self._paged is None:
-            result = self.engine.prefill(items)
+            if not batch:
+                return False
+            items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
+            flight = _Flight(batch, items, hits, decided_at)
+            self._inflight.append(flight)
+        flight.started_at = now()
+        handle = (
+            start_prefill(self.engine, items)
+            if self._paged is None
+            else ReadyPrefill(self._prefill_paged(self._paged, items, hits))
+        )
+        if isinstance(handle, ReadyPrefill):
+            with self.cond:
+                flight.stage_free, flight.result, flight.ended_at = True, handle.value, now()
         else:
-            result = self._prefill_paged(self._paged, items, hits)
-        ended_at = now()
+            threading.Thread(
+                target=self._watch, args=(flight, handle), name=f"{self.name}-prefill", daemon=True
+            ).start()
+        return True
+
+    def _watch(self, flight: _Flight, handle: PrefillHandle) -> None:
+        """A batch's watcher thread: wakes the worker when the batch frees stage 0 and when its tokens are back."""
+        try:
+            handle.wait_first_stage()
+            with self.cond:
+                flight.stage_free = True
+                self.cond.notify_all()
+            result = handle.result()
+            with self.cond:
+                flight.result, flight.ended_at = result, now()
+                self.cond.notify_all()
+        except BaseException as e:  # the worker thread raises it (and dies) when this batch is the oldest
+            with self.cond:
+                flight.stage_free, flight.error = True, e
+                self.cond.notify_all()
+
+    def _apply(self, flight: _Flight) -> None:
+        """Hand over the oldest batch: emit first tokens, buffer the KVs, tell the controller."""
+        if flight.error is not None:
+            raise flight.error
+        result, batch, items, hits = flight.result, flight.batch, flight.items, flight.hits
+        assert result is not None
+        started_at, ended_at = flight.started_at, flight.ended_at
+        resumed = [r.is_resumed for r in batch]
         eos = self.engine.model_config.eos_token_id
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
@@ -248,7 +338,7 @@ class PrefillInstance(Worker):
                 if finish is None:
                     self._buffer[live.request_id] = (live, seq)
                     handed.append(live)
-            self._running = []
+            self._inflight.popleft()
             self.num_computed_tokens += sum(
                 len(i.token_ids) - (hits[i.request_id].num_cached_tokens if hits else 0) for i in items
             )
@@ -261,10 +351,9 @@ class PrefillInstance(Worker):
         lengths = tuple(len(item.token_ids) for item in items)
         if any(hit.num_cached_tokens for hit in hits.values()):
             # Suffixes over cached prefixes are not whole prompts: not a "prefill" to fit the latency model on.
-            self.record_step(StepRecord("mixed", done - decided_at, batch=len(items), at=done))
+            self.record_step(StepRecord("mixed", done - flight.decided_at, batch=len(items), at=done))
         else:
-            self.record_step(StepRecord("prefill", done - decided_at, prompt_lengths=lengths, at=done))
-        return True
+            self.record_step(StepRecord("prefill", done - flight.decided_at, prompt_lengths=lengths, at=done))
 
     # ---- prefix caching ------------------------------------------------------
     def _acquire(self, batch: list[LiveRequest]) -> dict[str, CacheHit]:

@@ -4,7 +4,10 @@
 `decode_step`) like `FakeEngine` and `OPTEngine`, but each call sleeps for what `placement/step_time.py` — the
 simulator's own step formulas — charges that step's real shape:
 
-* `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe;
+* `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe; `prefill_async(items)`
+  (`AsyncPrefillEngine`) schedules it on per-stage timelines, so with pp > 1 batches overlap in the pipe:
+  the next batch enters stage 0 once stage 0 has finished this one (host work and kernels), as in the
+  simulator;
 * `decode_step(batch)`: a decode round of the batch's rows over their contexts, or, with prompt rows
   (colocated), the mixed step of those chunks with the decodes riding along;
 * `decode_steps(batch, n)` (multi-step decoding, `MultiStepDecoder`): the sum of the decode rounds the
@@ -24,6 +27,7 @@ meshes like the model's, so the runtime's real transfer regroups layers between 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -88,6 +92,7 @@ class TimedEngine:
         self._clock, self._sleep = clock, sleep
         self.host_slack_s = host_slack_s
         self._device_free_at: float | None = None
+        self._stage_free_at = [-math.inf] * pp  # prefill: when each stage finishes its last batch
         self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
         self._stage_layers = tuple(len(a) for a in np.array_split(np.arange(config.num_layers), pp))
         self.charged_s: list[tuple[str, float]] = []  # (kind, seconds) of every call, for tests
@@ -120,6 +125,16 @@ class TimedEngine:
             self._sleep(left)
 
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
+        return self.prefill_async(items).result()
+
+    def prefill_async(self, items: Sequence[PrefillItem]) -> TimedPrefill:
+        """`AsyncPrefillEngine`: schedule the batch on the stages' timelines and return at once.
+
+        Stage 0 runs the step's host work and its kernels, stage s > 0 starts when the batch has crossed the
+        send from stage s − 1 and stage s has finished the batch before: alone a batch takes `prefill_step_s`,
+        and the next one enters stage 0 as soon as it frees (the simulator's prefill pipe). A call within
+        `host_slack_s` of stage 0's last end starts at that end, as `_wait` does for a whole step.
+        """
         started = self._clock()
         layout = self.kv_layout()
         out = []
@@ -134,8 +149,20 @@ class TimedEngine:
             )
             first = random_token(item.seed, 0, self._config.vocab_size)
             out.append(PrefilledSequence(item.request_id, first, n, kv))
-        self._wait("prefill", started, prefill_step_s(self.model, self.overhead, [len(i.token_ids) for i in items]))
-        return PrefillResult(tuple(out))
+        lengths = [len(i.token_ids) for i in items]
+        self.charged_s.append(("prefill", prefill_step_s(self.model, self.overhead, lengths)))
+        total = float(sum(lengths))
+        stage = self.model.prefill_stage_s(total, float(sum(n * n for n in lengths)), len(lengths))
+        send = self.model.send_s(int(total)) if self.pp > 1 else 0.0
+        host = self.overhead.step_s(total, self.pp, True)
+        free = self._stage_free_at
+        if started - free[0] <= self.host_slack_s:
+            started = max(free[0], started - self.host_slack_s)
+        t = started
+        for s in range(self.pp):
+            free[s] = max(t, free[s]) + stage + (host if s == 0 else 0.0)
+            t = free[s] + send
+        return TimedPrefill(PrefillResult(tuple(out)), free[0], free[-1], self._clock, self._sleep)
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         pages = []
@@ -187,6 +214,33 @@ class TimedEngine:
             ]
         self._wait("decode", started, seconds)
         return out, pages
+
+
+class TimedPrefill:
+    """A `TimedEngine` prefill batch in the pipe (`PrefillHandle`): each wait sleeps until its deadline."""
+
+    def __init__(
+        self,
+        value: PrefillResult,
+        first_stage_end: float,
+        end: float,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> None:
+        self._value, self.first_stage_end, self.end = value, first_stage_end, end
+        self._clock, self._sleep = clock, sleep
+
+    def _until(self, deadline: float) -> None:
+        left = deadline - self._clock()
+        if left > 0:
+            self._sleep(left)
+
+    def wait_first_stage(self) -> None:
+        self._until(self.first_stage_end)
+
+    def result(self) -> PrefillResult:
+        self._until(self.end)
+        return self._value
 
 
 def timed_engine_factory(
