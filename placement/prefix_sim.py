@@ -1,7 +1,7 @@
 """Prefix caching in the simulator: hits, evictions, partial transfers and local prefills.
 
-`PrefixSimulator` is the disaggregated `Simulator` with a `PrefixCache` (the runtime's class) on
-every prefill and decode instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
+`PrefixSimulator` is the `Simulator` with a `PrefixCache` (the runtime's class) on every prefill,
+decode and colocated instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
 (`choose_prefill_instance_cached`, `choose_decode_instance_cached`, `prefill_locally`). It only
 overrides the simulator's prefix-cache hooks and wraps a few event handlers; the event loop, the
 batching, admission and link model are the simulator's own. A request's life with caching:
@@ -34,6 +34,12 @@ conversation's later turns inherit every difference between the modelled and the
 times (one slow step shifts all its later turns); under eviction pressure which blocks survive
 depends on that interleaving, so comparing with a runtime run on the same trace needs the same
 send times (`scripts/bench_prefix_cache.py` reports both).
+
+Colocated. A colocated instance caches as the runtime's does: routing by
+`choose_prefill_instance_cached` (cached blocks against waiting prompt tokens), admission pins the
+cached prefix (at least one prompt token left to compute) and the prompt's chunks start after it
+(`Simulator._coloc_step` cuts the policy's chunks), the prompt is named once prefilled, and at the
+end prompt + answer but its last token; nothing is transferred.
 
 Instances evict unreferenced blocks LRU when a reservation needs room. Decode caches hold as many
 blocks as the instance's KV capacity (or `decode_pool_blocks`, to mirror a runtime's pool), so
@@ -111,7 +117,7 @@ class PrefixStats:
 
 
 class PrefixSimulator(Simulator):
-    """A disaggregated `Simulator` with a `PrefixCache` on every instance. Construct, then `run()` once."""
+    """A `Simulator` with a `PrefixCache` on every instance. Construct, then `run()` once."""
 
     def __init__(
         self,

@@ -179,7 +179,7 @@ def test_colocated_second_turn_starts_after_its_cached_prefix(
 
 def test_colocated_caching_off_is_exactly_the_plain_simulator(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
     latency, cluster = a100
-    plan = parse_deployment("colocated:tp1,chunk=256").assign_devices(8)
+    plan = parse_deployment("colocated:2xtp1,chunk=256").assign_devices(8)
     shared = generate_conversations(ConversationSpec(), 30, np.random.default_rng(0)).at_rate(2.0)
     off, stats = simulate_prefix(plan, latency, cluster, shared, policy=PrefixPolicy(enabled=False))
     assert off.num_finished == len(shared)
@@ -201,7 +201,7 @@ def test_colocated_caching_saves_work_and_leaks_nothing(a100: tuple[LatencyProvi
     on = sim.run()
     s_on = sim.stats()
     assert on.num_finished == len(shared)
-    assert 0.5 < s_on.hit_rate and s_on.prompt_tokens - s_on.computed_tokens <= shared.ideal_hit_tokens(16)
+    assert s_on.hit_rate > 0.5 and s_on.prompt_tokens - s_on.computed_tokens <= shared.ideal_hit_tokens(16)
     assert np.nanpercentile(on.ttft_s, 90) < np.nanpercentile(off.ttft_s, 90)
     (cache,) = sim.colocated_caches
     assert cache.num_pinned == 0 and sim.colocated[0].free_blocks == cache.num_available == cache.num_blocks
