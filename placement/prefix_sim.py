@@ -1,7 +1,7 @@
 """Prefix caching in the simulator: hits, evictions, partial transfers and local prefills.
 
-`PrefixSimulator` is the disaggregated `Simulator` with a `PrefixCache` (the runtime's class) on
-every prefill and decode instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
+`PrefixSimulator` is the `Simulator` with a `PrefixCache` (the runtime's class) on every prefill,
+decode and colocated instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
 (`choose_prefill_instance_cached`, `choose_decode_instance_cached`, `prefill_locally`). It only
 overrides the simulator's prefix-cache hooks and wraps a few event handlers; the event loop, the
 batching, admission and link model are the simulator's own. A request's life with caching:
@@ -27,6 +27,19 @@ batching, admission and link model are the simulator's own. A request's life wit
    computed) and releases the request: the next turn of the conversation finds it there. That
    next turn arrives `think_s` later (closed loop: a `_TURN_ARRIVAL` event; only first turns come
    from the arrival array).
+
+Replay. With `sent_at` (one time per request) every request arrives when a load generator really
+sent it, instead of `think_s` after the *simulated* end of the previous turn. Closed loop, a
+conversation's later turns inherit every difference between the modelled and the real service
+times (one slow step shifts all its later turns); under eviction pressure which blocks survive
+depends on that interleaving, so comparing with a runtime run on the same trace needs the same
+send times (`scripts/bench_prefix_cache.py` reports both).
+
+Colocated. A colocated instance caches as the runtime's does: routing by
+`choose_prefill_instance_cached` (cached blocks against waiting prompt tokens), admission pins the
+cached prefix (at least one prompt token left to compute) and the prompt's chunks start after it
+(`Simulator._coloc_step` cuts the policy's chunks), the prompt is named once prefilled, and at the
+end prompt + answer but its last token; nothing is transferred.
 
 Instances evict unreferenced blocks LRU when a reservation needs room. Decode caches hold as many
 blocks as the instance's KV capacity (or `decode_pool_blocks`, to mirror a runtime's pool), so
@@ -90,6 +103,7 @@ class PrefixStats:
     num_local_prefills: int
     num_prefill_evictions: int
     num_decode_evictions: int
+    num_colocated_evictions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -103,7 +117,7 @@ class PrefixStats:
 
 
 class PrefixSimulator(Simulator):
-    """A disaggregated `Simulator` with a `PrefixCache` on every instance. Construct, then `run()` once."""
+    """A `Simulator` with a `PrefixCache` on every instance. Construct, then `run()` once."""
 
     def __init__(
         self,
@@ -117,20 +131,32 @@ class PrefixSimulator(Simulator):
         warmup_fraction: float = 0.25,
         prefill_pool_blocks: int | None = None,
         decode_pool_blocks: int | None = None,
+        sent_at: np.ndarray | None = None,
     ) -> None:
         super().__init__(plan, latency, cluster, requests.workload, slo, options)
         if not 0.0 <= warmup_fraction < 1.0:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
         self.tracker = None  # the verdict is over the measurement window, known only at the end
-        first = requests.workload.arrival_at[: requests.num_first]
+        self.replay = sent_at is not None
+        if sent_at is not None:
+            # A replay of observed send times: every request arrives when it was really sent, as an event.
+            if sent_at.shape != (len(requests),) or np.isnan(sent_at).any():
+                raise ValueError(f"sent_at: one send time per request ({len(requests)}), none NaN")
+            first = np.sort(sent_at[: requests.num_first])
+            self.workload = requests.workload.head(0)
+            self.arrival_at = np.asarray(sent_at, dtype=np.float64).copy()
+            for i in np.argsort(sent_at, kind="stable"):
+                self._push(float(sent_at[i]), _TURN_ARRIVAL, int(i))
+        else:
+            # Closed loop: only first turns arrive from the array; each later turn is an event scheduled
+            # `think_s` after the previous turn finishes (`_finished`).
+            first = requests.workload.arrival_at[: requests.num_first]
+            self.workload = requests.workload.head(requests.num_first)
+            self.arrival_at = self.arrival_at.copy()
+            self.arrival_at[requests.num_first :] = np.nan
         self.window = (float(first[int(warmup_fraction * (len(first) - 1))]), float(first[-1]))
-        # Closed loop: only first turns arrive from the array; each later turn is an event scheduled
-        # `think_s` after the previous turn finishes (`_finished`).
-        self.workload = requests.workload.head(requests.num_first)
-        self.arrival_at = self.arrival_at.copy()
-        self.arrival_at[requests.num_first :] = np.nan
-        if self.plan.kind == "colocated" or self.options.mode != "full":
-            raise ValueError("PrefixSimulator models disaggregated deployments in full mode only")
+        if self.options.mode != "full":
+            raise ValueError("PrefixSimulator models whole deployments (full mode) only")
         self.policy = policy or PrefixPolicy()
         self.requests = requests
         bs = self.options.block_size
@@ -138,11 +164,14 @@ class PrefixSimulator(Simulator):
         if decode_pool_blocks is not None:  # a runtime's configured pool instead of the device's KV capacity
             for d in self.decodes:
                 d.free_blocks = decode_pool_blocks
+            for c in self.colocated:
+                c.free_blocks = decode_pool_blocks
         self.prefill_caches = [
             PrefixCache(BlockAllocator(prefill_pool_blocks or max(p.capacity_tokens // bs, 1), bs), enabled=on)
             for p in self.prefills
         ]
         self.decode_caches = [PrefixCache(BlockAllocator(d.free_blocks, bs), enabled=on) for d in self.decodes]
+        self.colocated_caches = [PrefixCache(BlockAllocator(c.free_blocks, bs), enabled=on) for c in self.colocated]
         n = len(requests)
         self._computed = self.input_lens.copy()  # prompt tokens each request computes
         self._prior = np.zeros(n, dtype=np.int64)  # cached tokens under what it computes
@@ -186,6 +215,7 @@ class PrefixSimulator(Simulator):
             num_local_prefills=int(self._local[started].sum()),
             num_prefill_evictions=sum(c.stats.num_evictions for c in self.prefill_caches),
             num_decode_evictions=sum(c.stats.num_evictions for c in self.decode_caches),
+            num_colocated_evictions=sum(c.stats.num_evictions for c in self.colocated_caches),
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -223,7 +253,7 @@ class PrefixSimulator(Simulator):
 
     def _finished(self, i: int) -> None:
         j = int(self.requests.next_turn[i])
-        if j >= 0:
+        if j >= 0 and not self.replay:
             self.arrival_at[j] = self.now + float(self.requests.think_s[j])
             self._push(float(self.arrival_at[j]), _TURN_ARRIVAL, j)
 
@@ -358,6 +388,40 @@ class PrefixSimulator(Simulator):
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
         cache = self.decode_caches[k]
+        before = cache.num_available
+        answer = self.requests.answers[i]
+        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
+        cache.release(str(i))
+        self._finished(i)
+        return cache.num_available - before
+
+    # ---- colocated ---------------------------------------------------------------------------
+    def _route_colocated(self, i: int, loads: list[PrefillLoad]) -> int:
+        # The runtime's controller: cached blocks of this prompt against waiting prompt tokens.
+        bs, prompt, names = self.options.block_size, self._prompt(i), self._prompt_names(i)
+        cands = [
+            CachedPrefillLoad(
+                cache.num_cached_tokens(prompt, 1, names) // bs, ld.num_queued_tokens, ld.num_queued_requests
+            )
+            for cache, ld in zip(self.colocated_caches, loads, strict=True)
+        ]
+        return choose_prefill_instance_cached(cands, self.policy.weight(bs))
+
+    def _reserve_colocated_blocks(self, k: int, i: int, num_blocks: int) -> int:
+        # Admission pins the cached prefix (a prefill needs the last position's logits: min 1 uncached)
+        # and the prompt's chunks start after it (`Simulator._coloc_step` cuts them).
+        cache = self.colocated_caches[k]
+        before = cache.num_available
+        hit = cache.acquire(str(i), self._prompt(i), num_blocks * self.options.block_size, names=self._prompt_names(i))
+        self._prefilled[i] = self._prior[i] = hit.num_cached_tokens
+        self._computed[i] = int(self.input_lens[i]) - hit.num_cached_tokens
+        return before - cache.num_available
+
+    def _colocated_prompt_done(self, k: int, i: int) -> None:
+        self.colocated_caches[k].commit(str(i), self._prompt(i), self._prompt_names(i))
+
+    def _release_colocated_blocks(self, k: int, i: int) -> int:
+        cache = self.colocated_caches[k]
         before = cache.num_available
         answer = self.requests.answers[i]
         cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV

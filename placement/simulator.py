@@ -314,7 +314,7 @@ class Simulator:
     def _on_arrival(self, i: int) -> None:
         if self.colocated:
             loads = [PrefillLoad(c.waiting_tokens, len(c.waiting)) for c in self.colocated]
-            k = choose_prefill_instance(loads)
+            k = self._route_colocated(i, loads)  # prefix-cache hook
             c = self.colocated[k]
             c.waiting.append(i)
             c.records[i] = ColocatedRequest(str(i), int(self.input_lens[i]), int(self.output_lens[i]))
@@ -556,6 +556,20 @@ class Simulator:
         d = self.decodes[k]
         return decode_step_s(d.model, d.overhead, d.num_running, d.ctx_sum)
 
+    def _route_colocated(self, i: int, loads: list[PrefillLoad]) -> int:
+        return choose_prefill_instance(loads)
+
+    def _reserve_colocated_blocks(self, k: int, i: int, num_blocks: int) -> int:
+        """Blocks taken from colocated instance `k`'s pool for request `i`; may set `_prefilled[i]` (a hit)."""
+        return num_blocks
+
+    def _colocated_prompt_done(self, k: int, i: int) -> None:
+        return None
+
+    def _release_colocated_blocks(self, k: int, i: int) -> int:
+        n_tokens = kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i]))
+        return blocks_for(n_tokens, self.options.block_size)
+
     # <<< prefix-cache hooks ----------------------------------------------------------------------
 
     # ---- colocated ---------------------------------------------------------------------------
@@ -582,8 +596,8 @@ class Simulator:
             assert str(i) == reservation.request_id
             c.waiting_tokens -= int(self.input_lens[i])
             c.admitted.append(i)
-            c.records[i] = dataclasses.replace(c.records[i], admitted=True)
-            c.free_blocks -= reservation.num_blocks
+            c.free_blocks -= self._reserve_colocated_blocks(k, i, reservation.num_blocks)  # prefix-cache hook
+            c.records[i] = dataclasses.replace(c.records[i], admitted=True, num_prefilled=int(self._prefilled[i]))
             self.prefill_start_at[i] = self.now
         decode_idx = np.asarray([int(r) for r in step.decode], dtype=np.int64)
         decode_ctx = (
@@ -591,8 +605,17 @@ class Simulator:
             if len(decode_idx)
             else np.zeros(0, dtype=np.int64)
         )
-        chunks = np.asarray([ch.num_tokens for ch in step.prefill], dtype=np.int64)
-        priors = np.asarray([ch.start for ch in step.prefill], dtype=np.int64)
+        # A chunk starts after what is already prefilled: the policy cut it before a cache hit on
+        # admission (this step) skipped the cached prefix, as the runtime's colocated instance does.
+        # Without caching `_prefilled` equals every chunk's start, and nothing changes.
+        cut = []
+        for ch in step.prefill:
+            i = int(ch.request_id)
+            start = max(ch.start, int(self._prefilled[i]))
+            if start < ch.start + ch.num_tokens:
+                cut.append((i, start, ch.start + ch.num_tokens - start))
+        chunks = np.asarray([n for _, _, n in cut], dtype=np.int64)
+        priors = np.asarray([start for _, start, _ in cut], dtype=np.int64)
         ctx_sum = float(decode_ctx.sum())
         dt = mixed_step_s(c.model, c.overhead, chunks.tolist(), priors.tolist(), len(decode_idx), ctx_sum)
         c.busy = True
@@ -600,7 +623,7 @@ class Simulator:
             self.now + dt,
             _COLOC_STEP_DONE,
             k,
-            (tuple((int(ch.request_id), ch.num_tokens) for ch in step.prefill), decode_idx),
+            (tuple((i, n) for i, _, n in cut), decode_idx),
         )
 
     def _on_coloc_step_done(self, k: int, payload: tuple) -> None:
@@ -611,6 +634,7 @@ class Simulator:
             self._prefilled[i] += num
             c.records[i] = dataclasses.replace(c.records[i], num_prefilled=int(self._prefilled[i]))
             if self._prefilled[i] >= self.input_lens[i]:
+                self._colocated_prompt_done(k, i)  # prefix-cache hook
                 self.first_token_at[i] = self.decode_start_at[i] = self.now
                 self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
                 self._generated[i] = 1
@@ -627,9 +651,7 @@ class Simulator:
             self.finish_at[i] = self.now
             c.admitted.remove(i)
             del c.records[i]
-            c.free_blocks += blocks_for(
-                kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i])), self.options.block_size
-            )
+            c.free_blocks += self._release_colocated_blocks(k, i)  # prefix-cache hook
             if self.tracker is not None:
                 assert self.slo is not None
                 ttft_ok = self.first_token_at[i] - self.arrival_at[i] <= self.slo.ttft_s

@@ -55,6 +55,7 @@ class ArmRun:
     ttft_p50: float
     ttft_p90: float
     failed: int
+    sent_at: list[float]  # when each request of the trace was really sent (seconds from the run's start)
 
     @property
     def hit_rate(self) -> float:
@@ -75,7 +76,19 @@ def _counters(c: Controller) -> tuple[int, int, int, int, int]:
     )
 
 
+def clear_caches(c: Controller) -> None:
+    """Evict every unpinned cached block (between runs, all idle): a run starts cold, as the simulator does.
+
+    Blocks of an earlier trace can never hit (fresh token ids), but they fill the LRU and their
+    evictions would be counted against this run's.
+    """
+    for inst in c.instances:
+        with inst.cond:
+            inst.cache.clear()
+
+
 def run_arm(c: Controller, trace: SharedPrefixWorkload) -> ArmRun:
+    clear_caches(c)
     before = _counters(c)
     records = asyncio.run(run_conversations(trace, controller_sender(c)))
     after = _counters(c)
@@ -91,11 +104,18 @@ def run_arm(c: Controller, trace: SharedPrefixWorkload) -> ArmRun:
         ttft_p50=float(np.percentile(ttft, 50)),
         ttft_p90=float(np.percentile(ttft, 90)),
         failed=len(records) - len(done),
+        sent_at=[r.sent_at for r in records],
     )
 
 
-def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: PrefixPolicy) -> tuple[float, float, int]:
-    """The simulator's (hit rate, KV bytes moved, evictions) on `trace` with the runtime's pools and policies."""
+def simulate(
+    args: argparse.Namespace, trace: SharedPrefixWorkload, policy: PrefixPolicy, sent_at: list[float] | None = None
+) -> tuple[float, float, int]:
+    """The simulator's (hit rate, KV bytes moved, evictions) on `trace` with the runtime's pools and policies.
+
+    `sent_at`: replay the runtime's send times (else closed loop: each turn `think_s` after the
+    simulated end of the previous one).
+    """
     cfg = get_config(args.model)
     device = get_device("cpu")
     sim = PrefixSimulator(
@@ -107,6 +127,7 @@ def simulate(args: argparse.Namespace, trace: SharedPrefixWorkload, policy: Pref
         policy=policy,
         prefill_pool_blocks=args.num_kv_blocks,
         decode_pool_blocks=args.num_kv_blocks,
+        sent_at=None if sent_at is None else np.asarray(sent_at),
     )
     sim.run()
     stats = sim.stats()
@@ -133,6 +154,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (fresh trace each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every run here")
+    ap.add_argument(
+        "--engine",
+        choices=("opt", "timed"),
+        default="opt",
+        help="opt: the real model; timed: `TimedEngine`, every step sleeping the simulator's own step time "
+        "(the runtime's mechanism with the simulator's timing)",
+    )
     args = ap.parse_args()
 
     plan = parse_deployment(args.deployment)
@@ -166,14 +194,21 @@ def main() -> int:
         vocab_size=cfg.vocab_size,
     )
     started = time.monotonic()
+    factory = None
+    if args.engine == "timed":
+        from jaxserve.testing.timed_engine import timed_engine_factory
+
+        device = get_device("cpu")
+        factory = timed_engine_factory(cfg, LatencyProvider(cfg, device), ClusterSpec(device, 1, 8))
     controllers = {
-        name: Controller.from_plan(args.model, plan, devices[i * k : (i + 1) * k], config=config)
+        name: Controller.from_plan(args.model, plan, devices[i * k : (i + 1) * k], factory, config=config)
         for i, (name, config) in enumerate(arms.items())
     }
     for c in controllers.values():
         c.start()
     results: dict[str, list[ArmRun]] = {name: [] for name in arms}
-    sims: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
+    replays: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
+    closed: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
     try:
         warm = generate_conversations(spec, max(8, args.conversations // 2), np.random.default_rng(10_000 + args.seed))
         for c in controllers.values():
@@ -182,29 +217,32 @@ def main() -> int:
             convs = generate_conversations(spec, args.conversations, np.random.default_rng(args.seed + rep))
             trace = convs.at_rate(args.rate)
             for name, c in controllers.items():
-                results[name].append(run_arm(c, trace))
-                sims[name].append(simulate(args, trace, sim_policies[name]))
+                run = run_arm(c, trace)
+                results[name].append(run)
+                replays[name].append(simulate(args, trace, sim_policies[name], run.sent_at))
+                closed[name].append(simulate(args, trace, sim_policies[name]))
     finally:
         for c in controllers.values():
             c.shutdown(drain_timeout_s=0)
 
     kv_token_bytes = cfg.kv_bytes_per_token
     print(
-        f"{args.model}, {args.deployment} x 2 arms on {2 * k} CPU devices; {args.conversations} conversations "
-        f"x {args.reps} reps at {args.rate:g} rps (think {args.think_time:g} s), block {args.block_size}, "
-        f"{args.num_kv_blocks} blocks per pool; load average {os.getloadavg()[0]:.1f}; {time.monotonic() - started:.0f} s"
+        f"{args.model} ({args.engine} engine), {args.deployment} x 2 arms on {2 * k} CPU devices; "
+        f"{args.conversations} conversations x {args.reps} reps at {args.rate:g} rps (think {args.think_time:g} s), "
+        f"block {args.block_size}, {args.num_kv_blocks} blocks per pool; load average {os.getloadavg()[0]:.1f}; "
+        f"{time.monotonic() - started:.0f} s"
     )
     print()
     print(
         "| arm | requests | hit rate | prefill tokens computed | KV positions pulled | KV MB pulled (positions) "
-        "| KV MB moved (padded) | local prefills | TTFT P50 ms | TTFT P90 ms | sim hit rate | sim KV MB "
-        "| evictions | sim evictions |"
+        "| KV MB moved (padded) | local prefills | TTFT P50 ms | TTFT P90 ms | evictions "
+        "| sim hit rate | sim KV MB | sim evictions | closed-loop sim hit rate | closed-loop sim KV MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = {}
+    med = statistics.median
     for name in arms:
         runs = results[name]
-        med = statistics.median
         row = {
             "hit_rate": med([r.hit_rate for r in runs]),
             "computed_tokens": med([r.computed_tokens for r in runs]),
@@ -216,19 +254,23 @@ def main() -> int:
             "ttft_p50_ms": med([r.ttft_p50 * 1e3 for r in runs]),
             "ttft_p90_ms": med([r.ttft_p90 * 1e3 for r in runs]),
             "failed": sum(r.failed for r in runs),
-            "sim_hit_rate": med([s[0] for s in sims[name]]),
-            "sim_kv_mb": med([s[1] / 1e6 for s in sims[name]]),
             "evictions": med([r.evictions for r in runs]),
-            "sim_evictions": med([s[2] for s in sims[name]]),
+            "sim_hit_rate": med([s[0] for s in replays[name]]),
+            "sim_kv_mb": med([s[1] / 1e6 for s in replays[name]]),
+            "sim_evictions": med([s[2] for s in replays[name]]),
+            "closed_sim_hit_rate": med([s[0] for s in closed[name]]),
+            "closed_sim_kv_mb": med([s[1] / 1e6 for s in closed[name]]),
             "runs": [dataclasses.asdict(r) for r in runs],
-            "sims": sims[name],
+            "sims": replays[name],
+            "closed_loop_sims": closed[name],
         }
         out[name] = row
         print(
             f"| {name} | {len(trace)} | {row['hit_rate']:.1%} | {row['computed_tokens']:.0f} / {row['prompt_tokens']:.0f} "
             f"| {row['transfer_tokens']:.0f} | {row['transfer_mb']:.2f} | {row['moved_mb']:.2f} | {row['local_prefills']:.0f} "
-            f"| {row['ttft_p50_ms']:.1f} | {row['ttft_p90_ms']:.1f} | {row['sim_hit_rate']:.1%} | {row['sim_kv_mb']:.2f} "
-            f"| {row['evictions']:.0f} | {row['sim_evictions']:.0f} |"
+            f"| {row['ttft_p50_ms']:.1f} | {row['ttft_p90_ms']:.1f} | {row['evictions']:.0f} | {row['sim_hit_rate']:.1%} "
+            f"| {row['sim_kv_mb']:.2f} | {row['sim_evictions']:.0f} | {row['closed_sim_hit_rate']:.1%} "
+            f"| {row['closed_sim_kv_mb']:.2f} |"
         )
     on, off = out["on"], out["off"]
     print()
@@ -236,9 +278,17 @@ def main() -> int:
         f"on vs off: prefill tokens x{on['computed_tokens'] / off['computed_tokens']:.3f} "
         f"(1 - hit rate = {1 - on['hit_rate']:.3f}), KV positions pulled x{on['transfer_tokens'] / off['transfer_tokens']:.3f}, "
         f"TTFT P50 x{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, P90 x{on['ttft_p90_ms'] / off['ttft_p90_ms']:.2f}; "
-        f"simulator vs runtime (on): hit rate {on['sim_hit_rate']:.1%} vs {on['hit_rate']:.1%}, "
+        f"simulator (replaying the send times) vs runtime (on): hit rate {on['sim_hit_rate']:.1%} vs {on['hit_rate']:.1%}, "
         f"KV MB {on['sim_kv_mb']:.2f} vs {on['transfer_mb']:.2f} ({on['sim_kv_mb'] / on['transfer_mb'] - 1:+.1%})"
     )
+    print("per repetition (on): runtime / replay sim / closed-loop sim")
+    for rep, (r, s, cl) in enumerate(zip(results["on"], replays["on"], closed["on"], strict=True)):
+        mb = r.transfer_tokens * kv_token_bytes / 1e6
+        print(
+            f"  rep {rep}: hit rate {r.hit_rate:.1%} / {s[0]:.1%} / {cl[0]:.1%}; KV MB {mb:.2f} / {s[1] / 1e6:.2f} "
+            f"({s[1] / 1e6 / mb - 1:+.1%}) / {cl[1] / 1e6:.2f} ({cl[1] / 1e6 / mb - 1:+.1%}); "
+            f"evictions {r.evictions} / {s[2]} / {cl[2]}"
+        )
     if any(row["failed"] for row in out.values()):
         print("WARNING: some requests failed", file=sys.stderr)
     if args.json:

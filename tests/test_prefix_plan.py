@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve.cli import main
 from jaxserve.plan import DeploymentPlan
+from jaxserve.scheduling import PrefixPolicy
 from models.config import get_config
 from placement.conversations import ConversationSpec, generate_conversations
 from placement.goodput import max_rate
@@ -54,8 +55,9 @@ def ctx() -> SearchContext:
 
 def test_plan_for_conversations_judges_every_arm_and_returns_the_best(ctx: SearchContext) -> None:
     convs = generate_conversations(ConversationSpec(), 60, np.random.default_rng(0))
-    report = plan_for_conversations(ctx, convs, local_thresholds=(0, 256))
+    report = plan_for_conversations(ctx, convs, local_thresholds=(0, 256), kinds=("disagg",))
     sources = {a.source for a in report.arms}
+    assert {a.kind for a in report.arms} == {"disagg"} and report.colocated_cached is None
     # Each proposed plan is judged without caching and with caching at both thresholds.
     assert len(report.arms) == 3 * len(sources)
     assert {a.policy.local_prefill_tokens for a in report.arms if a.policy.enabled} == {0, 256}
@@ -69,7 +71,7 @@ def test_plan_for_conversations_judges_every_arm_and_returns_the_best(ctx: Searc
     search = prefix_goodput_search(best.plan, ctx.latency, ctx.cluster, convs, ctx.slo, ctx.options, NO_CACHE)
     assert no_cache.goodput_rps == max_rate(search, ctx.rel_tol)
     # Caching moves prefill work off the prefill side: the cache screen never asks for more prefill devices.
-    assert report.plain is not None
+    assert report.plain is not None and report.cached is not None
 
     def prefill_devices(plan: DeploymentPlan) -> int:
         return sum(i.tp * i.pp for i in plan.of_role("prefill"))
@@ -80,7 +82,7 @@ def test_plan_for_conversations_judges_every_arm_and_returns_the_best(ctx: Searc
 
 def test_plan_conversations_cli_json(capsys) -> None:
     argv = ["plan", *COMMON, "--devices-per-node", "3", "--ttft", "0.25", "--tpot", "0.1", "--conversations", "40"]
-    argv += ["--local-prefill-tokens", "0", "--workers", "1", "--no-progress", "--json"]
+    argv += ["--local-prefill-tokens", "0", "--workers", "1", "--no-progress", "--json", "--kind", "disagg"]
     assert main(argv) == 0
     plan = DeploymentPlan.from_json(capsys.readouterr().out)
     assert plan.kind == "disagg" and plan.num_devices <= 3
@@ -93,7 +95,6 @@ def test_plan_conversations_cli_json(capsys) -> None:
     [
         ["--conversations", "0"],
         ["--conversations", "10", "--local-prefill-tokens", "-1"],
-        ["--conversations", "10", "--kind", "colocated"],
     ],
 )
 def test_plan_conversations_bad_arguments_exit_2(extra: list[str], capsys) -> None:
@@ -106,3 +107,36 @@ def test_local_thresholds_must_be_non_negative(ctx: SearchContext) -> None:
     convs = generate_conversations(ConversationSpec(), 5, np.random.default_rng(0))
     with pytest.raises(ValueError, match="thresholds"):
         plan_for_conversations(dataclasses.replace(ctx), convs, local_thresholds=(-1,))
+
+
+def test_colocated_plans_are_judged_with_and_without_caching(ctx: SearchContext) -> None:
+    convs = generate_conversations(ConversationSpec(), 60, np.random.default_rng(0))
+    report = plan_for_conversations(ctx, convs, kinds=("colocated",))
+    assert report.cached is None and report.plain is None and report.colocated_cached is not None
+    assert {a.kind for a in report.arms} == {"colocated"}
+    # One arm without caching and one with it per proposed plan (no transfer, so no threshold).
+    assert [a.policy for a in report.arms] == [NO_CACHE, PrefixPolicy()] * (len(report.arms) // 2)
+    with_cache, without = report.best_of("colocated", cached=True), report.best_of("colocated", cached=False)
+    assert with_cache.goodput_per_device > without.goodput_per_device  # less prefill work in every step
+    search = prefix_goodput_search(
+        with_cache.plan, ctx.latency, ctx.cluster, convs, ctx.slo, ctx.options, with_cache.policy
+    )
+    assert with_cache.goodput_rps == max_rate(search, ctx.rel_tol)
+    assert report.plan.kind == "colocated" and report.plan.expected["prefix_caching"] == 1.0
+    assert 0.0 < report.hit_rate <= report.ideal_hit_rate
+    with pytest.raises(ValueError, match="disagg"):
+        report.best_of("disagg", cached=True)
+
+
+def test_plan_conversations_cli_compares_both_kinds(capsys) -> None:
+    argv = ["plan", *COMMON, "--devices-per-node", "2", "--ttft", "0.25", "--tpot", "0.1", "--conversations", "40"]
+    argv += ["--local-prefill-tokens", "0", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "disagg: " in out and "colocated: " in out and "rps/device without caching" in out
+
+
+def test_kinds_must_be_known(ctx: SearchContext) -> None:
+    convs = generate_conversations(ConversationSpec(), 5, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="kinds"):
+        plan_for_conversations(ctx, convs, kinds=())

@@ -142,14 +142,69 @@ def test_caching_saves_work_and_leaks_nothing_under_load(a100: tuple[LatencyProv
     assert all(c.num_pinned == 0 for c in sim.prefill_caches)
 
 
-def test_refuses_colocated_plans(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+def test_refuses_per_phase_modes(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
     latency, cluster = a100
     shared = generate_conversations(TINY, 1, np.random.default_rng(0)).at_rate(1.0)
-    with pytest.raises(ValueError, match="disaggregated"):
-        PrefixSimulator(parse_deployment("colocated:tp1"), latency, cluster, shared)
-    with pytest.raises(ValueError, match="disaggregated"):
+    with pytest.raises(ValueError, match="full mode"):
         plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
         PrefixSimulator(plan, latency, cluster, shared, options=dataclasses.replace(SimOptions(), mode="prefill"))
+
+
+@pytest.mark.parametrize("spec", ["colocated:tp1", "colocated:tp1,chunk=8"])
+def test_colocated_second_turn_starts_after_its_cached_prefix(
+    a100: tuple[LatencyProvider, ClusterSpec], spec: str
+) -> None:
+    # One pool holds turn 1's prompt + answer but the last token (15 tokens: 3 blocks of 4), so
+    # turn 2 (19 tokens) computes 19 - 12 = 7; nothing crosses a link. With chunk=8 the policy
+    # cuts turn 2 as [0, 8) [8, 16) [16, 19): the first chunk is cached whole, the second runs
+    # [12, 16): the same 7 tokens, over 2 steps.
+    latency, cluster = a100
+    plan = parse_deployment(spec).assign_devices(8)
+    shared = generate_conversations(TINY, 1, np.random.default_rng(5)).at_rate(1.0)
+    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions(block_size=4))
+    sim.run()
+    stats = sim.stats()
+    assert (stats.prompt_tokens, stats.computed_tokens, stats.transferred_tokens) == (30, 11 + 7, 0)
+    assert stats.kv_bytes_moved == 0.0 and stats.num_colocated_evictions == 0
+    (cache,) = sim.colocated_caches
+    assert cache.stats.num_hit_tokens == 12
+    assert cache.num_pinned == 0 and sim.colocated[0].free_blocks == cache.num_available == cache.num_blocks
+    if spec == "colocated:tp1":  # turn 2 prefilled in one step: its 7 new tokens over 12 cached
+        c = sim.colocated[0]
+        host_s = c.overhead.step_s(19, 1, True)
+        assert sim.first_token_at[1] - sim.prefill_start_at[1] == pytest.approx(
+            c.model.chunk_stage_s(7.0, 7.0 * (7 + 2 * 12), 1, 0, 0) + host_s
+        )
+
+
+def test_colocated_caching_off_is_exactly_the_plain_simulator(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    latency, cluster = a100
+    plan = parse_deployment("colocated:2xtp1,chunk=256").assign_devices(8)
+    shared = generate_conversations(ConversationSpec(), 30, np.random.default_rng(0)).at_rate(2.0)
+    off, stats = simulate_prefix(plan, latency, cluster, shared, policy=PrefixPolicy(enabled=False))
+    assert off.num_finished == len(shared)
+    order = np.argsort(off.arrival_at, kind="stable")
+    w = shared.workload
+    trace = Workload(off.arrival_at[order], w.input_lens[order], w.output_lens[order], w.rate)
+    plain = simulate(plan, latency, cluster, trace)
+    for name in TIMESTAMPS:
+        assert np.array_equal(getattr(plain, name), getattr(off, name)[order], equal_nan=True), name
+    assert stats.computed_tokens == stats.prompt_tokens and stats.transferred_tokens == 0
+
+
+def test_colocated_caching_saves_work_and_leaks_nothing(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    latency, cluster = a100
+    plan = parse_deployment("colocated:tp1").assign_devices(8)
+    shared = generate_conversations(ConversationSpec(), 30, np.random.default_rng(0)).at_rate(2.0)
+    off, _ = simulate_prefix(plan, latency, cluster, shared, policy=PrefixPolicy(enabled=False))
+    sim = PrefixSimulator(plan, latency, cluster, shared)
+    on = sim.run()
+    s_on = sim.stats()
+    assert on.num_finished == len(shared)
+    assert s_on.hit_rate > 0.5 and s_on.prompt_tokens - s_on.computed_tokens <= shared.ideal_hit_tokens(16)
+    assert np.nanpercentile(on.ttft_s, 90) < np.nanpercentile(off.ttft_s, 90)
+    (cache,) = sim.colocated_caches
+    assert cache.num_pinned == 0 and sim.colocated[0].free_blocks == cache.num_available == cache.num_blocks
 
 
 def test_verdict_counts_only_the_steady_state_window(a100: tuple[LatencyProvider, ClusterSpec]) -> None:

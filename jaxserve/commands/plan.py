@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="plan for N sampled chat conversations (placement.conversations defaults) served with prefix "
-        "caching: screen on the cache-adjusted workload, judge with the cache-aware simulator (disaggregated only)",
+        "caching: screen on the cache-adjusted workload, judge with the cache-aware simulator "
+        "(disaggregated and colocated, as --kind says)",
     )
     caching.add_argument(
         "--local-prefill-tokens",
@@ -202,12 +203,12 @@ def _emit_json(args: argparse.Namespace, plan: DeploymentPlan) -> bool:
 
 
 def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
-    """`--conversations N`: plan a disaggregated deployment and caching policy for a multi-turn workload."""
+    """`--conversations N`: plan a deployment and caching policy for a multi-turn workload."""
     import numpy as np
 
     from jaxserve.plan import PlanError
     from placement.conversations import ConversationSpec, generate_conversations
-    from placement.prefix_plan import plan_for_conversations
+    from placement.prefix_plan import Kind, plan_for_conversations
 
     try:
         thresholds = [int(t) for t in args.local_prefill_tokens.split(",") if t.strip()]
@@ -219,15 +220,13 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.kind == "colocated":
-        print("jaxserve plan: error: --conversations plans disaggregated deployments only", file=sys.stderr)
-        return 2
+    kinds: tuple[Kind, ...] = ("disagg", "colocated") if args.kind == "auto" else (args.kind,)
     conversations = generate_conversations(ConversationSpec(), args.conversations, np.random.default_rng(args.seed))
     progress = None if args.no_progress else _progress_bar()
     try:
         report = plan_for_conversations(
-            ctx, conversations, local_thresholds=thresholds, affinity=args.affinity, workers=args.workers,
-            seed=args.seed, progress=progress,
+            ctx, conversations, local_thresholds=thresholds, kinds=kinds, affinity=args.affinity,
+            workers=args.workers, seed=args.seed, progress=progress,
         )  # fmt: skip
     except PlanError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
@@ -250,6 +249,17 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
         screen = "cache screen" if a.source == "cached" else "plain screen"
         print(
             f"{screen:<12} {a.plan.describe():<34} {a.label:<28} {a.goodput_rps:>11.3f} {a.goodput_per_device:>10.3f}"
+        )
+    print()
+    for kind in kinds:
+        try:
+            with_cache, without = report.best_of(kind, cached=True), report.best_of(kind, cached=False)
+        except ValueError:
+            print(f"{kind}: no plan met the SLOs")
+            continue
+        print(
+            f"{kind}: {without.goodput_per_device:.3f} rps/device without caching ({without.plan.describe()}), "
+            f"{with_cache.goodput_per_device:.3f} with ({with_cache.plan.describe()}, {with_cache.label})"
         )
     best, plain = report.best, report.best_without_caching()
     gain = best.goodput_per_device / plain.goodput_per_device if plain.goodput_per_device > 0 else float("inf")

@@ -28,6 +28,11 @@ A request's life:
    the sequence first (so a long conversation loses its tail before its shared head). Safe to
    call twice and for unknown ids (cancel and failure paths call it unconditionally).
 
+`observer` (None by default) is told every event as `observer(event, request_id, name, index)`:
+`"acquire"` (index: blocks hit; name None), `"commit"` (a block named: its name and position in
+the request's table), `"release"`, `"evict"` (request None). A debugging and fidelity aid (the
+bench diffs the runtime's and the simulator's event sequences); it must not raise.
+
 With `enabled=False` the cache is a plain allocator front: no hits, nothing named, release frees —
 the "without caching" arm of every comparison runs the same code.
 
@@ -42,13 +47,14 @@ import dataclasses
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 
 BlockHash = bytes
+CacheObserver = Callable[[str, str | None, BlockHash | None, int], None]
 _ROOT = b"\x00" * 16  # the parent hash of a sequence's first block
 
 
@@ -122,6 +128,7 @@ class PrefixCache:
         self._tables: dict[str, list[_Block]] = {}  # request -> the blocks it pinned, in order
         self._num_committed: dict[str, int] = {}  # request -> leading blocks already named or skipped
         self.stats = CacheStats()
+        self.observer: CacheObserver | None = None
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -246,6 +253,8 @@ class PrefixCache:
         self.stats.num_queries += 1
         self.stats.num_query_tokens += num_tokens
         self.stats.num_hit_tokens += num_hit * self.block_size
+        if self.observer is not None:
+            self.observer("acquire", request_id, None, num_hit)
         return CacheHit(tuple(b.block_id for b in hits + fresh), num_hit * self.block_size)
 
     def commit(
@@ -266,6 +275,8 @@ class PrefixCache:
                 block.name = names[j]
                 self._by_name[names[j]] = block
                 named += 1
+                if self.observer is not None:
+                    self.observer("commit", request_id, names[j], j)
         self._num_committed[request_id] = max(start, len(names))
         return named
 
@@ -275,6 +286,8 @@ class PrefixCache:
         self._num_committed.pop(request_id, None)
         if table is None:
             return 0
+        if self.observer is not None:
+            self.observer("release", request_id, None, len(table))
         for block in reversed(table):  # the tail becomes evictable first, so it is evicted first
             block.ref_count -= 1
             if block.ref_count > 0:
@@ -301,6 +314,8 @@ class PrefixCache:
         del self._by_name[block.name]
         self._drop(block)
         self.stats.num_evictions += 1
+        if self.observer is not None:
+            self.observer("evict", None, block.name, -1)
 
     def _drop(self, block: _Block) -> None:
         del self._blocks[block.block_id]
