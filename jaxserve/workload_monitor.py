@@ -28,7 +28,14 @@ the shift, with every check in between seeing it too (one that does not resets t
 One shift is not held back by the cool-down: *overload*. When the replanner reports the goodput it
 predicts for the plan now serving (`set_capacity`), a window whose rate × `capacity_margin` exceeds
 that goodput means the plan has used up its headroom; sustained for `sustain_s`, that fires even
-while cooling down (a plan that cannot carry the load must not wait out the cool-down). It only
+while cooling down (a plan that cannot carry the load must not wait out the cool-down). The goodput
+was predicted for the reference's length mix, and a mix that drifts at a steady rate (chat replacing
+summarisation through the morning) eats the headroom as surely as more requests do, without ever
+moving the rate: so the rate is first multiplied by the window's *load factor*, how much heavier its
+requests are for the phase they weigh on most, max(1, mean prompt / reference mean prompt, mean
+output / reference mean output) — to first order a phase's capacity in requests per second is
+inversely proportional to its tokens per request (prefill: prompt tokens; decode: output tokens,
+one step each). The factor never drops below 1: a lighter mix does not hold the trigger back. It only
 counts when the plan covered its reference window with that margin (capacity ≥ reference rate ×
 margin): a plan that was already short when it was adopted — the planner found nothing better —
 would get the same answer from another round, so only the ordinary rate trigger, after the
@@ -419,7 +426,8 @@ class ShiftCheck:
     output_ks: float | None
     shifted_since: float | None
     fire: bool
-    overloaded: bool = False  # the rate × capacity_margin exceeds the plan's predicted goodput
+    overloaded: bool = False  # the rate × capacity_margin × load_factor exceeds the plan's predicted goodput
+    load_factor: float = 1.0  # the window's requests against the reference's (`ShiftDetector.load_factor`)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -454,6 +462,26 @@ class ShiftDetector:
         switched to); None: unknown, no overload trigger."""
         self.capacity_rps = goodput_rps
 
+    def load_factor(self, window: WindowStats) -> float:
+        """How much heavier a request of the window is than one of the reference, for the phase it
+        weighs on most: max(1, prompt mean ratio, output mean ratio) (see the module docstring).
+
+        A side is judged only when both windows hold `min_requests` of it (arrivals for prompts,
+        finishes for outputs); 1.0 without a reference.
+        """
+        cfg, ref = self.config, self.reference
+        if ref is None:
+            return 1.0
+        factor = 1.0
+        sides = (
+            (window.input_lengths, ref.input_lengths, window.num_arrivals, ref.num_arrivals),
+            (window.output_lengths, ref.output_lengths, window.num_finished, ref.num_finished),
+        )
+        for now, then, n_now, n_then in sides:
+            if n_now >= cfg.min_requests and n_then >= cfg.min_requests and then.mean() > 0:
+                factor = max(factor, now.mean() / then.mean())
+        return factor
+
     def overloaded(self, window: WindowStats) -> str | None:
         """Why the window overloads the serving plan (None when it does not, or cannot be judged)."""
         cfg, ref, cap = self.config, self.reference, self.capacity_rps
@@ -462,9 +490,11 @@ class ShiftDetector:
             return None
         if cap < ref.rate * margin:  # short already when adopted: another round would say the same
             return None
-        if window.rate * margin <= cap:
+        load = self.load_factor(window)
+        if window.rate * margin * load <= cap:
             return None
-        return f"rate {window.rate:.3g} rps x margin {margin:g} exceeds the plan's predicted goodput {cap:.3g} rps"
+        mix = "" if load == 1.0 else f" x mix load {load:.3g}"
+        return f"rate {window.rate:.3g} rps x margin {margin:g}{mix} exceeds the plan's predicted goodput {cap:.3g} rps"
 
     def mark_replanned(self, now: float, window: WindowStats) -> None:
         """A replan ran (whether or not it switched): start the cool-down; `window` is the new reference."""
@@ -539,7 +569,16 @@ class ShiftDetector:
                     reasons.append("overloaded: the cool-down does not hold this back")
                 fire = True
         check = ShiftCheck(
-            now, shifted, tuple(reasons), ratio, in_ks, out_ks, self.shifted_since, fire, overload is not None
+            now,
+            shifted,
+            tuple(reasons),
+            ratio,
+            in_ks,
+            out_ks,
+            self.shifted_since,
+            fire,
+            overload is not None,
+            self.load_factor(window),
         )
         self.last_check = check
         return check

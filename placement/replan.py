@@ -26,8 +26,9 @@ Three parts, one role each:
 `replan(job)` runs a whole round (search, both estimates, decision) as one picklable function, and
 `BackgroundReplanner` runs it in a worker process so the search never stalls a serving loop. The
 goodput of the plan a round leaves serving (`ReplanDecision.serving_goodput_rps`) goes back to the
-shift detector (`ShiftDetector.set_capacity`): a load that eats its headroom fires the next round
-through the cool-down. The runtime loop (`jaxserve/replanning.py`) and the simulated one
+shift detector (`ShiftDetector.set_capacity`): a load that eats its headroom (the rate weighed by
+how much heavier the window's requests are than the round's: `ShiftDetector.load_factor`) fires the
+next round through the cool-down. The runtime loop (`jaxserve/replanning.py`) and the simulated one
 (`placement/replan_sim.py`) both do exactly this.
 """
 

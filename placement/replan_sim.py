@@ -7,8 +7,9 @@
   arrival, its shift detector is checked at each slice end, and when it fires a replan round
   (`placement/replan.py`: search on the window's empirical workload, then the switch decision) runs.
   The detector knows the predicted goodput of the plan serving (the initial plan's, then what each
-  round leaves serving), so a load that eats the plan's headroom fires through the cool-down — the
-  runtime loop feeds it the same way.
+  round leaves serving), so a load that eats the plan's headroom — more requests, or heavier ones
+  (the detector weighs the rate by the mix's load factor) — fires through the cool-down; the runtime
+  loop feeds it the same way.
   A switch is charged as unavailable devices: instances of the same role and shape in both plans are
   kept; the instances the new plan adds are held from the end of the search (`search_s`, during which
   the old plan serves alone) through weights loading and warm-up (`weights_load_s`) before they take

@@ -96,6 +96,40 @@ def test_a_short_day_adaptive_beats_both_static_plans() -> None:
     assert result.table().count("\n") >= 24 + 4
 
 
+def test_the_experiment_script_redraws_the_figure_from_a_saved_json(tmp_path) -> None:
+    """`--replot day.json --plot out.png` draws from an earlier run's `--json`, simulating nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "replan_experiment.py"
+    spec = importlib.util.spec_from_file_location("replan_experiment", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    policies = ("peak", "adaptive")
+    saved = {
+        "model": "opt-13b",
+        "slo": {"ttft_s": 0.25, "tpot_s": 0.1, "attainment": 0.9, "mode": "joint"},
+        "hours": [
+            {
+                "hour": h,
+                "rate_rps": 10.0 + h,
+                "input_len_mean": 800.0,
+                "attainment": dict.fromkeys(policies, 1.0),
+                "devices": {"peak": 44.0, "adaptive": 16.0 + h},
+            }
+            for h in range(3)
+        ],
+        "totals": {p: {"device_hours": 50.0, "hours_meeting_target": 3} for p in policies},
+    }
+    (tmp_path / "day.json").write_text(json.dumps(saved))
+    out = tmp_path / "day.png"
+    assert script.main(["--replot", str(tmp_path / "day.json"), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        script.main(["--replot", str(tmp_path / "day.json")])  # --replot needs --plot
+
+
 def test_simulate_cli_replays_a_trace_under_the_three_policies(capsys, tmp_path) -> None:
     from jaxserve.cli import main
     from placement.workload import generate

@@ -229,3 +229,67 @@ def test_no_overload_fire_without_a_covering_prediction_that_the_load_exceeds(
 def test_capacity_margin_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_margin"):
         DetectorConfig(capacity_margin=0.0)
+
+
+def _mix_run(side: str, before: int, after: int, rate_after: int = 10) -> tuple[list[int], dict[int, object]]:
+    """10 rps until 60 s, `rate_after` rps from then on; the prompt (side "input") or output (side
+    "output") length is `before` until 60 s, `after` from then on, the other side 100. A round at 30 s
+    adopted a plan predicted at 12 rps (the reference, 10 rps x 1.1 = 11, covered) and started a 600 s
+    cool-down."""
+    mon = WorkloadMonitor(MonitorConfig(window_s=60, slice_s=30))
+    det = ShiftDetector(DetectorConfig(rate_change=0.25, min_requests=10, sustain_s=60, cooldown_s=600))
+    fired, checks = [], {}
+    for now in range(30, 400, 30):
+        for t in range(now - 30, now):
+            per_s, length = (10, before) if t < 60 else (rate_after, after)
+            for k in range(per_s):
+                at = t + k / per_s
+                mon.record_arrival(at, length if side == "input" else 100)
+                mon.record_finish(at, length if side == "output" else 100, None, None)
+        window = mon.window(float(now))
+        check = det.check(window)
+        checks[now] = check
+        if now == 30:
+            det.mark_replanned(30.0, window)
+            det.set_capacity(12.0)
+        elif check.fire:
+            fired.append(now)
+            det.mark_replanned(float(now), window)
+    return fired, checks
+
+
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_a_heavier_mix_at_the_same_rate_eats_the_plans_capacity_and_fires_through_the_cool_down(side: str) -> None:
+    # lengths 100 -> 130: bins [96, 128) and [128, 192), midpoints 111.5 and 159.5. The rate stays at
+    # 10 rps (10 x 1.1 = 11 <= 12: the rate alone never fires), but the window 30..90 is half of each
+    # (mean 135.5, load 135.5 / 111.5 = 1.215; 11 x 1.215 = 13.4 > 12) and from 120 all heavy
+    # (load 159.5 / 111.5 = 1.431): overloaded from 90, held 60 s at 150, inside the cool-down (30 + 600)
+    fired, checks = _mix_run(side, 100, 130)
+    assert fired == [150]
+    assert checks[60].load_factor == 1.0 and not checks[60].overloaded
+    assert checks[90].load_factor == pytest.approx(135.5 / 111.5) and checks[90].overloaded
+    assert checks[90].rate_ratio == pytest.approx(1.0)
+    assert checks[150].load_factor == pytest.approx(159.5 / 111.5)
+    assert checks[150].reasons[-2:] == (
+        "rate 10 rps x margin 1.1 x mix load 1.43 exceeds the plan's predicted goodput 12 rps",
+        "overloaded: the cool-down does not hold this back",
+    )
+    # the round at 150 takes the heavy window as its reference: load 1 again, nothing fires
+    assert all(checks[t].load_factor == 1.0 and not checks[t].fire for t in range(180, 400, 30))
+
+
+@pytest.mark.parametrize("side", ["input", "output"])
+@pytest.mark.parametrize("after", [50, 120])
+def test_a_lighter_or_same_bin_mix_leaves_the_capacity_alone(side: str, after: int) -> None:
+    # 100 -> 50 (bin [48, 64)): lighter, the factor stays 1 and 10 x 1.1 = 11 <= 12 never fires;
+    # 100 -> 120 stays in the bin [96, 128): the histogram sees no change
+    fired, checks = _mix_run(side, 100, after)
+    assert fired == [] and all(c.load_factor == 1.0 and not c.overloaded for c in checks.values())
+
+
+def test_a_lighter_mix_does_not_hold_back_a_rate_overload() -> None:
+    # 12 rps from 60 s with prompts halved: the factor is max(1, ...), never below 1, so this fires as
+    # on the rate alone: the window 30..90 is 11 rps (x 1.1 = 12.1 > 12) from 90, held 60 s at 150
+    fired, checks = _mix_run("input", 100, 50, rate_after=12)
+    assert fired == [150] and checks[150].load_factor == 1.0
+    assert checks[150].reasons[-2] == "rate 12 rps x margin 1.1 exceeds the plan's predicted goodput 12 rps"
