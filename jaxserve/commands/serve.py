@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-caching",
         action="store_true",
         help="keep KV blocks content-addressed on every instance, compute and pull only uncached prompt parts, "
-        "route by cached prefix (embedded backend only)",
+        "route by cached prefix",
     )
     cache.add_argument(
         "--local-prefill-tokens",

@@ -59,11 +59,19 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.blocks import BlockAllocator
-from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, RowLogprobs, StepRow, bucket
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    HeldKV,
+    PrefilledSequence,
+    RowLogprobs,
+    SequenceKV,
+    StepRow,
+    bucket,
+)
 from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.multi_step import decode_call, decode_records
@@ -76,6 +84,14 @@ from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes
 log = logging.getLogger(__name__)
 
 PullFailurePolicy = Literal["recompute", "fail"]
+
+
+@runtime_checkable
+class DiscardableHandle(Protocol):
+    """A pull whose KV lands in another process (`RemoteHandle`): `discard()` frees it there when the
+    request ends before the pull is inserted (an in-process pull's arrays are simply dropped)."""
+
+    def discard(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +224,7 @@ class DecodeInstance(Worker):
             pull = self._pulling.pop(request_id, None)
             if pull is not None:
                 pull.source.release(request_id)
+                _discard(pull)
             elif self._running.pop(request_id, None) is None:
                 return False
             self.cache.release(request_id)
@@ -278,6 +295,7 @@ class DecodeInstance(Worker):
         self._pending.clear()
         for pull in self._pulling.values():
             pull.source.release(pull.live.request_id)
+            _discard(pull)
         for rid in [*self._pulling, *self._running]:
             self.cache.release(rid)
         self._pulling.clear()
@@ -356,7 +374,11 @@ class DecodeInstance(Worker):
         c = pull.num_cached_tokens
         if c > 0:  # this instance holds the first c positions: move only the rest
             rest = seq.num_tokens - c
-            kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
+            if isinstance(seq.kv, HeldKV):  # held by another process (Ray): its holder slices it
+                prefix = pull.block_table[: c // self.config.block_size]
+                kv: SequenceKV | HeldKV = dataclasses.replace(seq.kv, start=c, prefix_blocks=prefix)
+            else:
+                kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
             seq = PrefilledSequence(seq.request_id, seq.first_token, rest, kv, seq.first_logprobs)
         try:
             pull.handle = self.transfer.start(seq)
@@ -468,3 +490,9 @@ class DecodeInstance(Worker):
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)
+
+
+def _discard(pull: _Pull) -> None:
+    """A pull that will never be inserted: let a remote one free what it fetched (non-blocking)."""
+    if isinstance(pull.handle, DiscardableHandle):
+        pull.handle.discard()

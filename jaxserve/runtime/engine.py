@@ -105,6 +105,8 @@ class HeldKV:
     holder: str
     num_bytes: int
     item: PrefillItem
+    start: int = 0  # positions the puller already holds (a prefix-cache hit): the pull moves start.. only
+    prefix_blocks: tuple[int, ...] = ()  # the puller's blocks holding positions ..start (restart recovery)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +186,21 @@ class DecodeEngine(Protocol):
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages: ...
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]: ...
+
+
+@runtime_checkable
+class PagedPrefiller(Protocol):
+    """A prefill engine whose paged pool lives with it in another process (the Ray prefill proxy).
+
+    A prefix-caching prefill instance hands it the uncached suffixes as prompt rows (`StepRow(is_prompt=True)`,
+    block tables from the instance's `PrefixCache`) and `items`, the whole prompts in the same order (what a
+    restarted engine, whose pool is gone, computes again in full); it runs the rows on its pool and returns
+    each prompt's whole KV (positions 0 .. start + len) as the `PrefilledSequence` a decode instance pulls.
+    """
+
+    def prefill_rows(
+        self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
+    ) -> tuple[PrefillResult, KVPages]: ...
 
 
 @runtime_checkable
