@@ -302,6 +302,7 @@ class BucketWarmable(Protocol):
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
+        logprobs: bool = False,
     ) -> WarmedPages: ...
 
 

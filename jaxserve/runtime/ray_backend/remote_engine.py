@@ -151,6 +151,7 @@ class _RemoteBase:
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
+        logprobs: bool = False,
     ) -> _Warmed:
         """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's).
         A remote decode engine runs one step per call (it is no `MultiStepDecoder`), so `decode_steps` is
@@ -162,6 +163,7 @@ class _RemoteBase:
             "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch_size": max_decode_batch_size,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
             "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows, "on_pool": pages is not None,
+            "logprobs": logprobs,
         }  # fmt: skip
         seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
         if options not in self._warmups:
