@@ -21,7 +21,14 @@ from jaxserve.errors import OverloadedError
 from jaxserve.plan import DeploymentPlan, parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.runtime.instances import EngineFactory
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
+from jaxserve.runtime.request import (
+    FinishReason,
+    GenerateRequest,
+    RequestTimings,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprobs,
+)
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
@@ -76,6 +83,8 @@ class RequestOutput:
     text: str | None
     finish_reason: FinishReason
     timings: RequestTimings | None
+    # With `SamplingParams(logprobs=k)`: one per output token (its log-softmax and the k most likely), else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class LLM:
@@ -153,11 +162,14 @@ class LLM:
                     time.sleep(min(e.retry_after_s, 0.05))
         outputs = []
         for r, s in zip(requests, streams, strict=True):
-            ids, last = s.collect(timeout_s=max(deadline - time.monotonic(), 1.0))
+            asked = r.sampling.logprobs is not None
+            ids, logprobs, last = _collect(s, max(deadline - time.monotonic(), 1.0), asked)
             assert last.finish_reason is not None
             text = self.codec.decode(ids) if self.has_tokenizer or any(isinstance(p, str) for p in batch) else None
             outputs.append(
-                RequestOutput(r.request_id, r.prompt_token_ids, tuple(ids), text, last.finish_reason, last.timings)
+                RequestOutput(
+                    r.request_id, r.prompt_token_ids, tuple(ids), text, last.finish_reason, last.timings, logprobs
+                )
             )
         return outputs
 
@@ -169,3 +181,17 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _collect(
+    stream: RequestStream, timeout_s: float, asked: bool
+) -> tuple[list[int], tuple[TokenLogprobs, ...] | None, TokenChunk]:
+    """Every token id, every token's logprobs (None unless the request `asked`) and the final chunk."""
+    ids: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    while (chunk := stream.next_chunk(timeout_s)) is not None:
+        ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs or ())
+        if chunk.finish_reason is not None:
+            return ids, (tuple(logprobs) if asked else None), chunk
+    raise RuntimeError("stream ended without a final chunk")

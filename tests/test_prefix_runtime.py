@@ -266,13 +266,3 @@ def test_samples_of_one_prompt_share_its_blocks() -> None:
         _assert_nothing_pinned(c)
     finally:
         c.shutdown(drain_timeout_s=0)
-
-
-def test_the_ray_backend_refuses_prefix_caching_clearly() -> None:
-    from jaxserve.plan import PlanError
-    from jaxserve.runtime.ray_backend.deployment import RayController
-
-    with pytest.raises(PlanError, match="does not support prefix caching"):
-        RayController.launch(
-            "opt-tiny", parse_deployment("disagg:prefill=tp1,decode=tp1"), ControllerConfig(prefix_caching=True)
-        )

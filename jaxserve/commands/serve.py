@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="warm-up compiles every padded shape the limits allow, not only one request's (default: on)",
     )
     parser.add_argument(
+        "--warmup-logprobs",
+        action="store_true",
+        help="the bucket warm-up compiles the logprob programs too, so a first request asking for logprobs "
+        "compiles nothing (longer warm-up; off by default)",
+    )
+    parser.add_argument(
         "--compile-cache",
         metavar="DIR",
         default=None,
@@ -155,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-caching",
         action="store_true",
         help="keep KV blocks content-addressed on every instance, compute and pull only uncached prompt parts, "
-        "route by cached prefix (embedded backend only)",
+        "route by cached prefix",
     )
     cache.add_argument(
         "--local-prefill-tokens",
@@ -281,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         drain_timeout_s=args.drain_timeout,
         warmup_buckets=args.warmup_buckets,
+        warmup_logprobs=args.warmup_logprobs,
         prefix_caching=args.prefix_caching,
         prefill_num_kv_blocks=args.prefill_kv_blocks,
         prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),

@@ -129,6 +129,7 @@ class ControllerConfig:
     num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
     warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
+    warmup_logprobs: bool = False  # with warmup_buckets: the logprob programs of those shapes too
     prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
@@ -402,6 +403,7 @@ class Controller:
                     max_seq_len=self.max_prompt_tokens,
                     max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
                     decode=False,
+                    logprobs=cfg.warmup_logprobs,
                 )
                 if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
                     with p.cond:
@@ -414,6 +416,7 @@ class Controller:
                             prefill=False,
                             decode=False,
                             pages=p.pages,
+                            logprobs=cfg.warmup_logprobs,
                         )
                         if warmed.pages is not None:
                             p.pages = warmed.pages
@@ -437,6 +440,7 @@ class Controller:
                     prefill=False,
                     pages=inst.pages,
                     decode_steps=inst.config.decode_steps_per_call,
+                    logprobs=cfg.warmup_logprobs,
                 )
                 if warmed.pages is not None:
                     inst.pages = warmed.pages

@@ -59,11 +59,19 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.blocks import BlockAllocator
-from jaxserve.runtime.engine import DecodeEngine, PrefilledSequence, RowLogprobs, StepRow, bucket
+from jaxserve.runtime.engine import (
+    DecodeEngine,
+    HeldKV,
+    PrefilledSequence,
+    RowLogprobs,
+    SequenceKV,
+    StepRow,
+    bucket,
+)
 from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.multi_step import decode_call, decode_records
@@ -76,6 +84,14 @@ from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes
 log = logging.getLogger(__name__)
 
 PullFailurePolicy = Literal["recompute", "fail"]
+
+
+@runtime_checkable
+class DiscardableHandle(Protocol):
+    """A pull whose KV lands in another process (`RemoteHandle`): `discard()` frees it there when the
+    request ends before the pull is inserted (an in-process pull's arrays are simply dropped)."""
+
+    def discard(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +151,7 @@ class DecodeInstance(Worker):
         self.kv_transfer_tokens = 0  # positions pulled (prompt minus what this cache held)
         self.num_local_prefills = 0
         self.num_local_prefill_tokens = 0  # prompt tokens computed here by local prefills
+        self.max_blocks_used = 0  # high-water mark of pinned blocks (free and evictable ones excluded)
 
     # ---- controller side (thread-safe) --------------------------------------
     def enqueue_pull(self, live: LiveRequest, source: PrefillInstance) -> None:
@@ -208,6 +225,7 @@ class DecodeInstance(Worker):
             pull = self._pulling.pop(request_id, None)
             if pull is not None:
                 pull.source.release(request_id)
+                _discard(pull)
             elif self._running.pop(request_id, None) is None:
                 return False
             self.cache.release(request_id)
@@ -231,6 +249,8 @@ class DecodeInstance(Worker):
         )
         started = []
         for reservation in decision.admitted:
+            if self._awaits_shared_prefix(self._pending[0][0]):
+                break  # FCFS: the head waits for blocks in flight (maybe admitted just now); nothing overtakes it
             live, source = self._pending.popleft()
             assert live.request_id == reservation.request_id
             ids = live.prefill_token_ids
@@ -248,9 +268,35 @@ class DecodeInstance(Worker):
             pull = _Pull(live, source, hit.block_table, hit.num_cached_tokens)
             self._pulling[live.request_id] = pull
             started.append(pull)
+        self.max_blocks_used = max(self.max_blocks_used, self.cache.num_blocks - self.cache.num_available)
         return started
 
+    def _awaits_shared_prefix(self, live: LiveRequest) -> bool:
+        """Under the lock, with prefix caching: should `live` wait for blocks another request in flight is
+        about to name?
+
+        The samples of an `n` > 1 request reach this instance together, with the same prompt. The
+        first one's pull brings the prompt's full blocks; admitted at the same time, the others would
+        each reserve (and pull) a private copy. So a request whose prompt is that of one in flight
+        (pulled, or prefilled here), with full blocks still uncached, waits until that one is inserted
+        and its blocks are named, then pins them (ref counts) and brings only the rest: its own copy
+        of the last, partial block and what follows. Prompts that merely share a prefix (a system
+        prompt, even all their full blocks) do not wait: the simulator (`placement/prefix_sim.py`)
+        admits them at once too.
+        """
+        if not self.cache.enabled:
+            return False
+        names = live.block_names(self.config.block_size)
+        if self.cache.num_cached_prefix_blocks(names) >= len(names):
+            return False
+        in_flight = [p.live for p in self._pulling.values()]
+        in_flight += [r.live for r in self._running.values() if r.prompt_from is not None]
+        ids = live.prefill_token_ids
+        return any(other is not live and other.prefill_token_ids == ids for other in in_flight)
+
     def _admissible(self) -> bool:
+        if self._pending and self._awaits_shared_prefix(self._pending[0][0]):
+            return False
         pending = [PendingDecode(live.request_id, live.num_prompt_tokens, live.max_tokens) for live, _ in self._pending]
         decision = admit_decodes(
             pending[:1],
@@ -278,6 +324,7 @@ class DecodeInstance(Worker):
         self._pending.clear()
         for pull in self._pulling.values():
             pull.source.release(pull.live.request_id)
+            _discard(pull)
         for rid in [*self._pulling, *self._running]:
             self.cache.release(rid)
         self._pulling.clear()
@@ -356,7 +403,11 @@ class DecodeInstance(Worker):
         c = pull.num_cached_tokens
         if c > 0:  # this instance holds the first c positions: move only the rest
             rest = seq.num_tokens - c
-            kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
+            if isinstance(seq.kv, HeldKV):  # held by another process (Ray): its holder slices it
+                prefix = pull.block_table[: c // self.config.block_size]
+                kv: SequenceKV | HeldKV = dataclasses.replace(seq.kv, start=c, prefix_blocks=prefix)
+            else:
+                kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
             seq = PrefilledSequence(seq.request_id, seq.first_token, rest, kv, seq.first_logprobs)
         try:
             pull.handle = self.transfer.start(seq)
@@ -468,3 +519,9 @@ class DecodeInstance(Worker):
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)
+
+
+def _discard(pull: _Pull) -> None:
+    """A pull that will never be inserted: let a remote one free what it fetched (non-blocking)."""
+    if isinstance(pull.handle, DiscardableHandle):
+        pull.handle.discard()

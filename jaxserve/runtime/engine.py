@@ -126,6 +126,8 @@ class HeldKV:
     holder: str
     num_bytes: int
     item: PrefillItem
+    start: int = 0  # positions the puller already holds (a prefix-cache hit): the pull moves start.. only
+    prefix_blocks: tuple[int, ...] = ()  # the puller's blocks holding positions ..start (restart recovery)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +249,21 @@ class DecodeEngine(Protocol):
 
 
 @runtime_checkable
+class PagedPrefiller(Protocol):
+    """A prefill engine whose paged pool lives with it in another process (the Ray prefill proxy).
+
+    A prefix-caching prefill instance hands it the uncached suffixes as prompt rows (`StepRow(is_prompt=True)`,
+    block tables from the instance's `PrefixCache`) and `items`, the whole prompts in the same order (what a
+    restarted engine, whose pool is gone, computes again in full); it runs the rows on its pool and returns
+    each prompt's whole KV (positions 0 .. start + len) as the `PrefilledSequence` a decode instance pulls.
+    """
+
+    def prefill_rows(
+        self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
+    ) -> tuple[PrefillResult, KVPages]: ...
+
+
+@runtime_checkable
 class MultiStepDecoder(Protocol):
     """An engine that runs several decode steps per call (`OPTEngine`, `TimedEngine`).
 
@@ -345,6 +362,7 @@ class BucketWarmable(Protocol):
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
+        logprobs: bool = False,
     ) -> WarmedPages: ...
 
 

@@ -18,6 +18,7 @@ finished this one, while later stages still work on it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -193,6 +194,7 @@ class OPTEngine:
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
+        logprobs: bool = False,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
@@ -208,13 +210,16 @@ class OPTEngine:
         multi-step program (`decode_steps`) of every row bucket x table width, greedy and sampled
         (one pipeline stage only; with pp > 1 it runs single steps). Pass the instance's `pages` to
         warm on its pool (returned in the report); otherwise a pool of `num_blocks` is made and
-        dropped. Sampling is warmed too (greedy and random). Returns what was compiled and how long.
+        dropped. Sampling is warmed too (greedy and random). `logprobs`: also the logprob programs
+        (each row bucket's log-softmax + top-k of prefill and step logits, and the multi-step program's
+        logprob variant), so a first request asking for logprobs compiles nothing. Returns what was
+        compiled and how long.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
         max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
-        rand = SamplingParams(temperature=1.0, top_p=0.9)
+        rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if logprobs else None)
         prefill_shapes: list[tuple[int, int]] = []
         if prefill:
             for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
@@ -264,12 +269,13 @@ class OPTEngine:
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
                 sample(logits, [greedy] * b, [0] * b, [0] * b)
-                jax.block_until_ready(sample(logits, [rand] * b, [0] * b, [0] * b))
+                sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
+                jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
                 step_shapes.append((b, t, m))
             if decode and decode_steps > 1 and self.model.pp == 1:
                 for b in _powers_of_two(2, max_decode_batch_size):
                     for m in widths:
-                        for all_greedy in (True, False):
+                        for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
                             caches[0] = self._run_loop(
                                 np.full(b, cfg.pad_token_id, np.int32),
                                 np.zeros(b, np.int32),
@@ -281,6 +287,7 @@ class OPTEngine:
                                 np.full((b, MIN_STOP_WIDTH), -1, np.int32),
                                 decode_steps,
                                 all_greedy,
+                                with_lp,
                             )[1]
                         multi_step_shapes.append((b, decode_steps, m))
                 jax.block_until_ready(caches[0].k)

@@ -51,6 +51,7 @@ from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
 from jaxserve.runtime.engine import (
     AsyncPrefillEngine,
     DecodeEngine,
+    PagedPrefiller,
     PrefilledSequence,
     PrefillEngine,
     PrefillHandle,
@@ -129,7 +130,7 @@ class PrefillInstance(Worker):
             if not isinstance(engine, DecodeEngine):
                 raise TypeError(
                     f"prefix caching on a prefill instance needs an engine with a paged step; "
-                    f"{type(engine).__name__} has none (the Ray backend does not support prefix caching yet)"
+                    f"{type(engine).__name__} has none"
                 )
             self._paged = engine
             self.pages = engine.init_pages(config.num_blocks, config.block_size)
@@ -409,6 +410,9 @@ class PrefillInstance(Worker):
                     is_prompt=True,
                 )
             )
+        if isinstance(engine, PagedPrefiller):  # the pool lives with the engine (a Ray prefill actor)
+            result, self.pages = engine.prefill_rows(items, StepBatch(tuple(rows)), self.pages)
+            return result
         tokens, logprobs, self.pages = step_tokens(engine, StepBatch(tuple(rows)), self.pages)
         out = []
         for item, token, lp in zip(items, tokens, logprobs, strict=True):

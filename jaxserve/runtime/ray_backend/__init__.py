@@ -31,6 +31,11 @@ lends it), then recomputed on the decode actor (`TransferConfig.on_failure=
 "recompute"`, the default) or the pull fails (`"fail"`), which costs only that
 request (the controller's `on_pull_failure` policy applies).
 
+Prefix caching (`ControllerConfig.prefix_caching`): the caches stay in the controller's process
+with the instance loops; a prefill actor keeps a paged pool and runs only uncached suffixes
+(`PrefillActor.prefill_rows`), a pull moves only what the decode instance's cache lacks (see
+docs/prefix_caching.md).
+
 Limits: one actor per instance, so an instance's pipeline stages share a node
 (a plan whose instance spans nodes is refused); colocated plans run embedded
 only.

@@ -15,7 +15,10 @@ pull the KV with `take_host` (object store) or `offer_jax` (a ticket for
 attempt that fails after the take is retried against the same KV; the decode
 actor frees it once it is staged on its side (`cancel`). `renew` / `cancel`
 are also the controller's lease calls; a reaper thread frees KVs whose lease
-ran out.
+ran out. With prefix caching the controller's prefill instance (which keeps the `PrefixCache`)
+sends only the uncached suffixes as prompt rows (`prefill_rows`): they run on this actor's paged
+pool (`init_pages`) and each prompt's whole KV is read back from its blocks into the leased buffer;
+a pull then asks for positions `start ..` only (`PullOrder.start`), sliced here before it leaves.
 
 Both compile every padded shape before traffic when the controller asks (`warmup`, the same
 `BucketWarmable.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
@@ -54,8 +57,11 @@ from jaxserve.runtime.engine import (
     PrefillItem,
     SequenceKV,
     StepBatch,
+    bucket,
     step_tokens,
 )
+from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
+from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
 from jaxserve.runtime.ray_backend.transfer import (
     HostKV,
     JaxTicket,
@@ -173,6 +179,8 @@ class PullOrder:
     source_name: str
     item: PrefillItem  # the prompt, for recompute
     mechanism: Mechanism | None = None  # None: the actor's configured mechanism
+    start: int = 0  # the decode side holds positions ..start (a prefix-cache hit): move start.. only
+    num_tokens: int = 0  # with start > 0: how many positions from start on to move
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +210,13 @@ class DecodeStats:
     num_failed_pulls: int
     num_recomputed: int
     num_staged: int
+
+
+def suffix(kv: SequenceKV, start: int, num_tokens: int) -> SequenceKV:
+    """Positions `start` .. `start + num_tokens` of a dense KV (padded like a prefill's); all of it when start is 0."""
+    if start == 0:
+        return kv
+    return slice_sequence(kv, start, bucket(num_tokens, MIN_PROMPT_BUCKET))
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -245,6 +260,15 @@ class _ActorBase:
         self._stage_layers = self.engine.kv_layout().stage_layers
         self._server = start_transfer_server() if transfer.mechanism == "jax" else None
         self.warmed = False  # this incarnation ran `warmup` (a restart starts cold again)
+        self.pages: KVPages | None = None  # the paged pool (decode; prefill with prefix caching)
+
+    def init_pages(self, num_blocks: int, block_size: int) -> None:
+        self.pages = self.engine.init_pages(num_blocks, block_size)
+
+    def _require_pages(self) -> KVPages:
+        if self.pages is None:  # a fresh incarnation: Ray restarted this actor between two calls
+            raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) has no KV pool: restarted, not rebuilt")
+        return self.pages
 
     def info(self) -> ActorInfo:
         import ray
@@ -265,12 +289,18 @@ class _ActorBase:
 
     def warmup(self, options: WarmupOptions) -> float:
         """Compile every padded shape `options` allow (`BucketWarmable.warmup`); seconds. An engine that
-        cannot (the fake one) does nothing."""
+        cannot (the fake one) does nothing. `options["on_pool"]`: warm on this actor's paged pool."""
         if not isinstance(self.engine, BucketWarmable):
             self.warmed = True
             return 0.0
         started = time.monotonic()
-        self._warm(self.engine, options)
+        options = dict(options)
+        if options.pop("on_pool", False) and self.pages is not None:
+            warmed = self.engine.warmup(**options, pages=self.pages)  # type: ignore[arg-type]
+            if warmed.pages is not None:
+                self.pages = warmed.pages
+        else:
+            self._warm(self.engine, options)
         self.warmed = True
         return time.monotonic() - started
 
@@ -314,6 +344,25 @@ class PrefillActor(_ActorBase):
             out.append(PrefillMeta(seq.request_id, seq.first_token, seq.num_tokens, seq.num_bytes, seq.first_logprobs))
         return out
 
+    def prefill_rows(self, batch: StepBatch, warm: bool = False) -> list[PrefillMeta]:
+        """Prefix caching: run the prompt rows (uncached suffixes) on this actor's pool, then hold each
+        prompt's whole KV (read back from its blocks) under a lease, as `prefill` does."""
+        self._require_warm(warm)
+        tokens, logprobs, pages = step_tokens(self.engine, batch, self._require_pages())
+        self.pages = pages
+        out = []
+        kvs = []
+        for row, token, lp in zip(batch.rows, tokens, logprobs, strict=True):
+            n = row.start_position + len(row.token_ids)
+            kv = read_sequence(pages, row.block_table, n, bucket(n, MIN_PROMPT_BUCKET))
+            kvs.append(kv)
+            out.append(PrefillMeta(row.request_id, int(token), n, sum(s.num_bytes for s in kv), lp))
+        jax.block_until_ready(kvs)
+        at = time.monotonic()
+        for meta, kv in zip(out, kvs, strict=True):
+            self.buffer.put(meta.request_id, kv, at)
+        return out
+
     def renew(self, request_ids: Sequence[str]) -> int:
         """Extend the leases of the ids still held; returns how many leases ran out so far (all time)."""
         self.buffer.renew(request_ids, time.monotonic())
@@ -322,16 +371,22 @@ class PrefillActor(_ActorBase):
     def cancel(self, request_ids: Sequence[str]) -> int:
         return self.buffer.cancel(request_ids)
 
-    def take_host(self, request_id: str) -> HostKV | None:
-        """Object-store pull: the KV as host arrays (None if gone). It stays lent until the controller cancels it."""
+    def _lend(self, request_id: str, start: int, num_tokens: int) -> SequenceKV | None:
         kv = self.buffer.lend(request_id, time.monotonic())
+        return None if kv is None else suffix(kv, start, num_tokens)
+
+    def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0) -> HostKV | None:
+        """Object-store pull: the KV (positions `start` .. `start + num_tokens` when `start` > 0) as host arrays
+        (None if gone). It stays lent until the controller cancels it."""
+        kv = self._lend(request_id, start, num_tokens)
         return None if kv is None else to_host(kv)
 
-    def offer_jax(self, request_id: str) -> JaxTicket | None:
-        """JAX-transfer pull: stage the KV on one device and register it with the transfer server."""
+    def offer_jax(self, request_id: str, start: int = 0, num_tokens: int = 0) -> JaxTicket | None:
+        """JAX-transfer pull: stage the KV (from `start`, as `take_host`) on one device and register it with
+        the transfer server."""
         from jaxserve.runtime.ray_backend.transfer import ArraySpec
 
-        kv = self.buffer.lend(request_id, time.monotonic())
+        kv = self._lend(request_id, start, num_tokens)
         if kv is None:
             return None
         if self._server is None:
@@ -351,15 +406,16 @@ class DecodeActor(_ActorBase):
     def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
         super().__init__(name, spec, transfer)
         self.layout = self.engine.kv_layout()
-        self.pages: KVPages | None = None
         self._staged: dict[str, SequenceKV] = {}
+        self._discarded: set[str] = set()  # pulls whose request ended while they ran: dropped when they land
+        self._staged_lock = threading.Lock()
         self._peers_checked: set[str] = set()
         self.num_pulls = 0
         self.num_failed_pulls = 0
         self.num_recomputed = 0
 
     def init_pages(self, num_blocks: int, block_size: int) -> None:
-        self.pages = self.engine.init_pages(num_blocks, block_size)
+        super().init_pages(num_blocks, block_size)
         self._staged.clear()
 
     def _check_peer(self, order: PullOrder) -> None:
@@ -379,13 +435,14 @@ class DecodeActor(_ActorBase):
         timeout = self.transfer.pull_timeout_s
         rid = order.request_id
         if (order.mechanism or self.transfer.mechanism) == "jax":
-            ticket = cast(JaxTicket | None, fetch(order.source.offer_jax.remote(rid), timeout))
+            offer: object = order.source.offer_jax.remote(rid, order.start, order.num_tokens)
+            ticket = cast(JaxTicket | None, fetch(offer, timeout))
             if ticket is None:
                 raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
             server = self._server
             kv = run_with_watchdog(lambda: pull_staged(server, ticket, timeout), timeout + 1.0, f"pull {rid!r}")
             return to_layout(kv, self.layout), ticket.num_bytes
-        host = cast(HostKV | None, fetch(order.source.take_host.remote(rid), timeout))
+        host = cast(HostKV | None, fetch(order.source.take_host.remote(rid, order.start, order.num_tokens), timeout))
         if host is None:
             raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
         return to_layout(from_host(host), self.layout), host_num_bytes(host)
@@ -409,7 +466,7 @@ class DecodeActor(_ActorBase):
                     break  # the KV is gone; asking again cannot bring it back
                 continue
             jax.block_until_ready(kv)
-            self._staged[order.request_id] = kv
+            self._stage(order.request_id, kv)
             order.source.cancel.remote([order.request_id])  # staged here: the prefill side may free it now
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
@@ -417,23 +474,31 @@ class DecodeActor(_ActorBase):
         if self.transfer.on_failure == "fail":
             raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
         kv = self.engine.prefill([order.item]).sequences[0].dense_kv  # the prompt again, on this actor's devices
+        kv = suffix(kv, order.start, order.num_tokens)
         jax.block_until_ready(kv)
-        self._staged[order.request_id] = kv
+        self._stage(order.request_id, kv)
         self.num_recomputed += 1
         seconds = time.monotonic() - started_at
         return PullReport(order.request_id, 0, seconds, len(failures), True, failures[-1])
 
-    def _require_pages(self) -> KVPages:
-        if self.pages is None:  # a fresh incarnation: Ray restarted this actor between two calls
-            raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) has no KV pool: restarted, not rebuilt")
-        return self.pages
-
     def has_staged(self, request_id: str) -> bool:
         return request_id in self._staged
 
+    def _stage(self, request_id: str, kv: SequenceKV) -> None:
+        with self._staged_lock:
+            if request_id in self._discarded:  # its request ended while this pull ran
+                self._discarded.remove(request_id)
+                return
+            self._staged[request_id] = kv
+
     def discard(self, request_id: str) -> bool:
-        """Drop a staged KV that will not be inserted (its request ended while it was pulled)."""
-        return self._staged.pop(request_id, None) is not None
+        """Drop a staged KV that will not be inserted (its request ended while it was pulled); True if one was
+        staged. A pull of it still running drops what it fetches when it lands."""
+        with self._staged_lock:
+            if self._staged.pop(request_id, None) is not None:
+                return True
+            self._discarded.add(request_id)
+            return False
 
     def staged_host(self, request_id: str) -> tuple[HostKV, list[list[tuple[int, ...]]], list[str]]:
         """For tests: a staged KV as host arrays, each array's shard shapes and sharding spec."""
@@ -444,7 +509,8 @@ class DecodeActor(_ActorBase):
 
     def insert(self, request_id: str, num_tokens: int, block_table: Sequence[int]) -> bool:
         """Write a staged KV into the pool; False if nothing is staged under that id (e.g. after a restart)."""
-        kv = self._staged.pop(request_id, None)
+        with self._staged_lock:
+            kv = self._staged.pop(request_id, None)
         if kv is None:
             return False
         self.pages = self.engine.insert(kv, num_tokens, self._require_pages(), block_table)

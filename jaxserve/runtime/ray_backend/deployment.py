@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, cast
 from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import Controller, ControllerConfig, Instance, Observer
+from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engine import DecodeEngine
 from jaxserve.runtime.instances import PlacedInstance, instance_names
 from jaxserve.runtime.prefill_instance import PrefillInstance
@@ -162,6 +163,9 @@ class RayController(Controller):
             engine = inst.engine
             assert isinstance(engine, RemotePrefillEngine)
             engine.start_lease_keeper(inst.holds_kv)
+        pooled: list[PrefillInstance | DecodeInstance] = [*self.prefill_instances, *self.decode_instances]
+        for worker in pooled:
+            _forget_pool_on_restart(worker)
 
     @classmethod
     def launch(
@@ -177,11 +181,6 @@ class RayController(Controller):
 
         rc = ray_config or RayConfig()
         config = config or ControllerConfig()
-        if config.prefix_caching:
-            raise PlanError(
-                "the Ray backend does not support prefix caching yet (its prefill actors keep dense KV "
-                "outside this process); serve with the embedded backend or without --prefix-caching"
-            )
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
@@ -240,6 +239,8 @@ class RayController(Controller):
     def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
         new = super().add_instances(placed)
         for inst in new:
+            if isinstance(inst, PrefillInstance | DecodeInstance):
+                _forget_pool_on_restart(inst)
             if isinstance(inst, PrefillInstance):
                 engine = inst.engine
                 assert isinstance(engine, RemotePrefillEngine)
@@ -368,6 +369,24 @@ class RayActors:
     def discard(self, controller: Controller, names: Sequence[str]) -> None:
         del controller
         self.controller.release_actors(names)
+
+
+def _forget_pool_on_restart(inst: PrefillInstance | DecodeInstance) -> None:
+    """Prefix caching: the instance's `PrefixCache` (in this process) names blocks of its actor's pool; a
+    restarted actor's pool is new, so the blocks no request pins are forgotten (`clear`). The pinned ones
+    are rewritten by the recovery: a prefill batch runs again in full, a decode actor rebuilds every
+    running sequence's whole context."""
+    engine = inst.engine
+    if not isinstance(engine, RemotePrefillEngine | RemoteDecodeEngine):
+        return
+
+    def forget() -> None:
+        with inst.cond:
+            num = inst.cache.clear()
+        if num:
+            log.warning("%s restarted: forgot %d cached KV blocks", inst.name, num)
+
+    engine.on_pool_lost = forget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,14 @@ from jaxserve.runtime.engine import (
     StepBatch,
 )
 from jaxserve.runtime.kv_transfer import TransferState
-from jaxserve.runtime.ray_backend.actors import ActorInfo, ActorRestartedError, PullOrder, PullReport, RebuildItem
+from jaxserve.runtime.ray_backend.actors import (
+    ActorInfo,
+    ActorRestartedError,
+    PrefillMeta,
+    PullOrder,
+    PullReport,
+    RebuildItem,
+)
 from jaxserve.runtime.ray_backend.transfer import fetch
 from jaxserve.runtime.request import TokenLogprobs
 from jaxserve.runtime.worker import FaultCounters
@@ -114,6 +121,9 @@ class _RemoteBase:
         self.restart_timeout_s = restart_timeout_s
         self.counters = counters
         self._warmups: list[dict[str, int | bool | None]] = []  # every warm-up's options (a restart repeats them)
+        self._pool_shape: tuple[int, int] | None = None  # (blocks, block size) of the actor's paged pool, if any
+        # Prefix caching: called after a restart lost the pool (the instance forgets the cached blocks no one pins).
+        self.on_pool_lost: Callable[[], None] | None = None
 
     @property
     def model_config(self) -> OPTConfig:
@@ -141,6 +151,7 @@ class _RemoteBase:
         pages: KVPages | None = None,
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
+        logprobs: bool = False,
     ) -> _Warmed:
         """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's).
         A remote decode engine runs one step per call (it is no `MultiStepDecoder`), so `decode_steps` is
@@ -151,7 +162,8 @@ class _RemoteBase:
         options = {
             "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch_size": max_decode_batch_size,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
-            "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows,
+            "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows, "on_pool": pages is not None,
+            "logprobs": logprobs,
         }  # fmt: skip
         seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
         if options not in self._warmups:
@@ -173,9 +185,24 @@ class _RemoteBase:
         seconds = sum(cast(float, ray.get(self.actor.warmup.remote(options))) for options in self._warmups)
         log.warning("%s restarted: warmed its buckets again in %.1f s", self.name, seconds)
 
+    def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
+        """The paged pool, built in the actor (the controller side holds a placeholder)."""
+        import ray
+
+        self._pool_shape = (num_blocks, block_size)
+        self._call(lambda: ray.get(self.actor.init_pages.remote(num_blocks, block_size)))
+        return ()
+
     def _recover(self) -> None:
-        """After a restart, before the call is tried again: what the new incarnation needs first."""
+        """After a restart, before the call is tried again: what the new incarnation needs first (its pool,
+        empty, then the warm-ups on it)."""
+        import ray
+
+        if self._pool_shape is not None:
+            ray.get(self.actor.init_pages.remote(*self._pool_shape))
         self._rewarm()
+        if self._pool_shape is not None and self.on_pool_lost is not None:
+            self.on_pool_lost()
 
     def _call(self, fn: Callable[[], T], on_restart: Callable[[], None] | None = None) -> T:
         """Run `fn` (one actor call); on actor death wait for the restart, recover it (`_recover`), run
@@ -222,6 +249,44 @@ class RemotePrefillEngine(_RemoteBase):
             self.counters.count("rerouted", len(items))
 
         metas = self._call(run, rerouted)
+        return self._held(items, metas)
+
+    # ---- prefix caching: the paged pool lives in the actor (`PagedPrefiller`) --------------------
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(stage_layers=self.info.stage_layers, shardings=())  # the shardings live in the actor
+
+    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        """`DecodeEngine`: a prefix-caching prefill instance needs one; it only ever calls `prefill_rows`."""
+        raise NotImplementedError(f"{self.name} is a prefill actor: its paged pool runs `prefill_rows` only")
+
+    def prefill_rows(
+        self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
+    ) -> tuple[PrefillResult, KVPages]:
+        """The rows on the actor's pool; each prompt's whole KV stays in the actor under a lease (`HeldKV`).
+
+        A restart loses the pool (cached prefixes included): the retry runs every prompt in full
+        (`items`) into the same blocks, which rewrites the cached ones the rows relied on.
+        """
+        import ray
+
+        rows = batch
+
+        def run() -> list:  # type: ignore[type-arg]
+            return ray.get(self.actor.prefill_rows.remote(rows, self.warmed))
+
+        def restarted() -> None:
+            nonlocal rows
+            self.counters.count("rerouted", len(items))
+            whole = [
+                dataclasses.replace(row, token_ids=item.token_ids, start_position=0)
+                for row, item in zip(batch.rows, items, strict=True)
+            ]
+            rows = StepBatch(tuple(whole))
+
+        metas = self._call(run, restarted)
+        return self._held(items, metas), pages
+
+    def _held(self, items: Sequence[PrefillItem], metas: Sequence[PrefillMeta]) -> PrefillResult:
         by_id = {i.request_id: i for i in items}
         with self._lock:
             self._outstanding.update(m.request_id for m in metas)
@@ -288,6 +353,9 @@ class _Tracked:
     block_table: tuple[int, ...]
     item: PrefillItem
 
+    def rebuild_item(self, request_id: str) -> RebuildItem:
+        return RebuildItem(request_id, tuple(self.token_ids), self.block_table, self.item.sampling, self.item.seed)
+
 
 class RemoteDecodeEngine(_RemoteBase):
     """`DecodeEngine` on a `DecodeActor`: the pool lives in the actor; KV arrives by `RayKVTransfer`."""
@@ -295,36 +363,30 @@ class RemoteDecodeEngine(_RemoteBase):
     def __init__(self, *args: object, stage_layers: tuple[int, ...], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._layout = KVLayout(stage_layers=stage_layers, shardings=())  # the shardings live in the actor
-        self._pool_shape: tuple[int, int] | None = None
         self._tracked: dict[str, _Tracked] = {}
+        self.num_pools_lost = 0  # restarts that rebuilt the pool (a pull started before one cannot trust it)
         self._new_since_step: set[str] = set()
 
     def kv_layout(self) -> KVLayout:
         return self._layout
 
-    def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
-        import ray
-
-        self._pool_shape = (num_blocks, block_size)
-        self._call(lambda: ray.get(self.actor.init_pages.remote(num_blocks, block_size)))
-        return ()
-
     def _recover(self) -> None:
         """After a restart: a fresh pool, the warm-up again (on the empty pool, as at launch), then every
-        tracked sequence re-prefilled into its blocks."""
+        tracked sequence re-prefilled into its blocks (its whole context: shared prefix blocks too); with
+        prefix caching the instance then forgets the cached blocks no running sequence rebuilt."""
         import ray
 
         if self._pool_shape is None:  # restarted before it had a pool: nothing to rebuild or warm
             return
-        items = [
-            RebuildItem(rid, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
-            for rid, t in self._tracked.items()
-        ]
+        items = [t.rebuild_item(rid) for rid, t in self._tracked.items()]
         log.warning("%s restarted: rebuilding %d sequences", self.name, len(items))
         ray.get(self.actor.init_pages.remote(*self._pool_shape))
         self._rewarm()
         ray.get(self.actor.rebuild.remote(items))
+        self.num_pools_lost += 1
         self.counters.count("rerouted", len(items))
+        if self.on_pool_lost is not None:
+            self.on_pool_lost()
 
     # ---- pulls (started by RemoteHandle, finished at a step boundary) -------------------------
     def start_pull(self, order: PullOrder) -> object:
@@ -353,20 +415,39 @@ class RemoteDecodeEngine(_RemoteBase):
             self.counters.count("recomputed")
         return report
 
-    def insert_staged(self, request_id: str, item: PrefillItem, num_tokens: int, block_table: Sequence[int]) -> None:
-        """Write the KV staged in the actor under `request_id` into the pool at `block_table`."""
+    def insert_staged(
+        self,
+        request_id: str,
+        item: PrefillItem,
+        num_tokens: int,
+        block_table: Sequence[int],
+        start: int = 0,
+        prefix_blocks: Sequence[int] = (),
+        num_pools_lost: int | None = None,
+    ) -> None:
+        """Write the KV staged in the actor under `request_id` (positions `start` ..) into the pool at
+        `block_table` (the blocks from position `start` on; `prefix_blocks` hold positions ..start).
+
+        `num_pools_lost`: this proxy's count when the pull started. A pull over a cached prefix that a
+        restart has wiped since (a pinned block no running sequence rebuilt) re-prefills the whole prompt.
+        """
         import ray
 
-        self._tracked[request_id] = _Tracked(list(item.token_ids[:num_tokens]), tuple(block_table), item)
+        tokens = list(item.token_ids[: start + num_tokens])
+        self._tracked[request_id] = _Tracked(tokens, (*prefix_blocks, *block_table), item)
         self._new_since_step.add(request_id)
 
         def run() -> bool:
             return bool(ray.get(self.actor.insert.remote(request_id, num_tokens, tuple(block_table))))
 
-        if not self._call(run):
-            # The staged KV was lost with a restart between pull and insert: re-prefill this prompt too.
-            t = self._tracked[request_id]
-            rebuild = RebuildItem(request_id, tuple(t.token_ids), t.block_table, t.item.sampling, t.item.seed)
+        if start > 0 and num_pools_lost is not None and num_pools_lost != self.num_pools_lost:
+            self.actor.discard.remote(request_id)
+            inserted = False
+        else:
+            inserted = self._call(run)
+        if not inserted:
+            # The staged KV (or the cached prefix under it) was lost with a restart: re-prefill this prompt too.
+            rebuild = self._tracked[request_id].rebuild_item(request_id)
             self._call(lambda: ray.get(self.actor.rebuild.remote([rebuild])))
             self.counters.count("recomputed")
 
@@ -416,9 +497,11 @@ class RemoteDecodeEngine(_RemoteBase):
 class RemoteHandle:
     """A pull running in the decode actor, started at once; `poll()` never blocks."""
 
-    def __init__(self, order: PullOrder, engine: RemoteDecodeEngine) -> None:
+    def __init__(self, order: PullOrder, engine: RemoteDecodeEngine, prefix_blocks: Sequence[int] = ()) -> None:
         self._order = order
         self._engine = engine
+        self._prefix_blocks = tuple(prefix_blocks)  # the decode blocks of positions ..order.start
+        self._num_pools_lost = engine.num_pools_lost
         self._ref = engine.start_pull(order)
         self._report: PullReport | None = None
         self._error: BaseException | None = None
@@ -460,10 +543,17 @@ class RemoteHandle:
             self._collect()
         return self.poll()
 
+    def discard(self) -> None:
+        """The request ended while this pull ran: the decode actor drops its KV (now, or when it lands)."""
+        self._engine.actor.discard.remote(self.request_id)
+
     def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
         if self.wait() is not TransferState.DONE:
             raise RuntimeError(f"KV transfer of {self.request_id!r} failed: {self._error!r}")
-        self._engine.insert_staged(self.request_id, self._order.item, num_tokens, block_table)
+        self._engine.insert_staged(
+            self.request_id, self._order.item, num_tokens, block_table, self._order.start, self._prefix_blocks,
+            self._num_pools_lost,
+        )  # fmt: skip
         return pages
 
 
@@ -480,4 +570,8 @@ class RayKVTransfer:
         if not isinstance(seq.kv, HeldKV):
             raise TypeError(f"RayKVTransfer moves KV held by Ray actors; {seq.request_id!r} is in this process")
         held = seq.kv
-        return RemoteHandle(PullOrder(seq.request_id, self.holders[held.holder], held.holder, held.item), self.target)
+        order = PullOrder(
+            seq.request_id, self.holders[held.holder], held.holder, held.item, start=held.start,
+            num_tokens=seq.num_tokens if held.start else 0,
+        )  # fmt: skip
+        return RemoteHandle(order, self.target, held.prefix_blocks)
