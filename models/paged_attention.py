@@ -60,6 +60,13 @@ TOKEN_CHUNK_BYTES = 1024 * 1024
 # The same for block_layout="heads": attention alone, opt-125m, batch 8 at 1/2/4/8 columns 47/42/38/39
 # ms min, batch 16 83/74/74/79 (loaded 2 cores, interleaved), so 4 columns (3 MB) at batch 8.
 HEADS_CHUNK_BYTES = 2 * 1024 * 1024
+# ... and at most this many columns. At batch 1 the byte bound alone gives 32 columns, so a table bucketed to
+# 32 columns or fewer (contexts up to 512 at block size 16) ran as one iteration over the whole table, and
+# that ran the attention 2.4x slower than chunks of 4-8 columns (opt-125m, 12 layers, a 32-column table,
+# 2 cores, interleaved min: 19.5-20.1 ms vs 7.8-8.1 ms); the whole paged step at batch 1, context 400: 34.0-35.4
+# ms vs 40.0-42.9 (alternating runs). Batch 2 and 4, and batch 1 over a 128-column table, were the same at 8
+# columns as at the byte bound's 16-32.
+HEADS_MAX_CHUNK_COLUMNS = 8
 # Below this batch impl="xla_tokens" runs the head-major form of impl="xla": at batch 1 XLA:CPU's
 # reductions over the token axis ran at under 1 GB/s (attention alone 50 ms vs 10 ms head-major).
 TOKEN_MIN_BATCH = 8
@@ -157,6 +164,21 @@ def _xla_gather(
     return out + p[..., -1:] * v_new.astype(jnp.float32)
 
 
+def chunk_columns(column_bytes: int, form: _Form) -> int:
+    """Table columns one iteration of impl="xla"'s loop gathers by default (before the table's width caps it).
+
+    `column_bytes`: K bytes of one table column over the whole batch. `form` "heads" (head-major pool
+    blocks): the most columns within `HEADS_CHUNK_BYTES`, rounded down to a power of two, at most
+    `HEADS_MAX_CHUNK_COLUMNS`; "tokens": within `TOKEN_CHUNK_BYTES`, a power of two; "transpose": within
+    `CHUNK_BYTES`. Always >= 1. `placement.padding.EnginePadding` mirrors this rule without JAX.
+    """
+    if form == "heads":
+        return min(1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1), HEADS_MAX_CHUNK_COLUMNS)
+    if form == "tokens":
+        return 1 << max(0, (TOKEN_CHUNK_BYTES // column_bytes).bit_length() - 1)
+    return max(1, CHUNK_BYTES // column_bytes)
+
+
 def _xla_chunked(
     q: jax.Array,
     k_pages: jax.Array,  # [L, N, bs, H, D]
@@ -179,13 +201,7 @@ def _xla_chunked(
         _, _, bs, h, d = k_pages.shape
     tokens = form == "tokens"
     column_bytes = b * bs * h * d * k_pages.dtype.itemsize  # one table column over the batch
-    if form == "heads":
-        auto = 1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1)
-    elif tokens:
-        auto = 1 << max(0, (TOKEN_CHUNK_BYTES // column_bytes).bit_length() - 1)  # a power of two, >= 1
-    else:
-        auto = max(1, CHUNK_BYTES // column_bytes)
-    c = min(chunk_blocks or auto, m)
+    c = min(chunk_blocks or chunk_columns(column_bytes, form), m)
     width = -(-m // c) * c
     # padding columns name block 0: a valid block whose positions lie past every length (masked)
     tables = jnp.pad(block_tables, ((0, 0), (0, width - m))).reshape(b, width // c, c)  # [B, M/C, C]
