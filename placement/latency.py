@@ -353,9 +353,9 @@ class Profile:
     appendix: dict[tuple[str, str, int], AppendixCoefficients]
     # Entries fitted in the engine's padded shapes (`engine_padding`, see placement/padding.py): the
     # coefficients are per padded element, so instances built from them charge the padded batch.
-    padding: dict[tuple[str, str, int], dict[str, int]] = dataclasses.field(default_factory=dict)
+    padding: dict[tuple[str, str, int], EnginePadding] = dataclasses.field(default_factory=dict)
 
-    def padding_of(self, engine: DeploymentKind, model: str, tp: int) -> dict[str, int] | None:
+    def padding_of(self, engine: DeploymentKind, model: str, tp: int) -> EnginePadding | None:
         for key in ((engine, model, tp), ("any", model, tp)):
             if key in self.folded or key in self.appendix:
                 return self.padding.get(key)
@@ -380,7 +380,7 @@ class Profile:
         split = int(raw.get("decode_batch_split", 95))
         folded: dict[tuple[str, str, int], FoldedCoefficients] = {}
         appendix: dict[tuple[str, str, int], AppendixCoefficients] = {}
-        padding: dict[tuple[str, str, int], dict[str, int]] = {}
+        padding: dict[tuple[str, str, int], EnginePadding] = {}
         for i, entry in enumerate(raw["entries"]):
             try:
                 engine = str(entry.get("engine", "any"))
@@ -430,7 +430,9 @@ class Profile:
                     known = {f.name for f in dataclasses.fields(EnginePadding)}
                     if not isinstance(pad, dict) or set(pad) - known:
                         raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
-                    padding[key] = {k: int(v) for k, v in pad.items()}
+                    bools = {f.name for f in dataclasses.fields(EnginePadding) if f.type in ("bool", bool)}
+                    values: dict[str, Any] = {k: bool(v) if k in bools else int(v) for k, v in pad.items()}
+                    padding[key] = EnginePadding(**values)
             except (KeyError, TypeError, ValueError) as e:
                 if isinstance(e, ProfileError):
                     raise
@@ -519,7 +521,7 @@ class LatencyProvider:
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base
-        return PaddedModel(base, EnginePadding(**pad))
+        return PaddedModel(base, pad)
 
     def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
         """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""

@@ -12,8 +12,9 @@ latency model with it, so the simulator charges what the engine computes.
 Which table columns a decode step's attention reads depends on the engine's attention: the one-gather
 form (`xla_gather`, an accelerator's default) reads the whole padded table, the chunked loop (`xla`,
 the CPU default) reads chunks of `attention_chunk_bytes` over the batch (`kv_column_bytes` per row and
-table column) up to the chunk holding the last filled position, so a table's empty columns cost
-nothing. With `attention_chunk_bytes = 0` (and in profiles written before it existed) the whole
+table column; over a head-major pool rounded down to a power of two of columns and at most
+`attention_chunk_max_columns`) up to the chunk holding the last filled position, so a table's empty
+columns cost nothing. With `attention_chunk_bytes = 0` (and in profiles written before it existed) the whole
 padded table is charged.
 
 Coefficients used this way must be fitted in the same padded terms (`profile_fit`'s `padding=`,
@@ -47,6 +48,8 @@ class EnginePadding:
     min_decode_rows: int = 2
     attention_chunk_bytes: int = 0  # > 0: decode attention reads only the filled chunks of this many bytes
     kv_column_bytes: int = 0  # bytes of K one row's table column holds (block_size · heads · head_dim · itemsize)
+    attention_chunk_pow2: bool = False  # a chunk's column count is rounded down to a power of two (head-major pool)
+    attention_chunk_max_columns: int = 0  # > 0: and at most this many columns
 
     def prefill(self, num_tokens: float, sum_sq: float, batch: int) -> tuple[float, float, int]:
         """(Σl, Σl², B) of the padded prefill batch."""
@@ -66,7 +69,12 @@ class EnginePadding:
         if self.attention_chunk_bytes > 0 and self.kv_column_bytes > 0:
             # `models.paged_attention._xla_chunked`: chunks of `chunk` columns up to the last position
             # before the new token (which joins the softmax apart from the pages)
-            chunk = min(max(1, self.attention_chunk_bytes // (rows * self.kv_column_bytes)), width)
+            # (`models.paged_attention.chunk_columns`)
+            fits = self.attention_chunk_bytes // (rows * self.kv_column_bytes)
+            chunk = 1 << max(0, fits.bit_length() - 1) if self.attention_chunk_pow2 else max(1, fits)
+            if self.attention_chunk_max_columns > 0:
+                chunk = min(chunk, self.attention_chunk_max_columns)
+            chunk = min(chunk, width)
             width = math.ceil(ctx_sum / batch / (chunk * self.block_size)) * chunk
         return rows, float(rows * width * self.block_size)
 

@@ -43,14 +43,17 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         assert entry["fit"]["prefill"]["num_samples"] == 5
         # fitted in the engine's padded shapes (the default), so the planner charges those
         # (opt-tiny's K: 16 positions x 64 floats = 4 KiB a table column; XLA:CPU's decode attention
-        # reads the table in chunks of 256 KiB up to the last filled one)
+        # reads the head-major pool in chunks of up to 2 MiB, a power of two of at most 8 columns, up to
+        # the last filled one)
         assert entry["engine_padding"] == {
             "min_prompt_tokens": 16,
             "block_size": 16,
             "min_table_blocks": 1,
             "min_decode_rows": 2,
-            "attention_chunk_bytes": 256 * 1024,
+            "attention_chunk_bytes": 2 * 1024 * 1024,
             "kv_column_bytes": 16 * 64 * 4,
+            "attention_chunk_pow2": True,
+            "attention_chunk_max_columns": 8,
         }
 
     profile = load_profile(str(out))
@@ -76,12 +79,13 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     from jaxserve.runtime.opt_engine import OPTEngine
     from jaxserve.runtime.request import SamplingParams
     from jaxserve.scheduling import blocks_for
-    from models.paged_attention import CHUNK_BYTES, default_impl
+    from models.paged_attention import chunk_columns, default_impl
 
     cfg = get_config("opt-tiny")
     engine = OPTEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
     pad = engine_padding(cfg, 16, "float32")
-    assert default_impl() == "xla" and pad.attention_chunk_bytes == CHUNK_BYTES
+    layout = engine.init_pages(4, 16)[0].block_layout  # the pool this engine really serves from
+    assert default_impl() == "xla" and layout == "heads"
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     for batch, ctx in [(1, 20), (3, 40), (5, 100), (12, 30), (48, 64), (3, 250)]:
         per = blocks_for(ctx + 1, 16)
@@ -92,9 +96,9 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
         assert padded_rows == b
         # the one-gather form reads the whole padded table
         assert EnginePadding(block_size=16).decode(batch, float(batch * ctx)) == (b, float(b * m * 16))
-        # opt-tiny: 4 KiB per row and column; 256 KiB over the padded batch is 64 / b columns a chunk (at
-        # most the table's m), and the loop runs chunks up to the one holding position ctx - 1.
-        chunk = min(max(1, 64 // b), m)
+        # opt-tiny: 4 KiB of K per row and column; the attention loop's own rule for that many bytes over
+        # the padded batch (at most the table's m), and it runs chunks up to the one holding position ctx - 1.
+        chunk = min(chunk_columns(b * 4096, "heads"), m)
         assert attended == b * -(-ctx // (chunk * 16)) * chunk * 16, (batch, ctx)
 
 

@@ -55,14 +55,24 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
     loop reads only filled chunks of the table, the one-gather form all of it)."""
     import jax.numpy as jnp
 
-    from models.paged_attention import CHUNK_BYTES, default_impl
+    from models.paged_attention import (
+        CHUNK_BYTES,
+        HEADS_CHUNK_BYTES,
+        HEADS_MAX_CHUNK_COLUMNS,
+        block_layout_for,
+        default_impl,
+    )
     from placement.padding import EnginePadding
 
-    chunked = default_impl() == "xla"
+    impl = default_impl()
+    chunked = impl == "xla"
+    heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
         block_size=block_size,
-        attention_chunk_bytes=CHUNK_BYTES if chunked else 0,
+        attention_chunk_bytes=(HEADS_CHUNK_BYTES if heads else CHUNK_BYTES) if chunked else 0,
         kv_column_bytes=block_size * cfg.num_heads * cfg.head_dim * jnp.dtype(dtype).itemsize if chunked else 0,
+        attention_chunk_pow2=heads,
+        attention_chunk_max_columns=HEADS_MAX_CHUNK_COLUMNS if heads else 0,
     )
 
 
