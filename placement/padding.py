@@ -67,9 +67,8 @@ class EnginePadding:
         blocks = math.ceil((ctx_sum / batch + 1) / self.block_size)  # the new token's slot included
         width = bucket(blocks, self.min_table_blocks)
         if self.attention_chunk_bytes > 0 and self.kv_column_bytes > 0:
-            # `models.paged_attention._xla_chunked`: chunks of `chunk` columns up to the last position
-            # before the new token (which joins the softmax apart from the pages)
-            # (`models.paged_attention.chunk_columns`)
+            # `models.paged_attention._xla_chunked`: chunks of `chunk` columns (its `chunk_columns` rule) up to
+            # the last position before the new token (which joins the softmax apart from the pages)
             fits = self.attention_chunk_bytes // (rows * self.kv_column_bytes)
             chunk = 1 << max(0, fits.bit_length() - 1) if self.attention_chunk_pow2 else max(1, fits)
             if self.attention_chunk_max_columns > 0:
