@@ -69,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -240,6 +240,7 @@ class AppendixModel:
     _attn_decode: float = dataclasses.field(init=False, repr=False, compare=False)
     _lm_head: float = dataclasses.field(init=False, repr=False, compare=False)
     _decode_overhead: float = dataclasses.field(init=False, repr=False, compare=False)
+    _send_bytes_per_token: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Per-instance constants, computed once: the simulator calls the stage functions per step.
@@ -257,6 +258,7 @@ class AppendixModel:
         object.__setattr__(self, "_attn_decode", layers * c.C5 * 3 * (cfg.hidden_size / tp))
         object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
         object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
+        object.__setattr__(self, "_send_bytes_per_token", cfg.hidden_size * cfg.dtype_bytes)
 
     def _allreduce_s(self, num_tokens: float) -> float:
         return 2 * (self._ar_per_token * num_tokens + self._ar_fixed)  # two all-reduces a layer
@@ -267,15 +269,15 @@ class AppendixModel:
         return self._layers * per_layer + c.C1 * self._lm_head * batch + c.C3 / self.pp
 
     def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        return self.decode_stage_fn(batch)(ctx_sum)
+
+    def decode_stage_fn(self, batch: int) -> Callable[[float], float]:
+        """`decode_stage_s(batch, ·)`: the terms that do not depend on the context computed once."""
         c = self.coeffs
-        gemm = max(c.C4, c.C1 * batch) * self._weights
-        lm_head = max(c.C4, c.C1 * batch) * self._lm_head
-        return (
-            self._layers * (gemm + self._allreduce_s(batch))
-            + self._attn_decode * ctx_sum
-            + lm_head
-            + self._decode_overhead
-        )
+        per_elem = max(c.C4, c.C1 * batch)
+        layers = self._layers * (per_elem * self._weights + self._allreduce_s(batch))
+        attn, lm_head, overhead = self._attn_decode, per_elem * self._lm_head, self._decode_overhead
+        return lambda ctx_sum: layers + attn * ctx_sum + lm_head + overhead
 
     def chunk_stage_s(
         self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
@@ -285,9 +287,7 @@ class AppendixModel:
         return self.prefill_stage_s(num_tokens + decode_batch, sum_sq, batch + decode_batch) + attn_decode
 
     def send_s(self, num_tokens: int) -> float:
-        return (
-            self.link_latency_s + num_tokens * self.cfg.hidden_size * self.cfg.dtype_bytes / self.stage_link_bandwidth
-        )
+        return self.link_latency_s + num_tokens * self._send_bytes_per_token / self.stage_link_bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +318,13 @@ class FoldedModel:
         return (a + b * num_tokens + c * sum_sq) / 1000.0 / self.pp
 
     def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
+        return self.decode_stage_fn(batch)(ctx_sum)
+
+    def decode_stage_fn(self, batch: int) -> Callable[[float], float]:
+        """`decode_stage_s(batch, ·)`: the terms that do not depend on the context computed once."""
         a, b, c = self.coeffs.decode_small if batch < self.coeffs.decode_batch_split else self.coeffs.decode_large
-        return (a + b * ctx_sum + c * batch) / 1000.0 / self.pp
+        per_batch, pp = c * batch, self.pp
+        return lambda ctx_sum: (a + b * ctx_sum + per_batch) / 1000.0 / pp
 
     def chunk_stage_s(
         self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float

@@ -35,10 +35,13 @@ longer change; unfinished requests then have NaN latencies.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,7 +70,7 @@ from placement.latency import (
     kv_capacity_tokens,
 )
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
-from placement.step_time import decode_step_s, mixed_step_s
+from placement.step_time import decode_round_fn, decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker
@@ -79,6 +82,9 @@ _PREFILL_DONE = 1
 _TRANSFER_DONE = 2
 _DECODE_ROUND_DONE = 3
 _COLOC_STEP_DONE = 4
+
+# Most decode rounds scheduled as one event: a join cuts them, and beyond a few dozen the saving is spent.
+_MAX_BATCHED_ROUNDS = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +122,10 @@ class _Decode:
     rounds_done: int = 0
     finish_heap: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (last round, request)
     busy: bool = False
+    # Rounds run as one event (`Simulator._start_round`): when each of the scheduled rounds ends, and the
+    # generation of the one event that ends them (a cut reschedules it; the old one is then stale).
+    round_ends: list[float] = dataclasses.field(default_factory=list)
+    generation: int = 0
 
 
 @dataclasses.dataclass
@@ -131,6 +141,17 @@ class _Colocated:
     waiting: deque[int] = dataclasses.field(default_factory=deque)
     waiting_tokens: int = 0
     busy: bool = False
+    # The policy is a pure function of the records, the waiting head and the free blocks, none of which a
+    # decode-only step changes (the records carry no generated-token count). So after a decode-only step
+    # the next step is the same decode until an arrival, an admission or a completion: remember it as
+    # (requests, their total context) and skip the policy until then. Exact, and most steps of a loaded
+    # instance are such steps.
+    steady: tuple[np.ndarray, int] | None = None
+    # Steady steps run as one event until the next finish or arrival (as a decode instance's rounds):
+    # when each scheduled step ends, the requests they decode, and the generation of the event.
+    step_ends: list[float] = dataclasses.field(default_factory=list)
+    step_decodes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    generation: int = 0
 
 
 def _instance_nodes(inst: InstanceSpec, cluster: ClusterSpec) -> tuple[int, ...]:
@@ -152,6 +173,12 @@ def _stage_link(nodes: tuple[int, ...], cluster: ClusterSpec) -> float:
 # ---------------------------------------------------------------------------------------------
 class Simulator:
     """One run of one deployment over one workload. Construct, then `run()` once."""
+
+    # Run what nothing can change as one event: decode rounds up to the next finish or join, a colocated
+    # instance's repeated decode-only steps (the policy not asked again). The same timeline either way,
+    # to the bit (`tests/test_simulator_events.py` compares with one event per round and a policy call
+    # per step, what this flag off gives); only the work differs.
+    coalesce: bool = True
 
     def __init__(
         self,
@@ -190,7 +217,16 @@ class Simulator:
         self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
         self.now = 0.0
+        self._next_arrival_at = math.inf  # of the request after the one being handled (`run`)
+        self._round_fns: dict[tuple[int, int, int], Callable[[float], float]] = {}
         self.kv_bytes_per_token = self.cfg.kv_bytes_per_token
+        # Decode rounds run as one event until the next finish unless a subclass changes what a round does
+        # (the prefix cache's local prefills ride in rounds): then one event per round.
+        cls = type(self)
+        self._batch_rounds = self.coalesce and all(
+            getattr(cls, name) is getattr(Simulator, name)
+            for name in ("_decode_round_s", "_on_round_done", "_start_round")
+        )
         if self.plan.kind == "colocated":
             self.colocated = [
                 _Colocated(
@@ -260,18 +296,23 @@ class Simulator:
         num_events = 0
         verdict: bool | None = None
         heap = self._heap
+        arrivals = self.arrival_at.tolist()  # Python floats: the loop compares one per event
+        tracker = self.tracker
+        arrivals.append(math.inf)
         while next_arrival < n or heap:
-            if heap and (next_arrival >= n or heap[0][0] <= self.arrival_at[next_arrival]):
+            if heap and (next_arrival >= n or heap[0][0] <= arrivals[next_arrival]):
                 at, _, kind, inst, payload = heapq.heappop(heap)
                 self.now = at
+                self._next_arrival_at = arrivals[next_arrival]
                 self._dispatch(kind, inst, payload)
             else:
-                self.now = float(self.arrival_at[next_arrival])
+                self.now = arrivals[next_arrival]
+                self._next_arrival_at = arrivals[next_arrival + 1]
                 self._on_arrival(next_arrival)
                 next_arrival += 1
             num_events += 1
-            if self.tracker is not None:
-                verdict = self.tracker.verdict()
+            if tracker is not None:
+                verdict = tracker.verdict()
                 if verdict is not None:
                     break
         if verdict is None and self.slo is not None:
@@ -306,7 +347,8 @@ class Simulator:
             assert isinstance(payload, tuple)
             self._on_transfer_done(inst, *payload)
         elif kind == _DECODE_ROUND_DONE:
-            self._on_round_done(inst)
+            assert isinstance(payload, int)
+            self._on_rounds_done(inst, payload)
         elif kind == _COLOC_STEP_DONE:
             assert isinstance(payload, tuple)
             self._on_coloc_step_done(inst, payload)
@@ -319,7 +361,10 @@ class Simulator:
             c.waiting.append(i)
             c.records[i] = ColocatedRequest(str(i), int(self.input_lens[i]), int(self.output_lens[i]))
             c.waiting_tokens += int(self.input_lens[i])
-            if not c.busy:
+            c.steady = None
+            if c.busy:
+                self._cut_steps(k)
+            else:
                 self._coloc_step(k)
             return
         if self.options.mode == "decode":
@@ -348,12 +393,15 @@ class Simulator:
         free = len(p.queue)
         if slots is not None and self.options.mode != "prefill":  # prefill-only runs never buffer
             free = prefill_buffer_free_slots(slots, p.buffer_requests, p.inflight_requests)
-        fit = 0
-        for w in itertools.islice(p.queue, p.max_batch_tokens + 1):  # a batch never holds more
+        fit = taken = 0
+        for w in p.queue:
             if w.num_prompt_tokens > room:
                 break
             room -= w.num_prompt_tokens
+            taken += w.num_prompt_tokens
             fit += 1
+            if taken >= p.max_batch_tokens:  # the batch ends here at the latest (form_prefill_batch's cap)
+                break
         n = len(form_prefill_batch(p.queue, p.max_batch_tokens, min(fit, free)))
         if n == 0:
             return
@@ -445,6 +493,7 @@ class Simulator:
             if src < 0:  # decode-only mode: the KV is already there
                 self.transfer_end_at[i] = self.now
                 d.joining.append(i)
+                self._cut_rounds(k)
                 continue
             link = (src, k)
             start = max(self.now, self._link_free_at.get(link, 0.0))
@@ -479,9 +528,30 @@ class Simulator:
         d.num_transferring -= 1
         self.transfer_end_at[i] = self.now
         d.joining.append(i)
+        self._cut_rounds(k)
         self._release_buffer(src, i)  # the KV has left the prefill instance's buffer
         if not d.busy:
             self._start_round(k)
+
+    def _round_fn(self, model: StageLatency, overhead: StepOverhead, batch: int) -> Callable[[float], float]:
+        """`decode_step_s` of an instance's model at one batch size, as a function of the context (cached)."""
+        key = (id(model), id(overhead), batch)
+        fn = self._round_fns.get(key)
+        if fn is None:
+            fn = self._round_fns[key] = decode_round_fn(model, overhead, batch)
+        return fn
+
+    def _cut_rounds(self, k: int) -> None:
+        """A request joins decode instance `k`: it enters at the end of the round now running, so the
+        rounds scheduled as one event stop there."""
+        d = self.decodes[k]
+        ends = d.round_ends
+        j = bisect.bisect_right(ends, self.now)  # the round in progress ends at ends[j]
+        if j >= len(ends) - 1:
+            return  # it is the last one scheduled anyway
+        del ends[j + 1 :]
+        d.generation += 1
+        self._push(ends[j], _DECODE_ROUND_DONE, k, d.generation)
 
     def _start_round(self, k: int) -> None:
         d = self.decodes[k]
@@ -493,12 +563,46 @@ class Simulator:
             d.num_running += 1
             d.ctx_sum += int(self.input_lens[j]) + 1
         d.joining = []
-        round_s = self._decode_round_s(k)  # prefix-cache hook
-        if d.num_running == 0 and round_s <= 0.0:
-            d.busy = False
-            return
+        if not self._batch_rounds:
+            round_s = self._decode_round_s(k)  # prefix-cache hook
+            if d.num_running == 0 and round_s <= 0.0:
+                d.busy = False
+                return
+            ends = [self.now + round_s]
+        else:
+            # Until the next request finishes nothing but a join changes a round (its size is fixed and
+            # every request gains one token of context), so the rounds up to that one are scheduled as
+            # one event, their ends computed as one-event-per-round would (each end = previous end + its
+            # round); a join cuts them at the round it lands in (`_cut_rounds`). At most _MAX_BATCHED_ROUNDS.
+            # Joins come with arrivals (decode mode) or after them (transfers), so computing rounds past the
+            # next arrival would mostly be wasted on a cut: stop at the first round that ends after it.
+            if d.num_running == 0:
+                d.busy = False
+                return
+            round_s_at = self._round_fn(d.model, d.overhead, d.num_running)  # = _decode_round_s at this size
+            ends = [self.now + round_s_at(d.ctx_sum)]
+            more = min(d.finish_heap[0][0] - d.rounds_done, _MAX_BATCHED_ROUNDS - 1)
+            ctx = d.ctx_sum
+            horizon = self._next_arrival_at
+            for _ in range(more):
+                if ends[-1] > horizon:
+                    break
+                ctx += d.num_running
+                ends.append(ends[-1] + round_s_at(ctx))
         d.busy = True
-        self._push(self.now + round_s, _DECODE_ROUND_DONE, k)
+        d.round_ends = ends
+        d.generation += 1
+        self._push(ends[-1], _DECODE_ROUND_DONE, k, d.generation)
+
+    def _on_rounds_done(self, k: int, generation: int) -> None:
+        d = self.decodes[k]
+        if generation != d.generation:
+            return  # rescheduled by a join (`_cut_rounds`)
+        silent = len(d.round_ends) - 1  # rounds before the last one scheduled: nobody finished in them
+        d.round_ends = []
+        d.ctx_sum += silent * d.num_running
+        d.rounds_done += silent
+        self._on_round_done(k)
 
     def _on_round_done(self, k: int) -> None:
         d = self.decodes[k]
@@ -575,6 +679,25 @@ class Simulator:
     # ---- colocated ---------------------------------------------------------------------------
     def _coloc_step(self, k: int) -> None:
         c = self.colocated[k]
+        if c.steady is not None and self.coalesce:  # nothing the policy saw changed since a decode-only step
+            # The same decode step repeats until a request finishes or one arrives: schedule those steps
+            # as one event (ends computed as step-by-step would), cut by an arrival (`_cut_steps`).
+            steady_idx, ctx = c.steady
+            n = len(steady_idx)
+            c.busy = True
+            round_s_at = self._round_fn(c.model, c.overhead, n)  # a step of decodes only
+            ends = [self.now + round_s_at(float(ctx))]
+            first_finish = int((self.output_lens[steady_idx] - self._generated[steady_idx]).min())
+            horizon = self._next_arrival_at
+            for _ in range(min(first_finish, _MAX_BATCHED_ROUNDS) - 1):
+                if ends[-1] > horizon:
+                    break
+                ctx += n
+                ends.append(ends[-1] + round_s_at(float(ctx)))
+            c.step_ends, c.step_decodes = ends, steady_idx
+            c.generation += 1
+            self._push(ends[-1], _COLOC_STEP_DONE, k, ((), steady_idx, c.generation))
+            return
         opts = self.options
         budget = max(c.max_batch_tokens, c.chunk_size or 0)
         head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
@@ -619,16 +742,35 @@ class Simulator:
         ctx_sum = float(decode_ctx.sum())
         dt = mixed_step_s(c.model, c.overhead, chunks.tolist(), priors.tolist(), len(decode_idx), ctx_sum)
         c.busy = True
-        self._push(
-            self.now + dt,
-            _COLOC_STEP_DONE,
-            k,
-            (tuple((i, n) for i, _, n in cut), decode_idx),
-        )
+        if not step.admit and not step.prefill:
+            c.steady = (decode_idx, int(decode_ctx.sum()))
+        c.step_ends, c.step_decodes = [self.now + dt], decode_idx
+        c.generation += 1
+        self._push(c.step_ends[0], _COLOC_STEP_DONE, k, (tuple((i, n) for i, _, n in cut), decode_idx, c.generation))
+
+    def _cut_steps(self, k: int) -> None:
+        """A request arrives at colocated instance `k`: the policy decides again after the step now
+        running, so steady steps scheduled as one event stop there."""
+        c = self.colocated[k]
+        ends = c.step_ends
+        j = bisect.bisect_right(ends, self.now)  # the step in progress ends at ends[j]
+        if j >= len(ends) - 1:
+            return
+        del ends[j + 1 :]
+        c.generation += 1
+        self._push(ends[j], _COLOC_STEP_DONE, k, ((), c.step_decodes, c.generation))
 
     def _on_coloc_step_done(self, k: int, payload: tuple) -> None:
         c = self.colocated[k]
-        chunks, decode_idx = payload
+        chunks, decode_idx, generation = payload
+        if generation != c.generation:
+            return  # rescheduled by an arrival (`_cut_steps`)
+        silent = len(c.step_ends) - 1  # steady steps before the last: every request gained a token, none finished
+        c.step_ends = []
+        if silent:
+            self._generated[decode_idx] += silent
+            if c.steady is not None:
+                c.steady = (c.steady[0], c.steady[1] + silent * len(decode_idx))
         done: list[int] = []
         for i, num in chunks:
             self._prefilled[i] += num
@@ -647,6 +789,10 @@ class Simulator:
             self._generated[decode_idx] += 1
             finished = decode_idx[self._generated[decode_idx] >= self.output_lens[decode_idx]]
             done.extend(int(i) for i in finished)
+        if chunks or done:
+            c.steady = None
+        elif c.steady is not None:  # every request of the decode-only step gained a token of context
+            c.steady = (c.steady[0], c.steady[1] + len(decode_idx))
         for i in done:
             self.finish_at[i] = self.now
             c.admitted.remove(i)

@@ -12,7 +12,7 @@ per-step host overhead (`StepOverhead`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from placement.latency import StageLatency, StepOverhead, pipeline_decode_round_s
 
@@ -29,6 +29,24 @@ def decode_step_s(model: StageLatency, overhead: StepOverhead, batch: int, ctx_s
     if batch == 0:
         return 0.0
     return pipeline_decode_round_s(model, batch, ctx_sum) + overhead.step_s(ctx_sum, model.pp, False)
+
+
+def decode_round_fn(model: StageLatency, overhead: StepOverhead, batch: int) -> Callable[[float], float]:
+    """`decode_step_s(model, overhead, batch, ·)` with what does not depend on the context computed once
+    (the same arithmetic, so the same seconds): for a caller charging many rounds of one batch size."""
+    if batch == 0:
+        return lambda ctx_sum: 0.0
+    pp = model.pp
+    k = min(batch, pp)
+    micro = -(-batch // k)  # the largest micro-batch (`pipeline_decode_round_s`)
+    make = getattr(model, "decode_stage_fn", None)
+    stage: Callable[[float], float] = (
+        make(micro) if make is not None else lambda ctx_sum: model.decode_stage_s(micro, ctx_sum)
+    )
+    if pp == 1:
+        return lambda ctx_sum: stage(ctx_sum) + overhead.step_s(ctx_sum, 1, False)
+    send = model.send_s(micro)
+    return lambda ctx_sum: pp * (stage(ctx_sum * micro / batch) + send) + overhead.step_s(ctx_sum, pp, False)
 
 
 def mixed_step_s(
