@@ -9,24 +9,31 @@ limits it was planned with filled in) with a `PlanReport` of how it was chosen.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
 from jaxserve.limits import ServingLimits
 from jaxserve.plan import DeploymentPlan, PlanError
-from placement.goodput import GoodputSearch, max_rate
 from placement.latency import kv_capacity_tokens
 from placement.search import (
     Candidate,
+    Job,
     SearchContext,
     SearchResult,
     algorithm1,
+    algorithm1_jobs,
     algorithm2,
+    algorithm2_jobs,
+    algorithm2_phase_jobs,
     assign_nodes,
     candidate_samples,
     choose_deployment,
+    colocated_jobs,
     colocated_search,
+    evaluate_all,
+    plan_job,
     ratio_search,
     replicate_colocated,
 )
@@ -122,29 +129,55 @@ def choose_plan(
     disagg = colocated = ratio = None
     joint = None
     failures: list[str] = []
-    if kind != "colocated":
+    # The candidates of every search this call runs, in two parallel maps: first every phase alone and
+    # every colocated shape; then what starts from those results (Algorithm 2's pairs, from their phases)
+    # or needs them (the joint check of Algorithm 1's plan).
+    first: list[Job] = []
+    local_search = kind != "colocated" and (affinity == "low" or verify)  # Algorithm 2 runs
+    if kind != "colocated" and affinity == "high":
+        with contextlib.suppress(PlanError):  # that search raises it again below, where it is handled
+            first += algorithm1_jobs(ctx)
+    if local_search:
+        with contextlib.suppress(PlanError):
+            first += algorithm2_phase_jobs(ctx)
+    if kind != "disagg" or compare_colocated:
+        with contextlib.suppress(PlanError):
+            first += colocated_jobs(ctx)
+    evaluated = evaluate_all(first, workers, progress)
+    if kind != "colocated" and affinity == "high":
         try:
-            search = algorithm1 if affinity == "high" else algorithm2
-            disagg = search(ctx, rate, workers=workers, progress=progress)
+            disagg = algorithm1(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
+        except PlanError as e:
+            if kind == "disagg":
+                raise
+            failures.append(f"disaggregated: {e}")
+    second: list[Job] = []
+    if local_search:
+        with contextlib.suppress(PlanError, KeyError):  # KeyError: no phase results (no pairs fit)
+            second += algorithm2_jobs(ctx, evaluated)
+    disagg_plan = None
+    if disagg is not None:
+        disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=False)
+        if verify:  # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
+            second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
+    evaluated.update(evaluate_all(second, workers, progress))
+    if kind != "colocated" and affinity == "low":
+        try:
+            disagg = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
+            disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=True)
         except PlanError as e:
             if kind == "disagg":
                 raise
             failures.append(f"disaggregated: {e}")
     if kind != "disagg" or compare_colocated:
         try:
-            colocated = colocated_search(ctx, workers=workers, progress=progress)
+            colocated = colocated_search(ctx, workers=workers, progress=progress, evaluated=evaluated)
         except PlanError as e:
             if kind == "colocated" or disagg is None:
                 raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
             failures.append(f"colocated: {e}")
-    disagg_plan = None
-    if disagg is not None:
-        disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=affinity == "low")
-        if affinity == "high" and verify:
-            # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs.
-            joint = max_rate(
-                GoodputSearch(disagg_plan, latency, cluster, ctx.workload, ctx.slo, ctx.options), ctx.rel_tol
-            )
+    if disagg_plan is not None and affinity == "high" and verify:
+        joint = evaluated[("disagg", disagg_plan.instances)].goodput_rps
     disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
     disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
     if kind != "colocated" and affinity == "high" and verify:
@@ -153,7 +186,7 @@ def choose_plan(
         # and its pairs are judged jointly: take it when it serves more per device, so high affinity never
         # returns less than low affinity on the same cluster.
         try:
-            local = algorithm2(ctx, rate, workers=workers, progress=progress)
+            local = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
             # with a target rate Algorithm 2 replicates pairs without counting nodes: more than fit is no plan
             local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
         except PlanError:
@@ -194,22 +227,24 @@ def choose_plan(
         expected["target_rate_rps"] = rate
     plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
     runner_up: DeploymentPlan | None = None
+    runner_rps = 0.0  # what the search expects of the runner-up
     if chosen == "disagg" and colocated is not None:
-        runner_up = assign_nodes(replicate_colocated(ctx, colocated, rate).plan, cluster)
+        replicated = replicate_colocated(ctx, colocated, rate)
+        runner_up, runner_rps = assign_nodes(replicated.plan, cluster), replicated.goodput_rps
     elif chosen == "colocated" and disagg_plan is not None:
-        runner_up = disagg_plan
+        runner_up, runner_rps = disagg_plan, disagg_rps
     chosen_samples: tuple[float, ...] = ()
     runner_samples: tuple[float, ...] = ()
     intervals: tuple[tuple[Candidate, tuple[float, ...]], ...] = ()
     if reseed is not None and seeds > 0:
         extra = [reseed(1000 + i) for i in range(seeds)]
-        if runner_up is not None:
-            workloads = [ctx.workload, *extra]
-            chosen_samples = tuple(_per_device(ctx, plan, w) for w in workloads)
-            runner_samples = tuple(_per_device(ctx, runner_up, w) for w in workloads)
         leaders = _leaders([r for r in (disagg, colocated) if r is not None], interval_top)
-        resampled = candidate_samples(ctx, leaders, extra, workers)
+        # with a runner-up, the chosen plan and it are re-simulated whole, on the search's workload too
+        pair = ((plan, goodput_rps), (runner_up, runner_rps)) if runner_up is not None else ()
+        resampled, whole = candidate_samples(ctx, leaders, extra, workers, plans=pair)
         intervals = tuple((c, (c.per_device, *more)) for c, more in zip(leaders, resampled, strict=True))
+        if whole:
+            chosen_samples, runner_samples = whole
     return PlanReport(
         plan=plan,
         result=result,
@@ -239,8 +274,3 @@ def _leaders(results: list[SearchResult], top: int) -> list[Candidate]:
             )
             out.extend(ranked[:top])
     return out
-
-
-def _per_device(ctx: SearchContext, plan: DeploymentPlan, workload: Workload) -> float:
-    search = GoodputSearch(plan, ctx.latency, ctx.cluster, workload, ctx.slo, ctx.options)
-    return max_rate(search, ctx.rel_tol) / plan.num_devices

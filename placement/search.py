@@ -59,6 +59,11 @@ class SearchContext:
         return self.latency.cfg
 
 
+# One evaluation: the context, the candidate's kind, its plan, the SLO and simulator options it is judged
+# under, and a rate its goodput is expected near (None: search from the throughput bound).
+Job = tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions, float | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One evaluated configuration."""
@@ -143,36 +148,66 @@ def _map(
     return results
 
 
-def _eval(job: tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]) -> Candidate:
-    ctx, kind, plan, slo, options = job
+# Candidates by (kind, the plan's instances): what `evaluate_all` returns and the searches look up.
+Evaluated = dict[tuple[str, tuple[InstanceSpec, ...]], Candidate]
+
+
+def evaluate_all(
+    jobs: Sequence[Job], workers: int = 2, progress: Callable[[int, int], None] | None = None
+) -> Evaluated:
+    """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
+    pool); the searches then take their candidates from the result (their `evaluated` argument)."""
+    unique = list({(j[1], j[2].instances): j for j in jobs}.values())
+    # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
+    # workers at the end (a long one last would leave the other worker idle while it runs).
+    unique.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
+    return {(c.kind, c.plan.instances): c for c in _map(_eval, unique, workers, progress)}
+
+
+_COST_ORDER = {"colocated": 0, "disagg": 0, "decode": 1, "prefill": 2}
+
+
+def _evaluate(
+    jobs: Sequence[Job], workers: int, progress: Callable[[int, int], None] | None, evaluated: Evaluated | None
+) -> tuple[Candidate, ...]:
+    if evaluated is not None and all((j[1], j[2].instances) in evaluated for j in jobs):
+        return tuple(evaluated[(j[1], j[2].instances)] for j in jobs)
+    return tuple(_map(_eval, jobs, workers, progress))
+
+
+def _eval(job: Job) -> Candidate:
+    ctx, kind, plan, slo, options, hint = job
     search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
     if kind in ("prefill", "decode"):
         devices = next(i for i in plan.instances if i.role == kind).num_devices
     else:
         devices = plan.num_devices
-    rate = max_rate(search, ctx.rel_tol)
+    rate = max_rate(search, ctx.rel_tol, hint=hint)
     return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
 
-def _job(
-    ctx: SearchContext, kind: str, plan: DeploymentPlan
-) -> tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]:
+def _job(ctx: SearchContext, kind: str, plan: DeploymentPlan, hint: float | None = None) -> Job:
     """How a candidate of `kind` is judged: a phase alone under its own SLO and simulator mode, a whole
-    deployment under both SLOs."""
+    deployment under both SLOs; `hint` starts its goodput search near a rate it is expected at."""
     if kind == "prefill":
-        return ctx, kind, plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill")
+        return ctx, kind, plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill"), hint
     if kind == "decode":
-        return ctx, kind, plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode")
-    return ctx, kind, plan, ctx.slo, ctx.options
+        return ctx, kind, plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode"), hint
+    return ctx, kind, plan, ctx.slo, ctx.options, hint
 
 
-def candidate_job(
-    ctx: SearchContext, cand: Candidate, workload: Workload | None = None
-) -> tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]:
-    """The evaluation that produced `cand` (the same SLO and simulator mode), on `workload` if given."""
-    if workload is not None:
-        ctx = dataclasses.replace(ctx, workload=workload)
-    return _job(ctx, cand.kind, cand.plan)
+def plan_job(ctx: SearchContext, plan: DeploymentPlan, hint: float | None = None) -> Job:
+    """A whole deployment judged under both SLOs (what `evaluate_all` keys as ("disagg" | "colocated", instances))."""
+    return _job(ctx, plan.kind, plan, hint)
+
+
+def candidate_job(ctx: SearchContext, cand: Candidate, workload: Workload | None = None) -> Job:
+    """The evaluation that produced `cand` (the same SLO and simulator mode), on `workload` if given:
+    then its goodput search starts at `cand`'s goodput (another sample lands near it)."""
+    if workload is None:
+        return _job(ctx, cand.kind, cand.plan)
+    hint = cand.goodput_rps if cand.goodput_rps > 0 else None
+    return _job(dataclasses.replace(ctx, workload=workload), cand.kind, cand.plan, hint)
 
 
 def _mode(ctx: SearchContext, mode: Literal["prefill", "decode"]) -> SimOptions:
@@ -184,22 +219,35 @@ def candidate_samples(
     cands: Sequence[Candidate],
     workloads: Sequence[Workload],
     workers: int = 1,
-) -> list[tuple[float, ...]]:
+    plans: Sequence[tuple[DeploymentPlan, float | None]] = (),
+) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
     """Each candidate's goodput per device on each of `workloads` (common random numbers: every
-    candidate sees the same samples), evaluated exactly as the search evaluated it."""
-    jobs = [candidate_job(ctx, c, w) for c in cands for w in workloads]
+    candidate sees the same samples), evaluated as the search evaluated it (its goodput search starting
+    at the candidate's goodput); and each whole deployment of `plans` (under both SLOs, its search
+    starting at the rate given with it) on the search's workload and then each of `workloads`.
+    One parallel map runs them all."""
+    # the whole deployments (the longest jobs) first, as `evaluate_all` orders them
+    jobs = [
+        plan_job(dataclasses.replace(ctx, workload=w), p, hint) for p, hint in plans for w in (ctx.workload, *workloads)
+    ]
+    jobs += [candidate_job(ctx, c, w) for c in cands for w in workloads]
     rates = [r.per_device for r in _map(_eval, jobs, workers, None)]
-    n = len(workloads)
-    return [tuple(rates[k * n : (k + 1) * n]) for k in range(len(cands))]
+    n, m = len(workloads), len(workloads) + 1
+    split = len(plans) * m
+    by_plan = [tuple(rates[k * m : (k + 1) * m]) for k in range(len(plans))]
+    by_cand = [tuple(rates[split + k * n : split + (k + 1) * n]) for k in range(len(cands))]
+    return by_cand, by_plan
 
 
-def _phase_jobs(
-    ctx: SearchContext, shapes: Iterable[tuple[int, int]]
-) -> list[tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions]]:
+def _phase_plan(ctx: SearchContext, tp: int, pp: int) -> DeploymentPlan:
+    """A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips."""
+    return DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
+
+
+def _phase_jobs(ctx: SearchContext, shapes: Iterable[tuple[int, int]]) -> list[Job]:
     jobs = []
     for tp, pp in shapes:
-        # A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips.
-        plan = DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
+        plan = _phase_plan(ctx, tp, pp)
         jobs.append(_job(ctx, "prefill", plan))
         jobs.append(_job(ctx, "decode", plan))
     return jobs
@@ -216,19 +264,26 @@ def _best(cands: Iterable[Candidate]) -> Candidate | None:
 # ---------------------------------------------------------------------------------------------
 # Algorithm 1
 # ---------------------------------------------------------------------------------------------
+def algorithm1_jobs(ctx: SearchContext, max_nodes_per_instance: int | None = None) -> list[Job]:
+    """Every feasible (tp, pp), once as a prefill-only and once as a decode-only instance."""
+    cluster = ctx.cluster
+    nodes = max_nodes_per_instance or cluster.num_nodes
+    shapes = instance_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
+    if not shapes:
+        raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
+    return _phase_jobs(ctx, shapes)
+
+
 def algorithm1(
     ctx: SearchContext,
     rate: float | None = None,
     max_nodes_per_instance: int | None = None,
     workers: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    evaluated: Evaluated | None = None,
 ) -> SearchResult:
     cluster = ctx.cluster
-    nodes = max_nodes_per_instance or cluster.num_nodes
-    shapes = instance_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
-    if not shapes:
-        raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
-    cands = tuple(_map(_eval, _phase_jobs(ctx, shapes), workers, progress))
+    cands = _evaluate(algorithm1_jobs(ctx, max_nodes_per_instance), workers, progress, evaluated)
     best_p = _best(c for c in cands if c.kind == "prefill")
     best_d = _best(c for c in cands if c.kind == "decode")
     if best_p is None or best_d is None:
@@ -313,15 +368,11 @@ def _placeable(p_inst: InstanceSpec, n: int, d_inst: InstanceSpec, m: int, clust
 # ---------------------------------------------------------------------------------------------
 # Algorithm 2
 # ---------------------------------------------------------------------------------------------
-def algorithm2(
-    ctx: SearchContext,
-    rate: float | None = None,
-    workers: int = 2,
-    progress: Callable[[int, int], None] | None = None,
-) -> SearchResult:
+def _algorithm2_pairs(ctx: SearchContext) -> list[DeploymentPlan]:
+    """Every node-local pair of prefill and decode segments (tp_p + tp_d within a node) for each pp."""
     cluster = ctx.cluster
     m_per_node = cluster.devices_per_node
-    jobs = []
+    pairs = []
     for pp in range(1, min(cluster.num_nodes, ctx.cfg.num_layers, ctx.max_pp or cluster.num_nodes) + 1):
         tps = [
             tp
@@ -333,14 +384,54 @@ def algorithm2(
                 if tp_p + tp_d > m_per_node:
                     continue
                 nodes = tuple(range(pp))  # stage s of both instances on node s
-                plan = DeploymentPlan(
-                    (InstanceSpec("prefill", tp_p, pp, nodes=nodes), InstanceSpec("decode", tp_d, pp, nodes=nodes)),
-                    model=ctx.cfg.name,
+                pairs.append(
+                    DeploymentPlan(
+                        (InstanceSpec("prefill", tp_p, pp, nodes=nodes), InstanceSpec("decode", tp_d, pp, nodes=nodes)),
+                        model=ctx.cfg.name,
+                    )
                 )
-                jobs.append(_job(ctx, "disagg", plan))
-    if not jobs:
+    if not pairs:
         raise PlanError(f"no prefill + decode segment pair of {ctx.cfg.name} fits on one {cluster.device.name} node")
-    cands = tuple(_map(_eval, jobs, workers, progress))
+    return pairs
+
+
+def algorithm2_phase_jobs(ctx: SearchContext) -> list[Job]:
+    """Each segment shape of Algorithm 2's pairs judged as one phase alone (the jobs Algorithm 1 runs for
+    those shapes): the lesser of a pair's two phase goodputs is where its joint search starts."""
+    shapes = sorted({(i.tp, i.pp) for pair in _algorithm2_pairs(ctx) for i in pair.instances})
+    return _phase_jobs(ctx, shapes)
+
+
+def algorithm2_jobs(ctx: SearchContext, phases: Evaluated) -> list[Job]:
+    """Every pair of `_algorithm2_pairs`, judged jointly; its search starts at the lesser of its phases'
+    goodputs alone (`phases`: the results of `algorithm2_phase_jobs`; a pair is rarely more than ~10 %
+    below it, so about four probes instead of seven). No hint when a phase alone meets nothing."""
+    jobs = []
+    for pair in _algorithm2_pairs(ctx):
+        p, d = pair.instances
+        alone = [
+            phases[("prefill", _phase_plan(ctx, p.tp, p.pp).instances)],
+            phases[("decode", _phase_plan(ctx, d.tp, d.pp).instances)],
+        ]
+        hint = min(c.goodput_rps for c in alone)
+        jobs.append(_job(ctx, "disagg", pair, hint if hint > 0 else None))
+    return jobs
+
+
+def algorithm2(
+    ctx: SearchContext,
+    rate: float | None = None,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    evaluated: Evaluated | None = None,
+) -> SearchResult:
+    cluster = ctx.cluster
+    m_per_node = cluster.devices_per_node
+    phase_jobs = algorithm2_phase_jobs(ctx)
+    phases = evaluated if evaluated is not None else {}
+    if any((j[1], j[2].instances) not in phases for j in phase_jobs):
+        phases = evaluate_all(phase_jobs, workers, progress)
+    cands = _evaluate(algorithm2_jobs(ctx, phases), workers, progress, evaluated)
     best = _best(cands)
     if best is None:
         raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
@@ -365,26 +456,31 @@ def algorithm2(
 # ---------------------------------------------------------------------------------------------
 # Colocated ("vLLM++") and the xPyD ratio
 # ---------------------------------------------------------------------------------------------
-def colocated_search(
-    ctx: SearchContext,
-    max_devices: int | None = None,
-    chunk_size: int | None = None,
-    workers: int = 2,
-    progress: Callable[[int, int], None] | None = None,
-) -> SearchResult:
+def colocated_jobs(ctx: SearchContext, max_devices: int | None = None, chunk_size: int | None = None) -> list[Job]:
+    """Every feasible colocated (tp, pp) within `max_devices` (default: one node)."""
     limit = max_devices or ctx.cluster.devices_per_node
-    shapes = instance_shapes(ctx, "colocated", limit)
     jobs = [
         _job(
             ctx,
             "colocated",
             DeploymentPlan((InstanceSpec("colocated", tp, pp, chunk_size=chunk_size),), model=ctx.cfg.name),
         )
-        for tp, pp in shapes
+        for tp, pp in instance_shapes(ctx, "colocated", limit)
     ]
     if not jobs:
         raise PlanError(f"{ctx.cfg.name} fits no colocated tp x pp within {limit} devices")
-    cands = tuple(_map(_eval, jobs, workers, progress))
+    return jobs
+
+
+def colocated_search(
+    ctx: SearchContext,
+    max_devices: int | None = None,
+    chunk_size: int | None = None,
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    evaluated: Evaluated | None = None,
+) -> SearchResult:
+    cands = _evaluate(colocated_jobs(ctx, max_devices, chunk_size), workers, progress, evaluated)
     best = _best(cands)
     if best is None:
         raise PlanError("no colocated configuration meets the SLOs even at the lowest rate")

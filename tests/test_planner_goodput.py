@@ -67,6 +67,38 @@ def test_goodput_of_one_prefill_instance_is_bounded_by_its_service_rate() -> Non
     assert none.zero_load_attainment() == 0.0 and max_rate(none) == 0.0
 
 
+def test_a_hint_starts_the_search_near_it_and_saves_probes() -> None:
+    """Re-judging a candidate on another workload sample starts at its goodput on the first: the answer is
+    a passing rate with a failing one within rel_tol above it (what the cold search guarantees too), found
+    with fewer simulations; a hint far off still ends in the right bracket."""
+    cluster = ClusterSpec(A100, 1, 2)
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
+    slo = SloSpec(0.4, 0.05, 0.9)
+    first = GoodputSearch(plan, LP, cluster, base_workload("sharegpt", 400, seed=0), slo)
+    again = GoodputSearch(plan, LP, cluster, base_workload("sharegpt", 400, seed=1), slo)
+    tol = 0.03
+
+    class Counting(GoodputSearch):
+        probes = 0
+
+        def meets(self, rate: float) -> bool:
+            Counting.probes += 1
+            return super().meets(rate)
+
+    counted = Counting(**{f: getattr(again, f) for f in ("plan", "latency", "cluster", "workload", "slo", "options")})
+    cold = max_rate(counted, tol)
+    cold_probes, Counting.probes = Counting.probes, 0
+    hint = max_rate(first, tol)
+    warm = max_rate(counted, tol, hint=hint)
+    assert 0 < hint and 0 < warm and Counting.probes < cold_probes
+    for rate in (cold, warm):
+        assert again.meets(rate) and not again.meets(rate * (1 + tol) * 1.0001)
+    assert warm == pytest.approx(cold, rel=2 * tol)
+    for far in (warm / 3, warm * 3):  # a poor hint costs probes, not the answer
+        got = max_rate(again, tol, hint=far)
+        assert again.meets(got) and not again.meets(got * (1 + tol) * 1.0001)
+
+
 def test_goodput_per_device_and_slo_scale() -> None:
     cluster = ClusterSpec(A100, 1, 4)
     w = base_workload("fixed:512:64", 300, seed=1)
