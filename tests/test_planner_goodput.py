@@ -90,7 +90,7 @@ def test_a_hint_starts_the_search_near_it_and_saves_probes() -> None:
     cold_probes, Counting.probes = Counting.probes, 0
     hint = max_rate(first, tol)
     warm = max_rate(counted, tol, hint=hint)
-    assert 0 < hint and 0 < warm and Counting.probes < cold_probes
+    assert hint > 0 and warm > 0 and Counting.probes < cold_probes
     for rate in (cold, warm):
         assert again.meets(rate) and not again.meets(rate * (1 + tol) * 1.0001)
     assert warm == pytest.approx(cold, rel=2 * tol)
