@@ -94,3 +94,22 @@ def test_round_function_charges_decode_step_s(pp: int) -> None:
             fn = decode_round_fn(model, overhead, batch)
             for ctx in (0, 1, 517, 12_345, 250_001):
                 assert fn(ctx) == decode_step_s(model, overhead, batch, ctx)  # the same arithmetic: equal floats
+
+
+def test_prefix_cache_simulator_is_unchanged_by_coalescing() -> None:
+    """The prefix-cache simulator keeps its own decode rounds (local prefills ride in them) but its colocated
+    instances coalesce steady steps too: with caching on, turns arriving as events, the same timeline."""
+    from jaxserve.scheduling import PrefixPolicy
+    from placement.conversations import ConversationSpec, generate_conversations
+    from placement.prefix_sim import PrefixSimulator
+
+    class PerStep(PrefixSimulator):
+        coalesce = False
+
+    shared = generate_conversations(ConversationSpec(), 30, np.random.default_rng(0)).at_rate(3.0)
+    for spec in ("colocated:tp1", "colocated:2xtp1,chunk=256", "disagg:prefill=tp1,decode=tp1"):
+        plan = parse_deployment(spec).assign_devices(8)
+        a = PrefixSimulator(plan, FOLDED, CLUSTER, shared, policy=PrefixPolicy()).run()
+        b = PerStep(plan, FOLDED, CLUSTER, shared, policy=PrefixPolicy()).run()
+        assert a.num_finished == len(shared.workload)
+        np.testing.assert_array_equal(_timeline(a), _timeline(b))
