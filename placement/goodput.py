@@ -155,9 +155,9 @@ def max_rate(search: GoodputSearch, rel_tol: float = 0.02, max_probes: int = 40,
     """The largest rate (within `rel_tol`) meeting the target; 0.0 when even MIN_RATE fails.
 
     `hint`, a rate the answer is expected near (the same deployment's goodput on another sample of the
-    workload), starts the search there: it steps by 1 + 2·rel_tol until the target flips, then bisects once,
-    so an answer within 2·rel_tol of the hint takes three probes (four within 4·rel_tol) instead of seven. Without it the
-    bracket starts at half the throughput bound.
+    workload), starts the search there: it steps by 1 + 2·rel_tol until the target flips, then bisects
+    once, so an answer within 2·rel_tol of the hint takes three probes (four within 4·rel_tol) instead of
+    seven. Without it the bracket starts at half the throughput bound.
     """
     bound = search.throughput_bound()
     if bound < MIN_RATE or search.zero_load_attainment() < search.slo.attainment:

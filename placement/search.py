@@ -9,14 +9,16 @@
 * `algorithm2` (low node affinity, Algorithm 2): for each stage count pp ≤ nodes, every pair of
   intra-node segments (tp_p, tp_d) with tp_p + tp_d ≤ devices per node is simulated *jointly* (one
   prefill and one decode instance, stage s of both on node s, so KV moves over NVLink) against both
-  SLOs; the best per-device pair is replicated.
+  SLOs; the best per-device pair is replicated. Each pair's goodput search starts at the lesser of its
+  two segments' goodputs as phases alone (the same phase jobs Algorithm 1 runs), near which it lands.
 * `colocated_search` ("vLLM++"): the best (tp, pp) for a colocated instance.
 * `ratio_search` (xPyD): for given prefill and decode shapes, the replica counts x:y that maximise
   joint per-device goodput — the coupling Algorithm 1 ignores.
 
 Candidates are evaluated in worker processes (`concurrent.futures.ProcessPoolExecutor`); results are
 collected by candidate index and ties broken by enumeration order, so the answer depends only on the
-inputs and the seed, not on scheduling.
+inputs and the seed, not on scheduling. `evaluate_all` runs the jobs of several searches in one map
+(`placement.planner.choose_plan` does); each search then takes its candidates from that map.
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ and are processed after heap events at the same instant. Durations come only fro
   and takes `pipeline_decode_round_s` of the batch size and total context. Those two aggregates are
   all a round needs, and every request gains exactly one token a round, so the batch is kept as
   (count, context sum, heap of last rounds): a round is O(1) work plus O(requests finishing), with no
-  per-request loop at all (cheaper than a numpy pass over the batch, which this replaced).
+  per-request loop at all (cheaper than a numpy pass over the batch, which this replaced). Rounds that
+  nothing can change (until the next finish, cut by a join) are one event (`Simulator.coalesce`).
 * colocated — `schedule_colocated` picks each step (vLLM prefill priority, or Sarathi chunks with
-  piggybacked decodes when the instance has `chunk_size`).
+  piggybacked decodes when the instance has `chunk_size`). After a decode-only step the policy's answer
+  cannot change until an arrival, admission or finish, so those repeated steps are one event too.
 
 Modes for the per-phase searches of Algorithm 1: `prefill` (requests leave after their first token)
 and `decode` (requests enter the decode instances at arrival, as if prefill took no time).
@@ -83,7 +85,8 @@ _TRANSFER_DONE = 2
 _DECODE_ROUND_DONE = 3
 _COLOC_STEP_DONE = 4
 
-# Most decode rounds scheduled as one event: a join cuts them, and beyond a few dozen the saving is spent.
+# Most decode rounds (or colocated decode-only steps) scheduled as one event: a join or an arrival cuts
+# them, and beyond a few dozen the saving is spent.
 _MAX_BATCHED_ROUNDS = 64
 
 
