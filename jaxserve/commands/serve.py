@@ -9,7 +9,8 @@ Logs one line per instance (role, tp x pp, devices), warms the deployment up
 the time to ready, then prints `ready grpc=HOST:PORT http=HOST:PORT` on stdout once both
 servers accept requests. JAX's persistent compilation cache (`--compile-cache`, default
 under the user's cache directory) makes a restart's warm-up fast.
-SIGINT/SIGTERM drain in-flight requests and stop.
+SIGINT/SIGTERM drain in-flight requests and stop; during the warm-up they stop at once (status 0,
+no ready line).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ metrics); the controller's instances run on their own threads. The life of a ser
 
 `run_until_signal` is the foreground form (`jaxserve serve`): it installs SIGINT and
 SIGTERM handlers on the main thread and stops cleanly on either (a second signal
-during the drain exits at once). `ServerThread` runs
+during the drain exits at once; a signal during start-up, while the warm-up compiles,
+exits at once too: nothing has been served). `ServerThread` runs
 the same server on a background thread (tests, notebooks).
 """
 
@@ -105,6 +106,7 @@ class JaxServeServer:
         self.controller.start()
         warmup_s = 0.0
         if cfg.warmup:
+            log.info("warming up: compiling before the first client (a signal now stops without serving)")
             warmup_s = await asyncio.get_running_loop().run_in_executor(None, self.controller.warmup)
         self._grpc, self._health = build_grpc_server(
             self.frontend,
@@ -197,7 +199,16 @@ def run_until_signal(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await server.start()
+            # A signal during start-up (the warm-up compiles for minutes on a big model) is obeyed at once:
+            # no client has been served, so there is nothing to drain, and the compiling thread cannot be
+            # interrupted, only left behind.
+            starting = asyncio.ensure_future(server.start())
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                _exit_during_start_up(controller, timeout_s=10.0)
+            stopping.cancel()
+            starting.result()  # a start-up error propagates
             if on_ready is not None:
                 on_ready(server)
             await stop.wait()
@@ -213,6 +224,27 @@ def run_until_signal(
                 loop.remove_signal_handler(sig)
 
     asyncio.run(main())
+
+
+def _exit_during_start_up(controller: ServingController, timeout_s: float) -> None:
+    """Stop a server that is still starting (warming up): cancel the warm-up's own requests and stop the
+    instances (bounded, in a daemon thread: a compile in progress holds its instance), then leave the
+    process with status 0, as a stop does."""
+    log.warning("signal during start-up (warm-up): stopping without serving; no request was accepted")
+    done = threading.Event()
+
+    def shutdown() -> None:
+        try:
+            controller.shutdown(drain_timeout_s=0.0)  # in flight: the warm-up's requests only
+        finally:
+            done.set()
+
+    threading.Thread(target=shutdown, name="jaxserve-stop", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("the controller did not stop within %.0f s (a compile in progress); exiting anyway", timeout_s)
+    log.info("stopped")
+    logging.shutdown()
+    os._exit(0)
 
 
 def _force_exit() -> None:
