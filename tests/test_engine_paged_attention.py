@@ -107,8 +107,9 @@ def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) ->
     np.testing.assert_allclose(np.asarray(got)[1], v_new[1], atol=1e-6)  # nothing cached: the new value itself
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_heads_flat"])
 @pytest.mark.parametrize("chunk_blocks", [0, 1, 3])
-def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
+def test_head_major_blocks(impl: Impl, chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
     """block_layout="heads": a [L, N, H, bs, D] pool (each block head-major), with new_kv and a layer axis."""
     q, kp, vp, tables, lengths = case
     rng = np.random.default_rng(3)
@@ -120,13 +121,13 @@ def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> N
     got = paged_decode_attention(
         jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(short),
         scale=scale, layer=1, new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)), chunk_blocks=chunk_blocks,
-        block_layout="heads",
+        block_layout="heads", impl=impl,
     )  # fmt: skip
     want = _numpy_reference(q, kp, vp, tables, short, scale, (k_new, v_new))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     got = paged_decode_attention(  # no layer axis, no new position
         jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables), jnp.asarray(lengths),
-        scale=scale, chunk_blocks=chunk_blocks, block_layout="heads",
+        scale=scale, chunk_blocks=chunk_blocks, block_layout="heads", impl=impl,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, kp, vp, tables, lengths, scale), atol=2e-5)
     got = paged_decode_attention(  # the one-gather form reads head-major blocks too
@@ -138,6 +139,9 @@ def test_head_major_blocks(chunk_blocks: int, case: tuple[np.ndarray, ...]) -> N
     with pytest.raises(ValueError, match="block_layout"):
         paged_decode_attention(jnp.asarray(q), jnp.asarray(pool_k[1]), jnp.asarray(pool_v[1]), jnp.asarray(tables),
                                jnp.asarray(lengths), scale=scale, impl="xla_tokens", block_layout="heads")  # fmt: skip
+    with pytest.raises(ValueError, match="block_layout='heads'"):  # the flat form reads head-major blocks only
+        paged_decode_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables),
+                               jnp.asarray(lengths), scale=scale, impl="xla_heads_flat")  # fmt: skip
 
 
 def test_tokens_below_the_batch_threshold_is_the_head_major_form(
@@ -177,7 +181,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     results = {}
     cases: list[tuple[Impl, BlockLayout]] = [
         ("xla", "tokens"), ("xla_tokens", "tokens"), ("xla_gather", "tokens"), ("pallas_gpu", "tokens"),
-        ("xla", "heads"), ("xla_gather", "heads"), ("pallas_gpu", "heads"),
+        ("xla", "heads"), ("xla_gather", "heads"), ("pallas_gpu", "heads"), ("xla_heads_flat", "heads"),
     ]  # fmt: skip
     for impl, layout in cases:
         pool = opt.init_paged_cache(cfg, 8, bs, block_layout=layout)
@@ -189,7 +193,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
             np.asarray(logits),
             k.swapaxes(2, 3) if layout == "heads" else k,  # compared token-major
         )
-    for impl in ("xla", "xla_gather", "pallas_gpu"):  # head-major blocks: the same logits and the same K per slot
+    for impl in ("xla", "xla_gather", "pallas_gpu", "xla_heads_flat"):  # head-major: same logits, same K per slot
         np.testing.assert_allclose(results[f"{impl}:heads"][0], results["xla"][0], atol=1e-4)
         np.testing.assert_allclose(results[f"{impl}:heads"][1], results["xla"][1], atol=1e-5)
     np.testing.assert_allclose(results["pallas_gpu"][0], results["xla"][0], atol=1e-4)
