@@ -65,7 +65,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
     from placement.padding import EnginePadding
 
     impl = default_impl()
-    chunked = impl == "xla"
+    chunked = impl in ("xla", "xla_heads_flat")  # the chunk loop (the same chunk rule in both forms)
     heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
         block_size=block_size,
