@@ -159,21 +159,26 @@ def evaluate_all(
 ) -> Evaluated:
     """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
     pool); the searches then take their candidates from the result (their `evaluated` argument)."""
-    unique = list({(j[1], j[2].instances): j for j in jobs}.values())
+    unique = list({_key(j): j for j in jobs}.values())
     # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
     # workers at the end (a long one last would leave the other worker idle while it runs).
     unique.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
-    return {(c.kind, c.plan.instances): c for c in _map(_eval, unique, workers, progress)}
+    return dict(zip(map(_key, unique), _map(_eval, unique, workers, progress), strict=True))
 
 
 _COST_ORDER = {"colocated": 0, "disagg": 0, "decode": 1, "prefill": 2}
 
 
+def _key(job: Job) -> tuple[str, tuple[InstanceSpec, ...]]:
+    """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
+    return job[1], job[2].instances
+
+
 def _evaluate(
     jobs: Sequence[Job], workers: int, progress: Callable[[int, int], None] | None, evaluated: Evaluated | None
 ) -> tuple[Candidate, ...]:
-    if evaluated is not None and all((j[1], j[2].instances) in evaluated for j in jobs):
-        return tuple(evaluated[(j[1], j[2].instances)] for j in jobs)
+    if evaluated is not None and all(_key(j) in evaluated for j in jobs):
+        return tuple(evaluated[_key(j)] for j in jobs)
     return tuple(_map(_eval, jobs, workers, progress))
 
 
@@ -431,7 +436,7 @@ def algorithm2(
     m_per_node = cluster.devices_per_node
     phase_jobs = algorithm2_phase_jobs(ctx)
     phases = evaluated if evaluated is not None else {}
-    if any((j[1], j[2].instances) not in phases for j in phase_jobs):
+    if any(_key(j) not in phases for j in phase_jobs):
         phases = evaluate_all(phase_jobs, workers, progress)
     cands = _evaluate(algorithm2_jobs(ctx, phases), workers, progress, evaluated)
     best = _best(cands)
