@@ -157,6 +157,16 @@ class _Colocated:
     generation: int = 0
 
 
+def _cut_after(ends: list[float], now: float) -> float | None:
+    """Steps scheduled as one event, ending at `ends`: keep them up to the one running at `now` and return
+    its end, where the event must now fire; None when that is the last one anyway (nothing to move)."""
+    j = bisect.bisect_right(ends, now)  # the step in progress ends at ends[j]
+    if j >= len(ends) - 1:
+        return None
+    del ends[j + 1 :]
+    return ends[j]
+
+
 def _instance_nodes(inst: InstanceSpec, cluster: ClusterSpec) -> tuple[int, ...]:
     if inst.nodes is not None:
         return inst.nodes
@@ -548,13 +558,10 @@ class Simulator:
         """A request joins decode instance `k`: it enters at the end of the round now running, so the
         rounds scheduled as one event stop there."""
         d = self.decodes[k]
-        ends = d.round_ends
-        j = bisect.bisect_right(ends, self.now)  # the round in progress ends at ends[j]
-        if j >= len(ends) - 1:
-            return  # it is the last one scheduled anyway
-        del ends[j + 1 :]
-        d.generation += 1
-        self._push(ends[j], _DECODE_ROUND_DONE, k, d.generation)
+        end = _cut_after(d.round_ends, self.now)
+        if end is not None:
+            d.generation += 1
+            self._push(end, _DECODE_ROUND_DONE, k, d.generation)
 
     def _start_round(self, k: int) -> None:
         d = self.decodes[k]
@@ -755,13 +762,10 @@ class Simulator:
         """A request arrives at colocated instance `k`: the policy decides again after the step now
         running, so steady steps scheduled as one event stop there."""
         c = self.colocated[k]
-        ends = c.step_ends
-        j = bisect.bisect_right(ends, self.now)  # the step in progress ends at ends[j]
-        if j >= len(ends) - 1:
-            return
-        del ends[j + 1 :]
-        c.generation += 1
-        self._push(ends[j], _COLOC_STEP_DONE, k, ((), c.step_decodes, c.generation))
+        end = _cut_after(c.step_ends, self.now)
+        if end is not None:
+            c.generation += 1
+            self._push(end, _COLOC_STEP_DONE, k, ((), c.step_decodes, c.generation))
 
     def _on_coloc_step_done(self, k: int, payload: tuple) -> None:
         c = self.colocated[k]
