@@ -53,6 +53,8 @@ BlockLayout = Literal["tokens", "heads"]
 BLOCK_LAYOUTS: tuple[BlockLayout, ...] = ("tokens", "heads")
 _Form = Literal["transpose", "tokens", "heads", "heads_flat"]  # how impl="xla"'s chunk loop attends a chunk
 IMPLS: tuple[Impl, ...] = ("xla", "xla_tokens", "xla_gather", "pallas_gpu", "xla_heads_flat")
+# The impls whose chunk loop serving runs over head-major blocks (`block_layout_for`; the profile's padding).
+HEAD_MAJOR_LOOPS: tuple[Impl, ...] = ("xla", "xla_heads_flat")
 _MASK_VALUE = -1e30
 # Bytes of K (and again of V) that one loop iteration of impl="xla" gathers: the chunk is this many
 # bytes' worth of table columns over the whole batch, at least one column. opt-125m, context 512, on
@@ -139,7 +141,7 @@ def block_layout_for(impl: Impl) -> BlockLayout:
     only. The dense KV that instances exchange is the same in both layouts, so the choice is each
     engine's own.
     """
-    return "heads" if impl in ("xla", "xla_heads_flat") else "tokens"
+    return "heads" if impl in HEAD_MAJOR_LOOPS else "tokens"
 
 
 def _xla_gather(

@@ -57,6 +57,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
 
     from models.paged_attention import (
         CHUNK_BYTES,
+        HEAD_MAJOR_LOOPS,
         HEADS_CHUNK_BYTES,
         HEADS_MAX_CHUNK_COLUMNS,
         block_layout_for,
@@ -65,7 +66,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
     from placement.padding import EnginePadding
 
     impl = default_impl()
-    chunked = impl in ("xla", "xla_heads_flat")  # the chunk loop (the same chunk rule in both forms)
+    chunked = impl in HEAD_MAJOR_LOOPS  # the chunk loop (the same chunk rule in both forms)
     heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
         block_size=block_size,
