@@ -183,9 +183,12 @@ def time_decode(
     block_size: int,
     clock: str = "wall",
     min_total_s: float = 0.0,
+    num_blocks: int | None = None,
 ) -> list[DecodeSample]:
+    """`num_blocks` sizes the paged pool (default: the largest shape's need); a caller timing shapes one
+    call at a time passes the same size to each, so every step runs on the same pool shape."""
     need = max(b * blocks_for(c + 1, block_size) for b, c in shapes)
-    pool = _Pool(engine, need, block_size)
+    pool = _Pool(engine, max(need, num_blocks or 0), block_size)
     out = []
     for b, c in shapes:
         rows = tuple(
@@ -203,11 +206,12 @@ def time_coloc_prefill(
     seed: int = 0,
     clock: str = "wall",
     min_total_s: float = 0.0,
+    num_blocks: int | None = None,
 ) -> list[PrefillSample]:
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     need = max(b * blocks_for(n, block_size) for b, n in shapes)
-    pool = _Pool(engine, need, block_size)
+    pool = _Pool(engine, max(need, num_blocks or 0), block_size)  # `num_blocks` as in `time_decode`
     out = []
     for b, n in shapes:
         prompt_rows = tuple(
@@ -315,7 +319,7 @@ def measure(
     return Measurements(engine.model_config, tp, prefill, decode, coloc, coloc_decode)
 
 
-_S = TypeVar("_S", PrefillSample, DecodeSample)
+_S = TypeVar("_S", bound=PrefillSample | DecodeSample)
 
 
 def fastest_of(passes: Sequence[Sequence[_S]]) -> list[_S]:
