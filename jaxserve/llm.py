@@ -32,7 +32,7 @@ from jaxserve.runtime.request import (
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
-    from models.paged_attention import BlockLayout
+    from models.paged_attention import BlockLayout, Impl
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +101,24 @@ class LLM:
         backend: Literal["embedded", "ray"] = "embedded",
         ray_config: RayConfig | None = None,
         block_layout: BlockLayout | None = None,
+        attention_impl: Impl | None = None,
     ) -> None:
-        """`block_layout`: the KV pool's block layout on every instance ("tokens" or "heads"); default: the
-        one the backend's paged attention reads best (head-major on CPU, `models.paged_attention.block_layout_for`)."""
+        """`attention_impl`: every instance's paged decode attention (`models.paged_attention.IMPLS`); default:
+        the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
+        or "heads"); default: the one that attention reads best (`models.paged_attention.block_layout_for`)."""
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         self.controller: Controller
-        if block_layout is not None and (engine_factory is not None or backend == "ray"):
-            raise ValueError("block_layout applies to the embedded backend's own engines (no engine_factory)")
-        if block_layout is not None:
+        own_engines = block_layout is not None or attention_impl is not None
+        if own_engines and (engine_factory is not None or backend == "ray"):
+            raise ValueError(
+                "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
+            )
+        if own_engines:
             from jaxserve.runtime.opt_engine import opt_engine_factory
 
-            engine_factory = opt_engine_factory(model, dtype=dtype, block_layout=block_layout)
+            engine_factory = opt_engine_factory(
+                model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl
+            )
         if backend == "ray":  # every instance a Ray actor; see jaxserve/runtime/ray_backend
             from jaxserve.runtime.ray_backend.deployment import RayController
 

@@ -21,6 +21,7 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --threads 2             # opt-125m, ~5 minutes on 2 cores
     .venv/bin/python scripts/bench_model.py --e2e --threads 2       # end to end (64 x 128 in, 128 out)
     .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-layouts tokens,heads
+    .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-impls xla,xla_heads_flat
                                                                    # the same over both KV pool layouts
     .venv/bin/python scripts/bench_model.py --e2e --no-torch --e2e-decode-steps 1,4,8 --e2e-reps 5  # multi-step A/B
     .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
@@ -89,6 +90,12 @@ def _parse() -> argparse.Namespace:
         default="",
         help="KV pool block layouts for the e2e LLMs, one LLM per value, interleaved (e.g. tokens,heads: layout "
         "A/B); default: the layout serving picks on this backend",
+    )
+    ap.add_argument(
+        "--e2e-impls",
+        default="",
+        help="paged decode attention implementations for the e2e LLMs, one LLM per value, interleaved (e.g. "
+        "xla,xla_heads_flat); default: the one serving picks on this backend",
     )
     ap.add_argument(
         "--paged-ab",
@@ -639,8 +646,15 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     n, plen, new = args.e2e_prompts, args.e2e_prompt_len, args.e2e_new_tokens
     steps = [int(x) for x in str(args.e2e_decode_steps).split(",")]
     layouts = [x for x in args.e2e_layouts.split(",") if x] or [None]  # None: what serving picks
-    # one LLM per (decode steps per call, pool layout); named "jax N=k" (+ " LAYOUT" with --e2e-layouts)
-    variants = {f"jax N={k}" + (f" {lay}" if lay else ""): (k, lay) for k in steps for lay in layouts}
+    impls = [x for x in args.e2e_impls.split(",") if x] or [None]
+    # one LLM per (decode steps per call, pool layout, attention impl); named "jax N=k" (+ " LAYOUT" with
+    # --e2e-layouts, + " IMPL" with --e2e-impls)
+    variants = {
+        f"jax N={k}" + (f" {lay}" if lay else "") + (f" {impl}" if impl else ""): (k, lay, impl)
+        for k in steps
+        for lay in layouts
+        for impl in impls
+    }
     rng = np.random.default_rng(1)
     prompts = rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64)
     source = args.model  # a preset name: random weights
@@ -664,8 +678,9 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
                 decode_steps_per_call=k,
             ),
             block_layout=lay,
+            attention_impl=impl,
         )
-        for name, (k, lay) in variants.items()
+        for name, (k, lay, impl) in variants.items()
     }
     for name, llm in llms.items():
         print(f"  {name}: KV pool blocks {llm.controller.colocated_instances[0].pages[0].block_layout!r}")

@@ -184,3 +184,21 @@ def test_llm_generate_runs_the_head_major_pool_by_default(checkpoint: Path, expe
             pages = llm.controller.colocated_instances[0].pages
         assert got == expected
         assert pages[0].block_layout == (layout or "heads")
+
+
+def test_llm_runs_the_attention_impl_it_is_given(checkpoint: Path, expected: list[list[int]]) -> None:
+    """`LLM(attention_impl=...)` compiles that paged attention on every instance (here the opt-in one-dot-per-head
+    form) and serves transformers' greedy tokens with it; a name that is not an impl fails before any load."""
+    from jaxserve.llm import LLM
+
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    with LLM(str(checkpoint), "colocated:tp1", config=config, attention_impl="xla_heads_flat") as llm:
+        got = [list(o.token_ids) for o in llm.generate(PROMPTS, sampling)]
+        instance = llm.controller.colocated_instances[0]
+        assert isinstance(instance.engine, OPTEngine)
+        assert instance.engine.model.attention_impl == "xla_heads_flat"
+        assert instance.pages[0].block_layout == "heads"  # the layout that impl reads
+    assert got == expected
+    with pytest.raises(ValueError, match="unknown paged attention implementation 'flash'"):
+        LLM(str(checkpoint), "colocated:tp1", config=config, attention_impl="flash")  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ from jaxserve.runtime.sampling import (
 from models import opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
-from models.paged_attention import BlockLayout
+from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedOPT
 
 MIN_PROMPT_BUCKET = 16
@@ -662,16 +662,24 @@ def filled_blocks(row: StepRow, block_size: int) -> int:
 
 
 def opt_engine_factory(
-    source: str, dtype: str = "float32", block_layout: BlockLayout | None = None
+    source: str,
+    dtype: str = "float32",
+    block_layout: BlockLayout | None = None,
+    attention_impl: Impl | None = None,
 ) -> Callable[[InstanceSpec, Sequence[jax.Device]], OPTEngine]:
     """An engine factory: every instance loads `source` straight into its own sharding.
 
-    `block_layout` sets every instance's KV pool layout (default: the one its attention impl reads
-    best, `ShardedOPT.block_layout`).
+    `attention_impl` sets every instance's paged decode attention (`models.paged_attention`; default:
+    `default_impl()` for the backend), `block_layout` its KV pool layout (default: the one that impl
+    reads best, `ShardedOPT.block_layout`).
     """
+    if attention_impl is not None and attention_impl not in IMPLS:
+        raise ValueError(f"unknown paged attention implementation {attention_impl!r}; one of {', '.join(IMPLS)}")
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> OPTEngine:
         engine = OPTEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
+        if attention_impl is not None:  # before the first step compiles
+            engine.model.attention_impl = attention_impl
         if block_layout is not None:
             engine.model.block_layout = block_layout
         return engine
