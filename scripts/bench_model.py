@@ -21,8 +21,9 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
     .venv/bin/python scripts/bench_model.py --threads 2             # opt-125m, ~5 minutes on 2 cores
     .venv/bin/python scripts/bench_model.py --e2e --threads 2       # end to end (64 x 128 in, 128 out)
     .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-layouts tokens,heads
-    .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-impls xla,xla_heads_flat
                                                                    # the same over both KV pool layouts
+    .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-impls xla,xla_heads_flat
+                                                                   # ... and over two paged attentions
     .venv/bin/python scripts/bench_model.py --e2e --no-torch --e2e-decode-steps 1,4,8 --e2e-reps 5  # multi-step A/B
     .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
