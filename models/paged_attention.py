@@ -8,7 +8,7 @@ the whole pool `[L, ...]` with `layer=i` (the gather then reads layer i in place
 layer out first is a copy of it on XLA:CPU). `new_kv=(k, v)` adds one more position
 per row that is not in the pages (a decode step's own token) to the same softmax.
 
-* `impl="xla"` (default, every backend): a loop over chunks of table columns (`CHUNK_BYTES`) that
+* `impl="xla"` (the function's default): a loop over chunks of table columns (`CHUNK_BYTES`) that
   stops after the longest row's last filled block, with an online (flash-decoding) softmax. Each
   chunk's blocks are gathered, put head-major ([B, H, S, D], see `models.opt._decode_attention` for
   why) and attended while they are still in cache. The engine buckets table widths to powers of
@@ -25,14 +25,15 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   (or `[L, ...]`). With impl="xla" each chunk is gathered as [B, C, H, bs, D] and attended by two
   dots with (b, c, h) as batch dims: no transpose and no token-axis reduction (1.5-2.2x "xla" on
   token-major blocks for the attention alone, `scripts/bench_model.py --paged-layout-ab`). It is
-  the serving pool's layout wherever impl="xla" runs (`block_layout_for`, i.e. on CPU);
+  the serving pool's layout wherever impl="xla" or "xla_heads_flat" runs (`block_layout_for`, i.e. on CPU);
   "xla_gather" and "pallas_gpu" read it too, "xla_tokens" does not;
-* `impl="xla_heads_flat"` (opt-in, head-major blocks only): the "heads" loop, but each gathered chunk
+* `impl="xla_heads_flat"` (head-major blocks; on token-major ones it runs impl="xla"'s form, so a pool of
+  either layout serves under the CPU default): the "heads" loop, but each gathered chunk
   [B, C, H, bs, D] is put [B, H, C*bs, D] (a transpose of the chunk, in cache) and attended by one dot per
   (b, h) over all C*bs positions instead of C dots of bs. The whole paged step, opt-125m, context 512, 2
   threads, interleaved, 5 reps, in both orders: 1.04-1.09x "xla" at batch 1-8, 1.00-1.04x at 16, 0.98-1.01x
-  at 32 (`--paged-ab xla:heads,xla_heads_flat:heads`). A candidate default once an end-to-end A/B on a quiet
-  machine agrees;
+  at 32 (`--paged-ab xla:heads,xla_heads_flat:heads`); end to end 1.04x and 1.06x (`--e2e-impls`). What
+  serving runs on CPU (`default_impl`);
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -102,8 +103,6 @@ def paged_decode_attention(
         raise ValueError(f"unknown block layout {block_layout!r}")
     if block_layout == "heads" and impl == "xla_tokens":
         raise ValueError("block_layout='heads' is not implemented for impl='xla_tokens' (a token-major form)")
-    if block_layout == "tokens" and impl == "xla_heads_flat":
-        raise ValueError("impl='xla_heads_flat' reads head-major blocks: block_layout='heads'")
     heads = block_layout == "heads"
     if impl == "pallas_gpu":
         if new_kv is not None:
@@ -116,8 +115,9 @@ def paged_decode_attention(
     if impl == "xla_gather":
         return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
     tokens = impl == "xla_tokens" and q.shape[0] >= TOKEN_MIN_BATCH
+    # the flat form is for head-major blocks; on token-major ones impl="xla_heads_flat" runs impl="xla"'s form
     form: _Form = (
-        "heads_flat" if impl == "xla_heads_flat" else "heads" if heads else "tokens" if tokens else "transpose"
+        ("heads_flat" if impl == "xla_heads_flat" else "heads") if heads else "tokens" if tokens else "transpose"
     )
     return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, form)
 
@@ -125,11 +125,13 @@ def paged_decode_attention(
 def default_impl() -> Impl:
     """The implementation to use on the default backend.
 
-    The chunked loop of "xla" was measured on CPU only (it wins by keeping each chunk in cache); on
-    an accelerator each iteration is a handful of kernel launches, so the one-gather form stays the
-    default there until an A/B on the device (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
+    The chunked loop was measured on CPU only (it wins by keeping each chunk in cache), and there its
+    one-dot-per-head form "xla_heads_flat" over "xla": 1.04-1.09x the paged step at batch 1-8, 1.04x / 1.06x
+    end to end in two A/Bs of `LLM.generate` (docs/performance.md). On an accelerator each iteration is a
+    handful of kernel launches, so the one-gather form stays the default there until an A/B on the device
+    (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
     """
-    return "xla" if jax.default_backend() == "cpu" else "xla_gather"
+    return "xla_heads_flat" if jax.default_backend() == "cpu" else "xla_gather"
 
 
 def block_layout_for(impl: Impl) -> BlockLayout:

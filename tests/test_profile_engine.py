@@ -85,7 +85,7 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     engine = OPTEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
     pad = engine_padding(cfg, 16, "float32")
     layout = engine.init_pages(4, 16)[0].block_layout  # the pool this engine really serves from
-    assert default_impl() == "xla" and layout == "heads"
+    assert default_impl() == "xla_heads_flat" and layout == "heads"
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     for batch, ctx in [(1, 20), (3, 40), (5, 100), (12, 30), (48, 64), (3, 250)]:
         per = blocks_for(ctx + 1, 16)

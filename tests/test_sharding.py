@@ -67,7 +67,7 @@ def test_sharded_matches_unsharded(
 
     # paged, in both block layouts (blocks [bs, H, D] and head-major [H, bs, D], heads split either way):
     # prefill into pages then decode one token, compared with the uncached forward
-    assert model.block_layout == "heads"  # the CPU's default attention (impl "xla") reads head-major blocks
+    assert model.block_layout == "heads"  # the CPU's default attention (impl "xla_heads_flat") reads head-major blocks
     full_len = np.full(B, T, np.int32)
     cases: list[tuple[BlockLayout, tuple[int, ...]]] = [
         ("tokens", (per_stage, 8, 3, cfg.num_heads // tp, cfg.head_dim)),
