@@ -76,6 +76,13 @@ HEADS_CHUNK_BYTES = 2 * 1024 * 1024
 # ms vs 40.0-42.9 (alternating runs). Batch 2 and 4, and batch 1 over a 128-column table, were the same at 8
 # columns as at the byte bound's 16-32.
 HEADS_MAX_CHUNK_COLUMNS = 8
+# ... and for impl="xla_heads_flat" at least this many: its one dot per (b, h) runs over the chunk's C * bs
+# positions, and at one column ([1 x 64] . [64 x 16] per head) the loop ran 1.3-1.5x slower than at four,
+# which the byte bound above picks only up to batch 8. Attention alone, opt-125m, 12 layers, 2 threads,
+# min ms of 5 interleaved, columns 1/2/4/8 (2026-12-02, load 1.4-1.7 from the run itself): batch 16 ctx 512
+# 143/121/116/117, batch 32 302/219/210/225, batch 64 ctx 512 517/403/390/419, batch 64 ctx 192
+# 225/153/151/268 (8 columns pad 12 filled ones to 16); batch 1-4 ctx 512 the same at 4 and 8.
+HEADS_FLAT_MIN_CHUNK_COLUMNS = 4
 # Below this batch impl="xla_tokens" runs the head-major form of impl="xla": at batch 1 XLA:CPU's
 # reductions over the token axis ran at under 1 GB/s (attention alone 50 ms vs 10 ms head-major).
 TOKEN_MIN_BATCH = 8
@@ -183,11 +190,14 @@ def chunk_columns(column_bytes: int, form: _Form) -> int:
 
     `column_bytes`: K bytes of one table column over the whole batch. `form` "heads" (head-major pool
     blocks): the most columns within `HEADS_CHUNK_BYTES`, rounded down to a power of two, at most
-    `HEADS_MAX_CHUNK_COLUMNS`; "tokens": within `TOKEN_CHUNK_BYTES`, a power of two; "transpose": within
-    `CHUNK_BYTES`. Always >= 1. `placement.padding.EnginePadding` mirrors this rule without JAX.
+    `HEADS_MAX_CHUNK_COLUMNS`; "heads_flat": the same but at least `HEADS_FLAT_MIN_CHUNK_COLUMNS`; "tokens":
+    within `TOKEN_CHUNK_BYTES`, a power of two; "transpose": within `CHUNK_BYTES`. Always >= 1. `placement.padding.EnginePadding` mirrors this rule without JAX.
     """
     if form in ("heads", "heads_flat"):
-        return min(1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1), HEADS_MAX_CHUNK_COLUMNS)
+        fits = 1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1)
+        if form == "heads_flat":
+            fits = max(fits, HEADS_FLAT_MIN_CHUNK_COLUMNS)
+        return min(fits, HEADS_MAX_CHUNK_COLUMNS)
     if form == "tokens":
         return 1 << max(0, (TOKEN_CHUNK_BYTES // column_bytes).bit_length() - 1)
     return max(1, CHUNK_BYTES // column_bytes)

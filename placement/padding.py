@@ -50,6 +50,7 @@ class EnginePadding:
     kv_column_bytes: int = 0  # bytes of K one row's table column holds (block_size · heads · head_dim · itemsize)
     attention_chunk_pow2: bool = False  # a chunk's column count is rounded down to a power of two (head-major pool)
     attention_chunk_max_columns: int = 0  # > 0: and at most this many columns
+    attention_chunk_min_columns: int = 1  # and at least this many (before the table's width caps it)
 
     def prefill(self, num_tokens: float, sum_sq: float, batch: int) -> tuple[float, float, int]:
         """(Σl, Σl², B) of the padded prefill batch."""
@@ -71,6 +72,7 @@ class EnginePadding:
             # the last position before the new token (which joins the softmax apart from the pages)
             fits = self.attention_chunk_bytes // (rows * self.kv_column_bytes)
             chunk = 1 << max(0, fits.bit_length() - 1) if self.attention_chunk_pow2 else max(1, fits)
+            chunk = max(chunk, self.attention_chunk_min_columns)
             if self.attention_chunk_max_columns > 0:
                 chunk = min(chunk, self.attention_chunk_max_columns)
             chunk = min(chunk, width)

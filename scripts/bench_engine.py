@@ -370,6 +370,9 @@ _AB_CASES = {  # name: (model, context, decode rows, blocks reserved per row, pr
     "mixed": ("tiny", 21, 15, 17, 256),
     "m125b1": ("opt-125m", 512, 1, 40, 0),
     "m125b16": ("opt-125m", 512, 16, 40, 0),
+    "m125b8": ("opt-125m", 512, 8, 40, 0),
+    "m125b32": ("opt-125m", 512, 32, 40, 0),
+    "m125b64c192": ("opt-125m", 192, 64, 16, 0),  # the rows of `--e2e`'s decode steps (64 x 128 + up to 128)
 }
 
 

@@ -54,6 +54,7 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
             "kv_column_bytes": 16 * 64 * 4,
             "attention_chunk_pow2": True,
             "attention_chunk_max_columns": 8,
+            "attention_chunk_min_columns": 4,
         }
 
     profile = load_profile(str(out))
@@ -96,10 +97,29 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
         assert padded_rows == b
         # the one-gather form reads the whole padded table
         assert EnginePadding(block_size=16).decode(batch, float(batch * ctx)) == (b, float(b * m * 16))
-        # opt-tiny: 4 KiB of K per row and column; the attention loop's own rule for that many bytes over
-        # the padded batch (at most the table's m), and it runs chunks up to the one holding position ctx - 1.
-        chunk = min(chunk_columns(b * 4096, "heads"), m)
+        # opt-tiny: 4 KiB of K per row and column; the attention loop's own rule (the flat form's) for that many
+        # bytes over the padded batch (at most the table's m), and it runs chunks up to the one holding ctx - 1.
+        chunk = min(chunk_columns(b * 4096, "heads_flat"), m)
         assert attended == b * -(-ctx // (chunk * 16)) * chunk * 16, (batch, ctx)
+
+
+def test_engine_padding_follows_the_flat_loops_chunk_rule_at_large_batches() -> None:
+    """opt-125m's K column is 48 KiB a row, so from 16 rows on the 2 MiB byte bound alone would give the flat
+    loop one or two columns a chunk; it takes at least `HEADS_FLAT_MIN_CHUNK_COLUMNS` (four), and the
+    profile's padding charges the same chunks."""
+    from jaxserve.commands.profile import engine_padding
+    from models.paged_attention import HEADS_FLAT_MIN_CHUNK_COLUMNS, chunk_columns
+
+    pad = engine_padding(get_config("opt-125m"), 16, "float32")
+    column = 16 * 12 * 64 * 4
+    assert HEADS_FLAT_MIN_CHUNK_COLUMNS == 4 and chunk_columns(64 * column, "heads") == 1
+    for rows, ctx in [(1, 500), (8, 512), (16, 512), (32, 200), (64, 192), (64, 130)]:
+        padded = max(rows, 2)  # the engine's decode rows (a power of two, at least 2)
+        chunk = chunk_columns(padded * column, "heads_flat")
+        assert chunk == (8 if rows == 1 else 4)
+        m = 1 << (-(-(ctx + 1) // 16) - 1).bit_length()  # the engine's table bucket
+        chunk = min(chunk, m)
+        assert pad.decode(rows, float(rows * ctx)) == (padded, padded * -(-ctx // (chunk * 16)) * chunk * 16.0)
 
 
 def test_fastest_of_keeps_each_shapes_fastest_pass() -> None:

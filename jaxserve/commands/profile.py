@@ -59,6 +59,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
         CHUNK_BYTES,
         HEAD_MAJOR_LOOPS,
         HEADS_CHUNK_BYTES,
+        HEADS_FLAT_MIN_CHUNK_COLUMNS,
         HEADS_MAX_CHUNK_COLUMNS,
         block_layout_for,
         default_impl,
@@ -66,7 +67,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
     from placement.padding import EnginePadding
 
     impl = default_impl()
-    chunked = impl in HEAD_MAJOR_LOOPS  # the chunk loop (the same chunk rule in both forms)
+    chunked = impl in HEAD_MAJOR_LOOPS  # the chunk loop (the flat form takes at least 4 columns a chunk)
     heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
         block_size=block_size,
@@ -74,6 +75,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
         kv_column_bytes=block_size * cfg.num_heads * cfg.head_dim * jnp.dtype(dtype).itemsize if chunked else 0,
         attention_chunk_pow2=heads,
         attention_chunk_max_columns=HEADS_MAX_CHUNK_COLUMNS if heads else 0,
+        attention_chunk_min_columns=HEADS_FLAT_MIN_CHUNK_COLUMNS if heads and impl == "xla_heads_flat" else 1,
     )
 
 
