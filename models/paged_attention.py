@@ -30,7 +30,8 @@ per row that is not in the pages (a decode step's own token) to the same softmax
 * `impl="xla_heads_flat"` (head-major blocks; on token-major ones it runs impl="xla"'s form, so a pool of
   either layout serves under the CPU default): the "heads" loop, but each gathered chunk
   [B, C, H, bs, D] is put [B, H, C*bs, D] (a transpose of the chunk, in cache) and attended by one dot per
-  (b, h) over all C*bs positions instead of C dots of bs. The whole paged step, opt-125m, context 512, 2
+  (b, h) over all C*bs positions instead of C dots of bs, at least `HEADS_FLAT_MIN_CHUNK_COLUMNS` columns a
+  chunk (1.3-1.5x the attention at 16-64 rows over one column). The whole paged step, opt-125m, context 512, 2
   threads, interleaved, 5 reps, in both orders: 1.04-1.09x "xla" at batch 1-8, 1.00-1.04x at 16, 0.98-1.01x
   at 32 (`--paged-ab xla:heads,xla_heads_flat:heads`); end to end 1.04x and 1.06x (`--e2e-impls`). What
   serving runs on CPU (`default_impl`);
