@@ -192,7 +192,8 @@ def chunk_columns(column_bytes: int, form: _Form) -> int:
     `column_bytes`: K bytes of one table column over the whole batch. `form` "heads" (head-major pool
     blocks): the most columns within `HEADS_CHUNK_BYTES`, rounded down to a power of two, at most
     `HEADS_MAX_CHUNK_COLUMNS`; "heads_flat": the same but at least `HEADS_FLAT_MIN_CHUNK_COLUMNS`; "tokens":
-    within `TOKEN_CHUNK_BYTES`, a power of two; "transpose": within `CHUNK_BYTES`. Always >= 1. `placement.padding.EnginePadding` mirrors this rule without JAX.
+    within `TOKEN_CHUNK_BYTES`, a power of two; "transpose": within `CHUNK_BYTES`. Always >= 1.
+    `placement.padding.EnginePadding` mirrors this rule without JAX.
     """
     if form in ("heads", "heads_flat"):
         fits = 1 << max(0, (HEADS_CHUNK_BYTES // column_bytes).bit_length() - 1)
