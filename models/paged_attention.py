@@ -35,6 +35,14 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   threads, interleaved, 5 reps, in both orders: 1.04-1.09x "xla" at batch 1-8, 1.00-1.04x at 16, 0.98-1.01x
   at 32 (`--paged-ab xla:heads,xla_heads_flat:heads`); end to end 1.04x and 1.06x (`--e2e-impls`). What
   serving runs on CPU (`default_impl`);
+* `impl="cpu_kernel"` (head-major blocks, CPU backend): a C++ kernel (`models/kernels/paged_attention_cpu.cc`,
+  an XLA FFI call built on first use by `models.kernels.cpu`) that reads each (row, head)'s blocks in place
+  from the pool, with no gather, no transpose and no per-(row, head) dot dispatch, items shared over XLA's
+  intra-op threads. Attention alone, opt-125m, 12 layers, 2 threads: 2-3.7x "xla_heads_flat" at 8-64 rows
+  (docs/performance.md). What serving runs on CPU where the kernel builds (`default_impl`). Where it cannot
+  be had (no compiler, a token-major pool, a dtype other than float32 / bfloat16 for q and the pages alike,
+  `JAXSERVE_CPU_KERNEL=0`) it runs "xla_heads_flat"'s form. Its call is not partitioned: a stage split
+  over several devices (tp > 1) runs "xla_heads_flat" instead (`ShardedOPT`);
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -49,12 +57,15 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-Impl = Literal["xla", "xla_tokens", "xla_gather", "pallas_gpu", "xla_heads_flat"]
+from models.kernels import cpu as cpu_kernel
+
+Impl = Literal["xla", "xla_tokens", "xla_gather", "pallas_gpu", "xla_heads_flat", "cpu_kernel"]
 BlockLayout = Literal["tokens", "heads"]
 BLOCK_LAYOUTS: tuple[BlockLayout, ...] = ("tokens", "heads")
 _Form = Literal["transpose", "tokens", "heads", "heads_flat"]  # how impl="xla"'s chunk loop attends a chunk
-IMPLS: tuple[Impl, ...] = ("xla", "xla_tokens", "xla_gather", "pallas_gpu", "xla_heads_flat")
+IMPLS: tuple[Impl, ...] = ("xla", "xla_tokens", "xla_gather", "pallas_gpu", "xla_heads_flat", "cpu_kernel")
 # The impls whose chunk loop serving runs over head-major blocks (`block_layout_for`; the profile's padding).
 HEAD_MAJOR_LOOPS: tuple[Impl, ...] = ("xla", "xla_heads_flat")
 _MASK_VALUE = -1e30
@@ -112,6 +123,10 @@ def paged_decode_attention(
     if block_layout == "heads" and impl == "xla_tokens":
         raise ValueError("block_layout='heads' is not implemented for impl='xla_tokens' (a token-major form)")
     heads = block_layout == "heads"
+    if impl == "cpu_kernel":
+        if heads and cpu_kernel_applies(q.dtype, k_pages.dtype, new_kv):
+            return _cpu_kernel(q, k_pages, v_pages, block_tables, lengths, scale, layer, new_kv)
+        impl = "xla_heads_flat"  # a token-major pool, another dtype, or no kernel here: the XLA loop
     if impl == "pallas_gpu":
         if new_kv is not None:
             raise ValueError("the Pallas kernel reads every position from the pages: write new_kv first")
@@ -133,13 +148,26 @@ def paged_decode_attention(
 def default_impl() -> Impl:
     """The implementation to use on the default backend.
 
-    The chunked loop was measured on CPU only (it wins by keeping each chunk in cache), and there its
-    one-dot-per-head form "xla_heads_flat" over "xla": 1.04-1.09x the paged step at batch 1-8, 1.04x / 1.06x
-    end to end in two A/Bs of `LLM.generate` (docs/performance.md). On an accelerator each iteration is a
-    handful of kernel launches, so the one-gather form stays the default there until an A/B on the device
-    (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
+    On CPU the C++ kernel "cpu_kernel" where it builds (`models.kernels.cpu`), else the chunked loop's
+    one-dot-per-head form "xla_heads_flat" (the loop was measured on CPU only: it wins by keeping each chunk
+    in cache; the flat form 1.04-1.09x "xla" at batch 1-8, docs/performance.md). On an accelerator each
+    iteration is a handful of kernel launches, so the one-gather form stays the default there until an A/B
+    on the device (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
     """
-    return "xla_heads_flat" if jax.default_backend() == "cpu" else "xla_gather"
+    if jax.default_backend() != "cpu":
+        return "xla_gather"
+    return "cpu_kernel" if cpu_kernel.paged_attention_target() is not None else "xla_heads_flat"
+
+
+def cpu_kernel_applies(q_dtype: Any, pages_dtype: Any, new_kv: tuple[jax.Array, jax.Array] | None = None) -> bool:
+    """Whether impl="cpu_kernel" runs its kernel (not the XLA fallback) for these dtypes on this backend."""
+    dtypes = {jnp.dtype(q_dtype), jnp.dtype(pages_dtype)} | ({jnp.dtype(x.dtype) for x in new_kv} if new_kv else set())
+    return (
+        jax.default_backend() == "cpu"
+        and len(dtypes) == 1
+        and dtypes <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+        and cpu_kernel.paged_attention_target() is not None
+    )
 
 
 def block_layout_for(impl: Impl) -> BlockLayout:
@@ -151,7 +179,36 @@ def block_layout_for(impl: Impl) -> BlockLayout:
     only. The dense KV that instances exchange is the same in both layouts, so the choice is each
     engine's own.
     """
-    return "heads" if impl in HEAD_MAJOR_LOOPS else "tokens"
+    return "heads" if impl in (*HEAD_MAJOR_LOOPS, "cpu_kernel") else "tokens"
+
+
+def _cpu_kernel(
+    q: jax.Array,  # [B, H, D]
+    k_pages: jax.Array,  # [N, H, bs, D], or [L, N, H, bs, D] with `layer`
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    layer: Any,
+    new_kv: tuple[jax.Array, jax.Array] | None,
+) -> jax.Array:
+    """The C++ kernel over head-major blocks: the pool is passed whole and read in place at `layer`."""
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    k_new, v_new = new_kv if new_kv is not None else (jnp.zeros_like(q), jnp.zeros_like(q))
+    call = jax.ffi.ffi_call(cpu_kernel.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        block_tables.astype(jnp.int32),
+        lengths.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32),
+        k_new,
+        v_new,
+        scale=np.float32(scale),
+        has_new=new_kv is not None,
+    )
 
 
 def _xla_gather(

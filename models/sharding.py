@@ -331,6 +331,13 @@ class ShardedOPT:
             raise ValueError(f"unknown block layout {layout!r}")
         self._block_layout = layout
 
+    def stage_attention(self, stage: int) -> Impl:
+        """The paged decode attention stage `stage` runs: `attention_impl`, except that a stage split over
+        several devices runs "xla_heads_flat" in the CPU kernel's place (the kernel's call is not partitioned)."""
+        if self.attention_impl == "cpu_kernel" and self.layout.stages[stage].mesh.devices.size > 1:
+            return "xla_heads_flat"
+        return self.attention_impl
+
     # ---- shardings -------------------------------------------------------------------------
     def kv_sharding(self, stage: int) -> NamedSharding:
         return self.layout.stages[stage].kv_sharding
@@ -354,7 +361,7 @@ class ShardedOPT:
                 fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
             elif kind == "paged":  # static carries the pool's block_layout
                 fn = jax.jit(
-                    partial(_stage_paged, **flags, **static, attention=self.attention_impl),
+                    partial(_stage_paged, **flags, **static, attention=self.stage_attention(stage)),
                     out_shardings=(st.replicated, st.pool_sharding(static["block_layout"])),
                     donate_argnums=(4,),
                 )

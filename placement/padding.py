@@ -14,7 +14,8 @@ form (`xla_gather`, an accelerator's default) reads the whole padded table, the 
 the CPU default) reads chunks of `attention_chunk_bytes` over the batch (`kv_column_bytes` per row and
 table column; over a head-major pool rounded down to a power of two of columns and at most
 `attention_chunk_max_columns`) up to the chunk holding the last filled position, so a table's empty
-columns cost nothing. With `attention_chunk_bytes = 0` (and in profiles written before it existed) the whole
+columns cost nothing; the CPU kernel (`cpu_kernel`, the CPU default where it builds) reads each row's filled
+positions and nothing else (`attention_exact`). With `attention_chunk_bytes = 0` (and in profiles written before it existed) the whole
 padded table is charged.
 
 Coefficients used this way must be fitted in the same padded terms (`profile_fit`'s `padding=`,
@@ -51,6 +52,7 @@ class EnginePadding:
     attention_chunk_pow2: bool = False  # a chunk's column count is rounded down to a power of two (head-major pool)
     attention_chunk_max_columns: int = 0  # > 0: and at most this many columns
     attention_chunk_min_columns: int = 1  # and at least this many (before the table's width caps it)
+    attention_exact: bool = False  # decode attention reads each row's filled positions only (the CPU kernel)
 
     def prefill(self, num_tokens: float, sum_sq: float, batch: int) -> tuple[float, float, int]:
         """(Σl, Σl², B) of the padded prefill batch."""
@@ -65,6 +67,8 @@ class EnginePadding:
         if batch == 0:
             return batch, ctx_sum
         rows = bucket(batch, self.min_decode_rows)
+        if self.attention_exact:  # `models.paged_attention`'s impl="cpu_kernel": padding rows attend nothing
+            return rows, ctx_sum
         blocks = math.ceil((ctx_sum / batch + 1) / self.block_size)  # the new token's slot included
         width = bucket(blocks, self.min_table_blocks)
         if self.attention_chunk_bytes > 0 and self.kv_column_bytes > 0:

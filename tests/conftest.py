@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
@@ -10,3 +11,5 @@ if "--xla_force_host_platform_device_count" not in _flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the CPU attention kernel is built once per session, here, not in the home folder (Ray workers inherit it)
+os.environ.setdefault("JAXSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="jaxserve-kernels-"))

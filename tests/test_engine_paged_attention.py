@@ -107,7 +107,7 @@ def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) ->
     np.testing.assert_allclose(np.asarray(got)[1], v_new[1], atol=1e-6)  # nothing cached: the new value itself
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla_heads_flat"])
+@pytest.mark.parametrize("impl", ["xla", "xla_heads_flat", "cpu_kernel"])
 @pytest.mark.parametrize("chunk_blocks", [0, 1, 3])
 def test_head_major_blocks(impl: Impl, chunk_blocks: int, case: tuple[np.ndarray, ...]) -> None:
     """block_layout="heads": a [L, N, H, bs, D] pool (each block head-major), with new_kv and a layer axis."""
@@ -183,6 +183,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     cases: list[tuple[Impl, BlockLayout]] = [
         ("xla", "tokens"), ("xla_tokens", "tokens"), ("xla_gather", "tokens"), ("pallas_gpu", "tokens"),
         ("xla", "heads"), ("xla_gather", "heads"), ("pallas_gpu", "heads"), ("xla_heads_flat", "heads"),
+        ("cpu_kernel", "heads"),
     ]  # fmt: skip
     for impl, layout in cases:
         pool = opt.init_paged_cache(cfg, 8, bs, block_layout=layout)
@@ -194,7 +195,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
             np.asarray(logits),
             k.swapaxes(2, 3) if layout == "heads" else k,  # compared token-major
         )
-    for impl in ("xla", "xla_gather", "pallas_gpu", "xla_heads_flat"):  # head-major: same logits, same K per slot
+    for impl in ("xla", "xla_gather", "pallas_gpu", "xla_heads_flat", "cpu_kernel"):  # head-major: same logits, K
         np.testing.assert_allclose(results[f"{impl}:heads"][0], results["xla"][0], atol=1e-4)
         np.testing.assert_allclose(results[f"{impl}:heads"][1], results["xla"][1], atol=1e-5)
     np.testing.assert_allclose(results["pallas_gpu"][0], results["xla"][0], atol=1e-4)

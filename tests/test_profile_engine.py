@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve.cli import main
 from jaxserve.plan import parse_deployment
 from models.config import get_config
+from models.paged_attention import default_impl
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import AppendixCoefficients, LatencyProvider, load_profile
 from placement.padding import EnginePadding, PaddedModel
@@ -41,21 +42,29 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
         assert max(*(entry[c] for c in ("C1", "C2", "C3", "C4", "C5", "C6")), *entry["step_overhead"]) > 0
         assert entry["L_m"] in {sum([n] * b) for b, n in [(1, 16), (1, 32), (1, 128), (2, 32), (2, 64)]}
         assert entry["fit"]["prefill"]["num_samples"] == 5
-        # fitted in the engine's padded shapes (the default), so the planner charges those
-        # (opt-tiny's K: 16 positions x 64 floats = 4 KiB a table column; XLA:CPU's decode attention
-        # reads the head-major pool in chunks of up to 2 MiB, a power of two of at most 8 columns, up to
-        # the last filled one)
-        assert entry["engine_padding"] == {
-            "min_prompt_tokens": 16,
-            "block_size": 16,
-            "min_table_blocks": 1,
-            "min_decode_rows": 2,
+        # fitted in the engine's padded shapes (the default), so the planner charges those: the buckets, and
+        # the decode attention of this machine's engine (the CPU kernel reads each row's filled positions;
+        # without it, opt-tiny's K is 16 positions x 64 floats = 4 KiB a table column, which the XLA loop
+        # reads from the head-major pool in chunks of up to 2 MiB, a power of two of 4-8 columns, up to the
+        # last filled one)
+        buckets = {"min_prompt_tokens": 16, "block_size": 16, "min_table_blocks": 1, "min_decode_rows": 2}
+        kernel = {
+            "attention_chunk_bytes": 0,
+            "kv_column_bytes": 0,
+            "attention_chunk_pow2": False,
+            "attention_chunk_max_columns": 0,
+            "attention_chunk_min_columns": 1,
+            "attention_exact": True,
+        }
+        flat_loop = {
             "attention_chunk_bytes": 2 * 1024 * 1024,
             "kv_column_bytes": 16 * 64 * 4,
             "attention_chunk_pow2": True,
             "attention_chunk_max_columns": 8,
             "attention_chunk_min_columns": 4,
+            "attention_exact": False,
         }
+        assert entry["engine_padding"] == {**buckets, **(kernel if default_impl() == "cpu_kernel" else flat_loop)}
 
     profile = load_profile(str(out))
     coeffs = profile.lookup("disagg", "opt-tiny", 1)
@@ -72,7 +81,9 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
 
 def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     """`jaxserve profile`'s padding for this engine: the rows and table width `OPTEngine.step_shape` gives a
-    decode sub-batch, and the chunked attention of `models.paged_attention` (the CPU default) on top."""
+    decode sub-batch, and what the decode attention of `models.paged_attention` reads on top: the CPU
+    kernel (the CPU default where it builds) each row's filled positions, the chunked loop that a stage
+    split over devices runs (tp=2 here) its chunks of table columns."""
     import jax
 
     from jaxserve.commands.profile import engine_padding
@@ -80,20 +91,25 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     from jaxserve.runtime.opt_engine import OPTEngine
     from jaxserve.runtime.request import SamplingParams
     from jaxserve.scheduling import blocks_for
-    from models.paged_attention import chunk_columns, default_impl
+    from models.paged_attention import chunk_columns
 
     cfg = get_config("opt-tiny")
     engine = OPTEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
-    pad = engine_padding(cfg, 16, "float32")
-    layout = engine.init_pages(4, 16)[0].block_layout  # the pool this engine really serves from
-    assert default_impl() == "xla_heads_flat" and layout == "heads"
+    split = OPTEngine.load("opt-tiny", jax.devices()[:2], tp=2, pp=1)
+    pad, pad_split = engine_padding(cfg, 16, "float32"), engine_padding(cfg, 16, "float32", tp=2)
+    assert engine.init_pages(4, 16)[0].block_layout == "heads"  # the pool this engine really serves from
+    assert split.model.stage_attention(0) == "xla_heads_flat"
+    kernel = engine.model.stage_attention(0) == "cpu_kernel"
+    assert kernel == (default_impl() == "cpu_kernel") and pad.attention_exact == kernel
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     for batch, ctx in [(1, 20), (3, 40), (5, 100), (12, 30), (48, 64), (3, 250)]:
         per = blocks_for(ctx + 1, 16)
         rows = [StepRow(f"r{i}", (5,), ctx, tuple(range(i * per, (i + 1) * per)), greedy, i, 1) for i in range(batch)]
         b, t, m = engine.step_shape(rows, 16)
-        assert t == 1
-        padded_rows, attended = pad.decode(batch, float(batch * ctx))
+        assert t == 1 and split.step_shape(rows, 16) == (b, t, m)
+        if kernel:  # each real row's context, nothing for padding rows (they attend no pages)
+            assert pad.decode(batch, float(batch * ctx)) == (b, float(batch * ctx))
+        padded_rows, attended = pad_split.decode(batch, float(batch * ctx))
         assert padded_rows == b
         # the one-gather form reads the whole padded table
         assert EnginePadding(block_size=16).decode(batch, float(batch * ctx)) == (b, float(b * m * 16))
@@ -110,7 +126,7 @@ def test_engine_padding_follows_the_flat_loops_chunk_rule_at_large_batches() -> 
     from jaxserve.commands.profile import engine_padding
     from models.paged_attention import HEADS_FLAT_MIN_CHUNK_COLUMNS, chunk_columns
 
-    pad = engine_padding(get_config("opt-125m"), 16, "float32")
+    pad = engine_padding(get_config("opt-125m"), 16, "float32", tp=2)  # a split stage runs the flat loop
     column = 16 * 12 * 64 * 4
     assert HEADS_FLAT_MIN_CHUNK_COLUMNS == 4 and chunk_columns(64 * column, "heads") == 1
     for rows, ctx in [(1, 500), (8, 512), (16, 512), (32, 200), (64, 192), (64, 130)]:

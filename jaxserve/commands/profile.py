@@ -49,10 +49,11 @@ if TYPE_CHECKING:
     from placement.padding import EnginePadding
 
 
-def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding:
-    """The shapes this process's engine computes: `OPTEngine`'s buckets and its decode attention's form
-    (`models.paged_attention.default_impl`, which `models.sharding.ShardedOPT` runs: the CPU's chunked
-    loop reads only filled chunks of the table, the one-gather form all of it)."""
+def engine_padding(cfg: OPTConfig, block_size: int, dtype: str, tp: int = 1) -> EnginePadding:
+    """The shapes this process's engine computes at tensor-parallel degree `tp`: `OPTEngine`'s buckets and
+    its decode attention's form (`models.paged_attention.default_impl`, which `models.sharding.ShardedOPT`
+    runs: the CPU kernel reads each row's filled positions, the CPU's chunked loop only filled chunks of
+    the table, the one-gather form all of it; a tp > 1 stage runs the chunked loop in the kernel's place)."""
     import jax.numpy as jnp
 
     from models.paged_attention import (
@@ -67,6 +68,10 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str) -> EnginePadding
     from placement.padding import EnginePadding
 
     impl = default_impl()
+    if impl == "cpu_kernel" and tp == 1:  # each row's own positions, no chunks
+        return EnginePadding(block_size=block_size, attention_exact=True)
+    if impl == "cpu_kernel":
+        impl = "xla_heads_flat"  # what ShardedOPT runs on a stage split over devices
     chunked = impl in HEAD_MAJOR_LOOPS  # the chunk loop (the flat form takes at least 4 columns a chunk)
     heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
@@ -258,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
                 # the engine pads every step to a bucket; fit (and later charge) what it computes
-                padding=None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype),
+                padding=None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype, tp),
             )
             entries.append(entry)
             fit = entry["fit"]
@@ -324,7 +329,7 @@ def _from_server(args: argparse.Namespace) -> int:
         by_role.setdefault(inst["role"], []).extend(inst["steps"])
     groups = [("colocated", by_role.get("colocated", []), by_role.get("colocated", []))]
     groups.append(("disagg", by_role.get("prefill", []), by_role.get("decode", [])))
-    padding = None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype)
+    padding = None if args.no_padding else engine_padding(cfg, args.block_size, args.dtype, tp)
     entries = []
     for engine, pre_steps, dec_steps in groups:
         if not pre_steps and not dec_steps:

@@ -493,6 +493,7 @@ class OPTEngine:
             num_steps=num_steps,
             greedy=greedy,
             logprobs=with_logprobs,
+            attention=self.model.stage_attention(0),
         )
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
@@ -528,7 +529,7 @@ class OPTEngine:
         return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy", "logprobs"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy", "logprobs", "attention"), donate_argnames=("cache",))
 def _decode_loop(
     params: Params,
     tokens: jax.Array,  # [B] the last token of each row
@@ -544,6 +545,7 @@ def _decode_loop(
     num_steps: int,
     greedy: bool,
     logprobs: bool = False,
+    attention: Impl = "xla",
 ) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]:
     """Up to `num_steps` paged decode steps in one program: sample on device, stop rows on device.
 
@@ -561,7 +563,7 @@ def _decode_loop(
         k, tok, pos, act, rem, c, out, lp = carry
         lengths = act.astype(jnp.int32)
         x = opt.embed(params, cfg, tok[:, None], pos[:, None])
-        x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables)
+        x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables, attention=attention)
         logits = opt.lm_head(params, cfg, x[:, 0])  # [B, V]
         new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))

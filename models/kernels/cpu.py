@@ -1,0 +1,146 @@
+"""Build, cache and register the CPU paged-attention kernel (`paged_attention_cpu.cc`) as an XLA FFI target.
+
+The kernel is C++ against the XLA FFI headers that jaxlib ships (`jax.ffi.include_dir()`), compiled
+once per machine with the system's C++ compiler (`$CXX`, else `c++` / `g++`) and `-march=native`, into
+a cache folder (`$JAXSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/jaxserve/kernels`, else
+`~/.cache/jaxserve/kernels`). The library's name carries a hash of the source, the compiler's version,
+the flags, jaxlib's version and the CPU's feature flags, so a change to any of them builds a new one
+and a cache shared between machines never hands one a library built for another's instructions.
+Builds write to a temporary name and rename, so processes starting together (Ray workers) may race.
+
+`paged_attention_target()` returns the registered target's name, or None when the kernel cannot be
+had here (no compiler, a failed build, not the CPU backend, or `JAXSERVE_CPU_KERNEL=0`); `build_error()`
+then says why. Callers fall back to the XLA forms: the kernel is a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+TARGET = "jaxserve_paged_attention_cpu"
+_SYMBOL = "JaxservePagedAttention"
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+_NATIVE = ("-march=native",)
+BUILD_TIMEOUT_S = 300.0
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "target": str | None once tried, "error": str
+_libs: list[ctypes.CDLL] = []  # loaded libraries stay referenced for the process's life
+_registered: set[str] = set()  # targets registered with XLA in this process (a name registers once)
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("JAXSERVE_KERNEL_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "jaxserve" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: `$CXX`, else the first of c++ / g++ / clang++ on PATH."""
+    if env := os.environ.get("CXX"):
+        return env
+    for name in ("c++", "g++", "clang++"):
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+def enabled() -> bool:
+    """False when `JAXSERVE_CPU_KERNEL` is 0 / false / no / off (the XLA forms then serve)."""
+    return os.environ.get("JAXSERVE_CPU_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cxx: str, include: str, jaxlib_version: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = SOURCE.read_bytes()
+    last_error = ""
+    for extra in (_NATIVE, ()):  # -march=native where the compiler knows it, the baseline otherwise
+        flags = (*_FLAGS, *extra)
+        key = hashlib.sha256(
+            b"\0".join(
+                x.encode() if isinstance(x, str) else x
+                for x in (source, version, " ".join(flags), jaxlib_version, platform.machine(), _cpu_features())
+            )
+        ).hexdigest()[:20]
+        folder = cache_dir()
+        lib = folder / f"paged_attention_cpu-{key}.so"
+        if lib.exists():
+            return lib
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=folder)
+        os.close(fd)
+        cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode == 0:
+            os.replace(tmp, lib)
+            log.info("built the CPU paged-attention kernel: %s", lib)
+            return lib
+        Path(tmp).unlink(missing_ok=True)
+        last_error = f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}"
+    raise RuntimeError(last_error)
+
+
+def paged_attention_target() -> str | None:
+    """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable."""
+    with _lock:
+        if "target" in _state:
+            return _state["target"]  # type: ignore[return-value]
+        target: str | None = None
+        error = ""
+        try:
+            import jax
+            import jaxlib
+
+            if not enabled():
+                error = "disabled by JAXSERVE_CPU_KERNEL"
+            elif (cxx := compiler()) is None:
+                error = "no C++ compiler found (set CXX, or install g++)"
+            else:
+                if TARGET not in _registered:
+                    lib_path = _build(cxx, jax.ffi.include_dir(), jaxlib.__version__)
+                    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+                    _libs.append(lib)
+                    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+                    _registered.add(TARGET)
+                target = TARGET
+        except Exception as e:  # a speed-up that failed to build: serve with the XLA forms, say why once
+            error = f"{type(e).__name__}: {e}"
+        if target is None:
+            log.warning("CPU paged-attention kernel unavailable, using the XLA form: %s", error)
+        _state["target"], _state["error"] = target, error
+        return target
+
+
+def build_error() -> str:
+    """Why `paged_attention_target()` returned None ('' before it ran or when it succeeded)."""
+    return str(_state.get("error", ""))
+
+
+def _reset_for_tests() -> None:
+    """Forget the last attempt, so the next call tries again (the registered target stays registered)."""
+    with _lock:
+        _state.clear()

@@ -1,0 +1,178 @@
+"""The CPU paged-attention kernel (`models/kernels/paged_attention_cpu.cc`, impl="cpu_kernel"): built here with
+the machine's compiler, checked against a float64 numpy reference over head-major pools, and its fallbacks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.kernels import cpu as cpu_kernel
+from models.paged_attention import cpu_kernel_applies, default_impl, paged_decode_attention
+
+needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C++ compiler on this machine")
+
+
+def _reference(q, kp, vp, tables, lengths, layer, scale, new_kv=None) -> np.ndarray:
+    """Softmax attention of each row's first lengths[b] positions (pool [L, N, H, bs, D]) and new_kv, in float64."""
+    b, h, d = q.shape
+    bs = kp.shape[3]
+    out = np.zeros((b, h, d))
+    for r in range(b):
+        pos = np.arange(lengths[r])
+        k = kp[layer, tables[r, pos // bs], :, pos % bs].astype(np.float64)  # [S, H, D]
+        v = vp[layer, tables[r, pos // bs], :, pos % bs].astype(np.float64)
+        if new_kv is not None:
+            k = np.concatenate([k, new_kv[0][r][None].astype(np.float64)])
+            v = np.concatenate([v, new_kv[1][r][None].astype(np.float64)])
+        if len(k) == 0:
+            continue  # nothing to attend: zeros, as the XLA forms give
+        s = np.einsum("hd,shd->hs", q[r].astype(np.float64), k) * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[r] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), v)
+    return out
+
+
+def _case(head_dim: int, seed: int = 0, batch: int = 5, heads: int = 3, bs: int = 16, width: int = 6):
+    rng = np.random.default_rng(seed)
+    layers, blocks = 2, batch * width + 3
+    q = rng.standard_normal((batch, heads, head_dim)).astype(np.float32)
+    kp = rng.standard_normal((layers, blocks, heads, bs, head_dim)).astype(np.float32)
+    vp = rng.standard_normal((layers, blocks, heads, bs, head_dim)).astype(np.float32)
+    tables = rng.permutation(blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    # a full table, a partial last block, one block exactly, a single position, nothing
+    lengths = np.array([width * bs, 37, bs, 1, 0][:batch], np.int32)
+    new_kv = tuple(rng.standard_normal((batch, heads, head_dim)).astype(np.float32) for _ in range(2))
+    return q, kp, vp, tables, lengths, new_kv
+
+
+@needs_compiler
+def test_the_kernel_builds_here_and_is_the_cpu_default() -> None:
+    assert cpu_kernel.paged_attention_target() == cpu_kernel.TARGET, cpu_kernel.build_error()
+    assert default_impl() == "cpu_kernel"
+    assert cpu_kernel_applies(jnp.float32, jnp.float32) and cpu_kernel_applies(jnp.bfloat16, jnp.bfloat16)
+    assert not cpu_kernel_applies(jnp.float16, jnp.float16)  # the XLA loop serves other dtypes
+    assert not cpu_kernel_applies(jnp.float32, jnp.bfloat16)
+    built = list(cpu_kernel.cache_dir().glob("paged_attention_cpu-*.so"))
+    assert built and str(cpu_kernel.cache_dir()).startswith(os.environ["JAXSERVE_KERNEL_CACHE"])
+
+
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 128])  # 32 / 64 / 128: the vector path; 16, 48: the plain one
+def test_matches_the_reference(head_dim: int) -> None:
+    q, kp, vp, tables, lengths, new_kv = _case(head_dim)
+    scale = head_dim**-0.5
+    args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables), jnp.asarray(lengths))
+    for layer in (0, 1):
+        got = paged_decode_attention(*args, scale=scale, impl="cpu_kernel", layer=layer, block_layout="heads",
+                                     new_kv=(jnp.asarray(new_kv[0]), jnp.asarray(new_kv[1])))  # fmt: skip
+        want = _reference(q, kp, vp, tables, lengths, layer, scale, new_kv)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(np.asarray(got)[4], new_kv[1][4], atol=1e-6)  # no pages: the new value itself
+    got = paged_decode_attention(*args, scale=scale, impl="cpu_kernel", layer=1, block_layout="heads")
+    want = _reference(q, kp, vp, tables, lengths, 1, scale)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    assert not np.asarray(got)[4].any()  # nothing attended at all: zeros
+    # no layer axis: one layer's pool
+    got = paged_decode_attention(jnp.asarray(q), jnp.asarray(kp[1]), jnp.asarray(vp[1]), *args[3:], scale=scale,
+                                 impl="cpu_kernel", block_layout="heads")  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_compiler
+def test_traced_layer_under_jit_and_many_rows() -> None:
+    """The layer index as a traced value (the engine's layer loop), 64 rows x 12 heads spread over the threads."""
+    q, kp, vp, tables, lengths, new_kv = _case(64, seed=1, batch=64, heads=12, bs=16, width=4)
+    lengths = np.random.default_rng(2).integers(0, 4 * 16 + 1, 64).astype(np.int32)
+
+    @jax.jit
+    def both_layers(q, kp, vp, tables, lengths, kn, vn):
+        def one(i, acc):
+            o = paged_decode_attention(q, kp, vp, tables, lengths, scale=0.125, impl="cpu_kernel", layer=i,
+                                       new_kv=(kn, vn), block_layout="heads")  # fmt: skip
+            return acc.at[i].set(o)
+
+        return jax.lax.fori_loop(0, 2, one, jnp.zeros((2, *q.shape), jnp.float32))
+
+    got = np.asarray(both_layers(q, kp, vp, tables, lengths, *new_kv))
+    for layer in (0, 1):
+        want = _reference(q, kp, vp, tables, lengths, layer, 0.125, new_kv)
+        np.testing.assert_allclose(got[layer], want, atol=2e-5, rtol=2e-5)
+
+
+@needs_compiler
+def test_bfloat16_pool() -> None:
+    q, kp, vp, tables, lengths, new_kv = _case(64, seed=3)
+    bf = jnp.bfloat16
+    qb, kb, vb = jnp.asarray(q, bf), jnp.asarray(kp, bf), jnp.asarray(vp, bf)
+    nb = (jnp.asarray(new_kv[0], bf), jnp.asarray(new_kv[1], bf))
+    got = paged_decode_attention(qb, kb, vb, jnp.asarray(tables), jnp.asarray(lengths), scale=0.125,
+                                 impl="cpu_kernel", layer=1, new_kv=nb, block_layout="heads")  # fmt: skip
+    as64 = [np.asarray(x.astype(jnp.float32)) for x in (qb, kb, vb, *nb)]  # the same rounded inputs
+    want = _reference(as64[0], as64[1], as64[2], tables, lengths, 1, 0.125, (as64[3], as64[4]))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_compiler
+def test_bad_table_entries_are_clamped_into_the_pool() -> None:
+    """A block id outside the pool reads the nearest block (a negative one block 0), never memory outside the
+    pool; a length past the table is cut at the table's end. (The engine writes neither: this is the kernel's
+    guard, not a meaning.)"""
+    q, kp, vp, tables, lengths, _ = _case(64, seed=4)
+    bad = tables.copy()
+    bad[0, 1], bad[1, 0] = 10_000, -7
+    clamped = np.clip(bad, 0, kp.shape[1] - 1)
+    args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp))
+    got = paged_decode_attention(*args, jnp.asarray(bad), jnp.asarray(lengths), scale=0.125, impl="cpu_kernel",
+                                 layer=0, block_layout="heads")  # fmt: skip
+    want = _reference(q, kp, vp, clamped, lengths, 0, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    longer = lengths.copy()
+    longer[0] = 10_000
+    got = paged_decode_attention(*args, jnp.asarray(tables), jnp.asarray(longer), scale=0.125, impl="cpu_kernel",
+                                 layer=0, block_layout="heads")  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), _reference(q, kp, vp, tables, lengths, 0, 0.125), atol=2e-5)
+
+
+@needs_compiler
+def test_the_build_is_cached_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second build of the same source in the same cache reuses the library; an edited source builds anew."""
+    import jaxlib
+
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    cxx = cpu_kernel.compiler()
+    assert cxx is not None
+    first = cpu_kernel._build(cxx, jax.ffi.include_dir(), jaxlib.__version__)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernel._build(cxx, jax.ffi.include_dir(), jaxlib.__version__) == first
+    assert first.stat().st_mtime_ns == stamp and first.parent == tmp_path
+    edited = tmp_path / "edited.cc"
+    edited.write_text(cpu_kernel.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", edited)
+    second = cpu_kernel._build(cxx, jax.ffi.include_dir(), jaxlib.__version__)
+    assert second != first and second.exists()
+    assert not list(tmp_path.glob("*.tmp"))  # no half-written library left behind
+
+
+def test_without_the_kernel_the_xla_loop_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler (or the kernel switched off): the default is the XLA loop, impl="cpu_kernel" computes the same
+    attention through it, and the reason is there to read."""
+    q, kp, vp, tables, lengths, new_kv = _case(32, seed=5)
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "0")
+    assert cpu_kernel.paged_attention_target() is None and "JAXSERVE_CPU_KERNEL" in cpu_kernel.build_error()
+    assert default_impl() == "xla_heads_flat"
+    got = paged_decode_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables),
+                                 jnp.asarray(lengths), scale=0.2, impl="cpu_kernel", layer=1, block_layout="heads",
+                                 new_kv=(jnp.asarray(new_kv[0]), jnp.asarray(new_kv[1])))  # fmt: skip
+    want = _reference(q, kp, vp, tables, lengths, 1, 0.2, new_kv)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "1")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu_kernel, "_registered", set())  # as in a fresh process that must build
+    assert cpu_kernel.paged_attention_target() is None and "nonexistent" in cpu_kernel.build_error()
