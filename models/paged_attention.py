@@ -159,6 +159,12 @@ def default_impl() -> Impl:
     return "cpu_kernel" if cpu_kernel.paged_attention_target() is not None else "xla_heads_flat"
 
 
+def stage_impl(impl: Impl, devices: int) -> Impl:
+    """The impl a stage over `devices` devices runs for `impl`: the kernel's call is not partitioned over
+    heads, so a split stage runs "xla_heads_flat" in "cpu_kernel"'s place (`ShardedOPT`, the profile's padding)."""
+    return "xla_heads_flat" if impl == "cpu_kernel" and devices > 1 else impl
+
+
 def cpu_kernel_applies(q_dtype: Any, pages_dtype: Any, new_kv: tuple[jax.Array, jax.Array] | None = None) -> bool:
     """Whether impl="cpu_kernel" runs its kernel (not the XLA fallback) for these dtypes on this backend."""
     dtypes = {jnp.dtype(q_dtype), jnp.dtype(pages_dtype)} | ({jnp.dtype(x.dtype) for x in new_kv} if new_kv else set())

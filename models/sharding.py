@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from models import checkpoint, opt
 from models.config import OPTConfig
 from models.opt import KVCache, PagedKVCache, Params
-from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl
+from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +334,7 @@ class ShardedOPT:
     def stage_attention(self, stage: int) -> Impl:
         """The paged decode attention stage `stage` runs: `attention_impl`, except that a stage split over
         several devices runs "xla_heads_flat" in the CPU kernel's place (the kernel's call is not partitioned)."""
-        if self.attention_impl == "cpu_kernel" and self.layout.stages[stage].mesh.devices.size > 1:
-            return "xla_heads_flat"
-        return self.attention_impl
+        return stage_impl(self.attention_impl, self.layout.stages[stage].mesh.devices.size)
 
     # ---- shardings -------------------------------------------------------------------------
     def kv_sharding(self, stage: int) -> NamedSharding:

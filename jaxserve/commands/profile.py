@@ -64,14 +64,13 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str, tp: int = 1) -> 
         HEADS_MAX_CHUNK_COLUMNS,
         block_layout_for,
         default_impl,
+        stage_impl,
     )
     from placement.padding import EnginePadding
 
-    impl = default_impl()
-    if impl == "cpu_kernel" and tp == 1:  # each row's own positions, no chunks
+    impl = stage_impl(default_impl(), tp)  # what ShardedOPT runs on a stage of tp devices
+    if impl == "cpu_kernel":  # each row's own positions, no chunks
         return EnginePadding(block_size=block_size, attention_exact=True)
-    if impl == "cpu_kernel":
-        impl = "xla_heads_flat"  # what ShardedOPT runs on a stage split over devices
     chunked = impl in HEAD_MAJOR_LOOPS  # the chunk loop (the flat form takes at least 4 columns a chunk)
     heads = chunked and block_layout_for(impl) == "heads"  # the pool layout ShardedOPT creates for impl
     return EnginePadding(
