@@ -50,7 +50,11 @@ JSON, one object::
          "C6": s,                             # optional, decode overhead (default C3)
          "block_size": 16,                    # optional, FlashAttention block b (default 16)
          "allreduce_s_per_byte": x,           # optional; default from the device link bandwidth
-         "L_m": 512}                          # optional, prefill token budget that saturates the device
+         "L_m": 512,                          # optional, prefill token budget that saturates the device
+         "engine_padding": {...},             # optional: fitted in the engine's padded shapes (padding.py)
+         "bucket_costs": {"prefill": [[tokens, s], ...], "decode": [[rows, s], ...], "C2": x, "C5": y}}
+                                              # optional: a bucketed engine's measured costs per bucket, which
+                                              # then charge instead of C1..C6 (bucket_latency.py)
       ]
     }
 
@@ -78,6 +82,7 @@ import numpy as np
 
 from jaxserve.limits import DEFAULT_LIMITS
 from models.config import OPTConfig
+from placement.bucket_latency import BucketCosts, BucketModel
 from placement.hardware import DeviceSpec
 from placement.padding import EnginePadding, PaddedModel
 from placement.stage_latency import StageLatency
@@ -212,6 +217,8 @@ class AppendixCoefficients:
     prefill_tokens: int | None = None  # L_m
     max_batch_tokens: int | None = None  # the engine's token cap per prefill step
     overhead: StepOverhead | None = None
+    # measured per-bucket costs of a bucketed engine: then they charge the GEMM side and C2/C5 the attention
+    buckets: BucketCosts | None = None
 
     @classmethod
     def roofline(cls, device: DeviceSpec, dtype_bytes: int = 2) -> AppendixCoefficients:
@@ -427,6 +434,11 @@ class Profile:
                         prefill_tokens=lm,
                         max_batch_tokens=cap,
                         overhead=overhead,
+                        buckets=(
+                            BucketCosts.from_dict(entry["bucket_costs"])
+                            if entry.get("bucket_costs") is not None
+                            else None
+                        ),
                     )
                 else:
                     raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
@@ -518,11 +530,15 @@ class LatencyProvider:
                 f"profile {self.profile.name!r} has no {engine} coefficients for {self.model_name} tp{tp}; "
                 f"it has tp {self.profile.supported_tps(engine, self.model_name)}"
             )
-        base: AppendixModel | FoldedModel
+        base: AppendixModel | FoldedModel | BucketModel
         if isinstance(coeffs, FoldedCoefficients):
             base = FoldedModel(self.cfg, coeffs, pp, stage_link)
         else:
             base = AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+            if coeffs.buckets is not None:
+                b = coeffs.buckets
+                width = 3 * self.cfg.num_layers * self.cfg.hidden_size / tp  # L·3(h/tp), as the Appendix form
+                base = BucketModel(b, b.C2 * width / coeffs.block_size, b.C5 * width, base.send_s, pp)
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base

@@ -25,8 +25,14 @@ is 0. Every term is non-negative, and each phase's constant is reproduced exactl
 * **L_m** — the prompt-token budget beyond which prefill stops gaining from batching: the smallest
   measured batch total whose throughput (tokens/s) reaches `saturation` (90 %) of the best measured.
 
-The fit error (mean and max relative error per phase) goes into the profile entry under `fit`, so a
-profile says how well the formula describes the machine it came from.
+**Bucket costs** (with `padding`, i.e. a bucketed engine; `fit_bucket_costs`): with that step overhead
+taken off, each padded bucket gets its own cost (prefill: padded Σl; decode: padded rows) and attention
+its C2 / C5 line, fitted within the buckets; the entry's `bucket_costs` then charge instead of C1..C6
+(`placement/bucket_latency.py` says why: XLA:CPU's step cost is concave in its rows, no line through it).
+
+The fit error (mean and max relative error per phase) of what the entry charges goes into it under `fit`
+(and the Appendix form's own under `fit_appendix` when bucket costs charge), so a profile says how well
+it describes the machine it came from.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ import numpy as np
 
 from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
 from models.config import OPTConfig
-from placement.latency import DEFAULT_BLOCK_SIZE, allreduce_bytes_per_device, layer_gemm_macs
+from placement.bucket_latency import BucketCosts
+from placement.latency import DEFAULT_BLOCK_SIZE, StepOverhead, allreduce_bytes_per_device, layer_gemm_macs
 from placement.padding import EnginePadding
 
 __all__ = [
@@ -50,6 +57,7 @@ __all__ = [
     "InstanceFit",
     "PrefillSample",
     "detect_lm",
+    "fit_bucket_costs",
     "fit_instance",
     "nnls",
     "profile_entry",
@@ -220,6 +228,99 @@ def fit_instance(
     )
 
 
+def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares non-decreasing sequence closest to `values` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]]
+    return [m for m, _, n in blocks for _ in range(int(n))]
+
+
+def _fit_table(
+    buckets: Sequence[int], x: Sequence[float], kernel_s: Sequence[float], seconds: Sequence[float]
+) -> tuple[list[tuple[int, float]], float]:
+    """Per-bucket constants g and one non-negative slope c with `kernel_s ≈ g[bucket] + c·x`, relative error.
+
+    Weighted least squares (weights 1/seconds, as `fit_instance`): within each bucket the constant is the
+    weighted mean, so the slope is the fit of the within-bucket deviations; the constants are then made
+    non-decreasing in the bucket (a bigger bucket does not cost less). They may still be negative here.
+    """
+    w2 = 1.0 / np.asarray(seconds, dtype=np.float64) ** 2
+    xs, ys, bs = np.asarray(x, dtype=np.float64), np.asarray(kernel_s, dtype=np.float64), np.asarray(buckets)
+    sizes = sorted(set(int(b) for b in bs))
+    mean_x = {b: float(np.average(xs[bs == b], weights=w2[bs == b])) for b in sizes}
+    mean_y = {b: float(np.average(ys[bs == b], weights=w2[bs == b])) for b in sizes}
+    dx = xs - np.array([mean_x[int(b)] for b in bs])
+    dy = ys - np.array([mean_y[int(b)] for b in bs])
+    denom = float(np.sum(w2 * dx * dx))
+    slope = max(0.0, float(np.sum(w2 * dx * dy)) / denom) if denom > 0 else 0.0
+    raw = [mean_y[b] - slope * mean_x[b] for b in sizes]
+    weight = [float(np.sum(w2[bs == b])) for b in sizes]
+    return list(zip(sizes, _isotonic(raw, weight), strict=True)), slope
+
+
+def fit_bucket_costs(
+    cfg: OPTConfig,
+    tp: int,
+    prefill: Sequence[PrefillSample],
+    decode: Sequence[DecodeSample],
+    overhead: StepOverhead,
+    padding: EnginePadding,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> tuple[BucketCosts, StepOverhead, FitError, FitError]:
+    """`BucketCosts` of a bucketed engine (`placement/bucket_latency.py`), the step overhead they go with, and
+    their fit error per phase.
+
+    With the host's `overhead` taken off each step (as the simulator charges it, on the actual tokens), a
+    prefill step's rest is its bucket's cost (padded Σl) plus `C2·L·3(h/tp)·Σl²/b` over the padded prompts,
+    a decode step's its bucket's cost (padded rows) plus `C5·L·3(h/tp)·Σctx` over what the attention reads.
+    A per-step constant cannot be told from a bucket's (every step has a bucket), so where `overhead`'s
+    constants leave a bucket a negative cost, that much moves from them into every bucket: `fixed_s` (both
+    phases) first, then `prefill_s` (prompt steps). The returned overhead says what is left.
+    """
+    width = cfg.num_layers * 3 * cfg.hidden_size / tp
+    pre = [
+        padding.prefill(float(sum(s.lengths)), float(sum(n * n for n in s.lengths)), len(s.lengths)) for s in prefill
+    ]
+    dec = [padding.decode(s.batch, float(s.ctx_sum)) for s in decode]
+    pre_host = [overhead.step_s(float(sum(s.lengths)), 1, True) for s in prefill]
+    dec_host = [overhead.step_s(float(s.ctx_sum), 1, False) for s in decode]
+    pre_x = [width * t2 / block_size for _, t2, _ in pre]  # in the Appendix units: the slopes are C2 and C5
+    dec_x = [width * ctx for _, ctx in dec]
+    pre_b = [round(t) for t, _, _ in pre]
+    dec_b = [rows for rows, _ in dec]
+    y_pre, y_dec = [s.seconds for s in prefill], [s.seconds for s in decode]
+    table_p, c2 = _fit_table(pre_b, pre_x, [y - h for y, h in zip(y_pre, pre_host, strict=True)], y_pre)
+    table_d, c5 = _fit_table(dec_b, dec_x, [y - h for y, h in zip(y_dec, dec_host, strict=True)], y_dec)
+    short_p, short_d = max(0.0, -min(g for _, g in table_p)), max(0.0, -min(g for _, g in table_d))
+    from_fixed = min(overhead.fixed_s, max(short_p, short_d))
+    from_prefill = min(overhead.prefill_s, max(0.0, short_p - from_fixed))
+    kept = StepOverhead(overhead.fixed_s - from_fixed, overhead.per_ctx_token_s, overhead.prefill_s - from_prefill)
+    costs = BucketCosts(
+        tuple((b, max(0.0, g + from_fixed + from_prefill)) for b, g in table_p),
+        tuple((b, max(0.0, g + from_fixed)) for b, g in table_d),
+        c2,
+        c5,
+    )
+    pred_p = [
+        kept.step_s(float(sum(s.lengths)), 1, True) + costs.prefill_s(b) + c2 * x
+        for s, b, x in zip(prefill, pre_b, pre_x, strict=True)
+    ]
+    pred_d = [
+        kept.step_s(float(s.ctx_sum), 1, False) + costs.decode_s(b) + c5 * x
+        for s, b, x in zip(decode, dec_b, dec_x, strict=True)
+    ]
+    return (
+        costs,
+        kept,
+        _rel_errors(np.array(pred_p), np.array(y_pre)),
+        _rel_errors(np.array(pred_d), np.array(y_dec)),
+    )
+
+
 def detect_lm(samples: Sequence[PrefillSample], saturation: float = 0.9) -> int:
     """L_m: the smallest measured batch total (tokens) whose throughput is ≥ `saturation` × the best."""
     if not samples:
@@ -250,21 +351,34 @@ def profile_entry(
     errors under `fit`.
 
     With `padding` the coefficients are per padded element; the entry says so under `engine_padding`
-    and `LatencyProvider.instance` then charges padded shapes.
+    and `LatencyProvider.instance` then charges padded shapes, from the `bucket_costs` fitted with them.
     """
     fit = fit_instance(cfg, tp, prefill, decode, block_size, padding=padding)
+    errors = {"prefill": fit.prefill_error.to_dict(), "decode": fit.decode_error.to_dict()}
+    coefficients, overhead, buckets = dict(fit.coefficients), StepOverhead(*fit.overhead), None
+    if padding is not None:  # a bucketed engine: its buckets' measured costs are what the entry charges
+        buckets, kept, pre_err, dec_err = fit_bucket_costs(cfg, tp, prefill, decode, overhead, padding, block_size)
+        appendix_errors, errors = errors, {"prefill": pre_err.to_dict(), "decode": dec_err.to_dict()}
+        # what moved out of the step overhead into the buckets joins the Appendix form's own constants (C3 on a
+        # prefill stage, C6 on a decode one), so its predictions stay what they were fitted to
+        coefficients["C3"] += (overhead.fixed_s - kept.fixed_s) + (overhead.prefill_s - kept.prefill_s)
+        coefficients["C6"] += overhead.fixed_s - kept.fixed_s
+        overhead = kept
     entry: dict[str, Any] = {
         "engine": engine,
         "model": cfg.name.lower(),
         "tp": tp,
-        **fit.coefficients,
-        "step_overhead": list(fit.overhead),
+        **coefficients,
+        "step_overhead": [overhead.fixed_s, overhead.per_ctx_token_s, overhead.prefill_s],
         "block_size": block_size,
         "L_m": l_m if l_m is not None else detect_lm(prefill, saturation),
-        "fit": {"prefill": fit.prefill_error.to_dict(), "decode": fit.decode_error.to_dict()},
+        "fit": errors,
     }
     if padding is not None:
         entry["engine_padding"] = dataclasses.asdict(padding)
+    if buckets is not None:
+        entry["bucket_costs"] = buckets.to_dict()
+        entry["fit_appendix"] = appendix_errors  # how well C1..C6 alone describe the same samples
     return entry
 
 

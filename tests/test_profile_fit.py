@@ -86,15 +86,19 @@ def test_fit_yields_the_step_overhead_the_simulator_charges() -> None:
     entry = profile_entry(CFG, 1, "disagg", pre, dec, padding=pad)
     assert entry["step_overhead"] == pytest.approx([1.2e-3, 2.0e-7, 0.5e-3], rel=1e-6)
     assert entry["C3"] == 0.0 and entry["C6"] == pytest.approx(0.0, abs=1e-12)
-    provider = LatencyProvider(CFG, get_device("cpu"), Profile.from_dict({"name": "f", "entries": [entry]}))
-    model, fitted = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
-    assert fitted == StepOverhead(*entry["step_overhead"])
-    for b, n in [(1, 200), (2, 90), (5, 33)]:  # off the grid
-        want = prefill_step_s(engine, overhead, (n,) * b)
-        assert prefill_step_s(model, fitted, (n,) * b) == pytest.approx(want, rel=1e-6)
-    for b, c in [(6, 77), (24, 200), (1, 500)]:
-        want = decode_step_s(engine, overhead, b, float(b * c))
-        assert decode_step_s(model, fitted, b, float(b * c)) == pytest.approx(want, rel=1e-6)
+    # The Appendix form alone (the entry without its bucket costs) is exact; the bucket costs the entry
+    # charges (placement/bucket_latency.py) fold each prompt's LM head row into its token bucket: 1e-3 here.
+    appendix = {k: v for k, v in entry.items() if k != "bucket_costs"}
+    for charged, rel in ((appendix, 1e-6), (entry, 1e-3)):
+        provider = LatencyProvider(CFG, get_device("cpu"), Profile.from_dict({"name": "f", "entries": [charged]}))
+        model, fitted = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)
+        assert fitted == StepOverhead(*entry["step_overhead"])
+        for b, n in [(1, 200), (2, 90), (5, 33)]:  # off the grid
+            want = prefill_step_s(engine, overhead, (n,) * b)
+            assert prefill_step_s(model, fitted, (n,) * b) == pytest.approx(want, rel=rel)
+        for b, c in [(6, 77), (24, 200), (1, 500)]:
+            want = decode_step_s(engine, overhead, b, float(b * c))
+            assert decode_step_s(model, fitted, b, float(b * c)) == pytest.approx(want, rel=rel)
 
 
 def test_a_decode_constant_above_the_prefill_one_goes_to_c6() -> None:

@@ -14,8 +14,11 @@ extra constant per prompt step — what `placement/step_time.py` charges) by one
 (`placement/profile_fit.py`), finds L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
-`engine_padding` (the buckets and which table columns its decode attention reads): plan and simulate
-then charge a batch what the engine really computes.
+`engine_padding` (the buckets and which table columns its decode attention reads) and `bucket_costs`
+(each timed bucket's own cost, which charge instead of C1..C6: `placement/bucket_latency.py`): plan and
+simulate then charge a batch what the engine really computes. A bucket the grid did not time is
+interpolated between its neighbours, or continued from the largest, so the grid should reach the
+buckets serving uses (the default goes to 64 decode rows and 1024 padded prompt tokens).
 
 On a CPU, Eigen is made single-threaded unless `--cpu-multi-thread`; serve with the same XLA flags.
 That does not make one XLA device one core: a process runs every device's kernels on one intra-op
@@ -96,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
     parser.add_argument("--prefill-lengths", default=None, help="grid: prompt lengths, e.g. 64,128,256")
     parser.add_argument("--prefill-batches", default="1,2,3,4", help="grid: prompts per prefill batch")
-    parser.add_argument("--decode-batches", default="1,2,3,4,8,12,16,32", help="grid: sequences per decode step")
+    parser.add_argument("--decode-batches", default="1,2,3,4,8,12,16,32,64", help="grid: sequences per decode step")
     parser.add_argument("--decode-contexts", default="16,64,160,320", help="grid: context tokens per sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape (the fastest is kept)")
     parser.add_argument(
@@ -270,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{cfg.name} tp{tp} {engine:<5}: C1 {entry['C1']:.3e} C2 {entry['C2']:.3e} C3 {entry['C3']:.3e} "
                 f"C4 {entry['C4']:.3e} C5 {entry['C5']:.3e} C6 {entry['C6']:.3e} "
                 f"step_overhead [{', '.join(f'{v:.3e}' for v in entry['step_overhead'])}]  L_m {entry['L_m']}  "
+                f"{'bucket costs ' if 'bucket_costs' in entry else ''}"
                 f"fit error prefill mean {fit['prefill']['mean_rel_error']:.1%} max {fit['prefill']['max_rel_error']:.1%}, "
                 f"decode mean {fit['decode']['mean_rel_error']:.1%} max {fit['decode']['max_rel_error']:.1%}"
             )
