@@ -10,7 +10,7 @@ intra-op work single-threaded, one virtual device):
    not count) on a fit grid of prefill batches (`engine.prefill`), colocated prompt steps
    (`decode_step` over prompt rows) and decode steps (batch × context), and off it (3.);
 2. fits the profile entries exactly as `jaxserve profile` does (`placement/profile_fit.py`, padded
-   shapes, C1..C6 and `step_overhead`);
+   shapes: `step_overhead`, C1..C6, and the bucket costs that charge instead of them);
 3. times shapes *off* the grid (other batch sizes, prompt lengths, contexts, some beyond the grid)
    and predicts each with what the simulator charges: `placement/step_time.py` on the
    `LatencyProvider` model and step overhead of the fitted profile;
@@ -51,13 +51,14 @@ FIT_PREFILL = (
     # not all powers of two: the engine computes the padded shape, the host handles the actual one, and a
     # grid where the two coincide cannot tell which a cost follows
     *((1, 24), (1, 80), (1, 192), (2, 80), (4, 24), (7, 16), (7, 32)),
+    # the 1024-token bucket: prompts within a 512-token budget pad up to it (3 x 150 runs as 4 x 256), and
+    # `jaxserve profile`'s default grid times it (batches up to twice its longest prompt)
+    *((4, 256), (8, 128)),
 )
 FIT_DECODE = (  # batches of 7 and 20 rows run as 8 and 32 (see FIT_PREFILL)
     *((b, c) for b in (1, 2, 4, 7, 8, 16) for c in (16, 64, 160, 320)),
     *((b, c) for b in (20, 32) for c in (16, 64, 160)),
-    # the 64-row bucket serving runs at its default batch cap: since the CPU kernel made the attention cheap,
-    # a step's row cost is its GEMMs, which grow less than linearly from 32 to 64 rows on CPU, so a line
-    # through <= 32 rows over-predicted 40 and 48 rows (run as 64) by 18-24 %
+    # the 64-row bucket (a decode batch cap of 64; serving's default is 32), where the off-grid 40 and 48 rows run
     *((64, c) for c in (16, 64)),
 )
 # Off the grid: batch sizes, lengths and contexts the fit never saw, some in buckets it never timed
@@ -297,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
             f"fit {e['engine']:<9}: step_overhead {[f'{v:.3g}' for v in e['step_overhead']]}, grid error prefill "
             f"mean {fit['prefill']['mean_rel_error']:.1%} decode mean {fit['decode']['mean_rel_error']:.1%}"
         )
+        if "fit_appendix" in e:  # the C1..C6 line alone on the same grid, for comparison
+            line = e["fit_appendix"]
+            print(
+                f"  (C1..C6 alone: grid error prefill mean {line['prefill']['mean_rel_error']:.1%} decode mean "
+                f"{line['decode']['mean_rel_error']:.1%}; bucket costs charge)"
+            )
     print(
         f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, after "
         f"{' '.join(f'{x:.2f}' for x in doc['loadavg_after'])}; timing took {doc['timing_s']:.0f} s; "

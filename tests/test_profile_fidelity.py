@@ -12,6 +12,9 @@ Marked `slow` (gated in `.ci/run`). It was marked `timing` and run by hand while
 whole power-of-two table while the CPU engine's chunked attention reads only the filled chunks, and the
 grid's batches were all powers of two. With both fixed, three runs at load average 9-13 on the shared
 2-core machine measured median 4.6-6.6 % and P90 7.7-10.9 % over these 20 shapes (docs/simulator-fidelity.md).
+Once the CPU attention kernel left a step mostly GEMMs, whose cost is concave in the rows, the C1..C6 line
+missed again (the CI run of that change: P90 18.1 % and 22.1 %); the profile now charges each timed
+bucket's own cost (`placement/bucket_latency.py`), and the grid reaches the 64-row and 1024-token buckets.
 """
 
 from __future__ import annotations

@@ -75,7 +75,9 @@ def default_grid(max_positions: int, quick: bool = False, block_size: int = 16) 
     ctxs = [c for c in (16, 64, 160, 320) if c < max_positions - 1]
     # batches between powers of two too: the engine pads rows, so only such a grid tells a cost per padded
     # row (kernels) from one per actual row or context token (host work)
-    decode = tuple((b, c) for b in (1, 2, 3, 4, 8, 12, 16, 32) for c in ctxs)
+    # up to 64 rows: each bucket has a cost of its own (placement/bucket_latency.py) and one beyond the grid
+    # is extrapolated; serving caps decode at 32 rows by default, and plans may run 64
+    decode = tuple((b, c) for b in (1, 2, 3, 4, 8, 12, 16, 32, 64) for c in ctxs)
     return Grid(
         prefill=prefill,
         decode=decode,
