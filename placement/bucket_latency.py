@@ -5,7 +5,7 @@ a power-of-two number of rows (`placement/padding.py`). The Appendix-A form char
 in its tokens (`C1·t`, or `max(C4, C1·B)` for decode), which is the GPU's story: on a CPU core a GEMM of a few
 rows runs far below its peak, and a step's cost grows concavely with its rows (opt-mini on one core, decode:
 4.2 ms at 2 rows, 8.0 at 16, 10.1 at 32, 10.5 at 64) until it turns compute-bound. No line through those
-points predicts them: fitted as `max(C4, C1·B)` they missed their own grid by 12 % on average and the
+points predicts them: fitted as `max(C4, C1·B)` they missed their own grid by 12-15 % on average and the
 shapes between by up to 25 %.
 
 `BucketCosts` keeps, per measured bucket, the seconds of a step's work that scales with its bucket and not
