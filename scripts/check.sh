@@ -9,6 +9,6 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m ruff format --check .
 "$PY" -m mypy
 if [ "$#" -eq 0 ]; then
-  set -- -m "not slow"
+  set -- -m "not slow" --durations=20  # the slowest tests: the default run should stay well under 15 minutes
 fi
 "$PY" -m pytest "$@"
