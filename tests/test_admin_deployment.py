@@ -13,6 +13,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 from serving_helpers import metric_value
 
 from jaxserve.plan import parse_deployment
@@ -49,6 +50,7 @@ def _requests(n: int) -> list[GenerateRequest]:
     return out
 
 
+@pytest.mark.slow  # ~40 s: a live switch under load; the default run stays well under 15 minutes
 def test_admin_deployment_auth_bad_plans_conflict_and_a_switch_under_load() -> None:
     factory = opt_engine_factory("opt-tiny")
     requests = _requests(30)

@@ -139,6 +139,7 @@ def test_bad_table_entries_are_clamped_into_the_pool() -> None:
 
 
 @needs_compiler
+@pytest.mark.slow  # ~15 s: two compiler runs; the default run stays well under 15 minutes
 def test_the_build_is_cached_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second build of the same source in the same cache reuses the library; an edited source builds anew."""
     import jaxlib

@@ -165,6 +165,7 @@ def test_unknown_impl_is_an_error(case: tuple[np.ndarray, ...]) -> None:
         paged_decode_attention(q, kp, vp, tables, lengths, scale=1.0, impl="cuda")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # ~20 s: the Pallas kernel in interpret mode; the default run stays well under 15 minutes
 def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     """A decode step of opt-tiny through the kernel (interpreted on CPU) gives XLA's logits and pool."""
     import jax

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jaxserve.cli import main
 from jaxserve.plan import parse_deployment
@@ -19,6 +20,7 @@ from placement.simulator import simulate
 from placement.workload import generate
 
 
+@pytest.mark.slow  # ~20 s: times a grid; the default run stays well under 15 minutes
 def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
     out, raw = tmp_path / "profile.json", tmp_path / "samples.json"
     assert main(["profile", "--model", "opt-tiny", "--quick", "-o", str(out), "--samples-out", str(raw)]) == 0

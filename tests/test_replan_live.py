@@ -152,6 +152,7 @@ def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load, 
     return c, switcher, loop, load, first_decode
 
 
+@pytest.mark.slow  # ~30 s; the default run stays well under 15 minutes
 def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> None:
     c, switcher, loop, load, first_decode = _shift_loop("auto")
     try:
@@ -198,6 +199,7 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         c.shutdown()
 
 
+@pytest.mark.slow  # ~25 s; the default run stays well under 15 minutes
 def test_advise_exposes_the_better_plan_and_keeps_serving_the_current_one() -> None:
     c, switcher, loop, load, _ = _shift_loop("advise")
     try:
@@ -339,6 +341,7 @@ def test_step_sweep_feeds_observed_against_predicted_step_times_per_instance() -
         c.shutdown()
 
 
+@pytest.mark.slow  # ~15 s; the default run stays well under 15 minutes
 def test_colocated_deployments_switch_too() -> None:
     """colocated:tp1 -> colocated:tp2: the new instance warms up alone, the old one drains its batch."""
     c = _controller("colocated:tp1")

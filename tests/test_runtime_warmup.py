@@ -54,7 +54,8 @@ def _burst(c: Controller, tag: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "steps"),
     [
-        ("disagg:prefill=tp1,decode=tp1", 1),
+        # slow (~35 s): the default run keeps test_engine_warmup's no-compile check on the engine itself
+        pytest.param("disagg:prefill=tp1,decode=tp1", 1, marks=pytest.mark.slow),
         # multi-step decoding: its loop programs are warmed too (slow: every row bucket x table width x sampling)
         pytest.param("disagg:prefill=tp1,decode=tp1", 4, marks=pytest.mark.slow),
         pytest.param("colocated:tp1,chunk=16", 1, marks=pytest.mark.slow),

@@ -107,6 +107,7 @@ def test_http_completion_equals_offline_generate(offline, server):
     }
 
 
+@pytest.mark.slow  # ~35 s: a whole `jaxserve serve` process; the default run stays well under 15 minutes
 def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command must set the device count itself
     proc = subprocess.Popen(

@@ -158,6 +158,7 @@ def test_greedy_completion_reads_like_python(model: ShardedOPT, tok, prompt: str
     assert not any(t.type == tokenize.ERRORTOKEN for t in toks), f"{first_line!r} does not lex as Python"
 
 
+@pytest.mark.slow  # ~20 s: a training run; the default run stays well under 15 minutes
 def test_train_script_smoke(tmp_path: Path) -> None:
     out = tmp_path / "model"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
