@@ -200,6 +200,51 @@ def test_dead_decode_worker_fails_requests_instead_of_hanging() -> None:
         c.shutdown(drain_timeout_s=0)
 
 
+class _SlowDecodeEngine(FakeEngine):
+    """Each decode step takes `STEP_S` and is written down (start, end)."""
+
+    STEP_S = 0.4
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spans: list[tuple[float, float]] = []
+
+    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        started = time.monotonic()
+        time.sleep(self.STEP_S)
+        out = super().decode_step(batch, pages)
+        self.spans.append((started, time.monotonic()))
+        return out
+
+
+def test_a_pull_starts_at_its_hand_off_while_the_decode_instance_is_mid_step() -> None:
+    """As the simulator has it: a prefilled request's KV pull starts when its prefill hands off, not at the
+    decode instance's next step boundary, and the request joins the batch at that boundary."""
+
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:
+        cls = _SlowDecodeEngine if spec.role == "decode" else FakeEngine
+        return cls(CFG, devices, tp=spec.tp, pp=spec.pp)
+
+    c = _controller("disagg:prefill=tp1,decode=tp1", factory=factory)
+    try:
+        long = c.submit(_req("long", (5, 6, 7), max_tokens=10))
+        for _ in range(3):  # the first token, then two decode steps: the decode loop is busy from here on
+            long.next_chunk(timeout_s=30)
+        ids, last = c.submit(_req("late", (8, 9, 10), max_tokens=3)).collect(timeout_s=30)
+        assert ids == reference_tokens((8, 9, 10), 3, V)
+        long.collect(timeout_s=30)
+        t = last.timings
+        assert t is not None and t.prefill_end_at is not None and t.transfer_start_at is not None
+        spans = c.decode_instances[0].engine.spans  # type: ignore[attr-defined]
+        during = [s for s in spans if s[0] < t.prefill_end_at < s[1]]
+        assert len(during) == 1, "the hand-off fell between two steps; the check needs it inside one"
+        step_end = during[0][1]
+        assert t.transfer_start_at < step_end - 0.1, (t.prefill_end_at, t.transfer_start_at, step_end)
+        assert t.decode_start_at is not None and t.decode_start_at - step_end < 0.1  # joined at that boundary
+    finally:
+        c.shutdown(drain_timeout_s=0)
+
+
 def test_validation_errors_name_the_field(disagg: Controller) -> None:
     cases = {
         "prompt_token_ids": [_req("e1", ()), _req("e2", (1, V)), _req("e3", (1,) * 256)],

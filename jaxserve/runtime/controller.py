@@ -323,8 +323,10 @@ class Controller:
         *,
         observer: Observer | None = None,
         dtype: str = "float32",
+        transfer: TransferFactory | None = None,
     ) -> Controller:
-        """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`."""
+        """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`;
+        `transfer` moves KV into each decode instance (default `InProcessTransfer`)."""
         if engine_factory is None:
             from jaxserve.runtime.opt_engine import opt_engine_factory
 
@@ -337,7 +339,7 @@ class Controller:
             tokenizer = load_tokenizer(model_source)
         except Exception:  # a preset name or a directory without tokenizer files
             tokenizer = None
-        return cls(placed, plan, config, observer=observer, tokenizer=tokenizer)
+        return cls(placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer)
 
     @property
     def instances(self) -> list[Instance]:
@@ -667,11 +669,13 @@ class Controller:
         if live.cancelled:  # cancelled between its prefill and this hand-off: drop it here
             source.release(live.request_id)
             return
+        target: DecodeInstance | None = None
         with self._lock:
             alive = [d for d in self.decode_instances if d.error is None]
             pinned = self._pinned.pop(live.request_id, None)
             error: JaxServeError | None = EngineDeadError("every decode instance is dead")
             if pinned is not None:
+                target = pinned
                 error = _enqueue(pinned, live, source)
             elif alive:
                 # An instance found alive above may die before it takes the request: try the next one.
@@ -683,6 +687,8 @@ class Controller:
                     alive.remove(target)
         if error is not None:
             self.fail(live, error)
+        elif target is not None:
+            target.start_pulls()  # the pull starts now, off the controller's lock, not at the decode's next step
 
     def count_fault(self, kind: FaultKind, n: int = 1) -> None:
         self.faults.count(kind, n)

@@ -8,7 +8,10 @@ Loop (one thread, `Worker` shell), each `step()`:
    blocks each reserves; the instance applies that decision: it allocates those
    blocks at once (so the reservation holds) and starts each pull
    (`KVTransfer.start`, non-blocking). A request cancelled before its hand-off
-   never enters the queue (`enqueue_pull` drops it).
+   never enters the queue (`enqueue_pull` drops it). The same admission also
+   runs at each hand-off (`start_pulls()`, on the prefill side's thread), so a
+   pull that fits starts the moment its prefill ends, as the simulator starts it,
+   not at this loop's next boundary; this loop admits the rest as room frees.
 2. pulls: every pull still in flight is polled (`handle.poll()`); the ones that
    finished are written into the pool (`handle.insert`) and join the running
    batch now, at the step boundary; their prefill buffer slots are freed. A
@@ -163,6 +166,29 @@ class DecodeInstance(Worker):
                 return
             self._pending.append((live, source))
             self.cond.notify_all()
+
+    def start_pulls(self) -> None:
+        """Admit what fits now and start those pulls on the caller's thread.
+
+        The controller calls this right after `enqueue_pull`, on the prefill instance's thread at its
+        hand-off (outside the controller's lock), so a pull runs while this instance decodes and joins at
+        its next step boundary — the moment the simulator starts it (`placement/simulator.py`). Left to
+        `step()`, a pull would start only at the next boundary and join at the one after whenever it is
+        not done at once (always, for a real pull of hundreds of MB). What does not fit now is admitted
+        by `step()` once blocks or batch room free up. Starting is non-blocking (`KVTransfer.start`).
+        """
+        with self.cond:
+            if self.error is not None or self._stop:
+                return
+            started = self._admit()
+        for pull in started:
+            try:
+                self._start_pull(pull)
+            except Exception as e:  # never the prefill side's problem: this pull fails alone
+                log.exception("starting the KV pull of %s failed", pull.live.request_id)
+                self._pull_failed(pull, repr(e), retry=False)
+        if started:
+            self.wake()
 
     def enqueue_local(self, live: LiveRequest) -> None:
         """Conditional disaggregation: prefill `live`'s uncached prompt suffix here (no transfer)."""
