@@ -7,7 +7,8 @@ import pytest
 
 from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
 from jaxserve.runtime.request import SamplingParams
-from jaxserve.testing.timed_engine import MIN_TOKEN, TimedEngine, random_token
+from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.testing.timed_engine import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile
@@ -112,3 +113,36 @@ def test_multi_step_call_sleeps_the_rounds_it_ran_and_ends_rows_exactly() -> Non
     b_stop = StepRow("b", (7,), 9, (0,), SamplingParams(max_tokens=20, stop_token_ids=(stop,)), seed=2, sample_index=1)
     lists, _ = engine.decode_steps(StepBatch((b_stop,)), pages, 4)
     assert lists == [[random_token(2, 1, CFG.vocab_size), stop]]
+
+
+def test_timed_transfer_charges_the_link_from_the_pulls_start_not_the_decode_device() -> None:
+    """As the simulator charges a pull: its link time runs from its start while the decode device steps; pulls
+    into one instance cross the link one after another; inserting a crossed pull costs the device nothing."""
+    clock = FakeClock()
+    model = LP.instance("disagg", 1, 1)
+    decode = TimedEngine(
+        CFG, jax.devices()[:1], model, OVERHEAD, transfer_s_per_token=1e-5, transfer_latency_s=1e-3,
+        clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    prefill = TimedEngine(CFG, jax.devices()[1:2], model, OVERHEAD, clock=clock, sleep=clock.sleep)
+    seqs = prefill.prefill([PrefillItem(f"r{i}", (5,) * n, SamplingParams(), seed=i) for i, n in enumerate((100, 300))])
+    pages = decode.init_pages(8, 16)
+    transfer = TimedTransfer(decode)
+    t0 = clock.now
+    first, second = (transfer.start(s) for s in seqs.sequences)
+    assert first.poll() is TransferState.PENDING and first.seconds is None
+    clock.now = t0 + 1e-3 + 100 * 1e-5 - 1e-9
+    assert first.poll() is TransferState.PENDING
+    clock.now = t0 + 1e-3 + 100 * 1e-5
+    slept = len(clock.slept)
+    assert first.wait() is TransferState.DONE and len(clock.slept) == slept  # crossed: no sleep left
+    assert first.poll() is TransferState.DONE and first.seconds == pytest.approx(2e-3)
+    assert second.poll() is TransferState.PENDING  # it waits for the link behind the first
+    charged = list(decode.charged_s)
+    assert first.insert(100, pages, (0,) * 7) is pages and decode.charged_s == charged  # nothing on the device
+    slept = len(clock.slept)
+    assert second.insert(300, pages, (0,) * 19) is pages  # waits out the rest of its link time
+    assert sum(clock.slept[slept:]) == pytest.approx(1e-3 + 300 * 1e-5)
+    assert clock.now == pytest.approx(t0 + 2e-3 + 1e-3 + 300 * 1e-5) and second.seconds == pytest.approx(4e-3)
+    with pytest.raises(TypeError, match="TimedEngine"):
+        TimedTransfer(object())  # type: ignore[arg-type]

@@ -336,8 +336,13 @@ def run(args: argparse.Namespace) -> int:
                 config.block_size,
                 "given" if pool_given or args.engine != "opt" else f"--kv-memory-fraction {args.kv_memory_fraction}",
             )
+            transfer = None
+            if args.engine == "timed":  # the link time runs from each pull's start, as the simulator charges it
+                from jaxserve.testing.timed_engine import TimedTransfer
+
+                transfer = TimedTransfer
             controller = Controller.from_plan(
-                model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype
+                model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype, transfer=transfer
             )
         build_s = time.monotonic() - started
         builder: object = engine_factory
