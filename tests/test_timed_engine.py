@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.request import SamplingParams
 from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.runtime.request import SamplingParams
 from jaxserve.testing.timed_engine import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
 from models.config import get_config
 from placement.hardware import get_device
