@@ -47,9 +47,9 @@ first token. Every path that ends a request here (finish, cancel, failed pull, d
 allocator front (`PrefixCache(enabled=False)`).
 
 Inputs: `enqueue_pull()` from the controller (a request and the prefill
-instance holding its KV), then `start_pulls()` on the same (prefill) thread. Outputs: tokens through `emit()`, lost KVs through
-`recompute()`, per-request pull failures through `fail()`, transfer sizes and
-times through `on_transfer`. What blocks: only the lock and the engine's
+instance holding its KV), then `start_pulls()` on the same (prefill) thread.
+Outputs: tokens through `emit()`, lost KVs through `recompute()`, per-request
+pull failures through `fail()`, transfer sizes and times through `on_transfer`. What blocks: only the lock and the engine's
 decode step; with nothing running and pulls in flight the loop waits on its
 condition variable for a few milliseconds between polls. The pool arrays are
 touched only by this thread; the allocator only under the lock (so `cancel()`
