@@ -174,6 +174,16 @@ def test_backpressure_bounds_the_prefill_buffer_and_loses_nothing() -> None:
     assert c.decode_instances[0].allocator.num_free == 8
 
 
+def _decode_engine(cls: type[FakeEngine]):
+    """An engine factory: `cls` on the decode instances, a plain `FakeEngine` elsewhere."""
+
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:
+        engine_cls = cls if spec.role == "decode" else FakeEngine
+        return engine_cls(CFG, devices, tp=spec.tp, pp=spec.pp)
+
+    return factory
+
+
 class _DyingEngine(FakeEngine):
     """Fails on its third decode step."""
 
@@ -184,11 +194,7 @@ class _DyingEngine(FakeEngine):
 
 
 def test_dead_decode_worker_fails_requests_instead_of_hanging() -> None:
-    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:
-        cls = _DyingEngine if spec.role == "decode" else FakeEngine
-        return cls(CFG, devices, tp=spec.tp, pp=spec.pp)
-
-    c = _controller("disagg:prefill=tp1,decode=tp1", factory=factory)
+    c = _controller("disagg:prefill=tp1,decode=tp1", factory=_decode_engine(_DyingEngine))
     try:
         stream = c.submit(_req("x", (5, 6, 7), max_tokens=10))
         with pytest.raises(EngineDeadError, match="decode-0"):
@@ -221,11 +227,7 @@ def test_a_pull_starts_at_its_hand_off_while_the_decode_instance_is_mid_step() -
     """As the simulator has it: a prefilled request's KV pull starts when its prefill hands off, not at the
     decode instance's next step boundary, and the request joins the batch at that boundary."""
 
-    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:
-        cls = _SlowDecodeEngine if spec.role == "decode" else FakeEngine
-        return cls(CFG, devices, tp=spec.tp, pp=spec.pp)
-
-    c = _controller("disagg:prefill=tp1,decode=tp1", factory=factory)
+    c = _controller("disagg:prefill=tp1,decode=tp1", factory=_decode_engine(_SlowDecodeEngine))
     try:
         long = c.submit(_req("long", (5, 6, 7), max_tokens=10))
         for _ in range(3):  # the first token, then two decode steps: the decode loop is busy from here on
