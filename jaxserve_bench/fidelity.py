@@ -155,16 +155,16 @@ def measured_stats(records: Sequence[RequestRecord], slo: SloSpec) -> dict[str, 
     beside (`client_ttft_p50`, `path_p50`), not checked. A record without server timings counts the client's.
     """
     done = sorted(records, key=lambda r: (r.sent_at, r.index))
-    ok = [r.ok for r in done]
-    server_ttft = [r.server_ttft_s if r.server_ttft_s is not None else r.ttft_s for r in done]
-    server_tpot = [r.server_tpot_s if r.server_tpot_s is not None else r.tpot_s for r in done]
-    ttft = np.array([t if good else np.nan for t, good in zip(server_ttft, ok, strict=True)], dtype=float)
-    tpot = np.array([t if good else np.nan for t, good in zip(server_tpot, ok, strict=True)], dtype=float)
-    client = np.array([r.ttft_s if r.ok else np.nan for r in done], dtype=float)
+
+    def server(own: float | None, client: float, ok: bool) -> float:
+        return np.nan if not ok else client if own is None else own
+
+    ttft = np.array([server(r.server_ttft_s, r.ttft_s, r.ok) for r in done])
+    tpot = np.array([server(r.server_tpot_s, r.tpot_s, r.ok) for r in done])
+    client = np.array([r.ttft_s if r.ok else np.nan for r in done])
     out = _stats(ttft, tpot, slo)
     out["client_ttft_p50"] = float(np.nanpercentile(client, 50))
     out["path_p50"] = float(np.nanpercentile(client - ttft, 50))
-    out["path_p90"] = float(np.nanpercentile(client - ttft, 90))
     return out
 
 
