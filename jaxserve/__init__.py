@@ -1,6 +1,6 @@
 """jaxserve: disaggregated prefill/decode LLM serving on JAX.
 
-Heavy pieces (the engine, JAX) load lazily, so `import jaxserve.plan` or the
+Heavy pieces (the engine, JAX) load lazily, so `import jaxserve.core.plan` or the
 planner never starts an accelerator runtime.
 """
 
@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "jaxserve.llm",
-    "SamplingParams": "jaxserve.runtime.request",
+    "SamplingParams": "jaxserve.core.request",
 }
 
 if TYPE_CHECKING:
+    from jaxserve.core.request import SamplingParams
     from jaxserve.llm import LLM
-    from jaxserve.runtime.request import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

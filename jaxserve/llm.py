@@ -17,11 +17,9 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from jaxserve.errors import OverloadedError
-from jaxserve.plan import DeploymentPlan, parse_deployment
-from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
-from jaxserve.runtime.instances import EngineFactory
-from jaxserve.runtime.request import (
+from jaxserve.core.errors import OverloadedError
+from jaxserve.core.plan import DeploymentPlan, parse_deployment
+from jaxserve.core.request import (
     FinishReason,
     GenerateRequest,
     RequestTimings,
@@ -29,6 +27,8 @@ from jaxserve.runtime.request import (
     TokenChunk,
     TokenLogprobs,
 )
+from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
+from jaxserve.runtime.instances import EngineFactory
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
@@ -114,7 +114,7 @@ class LLM:
                 "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
             )
         if own_engines:
-            from jaxserve.runtime.opt_engine import opt_engine_factory
+            from jaxserve.runtime.engines.opt import opt_engine_factory
 
             engine_factory = opt_engine_factory(
                 model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxserve.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device

@@ -139,7 +139,7 @@ class SharedPrefixWorkload:
         KV is never computed), with at least one prompt token left to compute. An upper bound for
         any finite cache and any timing.
         """
-        from jaxserve.runtime.prefix_cache import block_hashes
+        from jaxserve.core.prefix_cache import block_hashes
 
         seen: set[bytes] = set()
         hits = np.zeros(len(self.prompts), dtype=np.int64)

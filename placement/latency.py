@@ -80,7 +80,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jaxserve.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS
 from models.config import OPTConfig
 from placement.bucket_latency import BucketCosts, BucketModel
 from placement.hardware import DeviceSpec

@@ -1,6 +1,6 @@
 """The engine's shape padding as a latency term: what `OPTEngine` really computes for a batch.
 
-`jaxserve/runtime/opt_engine.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
+`jaxserve/runtime/engines/opt.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
 rows to the next power of two and prompt tokens to the next power of two ≥ 16; decode rows to the
 next power of two ≥ 2 and each row's block table to the next power of two of the blocks it has
 filled. The Appendix-A formula charges actual tokens and context, so an engine step of 5 decode rows
@@ -34,7 +34,7 @@ from placement.stage_latency import StageLatency
 
 
 def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two ≥ max(n, minimum) (`jaxserve.runtime.engine.bucket` without a cap)."""
+    """The next power of two ≥ max(n, minimum) (`jaxserve.runtime.engines.contract.bucket` without a cap)."""
     size = max(minimum, 1)
     while size < n:
         size *= 2

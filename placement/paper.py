@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from models.config import get_config
 from placement.goodput import GoodputSearch, base_workload, max_rate
 from placement.hardware import ClusterSpec, get_device

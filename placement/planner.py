@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
-from jaxserve.limits import ServingLimits
-from jaxserve.plan import DeploymentPlan, PlanError
+from jaxserve.core.limits import ServingLimits
+from jaxserve.core.plan import DeploymentPlan, PlanError
 from placement.latency import kv_capacity_tokens
 from placement.search import (
     Candidate,

@@ -26,8 +26,8 @@ from typing import Literal
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan, PlanError
-from jaxserve.scheduling import PrefixPolicy
+from jaxserve.core.plan import DeploymentPlan, PlanError
+from jaxserve.core.scheduling import PrefixPolicy
 from placement.conversations import ConversationSet
 from placement.goodput import max_rate
 from placement.planner import Affinity, PlanReport, choose_plan

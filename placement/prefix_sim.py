@@ -1,7 +1,7 @@
 """Prefix caching in the simulator: hits, evictions, partial transfers and local prefills.
 
 `PrefixSimulator` is the `Simulator` with a `PrefixCache` (the runtime's class) on every prefill,
-decode and colocated instance, deciding with the runtime's policies from `jaxserve/scheduling.py`
+decode and colocated instance, deciding with the runtime's policies from `jaxserve/core/scheduling.py`
 (`choose_prefill_instance_cached`, `choose_decode_instance_cached`, `prefill_locally`). It only
 overrides the simulator's prefix-cache hooks and wraps a few event handlers; the event loop, the
 batching, admission and link model are the simulator's own. A request's life with caching:
@@ -65,10 +65,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan
-from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
-from jaxserve.runtime.prefix_cache import BlockHash, PrefixCache, block_hashes
-from jaxserve.scheduling import (
+from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.prefix_cache import BlockHash, PrefixCache, block_hashes
+from jaxserve.core.scheduling import (
     CachedDecodeLoad,
     CachedPrefillLoad,
     DecodeLoad,

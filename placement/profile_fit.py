@@ -1,8 +1,8 @@
 """Fitting the Appendix-A latency coefficients and the per-step overhead to measured step times (numpy, no JAX).
 
-`jaxserve profile` (the JAX side is `jaxserve/runtime/step_timing.py`) times the real engine at a grid of
+`jaxserve profile` (the JAX side is `jaxserve/runtime/profiling.py`) times the real engine at a grid of
 batch shapes; this module turns those times into a profile entry `placement/latency.py` reads, in exactly
-the terms the simulator's step formulas (`placement/step_time.py`) charge at pp = 1:
+the terms the simulator's step formulas (`placement/step_cost.py`) charge at pp = 1:
 
 * prefill step of prompts `l` (padded to the engine's buckets when `padding` is given):
   `C1·(L·W·Σl + head·B) + C2·3L(h/tp)·Σl²/b + overhead(Σl, prefill)`;
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
+from jaxserve.core.step_samples import DecodeSample, PrefillSample
 from models.config import OPTConfig
 from placement.bucket_latency import BucketCosts
 from placement.latency import DEFAULT_BLOCK_SIZE, StepOverhead, allreduce_bytes_per_device, layer_gemm_macs
@@ -184,7 +184,7 @@ def fit_instance(
     """Fit one instance's latency model to its prefill and decode step times (the formulas in the module doc).
 
     With `padding`, the kernel features are those of the padded batch the engine really computes; the
-    overhead's per-token term stays on the actual tokens, as `placement/step_time.py` charges it.
+    overhead's per-token term stays on the actual tokens, as `placement/step_cost.py` charges it.
     """
     if len(prefill) < 3 or len(decode) < 3:
         raise ValueError("need at least 3 prefill and 3 decode samples")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Literal, TypeVar
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import OPTConfig
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec

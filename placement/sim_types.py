@@ -11,7 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from placement.slo import SloSpec
 
 SimMode = Literal["full", "prefill", "decode"]
@@ -20,7 +20,7 @@ PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
 
 @dataclasses.dataclass(frozen=True)
 class SimOptions:
-    """Knobs of the simulated engine: the serving limits (`jaxserve/limits.py`, the runtime's defaults) and the mode.
+    """Knobs of the simulated engine: the serving limits (`jaxserve/core/limits.py`, the runtime's defaults) and the mode.
 
     Two limits may be left to the hardware model: `num_kv_blocks=None` gives each instance the KV its device
     memory holds, and `max_batch_tokens=None` takes the engine token cap from the profile (else the default).

@@ -4,7 +4,7 @@ The simulator owns its clock, event heap and sequence counter; events are plain 
 `(at, seq, kind, instance, payload)` ordered by time, then by the order they were scheduled (seq),
 so two runs over the same workload are identical. Arrivals come from the workload's sorted arrays
 and are processed after heap events at the same instant. Durations come only from the latency model
-(`placement/latency.py`); every decision comes from `jaxserve/scheduling.py`, the runtime's own policies:
+(`placement/latency.py`); every decision comes from `jaxserve/core/scheduling.py`, the runtime's own policies:
 
 * disaggregated — a request goes to the prefill instance chosen by `choose_prefill_instance`; the
   instance starts a batch (`form_prefill_batch`, FCFS up to L_m tokens, limited by free room in its KV
@@ -47,8 +47,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec
-from jaxserve.scheduling import (
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec
+from jaxserve.core.scheduling import (
     ColocatedRequest,
     DecodeLoad,
     PendingDecode,
@@ -72,7 +72,7 @@ from placement.latency import (
     kv_capacity_tokens,
 )
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
-from placement.step_time import decode_round_fn, decode_step_s, mixed_step_s
+from placement.step_cost import decode_round_fn, decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker

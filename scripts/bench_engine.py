@@ -93,10 +93,10 @@ def _checkpoint(args: argparse.Namespace):
 def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> float:
     import jax
 
-    from jaxserve.runtime.blocks import BlockAllocator
-    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.request import SamplingParams
+    from jaxserve.core.blocks import BlockAllocator
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     engine = _ENGINES.setdefault(str(path), OPTEngine.load(str(path), jax.devices()[:1]))
     block_size = 16
@@ -182,9 +182,9 @@ def part_decode(args: argparse.Namespace) -> None:
 def part_transfer(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from jaxserve.plan import parse_deployment
+    from jaxserve.core.plan import parse_deployment
+    from jaxserve.core.request import GenerateRequest, SamplingParams
     from jaxserve.runtime.controller import Controller, ControllerConfig
-    from jaxserve.runtime.request import GenerateRequest, SamplingParams
 
     cfg, path = _checkpoint(args)
     prompt_len, out_len, n = (16, 4, 4) if args.quick else (args.prompt_len * 2, 32, 12)
@@ -267,7 +267,7 @@ def _attainment(
 ) -> float:
     import numpy as np
 
-    from jaxserve.runtime.request import GenerateRequest, SamplingParams
+    from jaxserve.core.request import GenerateRequest, SamplingParams
 
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, n)
@@ -290,12 +290,12 @@ def _attainment(
 def part_figure1(args: argparse.Namespace) -> None:
     import jax
 
-    from jaxserve.plan import parse_deployment
-    from jaxserve.runtime.blocks import BlockAllocator
+    from jaxserve.core.blocks import BlockAllocator
+    from jaxserve.core.plan import parse_deployment
+    from jaxserve.core.request import SamplingParams
     from jaxserve.runtime.controller import Controller, ControllerConfig
-    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.request import SamplingParams
+    from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     _emit({"part": "figure1-scaling", "xla_flags": os.environ.get("XLA_FLAGS"), **_scaling_check(args.quick)})
     cfg, path = _checkpoint(args)
@@ -384,9 +384,9 @@ def part_ab_worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     from jaxserve.assets import default_model_path
-    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     greedy, bs = SamplingParams(max_tokens=64, temperature=0.0), 16
     engines: dict[str, Any] = {}

@@ -59,7 +59,7 @@ class Producer:
         return np.asarray(k), np.asarray(v)
 
     def offer(self, key: int) -> tuple[str, int, tuple[int, ...]]:
-        from jaxserve.runtime.engine import StageKV
+        from jaxserve.runtime.engines.contract import StageKV
         from jaxserve.runtime.ray_backend.transfer import stage_for_pull
 
         k, v = self.kv[key]

@@ -638,9 +638,9 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     import jax
     import numpy as np
 
+    from jaxserve.core.request import SamplingParams
     from jaxserve.llm import LLM
     from jaxserve.runtime.controller import ControllerConfig
-    from jaxserve.runtime.request import SamplingParams
     from models.checkpoint import params_from_hf_tensors, save_checkpoint
     from models.sharding import ShardedOPT
 

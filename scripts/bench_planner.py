@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device

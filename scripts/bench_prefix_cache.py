@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import numpy as np
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.scheduling import PrefixPolicy
-from jaxserve_bench.conversations import controller_sender, run_conversations
+from jaxserve.tools.bench.multiturn import controller_sender, run_conversations
 from models.config import get_config
 from placement.conversations import ConversationSpec, SharedPrefixWorkload, generate_conversations
 from placement.hardware import ClusterSpec, get_device
@@ -196,7 +196,7 @@ def main() -> int:
     started = time.monotonic()
     factory = None
     if args.engine == "timed":
-        from jaxserve.testing.timed_engine import timed_engine_factory
+        from jaxserve.tools.timed_engine import timed_engine_factory
 
         device = get_device("cpu")
         factory = timed_engine_factory(cfg, LatencyProvider(cfg, device), ClusterSpec(device, 1, 8))

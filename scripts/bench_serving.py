@@ -82,10 +82,10 @@ def engine_child(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, {args.server_cpu})
     import jax
 
-    from jaxserve.runtime.engine import StepBatch, StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.request import SamplingParams
-    from jaxserve.scheduling import blocks_for
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.core.scheduling import blocks_for
+    from jaxserve.runtime.engines.contract import StepBatch, StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     engine = OPTEngine.load(args.model, jax.devices()[:1], tp=1, pp=1)
@@ -159,8 +159,8 @@ def served_steps(http: str, since: float, batch: int) -> dict[str, float]:
 def served_run(args: argparse.Namespace, grpc: str, http: str, vocab: int, seed: int) -> dict[str, Any]:
     import numpy as np
 
-    from jaxserve_bench.loadgen import Target, run_workload
-    from jaxserve_bench.records import summarize
+    from jaxserve.tools.bench.loadgen import Target, run_workload
+    from jaxserve.tools.bench.records import summarize
     from placement.workload import Workload
 
     n = args.requests
@@ -191,8 +191,8 @@ def main() -> int:
         raise SystemExit("--server-cpu and --client-cpu must be two different cores this process may use")
     os.sched_setaffinity(0, {args.client_cpu})
 
-    from jaxserve_bench.launch import ServeProcess, warm_up
-    from jaxserve_bench.loadgen import Target, probe
+    from jaxserve.tools.bench.launch import ServeProcess, warm_up
+    from jaxserve.tools.bench.loadgen import Target, probe
 
     load_before = load_avg()
     print(

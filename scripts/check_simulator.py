@@ -51,9 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from jaxserve.plan import DeploymentPlan, parse_deployment  # noqa: E402
-from jaxserve_bench import launch, loadgen  # noqa: E402
-from jaxserve_bench.records import RequestRecord, summarize  # noqa: E402
+from jaxserve.core.plan import DeploymentPlan, parse_deployment  # noqa: E402
+from jaxserve.tools.bench import launch, loadgen  # noqa: E402
+from jaxserve.tools.bench.records import RequestRecord, summarize  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402
@@ -64,7 +64,7 @@ from placement.latency import (  # noqa: E402
 )
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
-from placement.step_time import decode_step_s, prefill_step_s  # noqa: E402
+from placement.step_cost import decode_step_s, prefill_step_s  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
 
 DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")
@@ -443,7 +443,7 @@ def check(cfg: CheckConfig) -> CheckResult:
 
 
 def plot(result: CheckResult, path: str) -> None:
-    from jaxserve_bench.plot import plot_attainment
+    from jaxserve.tools.bench.plot import plot_attainment
 
     solid: dict[str, list[tuple[float, float]]] = {}
     dashed: dict[str, list[tuple[float, float]]] = {}

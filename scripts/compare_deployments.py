@@ -44,8 +44,8 @@ for p in (ROOT, ROOT / "scripts"):
 
 import check_simulator as cs  # noqa: E402
 
-from jaxserve.plan import parse_deployment  # noqa: E402
-from jaxserve_bench import launch  # noqa: E402
+from jaxserve.core.plan import parse_deployment  # noqa: E402
+from jaxserve.tools.bench import launch  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.goodput import GoodputSearch, max_rate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
@@ -54,7 +54,7 @@ DEPLOYMENTS = ("colocated:tp1", "disagg:prefill=tp1,decode=tp1")
 
 
 def scaling_check(model: str) -> dict[str, float]:
-    code = f"import json; from jaxserve.runtime.step_timing import parallel_scaling; print(json.dumps(parallel_scaling({model!r})))"
+    code = f"import json; from jaxserve.runtime.profiling import parallel_scaling; print(json.dumps(parallel_scaling({model!r})))"
     env = {**os.environ, "XLA_FLAGS": launch.cpu_xla_flags(2), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -216,7 +216,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        from jaxserve_bench.plot import plot_attainment
+        from jaxserve.tools.bench.plot import plot_attainment
 
         plot_attainment(
             args.plot,

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from jaxserve.plan import parse_deployment  # noqa: E402
-from jaxserve.scheduling import PrefixPolicy  # noqa: E402
+from jaxserve.core.plan import parse_deployment  # noqa: E402
+from jaxserve.core.scheduling import PrefixPolicy  # noqa: E402
 from models.config import get_config  # noqa: E402
 from placement.conversations import ConversationSpec, generate_conversations  # noqa: E402
 from placement.hardware import ClusterSpec, get_device  # noqa: E402

@@ -4,7 +4,7 @@
 One command, pinned the way `jaxserve profile --cpus` pins (this process on `--cpus`, XLA's CPU
 intra-op work single-threaded, one virtual device):
 
-1. times the real XLA engine (`jaxserve/runtime/step_timing.py`: per shape the fastest of its runs,
+1. times the real XLA engine (`jaxserve/runtime/profiling.py`: per shape the fastest of its runs,
    `--repeats` runs in each of `--passes` short passes over all shapes in an order shuffled each pass,
    compile excluded, on the process's CPU clock by default: other tenants of a shared machine do
    not count) on a fit grid of prefill batches (`engine.prefill`), colocated prompt steps
@@ -12,7 +12,7 @@ intra-op work single-threaded, one virtual device):
 2. fits the profile entries exactly as `jaxserve profile` does (`placement/profile_fit.py`, padded
    shapes: `step_overhead`, C1..C6, and the bucket costs that charge instead of them);
 3. times shapes *off* the grid (other batch sizes, prompt lengths, contexts, some beyond the grid)
-   and predicts each with what the simulator charges: `placement/step_time.py` on the
+   and predicts each with what the simulator charges: `placement/step_cost.py` on the
    `LatencyProvider` model and step overhead of the fitted profile;
 4. prints predicted vs measured per shape, the median and P90 relative error, and the load average.
 
@@ -96,10 +96,10 @@ def measure(
     import jax
     import numpy as np
 
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
-    from jaxserve.runtime.step_timing import fastest_of, time_coloc_prefill, time_decode, time_prefill
-    from jaxserve.scheduling import blocks_for
+    from jaxserve.core.scheduling import blocks_for
+    from jaxserve.core.step_samples import DecodeSample, PrefillSample
+    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.profiling import fastest_of, time_coloc_prefill, time_decode, time_prefill
 
     engine = OPTEngine.load(model, jax.devices()[:1], tp=1, pp=1, dtype=dtype)
     started = time.perf_counter()
@@ -165,13 +165,13 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
 
     Adds the fitted `entries`, one row per off-grid shape and the error summary to `doc`.
     """
-    from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
+    from jaxserve.core.step_samples import DecodeSample, PrefillSample
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
     from placement.hardware import get_device
     from placement.latency import DeploymentKind, LatencyProvider, Profile
     from placement.profile_fit import profile_entry
-    from placement.step_time import decode_step_s, prefill_step_s
+    from placement.step_cost import decode_step_s, prefill_step_s
 
     path = Path(doc["model"])
     cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(doc["model"])

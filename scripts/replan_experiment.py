@@ -9,7 +9,7 @@ at night. Writes the Markdown table (stdout, and `--json` for everything), and t
 `--seed N` draws another day (and other planning samples); `--replot day.json --plot out.png` redraws
 the figure from an earlier run's `--json` without simulating again.
 
-`--hour-s 600` (the default) compresses each hour to 10 simulated minutes (see placement/replan_sim.py
+`--hour-s 600` (the default) compresses each hour to 10 simulated minutes (see placement/replan_experiment.py
 for what scales with it); `--hour-s 3600` replays real hours (about 6x the run time).
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.replan_sim import Experiment, loop_warnings, run_experiment
+from placement.replan_experiment import Experiment, loop_warnings, run_experiment
 from placement.slo import SloSpec
 from placement.timevarying import DiurnalSpec, generate_diurnal
 from placement.workload import Workload

@@ -15,11 +15,11 @@ from typing import Literal
 import jax
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.api import ServingController
 from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.engines.fake import FakeEngine
 from jaxserve.serving.server import ServerConfig, ServerThread
-from jaxserve.testing.fake_engine import FakeEngine
 from models.config import get_config
 
 TINY = get_config("opt-tiny")
@@ -242,8 +242,8 @@ def parse_sse(text: str) -> tuple[list[dict], bool]:
 
 
 def expected_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
-    """The fake engine's output with ignore_eos (see jaxserve.testing.fake_engine.reference_tokens)."""
-    from jaxserve.testing.fake_engine import reference_tokens
+    """The fake engine's output with ignore_eos (see jaxserve.runtime.engines.fake.reference_tokens)."""
+    from jaxserve.runtime.engines.fake import reference_tokens
 
     return reference_tokens(list(prompt), max_tokens, TINY.vocab_size)
 

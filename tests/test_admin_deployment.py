@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from serving_helpers import metric_value
 
-from jaxserve.plan import parse_deployment
-from jaxserve.replanning import ReplanLoop, ReplanLoopConfig, plan_id
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.workload_monitor import MonitorConfig
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
+from jaxserve.runtime.engines.opt import opt_engine_factory
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.opt_engine import opt_engine_factory
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.serving.server import ServerConfig, ServerThread
-from jaxserve.workload_monitor import MonitorConfig
+from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig, plan_id
 
 PLAN = "disagg:prefill=tp1,decode=tp1"
 NEW = "disagg:prefill=tp1,decode=tp2"
@@ -150,8 +150,8 @@ def test_a_backend_without_a_switcher_refuses_live_switches() -> None:
     """A loop without a switcher (a library user's; `serve` always builds one) refuses auto; the admin route answers 501."""
     import pytest
 
+    from jaxserve.runtime.engines.fake import fake_engine_factory
     from jaxserve.runtime.switch import SwitchUnsupportedError
-    from jaxserve.testing.fake_engine import fake_engine_factory
     from models.config import get_config
 
     c = _controller(fake_engine_factory(get_config("opt-tiny")))

@@ -30,9 +30,9 @@ import pytest
 
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve_bench import loadgen
-from jaxserve_bench.records import RequestRecord, attainment, summarize, tightest_slo_scale
-from jaxserve_bench.sweep import sweep_rates
+from jaxserve.tools.bench import loadgen
+from jaxserve.tools.bench.records import RequestRecord, attainment, summarize, tightest_slo_scale
+from jaxserve.tools.bench.sweep import sweep_rates
 from placement.slo import SloSpec
 from placement.workload import Workload
 

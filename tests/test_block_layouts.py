@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import StageKV, StagePages
+from jaxserve.runtime.engines.contract import StageKV, StagePages
+from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
 from jaxserve.runtime.instances import EngineFactory
 from jaxserve.runtime.kv_pool import read_sequence, write_sequence
-from jaxserve.runtime.opt_engine import OPTEngine, opt_engine_factory
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
 from models.config import get_config
 from models.paged_attention import BlockLayout, block_layout_for, default_impl

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError, parse_deployment
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError, parse_deployment
 from models.config import PRESETS, OPTConfig, get_config
 
 # Parameter counts of the published checkpoints, in millions (OPT paper, Table 1 naming).
@@ -128,7 +128,7 @@ def test_plan_validation() -> None:
 
 def test_planner_contracts_import_no_jax() -> None:
     code = (
-        "import sys, models.config, jaxserve.plan, jaxserve.scheduling;"
+        "import sys, models.config, jaxserve.core.plan, jaxserve.core.scheduling;"
         "bad = [m for m in ('jax', 'flax') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 import jax
 from serving_helpers import SlowFakeEngine
 
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import DecodeEngine, KVPages, PrefilledSequence
+from jaxserve.runtime.engines.contract import DecodeEngine, KVPages, PrefilledSequence
+from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.testing.fake_engine import reference_tokens
 from models.config import get_config
 
 CFG = get_config("opt-tiny")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxserve.runtime.engine import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.opt_engine import OPTEngine
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.opt import OPTEngine
 from models.sharding import ShardedOPT
 
 BLOCK = 4

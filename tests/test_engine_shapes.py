@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.runtime.engine import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.opt_engine import OPTEngine, filled_blocks
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.opt import OPTEngine, filled_blocks
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)

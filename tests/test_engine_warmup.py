@@ -7,9 +7,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxserve.runtime.engine import StepBatch, StepRow
-from jaxserve.runtime.opt_engine import OPTEngine, _host_available_bytes, enable_compilation_cache
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.contract import StepBatch, StepRow
+from jaxserve.runtime.engines.opt import OPTEngine, _host_available_bytes, enable_compilation_cache
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(temperature=0.0)

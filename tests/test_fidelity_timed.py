@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve_bench import fidelity
+from jaxserve.tools.bench import fidelity
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.errors import InvalidRequestError
-from jaxserve.plan import parse_deployment
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import RequestTimings, TokenLogprobs
 from jaxserve.proto import PROTO_PATH
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runtime.request import RequestTimings, TokenLogprobs
 from jaxserve.serving import wire
 
 GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")

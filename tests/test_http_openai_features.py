@@ -22,7 +22,7 @@ from serving_helpers import (
     tiny_tokenizer,
 )
 
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.serving.frontend import Frontend, PreparedRequest
 from jaxserve.serving.openai_protocol import ChatMessage, render_chat
 

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
-from jaxserve.runtime.engine import StageKV
+from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.runtime.engines.contract import StageKV
+from jaxserve.runtime.engines.fake import FakeEngine
 from jaxserve.runtime.kv_pool import write_sequence
-from jaxserve.testing.fake_engine import FakeEngine
 from models.config import OPTConfig
 
 

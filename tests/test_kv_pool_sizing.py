@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import jax
 
 from jaxserve.commands.serve import kv_blocks_from_memory
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
 from jaxserve.runtime.instances import RoleEngine
-from jaxserve.runtime.opt_engine import OPTEngine, opt_engine_factory
 from models.config import get_config
 
 CFG = get_config("opt-tiny")

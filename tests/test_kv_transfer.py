@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.runtime.engine import PrefillItem, StageKV
+from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.contract import PrefillItem, StageKV
+from jaxserve.runtime.engines.fake import FakeEngine
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferState, regroup_layers
-from jaxserve.runtime.request import SamplingParams
-from jaxserve.testing.fake_engine import FakeEngine
 from models.config import OPTConfig
 
 CFG = OPTConfig(name="kv-test", hidden_size=32, ffn_dim=64, num_layers=4, num_heads=4, vocab_size=300)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import jaxserve
-from jaxserve.testing.fake_engine import fake_engine_factory, reference_tokens
+from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from models.config import get_config
 
 CFG = get_config("opt-tiny")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from test_runtime_logprobs import PROMPTS, check_against_hf
 
+from jaxserve.core.request import SamplingParams
 from jaxserve.llm import LLM
 from jaxserve.runtime.controller import ControllerConfig
-from jaxserve.runtime.request import SamplingParams
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
 from models.config import get_config
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.plan import DeploymentPlan, parse_deployment
+from jaxserve.core.plan import DeploymentPlan, parse_deployment
 
 COMMON = ["--model", "opt-13b", "--device", "a100-80gb", "--profile", "a100-80gb-distserve", "--num-requests", "150"]
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from models.config import get_config
 from placement.goodput import GoodputSearch, base_workload, goodput, max_rate, slo_scale
 from placement.hardware import ClusterSpec, get_device

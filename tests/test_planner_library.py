@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.plan import DeploymentPlan, PlanError
+from jaxserve.core.plan import DeploymentPlan, PlanError
 from placement.context import build_base_workload, build_cluster, build_latency, build_options, build_slo
 from placement.planner import choose_plan
 from placement.search import SearchContext

@@ -1,5 +1,5 @@
 """One source of truth for the serving limits: the server's config, the simulator's options and the plan/simulate/
-serve command lines take their defaults from `jaxserve/limits.py`; a plan records the limits it was planned with
+serve command lines take their defaults from `jaxserve/core/limits.py`; a plan records the limits it was planned with
 and `serve --plan` applies them."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from jaxserve.cli import build_parser, main
 from jaxserve.commands.serve import serving_limits
-from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
-from jaxserve.plan import DeploymentPlan, PlanError, parse_deployment
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.plan import DeploymentPlan, PlanError, parse_deployment
+from jaxserve.core.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
 from jaxserve.runtime.controller import ControllerConfig
-from jaxserve.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, kv_capacity_tokens

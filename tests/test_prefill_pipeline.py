@@ -19,12 +19,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec
-from jaxserve.runtime.engine import AsyncPrefillEngine, PrefillItem
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec
+from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
+from jaxserve.runtime.engines.contract import AsyncPrefillEngine, PrefillItem
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.runtime.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.runtime.worker import LiveRequest
-from jaxserve.testing.timed_engine import TimedEngine, timed_engine_factory
+from jaxserve.tools.timed_engine import TimedEngine, timed_engine_factory
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, Profile, StepOverhead
@@ -193,7 +193,7 @@ def test_timed_engine_schedules_batches_on_per_stage_timelines() -> None:
 
 def test_opt_engine_prefills_in_flight_match_one_at_a_time() -> None:
     """Two batches dispatched before either is read back (pp = 2) give what `prefill` gives one by one."""
-    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.engines.opt import OPTEngine
     from models.sharding import ShardedOPT
 
     engine = OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=2, devices=jax.devices()[:2]))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
-from jaxserve.runtime.prefix_cache import PrefixCache, block_hashes, hash_block
+from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.prefix_cache import PrefixCache, block_hashes, hash_block
 
 BS = 4
 

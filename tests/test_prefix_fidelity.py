@@ -24,12 +24,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.prefix_cache import BlockHash, PrefixCache, block_hashes
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.prefix_cache import BlockHash, PrefixCache, block_hashes
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.testing.fake_engine import fake_engine_factory, reference_tokens
 from models.config import get_config
 from placement.conversations import ConversationSet, ConversationSpec, Turn
 from placement.hardware import ClusterSpec, get_device

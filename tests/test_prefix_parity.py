@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.scheduling import PrefixPolicy
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
 from models.config import get_config
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.plan import DeploymentPlan
-from jaxserve.scheduling import PrefixPolicy
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.scheduling import PrefixPolicy
 from models.config import get_config
 from placement.conversations import ConversationSpec, generate_conversations
 from placement.goodput import max_rate

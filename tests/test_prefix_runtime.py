@@ -15,14 +15,14 @@ from collections.abc import Sequence
 import jax
 import pytest
 
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import DecodeEngine, KVPages, PrefilledSequence, StepBatch
+from jaxserve.runtime.engines.contract import DecodeEngine, KVPages, PrefilledSequence, StepBatch
+from jaxserve.runtime.engines.fake import FakeEngine, fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.scheduling import PrefixPolicy
-from jaxserve.testing.fake_engine import FakeEngine, fake_engine_factory, reference_tokens
 from models.config import get_config
 
 CFG = get_config("opt-tiny")  # vocab 512, 256 positions, 4 heads, 2 layers

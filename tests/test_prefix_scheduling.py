@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.scheduling import (
+from jaxserve.core.scheduling import (
     CachedDecodeLoad,
     CachedPrefillLoad,
     DecodeLoad,

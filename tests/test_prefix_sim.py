@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxserve.plan import parse_deployment
-from jaxserve.scheduling import PrefixPolicy
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.scheduling import PrefixPolicy
 from models.config import get_config
 from placement.conversations import ConversationSpec, generate_conversations
 from placement.hardware import ClusterSpec, get_device

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from models.config import get_config
 from models.paged_attention import default_impl
 from placement.hardware import ClusterSpec, get_device
@@ -89,10 +89,10 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     import jax
 
     from jaxserve.commands.profile import engine_padding
-    from jaxserve.runtime.engine import StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
-    from jaxserve.runtime.request import SamplingParams
-    from jaxserve.scheduling import blocks_for
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.core.scheduling import blocks_for
+    from jaxserve.runtime.engines.contract import StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
     from models.paged_attention import chunk_columns
 
     cfg = get_config("opt-tiny")
@@ -141,8 +141,8 @@ def test_engine_padding_follows_the_flat_loops_chunk_rule_at_large_batches() -> 
 
 
 def test_fastest_of_keeps_each_shapes_fastest_pass() -> None:
-    from jaxserve.runtime.step_samples import DecodeSample
-    from jaxserve.runtime.step_timing import fastest_of
+    from jaxserve.core.step_samples import DecodeSample
+    from jaxserve.runtime.profiling import fastest_of
 
     one = [DecodeSample(1, 16, 2.0e-3), DecodeSample(8, 128, 5.0e-3)]
     two = [DecodeSample(1, 16, 1.5e-3), DecodeSample(8, 128, 6.0e-3)]

@@ -24,14 +24,14 @@ import pytest
 import test_kv_transfer as conformance
 from jax.sharding import PartitionSpec
 
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.llm import LLM
-from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import PrefillItem
+from jaxserve.runtime.engines.contract import PrefillItem
+from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.runtime.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.serving.metrics import ServingMetrics
-from jaxserve.testing.fake_engine import FakeEngine, reference_tokens
 
 ray = pytest.importorskip("ray")
 
@@ -49,7 +49,7 @@ from jaxserve.runtime.ray_backend.deployment import (  # noqa: E402
     actor_env,
     loopback_only,
 )
-from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
 from jaxserve.runtime.switch import PlanSwitcher  # noqa: E402

@@ -30,16 +30,16 @@ import httpx
 import pytest
 from serving_helpers import running_server
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.testing.fake_engine import reference_tokens
+from jaxserve.runtime.engines.fake import reference_tokens
 from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, loopback_only  # noqa: E402
-from jaxserve.runtime.ray_backend.placement import PlacementConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -13,7 +13,7 @@ import tempfile
 import httpx
 import pytest
 
-from jaxserve.testing.fake_engine import reference_tokens
+from jaxserve.runtime.engines.fake import reference_tokens
 from models.config import get_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

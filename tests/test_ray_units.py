@@ -10,10 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
-from jaxserve.runtime.engine import StageKV
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.engines.contract import StageKV
 from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
-from jaxserve.runtime.ray_backend.placement import PlacementConfig, bundle, group_by_node
+from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig, bundle, group_by_node
 from jaxserve.runtime.ray_backend.transfer import LeasedKVBuffer, PullError, run_with_watchdog
 from models.config import get_config
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.plan import parse_deployment
-from jaxserve.workload_monitor import MonitorConfig, WorkloadMonitor
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.workload_monitor import MonitorConfig, WorkloadMonitor
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.replan import (
+from placement.replan_decision import (
     BackgroundReplanner,
     CorrectedLatency,
     PlanEstimate,
@@ -72,7 +72,7 @@ def test_a_60_s_probe_does_not_overrate_the_plan_the_diurnal_day_missed_an_hour_
     the 600-request sample rates it at 41.5 rps as well; the probe rule still bounds what a short
     sample can hide near saturation.)
     """
-    from placement.replan_sim import LoopConfig
+    from placement.replan_experiment import LoopConfig
     from placement.timevarying import DiurnalSpec, generate_diurnal
 
     trace = generate_diurnal(DiurnalSpec(), 600.0, np.random.default_rng(0))
@@ -297,7 +297,7 @@ def test_background_replanner_runs_the_same_round_in_another_process() -> None:
 
 
 def test_the_required_rate_is_the_counts_upper_confidence_bound_times_headroom() -> None:
-    from placement.replan import ReplanConfig
+    from placement.replan_decision import ReplanConfig
 
     cfg = ReplanConfig(headroom=1.2, rate_z=2.0)
     # 100 arrivals in 10 s: (100 + 2 * 10) / 10 * 1.2

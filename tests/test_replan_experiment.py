@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.plan import parse_deployment
-from jaxserve.workload_monitor import DetectorConfig
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.workload_monitor import DetectorConfig
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.replan_sim import (
+from placement.replan_experiment import (
     Epoch,
     Experiment,
     LoopConfig,

@@ -16,14 +16,14 @@ import weakref
 import numpy as np
 import pytest
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, parse_deployment
-from jaxserve.replanning import ReplanLoop, ReplanLoopConfig
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
+from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.switch import PlanSwitcher, SwitchError, SwitchInProgressError, match_instances
-from jaxserve.testing.fake_engine import fake_engine_factory, reference_tokens
-from jaxserve.workload_monitor import DetectorConfig, MonitorConfig
+from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig
 from models.config import get_config
 
 CFG = get_config("opt-tiny")  # vocab 512, 256 positions, 4 heads
@@ -306,7 +306,7 @@ def test_step_sweep_feeds_observed_against_predicted_step_times_per_instance() -
     """Each step the instances log reaches the monitor once, with the latency model's prediction for it."""
     from placement.hardware import get_device
     from placement.latency import LatencyProvider
-    from placement.replan import predicted_step_s
+    from placement.replan_decision import predicted_step_s
 
     c = _controller("disagg:prefill=tp1,decode=tp2")
     latency = LatencyProvider(CFG, get_device("cpu"))  # the roofline of this host

@@ -12,13 +12,12 @@ from collections.abc import Iterator, Sequence
 import jax
 import pytest
 
-from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import KVPages, StepBatch
-from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
-from jaxserve.testing.fake_engine import (
+from jaxserve.runtime.engines.contract import KVPages, StepBatch
+from jaxserve.runtime.engines.fake import (
     DECODE_WEIGHTS,
     PREFILL_WEIGHTS,
     FakeEngine,
@@ -26,6 +25,7 @@ from jaxserve.testing.fake_engine import (
     fake_token,
     reference_tokens,
 )
+from jaxserve.runtime.instances import build_engines
 from models.config import get_config
 
 CFG = get_config("opt-tiny")  # vocab 512, 256 positions, 4 heads, 2 layers

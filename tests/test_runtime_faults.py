@@ -14,11 +14,13 @@ from collections.abc import Sequence
 import jax
 import pytest
 
-from jaxserve.errors import EngineDeadError
-from jaxserve.plan import InstanceSpec, parse_deployment
+from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
+from jaxserve.core.scheduling import PrefillLoad
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engine import (
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVPages,
     PrefilledSequence,
@@ -26,12 +28,10 @@ from jaxserve.runtime.engine import (
     PrefillResult,
     StepBatch,
 )
+from jaxserve.runtime.engines.fake import FakeEngine, fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, KVTransferError, TransferState
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.runtime.worker import FaultKind, LiveRequest, Worker
-from jaxserve.scheduling import PrefillLoad
-from jaxserve.testing.fake_engine import FakeEngine, fake_engine_factory, reference_tokens
 from models.config import get_config
 
 CFG = get_config("opt-tiny")  # vocab 512, 256 positions
@@ -417,7 +417,7 @@ class _OPTDyingOnDecode:
 
 
 def test_seeded_sampling_continues_from_the_same_positions_after_a_move(tmp_path) -> None:
-    from jaxserve.runtime.opt_engine import opt_engine_factory
+    from jaxserve.runtime.engines.opt import opt_engine_factory
     from jaxserve.testing.hf import make_hf_checkpoint
 
     checkpoint = str(make_hf_checkpoint(tmp_path / "opt-tiny-hf", CFG, seed=3))

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.errors import InvalidRequestError
-from jaxserve.plan import parse_deployment
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import MAX_LOGPROBS, GenerateRequest, SamplingParams, TokenChunk, TokenLogprobs
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.request import MAX_LOGPROBS, GenerateRequest, SamplingParams, TokenChunk, TokenLogprobs
-from jaxserve.testing.fake_engine import fake_engine_factory
+from jaxserve.runtime.engines.fake import fake_engine_factory
 from jaxserve.testing.hf import hf_logprobs, make_hf_checkpoint, make_hf_model
 from models.config import get_config
 

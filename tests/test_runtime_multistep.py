@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
 from models.config import get_config
 
@@ -122,8 +122,8 @@ def test_pipeline_engine_runs_multi_step_as_single_steps() -> None:
     """With pp > 1 `OPTEngine.decode_steps` falls back to single steps: the same tokens as the on-device loop."""
     import jax
 
-    from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     got = []
     for pp in (1, 2):

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.errors import InvalidRequestError
-from jaxserve.runtime.request import RequestTimings, SamplingParams
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.request import RequestTimings, SamplingParams
 from jaxserve.runtime.sampling import default_seed, sample
 
 RNG = np.random.default_rng(0)

@@ -14,9 +14,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.request import GenerateRequest, SamplingParams
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import get_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device

@@ -24,7 +24,7 @@ from serving_helpers import (
 )
 
 from jaxserve.client import Client, InvalidArgumentError
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.serving.openai_protocol import ChatMessage, render_chat
 from jaxserve.testing.hf import hf_logprobs, make_hf_checkpoint, make_hf_model

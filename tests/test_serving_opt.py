@@ -22,10 +22,10 @@ import pytest
 from serving_helpers import running_server, tiny_tokenizer
 
 from jaxserve.client import Client
+from jaxserve.core.plan import parse_deployment
+from jaxserve.core.request import SamplingParams
 from jaxserve.llm import LLM
-from jaxserve.plan import parse_deployment
 from jaxserve.runtime.controller import Controller
-from jaxserve.runtime.request import SamplingParams
 from models.checkpoint import save_checkpoint
 from models.sharding import ShardedOPT
 

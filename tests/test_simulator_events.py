@@ -9,14 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile
 from placement.padding import EnginePadding, PaddedModel
 from placement.simulator import SimOptions, Simulator
 from placement.slo import SloSpec
-from placement.step_time import decode_round_fn, decode_step_s
+from placement.step_cost import decode_round_fn, decode_step_s
 from placement.workload import generate
 
 OPT13B = get_config("opt-13b", "float16")
@@ -99,7 +99,7 @@ def test_round_function_charges_decode_step_s(pp: int) -> None:
 def test_prefix_cache_simulator_is_unchanged_by_coalescing() -> None:
     """The prefix-cache simulator keeps its own decode rounds (local prefills ride in them) but its colocated
     instances coalesce steady steps too: with caching on, turns arriving as events, the same timeline."""
-    from jaxserve.scheduling import PrefixPolicy
+    from jaxserve.core.scheduling import PrefixPolicy
     from placement.conversations import ConversationSpec, generate_conversations
     from placement.prefix_sim import PrefixSimulator
 

@@ -15,9 +15,9 @@ import jax
 import pytest
 from test_runtime_warmup import _burst, _Compiles  # the same witness and burst as the serve warm-up test
 
-from jaxserve.plan import parse_deployment
+from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.opt_engine import opt_engine_factory
+from jaxserve.runtime.engines.opt import opt_engine_factory
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config

@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
+from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
 from jaxserve.runtime.kv_transfer import TransferState
-from jaxserve.runtime.request import SamplingParams
-from jaxserve.testing.timed_engine import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
+from jaxserve.tools.timed_engine import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile

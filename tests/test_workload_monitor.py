@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.workload_monitor import (
+from jaxserve.core.workload_monitor import (
     DetectorConfig,
     LengthHistogram,
     MonitorConfig,

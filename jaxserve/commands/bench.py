@@ -9,7 +9,7 @@
 Requests come from the planner's workload module (`sharegpt`, `humaneval`, `longbench`,
 `fixed:IN:OUT`, or a JSONL trace, rescaled to `--rate`), Poisson arrivals (Gamma with `--cv`). Every
 request asks for exactly its output length (ignore_eos). Per request: client-side TTFT, TPOT, ITLs,
-E2E (vLLM `bench serve` definitions, see `jaxserve_bench/records.py`).
+E2E (vLLM `bench serve` definitions, see `jaxserve/tools/bench/records.py`).
 
 * `--rate R` (or `--rates R1,R2,…`): one run per rate per target; summary table per run.
 * `--sweep-rates`: DistServe goodput per target — the highest rate with attainment ≥ `--attainment`,
@@ -22,7 +22,7 @@ E2E (vLLM `bench serve` definitions, see `jaxserve_bench/records.py`).
   leaves `--think-time` seconds, exponential mean, after the last token; conversations start so
   that requests arrive at about `--rate`). gRPC only; the summary adds the prefix-cache hit rate
   (the server's `usage.cached_tokens`) and the KV bytes the server moved
-  (`jaxserve_bench/conversations.py`).
+  (`jaxserve/tools/bench/multiturn.py`).
 * `--json FILE`: every run with every request's numbers; `--plot FILE.png`: attainment vs rate (and
   vs SLO scale), one line per target/deployment.
 """
@@ -84,8 +84,8 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jaxserve_bench import loadgen
-    from jaxserve_bench.sweep import sweep_rates
+    from jaxserve.tools.bench import loadgen
+    from jaxserve.tools.bench.sweep import sweep_rates
     from placement.slo import SloSpec
     from placement.workload import Workload, load_workload
 
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as fh:
             json.dump(output, fh, indent=1, default=_json_default)
     if args.plot:
-        from jaxserve_bench.plot import plot_attainment
+        from jaxserve.tools.bench.plot import plot_attainment
 
         plot_attainment(
             args.plot,
@@ -190,8 +190,8 @@ def _measure(
     rate: float,
 ) -> float:
     """One run of the base workload at `rate`; appended to `entry`; returns its attainment."""
-    from jaxserve_bench import loadgen
-    from jaxserve_bench.records import attainment, attainment_vs_scale, format_summary, summarize
+    from jaxserve.tools.bench import loadgen
+    from jaxserve.tools.bench.records import attainment, attainment_vs_scale, format_summary, summarize
 
     workload = base.with_rate(rate)
     bench = loadgen.run(
@@ -233,9 +233,9 @@ def _run_conversations(args: argparse.Namespace, rates: list[float], slo: Any) -
     import numpy as np
 
     from jaxserve.client import AsyncClient
-    from jaxserve_bench import loadgen
-    from jaxserve_bench.conversations import grpc_sender, run_conversations
-    from jaxserve_bench.records import format_summary, summarize
+    from jaxserve.tools.bench import loadgen
+    from jaxserve.tools.bench.multiturn import grpc_sender, run_conversations
+    from jaxserve.tools.bench.records import format_summary, summarize
     from placement.conversations import ConversationSpec, generate_conversations
 
     if args.http:

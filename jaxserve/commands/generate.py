@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.errors import JaxServeError
-    from jaxserve.plan import PlanError, parse_deployment
+    from jaxserve.core.errors import JaxServeError
+    from jaxserve.core.plan import PlanError, parse_deployment
 
     try:
         plan = parse_deployment(args.deployment)
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     ensure_host_devices(plan.num_devices)
 
+    from jaxserve.core.request import SamplingParams
     from jaxserve.llm import LLM
-    from jaxserve.runtime.request import SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,

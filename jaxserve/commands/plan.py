@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxserve.plan import DeploymentPlan
+    from jaxserve.core.plan import DeploymentPlan
     from placement.search import SearchContext
 
 
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
-    from jaxserve.plan import PlanError
+    from jaxserve.core.plan import PlanError
     from placement.context import UsageError, build_base_workload
     from placement.latency import ProfileError
     from placement.planner import choose_plan
@@ -206,7 +206,7 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
     """`--conversations N`: plan a deployment and caching policy for a multi-turn workload."""
     import numpy as np
 
-    from jaxserve.plan import PlanError
+    from jaxserve.core.plan import PlanError
     from placement.conversations import ConversationSpec, generate_conversations
     from placement.prefix_plan import Kind, plan_for_conversations
 

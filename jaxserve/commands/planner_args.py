@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
-from jaxserve.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS
 from placement.context import (
     build_base_workload,
     build_cluster,
@@ -36,7 +36,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-tokens", type=int, default=None, help="L_m, the bubble-balancing prefill target (default: profile's)"
     )
-    limits = parser.add_argument_group("serving limits (jaxserve/limits.py; the defaults of `jaxserve serve`)")
+    limits = parser.add_argument_group("serving limits (jaxserve/core/limits.py; the defaults of `jaxserve serve`)")
     limits.add_argument(
         "--max-decode-batch",
         type=int,

@@ -7,10 +7,10 @@
 
 For every tensor-parallel degree (from `--tp`, or the instances of `--deployment`), loads the model
 on that many devices, times prefill batches, decode steps and colocated prefill steps over a grid of
-shapes (`jaxserve/runtime/step_timing.py`; per shape the fastest of `--repeats` runs in each of `--passes`
+shapes (`jaxserve/runtime/profiling.py`; per shape the fastest of `--repeats` runs in each of `--passes`
 passes over the grid, compile excluded),
 fits C1..C6 and the per-step overhead (`step_overhead`: a constant per step, a term per context token, an
-extra constant per prompt step — what `placement/step_time.py` charges) by one least squares
+extra constant per prompt step — what `placement/step_cost.py` charges) by one least squares
 (`placement/profile_fit.py`), finds L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
@@ -151,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tps(args: argparse.Namespace) -> list[int]:
-    from jaxserve.plan import parse_deployment
+    from jaxserve.core.plan import parse_deployment
 
     if args.deployment:
         return sorted({inst.tp for inst in parse_deployment(args.deployment).instances})
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxserve.runtime.step_timing import custom_grid, default_grid, measure
+    from jaxserve.runtime.profiling import custom_grid, default_grid, measure
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
     from placement.profile_fit import profile_entry
@@ -298,7 +298,7 @@ def _from_server(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from jaxserve.plan import PlanError, parse_deployment
+    from jaxserve.core.plan import PlanError, parse_deployment
     from models.checkpoint import is_hf_dir, load_hf_config
     from models.config import get_config
     from placement.profile_fit import profile_entry, samples_from_steps

@@ -23,18 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
-from jaxserve.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import jax
 
-    from jaxserve.plan import DeploymentPlan, InstanceSpec
+    from jaxserve.core.plan import DeploymentPlan, InstanceSpec
     from jaxserve.runtime.instances import EngineFactory, RoleEngine
 
 if TYPE_CHECKING:
-    from jaxserve.replanning import ReplanLoop
+    from jaxserve.tools.replan_loop import ReplanLoop
     from placement.search import SearchContext
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
@@ -58,7 +58,7 @@ def compile_cache_dir(value: str | None) -> Path | None:
 
 def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
     """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX)."""
-    from jaxserve.runtime.opt_engine import enable_compilation_cache
+    from jaxserve.runtime.engines.opt import enable_compilation_cache
 
     enable_compilation_cache(directory, min_compile_time_s)
 
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ray backend: how decode actors pull KV (jax: jax.experimental.transfer)",
     )
     limits = parser.add_argument_group("runtime limits")
-    # Defaults: the plan's recorded limits with --plan, else jaxserve/limits.py (what plan/simulate assume).
+    # Defaults: the plan's recorded limits with --plan, else jaxserve/core/limits.py (what plan/simulate assume).
     limits.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -206,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _timed_engine_factory(model: str, profile: str | None) -> EngineFactory:
-    from jaxserve.testing.timed_engine import timed_engine_factory
+    from jaxserve.tools.timed_engine import timed_engine_factory
     from models.config import PRESETS, OPTConfig, get_config
     from placement.hardware import get_device
     from placement.latency import LatencyProvider, load_profile
@@ -234,7 +234,7 @@ def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLim
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from jaxserve.plan import DeploymentPlan, PlanError, parse_deployment
+    from jaxserve.core.plan import DeploymentPlan, PlanError, parse_deployment
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("jaxserve.serve")
@@ -271,9 +271,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         log.info("compilation cache: %s", cache_dir)
 
+    from jaxserve.core.scheduling import PrefixPolicy
     from jaxserve.runtime.controller import Controller, ControllerConfig
     from jaxserve.runtime.instances import place
-    from jaxserve.scheduling import PrefixPolicy
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         engine_factory: EngineFactory | None = None
         if args.engine == "fake":
-            from jaxserve.testing.fake_engine import fake_engine_factory
+            from jaxserve.runtime.engines.fake import fake_engine_factory
             from models.config import PRESETS, OPTConfig, get_config
 
             fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
             controller = launch_from_args(model, plan, config, args)
         else:
             if engine_factory is None:
-                from jaxserve.runtime.opt_engine import opt_engine_factory
+                from jaxserve.runtime.engines.opt import opt_engine_factory
 
                 engine_factory = opt_engine_factory(model, dtype=args.dtype)
                 if not pool_given:
@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
             )
             transfer = None
             if args.engine == "timed":  # the link time runs from each pull's start, as the simulator charges it
-                from jaxserve.testing.timed_engine import TimedTransfer
+                from jaxserve.tools.timed_engine import TimedTransfer
 
                 transfer = TimedTransfer
             controller = Controller.from_plan(
@@ -408,7 +408,7 @@ def kv_blocks_from_memory(
     say) and a factory that hands the built engines to `Controller.from_plan` (and loads any
     later instance, such as a replan's, itself).
     """
-    from jaxserve.runtime.engine import MemorySizedPool
+    from jaxserve.runtime.engines.contract import MemorySizedPool
     from jaxserve.runtime.instances import place
 
     built: dict[tuple[int, ...], RoleEngine] = {}
@@ -437,10 +437,10 @@ def build_replan_loop(
     live switch's new instances come from (`InstanceBuilder`, or the embedded backend's engine factory)."""
     import jax
 
-    from jaxserve.replanning import ReplanLoop, ReplanLoopConfig
+    from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
     from jaxserve.runtime.controller import Controller
     from jaxserve.runtime.switch import InstanceBuilder, PlanSwitcher
-    from jaxserve.workload_monitor import DetectorConfig, MonitorConfig
+    from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig
 
     assert isinstance(controller, Controller)
     monitor = MonitorConfig(window_s=args.window, slice_s=args.slice, ttft_slo_s=args.ttft, tpot_slo_s=args.tpot)

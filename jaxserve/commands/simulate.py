@@ -4,7 +4,7 @@ With `--rate R` it reports SLO attainment (when SLOs are given), TTFT/TPOT perce
 per-phase breakdown; with `--goodput` it searches the highest rate meeting the attainment target and
 reports it in total and per device. With `--timevarying diurnal|trace.jsonl` it replays a day (or a
 trace) under a static plan for the peak, one for the average and the replanning loop, and reports
-attainment, goodput and devices per hour (see placement/replan_sim.py).
+attainment, goodput and devices per hour (see placement/replan_experiment.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
-    from jaxserve.plan import PlanError, parse_deployment
+    from jaxserve.core.plan import PlanError, parse_deployment
     from placement.context import UsageError
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import DeploymentKind, ProfileError
@@ -129,7 +129,7 @@ def _run_timevarying(args: argparse.Namespace) -> int:
 
     from jaxserve.commands.planner_args import inputs_from_args
     from placement.context import UsageError
-    from placement.replan_sim import Experiment, loop_warnings, run_experiment
+    from placement.replan_experiment import Experiment, loop_warnings, run_experiment
     from placement.timevarying import DiurnalSpec, generate_diurnal
     from placement.workload import Workload
 

@@ -3,7 +3,7 @@
 * `engine.py` — the engine contract the instance loops drive; `opt_engine.py` its
   JAX/Flax OPT implementation; `kv_pool.py` the paged KV pool; `sampling.py` sampling.
 * `prefill_instance.py`, `decode_instance.py`, `colocated_instance.py` — one role each,
-  each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/scheduling.py`.
+  each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/core/scheduling.py`.
 * `kv_transfer.py` — the in-process KV pull; `ray_backend/` the cross-process one and the
   Ray deployment of a plan.
 * `controller.py` — dispatch, hand-off from prefill to decode, streaming, re-routing.

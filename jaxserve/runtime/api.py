@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from jaxserve.plan import DeploymentPlan
-from jaxserve.runtime.request import GenerateRequest
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.request import GenerateRequest
 from models.config import OPTConfig
 
 if TYPE_CHECKING:

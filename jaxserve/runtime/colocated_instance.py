@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.core.blocks import BlockAllocator
+from jaxserve.core.prefix_cache import PrefixCache, cache_stats
+from jaxserve.core.request import FinishReason
+from jaxserve.core.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.blocks import BlockAllocator
-from jaxserve.runtime.engine import DecodeEngine, StepRow
+from jaxserve.runtime.engines.contract import DecodeEngine, StepRow
 from jaxserve.runtime.multi_step import decode_call, decode_records
-from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
-from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
-from jaxserve.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,20 +62,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import jax
 
-from jaxserve.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
-from jaxserve.limits import DEFAULT_LIMITS
-from jaxserve.plan import DeploymentPlan
-from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
-from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
-from jaxserve.runtime.engine import BucketWarmable, DecodeEngine, LogprobEngine, PrefillEngine
-from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
-from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
-from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
-from jaxserve.runtime.sampling import default_seed
-from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
-from jaxserve.scheduling import (
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
+from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
+from jaxserve.core.scheduling import (
     CachedDecodeLoad,
     CachedPrefillLoad,
     PrefixPolicy,
@@ -85,6 +76,15 @@ from jaxserve.scheduling import (
     choose_prefill_instance_cached,
     prefill_locally,
 )
+from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
+from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
+from jaxserve.runtime.engines.contract import BucketWarmable, DecodeEngine, LogprobEngine, PrefillEngine
+from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
+from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
+from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.runtime.sampling import default_seed
+from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class Observer(Protocol):
 
 
 class WorkloadHook(Protocol):
-    """What the workload monitor hears (`jaxserve/replanning.py`): admissions and finishes; keep it quick."""
+    """What the workload monitor hears (`jaxserve/tools/replan_loop.py`): admissions and finishes; keep it quick."""
 
     def on_arrival(self, arrival_at: float, num_prompt_tokens: int) -> None: ...
 
@@ -115,7 +115,7 @@ class WorkloadHook(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    # The serving limits' defaults are jaxserve/limits.py's, which the simulator shares.
+    # The serving limits' defaults are jaxserve/core/limits.py's, which the simulator shares.
     block_size: int = DEFAULT_LIMITS.block_size
     num_kv_blocks: int = DEFAULT_LIMITS.num_kv_blocks or 256  # per decode / colocated instance
     max_decode_batch_size: int = DEFAULT_LIMITS.max_decode_batch
@@ -328,7 +328,7 @@ class Controller:
         """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`;
         `transfer` moves KV into each decode instance (default `InProcessTransfer`)."""
         if engine_factory is None:
-            from jaxserve.runtime.opt_engine import opt_engine_factory
+            from jaxserve.runtime.engines.opt import opt_engine_factory
 
             engine_factory = opt_engine_factory(model_source, dtype=dtype)
         placed = build_engines(plan, engine_factory, devices)

@@ -64,9 +64,12 @@ import logging
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
+from jaxserve.core.blocks import BlockAllocator
+from jaxserve.core.prefix_cache import PrefixCache, cache_stats
+from jaxserve.core.request import FinishReason
+from jaxserve.core.scheduling import DecodeLoad, PendingDecode, admit_decodes
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.blocks import BlockAllocator
-from jaxserve.runtime.engine import (
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     HeldKV,
     PrefilledSequence,
@@ -79,10 +82,7 @@ from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
-from jaxserve.runtime.prefix_cache import PrefixCache, cache_stats
-from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
-from jaxserve.scheduling import DecodeLoad, PendingDecode, admit_decodes
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
-from jaxserve.runtime.engine import DecodeEngine, PrefillEngine
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.engines.contract import DecodeEngine, PrefillEngine
 
 # Embedded factories build an `Engine` (both roles); the Ray backend places one proxy per role.
 RoleEngine = PrefillEngine | DecodeEngine

@@ -1,4 +1,4 @@
-"""Paged KV for decode: the device pool (the block allocator is `jaxserve/runtime/blocks.py`).
+"""Paged KV for decode: the device pool (the block allocator is `jaxserve/core/blocks.py`).
 
 The pool arrays (`KVPages`, one `StagePages` per
 pipeline stage, heads sharded over `tp`) are replaced functionally by every
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.runtime.engine import KVPages, SequenceKV, StageKV, StagePages
+from jaxserve.runtime.engines.contract import KVPages, SequenceKV, StageKV, StagePages
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

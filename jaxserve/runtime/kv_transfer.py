@@ -29,8 +29,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.errors import EngineDeadError
-from jaxserve.runtime.engine import (
+from jaxserve.core.errors import EngineDeadError
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVLayout,
     KVPages,

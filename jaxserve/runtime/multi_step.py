@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxserve.runtime.engine import (
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVPages,
     MultiStepDecoder,

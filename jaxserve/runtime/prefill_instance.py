@@ -46,9 +46,18 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.prefix_cache import CacheHit, PrefixCache, cache_stats
+from jaxserve.core.request import FinishReason
+from jaxserve.core.scheduling import (
+    DEFAULT_PREFILL_BUFFER_SLOTS,
+    PrefillLoad,
+    WaitingPrompt,
+    form_prefill_batch,
+    prefill_buffer_free_slots,
+)
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
-from jaxserve.runtime.engine import (
+from jaxserve.runtime.engines.contract import (
     AsyncPrefillEngine,
     DecodeEngine,
     PagedPrefiller,
@@ -65,16 +74,7 @@ from jaxserve.runtime.engine import (
     step_tokens,
 )
 from jaxserve.runtime.kv_pool import read_sequence
-from jaxserve.runtime.prefix_cache import CacheHit, PrefixCache, cache_stats
-from jaxserve.runtime.request import FinishReason
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
-from jaxserve.scheduling import (
-    DEFAULT_PREFILL_BUFFER_SLOTS,
-    PrefillLoad,
-    WaitingPrompt,
-    form_prefill_batch,
-    prefill_buffer_free_slots,
-)
 
 
 @dataclasses.dataclass(frozen=True)

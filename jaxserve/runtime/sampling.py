@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 
 def default_seed(request_id: str) -> int:

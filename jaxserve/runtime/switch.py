@@ -6,7 +6,7 @@
 `RayActors` (a new actor per instance, placed by Ray; retired actors are killed). The steps:
 
 1. match: each instance of the new plan that has the role and shape (tp, pp, chunk size) of a
-   routed instance keeps that instance (no reload, no drain; `placement.replan.plan_delta` counts
+   routed instance keeps that instance (no reload, no drain; `placement.replan_decision.plan_delta` counts
    the same way); the others are *added*, and the routed instances left unmatched *retire*.
 2. devices: added instances go on devices no instance holds (`InstanceBuilder.can_build`). When
    there are too few, the retiring instances are routed away and drained first and their devices
@@ -28,7 +28,7 @@
    `drain_timeout_s` whatever they still hold
    moves to routed instances through the re-route path (resumed, token for token).
 
-Nothing here imports the planner: the replanning loop above (`jaxserve/replanning.py`) decides
+Nothing here imports the planner: the replanning loop above (`jaxserve/tools/replan_loop.py`) decides
 *what* to switch to; this module only knows how.
 """
 
@@ -43,8 +43,8 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
-from jaxserve.errors import JaxServeError
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.core.errors import JaxServeError
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import Controller
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance

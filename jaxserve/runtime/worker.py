@@ -32,10 +32,10 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar, Literal, Protocol
 
-from jaxserve.errors import EngineDeadError
+from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.prefix_cache import block_hashes
+from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs
 from jaxserve.runtime.api import FaultStats, InstanceStats
-from jaxserve.runtime.prefix_cache import block_hashes
-from jaxserve.runtime.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
 * `http_api.py` — the OpenAI-compatible HTTP API; `openai_protocol.py` its request schemas;
   `chat_template.py` the chat template both APIs use.
 * `metrics.py` — Prometheus metrics (the workload gauges among them).
-* `admin.py` — what the server needs from a replanning loop (`jaxserve/replanning.py`): gauges,
+* `admin.py` — what the server needs from a replanning loop (`jaxserve/tools/replan_loop.py`): gauges,
   `/debug/workload`, `POST /admin/deployment`.
 * `server.py` — one process serving both APIs over one controller.
 """

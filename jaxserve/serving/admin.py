@@ -1,6 +1,6 @@
 """What the HTTP server needs from a replanning loop: workload gauges, `/debug/workload`, `/admin/deployment`.
 
-A Protocol (the server never imports the planner): `jaxserve.replanning.ReplanLoop` implements it.
+A Protocol (the server never imports the planner): `jaxserve.tools.replan_loop.ReplanLoop` implements it.
 `parse_plan_body` reads a `POST /admin/deployment` body.
 """
 
@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Protocol
 
-from jaxserve.plan import DeploymentPlan, PlanError, parse_deployment
+from jaxserve.core.plan import DeploymentPlan, PlanError, parse_deployment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Protocol
 
-from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.runtime.api import ServingController
-from jaxserve.runtime.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 

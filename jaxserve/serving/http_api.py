@@ -36,9 +36,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jaxserve.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.plan import PlanError
-from jaxserve.runtime.request import TokenLogprobs
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.plan import PlanError
+from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchError, SwitchInProgressError, SwitchUnsupportedError
 from jaxserve.serving.admin import DeploymentAdmin, parse_plan_body
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams

@@ -25,15 +25,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.errors import InvalidRequestError
-from jaxserve.runtime.request import SamplingParams
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.request import SamplingParams
 from jaxserve.serving import chat_template
 from jaxserve.serving.wire import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, CompletionParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
 MAX_CHOICES = 64  # prompts x n in one request
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (= jaxserve.runtime.request.MAX_LOGPROBS)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (= jaxserve.core.request.MAX_LOGPROBS)
 
 
 class _Strict(BaseModel):

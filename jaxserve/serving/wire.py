@@ -18,10 +18,10 @@ from typing import Any
 
 from google.protobuf import unknown_fields
 
-from jaxserve.errors import InvalidRequestError
-from jaxserve.plan import DeploymentPlan
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runtime.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 from jaxserve.serving.chat_template import render_chat
 
 _FINISH_TO_PROTO: dict[FinishReason | None, int] = {

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import jax
 
-from jaxserve.runtime.engine import (
+from jaxserve.core.request import SamplingParams, TokenLogprobs
+from jaxserve.runtime.engines.contract import (
     BucketWarmable,
     Engine,
     KVPages,
@@ -79,7 +80,6 @@ from jaxserve.runtime.ray_backend.transfer import (
     to_host,
     to_layout,
 )
-from jaxserve.runtime.request import SamplingParams, TokenLogprobs
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -224,11 +224,11 @@ def build_engine(spec: EngineSpec) -> Engine:
     if len(devices) < spec.num_devices:
         raise RuntimeError(f"{spec.role} actor needs {spec.num_devices} devices, its process sees {len(devices)}")
     if spec.engine == "fake":
-        from jaxserve.testing.fake_engine import FakeEngine
+        from jaxserve.runtime.engines.fake import FakeEngine
 
         assert spec.fake_config is not None, "the fake engine needs fake_config"
         return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
-    from jaxserve.runtime.opt_engine import OPTEngine
+    from jaxserve.runtime.engines.opt import OPTEngine
 
     return OPTEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
 

@@ -36,11 +36,11 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import Controller, ControllerConfig, Instance, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
-from jaxserve.runtime.engine import DecodeEngine
+from jaxserve.runtime.engines.contract import DecodeEngine
 from jaxserve.runtime.instances import PlacedInstance, instance_names
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
@@ -53,7 +53,7 @@ from jaxserve.runtime.ray_backend.actors import (
     PrefillActor,
     check_compatible,
 )
-from jaxserve.runtime.ray_backend.placement import Placement, PlacementConfig, place_on_cluster
+from jaxserve.runtime.ray_backend.placement_groups import Placement, PlacementConfig, place_on_cluster
 from jaxserve.runtime.ray_backend.remote_engine import (
     FaultCounters,
     RayKVTransfer,

@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import jax
 
-from jaxserve.errors import EngineDeadError
-from jaxserve.runtime.engine import (
+from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.request import TokenLogprobs
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     HeldKV,
     KVLayout,
@@ -68,7 +69,6 @@ from jaxserve.runtime.ray_backend.actors import (
     RebuildItem,
 )
 from jaxserve.runtime.ray_backend.transfer import fetch
-from jaxserve.runtime.request import TokenLogprobs
 from jaxserve.runtime.worker import FaultCounters
 from models.config import OPTConfig
 

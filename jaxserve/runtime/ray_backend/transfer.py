@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.engine import (
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVLayout,
     KVPages,

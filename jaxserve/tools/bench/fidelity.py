@@ -7,7 +7,7 @@ The engine sleeps the latency model's time for each step's real shape, so what d
 mechanisms (batching, admission, pulls, host time) against the simulator's. Latencies are the server's own
 per-request timings (`measured_stats`); the client's extra loopback path is printed beside them.
 
-    python -m jaxserve_bench.fidelity [--deployments SPEC ...] [--num-requests N] [--json out.json]
+    python -m jaxserve.tools.bench.fidelity [--deployments SPEC ...] [--num-requests N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.limits import ServingLimits
-from jaxserve.plan import parse_deployment
-from jaxserve_bench import launch, loadgen
-from jaxserve_bench.records import RequestRecord, summarize
+from jaxserve.core.limits import ServingLimits
+from jaxserve.core.plan import parse_deployment
+from jaxserve.tools.bench import launch, loadgen
+from jaxserve.tools.bench.records import RequestRecord, summarize
 from models.config import get_config
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec, get_device

@@ -34,8 +34,8 @@ own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
 
 KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over
 `tp`. Two engines implement every contract (`Engine`):
-`jaxserve.runtime.opt_engine.OPTEngine` (the model) and
-`jaxserve.testing.fake_engine.FakeEngine` (hand-computable arithmetic); the Ray
+`jaxserve.runtime.engines.opt.OPTEngine` (the model) and
+`jaxserve.runtime.engines.fake.FakeEngine` (hand-computable arithmetic); the Ray
 backend's proxies implement `PrefillEngine` and `DecodeEngine` respectively.
 """
 
@@ -49,7 +49,7 @@ import jax
 from flax import struct
 from jax.sharding import NamedSharding
 
-from jaxserve.runtime.request import SamplingParams, TokenLogprobs
+from jaxserve.core.request import SamplingParams, TokenLogprobs
 from models.config import OPTConfig
 from models.paged_attention import BlockLayout
 

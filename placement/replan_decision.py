@@ -2,7 +2,7 @@
 
 Three parts, one role each:
 
-* Inputs of a search, from a monitor window (`jaxserve/workload_monitor.py`): `empirical_workload`
+* Inputs of a search, from a monitor window (`jaxserve/core/workload_monitor.py`): `empirical_workload`
   draws prompt and output lengths from the window's histograms (independently: the histograms do not
   keep the pairing), and `CorrectedLatency` multiplies the latency model's prefill and decode step
   times by the factors the window observed (Σ observed / Σ predicted step time per role, the
@@ -28,8 +28,8 @@ Three parts, one role each:
 goodput of the plan a round leaves serving (`ReplanDecision.serving_goodput_rps`) goes back to the
 shift detector (`ShiftDetector.set_capacity`): a load that eats its headroom (the rate weighed by
 how much heavier the window's requests are than the round's: `ShiftDetector.load_factor`) fires the
-next round through the cool-down. The runtime loop (`jaxserve/replanning.py`) and the simulated one
-(`placement/replan_sim.py`) both do exactly this.
+next round through the cool-down. The runtime loop (`jaxserve/tools/replan_loop.py`) and the simulated one
+(`placement/replan_experiment.py`) both do exactly this.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan, PlanError
-from jaxserve.workload_monitor import WindowStats
+from jaxserve.core.plan import DeploymentPlan, PlanError
+from jaxserve.core.workload_monitor import WindowStats
 from placement.goodput import GoodputSearch, max_rate
 from placement.latency import NO_OVERHEAD, DeploymentKind, LatencyProvider, StageLatency, StepOverhead
 from placement.planner import PlanKind, choose_plan
 from placement.search import SearchContext
-from placement.step_time import decode_step_s, prefill_step_s
+from placement.step_cost import decode_step_s, prefill_step_s
 from placement.workload import Workload, arrival_times
 
 
@@ -78,7 +78,7 @@ def predicted_step_s(
 
     `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
     rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it, by the formula the
-    simulator and the timed engine share (`placement/step_time.py`), the profile's per-step `overhead`
+    simulator and the timed engine share (`placement/step_cost.py`), the profile's per-step `overhead`
     included (a measured profile keeps its per-step constants there).
     """
     if kind == "prefill":

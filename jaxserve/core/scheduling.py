@@ -373,7 +373,7 @@ def _chunked_step(
 # Prefix caching: cache-aware routing and conditional disaggregation
 # ---------------------------------------------------------------------------
 #
-# Used with `jaxserve/runtime/prefix_cache.py` (each instance's cache answers "how many leading
+# Used with `jaxserve/core/prefix_cache.py` (each instance's cache answers "how many leading
 # blocks of this prompt do you hold" without side effects). With no cached blocks anywhere every
 # rule below reduces to the cache-blind policy above, so caching off means exactly the old routing.
 

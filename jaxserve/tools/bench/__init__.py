@@ -1,10 +1,10 @@
 """Measuring a running server: open-loop load generation, per-request metrics, goodput sweeps, plots.
 
 The load generator behind `jaxserve bench` (and scripts/check_simulator.py,
-scripts/compare_deployments.py). A tool package beside `jaxserve/`, not inside it:
-it replays the planner's workloads and scores SLO attainment with the planner's
-definitions (`placement.workload`, `placement.slo`), which tools may import and the
-runtime package may not (DESIGN.md's dependency rule).
+scripts/compare_deployments.py). Part of the tools wing (`jaxserve/tools/`): it replays the
+planner's workloads and scores SLO attainment with the planner's definitions
+(`placement.workload`, `placement.slo`), which the tools wing may import and the runtime may not
+(docs/architecture.md's dependency rule).
 
 * `records` — what one request measured (client-side TTFT, TPOT, ITLs, E2E; vLLM `bench serve`
   definitions) and the summary over a run (mean/median/P90/P99, SLO attainment, request goodput).

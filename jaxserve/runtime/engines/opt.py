@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.plan import InstanceSpec
-from jaxserve.runtime.engine import (
+from jaxserve.core.plan import InstanceSpec
+from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.engines.contract import (
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -50,7 +51,6 @@ from jaxserve.runtime.engine import (
     row_stops,
 )
 from jaxserve.runtime.kv_pool import write_sequence
-from jaxserve.runtime.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,

@@ -27,11 +27,11 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from jaxserve.runtime.engine import PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.opt_engine import OPTEngine
-from jaxserve.runtime.request import SamplingParams
-from jaxserve.runtime.step_samples import DecodeSample, PrefillSample
-from jaxserve.scheduling import blocks_for
+from jaxserve.core.request import SamplingParams
+from jaxserve.core.scheduling import blocks_for
+from jaxserve.core.step_samples import DecodeSample, PrefillSample
+from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.opt import OPTEngine
 from models.config import OPTConfig
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve_bench.loadgen import Target, run_workload
+from jaxserve.tools.bench.loadgen import Target, run_workload
 from placement.workload import Workload
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -65,7 +65,7 @@ class ServeProcess:
         self.http_address = ""
 
     def start(self) -> ServeProcess:
-        from jaxserve.plan import parse_deployment
+        from jaxserve.core.plan import parse_deployment
 
         devices = self.num_devices or parse_deployment(self.deployment).num_devices
         env = dict(os.environ)

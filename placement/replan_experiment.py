@@ -3,9 +3,9 @@
 * `peak` — a static plan sized for the busiest hour (its rate × headroom, its length mix);
 * `average` — a static plan sized for the day's mean rate × headroom and the whole day's mix
   (every policy plans for `ReplanConfig.required_rate`: the count's upper confidence bound × headroom);
-* `adaptive` — the replanning loop: the workload monitor (`jaxserve/workload_monitor.py`) is fed every
+* `adaptive` — the replanning loop: the workload monitor (`jaxserve/core/workload_monitor.py`) is fed every
   arrival, its shift detector is checked at each slice end, and when it fires a replan round
-  (`placement/replan.py`: search on the window's empirical workload, then the switch decision) runs.
+  (`placement/replan_decision.py`: search on the window's empirical workload, then the switch decision) runs.
   The detector knows the predicted goodput of the plan serving (the initial plan's, then what each
   round leaves serving), so a load that eats the plan's headroom — more requests, or heavier ones
   (the detector weighs the rate by the mix's load factor) — fires through the cool-down; the runtime
@@ -42,12 +42,12 @@ import math
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan
-from jaxserve.workload_monitor import DetectorConfig, MonitorConfig, ShiftDetector, WorkloadMonitor
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig, ShiftDetector, WorkloadMonitor
 from placement.hardware import ClusterSpec
 from placement.latency import LatencyProvider
 from placement.planner import PlanKind
-from placement.replan import PlanEstimate, ReplanConfig, ReplanJob, plan_delta, plan_for_rate, replan
+from placement.replan_decision import PlanEstimate, ReplanConfig, ReplanJob, plan_delta, plan_for_rate, replan
 from placement.search import SearchContext
 from placement.simulator import SimOptions, simulate
 from placement.slo import SloSpec, attainment

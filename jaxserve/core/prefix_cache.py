@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.runtime.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
 
 BlockHash = bytes
 CacheObserver = Callable[[str, str | None, BlockHash | None, int], None]

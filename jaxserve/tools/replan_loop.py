@@ -1,8 +1,8 @@
 """Online replanning of a running deployment: the monitor fed by the controller, the loop, the switch.
 
-This module sits *above* the runtime and the planner (DESIGN.md's dependency rule: the runtime never
-imports `placement/`): it feeds the controller's events into a `WorkloadMonitor`, asks the planner
-(`placement/replan.py`, imported only when the loop can plan) for a better deployment, and applies
+This module sits in the tools wing, *above* the runtime and the planner (docs/architecture.md: the runtime
+never imports `placement/`): it feeds the controller's events into a `WorkloadMonitor`, asks the planner
+(`placement/replan_decision.py`, imported only when the loop can plan) for a better deployment, and applies
 one through the runtime's generic switch (`jaxserve/runtime/switch.py`).
 
 `ReplanLoop` (one per deployment):
@@ -40,16 +40,23 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from jaxserve.plan import DeploymentPlan
+from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.request import FinishReason, RequestTimings
+from jaxserve.core.workload_monitor import (
+    DetectorConfig,
+    MonitorConfig,
+    Role,
+    ShiftDetector,
+    WindowStats,
+    WorkloadMonitor,
+)
 from jaxserve.runtime.controller import Controller
-from jaxserve.runtime.request import FinishReason, RequestTimings
 from jaxserve.runtime.switch import PlanSwitcher, SwitchReport, SwitchUnsupportedError
 from jaxserve.serving.admin import WorkloadGauges
-from jaxserve.workload_monitor import DetectorConfig, MonitorConfig, Role, ShiftDetector, WindowStats, WorkloadMonitor
 
 if TYPE_CHECKING:
     from placement.latency import LatencyProvider, StageLatency, StepOverhead
-    from placement.replan import BackgroundReplanner, ReplanConfig, ReplanJob, ReplanOutcome
+    from placement.replan_decision import BackgroundReplanner, ReplanConfig, ReplanJob, ReplanOutcome
     from placement.search import SearchContext
 
 log = logging.getLogger(__name__)
@@ -147,7 +154,7 @@ class ReplanLoop:
     def start(self) -> ReplanLoop:
         self.controller.workload_hook = self
         if self.config.mode != "off":
-            from placement.replan import BackgroundReplanner
+            from placement.replan_decision import BackgroundReplanner
 
             self._replanner = BackgroundReplanner()
         self._thread = threading.Thread(target=self._run, name="jaxserve-replan", daemon=True)
@@ -209,13 +216,13 @@ class ReplanLoop:
             log.info("workload shifted (%s): replanning in the background", "; ".join(check.reasons))
 
     def _job(self, window: WindowStats, now: float) -> ReplanJob:
-        from placement.replan import ReplanJob
+        from placement.replan_decision import ReplanJob
 
         assert self.context is not None
         return ReplanJob(self.controller.plan, window, self.context, self._replan_config(), requested_at=now)
 
     def _replan_config(self) -> ReplanConfig:
-        from placement.replan import ReplanConfig
+        from placement.replan_decision import ReplanConfig
 
         cfg = self.config
         horizon = cfg.horizon_s if cfg.horizon_s is not None else max(cfg.detector.cooldown_s, 60.0)
@@ -284,7 +291,7 @@ class ReplanLoop:
     def _sweep_steps(self) -> None:
         if self.latency is None or not self.config.apply_corrections:
             return
-        from placement.replan import predicted_step_s
+        from placement.replan_decision import predicted_step_s
 
         records = self.controller.step_records(self._steps_since)
         latest = self._steps_since

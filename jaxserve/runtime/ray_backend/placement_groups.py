@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxserve.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

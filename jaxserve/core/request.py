@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from jaxserve.errors import InvalidRequestError
+from jaxserve.core.errors import InvalidRequestError
 
 FinishReason = Literal["stop", "length", "abort"]
 

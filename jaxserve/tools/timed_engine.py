@@ -1,7 +1,7 @@
 """An engine that computes nothing and takes, on every step, exactly the latency model's time for its shape.
 
 `TimedEngine` implements the engine methods the runtime calls (`kv_layout`, `prefill`, `init_pages`, `insert`,
-`decode_step`) like `FakeEngine` and `OPTEngine`, but each call sleeps for what `placement/step_time.py` — the
+`decode_step`) like `FakeEngine` and `OPTEngine`, but each call sleeps for what `placement/step_cost.py` — the
 simulator's own step formulas — charges that step's real shape:
 
 * `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe; `prefill_async(items)`
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.plan import InstanceSpec
-from jaxserve.runtime.engine import (
+from jaxserve.core.plan import InstanceSpec
+from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVLayout,
     KVPages,
@@ -58,7 +58,7 @@ from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, Tra
 from models.config import OPTConfig
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider, StageLatency, StepOverhead
-from placement.step_time import mixed_step_s, prefill_step_s
+from placement.step_cost import mixed_step_s, prefill_step_s
 
 MIN_TOKEN = 4  # OPT's special tokens are 0..3
 

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from jaxserve_bench.records import RequestRecord
+from jaxserve.tools.bench.records import RequestRecord
 from placement.conversations import SharedPrefixWorkload
 
 Send = Callable[[RequestRecord, list[int], float], Awaitable[list[int]]]
@@ -113,8 +113,8 @@ def grpc_sender(client: object) -> Send:
 
 def controller_sender(controller: object) -> Send:
     """Turns submitted to an embedded `Controller` (same process; its timings are read directly)."""
+    from jaxserve.core.request import GenerateRequest, SamplingParams
     from jaxserve.runtime.controller import Controller
-    from jaxserve.runtime.request import GenerateRequest, SamplingParams
 
     assert isinstance(controller, Controller)
 

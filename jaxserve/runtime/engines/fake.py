@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.plan import InstanceSpec
-from jaxserve.runtime.engine import (
+from jaxserve.core.plan import InstanceSpec
+from jaxserve.runtime.engines.contract import (
     KVLayout,
     KVPages,
     PrefilledSequence,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxserve_bench.records import RequestRecord
+from jaxserve.tools.bench.records import RequestRecord
 from placement.workload import Workload
 
 MIN_TOKEN_ID = 4  # below: OPT's <s>, <pad>, </s>, <unk>
