@@ -16,7 +16,7 @@ Files:
   run in the decode actor while the decode loop keeps stepping).
 * `transfer.py` — the leased KV buffer, object-store and
   `jax.experimental.transfer` pulls, the pull watchdog.
-* `placement.py` — placement groups from the plan's node assignment.
+* `placement_groups.py` — Ray placement groups from the plan's node assignment.
 
 What happens on failure: a dead actor is restarted by Ray (`max_restarts`);
 a prefill batch in flight is re-run on it, and a decode actor's pool is rebuilt
