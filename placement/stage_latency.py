@@ -1,5 +1,8 @@
-"""What the simulator needs from one instance's latency model (its own module, so the latency forms in
-`placement/latency.py` and the padding wrapper in `placement/padding.py` both build on it without a cycle)."""
+"""The latency contract of one instance: what the simulator and the step-cost formula ask of a latency model.
+
+Every latency form implements it: the Appendix-A and folded forms (`placement/latency.py`), the bucketed
+engine's measured costs (`placement/bucket_latency.py`) and the padding wrapper (`placement/padding.py`);
+the simulator and `placement/step_cost.py` read only this."""
 
 from __future__ import annotations
 
