@@ -291,8 +291,8 @@ _GROUP_RE = re.compile(r"^(?:([0-9]+)x)?tp([0-9]+)(?:pp([0-9]+))?$")  # ASCII di
 def _number(digits: str, what: str, max_devices: int) -> int:
     """A count or degree from a spec, checked before it is used (and before int() sees a huge string)."""
     if len(digits) > _MAX_DIGITS or int(digits) > max_devices:
-        raise PlanError(f"{what} {digits[:_MAX_DIGITS]}{'...' if len(digits) > _MAX_DIGITS else ''} is over the "
-                        f"{max_devices} devices a deployment may have")  # fmt: skip
+        shown = digits if len(digits) <= _MAX_DIGITS else digits[:_MAX_DIGITS] + "..."
+        raise PlanError(f"{what} {shown} needs more devices than there are; at most {max_devices} are available")
     value = int(digits)
     if value < 1:
         raise PlanError(f"{what} must be >= 1, got {value}")
