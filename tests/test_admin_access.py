@@ -116,6 +116,7 @@ def test_a_loopback_server_with_no_keys_keeps_them_open_and_bad_bodies_get_400(t
 def test_admin_access_rules() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "example.com"))
+    assert AdminAccess().check(None) == "off"  # fails closed: no key and a host not known to be loopback
     assert AdminAccess(loopback_only=True).check(None) == "ok"
     assert AdminAccess(api_key=API_KEY, loopback_only=True).check(f"Bearer {API_KEY}") == "off"
     assert AdminAccess(loopback_only=False).check(None) == "off"

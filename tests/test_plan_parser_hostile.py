@@ -87,6 +87,8 @@ def test_a_spec_naming_a_file_is_never_read(tmp_path: Path) -> None:
         '{"instances": [{"role": "colocated", "chunk_size": "big"}]}',
         '{"instances": [{"role": "colocated"}], "expected": {"goodput": "high"}}',
         '{"instances": [{"role": "colocated"}], "expected": [1]}',
+        '{"instances": [{"role": "colocated"}], "expected": {"rate": 1' + "0" * 400 + "}}",
+        '{"instances": [{"role": "colocated", "chunk_size": 1' + "0" * 400 + "}]}",
         '{"instances": [{"role": "colocated"}], "model": 7}',
         '{"instances": [{"role": "colocated"}], "limits": [1]}',
         '{"instances": [{"role": "colocated"}], "limits": {"block_size": "x"}}',
@@ -104,7 +106,7 @@ def test_bad_values_are_plan_errors(body: str) -> None:
 _SPEC_CHARS = "colocatedisg:prefl=,+xtp0123456789chunk\u00b2\u0661 .json"
 _spec_text = st.text(alphabet=_SPEC_CHARS, max_size=60)
 _json_leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.floats(), st.text(max_size=12),
+    st.none(), st.booleans(), st.integers(-(10**400), 10**400), st.floats(), st.text(max_size=12),
     st.sampled_from(["prefill", "decode", "colocated", "tp", "pp", "devices", "instances", "kind", "limits"]),
 )  # fmt: skip
 _KEYS = ["role", "tp", "pp", "devices", "nodes", "chunk_size", "instances", "kind", "model", "expected", "limits", "x"]

@@ -32,6 +32,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
 MAX_PLAN_DEVICES = 4096  # the parsers' absolute cap on a deployment's devices (a sanity bound, not a cluster size)
 _MAX_DIGITS = 7  # a count or degree longer than this is over any cap; int() never sees it
+_MAX_CHUNK_SIZE = 10**9 - 1  # chunk=N in a spec: at most 9 digits
 
 
 class PlanError(ValueError):
@@ -114,7 +115,9 @@ class InstanceSpec:
             pp=pp,
             devices=_int_list(raw.get("devices"), "devices", max_devices - 1, tp * pp),
             nodes=_int_list(raw.get("nodes"), "nodes", max_devices - 1, pp),
-            chunk_size=_int_field(raw["chunk_size"], "chunk_size", 1) if raw.get("chunk_size") is not None else None,
+            chunk_size=_int_field(raw["chunk_size"], "chunk_size", 1, _MAX_CHUNK_SIZE)
+            if raw.get("chunk_size") is not None
+            else None,
         )
 
 
@@ -254,13 +257,17 @@ class DeploymentPlan:
         ):
             raise PlanError(f"expected must map names to numbers, got {_shown(expected)}")
         try:
+            predictions = {str(k): float(v) for k, v in expected.items()}
+        except OverflowError:  # an integer of hundreds of digits
+            raise PlanError("expected holds a number too large for a float") from None
+        try:
             limits = ServingLimits.from_dict(raw["limits"]) if raw.get("limits") is not None else None
         except (TypeError, ValueError, AttributeError) as e:
             raise PlanError(f"plan limits: {e}") from None
         plan = cls(
             instances=tuple(instances),
             model=model,
-            expected={str(k): float(v) for k, v in expected.items()},
+            expected=predictions,
             limits=limits,
         )
         if "kind" in raw and raw["kind"] != plan.kind:

@@ -68,7 +68,7 @@ class AdminAccess:
 
     admin_key: str | None = None
     api_key: str | None = None  # the inference key: recognised only to answer 403 instead of 401
-    loopback_only: bool = True  # the server binds loopback addresses only
+    loopback_only: bool = False  # the server binds loopback addresses only (default: assume not; fail closed)
 
     @property
     def enabled(self) -> bool:

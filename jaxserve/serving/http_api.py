@@ -93,8 +93,8 @@ def create_app(
 ) -> ASGIApp:
     """The ASGI app: FastAPI routes wrapped in the request-body size limit.
 
-    `admin_access`: who may use `/admin/*` and `/debug/*` (default: a loopback server with `api_key` and
-    no admin key, so they are off whenever an API key is set)."""
+    `admin_access`: who may use `/admin/*` and `/debug/*` (`JaxServeServer` passes its config's; default: no
+    admin key and a host not known to be loopback, so they are off)."""
     access = admin_access if admin_access is not None else AdminAccess(api_key=api_key)
     app = FastAPI(title="jaxserve", version="0.1.0", docs_url=None, redoc_url=None)
     model_name = frontend.model_name
