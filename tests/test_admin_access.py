@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import jax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving_helpers import TINY, fake_controller
 
 from jaxserve.core.plan import parse_spec
@@ -110,6 +112,35 @@ def test_a_loopback_server_with_no_keys_keeps_them_open_and_bad_bodies_get_400(t
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_plan", (body[:40], r.text)
             assert why in r.json()["error"]["message"], (body[:40], r.text)
         assert _call(url, "GET", "/debug/workload", None).json()["plan"] == "disagg:prefill=tp1,decode=tp1"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+_SPEC = st.text(alphabet="colocatedisg:prefl=,+xtp0123456789\u00b2 .json", max_size=50)
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(10**40), 10**40), st.floats(), st.text(max_size=8))
+_JSON = st.recursive(
+    _LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["instances", "role", "tp", "pp", "devices", "kind", "deployment"]), inner)
+    ),
+    max_leaves=20,
+)
+
+
+def test_fuzzed_bodies_over_http_get_400_or_a_switch() -> None:
+    """A little fuzzing through the real server: never a 500, and the server keeps answering."""
+    with admin_server() as url:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=st.one_of(_SPEC, _SPEC.map(lambda s: json.dumps({"deployment": s})), _JSON.map(json.dumps)))
+        def post(body: str) -> None:
+            r = _call(url, "POST", "/admin/deployment", None, body)
+            assert r.status_code in (200, 400), (body[:80], r.status_code, r.text)
+            assert r.json() and (
+                r.status_code == 200 or r.json()["error"]["message"].startswith(("bad plan", "cannot"))
+            )
+
+        post()
         assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
