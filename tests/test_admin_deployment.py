@@ -1,8 +1,8 @@
 """`POST /admin/deployment`, `GET /debug/workload` and the workload gauges on a real server (tiny OPT).
 
 A real HTTP server on loopback serves the tiny random OPT (`disagg:prefill=tp1,decode=tp1`). The
-admin route needs the API key, answers 400 for bad plans (naming what is wrong) and 409 while a
-switch runs; a good switch to `prefill=tp1,decode=tp2` happens while requests stream, and every
+admin route needs the admin key (the API key gets 403), answers 400 for bad plans (naming what is
+wrong) and 409 while a switch runs; a good switch to `prefill=tp1,decode=tp2` happens while requests stream, and every
 request completes with the greedy tokens of a run without the switch.
 """
 
@@ -29,7 +29,8 @@ from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig, plan_id
 PLAN = "disagg:prefill=tp1,decode=tp1"
 NEW = "disagg:prefill=tp1,decode=tp2"
 KEY = "secret"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "admin-secret"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _controller(factory) -> Controller:  # type: ignore[no-untyped-def]
@@ -66,13 +67,17 @@ def test_admin_deployment_auth_bad_plans_conflict_and_a_switch_under_load() -> N
         c, ReplanLoopConfig(mode="off", monitor=MonitorConfig(window_s=120.0, slice_s=0.5)), switcher=switcher
     )
     loop.start()
-    server = ServerThread(c, ServerConfig(grpc_port=0, http_port=0, api_key=KEY, drain_timeout_s=5.0), admin=loop)
+    server = ServerThread(
+        c, ServerConfig(grpc_port=0, http_port=0, api_key=KEY, admin_key=ADMIN_KEY, drain_timeout_s=5.0), admin=loop
+    )
     server.start()
     url = server.http_url
     try:
-        # auth first: without the key neither route says anything
+        # auth first: without the admin key neither route says anything; the inference key is not it
         assert httpx.post(f"{url}/admin/deployment", content=NEW).status_code == 401
         assert httpx.get(f"{url}/debug/workload").status_code == 401
+        inference = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.post(f"{url}/admin/deployment", content=NEW, headers=inference).status_code == 403
         # bad plans: 400 with the reason, nothing changes
         for body, why in [
             ("", "empty"),
@@ -80,7 +85,7 @@ def test_admin_deployment_auth_bad_plans_conflict_and_a_switch_under_load() -> N
             ('{"instances": []', "not valid JSON"),
             ('{"instances": [], "kind": "disagg"}', "at least one instance"),
             ("colocated:tp1", "cannot switch a disagg deployment to a colocated one"),
-            ("disagg:prefill=9xtp1,decode=tp1", "new devices"),
+            ("disagg:prefill=9xtp1,decode=tp1", "at most 8 are available"),  # the process has 8 devices
         ]:
             r = httpx.post(f"{url}/admin/deployment", content=body, headers=AUTH, timeout=60)
             assert r.status_code == 400, (body, r.text)
@@ -176,7 +181,7 @@ def test_serve_cli_wires_the_replan_loop_and_the_admin_route() -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # let serve size the virtual devices
     cmd = [sys.executable, "-m", "jaxserve", "serve", "--engine", "fake", "--model", "opt-tiny", "--deployment", PLAN,
            "--grpc-port", "0", "--http-port", "0", "--no-warmup", "--compile-cache", "off", "--replan", "advise",
-           "--window", "10", "--slice", "1", "--api-key", KEY]  # fmt: skip
+           "--window", "10", "--slice", "1", "--api-key", KEY, "--admin-key", ADMIN_KEY]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None

@@ -46,10 +46,11 @@ def _drive(address: str, api_key: str) -> None:
 
 def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> None:
     controller = fake_controller(prefill_delay_s=PREFILL_S, decode_delay_s=DECODE_S)
-    with running_server(controller, api_key="k") as server:
+    with running_server(controller, api_key="k", admin_key="admin-k") as server:
         http = f"http://{server.http_address}"
-        assert httpx.get(f"{http}/debug/steps").status_code == 401  # the API key guards it like the API
-        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{http}/debug/steps").status_code == 401  # an operator route: the admin key guards it
+        assert httpx.get(f"{http}/debug/steps", headers={"Authorization": "Bearer k"}).status_code == 403
+        auth = {"Authorization": "Bearer admin-k"}
         start = httpx.get(f"{http}/debug/steps", params={"since": 1e300}, headers=auth).json()
         assert all(inst["steps"] == [] for inst in start["instances"])
         _drive(server.grpc_address, "k")
@@ -71,7 +72,8 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         # the same records, fitted into a profile the planner loads
         out = tmp_path / "served.json"
         argv = ["profile", "--model", "opt-tiny", "--deployment", "disagg:prefill=tp1,decode=tp1"]
-        argv += ["--from-server", server.http_address, "--since", str(start["now"]), "--api-key", "k", "-o", str(out)]
+        argv += ["--from-server", server.http_address, "--since", str(start["now"]), "--api-key", "admin-k"]
+        argv += ["-o", str(out)]
         argv += ["--prefill-tokens", "512", "--no-padding"]
         assert main(argv) == 0
     doc = json.loads(out.read_text())

@@ -26,7 +26,7 @@ from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_h
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     import jax
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from placement.search import SearchContext
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
+ADMIN_KEY_ENV = "JAXSERVE_ADMIN_KEY"  # jaxserve.serving.admin.ADMIN_KEY_ENV (this module imports no server code)
 COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
 
 
@@ -79,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
         "--api-key", default=None, help=f"require `Authorization: Bearer KEY` (default: env {API_KEY_ENV}, else none)"
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"the credential of /admin/* and /debug/* (default: env {ADMIN_KEY_ENV}); without one they are off, "
+        "except on a loopback server with no --api-key (the inference key never grants admin)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve gRPC and HTTP over TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
@@ -231,6 +238,21 @@ def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLim
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
+def server_keys(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(api_key, admin_key): each flag, else its environment variable, else None. A key that is set but empty
+    (or edged with whitespace) is a ValueError, never "no authentication"; so is an admin key equal to the API key."""
+    from jaxserve.serving.admin import check_key
+
+    env = os.environ if environ is None else environ
+    api_key = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
+    admin_key = args.admin_key if args.admin_key is not None else env.get(ADMIN_KEY_ENV)
+    check_key(api_key, f"--api-key / {API_KEY_ENV}")
+    check_key(admin_key, f"--admin-key / {ADMIN_KEY_ENV}")
+    if admin_key is not None and admin_key == api_key:
+        raise ValueError("the admin key must differ from the API key: an inference key never grants admin")
+    return api_key, admin_key
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -238,6 +260,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("jaxserve.serve")
+    try:
+        api_key, admin_key = server_keys(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.plan:
             plan = DeploymentPlan.from_json(Path(args.plan).read_text())
@@ -368,7 +395,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
+        admin_key=admin_key,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         max_request_bytes=args.max_request_bytes,

@@ -7,6 +7,13 @@ imports it. One spec syntax everywhere a deployment is named on a command line:
     SPEC  := colocated:INST[,chunk=N] | disagg:prefill=GROUP,decode=GROUP | FILE.json
     GROUP := [Kx]INST          K instances of the same shape (default 1)
     INST  := tpA[ppB]          tensor-parallel degree A, pipeline stages B (default 1)
+
+Two doors, because specs and plans also arrive from the network (`POST /admin/deployment`):
+`parse_spec` and `DeploymentPlan.from_dict`/`from_json` never touch the disk and refuse, with
+a `PlanError` that says why, anything that is not a plan: a wrong type, a number that is not an
+integer, a deployment of more devices than `max_devices` (default `MAX_PLAN_DEVICES`), checked
+before anything is built per instance, so `1000000000xtp1` costs nothing. `parse_deployment`
+is the command line's door: a spec, or a plan file the operator names.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from jaxserve.core.limits import ServingLimits
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+
+
+MAX_PLAN_DEVICES = 4096  # the parsers' absolute cap on a deployment's devices (a sanity bound, not a cluster size)
+_MAX_DIGITS = 7  # a count or degree longer than this is over any cap; int() never sees it
+_MAX_CHUNK_SIZE = 10**9 - 1  # chunk=N in a spec: at most 9 digits
 
 
 class PlanError(ValueError):
@@ -82,21 +94,56 @@ class InstanceSpec:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> InstanceSpec:
+    def from_dict(cls, raw: object, max_devices: int = MAX_PLAN_DEVICES) -> InstanceSpec:
+        """One `instances` entry of a plan file; a PlanError for anything else (see the module docstring)."""
+        if not isinstance(raw, dict):
+            raise PlanError(f"an instance entry is a JSON object, got {_shown(raw)}")
         unknown = set(raw) - {"role", "tp", "pp", "devices", "nodes", "chunk_size"}
         if unknown:
-            raise PlanError(f"unknown instance fields: {sorted(unknown)}")
-        try:
-            return cls(
-                role=raw["role"],
-                tp=int(raw.get("tp", 1)),
-                pp=int(raw.get("pp", 1)),
-                devices=tuple(int(d) for d in raw["devices"]) if raw.get("devices") is not None else None,
-                nodes=tuple(int(n) for n in raw["nodes"]) if raw.get("nodes") is not None else None,
-                chunk_size=int(raw["chunk_size"]) if raw.get("chunk_size") is not None else None,
-            )
-        except KeyError as e:
-            raise PlanError(f"instance entry is missing field {e.args[0]!r}") from None
+            raise PlanError(f"unknown instance fields: {sorted(map(str, unknown))}")
+        if "role" not in raw:
+            raise PlanError("instance entry is missing field 'role'")
+        if not isinstance(raw["role"], str) or raw["role"] not in ROLES:
+            raise PlanError(f"unknown instance role {_shown(raw['role'])}; expected one of {ROLES}")
+        tp = _int_field(raw.get("tp", 1), "tp", 1, max_devices)
+        pp = _int_field(raw.get("pp", 1), "pp", 1, max_devices)
+        if tp * pp > max_devices:
+            raise PlanError(f"instance tp{tp}pp{pp} needs {tp * pp} devices; at most {max_devices} are available")
+        return cls(
+            role=raw["role"],
+            tp=tp,
+            pp=pp,
+            devices=_int_list(raw.get("devices"), "devices", max_devices - 1, tp * pp),
+            nodes=_int_list(raw.get("nodes"), "nodes", max_devices - 1, pp),
+            chunk_size=_int_field(raw["chunk_size"], "chunk_size", 1, _MAX_CHUNK_SIZE)
+            if raw.get("chunk_size") is not None
+            else None,
+        )
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """A value for an error message, cut short (a hostile body can be a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _int_field(value: object, name: str, low: int, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(f"{name} must be an integer, got {_shown(value)}")
+    if value < low or (high is not None and value > high):
+        raise PlanError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {_shown(value)}")
+    return value
+
+
+def _int_list(value: object, name: str, high: int, length: int) -> tuple[int, ...] | None:
+    """`devices` / `nodes`: None, or a list of `length` integers in [0, high]."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise PlanError(f"{name} must be a list of integers, got {_shown(value)}")
+    if len(value) != length:
+        raise PlanError(f"{name} must list {length} entries, got {len(value)}")
+    return tuple(_int_field(v, name, 0, high) for v in value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,33 +228,61 @@ class DeploymentPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DeploymentPlan:
+    def from_dict(cls, raw: object, max_devices: int = MAX_PLAN_DEVICES) -> DeploymentPlan:
+        """A plan file's object; a PlanError for anything that is not one, or a plan of over `max_devices`."""
         if not isinstance(raw, dict) or "instances" not in raw:
             raise PlanError("a plan is a JSON object with an 'instances' list")
         unknown = set(raw) - {"kind", "instances", "model", "expected", "limits"}
         if unknown:
-            raise PlanError(f"unknown plan fields: {sorted(unknown)}")
+            raise PlanError(f"unknown plan fields: {sorted(map(str, unknown))}")
+        entries = raw["instances"]
+        if not isinstance(entries, list):
+            raise PlanError(f"'instances' must be a list, got {_shown(entries)}")
+        if len(entries) > max_devices:  # every instance holds a device
+            raise PlanError(f"the plan has {len(entries)} instances; at most {max_devices} devices are available")
+        instances = []
+        num_devices = 0
+        for entry in entries:
+            inst = InstanceSpec.from_dict(entry, max_devices)
+            num_devices += inst.num_devices
+            if num_devices > max_devices:
+                raise PlanError(f"the plan needs over {max_devices} devices; at most {max_devices} are available")
+            instances.append(inst)
+        model = raw.get("model")
+        if model is not None and not isinstance(model, str):
+            raise PlanError(f"model must be a string, got {_shown(model)}")
+        expected = raw.get("expected") or {}
+        if not isinstance(expected, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in expected.values()
+        ):
+            raise PlanError(f"expected must map names to numbers, got {_shown(expected)}")
+        try:
+            predictions = {str(k): float(v) for k, v in expected.items()}
+        except OverflowError:  # an integer of hundreds of digits
+            raise PlanError("expected holds a number too large for a float") from None
         try:
             limits = ServingLimits.from_dict(raw["limits"]) if raw.get("limits") is not None else None
         except (TypeError, ValueError, AttributeError) as e:
             raise PlanError(f"plan limits: {e}") from None
         plan = cls(
-            instances=tuple(InstanceSpec.from_dict(i) for i in raw["instances"]),
-            model=raw.get("model"),
-            expected={str(k): float(v) for k, v in (raw.get("expected") or {}).items()},
+            instances=tuple(instances),
+            model=model,
+            expected=predictions,
             limits=limits,
         )
         if "kind" in raw and raw["kind"] != plan.kind:
-            raise PlanError(f"plan says kind {raw['kind']!r} but its instances make it {plan.kind!r}")
+            raise PlanError(f"plan says kind {_shown(raw['kind'])} but its instances make it {plan.kind!r}")
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> DeploymentPlan:
+    def from_json(cls, text: str, max_devices: int = MAX_PLAN_DEVICES) -> DeploymentPlan:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"plan file is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+            raise PlanError(f"plan file is not a usable JSON document: {type(e).__name__}") from None
+        return cls.from_dict(raw, max_devices)
 
 
 def _group(instances: tuple[InstanceSpec, ...]) -> str:
@@ -217,63 +292,99 @@ def _group(instances: tuple[InstanceSpec, ...]) -> str:
     return "+".join(shapes)
 
 
-_INST_RE = re.compile(r"^tp(\d+)(?:pp(\d+))?$")
-_GROUP_RE = re.compile(r"^(?:(\d+)x)?(tp\d+(?:pp\d+)?)$")
+_GROUP_RE = re.compile(r"^(?:([0-9]+)x)?tp([0-9]+)(?:pp([0-9]+))?$")  # ASCII digits only: int() agrees
 
 
-def _parse_inst(text: str, role: Role, chunk: int | None = None) -> InstanceSpec:
-    m = _INST_RE.match(text)
-    if not m:
-        raise PlanError(f"bad instance shape {text!r}: expected tpA or tpApPB, e.g. tp2 or tp2pp2")
-    return InstanceSpec(role=role, tp=int(m.group(1)), pp=int(m.group(2) or 1), chunk_size=chunk)
+def _number(digits: str, what: str, max_devices: int) -> int:
+    """A count or degree from a spec, checked before it is used (and before int() sees a huge string)."""
+    if len(digits) > _MAX_DIGITS or int(digits) > max_devices:
+        shown = digits if len(digits) <= _MAX_DIGITS else digits[:_MAX_DIGITS] + "..."
+        raise PlanError(f"{what} {shown} needs more devices than there are; at most {max_devices} are available")
+    value = int(digits)
+    if value < 1:
+        raise PlanError(f"{what} must be >= 1, got {value}")
+    return value
 
 
-def _parse_group(text: str, role: Role, chunk: int | None = None) -> list[InstanceSpec]:
+class _DeviceBudget:
+    """Devices a spec may still use: every group is charged before its instances are built."""
+
+    def __init__(self, max_devices: int) -> None:
+        self.max_devices = max_devices
+        self.used = 0
+
+    def charge(self, num_devices: int, part: str) -> None:
+        self.used += num_devices
+        if self.used > self.max_devices:
+            raise PlanError(
+                f"{_shown(part)} takes the deployment to {self.used} devices; at most {self.max_devices} are available"
+            )
+
+
+def _parse_group(text: str, role: Role, budget: _DeviceBudget, chunk: int | None = None) -> list[InstanceSpec]:
     out: list[InstanceSpec] = []
     for part in text.split("+"):
         m = _GROUP_RE.match(part)
         if not m:
-            raise PlanError(f"bad {role} group {part!r}: expected [Kx]tpA[ppB], e.g. 2xtp1 or tp2pp2")
-        count = int(m.group(1) or 1)
-        if count < 1:
-            raise PlanError(f"instance count must be >= 1 in {part!r}")
-        out.extend(_parse_inst(m.group(2), role, chunk) for _ in range(count))
+            raise PlanError(f"bad {role} group {_shown(part)}: expected [Kx]tpA[ppB], e.g. 2xtp1 or tp2pp2")
+        count = _number(m.group(1) or "1", "instance count", budget.max_devices)
+        tp = _number(m.group(2), "tp", budget.max_devices)
+        pp = _number(m.group(3) or "1", "pp", budget.max_devices)
+        budget.charge(count * tp * pp, part)
+        inst = InstanceSpec(role=role, tp=tp, pp=pp, chunk_size=chunk)
+        out.extend([inst] * count)  # frozen: the same spec object K times
     return out
 
 
-def parse_deployment(spec: str) -> DeploymentPlan:
-    """Parse a deployment spec string or load a plan file (a path ending in .json)."""
+def parse_spec(spec: str, max_devices: int = MAX_PLAN_DEVICES) -> DeploymentPlan:
+    """Parse a deployment spec string (never a file): a PlanError for a bad one or one of over `max_devices`."""
     spec = spec.strip()
     if spec.endswith(".json"):
-        path = Path(spec)
-        if not path.is_file():
-            raise PlanError(f"plan file {spec!r} does not exist")
-        return DeploymentPlan.from_json(path.read_text())
+        raise PlanError(
+            f"{_shown(spec)} names a plan file; a spec string is expected here (send the plan's JSON itself)"
+        )
     kind, sep, body = spec.partition(":")
     if not sep or not body:
-        raise PlanError(f"bad deployment {spec!r}: expected colocated:tp1[,chunk=N] or disagg:prefill=...,decode=...")
+        raise PlanError(
+            f"bad deployment {_shown(spec)}: expected colocated:tp1[,chunk=N] or disagg:prefill=...,decode=..."
+        )
+    budget = _DeviceBudget(max_devices)
     if kind == "colocated":
         parts = body.split(",")
         chunk: int | None = None
         for extra in parts[1:]:
             key, eq, value = extra.partition("=")
-            if key != "chunk" or not eq or not value.isdigit() or int(value) < 1:
-                raise PlanError(f"bad colocated option {extra!r}: the only option is chunk=N with N >= 1")
+            if key != "chunk" or not eq or not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
+                raise PlanError(f"bad colocated option {_shown(extra)}: the only option is chunk=N with N >= 1")
             chunk = int(value)
-        return DeploymentPlan(instances=tuple(_parse_group(parts[0], "colocated", chunk)))
+        return DeploymentPlan(instances=tuple(_parse_group(parts[0], "colocated", budget, chunk)))
     if kind == "disagg":
         fields: dict[str, str] = {}
         for part in body.split(","):
             key, eq, value = part.partition("=")
             if key not in ("prefill", "decode") or not eq or not value:
-                raise PlanError(f"bad disagg field {part!r}: expected prefill=GROUP and decode=GROUP")
+                raise PlanError(f"bad disagg field {_shown(part)}: expected prefill=GROUP and decode=GROUP")
             if key in fields:
                 raise PlanError(f"disagg spec names {key} twice")
             fields[key] = value
         missing = {"prefill", "decode"} - set(fields)
         if missing:
             raise PlanError(f"disagg spec is missing {sorted(missing)}")
-        prefill = _parse_group(fields["prefill"], "prefill")
-        decode = _parse_group(fields["decode"], "decode")
+        prefill = _parse_group(fields["prefill"], "prefill", budget)
+        decode = _parse_group(fields["decode"], "decode", budget)
         return DeploymentPlan(instances=tuple(prefill + decode))
-    raise PlanError(f"bad deployment kind {kind!r}: expected 'colocated' or 'disagg'")
+    raise PlanError(f"bad deployment kind {_shown(kind)}: expected 'colocated' or 'disagg'")
+
+
+def parse_deployment(spec: str) -> DeploymentPlan:
+    """The command line's door: a spec string, or a plan file the operator names (a path ending in .json).
+
+    Never for specs that arrive over the network: those go to `parse_spec`, which reads no file.
+    """
+    spec = spec.strip()
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise PlanError(f"plan file {spec!r} does not exist")
+        return DeploymentPlan.from_json(path.read_text())
+    return parse_spec(spec)

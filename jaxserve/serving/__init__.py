@@ -6,7 +6,8 @@
 * `http_api.py` — the OpenAI-compatible HTTP API; `openai_protocol.py` its request schemas;
   `chat_template.py` the chat template both APIs use.
 * `metrics.py` — Prometheus metrics (the workload gauges among them).
-* `admin.py` — what the server needs from a replanning loop (`jaxserve/tools/replan_loop.py`): gauges,
-  `/debug/workload`, `POST /admin/deployment`.
+* `admin.py` — the operator routes' trust boundary (Bearer checks, `AdminAccess`: the admin key, never the
+  API key) and what the server needs from a replanning loop (`jaxserve/tools/replan_loop.py`): gauges,
+  `/debug/workload`, `POST /admin/deployment` and its body parser.
 * `server.py` — one process serving both APIs over one controller.
 """

@@ -20,7 +20,6 @@ becomes a status code through `status_for` (the same table the HTTP server uses)
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -36,6 +35,7 @@ from jaxserve.proto import SERVICE_NAME
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.serving import wire
+from jaxserve.serving.admin import bearer_ok
 from jaxserve.serving.frontend import Frontend, error_kind, first_chunks, merge_streams
 
 log = logging.getLogger(__name__)
@@ -59,20 +59,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.INTERNAL, f"engine failure: {exc}", ()
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
-
-
-def bearer_ok(header: str | bytes | None, api_key: str | None) -> bool:
-    """True when no key is configured or `header` is `Bearer <key>` (constant-time comparison)."""
-    if api_key is None:
-        return True
-    if header is None:
-        return False
-    if isinstance(header, str):
-        header = header.encode("utf-8", "surrogateescape")
-    scheme, _, token = header.partition(b" ")
-    # Compare even on a wrong scheme so timing does not reveal which part was wrong.
-    same = hmac.compare_digest(token.strip(), api_key.encode())
-    return same and scheme.lower() == b"bearer"
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):

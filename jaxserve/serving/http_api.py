@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-Operator routes behind the same API key: `GET /debug/steps`, `GET /debug/workload` (the workload
-monitor, when the server has one) and `POST /admin/deployment` (a live switch: 400 for a bad plan,
-409 while another switch runs, 501 on a backend that cannot switch).
+Operator routes, behind the admin credential and never the API key (`jaxserve.serving.admin.AdminAccess`:
+401 without it, 403 for the inference key, 404 when they are off): `GET /debug/steps`, `GET /debug/workload`
+(the workload monitor, when the server has one) and `POST /admin/deployment` (a live switch: the body is
+parsed on a worker thread and bounded by the devices there are; 400 for a bad plan, 409 while another
+switch runs, 501 on a backend that cannot switch).
 
 The request schemas and their checks are `jaxserve.serving.openai_protocol`; a request
 becomes one `Frontend.stream` per choice (prompts x n), merged into OpenAI's response or
@@ -40,9 +42,8 @@ from jaxserve.core.errors import EngineDeadError, InvalidRequestError, Overloade
 from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchError, SwitchInProgressError, SwitchUnsupportedError
-from jaxserve.serving.admin import DeploymentAdmin, parse_plan_body
+from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
-from jaxserve.serving.grpc_service import bearer_ok
 from jaxserve.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,8 +89,13 @@ def create_app(
     max_request_bytes: int = 1 << 20,
     is_serving: Callable[[], bool] = lambda: True,
     admin: DeploymentAdmin | None = None,
+    admin_access: AdminAccess | None = None,
 ) -> ASGIApp:
-    """The ASGI app: FastAPI routes wrapped in the request-body size limit."""
+    """The ASGI app: FastAPI routes wrapped in the request-body size limit.
+
+    `admin_access`: who may use `/admin/*` and `/debug/*` (`JaxServeServer` passes its config's; default: no
+    admin key and a host not known to be loopback, so they are off)."""
+    access = admin_access if admin_access is not None else AdminAccess(api_key=api_key)
     app = FastAPI(title="jaxserve", version="0.1.0", docs_url=None, redoc_url=None)
     model_name = frontend.model_name
     created_at = int(time.time())
@@ -131,6 +137,25 @@ def create_app(
                 code="invalid_api_key",
             )
 
+    def authorize_admin(request: Request) -> None:
+        verdict = access.check(request.headers.get("authorization"))
+        if verdict == "ok":
+            return
+        frontend.metrics.observe_error("unauthenticated")
+        if verdict == "off":
+            raise APIError(404, access.off_reason, type_="invalid_request_error", code="admin_off")
+        if verdict == "forbidden":
+            raise APIError(
+                403, "the inference API key does not grant admin: send the admin key", type_="permission_error",
+                code="admin_key_required",
+            )  # fmt: skip
+        raise APIError(
+            401,
+            "missing or wrong admin key (send Authorization: Bearer ADMIN_KEY)",
+            type_="invalid_request_error",
+            code="invalid_admin_key",
+        )
+
     @app.get("/health")
     async def health_check() -> Response:
         if is_serving():
@@ -146,14 +171,14 @@ def create_app(
     @app.get("/debug/steps")
     async def debug_steps(request: Request, since: float = 0.0) -> JSONResponse:
         """Each instance's recent steps: shape and wall time (what `jaxserve profile --from-server` fits)."""
-        authorize(request)
+        authorize_admin(request)
         records = frontend.controller.step_records(since)
         return JSONResponse({"now": time.monotonic(), "instances": records})
 
     @app.get("/debug/workload")
     async def debug_workload(request: Request) -> JSONResponse:
         """The workload monitor's windows, the shift detector's state and the last replan decision."""
-        authorize(request)
+        authorize_admin(request)
         if admin is None:
             raise APIError(404, "this server runs no workload monitor", type_="invalid_request_error")
         snapshot = await asyncio.get_running_loop().run_in_executor(None, admin.workload_snapshot)
@@ -162,17 +187,19 @@ def create_app(
     @app.post("/admin/deployment")
     async def admin_deployment(request: Request) -> JSONResponse:
         """Switch the deployment live to a plan file (JSON body) or a spec string; answers when it is done."""
-        authorize(request)
+        authorize_admin(request)
         if admin is None:
             raise APIError(404, "this server cannot change its deployment", type_="invalid_request_error")
-        try:
-            plan = parse_plan_body(await request.body())
+        body = await request.body()
+        loop = asyncio.get_running_loop()
+        try:  # off the event loop: the parse is bounded, but a megabyte of JSON is still work
+            plan = await loop.run_in_executor(None, parse_plan_body, body, admin.max_plan_devices())
         except PlanError as e:
             raise APIError(400, f"bad plan: {e}", type_="invalid_request_error", code="bad_plan") from None
         if admin.switch_busy():
             raise APIError(409, "a deployment switch is already running", type_="conflict", code="switch_running")
         try:
-            report = await asyncio.get_running_loop().run_in_executor(None, admin.apply_deployment, plan)
+            report = await loop.run_in_executor(None, admin.apply_deployment, plan)
         except SwitchInProgressError as e:
             raise APIError(409, str(e), type_="conflict", code="switch_running") from None
         except SwitchUnsupportedError as e:

@@ -38,7 +38,7 @@ import grpc
 import uvicorn
 
 from jaxserve.runtime.api import ServingController
-from jaxserve.serving.admin import DeploymentAdmin
+from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, check_key, is_loopback
 from jaxserve.serving.frontend import Frontend
 from jaxserve.serving.grpc_service import build_grpc_server, set_serving
 from jaxserve.serving.http_api import create_app
@@ -53,6 +53,7 @@ class ServerConfig:
     grpc_port: int = 50051  # 0: any free port
     http_port: int = 8000  # 0: any free port
     api_key: str | None = None  # None: no authentication
+    admin_key: str | None = None  # /admin/*, /debug/*; None: off, unless on loopback with no api_key either
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, gRPC and HTTP use TLS
     tls_key: Path | None = None
     max_request_bytes: int = 1 << 20  # HTTP body and gRPC message limit
@@ -63,6 +64,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key")
+        check_key(self.api_key, "the API key")
+        check_key(self.admin_key, "the admin key")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("the admin key must differ from the API key: an inference key never grants admin")
+
+    @property
+    def admin_access(self) -> AdminAccess:
+        return AdminAccess(admin_key=self.admin_key, api_key=self.api_key, loopback_only=is_loopback(self.host))
 
 
 def format_address(host: str, port: int) -> str:
@@ -134,6 +143,7 @@ class JaxServeServer:
             max_request_bytes=cfg.max_request_bytes,
             is_serving=lambda: self._serving,
             admin=self.admin,
+            admin_access=cfg.admin_access,
         )
         uv_config = uvicorn.Config(
             app,
@@ -154,6 +164,11 @@ class JaxServeServer:
         self._serving = True
         await set_serving(self._health, True)
         log.info("ready in %.2f s (warm-up %.2f s)", time.monotonic() - started_at, warmup_s)
+        access = cfg.admin_access
+        log.info(
+            "operator routes (/admin/*, /debug/*): %s",
+            "admin key" if access.admin_key else ("open (loopback, no keys)" if access.enabled else "off"),
+        )
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: health NOT_SERVING, controller shutdown (drains), then both servers."""

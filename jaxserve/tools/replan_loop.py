@@ -22,7 +22,8 @@ one through the runtime's generic switch (`jaxserve/runtime/switch.py`).
   mode the better plan is only exposed; in `auto` a decision to switch is applied at once.
   `weights_load_s` of the switch cost is the measured start-up (engine build) time, or the last
   switch's build + warm-up; `drain_s` is the p90 of recent request durations.
-* `apply_deployment(plan)`: the manual switch (`POST /admin/deployment`), the same path `auto` takes.
+* `apply_deployment(plan)`: the manual switch (`POST /admin/deployment`, behind the admin key), the same
+  path `auto` takes; `max_plan_devices()` bounds what the server parses of a posted plan.
 * `off`: no detector, no planner (nothing from `placement/` is imported); the monitor's gauges and
   the manual switch still work.
 """
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from jaxserve.core.plan import DeploymentPlan
+from jaxserve.core.plan import MAX_PLAN_DEVICES, DeploymentPlan
 from jaxserve.core.request import FinishReason, RequestTimings
 from jaxserve.core.workload_monitor import (
     DetectorConfig,
@@ -51,7 +52,7 @@ from jaxserve.core.workload_monitor import (
     WorkloadMonitor,
 )
 from jaxserve.runtime.controller import Controller
-from jaxserve.runtime.switch import PlanSwitcher, SwitchReport, SwitchUnsupportedError
+from jaxserve.runtime.switch import LocalDevices, PlanSwitcher, SwitchReport, SwitchUnsupportedError
 from jaxserve.serving.admin import WorkloadGauges
 
 if TYPE_CHECKING:
@@ -337,6 +338,13 @@ class ReplanLoop:
 
     def can_switch(self) -> bool:
         return self.switcher is not None
+
+    def max_plan_devices(self) -> int:
+        """The bound on a posted plan: the embedded backend's devices; the parsers' cap elsewhere (Ray: the
+        cluster's devices are its scheduler's to count, and a switch too big for them fails with a SwitchError)."""
+        if self.switcher is not None and isinstance(self.switcher.builder, LocalDevices):
+            return len(self.switcher.builder.devices)
+        return MAX_PLAN_DEVICES
 
     def switch_busy(self) -> bool:
         return self.switcher is not None and self.switcher.busy
