@@ -72,7 +72,7 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         # the same records, fitted into a profile the planner loads
         out = tmp_path / "served.json"
         argv = ["profile", "--model", "opt-tiny", "--deployment", "disagg:prefill=tp1,decode=tp1"]
-        argv += ["--from-server", server.http_address, "--since", str(start["now"]), "--api-key", "admin-k"]
+        argv += ["--from-server", server.http_address, "--since", str(start["now"]), "--admin-key", "admin-k"]
         argv += ["-o", str(out)]
         argv += ["--prefill-tokens", "512", "--no-padding"]
         assert main(argv) == 0

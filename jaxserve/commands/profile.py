@@ -145,7 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fit to a running server's recorded steps (its HTTP port) instead of timing the engine here",
     )
     parser.add_argument("--since", type=float, default=0.0, help="--from-server: only steps after this server time")
-    parser.add_argument("--api-key", default=None, help="--from-server: the server's API key")
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help="--from-server: the server's admin key (/debug/steps is an operator route; default: env JAXSERVE_ADMIN_KEY)",
+    )
     parser.add_argument("--samples-out", default=None, help="also write the raw timings (JSON)")
     parser.add_argument("-o", "--output", required=True, help="profile JSON to write")
 
@@ -320,8 +324,9 @@ def _from_server(args: argparse.Namespace) -> int:
         return fail("--from-server fits one entry per engine: serve one tp for every instance, or profile the engines")
     tp = kind_tps.pop()
     request = urllib.request.Request(f"http://{args.from_server}/debug/steps?since={args.since}")
-    if args.api_key:
-        request.add_header("Authorization", f"Bearer {args.api_key}")
+    admin_key = args.admin_key if args.admin_key is not None else os.environ.get("JAXSERVE_ADMIN_KEY")
+    if admin_key:
+        request.add_header("Authorization", f"Bearer {admin_key}")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             served = json.loads(response.read())
