@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
             )
             transfer = None
             if args.engine == "timed":  # the link time runs from each pull's start, as the simulator charges it
-                from jaxserve.tools.timed_engine import TimedTransfer
+                from jaxserve.runtime.engines.timed import TimedTransfer
 
                 transfer = TimedTransfer
             controller = Controller.from_plan(
