@@ -21,7 +21,7 @@ import pytest
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
-from jaxserve.runtime.engines.contract import AsyncPrefillEngine, PrefillItem
+from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
 from jaxserve.runtime.engines.timed import TimedEngine
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.worker import LiveRequest
@@ -111,7 +111,7 @@ class _Sink:
 def test_runtime_pipelines_prefill_batches_on_the_timed_engine() -> None:
     """The real prefill instance on the timed engine (real sleeps): the simulator's timeline, within host jitter."""
     engine = timed_engine_factory(CFG, LATENCY, CLUSTER)(InstanceSpec("prefill", 1, 2), jax.devices()[:2])
-    assert isinstance(engine, AsyncPrefillEngine)
+    assert engine.capabilities.async_prefill
     sink = _Sink()
     inst = PrefillInstance("p0", engine, PrefillConfig(max_batch_tokens=PROMPT), sink, lambda src, live: None)
     lives = [
@@ -230,6 +230,7 @@ def test_a_failure_reported_by_a_watcher_kills_the_instance_and_hands_its_reques
 
     class BrokenEngine:
         model_config = CFG
+        capabilities = EngineCapabilities(prefill=True, async_prefill=True)
 
         def prefill(self, items):  # type: ignore[no-untyped-def]
             raise AssertionError("the instance dispatches asynchronously")

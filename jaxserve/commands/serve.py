@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     import jax
 
     from jaxserve.core.plan import DeploymentPlan, InstanceSpec
-    from jaxserve.runtime.instances import EngineFactory, RoleEngine
+    from jaxserve.runtime.engines.contract import Engine
+    from jaxserve.runtime.instances import EngineFactory
 
 if TYPE_CHECKING:
     from jaxserve.tools.replan_loop import ReplanLoop
@@ -408,22 +409,21 @@ def kv_blocks_from_memory(
     say) and a factory that hands the built engines to `Controller.from_plan` (and loads any
     later instance, such as a replan's, itself).
     """
-    from jaxserve.runtime.engines.contract import MemorySizedPool
     from jaxserve.runtime.instances import place
 
-    built: dict[tuple[int, ...], RoleEngine] = {}
+    built: dict[tuple[int, ...], Engine] = {}
     blocks: list[int] = []
     for _, spec, devices in place(plan):
         engine = factory(spec, devices)
         built[tuple(d.id for d in devices)] = engine
     for _, spec, devices in place(plan):
         engine = built[tuple(d.id for d in devices)]
-        if spec.role == "prefill" or not isinstance(engine, MemorySizedPool):
+        if spec.role == "prefill" or not engine.capabilities.memory_sized_pool:
             continue
         cap = max_decode_batch * -(-engine.model_config.max_position_embeddings // block_size)
         blocks.append(engine.kv_blocks_for_memory(block_size, memory_fraction, max_blocks=cap))
 
-    def cached(spec: InstanceSpec, devices: Sequence[jax.Device]) -> RoleEngine:
+    def cached(spec: InstanceSpec, devices: Sequence[jax.Device]) -> Engine:
         engine = built.pop(tuple(d.id for d in devices), None)
         return engine if engine is not None else factory(spec, devices)
 

@@ -6,12 +6,12 @@
 formulas (`placement.step_cost.ModelStepCost`, bound by `jaxserve.tools.timed_engine.timed_engine_factory`):
 
 * `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe; `prefill_async(items)`
-  (`AsyncPrefillEngine`) schedules it on per-stage timelines, so with pp > 1 batches overlap in the pipe:
+  (`async_prefill`) schedules it on per-stage timelines, so with pp > 1 batches overlap in the pipe:
   the next batch enters stage 0 once stage 0 has finished this one (host work and kernels), as in the
   simulator;
 * `decode_step(batch)`: a decode round of the batch's rows over their contexts, or, with prompt rows
   (colocated), the mixed step of those chunks with the decodes riding along;
-* `decode_steps(batch, n)` (multi-step decoding, `MultiStepDecoder`): the sum of the decode rounds the
+* `decode_steps(batch, n)` (multi-step decoding, `multi_step_decode`): the sum of the decode rounds the
   rows run — step k over the rows still going, each one position further — in one sleep;
 * `insert(kv, n)`: the KV transfer of `n` tokens of the modelled model at the profile's device link, as the
   simulator charges a pull between two instances on one node — on the decode device, at the join, when the
@@ -42,7 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.step_cost import LinkCost, StepCost
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
+    EngineCapabilities,
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -68,8 +69,12 @@ def random_token(seed: int, index: int, vocab_size: int) -> int:
     return MIN_TOKEN + int.from_bytes(digest, "little") % (vocab_size - MIN_TOKEN)
 
 
-class TimedEngine:
+class TimedEngine(Engine):
     """Sleeps `cost`'s step time (`link`'s for a pull); `clock`/`sleep` are injectable for hand-computed tests."""
+
+    capabilities = EngineCapabilities(
+        prefill=True, decode=True, async_prefill=True, dense_insert=True, multi_step_decode=True
+    )
 
     def __init__(
         self,
@@ -131,7 +136,7 @@ class TimedEngine:
         return self.prefill_async(items).result()
 
     def prefill_async(self, items: Sequence[PrefillItem]) -> TimedPrefill:
-        """`AsyncPrefillEngine`: schedule the batch on the stages' timelines and return at once.
+        """`async_prefill`: schedule the batch on the stages' timelines and return at once.
 
         Stage 0 runs the step's host work and its kernels, stage s > 0 starts when the batch has crossed the
         send from stage s − 1 and stage s has finished the batch before: alone a batch takes `cost.prefill_s`,
@@ -231,7 +236,7 @@ class TimedTransfer:
     instances overlapping on the link is the difference, a link time of ~1 ms against steps of tens).
     `serve --engine timed` uses it; thread-safe (pulls start on the prefill instances' threads)."""
 
-    def __init__(self, target: DecodeEngine) -> None:
+    def __init__(self, target: Engine) -> None:
         if not isinstance(target, TimedEngine):
             raise TypeError(f"a timed transfer pulls into a TimedEngine; {type(target).__name__} is not one")
         self.target = target
