@@ -195,8 +195,8 @@ class EngineCapabilities:
     * `dense_insert`: `insert(kv, ...)` writes dense KV pulled into this process into the pool (an engine in
       this process; a remote one's KV is staged in its actor's process instead);
     * `multi_step_decode`: `decode_steps(batch, pages, num_steps)`;
-    * `logprobs`: `prefill` fills `PrefilledSequence.first_logprobs` for items that ask, and
-      `decode_step_logprobs` (with `multi_step_decode`, also `decode_steps_logprobs`) returns them;
+    * `logprobs`: `prefill` fills `PrefilledSequence.first_logprobs` for items that ask and, with the decode
+      role, `decode_step_logprobs` (with `multi_step_decode`, also `decode_steps_logprobs`) returns them;
     * `bucket_warmup`: `warmup(...)` compiles every padded shape the serving limits allow before traffic;
     * `memory_sized_pool`: `kv_blocks_for_memory(...)` says how many KV blocks the memory its weights leave holds.
     """
