@@ -13,7 +13,7 @@ and are processed after heap events at the same instant. Durations come only fro
   pipe (stage k of batch i starts when stage k−1 of batch i, plus the send, and stage k of batch i−1
   are both done), so a pp-stage instance overlaps pp batches and a batch alone takes
   `prefill_step_s`. The runtime does the same: `PrefillInstance` dispatches the next batch as soon as
-  the engine's first stage is free (`AsyncPrefillEngine`; docs/simulator-fidelity.md). At the last
+  the engine's first stage is free (`async_prefill`; docs/simulator-fidelity.md). At the last
   stage the first token exists (TTFT) and the KV waits in the prefill buffer. The request is assigned to
   `choose_decode_instance`'s pick; that instance pulls it when `admit_decodes` allows (batch room and
   KV blocks for prompt + output), the KV crosses the link between the two instances (NVLink inside a

@@ -8,12 +8,17 @@ per-step host overhead (`StepOverhead`):
 * decode round of `batch` rows attending over `ctx_sum` tokens: `pipeline_decode_round_s + overhead(ctx_sum)`;
 * mixed (colocated) step of prompt chunks `chunks` after `priors` done tokens, plus `decode_batch` decodes over
   `decode_ctx_sum`: `pp · chunk_stage + (pp − 1) · send + overhead(decode_ctx_sum + Σ(chunk + prior), prefill)`.
+
+`ModelStepCost` binds them to one instance's model as the runtime's step-cost contract
+(`jaxserve.core.step_cost.StepCost`): what the timed engine sleeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
+from jaxserve.core.step_cost import PrefillPipe
 from placement.latency import StageLatency, StepOverhead, pipeline_decode_round_s
 
 
@@ -66,3 +71,31 @@ def mixed_step_s(
     send = (model.pp - 1) * model.send_s(int(num_tokens) + decode_batch) if model.pp > 1 else 0.0
     prompt_ctx = float(sum(c + p for c, p in zip(chunks, priors, strict=True)))
     return model.pp * stage + send + overhead.step_s(decode_ctx_sum + prompt_ctx, model.pp, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStepCost:
+    """The step-cost contract (`jaxserve.core.step_cost.StepCost`) of one instance: these formulas on its
+    latency model and step overhead — what the timed engine sleeps, so it runs the simulator's timeline."""
+
+    model: StageLatency
+    overhead: StepOverhead
+
+    @property
+    def pp(self) -> int:
+        return self.model.pp
+
+    def prefill_s(self, lengths: Sequence[int]) -> float:
+        return prefill_step_s(self.model, self.overhead, lengths)
+
+    def prefill_pipe(self, lengths: Sequence[int]) -> PrefillPipe:
+        total = float(sum(lengths))
+        stage = self.model.prefill_stage_s(total, float(sum(n * n for n in lengths)), len(lengths))
+        send = self.model.send_s(int(total)) if self.model.pp > 1 else 0.0
+        return PrefillPipe(stage, send, self.overhead.step_s(total, self.model.pp, True))
+
+    def decode_s(self, batch: int, ctx_sum: float) -> float:
+        return decode_step_s(self.model, self.overhead, batch, ctx_sum)
+
+    def mixed_s(self, chunks: Sequence[int], priors: Sequence[int], decode_batch: int, decode_ctx_sum: float) -> float:
+        return mixed_step_s(self.model, self.overhead, chunks, priors, decode_batch, decode_ctx_sum)

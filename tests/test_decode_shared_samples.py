@@ -20,7 +20,7 @@ from serving_helpers import SlowFakeEngine
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engines.contract import DecodeEngine, KVPages, PrefilledSequence
+from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
@@ -58,7 +58,7 @@ class _SlowHandle:
 
 
 class _SlowTransfer:
-    def __init__(self, engine: DecodeEngine, delay_s: float) -> None:
+    def __init__(self, engine: Engine, delay_s: float) -> None:
         self.inner = InProcessTransfer(engine)
         self.delay_s = delay_s
 

@@ -26,7 +26,7 @@ def _paged_cache_size(engine: OPTEngine) -> int:
 
 def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: OPTEngine) -> None:
     report = engine.warmup(
-        num_blocks=8, block_size=4, max_decode_batch_size=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
+        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
     )
     # prefill: 16-token prompts; rows up to 32, since 32 one-token prompts fit the 32-token cap (the
     # smallest batch of each row bucket, rows/2 + 1 prompts, must fit); decode: rows {2, 4} x widths
@@ -46,9 +46,7 @@ def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: 
 
 def test_warmup_on_a_pool_returns_it(engine: OPTEngine) -> None:
     pages = engine.init_pages(8, 4)
-    report = engine.warmup(
-        num_blocks=8, block_size=4, max_decode_batch_size=2, max_seq_len=4, prefill=False, pages=pages
-    )
+    report = engine.warmup(num_blocks=8, block_size=4, max_decode_batch=2, max_seq_len=4, prefill=False, pages=pages)
     assert report.step_shapes == ((2, 1, 1),)
     assert report.pages is not None and report.pages[0].k.shape == pages[0].k.shape
 

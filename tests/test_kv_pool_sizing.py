@@ -8,18 +8,18 @@ import jax
 
 from jaxserve.commands.serve import kv_blocks_from_memory
 from jaxserve.core.plan import InstanceSpec, parse_deployment
+from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
-from jaxserve.runtime.instances import RoleEngine
 from models.config import get_config
 
 CFG = get_config("opt-tiny")
 
 
-def _counting_factory() -> tuple[list[RoleEngine], object]:
-    made: list[RoleEngine] = []
+def _counting_factory() -> tuple[list[Engine], object]:
+    made: list[Engine] = []
     load = opt_engine_factory("opt-tiny")
 
-    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> RoleEngine:
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> Engine:
         engine = load(spec, devices)
         made.append(engine)
         return engine

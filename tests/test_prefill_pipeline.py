@@ -21,15 +21,17 @@ import pytest
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
-from jaxserve.runtime.engines.contract import AsyncPrefillEngine, PrefillItem
+from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
+from jaxserve.runtime.engines.timed import TimedEngine
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.worker import LiveRequest
-from jaxserve.tools.timed_engine import TimedEngine, timed_engine_factory
+from jaxserve.tools.timed_engine import timed_engine_factory
 from models.config import get_config
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, Profile, StepOverhead
 from placement.sim_types import SimOptions
 from placement.simulator import simulate
+from placement.step_cost import ModelStepCost
 from placement.workload import Workload
 
 CFG = get_config("opt-13b", "float16")
@@ -109,7 +111,7 @@ class _Sink:
 def test_runtime_pipelines_prefill_batches_on_the_timed_engine() -> None:
     """The real prefill instance on the timed engine (real sleeps): the simulator's timeline, within host jitter."""
     engine = timed_engine_factory(CFG, LATENCY, CLUSTER)(InstanceSpec("prefill", 1, 2), jax.devices()[:2])
-    assert isinstance(engine, AsyncPrefillEngine)
+    assert engine.capabilities.async_prefill
     sink = _Sink()
     inst = PrefillInstance("p0", engine, PrefillConfig(max_batch_tokens=PROMPT), sink, lambda src, live: None)
     lives = [
@@ -171,7 +173,12 @@ def test_timed_engine_schedules_batches_on_per_stage_timelines() -> None:
     before it. A long batch (300 tokens: 30 ms a stage) then a short one (100: 10 ms) entering at stage 0's end."""
     clock = _Clock()
     engine = TimedEngine(
-        CFG, jax.devices()[:2], _HandModel(), StepOverhead(0.002, 0.0, 0.0), pp=2, clock=clock, sleep=clock.sleep
+        CFG,
+        jax.devices()[:2],
+        ModelStepCost(_HandModel(), StepOverhead(0.002, 0.0, 0.0)),
+        pp=2,
+        clock=clock,
+        sleep=clock.sleep,
     )
     long = engine.prefill_async([PrefillItem("a", (5,) * 300, SamplingParams(), 0)])
     assert (long.first_stage_end - 10, long.end - 10) == pytest.approx((0.032, 0.063))  # 2 + 30; + 1 + 30
@@ -223,6 +230,7 @@ def test_a_failure_reported_by_a_watcher_kills_the_instance_and_hands_its_reques
 
     class BrokenEngine:
         model_config = CFG
+        capabilities = EngineCapabilities(prefill=True, async_prefill=True)
 
         def prefill(self, items):  # type: ignore[no-untyped-def]
             raise AssertionError("the instance dispatches asynchronously")

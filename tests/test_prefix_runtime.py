@@ -19,7 +19,7 @@ from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engines.contract import DecodeEngine, KVPages, PrefilledSequence, StepBatch
+from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence, StepBatch
 from jaxserve.runtime.engines.fake import FakeEngine, fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
@@ -168,7 +168,7 @@ class _FailedHandle:
 class _FlakyTransfer:
     """In-process pulls, except every `every`-th one fails."""
 
-    def __init__(self, engine: DecodeEngine, every: int) -> None:
+    def __init__(self, engine: Engine, every: int) -> None:
         self.inner = InProcessTransfer(engine)
         self.every = every
         self.num_started = 0

@@ -28,7 +28,7 @@ from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.llm import LLM
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engines.contract import PrefillItem
+from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.serving.metrics import ServingMetrics
@@ -275,6 +275,7 @@ def test_lease_hand_over_to_the_prefill_buffer_is_atomic(deployment) -> None:
 
     class KeeperRunsNow:  # the keeper's round lands right after the actor answered, before the buffer has it
         model_config = proxy.model_config
+        capabilities = EngineCapabilities(prefill=True)
 
         def prefill(self, items):
             result = proxy.prefill(items)

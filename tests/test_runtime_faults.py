@@ -21,7 +21,7 @@ from jaxserve.core.scheduling import PrefillLoad
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
     KVPages,
     PrefilledSequence,
     PrefillItem,
@@ -91,7 +91,7 @@ class _FailedHandle:
 class _FlakyTransfer:
     """The in-process transfer, except that the pulls numbered in `fail_on` (1-based) fail."""
 
-    def __init__(self, engine: DecodeEngine, fail_on: set[int]) -> None:
+    def __init__(self, engine: Engine, fail_on: set[int]) -> None:
         self.inner = InProcessTransfer(engine)
         self.fail_on = fail_on
         self.num_started = 0
@@ -133,7 +133,7 @@ class _GatedHandle:
 
 
 class _GatedTransfer:
-    def __init__(self, engine: DecodeEngine, gated: set[str], gate: threading.Event) -> None:
+    def __init__(self, engine: Engine, gated: set[str], gate: threading.Event) -> None:
         self.inner = InProcessTransfer(engine)
         self.gated, self.gate = gated, gate
 
@@ -151,7 +151,7 @@ class _GatedTransfer:
 def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int, policy: str) -> None:
     transfers: list[_FlakyTransfer] = []
 
-    def make(engine: DecodeEngine) -> _FlakyTransfer:
+    def make(engine: Engine) -> _FlakyTransfer:
         transfers.append(_FlakyTransfer(engine, fail_on={2}))
         return transfers[-1]
 
@@ -189,7 +189,7 @@ def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int,
 def test_a_slow_pull_does_not_stall_the_running_streams() -> None:
     gate = threading.Event()
 
-    def make(engine: DecodeEngine) -> _GatedTransfer:
+    def make(engine: Engine) -> _GatedTransfer:
         return _GatedTransfer(engine, {"slow"}, gate)
 
     c = _controller("disagg:prefill=tp1,decode=tp1", transfer=make)
@@ -390,11 +390,11 @@ class _OPTDyingOnDecode:
     def __init__(self, inner: object, die_at: int | None) -> None:
         self.inner, self.die_at, self.num_decode_calls = inner, die_at, 0
 
-    def __getattr__(self, name: str) -> object:  # model_config, devices, kv_layout, prefill, init_pages, insert
+    def __getattr__(self, name: str) -> object:  # capabilities, devices, kv_layout, prefill, init_pages, insert
         return getattr(self.inner, name)
 
     @property
-    def model_config(self):  # explicit: the role Protocols are checked with isinstance
+    def model_config(self):
         return self.inner.model_config  # type: ignore[attr-defined]
 
     def kv_layout(self):

@@ -6,12 +6,14 @@ import jax
 import pytest
 
 from jaxserve.core.request import SamplingParams
+from jaxserve.core.step_cost import LinkCost
 from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.timed import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
 from jaxserve.runtime.kv_transfer import TransferState
-from jaxserve.tools.timed_engine import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile
+from placement.step_cost import ModelStepCost
 
 CFG = get_config("opt-13b", "float16")
 LP = LatencyProvider(CFG, get_device("a100-80gb"), load_profile("a100-80gb-distserve"))
@@ -37,8 +39,9 @@ def _engine(kind: str = "disagg", pp: int = 1, slack: float = 0.005) -> tuple[Ti
     clock = FakeClock()
     model = LP.instance(kind, 1, pp)  # type: ignore[arg-type]
     engine = TimedEngine(
-        CFG, jax.devices()[:pp], model, OVERHEAD, pp=pp, host_slack_s=slack, clock=clock, sleep=clock.sleep
-    )
+        CFG, jax.devices()[:pp], ModelStepCost(model, OVERHEAD), pp=pp, host_slack_s=slack, clock=clock,
+        sleep=clock.sleep,
+    )  # fmt: skip
     return engine, clock
 
 
@@ -119,12 +122,11 @@ def test_timed_transfer_charges_the_link_from_the_pulls_start_not_the_decode_dev
     """As the simulator charges a pull: its link time runs from its start while the decode device steps; pulls
     into one instance cross the link one after another; inserting a crossed pull costs the device nothing."""
     clock = FakeClock()
-    model = LP.instance("disagg", 1, 1)
+    cost = ModelStepCost(LP.instance("disagg", 1, 1), OVERHEAD)
     decode = TimedEngine(
-        CFG, jax.devices()[:1], model, OVERHEAD, transfer_s_per_token=1e-5, transfer_latency_s=1e-3,
-        clock=clock, sleep=clock.sleep,
-    )  # fmt: skip
-    prefill = TimedEngine(CFG, jax.devices()[1:2], model, OVERHEAD, clock=clock, sleep=clock.sleep)
+        CFG, jax.devices()[:1], cost, link=LinkCost(latency_s=1e-3, s_per_token=1e-5), clock=clock, sleep=clock.sleep
+    )
+    prefill = TimedEngine(CFG, jax.devices()[1:2], cost, clock=clock, sleep=clock.sleep)
     seqs = prefill.prefill([PrefillItem(f"r{i}", (5,) * n, SamplingParams(), seed=i) for i, n in enumerate((100, 300))])
     pages = decode.init_pages(8, 16)
     transfer = TimedTransfer(decode)

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
     import jax
 
     from jaxserve.core.plan import DeploymentPlan, InstanceSpec
-    from jaxserve.runtime.instances import EngineFactory, RoleEngine
+    from jaxserve.runtime.engines.contract import Engine
+    from jaxserve.runtime.instances import EngineFactory
+    from jaxserve.runtime.kv_transfer import TransferFactory
 
 if TYPE_CHECKING:
     from jaxserve.tools.replan_loop import ReplanLoop
@@ -92,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
     parser.add_argument(
         "--engine",
-        choices=["opt", "fake", "timed"],
+        choices=sorted(ENGINE_BACKENDS),
         default="opt",
         help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
     )
@@ -212,18 +215,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _timed_engine_factory(model: str, profile: str | None) -> EngineFactory:
+@dataclasses.dataclass(frozen=True)
+class EngineBackend:
+    """What `--engine NAME` serves with on the embedded backend: the engines (`jaxserve/runtime/engines/`), the
+    KV transfer into a decode instance's engine (None: the in-process one), and whether the KV pool is sized
+    from the memory the loaded weights leave (unless a number was given)."""
+
+    factory: EngineFactory
+    transfer: TransferFactory | None = None
+    pool_from_memory: bool = False
+
+
+def _opt_backend(model: str, args: argparse.Namespace) -> EngineBackend:
+    from jaxserve.runtime.engines.opt import opt_engine_factory
+
+    return EngineBackend(opt_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
+
+
+def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:
+    from jaxserve.runtime.engines.fake import fake_engine_factory
+    from models.config import PRESETS, OPTConfig, get_config
+
+    return EngineBackend(
+        fake_engine_factory(get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model))
+    )
+
+
+def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
+    """The timed engine on `--profile`'s latency model; each pull's link time runs from its start, as the
+    simulator charges it (`TimedTransfer`)."""
+    from jaxserve.runtime.engines.timed import TimedTransfer
     from jaxserve.tools.timed_engine import timed_engine_factory
     from models.config import PRESETS, OPTConfig, get_config
     from placement.hardware import get_device
     from placement.latency import LatencyProvider, load_profile
 
-    if profile is None:
+    if args.profile is None:
         raise ValueError("--engine timed needs --profile")
     cfg = get_config(model, "float16") if model in PRESETS else OPTConfig.from_hf_config(model)
-    prof = load_profile(profile)
+    prof = load_profile(args.profile)
     latency = LatencyProvider(cfg, get_device(prof.device or "cpu"), prof)
-    return timed_engine_factory(cfg, latency)
+    return EngineBackend(timed_engine_factory(cfg, latency), transfer=TimedTransfer)
+
+
+ENGINE_BACKENDS: dict[str, Callable[[str, argparse.Namespace], EngineBackend]] = {
+    "opt": _opt_backend,
+    "fake": _fake_backend,
+    "timed": _timed_backend,
+}
 
 
 def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
@@ -334,42 +373,28 @@ def run(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         engine_factory: EngineFactory | None = None
-        if args.engine == "fake":
-            from jaxserve.runtime.engines.fake import fake_engine_factory
-            from models.config import PRESETS, OPTConfig, get_config
-
-            fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
-            engine_factory = fake_engine_factory(fake_config)
-        elif args.engine == "timed":
-            engine_factory = _timed_engine_factory(model, args.profile)
         if args.backend == "ray":
             from jaxserve.runtime.ray_backend.deployment import launch_from_args
 
             controller = launch_from_args(model, plan, config, args)
         else:
-            if engine_factory is None:
-                from jaxserve.runtime.engines.opt import opt_engine_factory
-
-                engine_factory = opt_engine_factory(model, dtype=args.dtype)
-                if not pool_given:
-                    blocks, engine_factory = kv_blocks_from_memory(
-                        plan, engine_factory, config.block_size, config.max_decode_batch_size, args.kv_memory_fraction
-                    )
-                    if blocks is not None:
-                        config = dataclasses.replace(config, num_kv_blocks=blocks)
+            backend = ENGINE_BACKENDS[args.engine](model, args)
+            engine_factory = backend.factory
+            sized = backend.pool_from_memory and not pool_given
+            if sized:
+                blocks, engine_factory = kv_blocks_from_memory(
+                    plan, engine_factory, config.block_size, config.max_decode_batch_size, args.kv_memory_fraction
+                )
+                if blocks is not None:
+                    config = dataclasses.replace(config, num_kv_blocks=blocks)
             log.info(
                 "KV pool: %d blocks x %d tokens per decode / colocated instance (%s)",
                 config.num_kv_blocks,
                 config.block_size,
-                "given" if pool_given or args.engine != "opt" else f"--kv-memory-fraction {args.kv_memory_fraction}",
+                f"--kv-memory-fraction {args.kv_memory_fraction}" if sized else "given",
             )
-            transfer = None
-            if args.engine == "timed":  # the link time runs from each pull's start, as the simulator charges it
-                from jaxserve.tools.timed_engine import TimedTransfer
-
-                transfer = TimedTransfer
             controller = Controller.from_plan(
-                model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype, transfer=transfer
+                model, plan, engine_factory=engine_factory, config=config, dtype=args.dtype, transfer=backend.transfer
             )
         build_s = time.monotonic() - started
         builder: object = engine_factory
@@ -436,22 +461,21 @@ def kv_blocks_from_memory(
     say) and a factory that hands the built engines to `Controller.from_plan` (and loads any
     later instance, such as a replan's, itself).
     """
-    from jaxserve.runtime.engines.contract import MemorySizedPool
     from jaxserve.runtime.instances import place
 
-    built: dict[tuple[int, ...], RoleEngine] = {}
+    built: dict[tuple[int, ...], Engine] = {}
     blocks: list[int] = []
     for _, spec, devices in place(plan):
         engine = factory(spec, devices)
         built[tuple(d.id for d in devices)] = engine
     for _, spec, devices in place(plan):
         engine = built[tuple(d.id for d in devices)]
-        if spec.role == "prefill" or not isinstance(engine, MemorySizedPool):
+        if spec.role == "prefill" or not engine.capabilities.memory_sized_pool:
             continue
         cap = max_decode_batch * -(-engine.model_config.max_position_embeddings // block_size)
         blocks.append(engine.kv_blocks_for_memory(block_size, memory_fraction, max_blocks=cap))
 
-    def cached(spec: InstanceSpec, devices: Sequence[jax.Device]) -> RoleEngine:
+    def cached(spec: InstanceSpec, devices: Sequence[jax.Device]) -> Engine:
         engine = built.pop(tuple(d.id for d in devices), None)
         return engine if engine is not None else factory(spec, devices)
 

@@ -14,7 +14,7 @@ Loop (one thread, `Worker` shell), each `step()`:
 2. execute: one `engine.decode_step` whose rows are prompt chunks (several
    tokens, `is_prompt`) and decodes (one token), all written into the paged
    pool; one token is sampled per row. A decode-only step with
-   `decode_steps_per_call = N > 1` and a `MultiStepDecoder` engine runs up to N
+   `decode_steps_per_call = N > 1` and an engine with `multi_step_decode` runs up to N
    steps in one call (`runtime/multi_step.py`); requests admitted meanwhile
    wait for the call boundary.
 3. apply (under the lock): a chunk that completes its prompt yields the first
@@ -41,7 +41,7 @@ from jaxserve.core.prefix_cache import PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.engines.contract import DecodeEngine, StepRow
+from jaxserve.runtime.engines.contract import Engine, StepRow
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
 
@@ -84,7 +84,7 @@ class _Seq:
 class ColocatedInstance(Worker):
     role = "colocated"
 
-    def __init__(self, name: str, engine: DecodeEngine, config: ColocatedConfig, emitter: Emitter) -> None:
+    def __init__(self, name: str, engine: Engine, config: ColocatedConfig, emitter: Emitter) -> None:
         super().__init__(name, emitter)
         self.engine = engine
         self.config = config

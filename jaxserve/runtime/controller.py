@@ -79,7 +79,6 @@ from jaxserve.core.scheduling import (
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
-from jaxserve.runtime.engines.contract import BucketWarmable, DecodeEngine, LogprobEngine, PrefillEngine
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -275,8 +274,8 @@ class Controller:
         cfg = self.config
         self.placed_of[p.name] = p
         if p.spec.role == "prefill":
-            if not isinstance(p.engine, PrefillEngine):
-                raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
+            if not p.engine.capabilities.prefill:
+                raise TypeError(f"{p.name} needs an engine with the prefill role, got {type(p.engine).__name__}")
             pc = PrefillConfig(
                 max_batch_tokens=cfg.max_batch_tokens,
                 buffer_capacity=cfg.prefill_buffer_capacity,
@@ -285,8 +284,8 @@ class Controller:
                 block_size=cfg.block_size,
             )
             return PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled)
-        if not isinstance(p.engine, DecodeEngine):
-            raise TypeError(f"{p.name} needs a DecodeEngine, got {type(p.engine).__name__}")
+        if not p.engine.capabilities.decode:
+            raise TypeError(f"{p.name} needs an engine with the decode role, got {type(p.engine).__name__}")
         if p.spec.role == "decode":
             dc = DecodeConfig(
                 cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
@@ -374,7 +373,7 @@ class Controller:
     def warmup(self) -> float:
         """Compile before the first client; seconds taken.
 
-        With `warmup_buckets`, every engine that can (`BucketWarmable`) first runs each padded shape its
+        With `warmup_buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its
         instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table
         widths up to the longest sequence; chunk shapes), so no user waits on XLA. Then one short
         request goes through every front instance, which also warms the hand-off path.
@@ -397,7 +396,7 @@ class Controller:
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         cfg = self.config
         for p in (i for i in chosen if isinstance(i, PrefillInstance)):
-            if isinstance(p.engine, BucketWarmable):
+            if p.engine.capabilities.bucket_warmup:
                 p.engine.warmup(
                     num_blocks=1,
                     block_size=cfg.block_size,
@@ -412,7 +411,7 @@ class Controller:
                         warmed = p.engine.warmup(
                             num_blocks=p.config.num_blocks,
                             block_size=p.config.block_size,
-                            max_decode_batch_size=p.config.buffer_capacity,
+                            max_decode_batch=p.config.buffer_capacity,
                             max_seq_len=self.max_prompt_tokens,
                             chunk_size=p.config.max_batch_tokens,
                             prefill=False,
@@ -424,7 +423,7 @@ class Controller:
                             p.pages = warmed.pages
         pooled = [i for i in chosen if isinstance(i, (DecodeInstance, ColocatedInstance))]
         for inst in pooled:
-            if not isinstance(inst.engine, BucketWarmable):
+            if not inst.engine.capabilities.bucket_warmup:
                 continue
             # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
             chunk = (
@@ -436,7 +435,7 @@ class Controller:
                 warmed = inst.engine.warmup(
                     num_blocks=inst.config.num_blocks,
                     block_size=inst.config.block_size,
-                    max_decode_batch_size=inst.config.max_batch_size,
+                    max_decode_batch=inst.config.max_batch_size,
                     max_seq_len=max_seq_len,
                     chunk_size=chunk,
                     prefill=False,
@@ -516,8 +515,8 @@ class Controller:
             )
 
     def computes_logprobs(self) -> bool:
-        """Whether every instance's engine reports logprobs (`LogprobEngine`)."""
-        return all(isinstance(i.engine, LogprobEngine) and i.engine.computes_logprobs() for i in self.instances)
+        """Whether every instance's engine reports logprobs (its `logprobs` capability)."""
+        return all(i.engine.capabilities.logprobs for i in self.instances)
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue a request; thread-safe. Raises InvalidRequestError, OverloadedError, ShuttingDownError."""

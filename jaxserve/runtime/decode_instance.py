@@ -23,7 +23,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    `KVTransferError` (`"fail"`). The instance keeps decoding the others.
 3. execute: one `engine.decode_step` over every running sequence (one token
    each; the engine pads the batch to a bucketed size), or, with
-   `decode_steps_per_call = N > 1` and an engine that can (`MultiStepDecoder`),
+   `decode_steps_per_call = N > 1` and an engine that can (`multi_step_decode`),
    up to N steps in one call when no local prompt row rides along
    (`runtime/multi_step.py`: the reservation already covers them; rows stop
    on the device exactly where single steps would). Pulls in flight do not
@@ -70,7 +70,7 @@ from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import DecodeLoad, PendingDecode, admit_decodes
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
     HeldKV,
     PrefilledSequence,
     RowLogprobs,
@@ -105,7 +105,7 @@ class DecodeConfig:
     num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
     prefix_caching: bool = False  # keep finished requests' blocks cached; pull only what is missing
-    decode_steps_per_call: int = 1  # N > 1: up to N decode steps per engine call (a `MultiStepDecoder`)
+    decode_steps_per_call: int = 1  # N > 1: up to N decode steps per engine call (`multi_step_decode`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,7 +131,7 @@ class DecodeInstance(Worker):
     def __init__(
         self,
         name: str,
-        engine: DecodeEngine,
+        engine: Engine,
         config: DecodeConfig,
         emitter: Emitter,
         transfer: KVTransfer | None = None,

@@ -15,11 +15,10 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
-from jaxserve.runtime.engines.contract import DecodeEngine, PrefillEngine
+from jaxserve.runtime.engines.contract import Engine
 
 # Embedded factories build an `Engine` (both roles); the Ray backend places one proxy per role.
-RoleEngine = PrefillEngine | DecodeEngine
-EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], RoleEngine]
+EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +26,7 @@ class PlacedInstance:
     name: str
     spec: InstanceSpec
     devices: tuple[jax.Device, ...]
-    engine: RoleEngine  # a PrefillEngine for a prefill instance, a DecodeEngine otherwise
+    engine: Engine  # with the prefill role for a prefill instance, the decode role otherwise
 
 
 def instance_names(plan: DeploymentPlan) -> list[str]:

@@ -31,10 +31,9 @@ import jax.numpy as jnp
 
 from jaxserve.core.errors import EngineDeadError
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
     KVLayout,
     KVPages,
-    LocalDecodeEngine,
     PrefilledSequence,
     SequenceKV,
     StageKV,
@@ -79,7 +78,7 @@ class KVTransfer(Protocol):
     def start(self, seq: PrefilledSequence) -> TransferHandle: ...
 
 
-TransferFactory = Callable[[DecodeEngine], KVTransfer]  # one transfer per decode instance, bound to its engine
+TransferFactory = Callable[[Engine], KVTransfer]  # one transfer per decode instance, bound to its engine
 
 
 def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list[list[StageKV]]:
@@ -107,9 +106,7 @@ def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list
 class InProcessHandle:
     """A transfer inside one JAX process: the arrays were dispatched with `device_put` at start."""
 
-    def __init__(
-        self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float, target: LocalDecodeEngine
-    ) -> None:
+    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float, target: Engine) -> None:
         self.target = target
         self._request_id = request_id
         self._arrays = arrays
@@ -168,8 +165,8 @@ class InProcessHandle:
 class InProcessTransfer:
     """`jax.device_put` of the prefill KV onto the shardings of the decode engine it is bound to."""
 
-    def __init__(self, target: DecodeEngine) -> None:
-        if not isinstance(target, LocalDecodeEngine):
+    def __init__(self, target: Engine) -> None:
+        if not target.capabilities.dense_insert:
             raise TypeError(f"an in-process transfer writes into a local engine; {type(target).__name__} is not one")
         self.target = target
         self.layout = target.kv_layout()

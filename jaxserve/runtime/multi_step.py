@@ -1,9 +1,9 @@
 """One decode call of up to N steps: the engine call an instance makes, and the step records it leaves.
 
 A decode (or colocated) instance with `decode_steps_per_call = N > 1` hands a batch of pure decode
-rows to `MultiStepDecoder.decode_steps` (N steps in one dispatch, sampling and stop checks on the
+rows to `Engine.decode_steps` (N steps in one dispatch, sampling and stop checks on the
 device) and gets each row's 1..N tokens back at once; a batch with a prompt row, an engine without
-the capability, or N = 1 runs one `decode_step`. Semantics the instances keep (tests/test_runtime_multistep.py):
+the capability (`multi_step_decode`), or N = 1 runs one `decode_step`. Semantics the instances keep (tests/test_runtime_multistep.py):
 
 * every request's blocks for prompt + max_tokens are reserved at admission (`scheduling.admit_decodes`,
   `schedule_colocated`), so N steps never need a block the request does not hold — no policy change;
@@ -14,7 +14,7 @@ the capability, or N = 1 runs one `decode_step`. Semantics the instances keep (t
   request whose pull finished (or that was admitted) joins at the next call boundary;
 * each row's tokens are streamed as one chunk as soon as the call returns;
 * a row that asks for logprobs gets one `TokenLogprobs` per token from the same call (the loop carries
-  them on the device: `MultiStepLogprobDecoder`); a call where no row asks computes none.
+  them on the device: `decode_steps_logprobs`); a call where no row asks computes none.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
     KVPages,
-    MultiStepDecoder,
-    MultiStepLogprobDecoder,
     RowLogprobs,
     StepBatch,
     StepRow,
@@ -36,23 +34,22 @@ from jaxserve.runtime.worker import StepRecord
 
 
 def decode_call(
-    engine: DecodeEngine, rows: tuple[StepRow, ...], pages: KVPages, num_steps: int
+    engine: Engine, rows: tuple[StepRow, ...], pages: KVPages, num_steps: int
 ) -> tuple[list[list[int]], list[RowLogprobs], KVPages, bool]:
     """Run `rows` for up to `num_steps` steps: (each row's tokens, each row's logprobs (None where the row
     did not ask), the pool, whether it ran multi-step)."""
     logprobs = wants_logprobs(rows)
+    caps = engine.capabilities
     multi = (
         num_steps > 1
-        and isinstance(engine, MultiStepDecoder)
-        and (not logprobs or isinstance(engine, MultiStepLogprobDecoder))
+        and caps.multi_step_decode
+        and (not logprobs or caps.logprobs)
         and all(not r.is_prompt and len(r.token_ids) == 1 for r in rows)
     )
     if multi and logprobs:
-        assert isinstance(engine, MultiStepLogprobDecoder)
         lists, lps, pages = engine.decode_steps_logprobs(StepBatch(rows), pages, num_steps)
         return lists, lps, pages, True
     if multi:
-        assert isinstance(engine, MultiStepDecoder)
         lists, pages = engine.decode_steps(StepBatch(rows), pages, num_steps)
         return lists, [None] * len(rows), pages, True
     tokens, step_lps, pages = step_tokens(engine, StepBatch(rows), pages)

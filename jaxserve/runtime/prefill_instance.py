@@ -7,7 +7,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    the KV buffer (batches in flight hold slots too). A full buffer means an empty batch: the instance
    stops taking work until a decode instance pulls something (backpressure).
 2. dispatch: `start_prefill` hands the batch to the engine (padded to length buckets, so it compiles
-   once per bucket, not per prompt length). An `AsyncPrefillEngine` returns at once with a handle;
+   once per bucket, not per prompt length). An engine with `async_prefill` returns at once with a handle;
    a watcher thread per batch waits on it and wakes the loop twice: when the batch has left the first
    pipeline stage, and when its first tokens are back. The next batch is decided and dispatched as
    soon as the first stage is free, so a pp-stage instance pipelines batches (stage 0 runs batch k+1
@@ -29,7 +29,7 @@ each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.
 and apply names the prompt's full blocks (`commit`) and unpins them (`release`). So blocks are
 pinned only within one step, the buffer and the pull path are the same as without caching, and
 the pool is touched by this thread alone. The paged step runs in the call (one batch at a time), so
-each batch's blocks are committed before the next batch looks the cache up. Needs an engine with a paged step (`DecodeEngine`).
+each batch's blocks are committed before the next batch looks the cache up. Needs an engine with a paged pool (`decode` or `paged_prefill`).
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
@@ -58,11 +58,8 @@ from jaxserve.core.scheduling import (
 )
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
-    AsyncPrefillEngine,
-    DecodeEngine,
-    PagedPrefiller,
+    Engine,
     PrefilledSequence,
-    PrefillEngine,
     PrefillHandle,
     PrefillItem,
     PrefillResult,
@@ -110,7 +107,7 @@ class PrefillInstance(Worker):
     def __init__(
         self,
         name: str,
-        engine: PrefillEngine,
+        engine: Engine,
         config: PrefillConfig,
         emitter: Emitter,
         on_prefilled: Callable[[PrefillInstance, LiveRequest], None],
@@ -121,15 +118,15 @@ class PrefillInstance(Worker):
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
-        self._pipelined = isinstance(engine, AsyncPrefillEngine) and not config.prefix_caching
+        self._pipelined = engine.capabilities.async_prefill and not config.prefix_caching
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
         self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
-        self._paged: DecodeEngine | None = None
+        self._paged: Engine | None = None
         if config.prefix_caching:
-            if not isinstance(engine, DecodeEngine):
+            if not (engine.capabilities.decode or engine.capabilities.paged_prefill):
                 raise TypeError(
-                    f"prefix caching on a prefill instance needs an engine with a paged step; "
+                    f"prefix caching on a prefill instance needs an engine with a paged pool; "
                     f"{type(engine).__name__} has none"
                 )
             self._paged = engine
@@ -390,9 +387,7 @@ class PrefillInstance(Worker):
         batch[:] = kept
         return hits
 
-    def _prefill_paged(
-        self, engine: DecodeEngine, items: list[PrefillItem], hits: dict[str, CacheHit]
-    ) -> PrefillResult:
+    def _prefill_paged(self, engine: Engine, items: list[PrefillItem], hits: dict[str, CacheHit]) -> PrefillResult:
         """Compute each prompt's uncached suffix into the pool, then copy every prompt's KV out densely."""
         rows = []
         for item in items:
@@ -410,7 +405,7 @@ class PrefillInstance(Worker):
                     is_prompt=True,
                 )
             )
-        if isinstance(engine, PagedPrefiller):  # the pool lives with the engine (a Ray prefill actor)
+        if engine.capabilities.paged_prefill:  # the pool lives with the engine (a Ray prefill actor)
             result, self.pages = engine.prefill_rows(items, StepBatch(tuple(rows)), self.pages)
             return result
         tokens, logprobs, self.pages = step_tokens(engine, StepBatch(tuple(rows)), self.pages)

@@ -1,1 +1,2 @@
-"""Engines: the contract the runtime's loops drive, and its backends (the real OPT engine, the fake one)."""
+"""Engines: the contract the runtime's loops drive (`contract.Engine`), and its backends side by side: the real
+OPT engine (`opt`), the hand-computable fake (`fake`) and the timed one that sleeps a step-cost contract (`timed`)."""

@@ -1,49 +1,45 @@
-"""The engine contracts between the runtime loops and a model, one per role.
+"""The engine contract between the runtime loops and a model: one `Engine`, its abilities as attributes.
 
-An engine is bound to one instance's devices (a tp x pp grid: stage s on its
-own `Mesh(('tp',))`). The runtime talks to it only through these Protocols:
+An engine is bound to one instance's devices (a tp x pp grid: stage s on its own `Mesh(('tp',))`). The
+runtime talks to it only through `Engine`, whose `capabilities` (`EngineCapabilities`, a frozen dataclass)
+say which roles it plays and which optional calls it has; callers read them, and an unsupported call raises
+`UnsupportedEngineCall` (the contract's default body), never a silent fallback. In the manner of JetStream's
+`engine_api.py`, the life of a request through it:
 
-* `PrefillEngine` (a prefill instance): `prefill(items) -> PrefillResult`: run
-  the prompts, sample each first token, and return each sequence's KV source
-  (`PrefilledSequence.kv`: dense arrays on this engine's devices, one entry per
-  pipeline stage, or `HeldKV` when another process holds them).
-* `AsyncPrefillEngine` (optional, checked with `isinstance`): `prefill_async(items)` dispatches the batch
-  and returns a `PrefillHandle` at once: `wait_first_stage()` blocks until the batch has left the first
-  pipeline stage (the next batch may enter it), `result()` until its first tokens are on the host. A
-  prefill instance keeps several batches in its pipe this way (a pp-stage instance pipelines batches);
-  `start_prefill` runs an engine without it (the Ray proxy) synchronously, as a `ReadyPrefill`.
-* `DecodeEngine` (a decode or colocated instance): `init_pages` builds the paged
-  pool (`KVPages`); `decode_step(batch, pages) -> (tokens, KVPages)` appends each
-  row's new tokens (1 for a decode, a prompt chunk for colocated prefill) into
-  the pool and samples one token per row; `kv_layout()` says where it keeps KV.
-* `MultiStepDecoder` (optional, checked with `isinstance` like `BucketWarmable`):
-  `decode_steps(batch, pages, num_steps)` runs up to `num_steps` decode steps of one-token rows in
-  one call, each row stopping exactly where single steps would stop it (stop token, EOS unless
-  `ignore_eos`, `max_tokens`); a decode or colocated instance with `decode_steps_per_call > 1` uses
-  it, any other engine runs one step per call.
-* `LogprobEngine` (optional, checked with `isinstance`): `computes_logprobs()` says the engine reports
-  logprobs: its `prefill` fills `PrefilledSequence.first_logprobs` for items whose sampling asks, and
-  (a decode engine, `LogprobDecoder`) `decode_step_logprobs` / `decode_steps_logprobs` return them beside
-  the tokens. The controller refuses requests with logprobs unless every engine computes them.
-  `step_tokens` / `steps_tokens` are the calls instances make: logprobs only when some row asks.
-* `LocalDecodeEngine` adds `insert(kv, num_tokens, pages, block_table)`: write a
-  dense `SequenceKV` pulled into this process into the pool at the given blocks.
-  A decode instance never calls it itself: its `KVTransfer` (bound to the
-  engine) pulls and writes (`TransferHandle.insert`), so a remote engine whose
-  KV is staged in another process needs no dense `insert`.
+* the prefill role (a prefill instance): `prefill(items) -> PrefillResult` runs the prompts, samples each
+  first token and returns each sequence's KV source (`PrefilledSequence.kv`: dense arrays on this engine's
+  devices, one entry per pipeline stage, or `HeldKV` when another process holds them). With `async_prefill`,
+  `prefill_async(items)` returns a `PrefillHandle` at once: `wait_first_stage()` blocks until the batch has
+  left the first pipeline stage (the next batch may enter it), `result()` until its first tokens are on the
+  host, so a pp-stage instance pipelines batches (`start_prefill` picks). With `paged_prefill` (the Ray
+  prefill proxy), a prefix-caching prefill instance runs the uncached suffixes on the engine's own pool
+  (`prefill_rows`);
+* the decode role (a decode or colocated instance): `init_pages` builds the paged pool (`KVPages`),
+  `decode_step(batch, pages) -> (tokens, KVPages)` appends each row's new tokens (1 for a decode, a prompt
+  chunk for colocated prefill) and samples one token per row, `kv_layout()` says where it keeps KV. KV comes
+  in by transfer: the instance's `KVTransfer` pulls it and, for an engine in this process (`dense_insert`),
+  writes it with `insert(kv, num_tokens, pages, block_table)`; a remote engine's KV is staged in its process;
+* `multi_step_decode`: `decode_steps(batch, pages, num_steps)` runs up to `num_steps` decode steps of
+  one-token rows in one call, each row stopping exactly where single steps would stop it (stop token, EOS
+  unless `ignore_eos`, `max_tokens`); an instance with `decode_steps_per_call > 1` uses it;
+* `logprobs`: `prefill` fills `PrefilledSequence.first_logprobs` for items whose sampling asks, and
+  `decode_step_logprobs` / `decode_steps_logprobs` return them beside the tokens. The controller refuses
+  requests with logprobs unless every engine has them; `step_tokens` is the call instances make (logprobs
+  only when some row asks);
+* `bucket_warmup`: `warmup(...)` compiles every padded shape the serving limits allow before traffic;
+  `memory_sized_pool`: `kv_blocks_for_memory(...)` sizes the pool from the memory the weights leave.
 
-KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over
-`tp`. Two engines implement every contract (`Engine`):
-`jaxserve.runtime.engines.opt.OPTEngine` (the model) and
-`jaxserve.runtime.engines.fake.FakeEngine` (hand-computable arithmetic); the Ray
-backend's proxies implement `PrefillEngine` and `DecodeEngine` respectively.
+KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over `tp`. The backends sit beside
+this file: `opt.OPTEngine` (the model), `fake.FakeEngine` (hand-computable arithmetic) and
+`timed.TimedEngine` (computes nothing, sleeps the step-cost contract's time); the Ray backend's proxies
+(`ray_backend/remote_engine.py`) play one role each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import jax
 from flax import struct
@@ -185,18 +181,46 @@ class StepBatch:
     rows: tuple[StepRow, ...]
 
 
-@runtime_checkable
-class PrefillEngine(Protocol):
-    """What a prefill instance needs from a model on its devices."""
+@dataclasses.dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine does: its roles and its optional calls. Callers read these; a call an engine does not
+    support raises `UnsupportedEngineCall`.
 
-    @property
-    def model_config(self) -> OPTConfig: ...
+    * `prefill`: the prefill role, `prefill(items)`;
+    * `decode`: the decode role, a paged pool of its own: `kv_layout`, `init_pages`, `decode_step`;
+    * `async_prefill`: `prefill_async(items)` dispatches a batch without waiting (a pipelined prefill instance);
+      without it `start_prefill` runs `prefill` at once (`ReadyPrefill`);
+    * `paged_prefill`: `prefill_rows(items, batch, pages)` on a pool that lives with the engine (the Ray prefill
+      proxy; it builds that pool with `init_pages` but runs no `decode_step`);
+    * `dense_insert`: `insert(kv, ...)` writes dense KV pulled into this process into the pool (an engine in
+      this process; a remote one's KV is staged in its actor's process instead);
+    * `multi_step_decode`: `decode_steps(batch, pages, num_steps)`;
+    * `logprobs`: `prefill` fills `PrefilledSequence.first_logprobs` for items that ask and, with the decode
+      role, `decode_step_logprobs` (with `multi_step_decode`, also `decode_steps_logprobs`) returns them;
+    * `bucket_warmup`: `warmup(...)` compiles every padded shape the serving limits allow before traffic;
+    * `memory_sized_pool`: `kv_blocks_for_memory(...)` says how many KV blocks the memory its weights leave holds.
+    """
 
-    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult: ...
+    prefill: bool = False
+    decode: bool = False
+    async_prefill: bool = False
+    paged_prefill: bool = False
+    dense_insert: bool = False
+    multi_step_decode: bool = False
+    logprobs: bool = False
+    bucket_warmup: bool = False
+    memory_sized_pool: bool = False
+
+
+class UnsupportedEngineCall(NotImplementedError):
+    """A call to an engine whose capabilities do not include it."""
+
+    def __init__(self, engine: object, call: str, capability: str) -> None:
+        super().__init__(f"{type(engine).__name__} has no `{call}` (capability `{capability}` is off)")
 
 
 class PrefillHandle(Protocol):
-    """A dispatched prefill batch (`AsyncPrefillEngine.prefill_async`); both calls may block, from any thread."""
+    """A dispatched prefill batch (`Engine.prefill_async`); both calls may block, from any thread."""
 
     def wait_first_stage(self) -> None:
         """Return once the batch has left the first pipeline stage: the next batch may enter it."""
@@ -207,16 +231,123 @@ class PrefillHandle(Protocol):
         ...
 
 
-@runtime_checkable
-class AsyncPrefillEngine(Protocol):
-    """A prefill engine that dispatches a batch without waiting for it (`OPTEngine`, `TimedEngine`)."""
+class WarmedPages(Protocol):
+    """What a warm-up hands back: the pool it was given, after steps that wrote nothing."""
 
-    def prefill_async(self, items: Sequence[PrefillItem]) -> PrefillHandle: ...
+    @property
+    def pages(self) -> KVPages | None: ...
+
+
+RowLogprobs = tuple[TokenLogprobs, ...] | None  # one per token a row produced; None: the row did not ask
+
+
+class Engine(Protocol):
+    """The engine contract: one model on one instance's devices, in the roles its `capabilities` name.
+
+    Implementations subclass it: the calls without a body are required of every engine, the others raise
+    `UnsupportedEngineCall` unless the engine has their capability (and overrides them).
+    """
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    def model_config(self) -> OPTConfig: ...
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices it runs on in this process (none for a proxy of an engine in another process)."""
+        ...
+
+    # ---- the prefill role (`prefill`) ---------------------------------------------------------------------
+
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
+        """Run the prompts, sample each first token, and return each sequence's KV source."""
+        raise UnsupportedEngineCall(self, "prefill", "prefill")
+
+    def prefill_async(self, items: Sequence[PrefillItem]) -> PrefillHandle:
+        """`async_prefill`: dispatch the batch and return at once (`PrefillHandle`)."""
+        raise UnsupportedEngineCall(self, "prefill_async", "async_prefill")
+
+    def prefill_rows(
+        self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
+    ) -> tuple[PrefillResult, KVPages]:
+        """`paged_prefill`: a prefix-caching prefill instance hands the uncached suffixes as prompt rows
+        (`StepRow(is_prompt=True)`, block tables from its `PrefixCache`) and `items`, the whole prompts in the
+        same order (what a restarted engine, whose pool is gone, computes again in full); the engine runs the
+        rows on its pool and returns each prompt's whole KV (positions 0 .. start + len) as the
+        `PrefilledSequence` a decode instance pulls."""
+        raise UnsupportedEngineCall(self, "prefill_rows", "paged_prefill")
+
+    # ---- the decode role (`decode`): a paged pool and steps over it ---------------------------------------
+
+    def kv_layout(self) -> KVLayout:
+        """Where it keeps KV: layers per pipeline stage and each stage's dense-KV sharding."""
+        raise UnsupportedEngineCall(self, "kv_layout", "decode")
+
+    def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
+        """The paged pool (`decode`, or the pool `prefill_rows` runs on)."""
+        raise UnsupportedEngineCall(self, "init_pages", "decode")
+
+    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
+        """Append each row's new tokens (1 for a decode, a prompt chunk for colocated prefill) into the pool
+        and sample one token per row."""
+        raise UnsupportedEngineCall(self, "decode_step", "decode")
+
+    def decode_step_logprobs(
+        self, batch: StepBatch, pages: KVPages
+    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
+        """`logprobs`: `decode_step` plus, per row, a `TokenLogprobs` (None for a row whose `sampling.logprobs`
+        is None)."""
+        raise UnsupportedEngineCall(self, "decode_step_logprobs", "logprobs")
+
+    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
+        """`multi_step_decode`: up to `num_steps` decode steps of one-token rows in one call -> each row's
+        tokens (1..num_steps of them) and the pool. Row r's list ends at its first stop token (its
+        `stop_token_ids`, or EOS unless `ignore_eos`) or after `sampling.max_tokens - sample_index` tokens, so
+        the tokens equal `num_steps` calls of `decode_step` with the same seeds and sample indices."""
+        raise UnsupportedEngineCall(self, "decode_steps", "multi_step_decode")
+
+    def decode_steps_logprobs(
+        self, batch: StepBatch, pages: KVPages, num_steps: int
+    ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
+        """`multi_step_decode` and `logprobs`: `decode_steps` with each asking row's logprobs, one per token."""
+        raise UnsupportedEngineCall(self, "decode_steps_logprobs", "multi_step_decode + logprobs")
+
+    def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
+        """`dense_insert`: write a dense `SequenceKV` pulled into this process into the pool at these blocks.
+        A decode instance never calls it itself: its `KVTransfer` (bound to the engine) pulls and writes."""
+        raise UnsupportedEngineCall(self, "insert", "dense_insert")
+
+    def kv_blocks_for_memory(self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None) -> int:
+        """`memory_sized_pool`: how many KV blocks `memory_fraction` of its devices' memory leaves holds."""
+        raise UnsupportedEngineCall(self, "kv_blocks_for_memory", "memory_sized_pool")
+
+    # ---- either role ---------------------------------------------------------------------------------------
+
+    def warmup(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_decode_batch: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        chunk_size: int | None = None,
+        prefill: bool = True,
+        decode: bool = True,
+        pages: KVPages | None = None,
+        max_prefill_rows: int | None = None,
+        decode_steps: int = 1,
+        logprobs: bool = False,
+    ) -> WarmedPages:
+        """`bucket_warmup`: compile every padded shape the serving limits allow before traffic."""
+        raise UnsupportedEngineCall(self, "warmup", "bucket_warmup")
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadyPrefill:
-    """A prefill that is already done (an engine without `prefill_async`): neither wait blocks."""
+    """A prefill that is already done (an engine without `async_prefill`): neither wait blocks."""
 
     value: PrefillResult
 
@@ -227,85 +358,11 @@ class ReadyPrefill:
         return self.value
 
 
-def start_prefill(engine: PrefillEngine, items: Sequence[PrefillItem]) -> PrefillHandle:
-    """Dispatch `items` on `engine`: asynchronously where it can (`AsyncPrefillEngine`), else run it now."""
-    if isinstance(engine, AsyncPrefillEngine):
+def start_prefill(engine: Engine, items: Sequence[PrefillItem]) -> PrefillHandle:
+    """Dispatch `items` on `engine`: asynchronously where it can (`async_prefill`), else run it now."""
+    if engine.capabilities.async_prefill:
         return engine.prefill_async(items)
     return ReadyPrefill(engine.prefill(items))
-
-
-@runtime_checkable
-class DecodeEngine(Protocol):
-    """What a decode or colocated instance needs from a model on its devices (KV comes in by transfer)."""
-
-    @property
-    def model_config(self) -> OPTConfig: ...
-
-    def kv_layout(self) -> KVLayout: ...
-
-    def init_pages(self, num_blocks: int, block_size: int) -> KVPages: ...
-
-    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]: ...
-
-
-@runtime_checkable
-class PagedPrefiller(Protocol):
-    """A prefill engine whose paged pool lives with it in another process (the Ray prefill proxy).
-
-    A prefix-caching prefill instance hands it the uncached suffixes as prompt rows (`StepRow(is_prompt=True)`,
-    block tables from the instance's `PrefixCache`) and `items`, the whole prompts in the same order (what a
-    restarted engine, whose pool is gone, computes again in full); it runs the rows on its pool and returns
-    each prompt's whole KV (positions 0 .. start + len) as the `PrefilledSequence` a decode instance pulls.
-    """
-
-    def prefill_rows(
-        self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
-    ) -> tuple[PrefillResult, KVPages]: ...
-
-
-@runtime_checkable
-class MultiStepDecoder(Protocol):
-    """An engine that runs several decode steps per call (`OPTEngine`, `TimedEngine`).
-
-    `decode_steps(batch, pages, num_steps)` -> each row's tokens (1..num_steps of them) and the pool.
-    Rows are one-token decode rows; row r's list ends at its first stop token (its `stop_token_ids`,
-    or EOS unless `ignore_eos`) or after `sampling.max_tokens - sample_index` tokens, so the tokens
-    equal `num_steps` calls of `decode_step` with the same seeds and sample indices.
-    """
-
-    def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]: ...
-
-
-RowLogprobs = tuple[TokenLogprobs, ...] | None  # one per token a row produced; None: the row did not ask
-
-
-@runtime_checkable
-class LogprobEngine(Protocol):
-    """An engine that may report logprobs; `computes_logprobs()` says whether it does (a Ray proxy asks its actor)."""
-
-    def computes_logprobs(self) -> bool: ...
-
-
-@runtime_checkable
-class LogprobDecoder(Protocol):
-    """A decode engine that returns each asking row's logprobs with its token (`OPTEngine`, the Ray proxy).
-
-    `decode_step_logprobs` is `decode_step` plus, per row, a `TokenLogprobs` (None for a row whose
-    `sampling.logprobs` is None).
-    """
-
-    def decode_step_logprobs(
-        self, batch: StepBatch, pages: KVPages
-    ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]: ...
-
-
-@runtime_checkable
-class MultiStepLogprobDecoder(Protocol):
-    """`MultiStepDecoder.decode_steps` with each asking row's logprobs, one per token (`OPTEngine`)."""
-
-    def decode_steps_logprobs(
-        self, batch: StepBatch, pages: KVPages, num_steps: int
-    ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]: ...
 
 
 def wants_logprobs(rows: Sequence[StepRow]) -> bool:
@@ -313,72 +370,16 @@ def wants_logprobs(rows: Sequence[StepRow]) -> bool:
 
 
 def step_tokens(
-    engine: DecodeEngine, batch: StepBatch, pages: KVPages
+    engine: Engine, batch: StepBatch, pages: KVPages
 ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
     """One `decode_step`; with a row that asks for logprobs (and an engine that reports them) its logprobs too.
 
     A batch where no row asks runs the plain step: no logprob computation, no extra transfer.
     """
-    if wants_logprobs(batch.rows) and isinstance(engine, LogprobDecoder):
+    if wants_logprobs(batch.rows) and engine.capabilities.logprobs:
         return engine.decode_step_logprobs(batch, pages)
     tokens, pages = engine.decode_step(batch, pages)
     return tokens, [None] * len(tokens), pages
-
-
-@runtime_checkable
-class MemorySizedPool(Protocol):
-    """An engine that can say how many KV blocks the memory its weights leave holds (`OPTEngine`)."""
-
-    @property
-    def model_config(self) -> OPTConfig: ...
-
-    def kv_blocks_for_memory(
-        self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None
-    ) -> int: ...
-
-
-@runtime_checkable
-class LocalDecodeEngine(DecodeEngine, Protocol):
-    """A decode engine in this process: dense KV pulled here is written into its pool with `insert`."""
-
-    def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages: ...
-
-
-@runtime_checkable
-class BucketWarmable(Protocol):
-    """An engine that can compile every padded shape the serving limits allow before traffic (`OPTEngine`)."""
-
-    def warmup(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_decode_batch_size: int = 32,
-        max_batch_tokens: int = 512,
-        max_seq_len: int | None = None,
-        chunk_size: int | None = None,
-        prefill: bool = True,
-        decode: bool = True,
-        pages: KVPages | None = None,
-        max_prefill_rows: int | None = None,
-        decode_steps: int = 1,
-        logprobs: bool = False,
-    ) -> WarmedPages: ...
-
-
-class WarmedPages(Protocol):
-    """What a warm-up hands back: the pool it was given, after steps that wrote nothing."""
-
-    @property
-    def pages(self) -> KVPages | None: ...
-
-
-@runtime_checkable
-class Engine(PrefillEngine, LocalDecodeEngine, Protocol):
-    """Both roles in one process (`OPTEngine`, `FakeEngine`): what the embedded factories build."""
-
-    @property
-    def devices(self) -> tuple[jax.Device, ...]: ...
 
 
 def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
@@ -387,9 +388,9 @@ def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
 
 
 def decode_steps_one_by_one(
-    engine: DecodeEngine, batch: StepBatch, pages: KVPages, num_steps: int
+    engine: Engine, batch: StepBatch, pages: KVPages, num_steps: int
 ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
-    """`MultiStepDecoder.decode_steps` as `num_steps` calls of `step_tokens` (stops checked on the host).
+    """`Engine.decode_steps` as `num_steps` calls of `step_tokens` (stops checked on the host).
 
     For engines whose multi-step program does not apply (pipeline parallelism): the same tokens (and,
     for rows that ask, logprobs), one dispatch per step.

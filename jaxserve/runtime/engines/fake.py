@@ -26,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.runtime.engines.contract import (
+    Engine,
+    EngineCapabilities,
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -72,8 +74,10 @@ def _context_sums(pages: StagePages, tables: jax.Array, lengths: jax.Array, bloc
     return jnp.sum(jnp.where(valid[None, :, :, None], k, 0.0), axis=(0, 2, 3))  # [B]
 
 
-class FakeEngine:
-    """The `Engine` contract in integer arithmetic, on a tp x pp grid of `devices`."""
+class FakeEngine(Engine):
+    """The `Engine` contract in integer arithmetic, on a tp x pp grid of `devices`: both roles, no extras."""
+
+    capabilities = EngineCapabilities(prefill=True, decode=True, dense_insert=True)
 
     def __init__(self, config: OPTConfig, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1) -> None:
         if len(devices) != tp * pp:

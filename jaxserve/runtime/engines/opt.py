@@ -35,6 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from jaxserve.runtime.engines.contract import (
+    Engine,
+    EngineCapabilities,
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -118,8 +120,19 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
     return path
 
 
-class OPTEngine:
+class OPTEngine(Engine):
     """Prefill, insert and paged decode steps of an OPT model placed on one instance's devices."""
+
+    capabilities = EngineCapabilities(
+        prefill=True,
+        decode=True,
+        async_prefill=True,
+        dense_insert=True,
+        multi_step_decode=True,
+        logprobs=True,
+        bucket_warmup=True,
+        memory_sized_pool=True,
+    )
 
     def __init__(self, model: ShardedOPT) -> None:
         self.model = model
@@ -185,7 +198,7 @@ class OPTEngine:
         *,
         num_blocks: int,
         block_size: int,
-        max_decode_batch_size: int = 32,
+        max_decode_batch: int = 32,
         max_batch_tokens: int = 512,
         max_seq_len: int | None = None,
         chunk_size: int | None = None,
@@ -203,7 +216,7 @@ class OPTEngine:
         cap — with rows up to `max_prefill_rows` (a prefill instance's buffer slots), plus a single
         prompt of every length bucket up to `max_seq_len` (a longer prompt than the cap runs alone).
         Decode side: also the insert of a pulled KV of every length bucket.
-        Decode: row buckets up to `max_decode_batch_size` x table widths up to the blocks
+        Decode: row buckets up to `max_decode_batch` x table widths up to the blocks
         `max_seq_len` positions fill. Colocated prefill (`chunk_size`: the step's prompt-token budget,
         the chunk or the token cap): every (rows, tokens) bucket of prompt rows that budget allows, at
         every table width. `decode_steps > 1` (an instance's `decode_steps_per_call`): also the
@@ -257,11 +270,11 @@ class OPTEngine:
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
             shapes: list[tuple[int, int, int]] = []
             if decode:
-                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch_size) for m in widths]
+                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch) for m in widths]
             if chunk_size:  # prompt rows: a step's prompt-token budget may be split over several prompts
                 for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size):
                     t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
-                    for b in _powers_of_two(1, max(1, min(max_decode_batch_size, chunk_size))):
+                    for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
                         if b == 1 or b // 2 + t_min <= chunk_size:
                             shapes += [(b, t, m) for m in widths]
             for b, t, m in shapes:
@@ -273,7 +286,7 @@ class OPTEngine:
                 jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
                 step_shapes.append((b, t, m))
             if decode and decode_steps > 1 and self.model.pp == 1:
-                for b in _powers_of_two(2, max_decode_batch_size):
+                for b in _powers_of_two(2, max_decode_batch):
                     for m in widths:
                         for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
                             caches[0] = self._run_loop(
@@ -316,7 +329,7 @@ class OPTEngine:
         return self.prefill_async(items).result()
 
     def prefill_async(self, items: Sequence[PrefillItem]) -> OPTPrefill:
-        """`AsyncPrefillEngine`: dispatch the batch (its `pp` micro-batches, stage after stage) and return at
+        """`async_prefill`: dispatch the batch (its `pp` micro-batches, stage after stage) and return at
         once; nothing is read back until `result()`, so the next batch can enter stage 0 meanwhile."""
         num_micro = min(self.model.pp, len(items))
         groups = [list(g) for g in np.array_split(np.arange(len(items)), num_micro)] if num_micro > 1 else []
@@ -324,10 +337,6 @@ class OPTEngine:
             groups = [list(range(len(items)))]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
         return OPTPrefill(tuple(items), groups, dispatched)
-
-    def computes_logprobs(self) -> bool:
-        """`LogprobEngine`: prefill and every step report the logprobs rows ask for."""
-        return True
 
     def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         b = bucket(len(items))
@@ -362,7 +371,7 @@ class OPTEngine:
     def decode_step_logprobs(
         self, batch: StepBatch, pages: KVPages
     ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
-        """`decode_step`, and the logprobs of each row that asks (`LogprobDecoder`); a sub-batch where no
+        """`decode_step`, and the logprobs of each row that asks (`logprobs`); a sub-batch where no
         row asks computes none."""
         return self._step(batch, pages, with_logprobs=True)
 
@@ -412,7 +421,7 @@ class OPTEngine:
     def decode_steps_logprobs(
         self, batch: StepBatch, pages: KVPages, num_steps: int
     ) -> tuple[list[list[int]], list[RowLogprobs], KVPages]:
-        """`decode_steps`, and one `TokenLogprobs` per token of each row that asks (`MultiStepLogprobDecoder`):
+        """`decode_steps`, and one `TokenLogprobs` per token of each row that asks (`multi_step_decode` + `logprobs`):
         the loop program's logprob variant computes them on the device, step by step, with the tokens."""
         return self._steps(batch, pages, num_steps, with_logprobs=True)
 

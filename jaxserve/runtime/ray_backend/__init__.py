@@ -10,9 +10,9 @@ Files:
   proxies), `RayConfig`, `init_ray` (join a cluster, or start one on 127.0.0.1).
 * `actors.py` — `PrefillActor` / `DecodeActor`: own JAX runtime, mesh and
   engine per process; the model-signature check between peers.
-* `remote_engine.py` — the role-engine proxies the unchanged runtime loops drive
-  (`RemotePrefillEngine` is a `PrefillEngine`, `RemoteDecodeEngine` a
-  `DecodeEngine`), lease renewal, restart recovery, `RayKVTransfer` (pulls that
+* `remote_engine.py` — the engine proxies the unchanged runtime loops drive
+  (`RemotePrefillEngine` plays the prefill role, `RemoteDecodeEngine` the
+  decode role), lease renewal, restart recovery, `RayKVTransfer` (pulls that
   run in the decode actor while the decode loop keeps stepping).
 * `transfer.py` — the leased KV buffer, object-store and
   `jax.experimental.transfer` pulls, the pull watchdog.

@@ -21,7 +21,7 @@ pool (`init_pages`) and each prompt's whole KV is read back from its blocks into
 a pull then asks for positions `start ..` only (`PullOrder.start`), sliced here before it leaves.
 
 Both compile every padded shape before traffic when the controller asks (`warmup`, the same
-`BucketWarmable.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
+`Engine.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
 their XLA compilations (`num_compiles`), so a test can see that traffic after the warm-up compiles
 nothing. A restarted incarnation is cold: a call that expects a warmed actor (`prefill(items,
 warm=True)`) raises `ActorRestartedError` there, so the controller warms it again first.
@@ -51,10 +51,8 @@ import jax
 
 from jaxserve.core.request import SamplingParams, TokenLogprobs
 from jaxserve.runtime.engines.contract import (
-    BucketWarmable,
     Engine,
     KVPages,
-    LogprobEngine,
     PrefillItem,
     SequenceKV,
     StepBatch,
@@ -152,7 +150,7 @@ class ActorInfo:
     signature: ModelSignature
     model_config: OPTConfig
     stage_layers: tuple[int, ...]
-    computes_logprobs: bool = False  # the actor's engine is a `LogprobEngine` that computes them
+    computes_logprobs: bool = False  # the actor's engine has the `logprobs` capability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +232,7 @@ def build_engine(spec: EngineSpec) -> Engine:
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile
-WarmupOptions = Mapping[str, int | bool | None]  # keyword arguments of `BucketWarmable.warmup` (no `pages`)
+WarmupOptions = Mapping[str, int | bool | None]  # keyword arguments of `Engine.warmup` (no `pages`)
 
 
 class _CompileCounter:
@@ -277,7 +275,7 @@ class _ActorBase:
         return ActorInfo(
             self.name, os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address(), len(jax.devices()),
             self._signature, self.engine.model_config, self._stage_layers,
-            isinstance(self.engine, LogprobEngine) and self.engine.computes_logprobs(),
+            self.engine.capabilities.logprobs,
         )  # fmt: skip
 
     def ping(self) -> int:
@@ -288,9 +286,9 @@ class _ActorBase:
         return self._compiles.count
 
     def warmup(self, options: WarmupOptions) -> float:
-        """Compile every padded shape `options` allow (`BucketWarmable.warmup`); seconds. An engine that
+        """Compile every padded shape `options` allow (`Engine.warmup`); seconds. An engine that
         cannot (the fake one) does nothing. `options["on_pool"]`: warm on this actor's paged pool."""
-        if not isinstance(self.engine, BucketWarmable):
+        if not self.engine.capabilities.bucket_warmup:
             self.warmed = True
             return 0.0
         started = time.monotonic()
@@ -311,7 +309,7 @@ class _ActorBase:
         if warm and not self.warmed:  # the controller warmed an earlier incarnation: Ray restarted this one
             raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) is cold: restarted, not warmed again")
 
-    def _warm(self, engine: BucketWarmable, options: WarmupOptions) -> None:
+    def _warm(self, engine: Engine, options: WarmupOptions) -> None:
         engine.warmup(**options)  # type: ignore[arg-type]
 
     def signature(self) -> ModelSignature:
@@ -516,7 +514,7 @@ class DecodeActor(_ActorBase):
         self.pages = self.engine.insert(kv, num_tokens, self._require_pages(), block_table)
         return True
 
-    def _warm(self, engine: BucketWarmable, options: WarmupOptions) -> None:
+    def _warm(self, engine: Engine, options: WarmupOptions) -> None:
         warmed = engine.warmup(**options, pages=self._require_pages())  # type: ignore[arg-type]
         if warmed.pages is not None:
             self.pages = warmed.pages

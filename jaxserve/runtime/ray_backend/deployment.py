@@ -40,7 +40,7 @@ from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import Controller, ControllerConfig, Instance, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
-from jaxserve.runtime.engines.contract import DecodeEngine
+from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.instances import PlacedInstance, instance_names
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
@@ -144,7 +144,7 @@ class RayController(Controller):
         # Every decode instance's transfer looks prefill actors up here: a live switch adds to it.
         self._holders: dict[str, ActorHandle] = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
 
-        def transfer(engine: DecodeEngine) -> RayKVTransfer:
+        def transfer(engine: Engine) -> RayKVTransfer:
             return RayKVTransfer(engine, self._holders)
 
         super().__init__(

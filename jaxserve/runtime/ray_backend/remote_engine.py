@@ -1,9 +1,9 @@
-"""Controller-side proxies: the role engine contracts over Ray actors, so the runtime's loops run unchanged.
+"""Controller-side proxies: the engine contract over Ray actors, one role each, so the runtime's loops run unchanged.
 
 The prefill, decode and controller loops of `jaxserve/runtime/` (and the policies
 of `scheduling.py`) drive these proxies exactly as they drive a local engine:
 
-* `RemotePrefillEngine` (a `PrefillEngine`): `prefill` runs the batch on the
+* `RemotePrefillEngine` (the prefill role): `prefill` runs the batch on the
   prefill actor and returns `PrefilledSequence`s whose `kv` is a `HeldKV`: the
   first token and sizes, with the KV left in the actor under a lease. A lease
   keeper thread renews the lease of every KV the controller's `PrefillInstance`
@@ -11,7 +11,7 @@ of `scheduling.py`) drive these proxies exactly as they drive a local engine:
   cancels the others. The hand-over is atomic: the instance moves a request from
   its running batch to its buffer under one lock, so the keeper never sees a KV
   in between and never cancels one that is about to be buffered.
-* `RemoteDecodeEngine` (a `DecodeEngine`) keeps the paged pool inside the decode
+* `RemoteDecodeEngine` (the decode role) keeps the paged pool inside the decode
   actor. `RayKVTransfer` (bound to it) starts each pull as an actor call that
   returns at once (the handle's `poll()` asks Ray whether it finished, so pulls
   overlap decode steps); the decode actor fetches the KV straight from the
@@ -50,7 +50,8 @@ import jax
 from jaxserve.core.errors import EngineDeadError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
+    EngineCapabilities,
     HeldKV,
     KVLayout,
     KVPages,
@@ -109,7 +110,7 @@ class _Warmed:
     pages: KVPages | None
 
 
-class _RemoteBase:
+class _RemoteBase(Engine):
     def __init__(
         self, name: str, actor: ActorHandle, info: ActorInfo, model_config: OPTConfig, restart_timeout_s: float,
         counters: FaultCounters,
@@ -133,16 +134,12 @@ class _RemoteBase:
     def devices(self) -> tuple[jax.Device, ...]:
         return ()  # they live in the actor's process
 
-    def computes_logprobs(self) -> bool:
-        """`LogprobEngine`: whether the actor's engine computes logprobs (it said so at start)."""
-        return self.info.computes_logprobs
-
     def warmup(
         self,
         *,
         num_blocks: int,
         block_size: int,
-        max_decode_batch_size: int = 32,
+        max_decode_batch: int = 32,
         max_batch_tokens: int = 512,
         max_seq_len: int | None = None,
         chunk_size: int | None = None,
@@ -153,14 +150,15 @@ class _RemoteBase:
         decode_steps: int = 1,
         logprobs: bool = False,
     ) -> _Warmed:
-        """`BucketWarmable.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's).
-        A remote decode engine runs one step per call (it is no `MultiStepDecoder`), so `decode_steps` is
+        """`Engine.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's; an actor
+        whose engine cannot warm does nothing). A remote decode engine runs one step per call (no
+        `multi_step_decode`), so `decode_steps` is
         not passed on: the loop programs would never run."""
         import ray
 
         del decode_steps
         options = {
-            "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch_size": max_decode_batch_size,
+            "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch": max_decode_batch,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
             "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows, "on_pool": pages is not None,
             "logprobs": logprobs,
@@ -227,7 +225,15 @@ class _RemoteBase:
 
 
 class RemotePrefillEngine(_RemoteBase):
-    """`PrefillEngine.prefill` on a `PrefillActor`; each KV stays in the actor under a lease (`HeldKV`)."""
+    """`Engine.prefill` on a `PrefillActor`; each KV stays in the actor under a lease (`HeldKV`)."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The prefill role, with the actor's pool for prefix caching (`paged_prefill`); logprobs where the
+        actor's engine computes them (it said so at start)."""
+        return EngineCapabilities(
+            prefill=True, paged_prefill=True, logprobs=self.info.computes_logprobs, bucket_warmup=True
+        )
 
     def __init__(self, *args: object, lease_s: float, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -251,13 +257,9 @@ class RemotePrefillEngine(_RemoteBase):
         metas = self._call(run, rerouted)
         return self._held(items, metas)
 
-    # ---- prefix caching: the paged pool lives in the actor (`PagedPrefiller`) --------------------
+    # ---- prefix caching: the paged pool lives in the actor (`paged_prefill`) ----------------------
     def kv_layout(self) -> KVLayout:
         return KVLayout(stage_layers=self.info.stage_layers, shardings=())  # the shardings live in the actor
-
-    def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
-        """`DecodeEngine`: a prefix-caching prefill instance needs one; it only ever calls `prefill_rows`."""
-        raise NotImplementedError(f"{self.name} is a prefill actor: its paged pool runs `prefill_rows` only")
 
     def prefill_rows(
         self, items: Sequence[PrefillItem], batch: StepBatch, pages: KVPages
@@ -358,7 +360,13 @@ class _Tracked:
 
 
 class RemoteDecodeEngine(_RemoteBase):
-    """`DecodeEngine` on a `DecodeActor`: the pool lives in the actor; KV arrives by `RayKVTransfer`."""
+    """The decode role on a `DecodeActor`: the pool lives in the actor; KV arrives by `RayKVTransfer`."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The decode role, one step per call; logprobs where the actor's engine computes them. No
+        `dense_insert`: pulled KV is staged in the actor and written there (`insert_staged`)."""
+        return EngineCapabilities(decode=True, logprobs=self.info.computes_logprobs, bucket_warmup=True)
 
     def __init__(self, *args: object, stage_layers: tuple[int, ...], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -461,7 +469,7 @@ class RemoteDecodeEngine(_RemoteBase):
     def decode_step_logprobs(
         self, batch: StepBatch, pages: KVPages
     ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
-        """`LogprobDecoder`: the step on the actor, with the logprobs of the rows that ask."""
+        """`logprobs`: the step on the actor, with the logprobs of the rows that ask."""
         import ray
 
         def run() -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -560,7 +568,7 @@ class RemoteHandle:
 class RayKVTransfer:
     """`KVTransfer` into one decode actor: it pulls each `HeldKV` straight from the prefill actor holding it."""
 
-    def __init__(self, target: DecodeEngine, holders: Mapping[str, ActorHandle]) -> None:
+    def __init__(self, target: Engine, holders: Mapping[str, ActorHandle]) -> None:
         if not isinstance(target, RemoteDecodeEngine):
             raise TypeError(f"RayKVTransfer pulls into a decode actor; {type(target).__name__} is not one")
         self.target = target

@@ -47,10 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.runtime.engines.contract import (
-    DecodeEngine,
+    Engine,
     KVLayout,
     KVPages,
-    LocalDecodeEngine,
     PrefilledSequence,
     SequenceKV,
     StageKV,
@@ -268,7 +267,7 @@ def fetch(ref: object, timeout_s: float | None = None) -> object:
 
 
 class ObjectStoreHandle:
-    target: LocalDecodeEngine
+    target: Engine
 
     def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, seconds: float) -> None:
         self._request_id, self._arrays, self._num_bytes, self._seconds = request_id, arrays, num_bytes, seconds
@@ -302,8 +301,8 @@ class ObjectStoreHandle:
 class ObjectStoreTransfer:
     """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target's layout (needs `ray.init`)."""
 
-    def __init__(self, target: DecodeEngine) -> None:
-        if not isinstance(target, LocalDecodeEngine):
+    def __init__(self, target: Engine) -> None:
+        if not target.capabilities.dense_insert:
             raise TypeError(f"an object-store transfer writes into a local engine; {type(target).__name__} is not one")
         self.target = target
         self.layout = target.kv_layout()
