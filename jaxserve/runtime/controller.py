@@ -50,14 +50,12 @@ drain for `drain_timeout_s`, aborts the rest and stops threads.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
@@ -84,6 +82,7 @@ from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engi
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.sampling import default_seed
+from jaxserve.runtime.streams import RequestStream
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import OPTConfig
 
@@ -140,92 +139,6 @@ class ControllerConfig:
     @property
     def prefill_pool_blocks(self) -> int:
         return self.num_kv_blocks if self.prefill_num_kv_blocks is None else self.prefill_num_kv_blocks
-
-
-_END = object()
-
-
-class RequestStream:
-    """The token stream of one request: iterate (blocking) for `TokenChunk`s; `cancel()` to abort."""
-
-    def __init__(self, request_id: str, controller: Controller) -> None:
-        self.request_id = request_id
-        self._controller = controller
-        self._cond = threading.Condition()
-        self._items: collections.deque[TokenChunk | BaseException] = collections.deque()
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenChunk | BaseException]] | None = None
-        self.finished = False
-
-    def _push(self, item: TokenChunk | BaseException) -> None:
-        with self._cond:
-            if self.finished:
-                return
-            if isinstance(item, BaseException) or item.finish_reason is not None:
-                self.finished = True
-            if self._async is not None:
-                loop, queue = self._async
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            else:
-                self._items.append(item)
-                self._cond.notify_all()
-
-    def _attach_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenChunk | BaseException]:
-        queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-        with self._cond:
-            while self._items:
-                queue.put_nowait(self._items.popleft())
-            self._async = (loop, queue)
-        return queue
-
-    async def async_chunks(self) -> AsyncGenerator[TokenChunk, None]:
-        """The chunks on the running event loop; leaving the loop early (or cancelling the task) cancels."""
-        queue = self._attach_async(asyncio.get_running_loop())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not self.finished:
-                self.cancel()
-
-    def next_chunk(self, timeout_s: float | None = None) -> TokenChunk | None:
-        """The next chunk; None at the end of the stream. Raises the request's error, or TimeoutError."""
-        with self._cond:
-            if not self._items and self.finished:
-                return None
-            if not self._cond.wait_for(lambda: bool(self._items), timeout=timeout_s):
-                raise TimeoutError(f"no tokens for {self.request_id!r} within {timeout_s} s")
-            item = self._items.popleft()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> TokenChunk:
-        chunk = self.next_chunk()
-        if chunk is None:
-            raise StopIteration
-        return chunk
-
-    def collect(self, timeout_s: float | None = None) -> tuple[list[int], TokenChunk]:
-        """Every token id and the final chunk (blocking)."""
-        ids: list[int] = []
-        while True:
-            chunk = self.next_chunk(timeout_s)
-            if chunk is None:
-                raise RuntimeError("stream ended without a final chunk")
-            ids.extend(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                return ids, chunk
-
-    def cancel(self) -> None:
-        self._controller.cancel(self.request_id)
 
 
 Instance = PrefillInstance | DecodeInstance | ColocatedInstance
@@ -544,7 +457,7 @@ class Controller:
                 )
             seed = request.sampling.seed if request.sampling.seed is not None else default_seed(request.request_id)
             live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(request.request_id, self)
+            stream = RequestStream(request.request_id, self.cancel)
             self._live[request.request_id] = (live, stream)
             local = self._local_prefill_target(live)
             # Under the lock: a switch never retires an instance in between.
@@ -625,7 +538,7 @@ class Controller:
             inst.cancel(request_id)
         live.timings.finished_at = now()
         self._finish_observed(live, "abort")
-        stream._push(TokenChunk(request_id, (), "abort", live.timings))
+        stream.push(TokenChunk(request_id, (), "abort", live.timings))
 
     # ---- worker callbacks (Emitter) ---------------------------------------------
     def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None:
@@ -641,9 +554,9 @@ class Controller:
             live.finished = True
             live.timings.finished_at = now()
             self._finish_observed(live, finish_reason)
-            stream._push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings, logprobs))
+            stream.push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings, logprobs))
         else:
-            stream._push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
+            stream.push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
 
     def fail(self, live: LiveRequest, error: BaseException) -> None:
         with self._lock:
@@ -653,7 +566,7 @@ class Controller:
             del self._live[live.request_id]
         for inst in self.instances:
             inst.cancel(live.request_id)
-        entry[1]._push(error)
+        entry[1].push(error)
 
     def _finish_observed(self, live: LiveRequest, reason: FinishReason) -> None:
         if self.workload_hook is not None and live.request_id not in self._internal:
@@ -792,7 +705,7 @@ class Controller:
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
             request = GenerateRequest(rid, (bos,) * n, SamplingParams(max_tokens=2, ignore_eos=True))
             live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(rid, self)
+            stream = RequestStream(rid, self.cancel)
             with self._lock:
                 self._live[rid] = (live, stream)
                 self._internal.add(rid)
