@@ -62,7 +62,15 @@ import jax
 from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import DeploymentPlan
-from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
+from jaxserve.core.request import (
+    FinishReason,
+    GenerateRequest,
+    RequestLimits,
+    RequestTimings,
+    SamplingParams,
+    TokenChunk,
+    validate_request,
+)
 from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
@@ -348,46 +356,23 @@ class Controller:
 
     # ---- requests ----------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
-        mc = self.model_config
-        if not isinstance(request.request_id, str) or not request.request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
-        prompt = request.prompt_token_ids
-        if len(prompt) == 0:
-            raise InvalidRequestError("the prompt is empty", field="prompt_token_ids")
-        for tok in prompt:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < mc.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {tok!r} is outside the vocabulary [0, {mc.vocab_size})", field="prompt_token_ids"
-                )
-        if len(prompt) > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}", field="prompt_token_ids"
-            )
-        request.sampling.validate(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
-        if request.sampling.logprobs is not None and not self.computes_logprobs():
-            raise InvalidRequestError(
-                "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",
-                field="logprobs",
-            )
-        total = len(prompt) + request.sampling.max_tokens
-        if total > mc.max_position_embeddings:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
-                f"{mc.max_position_embeddings} positions",
-                field="max_tokens",
-            )
-        capacity = self.config.num_kv_blocks * self.config.block_size
-        if self.config.prefix_caching and self.prefill_instances:
-            prefill_capacity = self.config.prefill_pool_blocks * self.config.block_size
-            if len(prompt) > prefill_capacity:
-                raise InvalidRequestError(
-                    f"prompt ({len(prompt)}) exceeds a prefill instance's KV pool ({prefill_capacity} tokens)",
-                    field="prompt_token_ids",
-                )
-        if total > capacity:
-            raise InvalidRequestError(
-                f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({capacity} tokens)", field="max_tokens"
-            )
+        """Raise InvalidRequestError naming the first bad field (`core.request.validate_request`)."""
+        validate_request(request, self.request_limits(probe_logprobs=request.sampling.logprobs is not None))
+
+    def request_limits(self, *, probe_logprobs: bool = True) -> RequestLimits:
+        """What this deployment accepts now. `probe_logprobs`: ask every instance's engine whether it computes
+        logprobs (the instances change with a switch); without it (a request that asks none) they count as on."""
+        mc, cfg = self.model_config, self.config
+        caching_prefill = cfg.prefix_caching and bool(self.prefill_instances)
+        return RequestLimits(
+            vocab_size=mc.vocab_size,
+            max_positions=mc.max_position_embeddings,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens_limit=self.max_tokens_limit,
+            kv_pool_tokens=cfg.num_kv_blocks * cfg.block_size,
+            prefill_pool_tokens=cfg.prefill_pool_blocks * cfg.block_size if caching_prefill else None,
+            logprobs=self.computes_logprobs() if probe_logprobs else True,
+        )
 
     def computes_logprobs(self) -> bool:
         """Whether every instance's engine reports logprobs (`LogprobEngine`)."""
