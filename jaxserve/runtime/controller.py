@@ -2,10 +2,11 @@
 
 A request's life (disaggregated):
 
-1. `submit()` validates it, applies admission control (OverloadedError when
+1. `submit()` validates it (`core.request.validate_request`), applies admission control (OverloadedError when
    the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
    puts it on the prefill instance with the shortest queue
-   (`scheduling.choose_prefill_instance`). It returns a `RequestStream`.
+   (`scheduling.choose_prefill_instance`, through `routing.Router`). It returns a `RequestStream`
+   (`streams.py`).
 2. The prefill instance's thread prefills it in an FCFS batch, streams the
    first token through `emit()`, and keeps its KV in its buffer; `on_prefilled`
    then assigns the least-loaded decode instance
@@ -43,6 +44,11 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
 * a failed KV pull costs only that request (see `decode_instance.py`):
   `recompute()` resumes it on a live prefill instance, or it fails alone.
 * `stats().faults` counts these events as they happen (`FaultCounters`).
+
+Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
+bucket and hand-off warm-up in `warmup.py`, the routed / staged / retiring instance set of the live
+switch in `switch.py` (`InstanceSet`). This file owns the request table (`_live`) and the one lock
+that guards it with the instance set, and calls them.
 
 `shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
 drain for `drain_timeout_s`, aborts the rest and stops threads.
