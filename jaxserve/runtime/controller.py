@@ -412,8 +412,8 @@ class Controller:
             stream = RequestStream(request.request_id, self.cancel)
             self._live[request.request_id] = (live, stream)
             # Under the lock: a switch never retires an instance in between.
-            locals_ = self.decode_instances if self.prefill_instances else []
-            error = self.router.admit(alive, locals_, live)
+            local_decodes = self.decode_instances if self.prefill_instances else []  # colocated: none
+            error = self.router.admit(alive, local_decodes, live)
         if error is not None:
             self.fail(live, error)
         elif self.workload_hook is not None:
