@@ -101,6 +101,60 @@ class GenerateRequest:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one deployment accepts: its model's vocabulary and positions, and its serving limits."""
+
+    vocab_size: int
+    max_positions: int  # the model's positions: prompt + max_tokens must fit
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    kv_pool_tokens: int  # one decode (or colocated) instance's KV pool: prompt + max_tokens must fit
+    prefill_pool_tokens: int | None = None  # a caching prefill instance's pool: the prompt must fit (None: no pool)
+    logprobs: bool = True  # the engines compute logprobs
+
+
+def validate_request(request: GenerateRequest, limits: RequestLimits) -> None:
+    """The one check of a request before it is admitted: raise `InvalidRequestError` naming the first bad field."""
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
+    prompt = request.prompt_token_ids
+    if len(prompt) == 0:
+        raise InvalidRequestError("the prompt is empty", field="prompt_token_ids")
+    for tok in prompt:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < limits.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {tok!r} is outside the vocabulary [0, {limits.vocab_size})", field="prompt_token_ids"
+            )
+    if len(prompt) > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"prompt has {len(prompt)} tokens, the limit is {limits.max_prompt_tokens}", field="prompt_token_ids"
+        )
+    request.sampling.validate(max_tokens_limit=limits.max_tokens_limit, vocab_size=limits.vocab_size)
+    if request.sampling.logprobs is not None and not limits.logprobs:
+        raise InvalidRequestError(
+            "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",
+            field="logprobs",
+        )
+    total = len(prompt) + request.sampling.max_tokens
+    if total > limits.max_positions:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
+            f"{limits.max_positions} positions",
+            field="max_tokens",
+        )
+    if limits.prefill_pool_tokens is not None and len(prompt) > limits.prefill_pool_tokens:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt)}) exceeds a prefill instance's KV pool ({limits.prefill_pool_tokens} tokens)",
+            field="prompt_token_ids",
+        )
+    if total > limits.kv_pool_tokens:
+        raise InvalidRequestError(
+            f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({limits.kv_pool_tokens} tokens)",
+            field="max_tokens",
+        )
+
+
 @dataclasses.dataclass
 class RequestTimings:
     """Per-request timestamps (monotonic seconds); a phase that did not happen stays None.

@@ -6,9 +6,13 @@
   each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/core/scheduling.py`.
 * `kv_transfer.py` — the in-process KV pull; `ray_backend/` the cross-process one and the
   Ray deployment of a plan.
-* `controller.py` — dispatch, hand-off from prefill to decode, streaming, re-routing.
-* `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain).
-* `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets.
+* `controller.py` — coordinates a deployment: the request table, admission, hand-off from prefill to
+  decode; it calls `routing.py` (which instance takes a request), `recovery.py` (where a request goes
+  when its instance or KV is lost), `warmup.py` (compiling before traffic) and `streams.py`
+  (`RequestStream`, a request's tokens to its reader). `api.py` is the serving boundary's types.
+* `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain);
+  `InstanceSet` holds the controller's routed, staged and retiring instances.
+* `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets; `Instance`, the three roles.
 * `request.py` — request-level types shared with the serving layer and `jaxserve.LLM`.
 * `step_timing.py` — times the real engine at a grid of shapes for `jaxserve profile`; `step_samples.py`
   the measured samples it hands to the planner's fit.

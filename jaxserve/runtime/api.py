@@ -1,6 +1,7 @@
 """The serving boundary: what any front (gRPC, HTTP, the offline `LLM`) needs from a runtime backend.
 
-Pure types and Protocols. `Controller` (embedded) and `RayController` (Ray)
+Pure types and Protocols (`RequestStream`, what `submit` returns, is `streams.py`'s; nothing here imports
+the controller or an instance). `Controller` (embedded) and `RayController` (Ray)
 implement `ServingController`; each instance builds its own `InstanceStats`;
 the controller keeps `FaultStats` counters as events happen, so `stats()` and
 everything an event loop calls return at once (no remote call, no device sync).
@@ -13,12 +14,11 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import GenerateRequest
+from jaxserve.runtime.streams import RequestStream
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-    from jaxserve.runtime.controller import RequestStream
 
 InstanceRole = Literal["prefill", "decode", "colocated"]
 

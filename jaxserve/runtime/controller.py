@@ -2,10 +2,11 @@
 
 A request's life (disaggregated):
 
-1. `submit()` validates it, applies admission control (OverloadedError when
+1. `submit()` validates it (`core.request.validate_request`), applies admission control (OverloadedError when
    the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
    puts it on the prefill instance with the shortest queue
-   (`scheduling.choose_prefill_instance`). It returns a `RequestStream`.
+   (`scheduling.choose_prefill_instance`, through `routing.Router`). It returns a `RequestStream`
+   (`streams.py`).
 2. The prefill instance's thread prefills it in an FCFS batch, streams the
    first token through `emit()`, and keeps its KV in its buffer; `on_prefilled`
    then assigns the least-loaded decode instance
@@ -44,52 +45,66 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
   `recompute()` resumes it on a live prefill instance, or it fails alone.
 * `stats().faults` counts these events as they happen (`FaultCounters`).
 
+Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
+bucket and hand-off warm-up in `warmup.py`, the routed / staged / retiring instance set of the live
+switch in `switch.py` (`InstanceSet`). This file owns the request table (`_live`) and the one lock
+that guards it with the instance set, and calls them.
+
 `shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
 drain for `drain_timeout_s`, aborts the rest and stops threads.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
 
-from jaxserve.core.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
+from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import DeploymentPlan
-from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
-from jaxserve.core.scheduling import (
-    CachedDecodeLoad,
-    CachedPrefillLoad,
-    PrefixPolicy,
-    choose_decode_instance,
-    choose_decode_instance_cached,
-    choose_prefill_instance,
-    choose_prefill_instance_cached,
-    prefill_locally,
+from jaxserve.core.request import (
+    FinishReason,
+    GenerateRequest,
+    RequestLimits,
+    RequestTimings,
+    SamplingParams,
+    TokenChunk,
+    validate_request,
 )
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
-from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
+from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
+from jaxserve.runtime.recovery import move_error, needs_moving
+from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
+from jaxserve.runtime.streams import RequestStream
+from jaxserve.runtime.switch import InstanceSet, SwitchableController
+from jaxserve.runtime.warmup import handoff_warmups, warm_buckets
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["Controller", "ControllerConfig", "ControllerStats", "FaultStats", "InstanceStats", "RequestStream"]
+__all__ = [
+    "Controller",
+    "ControllerConfig",
+    "ControllerStats",
+    "FaultStats",
+    "Instance",
+    "InstanceStats",
+    "RequestStream",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,96 +156,14 @@ class ControllerConfig:
         return self.num_kv_blocks if self.prefill_num_kv_blocks is None else self.prefill_num_kv_blocks
 
 
-_END = object()
-
-
-class RequestStream:
-    """The token stream of one request: iterate (blocking) for `TokenChunk`s; `cancel()` to abort."""
-
-    def __init__(self, request_id: str, controller: Controller) -> None:
-        self.request_id = request_id
-        self._controller = controller
-        self._cond = threading.Condition()
-        self._items: collections.deque[TokenChunk | BaseException] = collections.deque()
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenChunk | BaseException]] | None = None
-        self.finished = False
-
-    def _push(self, item: TokenChunk | BaseException) -> None:
-        with self._cond:
-            if self.finished:
-                return
-            if isinstance(item, BaseException) or item.finish_reason is not None:
-                self.finished = True
-            if self._async is not None:
-                loop, queue = self._async
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            else:
-                self._items.append(item)
-                self._cond.notify_all()
-
-    def _attach_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenChunk | BaseException]:
-        queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-        with self._cond:
-            while self._items:
-                queue.put_nowait(self._items.popleft())
-            self._async = (loop, queue)
-        return queue
-
-    async def async_chunks(self) -> AsyncGenerator[TokenChunk, None]:
-        """The chunks on the running event loop; leaving the loop early (or cancelling the task) cancels."""
-        queue = self._attach_async(asyncio.get_running_loop())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not self.finished:
-                self.cancel()
-
-    def next_chunk(self, timeout_s: float | None = None) -> TokenChunk | None:
-        """The next chunk; None at the end of the stream. Raises the request's error, or TimeoutError."""
-        with self._cond:
-            if not self._items and self.finished:
-                return None
-            if not self._cond.wait_for(lambda: bool(self._items), timeout=timeout_s):
-                raise TimeoutError(f"no tokens for {self.request_id!r} within {timeout_s} s")
-            item = self._items.popleft()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> TokenChunk:
-        chunk = self.next_chunk()
-        if chunk is None:
-            raise StopIteration
-        return chunk
-
-    def collect(self, timeout_s: float | None = None) -> tuple[list[int], TokenChunk]:
-        """Every token id and the final chunk (blocking)."""
-        ids: list[int] = []
-        while True:
-            chunk = self.next_chunk(timeout_s)
-            if chunk is None:
-                raise RuntimeError("stream ended without a final chunk")
-            ids.extend(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                return ids, chunk
-
-    def cancel(self) -> None:
-        self._controller.cancel(self.request_id)
-
-
-Instance = PrefillInstance | DecodeInstance | ColocatedInstance
-
-
 class Controller:
+    """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
+
+    The choices are made elsewhere (`routing.Router`, `recovery`, `warmup`, `switch.InstanceSet`); this
+    class owns the request table (`_live`: request id -> (LiveRequest, RequestStream)) and the lock that
+    guards it together with the instance set.
+    """
+
     def __init__(
         self,
         placed: Sequence[PlacedInstance],
@@ -252,20 +185,17 @@ class Controller:
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
         self._shutting_down = False
         self._started = False
-        self.prefill_instances: list[PrefillInstance] = []
-        self.decode_instances: list[DecodeInstance] = []
-        self.colocated_instances: list[ColocatedInstance] = []
+        cfg = self.config
+        self.router = Router(cfg.prefix_caching, cfg.block_size, cfg.prefix_policy)
+        # routed, staged and retiring instances (the live switch: `jaxserve/runtime/switch.py`)
+        self.instance_set = InstanceSet()
         self._make_transfer: TransferFactory = transfer or InProcessTransfer
-        # the live switch (`jaxserve/runtime/switch.py`): staged instances warm up unrouted, retiring ones drain
-        self.placed_of: dict[str, PlacedInstance] = {}
-        self._staged: list[Instance] = []
-        self._retiring: list[Instance] = []
         self._pinned: dict[str, DecodeInstance] = {}  # switch warm-up request -> the decode instance it must use
         self._internal: set[str] = set()  # switch warm-up request ids (not the workload's)
         self.workload_hook: WorkloadHook | None = None
         for p in placed:
-            self._route_instance(self._make_instance(p))
-        mc, cfg = self.model_config, self.config
+            self.instance_set.add_routed(self._make_instance(p))
+        mc = self.model_config
         self.max_prompt_tokens = cfg.max_prompt_tokens or mc.max_position_embeddings - 1
         self.max_tokens_limit = cfg.max_tokens_limit or mc.max_position_embeddings
 
@@ -303,14 +233,6 @@ class Controller:
         )
         return ColocatedInstance(p.name, p.engine, cc, self)
 
-    def _route_instance(self, inst: Instance) -> None:
-        if isinstance(inst, PrefillInstance):
-            self.prefill_instances.append(inst)
-        elif isinstance(inst, DecodeInstance):
-            self.decode_instances.append(inst)
-        else:
-            self.colocated_instances.append(inst)
-
     @classmethod
     def from_plan(
         cls,
@@ -340,15 +262,28 @@ class Controller:
             tokenizer = None
         return cls(placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer)
 
+    # ---- the instances -------------------------------------------------------------
+    @property
+    def prefill_instances(self) -> list[PrefillInstance]:
+        """The routed prefill instances."""
+        return self.instance_set.prefill
+
+    @property
+    def decode_instances(self) -> list[DecodeInstance]:
+        return self.instance_set.decode
+
+    @property
+    def colocated_instances(self) -> list[ColocatedInstance]:
+        return self.instance_set.colocated
+
+    @property
+    def placed_of(self) -> dict[str, PlacedInstance]:
+        """Every instance holding devices (routed, staged, retiring) -> what it was placed as."""
+        return self.instance_set.placed_of
+
     @property
     def instances(self) -> list[Instance]:
-        return [
-            *self.prefill_instances,
-            *self.decode_instances,
-            *self.colocated_instances,
-            *self._staged,
-            *self._retiring,
-        ]
+        return self.instance_set.all()
 
     @property
     def instance_names(self) -> tuple[str, ...]:
@@ -373,14 +308,13 @@ class Controller:
     def warmup(self) -> float:
         """Compile before the first client; seconds taken.
 
-        With `warmup_buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its
-        instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table
-        widths up to the longest sequence; chunk shapes), so no user waits on XLA. Then one short
-        request goes through every front instance, which also warms the hand-off path.
+        With `warmup_buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
+        allow (`warmup.warm_buckets`), so no user waits on XLA. Then one short request goes through every
+        front instance, which also warms the hand-off path.
         """
         started = time.monotonic()
         if self.config.warmup_buckets:
-            self._warm_buckets()
+            self._warm_buckets(self.instance_set.routed())
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
         bos = self.model_config.bos_token_id
         sampling = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -389,62 +323,16 @@ class Controller:
             stream.collect(timeout_s=600)
         return time.monotonic() - started
 
-    def _warm_buckets(self, instances: Sequence[Instance] | None = None) -> None:
-        """Compile every padded shape of `instances` (default: the routed ones; a live switch: the staged)."""
-        chosen = [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
-        chosen = chosen if instances is None else list(instances)
+    def _warm_buckets(self, instances: Sequence[Instance]) -> None:
+        """Compile every padded shape of `instances` (the routed ones at start; a live switch: the staged)."""
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
-        cfg = self.config
-        for p in (i for i in chosen if isinstance(i, PrefillInstance)):
-            if p.engine.capabilities.bucket_warmup:
-                p.engine.warmup(
-                    num_blocks=1,
-                    block_size=cfg.block_size,
-                    max_batch_tokens=p.config.max_batch_tokens,
-                    max_seq_len=self.max_prompt_tokens,
-                    max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
-                    decode=False,
-                    logprobs=cfg.warmup_logprobs,
-                )
-                if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
-                    with p.cond:
-                        warmed = p.engine.warmup(
-                            num_blocks=p.config.num_blocks,
-                            block_size=p.config.block_size,
-                            max_decode_batch=p.config.buffer_capacity,
-                            max_seq_len=self.max_prompt_tokens,
-                            chunk_size=p.config.max_batch_tokens,
-                            prefill=False,
-                            decode=False,
-                            pages=p.pages,
-                            logprobs=cfg.warmup_logprobs,
-                        )
-                        if warmed.pages is not None:
-                            p.pages = warmed.pages
-        pooled = [i for i in chosen if isinstance(i, (DecodeInstance, ColocatedInstance))]
-        for inst in pooled:
-            if not inst.engine.capabilities.bucket_warmup:
-                continue
-            # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
-            chunk = (
-                (inst.config.chunk_size or inst.config.max_batch_tokens)
-                if isinstance(inst, ColocatedInstance)
-                else None
-            )
-            with inst.cond:  # no request is running yet; the pool is the instance's own
-                warmed = inst.engine.warmup(
-                    num_blocks=inst.config.num_blocks,
-                    block_size=inst.config.block_size,
-                    max_decode_batch=inst.config.max_batch_size,
-                    max_seq_len=max_seq_len,
-                    chunk_size=chunk,
-                    prefill=False,
-                    pages=inst.pages,
-                    decode_steps=inst.config.decode_steps_per_call,
-                    logprobs=cfg.warmup_logprobs,
-                )
-                if warmed.pages is not None:
-                    inst.pages = warmed.pages
+        warm_buckets(
+            instances,
+            block_size=self.config.block_size,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_seq_len=max_seq_len,
+            logprobs=self.config.warmup_logprobs,
+        )
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""
@@ -473,46 +361,23 @@ class Controller:
 
     # ---- requests ----------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
-        mc = self.model_config
-        if not isinstance(request.request_id, str) or not request.request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
-        prompt = request.prompt_token_ids
-        if len(prompt) == 0:
-            raise InvalidRequestError("the prompt is empty", field="prompt_token_ids")
-        for tok in prompt:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < mc.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {tok!r} is outside the vocabulary [0, {mc.vocab_size})", field="prompt_token_ids"
-                )
-        if len(prompt) > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}", field="prompt_token_ids"
-            )
-        request.sampling.validate(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
-        if request.sampling.logprobs is not None and not self.computes_logprobs():
-            raise InvalidRequestError(
-                "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",
-                field="logprobs",
-            )
-        total = len(prompt) + request.sampling.max_tokens
-        if total > mc.max_position_embeddings:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
-                f"{mc.max_position_embeddings} positions",
-                field="max_tokens",
-            )
-        capacity = self.config.num_kv_blocks * self.config.block_size
-        if self.config.prefix_caching and self.prefill_instances:
-            prefill_capacity = self.config.prefill_pool_blocks * self.config.block_size
-            if len(prompt) > prefill_capacity:
-                raise InvalidRequestError(
-                    f"prompt ({len(prompt)}) exceeds a prefill instance's KV pool ({prefill_capacity} tokens)",
-                    field="prompt_token_ids",
-                )
-        if total > capacity:
-            raise InvalidRequestError(
-                f"prompt + max_tokens ({total}) exceeds one instance's KV pool ({capacity} tokens)", field="max_tokens"
-            )
+        """Raise InvalidRequestError naming the first bad field (`core.request.validate_request`)."""
+        validate_request(request, self.request_limits(probe_logprobs=request.sampling.logprobs is not None))
+
+    def request_limits(self, *, probe_logprobs: bool = True) -> RequestLimits:
+        """What this deployment accepts now. `probe_logprobs`: ask every instance's engine whether it computes
+        logprobs (the instances change with a switch); without it (a request that asks none) they count as on."""
+        mc, cfg = self.model_config, self.config
+        caching_prefill = cfg.prefix_caching and bool(self.prefill_instances)
+        return RequestLimits(
+            vocab_size=mc.vocab_size,
+            max_positions=mc.max_position_embeddings,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens_limit=self.max_tokens_limit,
+            kv_pool_tokens=cfg.num_kv_blocks * cfg.block_size,
+            prefill_pool_tokens=cfg.prefill_pool_blocks * cfg.block_size if caching_prefill else None,
+            logprobs=self.computes_logprobs() if probe_logprobs else True,
+        )
 
     def computes_logprobs(self) -> bool:
         """Whether every instance's engine reports logprobs (its `logprobs` capability)."""
@@ -527,8 +392,8 @@ class Controller:
         self.validate(request)
         with self._lock:
             front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-            alive = [inst for inst in front if inst.error is None]
-            if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
+            alive = live_fronts(self.prefill_instances, self.decode_instances, self.colocated_instances)
+            if not alive:
                 dead = next(inst for inst in self.instances if inst.error is not None)
                 raise dead.dead_error()
             if self._shutting_down:
@@ -543,69 +408,16 @@ class Controller:
                 )
             seed = request.sampling.seed if request.sampling.seed is not None else default_seed(request.request_id)
             live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(request.request_id, self)
+            stream = RequestStream(request.request_id, self.cancel)
             self._live[request.request_id] = (live, stream)
-            local = self._local_prefill_target(live)
             # Under the lock: a switch never retires an instance in between.
-            error = _enqueue_local(local, live) if local is not None else None
-            if local is None or _died(local, error):
-                error = self._enqueue_front(alive, live)
+            local_decodes = self.decode_instances if self.prefill_instances else []  # colocated: none
+            error = self.router.admit(alive, local_decodes, live)
         if error is not None:
             self.fail(live, error)
         elif self.workload_hook is not None:
             self.workload_hook.on_arrival(live.timings.arrival_at, live.num_prompt_tokens)
         return stream
-
-    # ---- routing -----------------------------------------------------------------
-    def _choose_front(self, alive: Sequence[PrefillInstance | ColocatedInstance], live: LiveRequest) -> int:
-        """The prefill (or colocated) instance for `live`: cache-aware when caching is on."""
-        if not self.config.prefix_caching:
-            return choose_prefill_instance([inst.load() for inst in alive])
-        bs = self.config.block_size
-        loads = []
-        for inst in alive:
-            load = inst.load()
-            loads.append(
-                CachedPrefillLoad(inst.num_cached_tokens(live) // bs, load.num_queued_tokens, load.num_queued_requests)
-            )
-        return choose_prefill_instance_cached(loads, self.config.prefix_policy.weight(bs))
-
-    def _enqueue_front(
-        self, alive: list[PrefillInstance | ColocatedInstance], live: LiveRequest
-    ) -> JaxServeError | None:
-        """Queue `live` on the chosen front instance; one that died since `alive` was taken is skipped."""
-        error: JaxServeError | None = EngineDeadError(f"no live instance is left to take {live.request_id!r}")
-        while alive:
-            target = alive[self._choose_front(alive, live)]
-            error = _enqueue(target, live)
-            if not _died(target, error):
-                return error
-            alive.remove(target)
-        return error
-
-    def _choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
-        if not self.config.prefix_caching:
-            return choose_decode_instance([d.load() for d in alive])
-        bs = self.config.block_size
-        loads = []
-        for d in alive:
-            load = d.load()
-            cached = d.num_cached_tokens(live) // bs
-            loads.append(CachedDecodeLoad(cached, load.num_running, load.num_waiting, load.num_free_blocks))
-        return choose_decode_instance_cached(loads, self.config.prefix_policy.max_decode_imbalance)
-
-    def _local_prefill_target(self, live: LiveRequest) -> DecodeInstance | None:
-        """Conditional disaggregation: the decode instance that should prefill `live` itself, or None."""
-        threshold = self.config.prefix_policy.local_prefill_tokens
-        if not self.config.prefix_caching or threshold <= 0 or not self.prefill_instances:
-            return None
-        alive = [d for d in self.decode_instances if d.error is None]
-        if not alive:
-            return None
-        decode = alive[self._choose_decode(alive, live)]
-        if prefill_locally(live.num_prefill_tokens, decode.num_cached_tokens(live, 1), threshold):
-            return decode
-        return None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Async token stream; cancelling the consuming task cancels the request."""
@@ -624,7 +436,7 @@ class Controller:
             inst.cancel(request_id)
         live.timings.finished_at = now()
         self._finish_observed(live, "abort")
-        stream._push(TokenChunk(request_id, (), "abort", live.timings))
+        stream.push(TokenChunk(request_id, (), "abort", live.timings))
 
     # ---- worker callbacks (Emitter) ---------------------------------------------
     def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None:
@@ -640,9 +452,9 @@ class Controller:
             live.finished = True
             live.timings.finished_at = now()
             self._finish_observed(live, finish_reason)
-            stream._push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings, logprobs))
+            stream.push(TokenChunk(live.request_id, token_ids, finish_reason, live.timings, logprobs))
         else:
-            stream._push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
+            stream.push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
 
     def fail(self, live: LiveRequest, error: BaseException) -> None:
         with self._lock:
@@ -652,7 +464,7 @@ class Controller:
             del self._live[live.request_id]
         for inst in self.instances:
             inst.cancel(live.request_id)
-        entry[1]._push(error)
+        entry[1].push(error)
 
     def _finish_observed(self, live: LiveRequest, reason: FinishReason) -> None:
         if self.workload_hook is not None and live.request_id not in self._internal:
@@ -670,20 +482,11 @@ class Controller:
             return
         target: DecodeInstance | None = None
         with self._lock:
-            alive = [d for d in self.decode_instances if d.error is None]
             pinned = self._pinned.pop(live.request_id, None)
-            error: JaxServeError | None = EngineDeadError("every decode instance is dead")
             if pinned is not None:
-                target = pinned
-                error = _enqueue(pinned, live, source)
-            elif alive:
-                # An instance found alive above may die before it takes the request: try the next one.
-                while alive:
-                    target = alive[self._choose_decode(alive, live)]
-                    error = _enqueue(target, live, source)
-                    if not _died(target, error):
-                        break
-                    alive.remove(target)
+                target, error = pinned, enqueue(pinned, live, source)
+            else:
+                target, error = self.router.hand_off(self.decode_instances, live, source)
         if error is not None:
             self.fail(live, error)
         elif target is not None:
@@ -701,22 +504,14 @@ class Controller:
 
         A request a live instance still holds (e.g. one whose KV a decode instance already pulled)
         stays where it is; the others are queued again (not prefilled yet) or resumed (tokens
-        streamed: see the module docstring).
+        streamed: see `recovery.py`).
         """
         log.error("instance %s died (%r); moving its %d requests", instance.name, instance.error, len(held))
         for live in held:
-            if live.cancelled or live.finished or self._held_by_live_instance(live):
+            if not needs_moving(self.instances, live):
                 continue
             self.faults.count("rerouted")
             self._move(live, f"instance {instance.name} died: {instance.error!r}")
-
-    def _held_by_live_instance(self, live: LiveRequest) -> bool:
-        for inst in self.instances:
-            if inst.error is None:
-                with inst.cond:
-                    if any(r is live for r in inst.held_requests()):
-                        return True
-        return False
 
     def _move(self, live: LiveRequest, why: str) -> None:
         """Queue `live` on the live front instance with the shortest queue (resumed if tokens were streamed)."""
@@ -725,27 +520,21 @@ class Controller:
             if entry is None or entry[0] is not live:
                 return  # finished or cancelled meanwhile
         with self._lock:
-            front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-            alive = [inst for inst in front if inst.error is None]
-            if not alive or (self.prefill_instances and not any(d.error is None for d in self.decode_instances)):
-                error: JaxServeError | None = EngineDeadError(
-                    f"{why}, and no live instance is left to continue {live.request_id!r}"
-                )
-            else:
-                log.warning("continuing %s (%d tokens streamed): %s", live.request_id, len(live.output_ids), why)
-                error = self._enqueue_front(alive, live)
+            error = move_error(
+                self.router, self.prefill_instances, self.decode_instances, self.colocated_instances, live, why
+            )
         if error is not None:
             self.fail(live, error)
 
     # ---- live switch (driven by jaxserve/runtime/switch.py) ------------------------
     def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
         """Build and start instances for `placed`, *staged*: they take no traffic until `route()` names them."""
-        clash = {p.name for p in placed} & set(self.placed_of)
+        clash = self.instance_set.name_clash([p.name for p in placed])
         if clash:
-            raise ValueError(f"instance names already in use: {sorted(clash)}")
+            raise ValueError(f"instance names already in use: {clash}")
         new = [self._make_instance(p) for p in placed]
         with self._lock:
-            self._staged.extend(new)
+            self.instance_set.stage(new)
         if self._started:
             for inst in new:
                 inst.start()
@@ -756,48 +545,33 @@ class Controller:
 
         With `warmup_buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
         instances (every padded shape their limits allow); then the hand-off path of every prefill ->
-        decode pair a staged instance is part of, for every padded prompt length (a KV moved between
-        meshes of other shapes or devices compiles its resharding per length): requests pinned to the
-        pair with prompts of 1, 2, 4, ... tokens and of the longest prompt allowed. Without it: one
-        short request pinned through each staged instance.
+        decode pair a staged instance is part of, for every padded prompt length (`warmup.handoff_warmups`):
+        requests pinned to the pair. Without it: one short request pinned through each staged instance.
         """
         started = time.monotonic()
         with self._lock:
-            staged = list(self._staged)
+            staged = list(self.instance_set.staged)
             routed_prefills = [p for p in self.prefill_instances if p.error is None]
             routed_decodes = [d for d in self.decode_instances if d.error is None]
-        decodes = [i for i in staged if isinstance(i, DecodeInstance)]
-        pairs: list[tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None]] = []
-        lengths = [2]
         if self.config.warmup_buckets:
             self._warm_buckets(staged)
-            longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
-            lengths = sorted({*(1 << k for k in range(longest.bit_length())), longest})
-            fronts = [i for i in staged if isinstance(i, PrefillInstance | ColocatedInstance)]
-            new_prefills = [i for i in fronts if isinstance(i, PrefillInstance)]
-            pairs += [(c, None) for c in fronts if isinstance(c, ColocatedInstance)]
-            pairs += [(p, d) for p in new_prefills for d in [*routed_decodes, *decodes]]
-            pairs += [(p, d) for p in routed_prefills for d in decodes]
-        else:
-            for k, front in enumerate(i for i in staged if not isinstance(i, DecodeInstance)):
-                pool = decodes or routed_decodes
-                pairs.append((front, pool[k % len(pool)] if isinstance(front, PrefillInstance) else None))
-            covered = {d.name for _, d in pairs if d is not None}
-            for k, d in enumerate(d for d in decodes if d.name not in covered):
-                pairs.append((routed_prefills[k % len(routed_prefills)], d))
+        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
+        warmups = handoff_warmups(
+            staged, routed_prefills, routed_decodes, every_length=self.config.warmup_buckets, longest_prompt=longest
+        )
         bos = self.model_config.bos_token_id
         streams = []
-        for k, ((front, decode), n) in enumerate(itertools.product(pairs, lengths)):
+        for k, (front, decode, n) in enumerate(warmups):
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
             request = GenerateRequest(rid, (bos,) * n, SamplingParams(max_tokens=2, ignore_eos=True))
             live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(rid, self)
+            stream = RequestStream(rid, self.cancel)
             with self._lock:
                 self._live[rid] = (live, stream)
                 self._internal.add(rid)
                 if decode is not None:
                     self._pinned[rid] = decode
-                error = _enqueue(front, live)
+                error = enqueue(front, live)
             if error is not None:
                 self.fail(live, error)
             streams.append(stream)
@@ -811,9 +585,7 @@ class Controller:
     def discard_staged(self) -> None:
         """Stop and drop every staged instance (a switch that failed before routing to them)."""
         with self._lock:
-            staged, self._staged = self._staged, []
-            for inst in staged:
-                self.placed_of.pop(inst.name, None)
+            staged = self.instance_set.discard_staged()
         for inst in staged:
             inst.stop()
 
@@ -824,38 +596,21 @@ class Controller:
         out *retire*: they finish what they hold (see `retire_drained`). Returns them.
         """
         with self._lock:
-            routed: list[Instance] = [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
-            pool: dict[str, Instance] = {i.name: i for i in [*routed, *self._staged]}
-            missing = [n for n in names if n not in pool]
-            if missing:
-                raise ValueError(f"no routed or staged instance named {missing}")
-            chosen = [pool[n] for n in names]
-            prefills = [i for i in chosen if isinstance(i, PrefillInstance)]
-            decodes = [i for i in chosen if isinstance(i, DecodeInstance)]
-            colocated = [i for i in chosen if isinstance(i, ColocatedInstance)]
-            if not (bool(prefills) == bool(decodes) and bool(prefills) != bool(colocated)):
-                raise ValueError("route either prefill and decode instances, or colocated ones only")
-            retired = [i for i in routed if i.name not in names]
-            self.prefill_instances[:] = prefills
-            self.decode_instances[:] = decodes
-            self.colocated_instances[:] = colocated
-            self._staged = [i for i in self._staged if i.name not in names]
-            self._retiring.extend(retired)
-        return retired
+            return self.instance_set.route(names)
 
     def routed_instances(self) -> list[Instance]:
         """The instances taking new requests now (staged and retiring ones left out)."""
         with self._lock:
-            return [*self.prefill_instances, *self.decode_instances, *self.colocated_instances]
+            return self.instance_set.routed()
 
     @property
     def retiring(self) -> tuple[str, ...]:
         with self._lock:
-            return tuple(i.name for i in self._retiring)
+            return tuple(i.name for i in self.instance_set.retiring)
 
     def num_held_by_retiring(self) -> int:
         with self._lock:
-            retiring = list(self._retiring)
+            retiring = list(self.instance_set.retiring)
         total = 0
         for inst in retiring:
             with inst.cond:
@@ -870,7 +625,7 @@ class Controller:
         instance had last (its KV blocks and buffer slots in use then: 0 unless something leaked).
         """
         with self._lock:
-            candidates = list(self._retiring)
+            candidates = list(self.instance_set.retiring)
         done: list[InstanceStats] = []
         for inst in candidates:
             with self._lock, inst.cond:  # every enqueue happens under _lock: unrouted and empty stays empty
@@ -882,12 +637,11 @@ class Controller:
                 held = inst.held_requests()
                 inst.drop_all()
             for live in held:
-                if not (live.cancelled or live.finished or self._held_by_live_instance(live)):
+                if needs_moving(self.instances, live):
                     self._move(live, f"instance {inst.name} retired by a deployment switch")
             stats = inst.stats()
             with self._lock:
-                self._retiring.remove(inst)
-                self.placed_of.pop(inst.name, None)
+                self.instance_set.forget(inst)
             done.append(stats)
         return done
 
@@ -910,36 +664,9 @@ class Controller:
         return self.faults.snapshot()
 
 
-def _enqueue(
-    target: PrefillInstance | DecodeInstance | ColocatedInstance,
-    live: LiveRequest,
-    source: PrefillInstance | None = None,
-) -> JaxServeError | None:
-    """Hand `live` to `target` (a pull from `source` for a decode instance); the error instead of raising it."""
-    try:
-        if isinstance(target, DecodeInstance):
-            assert source is not None
-            target.enqueue_pull(live, source)
-        else:
-            target.enqueue(live)
-    except JaxServeError as e:
-        return e
-    return None
-
-
-def _died(target: Instance, error: JaxServeError | None) -> bool:
-    """True when `target` refused a request because it died after it was chosen (a worker sets `error` on its own)."""
-    return isinstance(error, EngineDeadError) and target.error is not None
-
-
-def _enqueue_local(target: DecodeInstance, live: LiveRequest) -> JaxServeError | None:
-    """Hand `live` to a decode instance that prefills its short uncached part itself; the error instead of raising."""
-    try:
-        target.enqueue_local(live)
-    except JaxServeError as e:
-        return e
-    return None
-
-
 def _is_a_serving_controller(controller: Controller) -> ServingController:
     return controller  # mypy checks that Controller (and so RayController) implements the Protocol
+
+
+def _is_a_switchable_controller(controller: Controller) -> SwitchableController:
+    return controller  # mypy checks that Controller (and so RayController) implements the switch's Protocol

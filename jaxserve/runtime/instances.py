@@ -5,6 +5,7 @@ assignment, or consecutive ones), checks they are disjoint and exist, and asks
 the engine factory for one engine per instance on exactly its devices (stage
 s on devices[s*tp:(s+1)*tp]). The default factory loads the model into each
 instance's own sharding (`OPTEngine.load`); tests pass the fake engine's.
+`Instance` names the three roles' instance types (what a controller holds).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.colocated_instance import ColocatedInstance
+from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
+from jaxserve.runtime.prefill_instance import PrefillInstance
 
 # Embedded factories build an `Engine` (both roles); the Ray backend places one proxy per role.
 EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
+Instance = PrefillInstance | DecodeInstance | ColocatedInstance
 
 
 @dataclasses.dataclass(frozen=True)

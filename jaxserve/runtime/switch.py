@@ -28,6 +28,12 @@
    `drain_timeout_s` whatever they still hold
    moves to routed instances through the re-route path (resumed, token for token).
 
+The controller's side of it is `InstanceSet` (below): its instances by state, routed, *staged* (built
+and started, taking no traffic) or *retiring* (routed away, finishing what they hold), with the
+staging (`stage`), routing (`route`) and discarding (`discard_staged`, `forget`) the steps above call
+through the controller, under its lock. `PlanSwitcher` drives any `SwitchableController` (the embedded
+`Controller`, `RayController`) and imports neither.
+
 Nothing here imports the planner: the replanning loop above (`jaxserve/tools/replan_loop.py`) decides
 *what* to switch to; this module only knows how.
 """
@@ -46,8 +52,10 @@ import jax
 from jaxserve.core.errors import JaxServeError
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.controller import Controller
-from jaxserve.runtime.instances import EngineFactory, PlacedInstance
+from jaxserve.runtime.colocated_instance import ColocatedInstance
+from jaxserve.runtime.decode_instance import DecodeInstance
+from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance
+from jaxserve.runtime.prefill_instance import PrefillInstance
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,106 @@ class SwitchReport:
         return out
 
 
+class InstanceSet:
+    """A deployment's instances by state: routed (per role, in routing order), staged and retiring.
+
+    Not thread-safe on its own: the controller calls it under its lock (every enqueue happens under that
+    lock too, so an instance routed away takes nothing new). `placed_of` names every instance that holds
+    devices (routed, staged or retiring) and what it was placed as.
+    """
+
+    def __init__(self) -> None:
+        self.prefill: list[PrefillInstance] = []
+        self.decode: list[DecodeInstance] = []
+        self.colocated: list[ColocatedInstance] = []
+        self.staged: list[Instance] = []
+        self.retiring: list[Instance] = []
+        self.placed_of: dict[str, PlacedInstance] = {}
+
+    def add_routed(self, inst: Instance) -> None:
+        if isinstance(inst, PrefillInstance):
+            self.prefill.append(inst)
+        elif isinstance(inst, DecodeInstance):
+            self.decode.append(inst)
+        else:
+            self.colocated.append(inst)
+
+    def routed(self) -> list[Instance]:
+        return [*self.prefill, *self.decode, *self.colocated]
+
+    def all(self) -> list[Instance]:
+        return [*self.prefill, *self.decode, *self.colocated, *self.staged, *self.retiring]
+
+    def name_clash(self, names: Sequence[str]) -> list[str]:
+        """The names of `names` an instance holds already."""
+        return sorted(set(names) & set(self.placed_of))
+
+    def stage(self, new: Sequence[Instance]) -> None:
+        """Hold `new` staged: running, taking no traffic until `route` names them."""
+        self.staged.extend(new)
+
+    def discard_staged(self) -> list[Instance]:
+        """Drop every staged instance (a switch that failed before routing to them); the caller stops them."""
+        staged, self.staged = self.staged, []
+        for inst in staged:
+            self.placed_of.pop(inst.name, None)
+        return staged
+
+    def route(self, names: Sequence[str]) -> list[Instance]:
+        """Make the routed instances exactly `names` (routed or staged ones), in that order; the routed ones
+        left out retire (returned). Raises ValueError (nothing changed) for an unknown name or a mix
+        that is neither prefill + decode nor colocated only."""
+        routed = self.routed()
+        pool: dict[str, Instance] = {i.name: i for i in [*routed, *self.staged]}
+        missing = [n for n in names if n not in pool]
+        if missing:
+            raise ValueError(f"no routed or staged instance named {missing}")
+        chosen = [pool[n] for n in names]
+        prefills = [i for i in chosen if isinstance(i, PrefillInstance)]
+        decodes = [i for i in chosen if isinstance(i, DecodeInstance)]
+        colocated = [i for i in chosen if isinstance(i, ColocatedInstance)]
+        if not (bool(prefills) == bool(decodes) and bool(prefills) != bool(colocated)):
+            raise ValueError("route either prefill and decode instances, or colocated ones only")
+        retired = [i for i in routed if i.name not in names]
+        self.prefill[:] = prefills
+        self.decode[:] = decodes
+        self.colocated[:] = colocated
+        self.staged = [i for i in self.staged if i.name not in names]
+        self.retiring.extend(retired)
+        return retired
+
+    def forget(self, inst: Instance) -> None:
+        """A retiring instance is stopped and gone."""
+        self.retiring.remove(inst)
+        self.placed_of.pop(inst.name, None)
+
+
+class SwitchableController(Protocol):
+    """What a switch needs from the controller it switches (`Controller`, `RayController`)."""
+
+    plan: DeploymentPlan
+
+    @property
+    def placed_of(self) -> dict[str, PlacedInstance]: ...
+
+    @property
+    def retiring(self) -> tuple[str, ...]: ...
+
+    def routed_instances(self) -> list[Instance]: ...
+
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]: ...
+
+    def warm_up_staged(self, timeout_s: float = 600.0) -> float: ...
+
+    def discard_staged(self) -> None: ...
+
+    def route(self, names: Sequence[str]) -> list[Instance]: ...
+
+    def num_held_by_retiring(self) -> int: ...
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]: ...
+
+
 def shape_of(spec: InstanceSpec) -> Shape:
     return (spec.role, spec.tp, spec.pp, spec.chunk_size)
 
@@ -109,21 +217,25 @@ def match_instances(
 class InstanceBuilder(Protocol):
     """Where a switch's new instances come from, and what the devices allow."""
 
-    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+    def can_build(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> bool:
         """Whether `specs` fit on what no instance holds, plus what the instances `freeing` hold."""
         ...
 
-    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+    def capacity_note(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> str:
         """Why they do not fit, in words (for the SwitchError)."""
         ...
 
     def build(
-        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], names: Sequence[str]
     ) -> list[PlacedInstance]:
         """Load an engine for each spec (weights in place), named `names`; nothing is routed yet."""
         ...
 
-    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+    def discard(self, controller: SwitchableController, names: Sequence[str]) -> None:
         """Give back what `build` took for instances that will never be routed (a failed switch)."""
         ...
 
@@ -135,16 +247,20 @@ class LocalDevices:
         self.engine_factory = engine_factory
         self.devices = tuple(devices) if devices is not None else tuple(jax.devices())
 
-    def _free(self, controller: Controller, freeing: Sequence[str]) -> list[int]:
+    def _free(self, controller: SwitchableController, freeing: Sequence[str]) -> list[int]:
         index = {d: k for k, d in enumerate(self.devices)}
         gone = set(freeing)
         held = {index[d] for n, p in controller.placed_of.items() if n not in gone for d in p.devices if d in index}
         return [k for k in range(len(self.devices)) if k not in held]
 
-    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+    def can_build(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> bool:
         return sum(s.num_devices for s in specs) <= len(self._free(controller, freeing))
 
-    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+    def capacity_note(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> str:
         free, freed = len(self._free(controller, ())), len(self._free(controller, freeing))
         return (
             f"it needs {sum(s.num_devices for s in specs)} new devices; {free} are free and retiring instances "
@@ -152,7 +268,7 @@ class LocalDevices:
         )
 
     def build(
-        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], names: Sequence[str]
     ) -> list[PlacedInstance]:
         free = self._free(controller, ())
         placed: list[PlacedInstance] = []
@@ -165,16 +281,16 @@ class LocalDevices:
             placed.append(PlacedInstance(name, placed_spec, devs, self.engine_factory(placed_spec, devs)))
         return placed
 
-    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+    def discard(self, controller: SwitchableController, names: Sequence[str]) -> None:
         del controller, names  # the engines' arrays go with the instances
 
 
 class PlanSwitcher:
-    """Switches a running `Controller` between plans (one switch at a time)."""
+    """Switches a running controller between plans (one switch at a time)."""
 
     def __init__(
         self,
-        controller: Controller,
+        controller: SwitchableController,
         builder: InstanceBuilder | EngineFactory,
         devices: Sequence[jax.Device] | None = None,
         *,
@@ -316,6 +432,7 @@ def _fresh_name(role: str, taken: set[str]) -> str:
 
 __all__ = [
     "InstanceBuilder",
+    "InstanceSet",
     "LocalDevices",
     "PlanError",
     "PlanSwitcher",
@@ -323,5 +440,6 @@ __all__ = [
     "SwitchInProgressError",
     "SwitchReport",
     "SwitchUnsupportedError",
+    "SwitchableController",
     "match_instances",
 ]

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, cast
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.controller import Controller, ControllerConfig, Instance, Observer
+from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
-from jaxserve.runtime.instances import PlacedInstance, instance_names
+from jaxserve.runtime.instances import Instance, PlacedInstance, instance_names
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -61,7 +61,7 @@ from jaxserve.runtime.ray_backend.remote_engine import (
     RemotePrefillEngine,
 )
 from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
-from jaxserve.runtime.switch import SwitchUnsupportedError
+from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
 from models.config import OPTConfig
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ class RayController(Controller):
         """`Controller.discard_staged` (a switch that failed before routing), and the new prefill proxies'
         lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
         with self._lock:
-            engines = [inst.engine for inst in self._staged]
+            engines = [inst.engine for inst in self.instance_set.staged]
         super().discard_staged()
         for engine in engines:
             if isinstance(engine, RemotePrefillEngine):
@@ -261,7 +261,7 @@ class RayController(Controller):
     def retire_drained(self, force: bool = False) -> list[InstanceStats]:
         """`Controller.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
         with self._lock:
-            engines = {inst.name: inst.engine for inst in self._retiring}
+            engines = {inst.name: inst.engine for inst in self.instance_set.retiring}
         retired = super().retire_drained(force)
         for stats in retired:
             engine = engines.get(stats.name)
@@ -349,11 +349,15 @@ class RayActors:
         have = {k: available.get(k, 0.0) + freed.get(k, 0.0) for k in self._needs(specs)}
         return {k: (need, have[k]) for k, need in self._needs(specs).items() if need > have[k] + 1e-9}
 
-    def can_build(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> bool:
+    def can_build(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> bool:
         del controller
         return not self._short(specs, freeing)
 
-    def capacity_note(self, controller: Controller, specs: Sequence[InstanceSpec], freeing: Sequence[str]) -> str:
+    def capacity_note(
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], freeing: Sequence[str]
+    ) -> str:
         del controller
         short = self._short(specs, freeing)
         return "the Ray cluster is short of " + ", ".join(
@@ -361,12 +365,12 @@ class RayActors:
         )
 
     def build(
-        self, controller: Controller, specs: Sequence[InstanceSpec], names: Sequence[str]
+        self, controller: SwitchableController, specs: Sequence[InstanceSpec], names: Sequence[str]
     ) -> list[PlacedInstance]:
         del controller
         return self.controller.start_actors(specs, names)
 
-    def discard(self, controller: Controller, names: Sequence[str]) -> None:
+    def discard(self, controller: SwitchableController, names: Sequence[str]) -> None:
         del controller
         self.controller.release_actors(names)
 

@@ -1,0 +1,120 @@
+"""Warm-up: compile what instances will run before a client (or a switch's traffic) waits on XLA.
+
+Two parts, both called by the controller before the instances take traffic (its `warmup()` at start,
+its `warm_up_staged()` during a live switch):
+
+* `warm_buckets(instances, ...)`: every engine that can (its `bucket_warmup` capability) runs each padded shape its
+  instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table widths
+  up to the longest sequence; chunk shapes). It runs on the calling thread and blocks until compiled;
+  pooled instances warm under their condition lock on their own KV pool (no request runs yet).
+* `handoff_warmups(...)`: which requests a switch sends through its staged instances to warm the
+  hand-off path: (front instance, decode instance or None, prompt length) triples. Pure; the
+  controller submits them, pinned to the pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from jaxserve.runtime.colocated_instance import ColocatedInstance
+from jaxserve.runtime.decode_instance import DecodeInstance
+from jaxserve.runtime.instances import Instance
+from jaxserve.runtime.prefill_instance import PrefillInstance
+
+HandOff = tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None, int]
+
+
+def warm_buckets(
+    instances: Sequence[Instance],
+    *,
+    block_size: int,
+    max_prompt_tokens: int,
+    max_seq_len: int,
+    logprobs: bool,
+) -> None:
+    """Compile every padded shape of `instances`; `max_seq_len`: the longest sequence a decode row holds,
+    `logprobs`: the logprob programs of those shapes too."""
+    for p in (i for i in instances if isinstance(i, PrefillInstance)):
+        if p.engine.capabilities.bucket_warmup:
+            p.engine.warmup(
+                num_blocks=1,
+                block_size=block_size,
+                max_batch_tokens=p.config.max_batch_tokens,
+                max_seq_len=max_prompt_tokens,
+                max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
+                decode=False,
+                logprobs=logprobs,
+            )
+            if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
+                with p.cond:
+                    warmed = p.engine.warmup(
+                        num_blocks=p.config.num_blocks,
+                        block_size=p.config.block_size,
+                        max_decode_batch=p.config.buffer_capacity,
+                        max_seq_len=max_prompt_tokens,
+                        chunk_size=p.config.max_batch_tokens,
+                        prefill=False,
+                        decode=False,
+                        pages=p.pages,
+                        logprobs=logprobs,
+                    )
+                    if warmed.pages is not None:
+                        p.pages = warmed.pages
+    pooled = [i for i in instances if isinstance(i, (DecodeInstance, ColocatedInstance))]
+    for inst in pooled:
+        if not inst.engine.capabilities.bucket_warmup:
+            continue
+        # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
+        chunk = (
+            (inst.config.chunk_size or inst.config.max_batch_tokens) if isinstance(inst, ColocatedInstance) else None
+        )
+        with inst.cond:  # no request is running yet; the pool is the instance's own
+            warmed = inst.engine.warmup(
+                num_blocks=inst.config.num_blocks,
+                block_size=inst.config.block_size,
+                max_decode_batch=inst.config.max_batch_size,
+                max_seq_len=max_seq_len,
+                chunk_size=chunk,
+                prefill=False,
+                pages=inst.pages,
+                decode_steps=inst.config.decode_steps_per_call,
+                logprobs=logprobs,
+            )
+            if warmed.pages is not None:
+                inst.pages = warmed.pages
+
+
+def handoff_warmups(
+    staged: Sequence[Instance],
+    routed_prefills: Sequence[PrefillInstance],
+    routed_decodes: Sequence[DecodeInstance],
+    *,
+    every_length: bool,
+    longest_prompt: int,
+) -> list[HandOff]:
+    """The warm-up requests of a switch's `staged` instances: (front, decode or None, prompt length).
+
+    With `every_length` (bucket warm-up on): the hand-off of every prefill -> decode pair a staged instance
+    is part of (and each staged colocated instance), for every padded prompt length 1, 2, 4, ... and
+    `longest_prompt` (a KV moved between meshes of other shapes or devices compiles its resharding per
+    length). Without it: one 2-token request through each staged instance.
+    """
+    decodes = [i for i in staged if isinstance(i, DecodeInstance)]
+    pairs: list[tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None]] = []
+    lengths = [2]
+    if every_length:
+        lengths = sorted({*(1 << k for k in range(longest_prompt.bit_length())), longest_prompt})
+        fronts = [i for i in staged if isinstance(i, PrefillInstance | ColocatedInstance)]
+        new_prefills = [i for i in fronts if isinstance(i, PrefillInstance)]
+        pairs += [(c, None) for c in fronts if isinstance(c, ColocatedInstance)]
+        pairs += [(p, d) for p in new_prefills for d in [*routed_decodes, *decodes]]
+        pairs += [(p, d) for p in routed_prefills for d in decodes]
+    else:
+        for k, front in enumerate(i for i in staged if not isinstance(i, DecodeInstance)):
+            pool = decodes or routed_decodes
+            pairs.append((front, pool[k % len(pool)] if isinstance(front, PrefillInstance) else None))
+        covered = {d.name for _, d in pairs if d is not None}
+        for k, d in enumerate(d for d in decodes if d.name not in covered):
+            pairs.append((routed_prefills[k % len(routed_prefills)], d))
+    return [(front, decode, n) for (front, decode), n in itertools.product(pairs, lengths)]
