@@ -547,7 +547,9 @@ def source_config(source: str | Path, dtype: Any = "float32") -> ModelConfig:
     if path.is_dir() and is_hf_dir(path):
         return load_hf_model_config(path).with_dtype(str(jnp.dtype(dtype)))
     if path.exists():
-        raise CheckpointError(f"{path}: neither a Hugging Face model directory nor a jaxserve checkpoint")
+        raise CheckpointError(
+            f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory)"
+        )
     return get_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
 
 
