@@ -28,8 +28,11 @@ def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -
 
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("with_new", [False, True])
-def test_grouped_paged_decode_matches_repeated_reference(layout: BlockLayout, impl: Impl, with_new: bool) -> None:
+@pytest.mark.parametrize(("with_new", "chunk_blocks"), [(False, 0), (True, 0), (True, 1)])
+def test_grouped_paged_decode_matches_repeated_reference(
+    layout: BlockLayout, impl: Impl, with_new: bool, chunk_blocks: int
+) -> None:
+    """chunk_blocks=1: the chunked loops' online softmax over one table column at a time."""
     if layout == "heads" and impl == "xla_tokens":
         pytest.skip("xla_tokens reads token-major blocks only")
     rng = np.random.default_rng(3)
@@ -45,7 +48,7 @@ def test_grouped_paged_decode_matches_repeated_reference(layout: BlockLayout, im
     got = paged_decode_attention(
         jnp.asarray(q), jnp.asarray(stored_k), jnp.asarray(stored_v), jnp.asarray(tables), jnp.asarray(lengths),
         scale=scale, impl=impl, layer=1, new_kv=(jnp.asarray(new[0]), jnp.asarray(new[1])) if with_new else None,
-        block_layout=layout,
+        block_layout=layout, chunk_blocks=chunk_blocks,
     )  # fmt: skip
     for b in range(B):
         k = pages_k[1, tables[b]].reshape(M * BS, KVH, D)[: lengths[b]]
