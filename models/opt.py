@@ -19,8 +19,10 @@ Param tree (shapes for `cfg`; `E = cfg.embed_dim`, `h = cfg.hidden_size`, `f = c
       fc1                 {kernel [L, h, f], bias [L, f]}
       fc2                 {kernel [L, f, h], bias [L, h]}
 
-Kernels are `[in, out]` (Hugging Face Linear weights transposed). Three entry points share one
-layer body and differ only in how attention reads and writes K/V:
+Kernels are `[in, out]` (Hugging Face Linear weights transposed). This file holds OPT's layers only;
+the caches, attention and the step kinds are the shared KV layer's (`models.attention`), whose
+names (`KVCache`, `DecodeCache`, `PagedKVCache`, `insert_into_pages`, ...) it re-exports. Three
+entry points share one layer body and differ only in how attention reads and writes K/V:
 
 * `prefill`  — right-padded prompts `[B, T]`, returns a contiguous `KVCache` `[L, B, T, H, D]`;
 * `decode`   — one token per sequence at its own position, over a contiguous `KVCache`;
