@@ -545,3 +545,40 @@ def config_from_hf(source: str | Path | dict[str, Any], name: str | None = None)
     if raw.get("model_type") == "opt" or (archs and archs[0] == "OPTForCausalLM"):
         return OPTConfig.from_hf_config(source, name=name)
     return LlamaConfig.from_hf_config(source, name=name)
+
+
+def _llama_preset(
+    name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw: Any
+) -> LlamaConfig:
+    return LlamaConfig(name=name, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, vocab_size=vocab, **kw)  # fmt: skip
+
+
+_LLAMA3_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_LLAMA3_IDS: dict[str, Any] = {"bos_token_id": 128000, "eos_token_ids": (128001, 128008, 128009)}
+
+# Shapes of published Llama-style checkpoints (for the planner: sizes only), and a test-sized one.
+LLAMA_PRESETS: dict[str, LlamaConfig] = {
+    c.name: c
+    for c in (
+        _llama_preset("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, **_LLAMA3_IDS),
+        _llama_preset("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, **_LLAMA3_IDS),
+        _llama_preset("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, max_position_embeddings=32768,
+                      rope_theta=1000000.0, qkv_bias=True, family="qwen2", bos_token_id=None,
+                      eos_token_ids=(151643,)),
+        _llama_preset("mistral-7b-v0.3", 4096, 14336, 32, 32, 8, 32768, max_position_embeddings=32768,
+                      rms_norm_eps=1e-5, rope_theta=1000000.0, family="mistral"),
+        _llama_preset("llama-tiny", 64, 128, 2, 4, 2, 512, max_position_embeddings=256),
+    )
+}  # fmt: skip
+
+
+def get_llama_config(name: str, dtype: str | None = None) -> LlamaConfig:
+    """A Llama-style preset by name (`llama-3.1-8b`, `qwen2-7b`, `mistral-7b-v0.3`, `llama-tiny`)."""
+    key = name.lower().split("/")[-1]
+    if key not in LLAMA_PRESETS:
+        raise KeyError(f"unknown Llama-style preset {name!r}; known: {', '.join(LLAMA_PRESETS)}")
+    config = LLAMA_PRESETS[key]
+    return config.with_dtype(dtype) if dtype else config

@@ -249,3 +249,20 @@ def test_orbax_round_trip_of_a_llama_model(single: Path, tmp_path: Path) -> None
     np.testing.assert_allclose(
         np.asarray(restored.prefill(tokens, lengths)[0]), np.asarray(saved.prefill(tokens, lengths)[0]), atol=1e-5
     )
+
+
+def test_presets_have_the_published_parameter_counts_and_gqa_kv_bytes() -> None:
+    """Sizes the planner reads: parameter counts as the model cards state them; KV bytes follow kv_heads."""
+    from models.config import get_llama_config
+
+    published = {
+        "llama-3.1-8b": 8_030_261_248,
+        "llama-3.1-70b": 70_553_706_496,
+        "qwen2-7b": 7_615_616_512,
+        "mistral-7b-v0.3": 7_248_023_552,
+    }
+    for name, count in published.items():
+        assert get_llama_config(name).num_params == count, name
+    cfg = get_llama_config("meta-llama/llama-3.1-8b", dtype="bfloat16")
+    assert cfg.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB: 8 K/V heads, not 32
+    assert cfg.param_bytes == 2 * 8_030_261_248
