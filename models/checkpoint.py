@@ -1,4 +1,4 @@
-"""Checkpoints: Hugging Face OPT directories in, jaxserve Orbax checkpoints in and out, tokenizers.
+"""Checkpoints: Hugging Face OPT and Llama-style directories in, jaxserve Orbax checkpoints in and out, tokenizers.
 
 Every tensor goes straight to its target sharding: a stage's stacked layer leaf is built with
 `jax.make_array_from_callback`, whose callback reads only the slice a device holds (safetensors
@@ -15,10 +15,21 @@ Hugging Face names (prefix `model.decoder.` or bare `decoder.`)::
     layers.N.{fc1,fc2}.{weight,bias}
 
 Linear weights are transposed to our `[in, out]` kernels; `lm_head.weight` (tied) is ignored.
+
+Llama / Qwen2 / Mistral names (prefix `model.`; the untied head `lm_head.weight` [V, h] has none)::
+
+    embed_tokens.weight [V, h]      norm.weight [h]
+    layers.N.input_layernorm.weight, layers.N.post_attention_layernorm.weight
+    layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}   (biases: Qwen2's q/k/v; o with attention_bias)
+    layers.N.mlp.{gate,up,down}_proj.weight
+
+Every expected tensor is checked for presence and shape, and every safetensors file for a complete
+header and data, before any tensor is read: a bad checkpoint is one `CheckpointError` naming what.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
@@ -33,8 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import opt
-from models.config import OPTConfig, get_config
+from models import llama, opt
+from models.config import LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_config
 from models.opt import Params
 
 if TYPE_CHECKING:
@@ -73,7 +84,7 @@ class PlacedModel(Protocol):
     """What saving needs of a placed model (`models.sharding.ShardedOPT` is one)."""
 
     @property
-    def cfg(self) -> OPTConfig: ...
+    def cfg(self) -> ModelConfig: ...
 
     @property
     def layout(self) -> Placement: ...
@@ -108,10 +119,23 @@ _SAFETENSORS_DTYPES: dict[str, Any] = {
 
 
 def _open_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-map every tensor of a .safetensors file (header: u64 length + JSON; then raw data)."""
+    """Memory-map every tensor of a .safetensors file (header: u64 length + JSON; then raw data).
+
+    A file cut short (in the header or in any tensor's data) is a `CheckpointError` here, before
+    a memory map would fault on the missing bytes at first read.
+    """
+    size = path.stat().st_size
     with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated safetensors file: header of {header_len} bytes, file {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
     base = 8 + header_len
     out: dict[str, np.ndarray] = {}
     for name, meta in header.items():
@@ -121,7 +145,13 @@ def _open_safetensors(path: Path) -> dict[str, np.ndarray]:
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
         shape = tuple(meta["shape"])
-        start, _ = meta["data_offsets"]
+        start, end = meta["data_offsets"]
+        if end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise CheckpointError(f"{path}: tensor {name} spans {end - start} bytes, its shape {shape} needs more")
+        if base + end > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name} ends at byte {base + end}, file has {size}"
+            )
         if int(np.prod(shape)) == 0:
             out[name] = np.zeros(shape, dtype)
         else:
@@ -232,16 +262,50 @@ _HF_TOP_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
 }
 
 
-class HFReader:
-    """Reads slices of our params out of Hugging Face OPT tensors; validates names and shapes up front."""
+_LLAMA_LAYER_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
+    ("input_layernorm", "scale"): ("input_layernorm.weight", False),
+    ("post_attention_layernorm", "scale"): ("post_attention_layernorm.weight", False),
+    **{(m, "kernel"): (f"self_attn.{m}.weight", True) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{(m, "bias"): (f"self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{(m, "kernel"): (f"mlp.{m}.weight", True) for m in ("gate_proj", "up_proj", "down_proj")},
+}
+_LLAMA_TOP_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("embed_tokens",): ("embed_tokens.weight", False),
+    ("norm", "scale"): ("norm.weight", False),
+    ("lm_head",): ("lm_head.weight", False),  # [V, h] as our head is: no transpose
+}
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], cfg: OPTConfig, source: str = "checkpoint"):
+
+@dataclasses.dataclass(frozen=True)
+class _HFNaming:
+    """How one family's Hugging Face tensor names map onto our param tree."""
+
+    prefixes: tuple[str, ...]  # tried in order; the first holding embed_tokens.weight wins
+    layer_names: Mapping[tuple[str, str], tuple[str, bool]]  # (module, leaf) -> (suffix after "layers.N.", transpose)
+    top_names: Mapping[tuple[str, ...], tuple[str, bool]]
+    unprefixed: frozenset[tuple[str, ...]] = frozenset()  # top-level leaves named without the prefix
+
+
+_OPT_NAMING = _HFNaming(("model.decoder.", "decoder."), _HF_LAYER_NAMES, _HF_TOP_NAMES)
+_LLAMA_NAMING = _HFNaming(("model.", ""), _LLAMA_LAYER_NAMES, _LLAMA_TOP_NAMES, frozenset({("lm_head",)}))
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The full param tree's leaf shapes for either family."""
+    return llama.param_shapes(cfg) if isinstance(cfg, LlamaConfig) else opt.param_shapes(cfg)
+
+
+class HFReader:
+    """Reads slices of our params out of Hugging Face tensors (OPT or Llama-style); validates names and shapes up front."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source: str = "checkpoint"):
         self.tensors = tensors
         self.cfg = cfg
-        prefixes = ("model.decoder.", "decoder.")
+        self.naming = _LLAMA_NAMING if isinstance(cfg, LlamaConfig) else _OPT_NAMING
+        prefixes = self.naming.prefixes
         self.prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
         problems = []
-        for path, shape in _leaf_paths(opt.param_shapes(cfg)):
+        for path, shape in _leaf_paths(param_shapes(cfg)):
             for name, transpose in self._hf_names(path):
                 expected = shape[1:] if path[0] == "layers" else shape
                 if transpose:
@@ -256,14 +320,14 @@ class HFReader:
 
     def _hf_names(self, path: tuple[str, ...]) -> list[tuple[str, bool]]:
         if path[0] == "layers":
-            suffix, transpose = _HF_LAYER_NAMES[(path[1], path[2])]
+            suffix, transpose = self.naming.layer_names[(path[1], path[2])]
             return [(f"{self.prefix}layers.{i}.{suffix}", transpose) for i in range(self.cfg.num_layers)]
-        name, transpose = _HF_TOP_NAMES[path]
-        return [(self.prefix + name, transpose)]
+        name, transpose = self.naming.top_names[path]
+        return [(name if path in self.naming.unprefixed else self.prefix + name, transpose)]
 
     def read(self, path: tuple[str, ...], index: Index) -> np.ndarray:
         if path[0] == "layers":
-            suffix, transpose = _HF_LAYER_NAMES[(path[1], path[2])]
+            suffix, transpose = self.naming.layer_names[(path[1], path[2])]
             layers = range(*index[0].indices(self.cfg.num_layers))
             rest = index[1:]
             parts = []
@@ -271,8 +335,8 @@ class HFReader:
                 t = self.tensors[f"{self.prefix}layers.{i}.{suffix}"]
                 parts.append(np.asarray(t[rest[::-1]]).T if transpose else np.asarray(t[rest]))
             return np.stack(parts)
-        name, transpose = _HF_TOP_NAMES[path]
-        t = self.tensors[self.prefix + name]
+        [(name, transpose)] = self._hf_names(path)
+        t = self.tensors[name]
         return np.asarray(t[index[::-1]]).T if transpose else np.asarray(t[index])
 
 
@@ -304,10 +368,10 @@ def _leaf_callback(
     return cb
 
 
-def place_params(reader: ParamTreeReader | HFReader, cfg: OPTConfig, layout: Placement, dtype: Any) -> list[Params]:
+def place_params(reader: ParamTreeReader | HFReader, cfg: ModelConfig, layout: Placement, dtype: Any) -> list[Params]:
     """Build every stage's param tree on its mesh; each device reads only the slice it holds."""
     dtype = jnp.dtype(dtype)
-    full_shapes = opt.param_shapes(cfg)
+    full_shapes = param_shapes(cfg)
     stages = []
     for st in layout.stages:
         start, end = st.layers
@@ -343,24 +407,31 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def load_hf_config(directory: str | Path) -> OPTConfig:
+    """The config of a HF OPT directory (what the runtime serves today; a Llama-style one is an error)."""
     directory = Path(directory)
     return OPTConfig.from_hf_config(directory / "config.json", name=directory.name)
 
 
-def load_hf_params(directory: str | Path, cfg: OPTConfig | None = None, dtype: Any = jnp.float32) -> Params:
-    """A HF OPT checkpoint as one host-side (numpy) param tree in our layout — for tests and tools."""
+def load_hf_model_config(directory: str | Path) -> ModelConfig:
+    """The config of a HF directory: OPT or a Llama-style family (`UnsupportedModelError` for anything else)."""
     directory = Path(directory)
-    cfg = cfg or load_hf_config(directory)
+    return config_from_hf(directory / "config.json", name=directory.name)
+
+
+def load_hf_params(directory: str | Path, cfg: ModelConfig | None = None, dtype: Any = jnp.float32) -> Params:
+    """A HF checkpoint (OPT or Llama-style) as one host-side (numpy) param tree in our layout — for tests and tools."""
+    directory = Path(directory)
+    cfg = cfg or load_hf_model_config(directory)
     return params_from_hf_tensors(open_hf_tensors(directory), cfg, dtype, source=str(directory))
 
 
 def params_from_hf_tensors(
-    tensors: Mapping[str, np.ndarray], cfg: OPTConfig, dtype: Any = jnp.float32, source: str = "tensors"
+    tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32, source: str = "tensors"
 ) -> Params:
     """Our host-side (numpy) param tree from HF-named tensors (e.g. a torch `state_dict()` as numpy)."""
     reader = HFReader(tensors, cfg, source)
     out: Params = {}
-    for path, shape in _leaf_paths(opt.param_shapes(cfg)):
+    for path, shape in _leaf_paths(param_shapes(cfg)):
         _set(out, path, reader.read(path, (slice(None),) * len(shape)).astype(jnp.dtype(dtype)))
     return out
 
@@ -396,7 +467,7 @@ def save_checkpoint(path: str | Path, model: PlacedModel) -> Path:
     stage_params = model.stage_params  # stacked layer leaves
     gmesh = _global_mesh(layout)
     tree: Params = {}
-    full_shapes = opt.param_shapes(cfg)
+    full_shapes = param_shapes(cfg)
     last = layout.stages[-1]
     for path_, sharding in _leaf_paths(last.param_shardings) + _leaf_paths(layout.stages[0].param_shardings):
         if path_[0] == "layers":
@@ -424,22 +495,22 @@ def _has(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
     return True
 
 
-def checkpoint_config(path: str | Path, dtype: Any = None) -> OPTConfig:
+def checkpoint_config(path: str | Path, dtype: Any = None) -> ModelConfig:
     """The config of a `save_checkpoint` directory, in `dtype` (default: the dtype it was saved in)."""
     path = Path(path).absolute()
     meta = json.loads((path / JAXSERVE_MARKER).read_text())
-    cfg = OPTConfig.from_hf_config(path / "config.json", name=meta.get("name"))
+    cfg = config_from_hf(path / "config.json", name=meta.get("name"))
     return cfg.with_dtype(str(jnp.dtype(dtype or meta.get("dtype") or "float32")))
 
 
-def restore_stage_params(path: str | Path, cfg: OPTConfig, layout: Placement) -> list[Params]:
+def restore_stage_params(path: str | Path, cfg: ModelConfig, layout: Placement) -> list[Params]:
     """Restore a `save_checkpoint` directory straight into `layout` (any tp x pp shape), in `cfg.dtype`."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     dt = jnp.dtype(cfg.dtype)
     gmesh = _global_mesh(layout)
-    full_shapes = opt.param_shapes(cfg)
+    full_shapes = param_shapes(cfg)
     target: Params = {}
     for path_, shape in _leaf_paths(full_shapes):
         if path_[0] == "layers":
@@ -468,20 +539,22 @@ def restore_stage_params(path: str | Path, cfg: OPTConfig, layout: Placement) ->
 # ------------------------------------------------------------------------------------------
 
 
-def source_config(source: str | Path, dtype: Any = "float32") -> OPTConfig:
+def source_config(source: str | Path, dtype: Any = "float32") -> ModelConfig:
     """The config of a model source: a jaxserve checkpoint dir, a HF dir, or a preset name."""
     path = Path(source)
     if path.is_dir() and (path / JAXSERVE_MARKER).exists():
         return checkpoint_config(path, dtype)
     if path.is_dir() and is_hf_dir(path):
-        return load_hf_config(path).with_dtype(str(jnp.dtype(dtype)))
+        return load_hf_model_config(path).with_dtype(str(jnp.dtype(dtype)))
     if path.exists():
-        raise CheckpointError(f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint")
+        raise CheckpointError(
+            f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory)"
+        )
     return get_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
 
 
 def load_stage_params(
-    source: str | Path, cfg: OPTConfig, layout: Placement, dtype: Any = "float32", seed: int = 0
+    source: str | Path, cfg: ModelConfig, layout: Placement, dtype: Any = "float32", seed: int = 0
 ) -> list[Params]:
     """Every stage's params of `source` (see `source_config`) placed on `layout`, in `cfg.dtype`.
 
@@ -495,7 +568,8 @@ def load_stage_params(
         return place_params(reader, cfg, layout, cfg.dtype)
     log.warning("model %r is a preset name, not a checkpoint: using RANDOM weights (seed %d)", str(source), seed)
     with jax.default_device(jax.devices("cpu")[0]):
-        params = opt.init_params(cfg, jax.random.key(seed), jnp.float32)
+        key = jax.random.key(seed)
+        params = llama.init_params(cfg, key) if isinstance(cfg, LlamaConfig) else opt.init_params(cfg, key)
     return place_params(ParamTreeReader(params), cfg, layout, cfg.dtype)
 
 

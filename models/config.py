@@ -1,4 +1,4 @@
-"""OPT model shapes: the one place the planner and the runtime learn a model's size.
+"""Model shapes (OPT, Llama-style): the one place the planner and the runtime learn a model's size.
 
 Pure Python on purpose (no JAX import): the placement planner reads parameter
 counts, KV-cache bytes per token and FLOPs per token from here without starting
@@ -51,6 +51,11 @@ class OPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads per layer (OPT is multi-head: one per query head)."""
+        return self.num_heads
 
     @property
     def embed_dim(self) -> int:
@@ -229,4 +234,351 @@ def get_config(name: str, dtype: str | None = None) -> OPTConfig:
     if key not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     config = PRESETS[key]
+    return config.with_dtype(dtype) if dtype else config
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama-style decoders (Llama, Qwen2, Mistral): RMSNorm, RoPE, grouped K/V heads, SwiGLU MLP
+# ------------------------------------------------------------------------------------------------
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint's architecture or one of its options is not one jaxserve implements (raised before loading)."""
+
+
+# Hugging Face architecture -> our family name. A family here differs only in config mapping.
+LLAMA_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_MODEL_TYPES = {family: family for family in LLAMA_ARCHITECTURES.values()}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`rope_scaling` of type "linear" (positions divided by `factor`) or "llama3" (frequency bands)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise UnsupportedModelError(
+                f"rope_scaling type {self.rope_type!r} is not supported (supported: 'linear', 'llama3')"
+            )
+        if self.factor <= 0:
+            raise UnsupportedModelError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise UnsupportedModelError(
+                f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style decoder; `from_hf_config` maps Llama, Qwen2 and Mistral `config.json`s onto it.
+
+    Hashable (frozen, tuples only): the model functions take it as a static jit argument.
+    """
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim_: int | None = None  # None means hidden_size // num_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have biases
+    o_bias: bool = False  # Llama's attention_bias=True: o_proj too
+    tie_word_embeddings: bool = False
+    family: str = "llama"
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                            f"{self.num_kv_heads}")  # fmt: skip
+        if self.head_dim_ is None and self.hidden_size % self.num_heads:
+            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.dtype not in _DTYPE_BYTES:
+            problems.append(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if problems:
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
+
+    # ---- derived shapes -------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_ if self.head_dim_ is not None else self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per K/V head (1: MHA; num_heads: MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """The MLP's inner width (the name the planner reads)."""
+        return self.intermediate_size
+
+    @property
+    def embed_dim(self) -> int:
+        return self.hidden_size
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def with_dtype(self, dtype: str) -> LlamaConfig:
+        return dataclasses.replace(self, dtype=dtype)
+
+    # ---- sizes the planner needs ----------------------------------------
+    @property
+    def num_layer_params(self) -> int:
+        """Parameters of one decoder layer (q/k/v/o, gate/up/down, two RMSNorm scales)."""
+        h = self.hidden_size
+        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        attention += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        attention += h if self.o_bias else 0
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_embedding_params(self) -> int:
+        """Token table, final RMSNorm and an untied LM head (RoPE has no parameters)."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.hidden_size + head
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.num_layer_params + self.num_embedding_params
+
+    @property
+    def param_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token across all layers: `kv_heads * head_dim` each, not `hidden_size`."""
+        return 2 * self.num_layers * self.kv_dim * self.dtype_bytes
+
+    def flops_per_token(self, context_len: int = 0) -> int:
+        """Forward FLOPs for one token attending to `context_len` earlier tokens (2 per multiply-add)."""
+        h = self.hidden_size
+        matmul_params = self.num_layers * (2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size)
+        lm_head = self.vocab_size * h
+        attention = self.num_layers * 4 * self.q_dim * context_len  # every query head scores and weighs
+        return 2 * (matmul_params + lm_head) + attention
+
+    # ---- Hugging Face interop -------------------------------------------
+    @classmethod
+    def from_hf_config(cls, source: str | Path | dict[str, Any], name: str | None = None) -> LlamaConfig:
+        """Build from a Hugging Face `config.json` (a path, a directory holding one, or the dict).
+
+        Raises `UnsupportedModelError` naming the architecture or option when it is not one we
+        implement (sliding-window attention, a RoPE type other than default/linear/llama3, ...).
+        """
+        raw, default_name = _read_hf_config(source)
+        family = _llama_family(raw)
+        problems = []
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            problems.append(f"hidden_act {act!r} (only 'silu', the SwiGLU MLP)")
+        if raw.get("mlp_bias"):
+            problems.append("mlp_bias=True")
+        if family == "mistral" and raw.get("sliding_window") is not None:
+            problems.append(f"sliding_window={raw['sliding_window']} (sliding-window attention)")
+        if family == "qwen2" and raw.get("use_sliding_window"):
+            problems.append("use_sliding_window=True (sliding-window attention)")
+        other_layers = sorted({t for t in raw.get("layer_types") or () if t != "full_attention"})
+        if other_layers:
+            problems.append(f"layer_types {other_layers} (only full_attention)")
+        rope_theta, rope_scaling, rope_problems = _rope_from_hf(raw)
+        problems.extend(rope_problems)
+        if problems:
+            arch = (raw.get("architectures") or [family])[0]
+            raise UnsupportedModelError(f"{arch} config not supported: " + "; ".join(problems))
+        attention_bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim")
+        return cls(
+            name=name or default_name,
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            vocab_size=int(raw["vocab_size"]),
+            head_dim_=None if head_dim in (None, hidden // heads) else int(head_dim),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            family=family,
+            bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+            eos_token_ids=eos_ids,
+            pad_token_id=None if raw.get("pad_token_id") is None else int(raw["pad_token_id"]),
+            dtype=torch_dtype if torch_dtype in _DTYPE_BYTES else "float32",
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` fields `from_hf_config` reads (transformers 4 spelling of RoPE)."""
+        arch = next(a for a, f in LLAMA_ARCHITECTURES.items() if f == self.family)
+        rope_scaling = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        return {
+            "model_type": self.family,
+            "architectures": [arch],
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "attention_bias": self.o_bias,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.dtype,
+        }
+
+
+def _read_hf_config(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, dict):
+        return source, str(source.get("_name_or_path") or source.get("model_type") or "model")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    return json.loads(path.read_text()), path.parent.name
+
+
+def _llama_family(raw: dict[str, Any]) -> str:
+    """The family of a config's first architecture (or its model_type when architectures is absent)."""
+    archs = raw.get("architectures") or []
+    if archs:
+        if archs[0] not in LLAMA_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {archs[0]!r} is not supported (supported: {', '.join(LLAMA_ARCHITECTURES)}, "
+                "OPTForCausalLM)"
+            )
+        return LLAMA_ARCHITECTURES[archs[0]]
+    model_type = raw.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(_MODEL_TYPES)}, opt)"
+        )
+    return _MODEL_TYPES[str(model_type)]
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, RopeScaling | None, list[str]]:
+    """(rope_theta, scaling, problems) from `rope_theta` + `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {}) or params
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+    problems = []
+    if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        problems.append("partial_rotary_factor != 1 (partial RoPE)")
+    if rope_type not in ROPE_TYPES:
+        problems.append(f"rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        return theta, None, problems
+    if rope_type == "default":
+        return theta, None, problems
+    keys = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    extra: dict[str, Any] = {k: scaling[k] for k in keys if rope_type == "llama3" and k in scaling}
+    return theta, RopeScaling(rope_type=rope_type, factor=float(scaling.get("factor", 1.0)), **extra), problems
+
+
+ModelConfig = OPTConfig | LlamaConfig
+
+
+def config_from_hf(source: str | Path | dict[str, Any], name: str | None = None) -> ModelConfig:
+    """The config of any supported Hugging Face `config.json`: OPT or a Llama-style family.
+
+    Anything else is an `UnsupportedModelError` that names the architecture, before any weight loads.
+    """
+    raw, _ = _read_hf_config(source)
+    archs = raw.get("architectures") or []
+    if raw.get("model_type") == "opt" or (archs and archs[0] == "OPTForCausalLM"):
+        return OPTConfig.from_hf_config(source, name=name)
+    return LlamaConfig.from_hf_config(source, name=name)
+
+
+def _llama_preset(
+    name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw: Any
+) -> LlamaConfig:
+    return LlamaConfig(name=name, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, vocab_size=vocab, **kw)  # fmt: skip
+
+
+_LLAMA3_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_LLAMA3_IDS: dict[str, Any] = {"bos_token_id": 128000, "eos_token_ids": (128001, 128008, 128009)}
+
+# Shapes of published Llama-style checkpoints (for the planner: sizes only), and a test-sized one.
+LLAMA_PRESETS: dict[str, LlamaConfig] = {
+    c.name: c
+    for c in (
+        _llama_preset("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, **_LLAMA3_IDS),
+        _llama_preset("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, **_LLAMA3_IDS),
+        _llama_preset("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, max_position_embeddings=32768,
+                      rope_theta=1000000.0, qkv_bias=True, family="qwen2", bos_token_id=None,
+                      eos_token_ids=(151643,)),
+        _llama_preset("mistral-7b-v0.3", 4096, 14336, 32, 32, 8, 32768, max_position_embeddings=32768,
+                      rms_norm_eps=1e-5, rope_theta=1000000.0, family="mistral"),
+        _llama_preset("llama-tiny", 64, 128, 2, 4, 2, 512, max_position_embeddings=256),
+    )
+}  # fmt: skip
+
+
+def get_llama_config(name: str, dtype: str | None = None) -> LlamaConfig:
+    """A Llama-style preset by name (`llama-3.1-8b`, `qwen2-7b`, `mistral-7b-v0.3`, `llama-tiny`)."""
+    key = name.lower().split("/")[-1]
+    if key not in LLAMA_PRESETS:
+        raise KeyError(f"unknown Llama-style preset {name!r}; known: {', '.join(LLAMA_PRESETS)}")
+    config = LLAMA_PRESETS[key]
     return config.with_dtype(dtype) if dtype else config

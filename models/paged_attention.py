@@ -1,5 +1,13 @@
 """Decode attention over a paged KV pool: one function, XLA implementations and a Pallas one.
 
+Grouped queries (GQA / MQA: `q` has more heads than the pool, a multiple of them) are viewed
+[B, KVH, G, D] and each K/V head is attended by its group of query heads in one product, so K/V
+is read once per group and never repeated: "xla_gather" and "pallas_gpu" run the one-gather form
+(`_xla_gather_grouped`), every other impl the chunked loop with an online softmax
+(`_xla_chunked_grouped`: head-major blocks as "xla_heads_flat" reads them, token-major ones
+transposed per chunk). The C++ kernel and the Pallas kernel are written for one query head per
+K/V head (OPT, Mistral-style MHA); giving them groups is the next step for fast Llama serving.
+
 `paged_decode_attention(q, k_pages, v_pages, block_tables, lengths)` attends one query per row
 to the first `lengths[b]` positions of row b's pages (position p in block `block_tables[b, p //
 block_size]`, slot `p % block_size`). The pool is one layer of the engine's pool, `[num_blocks,
@@ -10,7 +18,7 @@ per row that is not in the pages (a decode step's own token) to the same softmax
 
 * `impl="xla"` (the function's default): a loop over chunks of table columns (`CHUNK_BYTES`) that
   stops after the longest row's last filled block, with an online (flash-decoding) softmax. Each
-  chunk's blocks are gathered, put head-major ([B, H, S, D], see `models.opt._decode_attention` for
+  chunk's blocks are gathered, put head-major ([B, H, S, D], see `models.attention.decode_attention` for
   why) and attended while they are still in cache. The engine buckets table widths to powers of
   two, so up to half a table's columns are empty: they are never read. One chunk is small enough
   that its gather and transpose stay in the CPU's caches instead of streaming the whole
@@ -123,6 +131,17 @@ def paged_decode_attention(
     if block_layout == "heads" and impl == "xla_tokens":
         raise ValueError("block_layout='heads' is not implemented for impl='xla_tokens' (a token-major form)")
     heads = block_layout == "heads"
+    kv_heads = k_pages.shape[-3] if heads else k_pages.shape[-2]
+    if q.shape[1] != kv_heads:  # grouped queries (GQA / MQA): one gather, each K/V head read once per group
+        if q.shape[1] % kv_heads:
+            raise ValueError(f"{q.shape[1]} query heads are not a multiple of the pool's {kv_heads} K/V heads")
+        if layer is None:
+            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        if impl in ("xla_gather", "pallas_gpu"):
+            return _xla_gather_grouped(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
+        return _xla_chunked_grouped(
+            q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, heads
+        )
     if impl == "cpu_kernel":
         if heads and cpu_kernel_applies(q.dtype, k_pages.dtype, new_kv):
             return _cpu_kernel(q, k_pages, v_pages, block_tables, lengths, scale, layer, new_kv)
@@ -247,6 +266,104 @@ def _xla_gather(
     p = jax.nn.softmax(jnp.concatenate([s, s_new], axis=-1), axis=-1)
     out = jnp.einsum("bhs,bhsd->bhd", p[..., :-1].astype(vals.dtype), vals, preferred_element_type=jnp.float32)
     return out + p[..., -1:] * v_new.astype(jnp.float32)
+
+
+def _xla_gather_grouped(
+    q: jax.Array,  # [B, H, D], H = KVH * G
+    k_pages: jax.Array,  # [L, N, bs, KVH, D] (heads: [L, N, KVH, bs, D])
+    v_pages: jax.Array,
+    layer: Any,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    new_kv: tuple[jax.Array, jax.Array] | None,  # (k [B, KVH, D], v [B, KVH, D])
+    heads: bool,
+) -> jax.Array:
+    """`_xla_gather` for G query heads per K/V head: q is viewed [B, KVH, G, D] and the group shares each K/V read."""
+    b, m = block_tables.shape
+    if heads:
+        _, _, h, bs, d = k_pages.shape
+        keys = jnp.swapaxes(k_pages[layer, block_tables], 1, 2).reshape(b, h, m * bs, d)  # [B, KVH, S, D]
+        vals = jnp.swapaxes(v_pages[layer, block_tables], 1, 2).reshape(b, h, m * bs, d)
+    else:
+        _, _, bs, h, d = k_pages.shape
+        keys = jnp.swapaxes(k_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)  # [B, KVH, S, D]
+        vals = jnp.swapaxes(v_pages[layer, block_tables].reshape(b, m * bs, h, d), 1, 2)
+    qg = q.reshape(b, h, -1, d)  # [B, KVH, G, D]: query head k * G + g reads K/V head k
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, keys, preferred_element_type=jnp.float32) * scale  # [B, KVH, G, S]
+    s = jnp.where(jnp.arange(m * bs)[None, None, None, :] < lengths[:, None, None, None], s, _MASK_VALUE)
+    if new_kv is not None:
+        s_new = jnp.einsum("bkgd,bkd->bkg", qg, new_kv[0], preferred_element_type=jnp.float32)[..., None] * scale
+        s = jnp.concatenate([s, s_new], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgs,bksd->bkgd", p[..., : m * bs].astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    if new_kv is not None:
+        out = out + p[..., -1:] * new_kv[1].astype(jnp.float32)[:, :, None]
+    return out.reshape(q.shape)
+
+
+def _xla_chunked_grouped(
+    q: jax.Array,  # [B, H, D], H = KVH * G
+    k_pages: jax.Array,  # [L, N, bs, KVH, D] (heads: [L, N, KVH, bs, D])
+    v_pages: jax.Array,
+    layer: Any,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    new_kv: tuple[jax.Array, jax.Array] | None,  # (k [B, KVH, D], v [B, KVH, D])
+    chunk_blocks: int,
+    heads: bool,
+) -> jax.Array:
+    """`_xla_chunked` for G query heads per K/V head: each chunk's K/V [B, KVH, C*bs, D] is attended by the
+    group's queries [B, KVH, G, D] in one product per (b, K/V head), with the online softmax carried per query head.
+
+    Chunk widths follow "heads_flat" (head-major blocks) or "transpose" (token-major blocks) by K/V bytes.
+    """
+    b, m = block_tables.shape
+    if heads:
+        _, _, h, bs, d = k_pages.shape
+    else:
+        _, _, bs, h, d = k_pages.shape
+    column_bytes = b * bs * h * d * k_pages.dtype.itemsize
+    c = min(chunk_blocks or chunk_columns(column_bytes, "heads_flat" if heads else "transpose"), m)
+    width = -(-m // c) * c
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - m))).reshape(b, width // c, c)  # [B, M/C, C]
+    num_chunks = jnp.minimum((jnp.max(lengths) + c * bs - 1) // (c * bs), width // c)
+    qg = q.reshape(b, h, -1, d)  # [B, KVH, G, D]: query head k * G + g reads K/V head k
+    g = qg.shape[2]
+    if new_kv is None:
+        run_max = jnp.full((b, h, g), _MASK_VALUE, jnp.float32)
+        run_sum = jnp.zeros((b, h, g), jnp.float32)
+        acc = jnp.zeros((b, h, g, d), jnp.float32)
+    else:
+        k_new, v_new = new_kv
+        run_max = jnp.einsum("bkgd,bkd->bkg", qg, k_new, preferred_element_type=jnp.float32) * scale
+        run_sum = jnp.ones((b, h, g), jnp.float32)
+        acc = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (b, h, g, d))
+
+    _Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def body(carry: _Carry) -> _Carry:
+        j, run_max, run_sum, acc = carry
+        ids = jax.lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [B, C]
+        pos = j * (c * bs) + jnp.arange(c * bs)
+        if heads:  # [B, C, KVH, bs, D] -> [B, KVH, C*bs, D]
+            keys = jnp.swapaxes(k_pages[layer, ids], 1, 2).reshape(b, h, c * bs, d)
+            vals = jnp.swapaxes(v_pages[layer, ids], 1, 2).reshape(b, h, c * bs, d)
+        else:  # [B, C*bs, KVH, D] -> [B, KVH, C*bs, D]
+            keys = jnp.swapaxes(k_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)
+            vals = jnp.swapaxes(v_pages[layer, ids].reshape(b, c * bs, h, d), 1, 2)
+        s = jnp.einsum("bkgd,bksd->bkgs", qg, keys, preferred_element_type=jnp.float32) * scale  # [B, KVH, G, C*bs]
+        s = jnp.where(pos[None, None, None, :] < lengths[:, None, None, None], s, _MASK_VALUE)
+        new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
+        rescale = jnp.exp(run_max - new_max)
+        e = jnp.exp(s - new_max[..., None])
+        weighted = jnp.einsum("bkgs,bksd->bkgd", e.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        return j + 1, new_max, run_sum * rescale + jnp.sum(e, axis=-1), acc * rescale[..., None] + weighted
+
+    init = (jnp.zeros((), jnp.int32), run_max, run_sum, acc)
+    _, _, run_sum, acc = jax.lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
+    return (acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]).reshape(q.shape)
 
 
 def chunk_columns(column_bytes: int, form: _Form) -> int:

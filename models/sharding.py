@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel layout of OPT, and a sharded model that runs it.
+"""Tensor- and pipeline-parallel layout of OPT and Llama-style decoders, and a sharded model that runs them.
 
 Tensor parallelism (mesh axis `tp`): attention heads and FFN columns are split — q/k/v and fc1
 are column-parallel (kernel `[L, in, out]` split on `out`), out_proj and fc2 row-parallel (split on
@@ -6,6 +6,12 @@ are column-parallel (kernel `[L, in, out]` split on `out`), out_proj and fc2 row
 LayerNorms, the row-parallel biases and the tied LM head are replicated on every device of a
 stage (simple, and the LM head's all-gather of vocab logits would cost more than it saves at the
 sizes we serve on one host). The KV cache is split over heads.
+
+Llama-style (`models.llama`): q/k/v and gate/up are column-parallel, o_proj and down_proj
+row-parallel, RMSNorm scales and the head replicated. Query heads split over `tp`; K/V heads split
+too where `tp` divides them, and where `tp` is a multiple of them every device holds all K/V heads
+(k/v projections and the cache replicated; each device's query heads read the K/V head of their
+group). Any other `tp` is refused with the reason.
 
 Pipeline parallelism: `pp` contiguous, equal layer ranges; stage s runs on its own 1-D mesh over
 devices `[s*tp, (s+1)*tp)` (devices are stage-major). Activations move between stages with
@@ -21,7 +27,8 @@ import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import checkpoint, opt
-from models.config import OPTConfig
+from models import checkpoint, llama, opt
+from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError
 from models.opt import KVCache, PagedKVCache, Params
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
@@ -49,18 +56,60 @@ _LAYER_SPECS: dict[str, dict[str, P]] = {
     "self_attn_layer_norm": {"scale": P(), "bias": P()},
     "final_layer_norm": {"scale": P(), "bias": P()},
 }
+
+
+def _llama_layer_specs(cfg: LlamaConfig, kv_split: bool) -> dict[str, dict[str, P]]:
+    """Llama-style layer leaves: column-parallel q/k/v, gate/up; row-parallel o/down; K/V replicated unless split."""
+    col, row = {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)}, {"kernel": P(None, TP_AXIS, None)}
+    kv = col if kv_split else {"kernel": P(), "bias": P()}
+
+    def keep(spec: dict[str, P], bias: bool) -> dict[str, P]:
+        return spec if bias else {"kernel": spec["kernel"]}
+
+    return {
+        "input_layernorm": {"scale": P()},
+        "q_proj": keep(col, cfg.qkv_bias),
+        "k_proj": keep(kv, cfg.qkv_bias),
+        "v_proj": keep(kv, cfg.qkv_bias),
+        "o_proj": {**row, "bias": P()} if cfg.o_bias else row,
+        "post_attention_layernorm": {"scale": P()},
+        "gate_proj": keep(col, False),
+        "up_proj": keep(col, False),
+        "down_proj": row,
+    }
+
+
 # [L, B, T, H, D] and [L, num_blocks, block_size, H, D]: heads split.
 KV_SPEC = P(None, None, None, TP_AXIS, None)
 # [L, num_blocks, H, block_size, D] (a pool of head-major blocks): heads split.
 HEADS_POOL_SPEC = P(None, None, TP_AXIS, None, None)
 
 
-def pool_spec(block_layout: BlockLayout) -> P:
-    """PartitionSpec of a block pool's K / V in `block_layout` (heads over `tp` either way)."""
+def pool_spec(block_layout: BlockLayout, kv_split: bool = True) -> P:
+    """PartitionSpec of a block pool's K / V in `block_layout` (heads over `tp` either way; `kv_split=False`: replicated)."""
+    if not kv_split:
+        return P()
     return HEADS_POOL_SPEC if block_layout == "heads" else KV_SPEC
 
 
-def validate_parallelism(cfg: OPTConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
+def kv_heads_split(cfg: ModelConfig, tp: int) -> bool:
+    """Whether K/V heads split over `tp` (tp divides them) or are replicated (tp a multiple of them)."""
+    if cfg.kv_heads % tp == 0:
+        return True
+    if tp % cfg.kv_heads == 0:
+        return False
+    raise ValueError(
+        f"cannot shard {cfg.name} with tp={tp}: {cfg.kv_heads} K/V heads neither split over tp={tp} "
+        f"(tp must divide them) nor replicate across it (tp must be a multiple of them)"
+    )
+
+
+def family(cfg: ModelConfig) -> ModuleType:
+    """The model module (`models.opt` or `models.llama`) whose functions run `cfg`."""
+    return llama if isinstance(cfg, LlamaConfig) else opt
+
+
+def validate_parallelism(cfg: ModelConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
     """Raise a ValueError that says what is wrong when `cfg` cannot be split `tp` x `pp` ways."""
     problems = []
     if tp < 1 or pp < 1:
@@ -68,6 +117,11 @@ def validate_parallelism(cfg: OPTConfig, tp: int, pp: int, num_devices: int | No
     else:
         if cfg.num_heads % tp:
             problems.append(f"num_heads {cfg.num_heads} is not divisible by tp={tp}")
+        if cfg.kv_heads % tp and tp % cfg.kv_heads:
+            problems.append(
+                f"{cfg.kv_heads} K/V heads neither split over tp={tp} (tp must divide them) "
+                f"nor replicate across it (tp must be a multiple of them)"
+            )
         if cfg.ffn_dim % tp:
             problems.append(f"ffn_dim {cfg.ffn_dim} is not divisible by tp={tp}")
         if cfg.num_layers % pp:
@@ -78,7 +132,7 @@ def validate_parallelism(cfg: OPTConfig, tp: int, pp: int, num_devices: int | No
         raise ValueError(f"cannot shard {cfg.name} with tp={tp}, pp={pp}: " + "; ".join(problems))
 
 
-def stage_layer_ranges(cfg: OPTConfig, pp: int) -> list[tuple[int, int]]:
+def stage_layer_ranges(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
     """Contiguous `[start, end)` layer ranges of the `pp` pipeline stages."""
     if pp < 1 or cfg.num_layers % pp:
         raise ValueError(f"num_layers {cfg.num_layers} is not divisible by pp={pp}")
@@ -86,9 +140,18 @@ def stage_layer_ranges(cfg: OPTConfig, pp: int) -> list[tuple[int, int]]:
     return [(s * n, (s + 1) * n) for s in range(pp)]
 
 
-def param_specs(cfg: OPTConfig, first: bool = True, last: bool = True) -> dict[str, Any]:
-    """PartitionSpecs for a stage's param tree (same structure as `opt.stage_params`)."""
-    specs: dict[str, Any] = {"layers": {k: dict(v) for k, v in _LAYER_SPECS.items()}}
+def param_specs(cfg: ModelConfig, first: bool = True, last: bool = True, tp: int = 1) -> dict[str, Any]:
+    """PartitionSpecs for a stage's param tree (same structure as the family's `stage_params`)."""
+    if isinstance(cfg, LlamaConfig):
+        specs: dict[str, Any] = {"layers": _llama_layer_specs(cfg, kv_heads_split(cfg, tp))}
+        if first or (last and cfg.tie_word_embeddings):
+            specs["embed_tokens"] = P()
+        if last:
+            specs["norm"] = {"scale": P()}
+            if not cfg.tie_word_embeddings:
+                specs["lm_head"] = P()
+        return specs
+    specs = {"layers": {k: dict(v) for k, v in _LAYER_SPECS.items()}}
     if first or last:
         specs["embed_tokens"] = P()
     if first:
@@ -111,12 +174,13 @@ class StageLayout:
     layers: tuple[int, int]  # [start, end)
     mesh: Mesh
     param_shardings: dict[str, Any]  # NamedSharding tree matching opt.stage_params
-    kv_sharding: NamedSharding  # for [L_stage, B, T, H, D] / [L_stage, N, bs, H, D]
+    kv_sharding: NamedSharding  # for [L_stage, B, T, KVH, D] / [L_stage, N, bs, KVH, D]
     replicated: NamedSharding
+    kv_split: bool = True  # K/V heads split over tp (False: every device holds all of them)
 
     def pool_sharding(self, block_layout: BlockLayout) -> NamedSharding:
         """The sharding of this stage's block pool in `block_layout`."""
-        return NamedSharding(self.mesh, pool_spec(block_layout))
+        return NamedSharding(self.mesh, pool_spec(block_layout, self.kv_split))
 
     @property
     def first(self) -> bool:
@@ -129,7 +193,7 @@ class StageLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    cfg: OPTConfig
+    cfg: ModelConfig
     tp: int
     pp: int
     stages: tuple[StageLayout, ...]
@@ -144,14 +208,15 @@ def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
     return Mesh(np.array(list(devices)), (TP_AXIS,))
 
 
-def shardings_for(cfg: OPTConfig, tp: int, pp: int, devices: Sequence[jax.Device]) -> ParallelLayout:
+def shardings_for(cfg: ModelConfig, tp: int, pp: int, devices: Sequence[jax.Device]) -> ParallelLayout:
     """Meshes and NamedShardings of every stage; `devices` are stage-major (first `tp` = stage 0)."""
     devices = list(devices)
     validate_parallelism(cfg, tp, pp, len(devices))
+    kv_split = kv_heads_split(cfg, tp)
     stages = []
     for s, (start, end) in enumerate(stage_layer_ranges(cfg, pp)):
         mesh = make_mesh(devices[s * tp : (s + 1) * tp])
-        specs = param_specs(cfg, first=start == 0, last=end == cfg.num_layers)
+        specs = param_specs(cfg, first=start == 0, last=end == cfg.num_layers, tp=tp)
         shardings = jax.tree.map(lambda spec, m=mesh: NamedSharding(m, spec), specs, is_leaf=lambda x: isinstance(x, P))
         stages.append(
             StageLayout(
@@ -159,8 +224,9 @@ def shardings_for(cfg: OPTConfig, tp: int, pp: int, devices: Sequence[jax.Device
                 layers=(start, end),
                 mesh=mesh,
                 param_shardings=shardings,
-                kv_sharding=NamedSharding(mesh, KV_SPEC),
+                kv_sharding=NamedSharding(mesh, KV_SPEC if kv_split else P()),
                 replicated=NamedSharding(mesh, P()),
+                kv_split=kv_split,
             )
         )
     return ParallelLayout(cfg=cfg, tp=tp, pp=pp, stages=tuple(stages))
@@ -196,27 +262,29 @@ def _stack_stage(rp: Params, st: StageLayout) -> Params:
 
 
 def _stage_prefill(
-    sp: Params, x: jax.Array, lengths: jax.Array, *, cfg: OPTConfig, first: bool, last: bool, all_logits: bool
+    sp: Params, x: jax.Array, lengths: jax.Array, *, cfg: ModelConfig, first: bool, last: bool, all_logits: bool
 ) -> tuple[jax.Array, KVCache]:
+    fam = family(cfg)  # models.opt or models.llama
     if first:
         b, t = x.shape
-        x = opt.embed(sp, cfg, x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    x, cache = opt.run_layers_prefill(sp["layers"], cfg, x, lengths)
+        x = fam.embed(sp, cfg, x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    x, cache = fam.run_layers_prefill(sp["layers"], cfg, x, lengths)
     if last:
         if not all_logits:
-            x = opt.select_last(x, lengths)
-        return opt.lm_head(sp, cfg, x), cache
+            x = fam.select_last(x, lengths)
+        return fam.lm_head(sp, cfg, x), cache
     return x, cache
 
 
 def _stage_decode(
-    sp: Params, x: jax.Array, positions: jax.Array, cache: KVCache, *, cfg: OPTConfig, first: bool, last: bool
+    sp: Params, x: jax.Array, positions: jax.Array, cache: KVCache, *, cfg: ModelConfig, first: bool, last: bool
 ) -> tuple[jax.Array, KVCache]:
+    fam = family(cfg)  # models.opt or models.llama
     if first:
-        x = opt.embed(sp, cfg, x[:, None], positions[:, None])
-    x, cache = opt.run_layers_decode(sp["layers"], cfg, x, positions, cache)
+        x = fam.embed(sp, cfg, x[:, None], positions[:, None])
+    x, cache = fam.run_layers_decode(sp["layers"], cfg, x, positions, cache)
     if last:
-        return opt.lm_head(sp, cfg, x[:, 0]), cache
+        return fam.lm_head(sp, cfg, x[:, 0]), cache
     return x, cache
 
 
@@ -228,40 +296,47 @@ def _stage_paged(
     cache: PagedKVCache,
     block_tables: jax.Array,
     *,
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     first: bool,
     last: bool,
     all_logits: bool,
     attention: Impl = "xla",
     block_layout: BlockLayout = "tokens",
 ) -> tuple[jax.Array, PagedKVCache]:
+    fam = family(cfg)  # models.opt or models.llama
     if first:
         t = x.shape[1]
         positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
-        x = opt.embed(sp, cfg, x, positions)
-    x, cache = opt.run_layers_paged(
+        x = fam.embed(sp, cfg, x, positions)
+    x, cache = fam.run_layers_paged(
         sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
     )
     if last:
         if not all_logits:
-            x = opt.select_last(x, lengths)
-        return opt.lm_head(sp, cfg, x), cache
+            x = fam.select_last(x, lengths)
+        return fam.lm_head(sp, cfg, x), cache
     return x, cache
 
 
-class ShardedOPT:
-    """OPT params placed `tp` x `pp` ways, with prefill / decode / paged-extend across the stages.
+class ShardedModel:
+    """A model's params (OPT or Llama-style) placed `tp` x `pp` ways, with prefill / decode / paged-extend
+    across the stages; `ShardedOPT` and `ShardedLlama` are it for one family each.
 
     Every method returns without waiting for the devices (async dispatch). Caches are lists with
-    one entry per stage, each on that stage's mesh and split over heads.
+    one entry per stage, each on that stage's mesh and split over K/V heads (or replicated, when
+    tp is a multiple of a Llama-style model's K/V heads).
 
-    The model keeps each stage's decoder layers as one dict per layer (`opt.unstack_layers`):
+    The model keeps each stage's decoder layers as one dict per layer (`attention.unstack_layers`):
     the unrolled per-layer program reads each weight once, where slices of stacked leaves were
     copied first (see `models/opt.py`). `stage_params` gives the stacked view (a copy) for
     checkpoints and tools.
     """
 
-    def __init__(self, cfg: OPTConfig, tp: int, pp: int, layout: ParallelLayout, stage_params: list[Params]) -> None:
+    # The configs this class serves (a subclass narrows it to its family).
+    config_types: tuple[type, ...] = (OPTConfig, LlamaConfig)
+
+    def __init__(self, cfg: ModelConfig, tp: int, pp: int, layout: ParallelLayout, stage_params: list[Params]) -> None:
+        _check_config(type(self), cfg)
         self.cfg = cfg
         self.tp = tp
         self.pp = pp
@@ -294,9 +369,10 @@ class ShardedOPT:
 
     @classmethod
     def from_params(
-        cls, cfg: OPTConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
-    ) -> ShardedOPT:
+        cls, cfg: ModelConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
+    ) -> Self:
         """Place a full param tree (host numpy or jax arrays) stage by stage, shard by shard."""
+        _check_config(cls, cfg)
         layout = shardings_for(cfg, tp, pp, devices)
         dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(params["embed_tokens"].dtype)
         return cls(cfg, tp, pp, layout, checkpoint.place_params(checkpoint.ParamTreeReader(params), cfg, layout, dt))
@@ -310,9 +386,10 @@ class ShardedOPT:
         devices: Sequence[jax.Device],
         dtype: Any = "float32",
         seed: int = 0,
-    ) -> ShardedOPT:
-        """From a Hugging Face OPT dir, a jaxserve (Orbax) checkpoint dir, or a preset name (random weights)."""
+    ) -> Self:
+        """From a Hugging Face dir, a jaxserve (Orbax) checkpoint dir, or a preset name (random weights)."""
         cfg = checkpoint.source_config(source, dtype)
+        _check_config(cls, cfg)  # before any weight is read
         layout = shardings_for(cfg, tp, pp, devices)
         return cls(cfg, tp, pp, layout, checkpoint.load_stage_params(source, cfg, layout, dtype, seed=seed))
 
@@ -431,7 +508,7 @@ class ShardedOPT:
         """Zeroed contiguous caches `[L_stage, B, max_len, H, D]`, one per stage."""
         caches = []
         for st in self.layout.stages:
-            shape = (st.num_layers, batch_size, max_len, self.cfg.num_heads, self.cfg.head_dim)
+            shape = (st.num_layers, batch_size, max_len, self.cfg.kv_heads, self.cfg.head_dim)
             zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.kv_sharding)
             caches.append(KVCache(k=zeros(), v=zeros()))
         return caches
@@ -440,3 +517,30 @@ class ShardedOPT:
         """Move a KVCache (e.g. another instance's prefill output for this stage) onto this stage's mesh."""
         sh = self.kv_sharding(stage)
         return KVCache(k=jax.device_put(kv.k, sh), v=jax.device_put(kv.v, sh))
+
+
+class ShardedOPT(ShardedModel):
+    """A `ShardedModel` of an OPT model (what the runtime's engine serves today)."""
+
+    cfg: OPTConfig
+    config_types = (OPTConfig,)
+
+
+class ShardedLlama(ShardedModel):
+    """A `ShardedModel` of a Llama-style model (Llama, Qwen2, Mistral)."""
+
+    cfg: LlamaConfig
+    config_types = (LlamaConfig,)
+
+
+def _check_config(cls: type[ShardedModel], cfg: ModelConfig) -> None:
+    if not isinstance(cfg, cls.config_types):
+        kinds = ", ".join(t.__name__ for t in cls.config_types)
+        raise UnsupportedModelError(
+            f"{cls.__name__} runs {kinds}; {cfg.name} is a {type(cfg).__name__} (use {sharded_class(cfg).__name__})"
+        )
+
+
+def sharded_class(cfg: ModelConfig) -> type[ShardedModel]:
+    """The sharded-model class of `cfg`'s family."""
+    return ShardedLlama if isinstance(cfg, LlamaConfig) else ShardedOPT
