@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.prefix_cache import BlockHash, PrefixCache, block_hashes
 from jaxserve.core.request import GenerateRequest, SamplingParams
@@ -103,8 +104,7 @@ def test_runtime_and_simulator_evict_the_same_blocks_in_the_same_order() -> None
     # The runtime: one request at a time, each turn's prompt from the previous answer it really gave.
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
     config = ControllerConfig(
-        block_size=BS,
-        num_kv_blocks=DECODE_BLOCKS,
+        limits=ServingLimits(block_size=BS, num_kv_blocks=DECODE_BLOCKS),
         prefill_num_kv_blocks=PREFILL_BLOCKS,
         prefix_caching=True,
     )

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
@@ -32,7 +33,7 @@ TOKEN_BYTES = 2 * CFG.num_layers * CFG.num_heads * 4  # the fake's K and V: [L, 
 
 
 def _controller(spec: str, factory=None, transfer=None, **overrides) -> Controller:
-    config = ControllerConfig(**{"block_size": BS, "num_kv_blocks": 64, **overrides})
+    config = ControllerConfig(limits=ServingLimits(block_size=BS, num_kv_blocks=64), **overrides)
     plan = parse_deployment(spec)
     c = Controller(build_engines(plan, factory or fake_engine_factory(CFG)), plan, config, transfer=transfer)
     c.start()

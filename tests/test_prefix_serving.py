@@ -8,6 +8,7 @@ import pytest
 from serving_helpers import expected_tokens, fake_controller, running_server
 
 from jaxserve.client import Client
+from jaxserve.core.limits import ServingLimits
 from jaxserve.runtime.controller import ControllerConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,7 +18,7 @@ PROMPT = list(range(30, 48))  # 18 tokens: 4 full blocks of 4 + 2
 
 @pytest.fixture(scope="module")
 def server():
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, prefix_caching=True)
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64), prefix_caching=True)
     with running_server(fake_controller(config=config, first_device=4)) as s:
         yield s
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
@@ -64,10 +65,7 @@ def _burst(c: Controller, tag: str) -> None:
 )
 def test_after_bucket_warmup_no_request_compiles(spec: str, steps: int, checkpoint: Path) -> None:
     config = ControllerConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_batch_tokens=64,
-        max_decode_batch_size=16,
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
         max_prompt_tokens=40,
         max_tokens_limit=24,
         warmup_buckets=True,

@@ -16,6 +16,7 @@ import jax
 import pytest
 from test_runtime_warmup import _Compiles
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
@@ -59,10 +60,7 @@ def test_after_logprob_warmup_no_logprob_request_compiles(
     spec: str, steps: int, caching: bool, first_device: int, checkpoint: Path
 ) -> None:
     config = ControllerConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_batch_tokens=64,
-        max_decode_batch_size=16,
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
         max_prompt_tokens=40,
         max_tokens_limit=24,
         warmup_buckets=True,

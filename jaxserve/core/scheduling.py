@@ -63,8 +63,6 @@ def kv_tokens_reserved(num_prompt_tokens: int, max_new_tokens: int) -> int:
 # Disaggregated: prefill side
 # ---------------------------------------------------------------------------
 
-DEFAULT_PREFILL_BUFFER_SLOTS = 8  # prefilled sequences a prefill instance holds until they are pulled
-
 
 def prefill_buffer_free_slots(capacity: int, num_buffered: int, num_in_flight: int) -> int:
     """Sequences the next prefill batch may hold: buffer slots not taken by buffered or running ones."""

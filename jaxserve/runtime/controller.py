@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Protocol
 import jax
 
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, JaxServeError, OverloadedError, ShuttingDownError
-from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.core.scheduling import (
@@ -78,7 +78,7 @@ from jaxserve.core.scheduling import (
 )
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
 from jaxserve.runtime.engines.contract import BucketWarmable, DecodeEngine, LogprobEngine, PrefillEngine
 from jaxserve.runtime.instances import EngineFactory, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
@@ -115,19 +115,19 @@ class WorkloadHook(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    # The serving limits' defaults are jaxserve/core/limits.py's, which the simulator shares.
-    block_size: int = DEFAULT_LIMITS.block_size
-    num_kv_blocks: int = DEFAULT_LIMITS.num_kv_blocks or 256  # per decode / colocated instance
-    max_decode_batch_size: int = DEFAULT_LIMITS.max_decode_batch
-    max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens  # the engine's token cap per prefill step
-    prefill_buffer_capacity: int = DEFAULT_LIMITS.prefill_buffer_slots  # prefilled sequences held until pulled
+    """A deployment's knobs, one small config per concern (docs/knobs.md): the serving limits (block_size,
+    num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots; jaxserve/core/limits.py, which
+    the simulator and plan files share), what a failed KV pull does, then admission, warm-up, prefix caching."""
+
+    limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
+    pull_failure: PullFailureConfig = dataclasses.field(
+        default_factory=PullFailureConfig
+    )  # retry a failed KV pull, then recompute or fail
     max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
     max_tokens_limit: int | None = None  # default: the model's positions
     max_prompt_tokens: int | None = None  # default: the model's positions - 1
     retry_after_s: float = 1.0
     drain_timeout_s: float = 30.0
-    num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
-    on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
     warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
     warmup_logprobs: bool = False  # with warmup_buckets: the logprob programs of those shapes too
     prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
@@ -137,9 +137,17 @@ class ControllerConfig:
         default_factory=PrefixPolicy
     )  # routing weights and the local-prefill threshold
 
+    def __post_init__(self) -> None:
+        self.limits.require_num_kv_blocks()
+        if self.decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
+
     @property
     def prefill_pool_blocks(self) -> int:
-        return self.num_kv_blocks if self.prefill_num_kv_blocks is None else self.prefill_num_kv_blocks
+        """A caching prefill instance's pool: `prefill_num_kv_blocks`, else the limits' `num_kv_blocks`."""
+        if self.prefill_num_kv_blocks is not None:
+            return self.prefill_num_kv_blocks
+        return self.limits.require_num_kv_blocks()
 
 
 _END = object()
@@ -278,29 +286,24 @@ class Controller:
             if not isinstance(p.engine, PrefillEngine):
                 raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
             pc = PrefillConfig(
-                max_batch_tokens=cfg.max_batch_tokens,
-                buffer_capacity=cfg.prefill_buffer_capacity,
+                limits=dataclasses.replace(cfg.limits, num_kv_blocks=cfg.prefill_pool_blocks),  # its own pool
                 prefix_caching=cfg.prefix_caching,
-                num_blocks=cfg.prefill_pool_blocks,
-                block_size=cfg.block_size,
             )
             return PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled)
         if not isinstance(p.engine, DecodeEngine):
             raise TypeError(f"{p.name} needs a DecodeEngine, got {type(p.engine).__name__}")
         if p.spec.role == "decode":
             dc = DecodeConfig(
-                cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
-                cfg.on_pull_failure, cfg.prefix_caching, cfg.decode_steps_per_call,
-            )  # fmt: skip
+                limits=cfg.limits,
+                pull_failure=cfg.pull_failure,
+                prefix_caching=cfg.prefix_caching,
+                decode_steps_per_call=cfg.decode_steps_per_call,
+            )
             return DecodeInstance(p.name, p.engine, dc, self, self._make_transfer(p.engine), self._on_kv_transfer)
         cc = ColocatedConfig(
-            cfg.num_kv_blocks,
-            cfg.block_size,
-            cfg.max_decode_batch_size,
-            cfg.max_batch_tokens,
-            p.spec.chunk_size,
-            cfg.prefix_caching,
-            cfg.decode_steps_per_call,
+            limits=dataclasses.replace(cfg.limits, chunk_size=p.spec.chunk_size),  # the plan instance's chunk
+            prefix_caching=cfg.prefix_caching,
+            decode_steps_per_call=cfg.decode_steps_per_call,
         )
         return ColocatedInstance(p.name, p.engine, cc, self)
 
@@ -400,21 +403,21 @@ class Controller:
             if isinstance(p.engine, BucketWarmable):
                 p.engine.warmup(
                     num_blocks=1,
-                    block_size=cfg.block_size,
-                    max_batch_tokens=p.config.max_batch_tokens,
+                    block_size=cfg.limits.block_size,
+                    max_batch_tokens=p.config.limits.max_batch_tokens,
                     max_seq_len=self.max_prompt_tokens,
-                    max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
+                    max_prefill_rows=p.config.limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
                     decode=False,
                     logprobs=cfg.warmup_logprobs,
                 )
                 if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
                     with p.cond:
                         warmed = p.engine.warmup(
-                            num_blocks=p.config.num_blocks,
-                            block_size=p.config.block_size,
-                            max_decode_batch_size=p.config.buffer_capacity,
+                            num_blocks=p.config.limits.require_num_kv_blocks(),
+                            block_size=p.config.limits.block_size,
+                            max_decode_batch_size=p.config.limits.prefill_buffer_slots,
                             max_seq_len=self.max_prompt_tokens,
-                            chunk_size=p.config.max_batch_tokens,
+                            chunk_size=p.config.limits.max_batch_tokens,
                             prefill=False,
                             decode=False,
                             pages=p.pages,
@@ -428,15 +431,15 @@ class Controller:
                 continue
             # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
             chunk = (
-                (inst.config.chunk_size or inst.config.max_batch_tokens)
+                (inst.config.limits.chunk_size or inst.config.limits.max_batch_tokens)
                 if isinstance(inst, ColocatedInstance)
                 else None
             )
             with inst.cond:  # no request is running yet; the pool is the instance's own
                 warmed = inst.engine.warmup(
-                    num_blocks=inst.config.num_blocks,
-                    block_size=inst.config.block_size,
-                    max_decode_batch_size=inst.config.max_batch_size,
+                    num_blocks=inst.config.limits.require_num_kv_blocks(),
+                    block_size=inst.config.limits.block_size,
+                    max_decode_batch_size=inst.config.limits.max_decode_batch,
                     max_seq_len=max_seq_len,
                     chunk_size=chunk,
                     prefill=False,
@@ -502,9 +505,9 @@ class Controller:
                 f"{mc.max_position_embeddings} positions",
                 field="max_tokens",
             )
-        capacity = self.config.num_kv_blocks * self.config.block_size
+        capacity = self.config.limits.require_num_kv_blocks() * self.config.limits.block_size
         if self.config.prefix_caching and self.prefill_instances:
-            prefill_capacity = self.config.prefill_pool_blocks * self.config.block_size
+            prefill_capacity = self.config.prefill_pool_blocks * self.config.limits.block_size
             if len(prompt) > prefill_capacity:
                 raise InvalidRequestError(
                     f"prompt ({len(prompt)}) exceeds a prefill instance's KV pool ({prefill_capacity} tokens)",
@@ -562,7 +565,7 @@ class Controller:
         """The prefill (or colocated) instance for `live`: cache-aware when caching is on."""
         if not self.config.prefix_caching:
             return choose_prefill_instance([inst.load() for inst in alive])
-        bs = self.config.block_size
+        bs = self.config.limits.block_size
         loads = []
         for inst in alive:
             load = inst.load()
@@ -587,7 +590,7 @@ class Controller:
     def _choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
         if not self.config.prefix_caching:
             return choose_decode_instance([d.load() for d in alive])
-        bs = self.config.block_size
+        bs = self.config.limits.block_size
         loads = []
         for d in alive:
             load = d.load()
