@@ -162,7 +162,7 @@ class LLM:
         prefix = uuid.uuid4().hex[:8]
         requests = [GenerateRequest(f"llm-{prefix}-{i}", ids, sampling) for i, ids in enumerate(token_lists)]
         for r in requests:
-            self.controller.validate(r)
+            self.controller.check_fits(r)
         streams: list[RequestStream] = []
         deadline = time.monotonic() + timeout_s
         for r in requests:

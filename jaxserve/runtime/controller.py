@@ -2,7 +2,7 @@
 
 A request's life (disaggregated):
 
-1. `submit()` validates it, applies admission control (OverloadedError when
+1. `submit()` checks it fits (`check_fits`), applies admission control (OverloadedError when
    the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
    puts it on the prefill instance with the shortest queue
    (`scheduling.choose_prefill_instance`). It returns a `RequestStream`.
@@ -476,7 +476,9 @@ class Controller:
         self.shutdown()
 
     # ---- requests ----------------------------------------------------------------
-    def validate(self, request: GenerateRequest) -> None:
+    def check_fits(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError unless `request` fits this deployment: its id, its prompt (vocabulary,
+        length), its sampling's ranges (`SamplingParams.check_ranges`), logprobs, positions and KV pool."""
         mc = self.model_config
         if not isinstance(request.request_id, str) or not request.request_id:
             raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
@@ -492,7 +494,7 @@ class Controller:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}", field="prompt_token_ids"
             )
-        request.sampling.validate(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
+        request.sampling.check_ranges(max_tokens_limit=self.max_tokens_limit, vocab_size=mc.vocab_size)
         if request.sampling.logprobs is not None and not self.computes_logprobs():
             raise InvalidRequestError(
                 "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",
@@ -528,7 +530,7 @@ class Controller:
             raise ShuttingDownError("the server is shutting down")
         if not self._started:
             raise ShuttingDownError("the controller is not started; call start()")
-        self.validate(request)
+        self.check_fits(request)
         with self._lock:
             front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
             alive = [inst for inst in front if inst.error is None]

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
+from jaxserve.core.request import finish_reason
 from jaxserve.runtime.engines.contract import (
     DecodeEngine,
     KVLayout,
@@ -52,7 +53,6 @@ from jaxserve.runtime.engines.contract import (
     StagePages,
     StepBatch,
     bucket,
-    row_stops,
 )
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
 from models.config import OPTConfig
@@ -215,11 +215,11 @@ class TimedEngine:
             seconds += mixed_step_s(self.model, self.overhead, [], [], len(live), float(ctx))
             for i in live:
                 out[i].append(random_token(batch.rows[i].seed, batch.rows[i].sample_index + k, self._config.vocab_size))
+            rows = batch.rows
             live = [
                 i
                 for i in live
-                if out[i][-1] not in row_stops(batch.rows[i], eos)
-                and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
+                if finish_reason(rows[i].sampling, out[i][-1], rows[i].sample_index + len(out[i]), eos) is None
             ]
         self._wait("decode", started, seconds)
         return out, pages
