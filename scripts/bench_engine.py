@@ -295,7 +295,7 @@ def part_figure1(args: argparse.Namespace) -> None:
     from jaxserve.core.blocks import BlockAllocator
     from jaxserve.core.plan import parse_deployment
     from jaxserve.core.request import SamplingParams
-    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
     from jaxserve.runtime.engines.opt import OPTEngine
 
@@ -330,7 +330,8 @@ def part_figure1(args: argparse.Namespace) -> None:
         }
     )  # fmt: skip
     config = ControllerConfig(
-        limits=ServingLimits(num_kv_blocks=512, max_batch_tokens=max(512, p_len)), max_queued_requests=10_000
+        limits=ServingLimits(num_kv_blocks=512, max_batch_tokens=max(512, p_len)),
+        admission=AdmissionConfig(max_queued_requests=10_000),
     )
     results = {}
     for spec in ("colocated:tp1", "disagg:prefill=tp1,decode=tp1"):

@@ -19,6 +19,7 @@ import pytest
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import StageKV, StagePages
 from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
@@ -147,7 +148,8 @@ def test_served_greedy_matches_transformers_in_each_layout(
     spec: str, layouts: dict[str, BlockLayout], prefix_caching: bool, checkpoint: Path, expected: list[list[int]]
 ) -> None:
     config = ControllerConfig(
-        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64), prefix_caching=prefix_caching
+        prefix_policy=PrefixPolicy(enabled=prefix_caching),
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64),
     )
     c = Controller.from_plan(
         str(checkpoint), parse_deployment(spec), engine_factory=_factory(str(checkpoint), layouts), config=config

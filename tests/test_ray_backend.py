@@ -28,7 +28,7 @@ from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.llm import LLM
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.engines.contract import PrefillItem
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -517,9 +517,9 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
 
 
 def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(cluster, reference) -> None:
-    """`warmup()` with `warmup_buckets` compiles every padded shape inside each actor (the engines live there):
+    """`warmup()` with `warmup.buckets` compiles every padded shape inside each actor (the engines live there):
     a mixed burst afterwards compiles nothing in any actor (counted by JAX's compile events in each process)."""
-    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
     controller.start()
     try:
@@ -557,7 +557,7 @@ def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, refe
     actor also re-prefills the sequences it tracked (the warm-up request's, here) into its fresh pool,
     which compiles prefill programs its warm-up does not cover; it ends with at least the launch's
     count, and a second burst compiles nothing in either actor."""
-    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
     controller.start()
     try:

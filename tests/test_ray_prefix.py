@@ -34,6 +34,7 @@ from serving_helpers import running_server
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from models.config import get_config
@@ -84,7 +85,9 @@ def _ray_config(engine: str = "opt") -> RayConfig:
 
 @pytest.fixture(scope="module")
 def fake(cluster):
-    config = ControllerConfig(limits=ServingLimits(block_size=BS, num_kv_blocks=64), prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=BS, num_kv_blocks=64)
+    )
     controller = RayController.launch("fake", parse_deployment("disagg:prefill=tp1,decode=tp1"), config,
                                       _ray_config("fake"))  # fmt: skip
     controller.start()
@@ -211,7 +214,7 @@ def test_opt_greedy_tokens_with_caching_on_ray_equal_embedded_without(cluster) -
     plan = parse_deployment(OPT_PLAN)
     with Controller.from_plan("opt-tiny", plan, config=OPT_CONFIG) as embedded:
         without = _conversations(embedded)
-    cached_config = dataclasses.replace(OPT_CONFIG, prefix_caching=True)
+    cached_config = dataclasses.replace(OPT_CONFIG, prefix_policy=PrefixPolicy(enabled=True))
     c = RayController.launch("opt-tiny", plan, cached_config, _ray_config())
     c.start()
     try:

@@ -16,7 +16,7 @@ from jaxserve.core.errors import EngineDeadError, InvalidRequestError, Overloade
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import KVPages, StepBatch
 from jaxserve.runtime.engines.fake import (
     DECODE_WEIGHTS,
@@ -105,7 +105,9 @@ def test_stop_token_and_eos_end_a_request() -> None:
 @pytest.mark.parametrize("spec", ["disagg:prefill=2xtp1,decode=tp2", "colocated:tp1,chunk=24"])
 def test_every_block_returns_after_200_requests_with_50_cancelled(spec: str) -> None:
     c = _controller(
-        spec, limits=dataclasses.replace(LIMITS, num_kv_blocks=128, prefill_buffer_slots=16), max_queued_requests=1000
+        spec,
+        admission=AdmissionConfig(max_queued_requests=1000),
+        limits=dataclasses.replace(LIMITS, num_kv_blocks=128, prefill_buffer_slots=16),
     )
     rng = random.Random(0)
     cancel_ids = set(rng.sample(range(200), 50))
@@ -145,8 +147,8 @@ def test_backpressure_bounds_the_prefill_buffer_and_loses_nothing() -> None:
     # The decode pool holds 2 sequences at a time; prefill buffers at most 3; the queue bound is 6.
     c = _controller(
         "disagg:prefill=tp1,decode=tp1",
+        admission=AdmissionConfig(max_queued_requests=6),
         limits=ServingLimits(block_size=8, num_kv_blocks=8, prefill_buffer_slots=3),
-        max_queued_requests=6,
     )
     seen_buffer: list[int] = []
     done = threading.Event()

@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("compilation cache: %s", cache_dir)
 
     from jaxserve.core.scheduling import PrefixPolicy
-    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
@@ -285,15 +285,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = ControllerConfig(
         limits=limits,
-        max_queued_requests=args.max_queued_requests,
-        max_tokens_limit=args.max_tokens_limit,
-        drain_timeout_s=args.drain_timeout,
-        warmup_buckets=args.warmup_buckets,
-        warmup_logprobs=args.warmup_logprobs,
-        prefix_caching=args.prefix_caching,
+        admission=AdmissionConfig(max_queued_requests=args.max_queued_requests, max_tokens_limit=args.max_tokens_limit),
+        warmup=WarmupConfig(buckets=args.warmup_buckets, logprobs=args.warmup_logprobs),
+        prefix_policy=PrefixPolicy(enabled=args.prefix_caching, local_prefill_tokens=args.local_prefill_tokens),
         prefill_num_kv_blocks=args.prefill_kv_blocks,
-        prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),
         decode_steps_per_call=args.decode_steps_per_call,
+        drain_timeout_s=args.drain_timeout,
     )
     if not 0.0 < args.kv_memory_fraction <= 1.0:
         print("error: --kv-memory-fraction must be in (0, 1]", file=sys.stderr)

@@ -398,6 +398,9 @@ class PrefixPolicy:
         return float(block_size) if self.overlap_weight is None else self.overlap_weight
 
 
+NO_PREFIX_CACHING = PrefixPolicy(enabled=False)  # the server's default (`ControllerConfig.prefix_policy`)
+
+
 @dataclasses.dataclass(frozen=True)
 class CachedPrefillLoad:
     """A prefill instance as cache-aware routing sees it.

@@ -22,7 +22,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    stop rules as on a decode instance; ended or cancelled requests free their
    blocks at once.
 
-Prefix caching (`ColocatedConfig.prefix_caching`): the pool is run by a `PrefixCache`; an
+Prefix caching (`ColocatedConfig.prefix_policy.enabled`): the pool is run by a `PrefixCache`; an
 admitted request pins its longest cached prefix and its prompt chunks start after it (the
 policy's chunk is cut to the uncached part); a completed prompt's full blocks are named, and a
 finished request names prompt + answer (but the last token) and unpins them.
@@ -40,7 +40,14 @@ from jaxserve.core.blocks import BlockAllocator
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
-from jaxserve.core.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
+from jaxserve.core.scheduling import (
+    NO_PREFIX_CACHING,
+    ColocatedRequest,
+    PrefillLoad,
+    PrefixPolicy,
+    colocated_load,
+    schedule_colocated,
+)
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import DecodeEngine, StepRow
 from jaxserve.runtime.multi_step import decode_call, decode_records
@@ -55,7 +62,9 @@ class ColocatedConfig:
     instance's own there)."""
 
     limits: ServingLimits = DEFAULT_LIMITS
-    prefix_caching: bool = False  # prompts start after their longest cached prefix in this pool
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: prompts start after their longest cached prefix in this pool
+    )
     decode_steps_per_call: int = 1  # N > 1: decode-only steps run up to N steps per engine call
 
 
@@ -91,7 +100,7 @@ class ColocatedInstance(Worker):
         self.engine = engine
         self.config = config
         num_blocks, block_size = config.limits.require_num_kv_blocks(), config.limits.block_size
-        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_caching)
+        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_policy.enabled)
         self.allocator = self.cache.allocator
         self.pages = engine.init_pages(num_blocks, block_size)
         self._seqs: dict[str, _Seq] = {}  # arrival order

@@ -15,7 +15,7 @@ A request's life (disaggregated):
 4. The final `TokenChunk` carries `finish_reason` and the `RequestTimings`;
    the observer (metrics) hears about every finished request and transfer.
 
-Prefix caching (`ControllerConfig.prefix_caching`, off by default; see docs/prefix_caching.md):
+Prefix caching (`ControllerConfig.prefix_policy.enabled`, off by default; see docs/prefix_caching.md):
 every instance keeps KV blocks content-addressed (`PrefixCache`), step 1 picks the prefill
 instance with `scheduling.choose_prefill_instance_cached` (cached prefix against queued uncached
 tokens), step 2 the decode instance with `choose_decode_instance_cached` (the one holding the
@@ -67,6 +67,7 @@ from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams, TokenChunk
 from jaxserve.core.scheduling import (
+    NO_PREFIX_CACHING,
     CachedDecodeLoad,
     CachedPrefillLoad,
     PrefixPolicy,
@@ -114,28 +115,39 @@ class WorkloadHook(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class AdmissionConfig:
+    """What the front door accepts: request sizes (`Controller.check_fits`) and queue depth (`submit`)."""
+
+    max_queued_requests: int = 256  # over all prefill (or colocated) queues; beyond: OverloadedError
+    retry_after_s: float = 1.0  # the Retry-After an OverloadedError carries
+    max_tokens_limit: int | None = None  # largest max_tokens (default: the model's positions)
+    max_prompt_tokens: int | None = None  # longest prompt (default: the model's positions - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """What `Controller.warmup()` compiles before the first client (and a live switch before routing)."""
+
+    buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
+    logprobs: bool = False  # with buckets: the logprob programs of those shapes too
+
+
+@dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     """A deployment's knobs, one small config per concern (docs/knobs.md): the serving limits (block_size,
     num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots; jaxserve/core/limits.py, which
-    the simulator and plan files share), what a failed KV pull does, then admission, warm-up, prefix caching."""
+    the simulator and plan files share), what a failed KV pull does, admission, warm-up, prefix caching."""
 
     limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
-    pull_failure: PullFailureConfig = dataclasses.field(
-        default_factory=PullFailureConfig
-    )  # retry a failed KV pull, then recompute or fail
-    max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
-    max_tokens_limit: int | None = None  # default: the model's positions
-    max_prompt_tokens: int | None = None  # default: the model's positions - 1
-    retry_after_s: float = 1.0
-    drain_timeout_s: float = 30.0
-    warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
-    warmup_logprobs: bool = False  # with warmup_buckets: the logprob programs of those shapes too
-    prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
+    pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
+    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
+    # Prefix caching (docs/prefix_caching.md): `enabled` turns on content-addressed KV blocks on every instance and
+    # cache-aware routing (off by default); the routing weights and the local-prefill threshold. The simulator's too.
+    prefix_policy: PrefixPolicy = NO_PREFIX_CACHING
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
-    prefix_policy: PrefixPolicy = dataclasses.field(
-        default_factory=PrefixPolicy
-    )  # routing weights and the local-prefill threshold
+    drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
 
     def __post_init__(self) -> None:
         self.limits.require_num_kv_blocks()
@@ -275,8 +287,8 @@ class Controller:
         for p in placed:
             self._route_instance(self._make_instance(p))
         mc, cfg = self.model_config, self.config
-        self.max_prompt_tokens = cfg.max_prompt_tokens or mc.max_position_embeddings - 1
-        self.max_tokens_limit = cfg.max_tokens_limit or mc.max_position_embeddings
+        self.max_prompt_tokens = cfg.admission.max_prompt_tokens or mc.max_position_embeddings - 1
+        self.max_tokens_limit = cfg.admission.max_tokens_limit or mc.max_position_embeddings
 
     def _make_instance(self, p: PlacedInstance) -> Instance:
         """An instance (not started) for a placed engine."""
@@ -287,7 +299,7 @@ class Controller:
                 raise TypeError(f"{p.name} needs a PrefillEngine, got {type(p.engine).__name__}")
             pc = PrefillConfig(
                 limits=dataclasses.replace(cfg.limits, num_kv_blocks=cfg.prefill_pool_blocks),  # its own pool
-                prefix_caching=cfg.prefix_caching,
+                prefix_policy=cfg.prefix_policy,
             )
             return PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled)
         if not isinstance(p.engine, DecodeEngine):
@@ -296,13 +308,13 @@ class Controller:
             dc = DecodeConfig(
                 limits=cfg.limits,
                 pull_failure=cfg.pull_failure,
-                prefix_caching=cfg.prefix_caching,
+                prefix_policy=cfg.prefix_policy,
                 decode_steps_per_call=cfg.decode_steps_per_call,
             )
             return DecodeInstance(p.name, p.engine, dc, self, self._make_transfer(p.engine), self._on_kv_transfer)
         cc = ColocatedConfig(
             limits=dataclasses.replace(cfg.limits, chunk_size=p.spec.chunk_size),  # the plan instance's chunk
-            prefix_caching=cfg.prefix_caching,
+            prefix_policy=cfg.prefix_policy,
             decode_steps_per_call=cfg.decode_steps_per_call,
         )
         return ColocatedInstance(p.name, p.engine, cc, self)
@@ -377,13 +389,13 @@ class Controller:
     def warmup(self) -> float:
         """Compile before the first client; seconds taken.
 
-        With `warmup_buckets`, every engine that can (`BucketWarmable`) first runs each padded shape its
+        With `warmup.buckets`, every engine that can (`BucketWarmable`) first runs each padded shape its
         instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table
         widths up to the longest sequence; chunk shapes), so no user waits on XLA. Then one short
         request goes through every front instance, which also warms the hand-off path.
         """
         started = time.monotonic()
-        if self.config.warmup_buckets:
+        if self.config.warmup.buckets:
             self._warm_buckets()
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
         bos = self.model_config.bos_token_id
@@ -408,9 +420,9 @@ class Controller:
                     max_seq_len=self.max_prompt_tokens,
                     max_prefill_rows=p.config.limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
                     decode=False,
-                    logprobs=cfg.warmup_logprobs,
+                    logprobs=cfg.warmup.logprobs,
                 )
-                if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
+                if p.config.prefix_policy.enabled:  # cached prompts run as paged prompt rows on the instance's pool
                     with p.cond:
                         warmed = p.engine.warmup(
                             num_blocks=p.config.limits.require_num_kv_blocks(),
@@ -421,7 +433,7 @@ class Controller:
                             prefill=False,
                             decode=False,
                             pages=p.pages,
-                            logprobs=cfg.warmup_logprobs,
+                            logprobs=cfg.warmup.logprobs,
                         )
                         if warmed.pages is not None:
                             p.pages = warmed.pages
@@ -445,7 +457,7 @@ class Controller:
                     prefill=False,
                     pages=inst.pages,
                     decode_steps=inst.config.decode_steps_per_call,
-                    logprobs=cfg.warmup_logprobs,
+                    logprobs=cfg.warmup.logprobs,
                 )
                 if warmed.pages is not None:
                     inst.pages = warmed.pages
@@ -508,7 +520,7 @@ class Controller:
                 field="max_tokens",
             )
         capacity = self.config.limits.require_num_kv_blocks() * self.config.limits.block_size
-        if self.config.prefix_caching and self.prefill_instances:
+        if self.config.prefix_policy.enabled and self.prefill_instances:
             prefill_capacity = self.config.prefill_pool_blocks * self.config.limits.block_size
             if len(prompt) > prefill_capacity:
                 raise InvalidRequestError(
@@ -542,10 +554,10 @@ class Controller:
             if request.request_id in self._live:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", field="request_id")
             queued = sum(inst.num_waiting for inst in front)
-            if queued >= self.config.max_queued_requests:
+            if queued >= self.config.admission.max_queued_requests:
                 raise OverloadedError(
-                    f"{queued} requests are queued (limit {self.config.max_queued_requests}); retry later",
-                    retry_after_s=self.config.retry_after_s,
+                    f"{queued} requests are queued (limit {self.config.admission.max_queued_requests}); retry later",
+                    retry_after_s=self.config.admission.retry_after_s,
                 )
             seed = request.sampling.seed if request.sampling.seed is not None else default_seed(request.request_id)
             live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
@@ -565,7 +577,7 @@ class Controller:
     # ---- routing -----------------------------------------------------------------
     def _choose_front(self, alive: Sequence[PrefillInstance | ColocatedInstance], live: LiveRequest) -> int:
         """The prefill (or colocated) instance for `live`: cache-aware when caching is on."""
-        if not self.config.prefix_caching:
+        if not self.config.prefix_policy.enabled:
             return choose_prefill_instance([inst.load() for inst in alive])
         bs = self.config.limits.block_size
         loads = []
@@ -590,7 +602,7 @@ class Controller:
         return error
 
     def _choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
-        if not self.config.prefix_caching:
+        if not self.config.prefix_policy.enabled:
             return choose_decode_instance([d.load() for d in alive])
         bs = self.config.limits.block_size
         loads = []
@@ -603,7 +615,7 @@ class Controller:
     def _local_prefill_target(self, live: LiveRequest) -> DecodeInstance | None:
         """Conditional disaggregation: the decode instance that should prefill `live` itself, or None."""
         threshold = self.config.prefix_policy.local_prefill_tokens
-        if not self.config.prefix_caching or threshold <= 0 or not self.prefill_instances:
+        if not self.config.prefix_policy.enabled or threshold <= 0 or not self.prefill_instances:
             return None
         alive = [d for d in self.decode_instances if d.error is None]
         if not alive:
@@ -760,7 +772,7 @@ class Controller:
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
         """Warm every staged instance before it is routed; seconds.
 
-        With `warmup_buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
+        With `warmup.buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
         instances (every padded shape their limits allow); then the hand-off path of every prefill ->
         decode pair a staged instance is part of, for every padded prompt length (a KV moved between
         meshes of other shapes or devices compiles its resharding per length): requests pinned to the
@@ -775,7 +787,7 @@ class Controller:
         decodes = [i for i in staged if isinstance(i, DecodeInstance)]
         pairs: list[tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None]] = []
         lengths = [2]
-        if self.config.warmup_buckets:
+        if self.config.warmup.buckets:
             self._warm_buckets(staged)
             longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
             lengths = sorted({*(1 << k for k in range(longest.bit_length())), longest})

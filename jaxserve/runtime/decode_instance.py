@@ -33,7 +33,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    multi-step call, streamed as one chunk), and end a sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
    or cancelled sequence returns its blocks to the free list immediately.
 
-Prefix caching (`DecodeConfig.prefix_caching`): the pool is run by a `PrefixCache`.
+Prefix caching (`DecodeConfig.prefix_policy.enabled`): the pool is run by a `PrefixCache`.
 Admission pins the longest cached prefix of the prompt (`acquire(..., min_uncached_tokens=0)`)
 and the pull moves only positions `c = hit.num_cached_tokens ..` (a dense slice of the prefill
 side's KV, `kv_pool.slice_sequence`), written into the blocks from `c // block_size` on; the
@@ -68,7 +68,7 @@ from jaxserve.core.blocks import BlockAllocator
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
-from jaxserve.core.scheduling import DecodeLoad, PendingDecode, admit_decodes
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, DecodeLoad, PendingDecode, PrefixPolicy, admit_decodes
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
     DecodeEngine,
@@ -119,7 +119,9 @@ class DecodeConfig:
 
     limits: ServingLimits = DEFAULT_LIMITS
     pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
-    prefix_caching: bool = False  # keep finished requests' blocks cached; pull only what is missing
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: keep finished requests' blocks cached; pull only what is missing
+    )
     decode_steps_per_call: int = 1  # N > 1: up to N decode steps per engine call (a `MultiStepDecoder`)
 
 
@@ -158,7 +160,7 @@ class DecodeInstance(Worker):
         self.transfer: KVTransfer = transfer or InProcessTransfer(engine)
         self._on_transfer = on_transfer
         num_blocks, block_size = config.limits.require_num_kv_blocks(), config.limits.block_size
-        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_caching)
+        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_policy.enabled)
         self.allocator = self.cache.allocator
         self.pages = engine.init_pages(num_blocks, block_size)
         # (request, the prefill instance holding its KV, or None: prefill it here)

@@ -21,7 +21,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    meanwhile is dropped here. An engine failure reported by a watcher is raised here, so the
    `Worker` shell's failure path (hand every held request back) runs on the loop's thread.
 
-Prefix caching (`PrefillConfig.prefix_caching`): the instance keeps a paged pool under a
+Prefix caching (`PrefillConfig.prefix_policy.enabled`): the instance keeps a paged pool under a
 `PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
 too full leaves it queued), execute runs only the uncached suffixes as prompt rows of the
 engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does) and gathers
@@ -51,7 +51,9 @@ from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import CacheHit, PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import (
+    NO_PREFIX_CACHING,
     PrefillLoad,
+    PrefixPolicy,
     WaitingPrompt,
     form_prefill_batch,
     prefill_buffer_free_slots,
@@ -84,7 +86,9 @@ class PrefillConfig:
     `num_kv_blocks` x `block_size` (its paged pool: the controller puts `prefill_num_kv_blocks` there)."""
 
     limits: ServingLimits = DEFAULT_LIMITS
-    prefix_caching: bool = False  # keep prompts' KV in a paged pool and compute only uncached suffixes
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: keep prompts' KV in a paged pool and compute only uncached suffixes
+    )
 
 
 MIN_PROMPT_BUCKET = 16  # dense copies are padded like the engine's prefill output
@@ -122,14 +126,14 @@ class PrefillInstance(Worker):
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
-        self._pipelined = isinstance(engine, AsyncPrefillEngine) and not config.prefix_caching
+        self._pipelined = isinstance(engine, AsyncPrefillEngine) and not config.prefix_policy.enabled
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
         limits = config.limits
         num_blocks = limits.require_num_kv_blocks()
-        self.cache = PrefixCache(BlockAllocator(num_blocks, limits.block_size), enabled=config.prefix_caching)
+        self.cache = PrefixCache(BlockAllocator(num_blocks, limits.block_size), enabled=config.prefix_policy.enabled)
         self._paged: DecodeEngine | None = None
-        if config.prefix_caching:
+        if config.prefix_policy.enabled:
             if not isinstance(engine, DecodeEngine):
                 raise TypeError(
                     f"prefix caching on a prefill instance needs an engine with a paged step; "
