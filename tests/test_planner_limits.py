@@ -21,6 +21,9 @@ from placement.simulator import SimOptions
 
 def test_server_and_simulator_defaults_are_the_limits() -> None:
     assert ControllerConfig().limits == DEFAULT_LIMITS  # the server composes the limits, re-declares none
+    # "What the memory holds" (None) is a planner value: a running server needs a number of blocks.
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        ControllerConfig(limits=ServingLimits(num_kv_blocks=None))
     o = SimOptions()
     assert (o.block_size, o.max_decode_batch, o.prefill_buffer_slots) == (
         DEFAULT_LIMITS.block_size,
