@@ -106,8 +106,8 @@ class LLM:
         attention_impl: Impl | None = None,
     ) -> None:
         """`config`: the deployment's knobs (`ControllerConfig`); `limits`: just its serving limits (block_size,
-        num_kv_blocks, max_decode_batch, ...), the rest default — not both. `attention_impl`: every instance's paged decode attention (`models.paged_attention.IMPLS`); default:
-        the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
+        num_kv_blocks, max_decode_batch, ...), the rest default — not both. `attention_impl`: every instance's
+        paged decode attention (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
         or "heads"); default: the one that attention reads best (`models.paged_attention.block_layout_for`)."""
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         if limits is not None:
