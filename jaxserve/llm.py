@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, parse_deployment
 from jaxserve.core.request import (
     FinishReason,
@@ -96,6 +97,7 @@ class LLM:
         deployment: str | DeploymentPlan = "colocated:tp1",
         *,
         config: ControllerConfig | None = None,
+        limits: ServingLimits | None = None,
         dtype: str = "float32",
         engine_factory: EngineFactory | None = None,
         backend: Literal["embedded", "ray"] = "embedded",
@@ -103,10 +105,15 @@ class LLM:
         block_layout: BlockLayout | None = None,
         attention_impl: Impl | None = None,
     ) -> None:
-        """`attention_impl`: every instance's paged decode attention (`models.paged_attention.IMPLS`); default:
-        the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
+        """`config`: the deployment's knobs (`ControllerConfig`); `limits`: just its serving limits (block_size,
+        num_kv_blocks, max_decode_batch, ...), the rest default — not both. `attention_impl`: every instance's
+        paged decode attention (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
         or "heads"); default: the one that attention reads best (`models.paged_attention.block_layout_for`)."""
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
+        if limits is not None:
+            if config is not None:
+                raise ValueError("give config (with its limits) or limits, not both")
+            config = ControllerConfig(limits=limits)
         self.controller: Controller
         own_engines = block_layout is not None or attention_impl is not None
         if own_engines and (engine_factory is not None or backend == "ray"):
@@ -155,7 +162,7 @@ class LLM:
         prefix = uuid.uuid4().hex[:8]
         requests = [GenerateRequest(f"llm-{prefix}-{i}", ids, sampling) for i, ids in enumerate(token_lists)]
         for r in requests:
-            self.controller.validate(r)
+            self.controller.check_fits(r)
         streams: list[RequestStream] = []
         deadline = time.monotonic() + timeout_s
         for r in requests:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxserve.core.limits import DEFAULT_LIMITS
 from placement.stage_latency import StageLatency
 
 
@@ -44,7 +45,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 @dataclasses.dataclass(frozen=True)
 class EnginePadding:
     min_prompt_tokens: int = 16
-    block_size: int = 16
+    block_size: int = DEFAULT_LIMITS.block_size
     min_table_blocks: int = 1
     min_decode_rows: int = 2
     attention_chunk_bytes: int = 0  # > 0: decode attention reads only the filled chunks of this many bytes

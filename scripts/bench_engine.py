@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxserve.core.limits import ServingLimits
+
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -293,7 +295,7 @@ def part_figure1(args: argparse.Namespace) -> None:
     from jaxserve.core.blocks import BlockAllocator
     from jaxserve.core.plan import parse_deployment
     from jaxserve.core.request import SamplingParams
-    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
     from jaxserve.runtime.engines.opt import OPTEngine
 
@@ -327,7 +329,10 @@ def part_figure1(args: argparse.Namespace) -> None:
             "decode_step_s": round(t_decode, 4), "ttft_slo_s": round(ttft_slo, 4), "tpot_slo_s": round(tpot_slo, 4),
         }
     )  # fmt: skip
-    config = ControllerConfig(num_kv_blocks=512, max_batch_tokens=max(512, p_len), max_queued_requests=10_000)
+    config = ControllerConfig(
+        limits=ServingLimits(num_kv_blocks=512, max_batch_tokens=max(512, p_len)),
+        admission=AdmissionConfig(max_queued_requests=10_000),
+    )
     results = {}
     for spec in ("colocated:tp1", "disagg:prefill=tp1,decode=tp1"):
         plan = parse_deployment(spec)

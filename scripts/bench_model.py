@@ -55,6 +55,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from jaxserve.core.limits import ServingLimits
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -79,7 +81,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--e2e-prompt-len", type=int, default=128)
     ap.add_argument("--e2e-new-tokens", type=int, default=128)
     ap.add_argument("--e2e-reps", type=int, default=3)
-    ap.add_argument("--e2e-max-batch", type=int, default=64, help="LLM's max_decode_batch_size")
+    ap.add_argument("--e2e-max-batch", type=int, default=64, help="LLM's max_decode_batch")
     ap.add_argument(
         "--e2e-decode-steps",
         default="1",
@@ -672,10 +674,12 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
             model=source,
             deployment="colocated:tp1",
             config=ControllerConfig(
-                block_size=16,
-                num_kv_blocks=blocks,
-                max_decode_batch_size=args.e2e_max_batch,
-                max_batch_tokens=max(512, plen),
+                limits=ServingLimits(
+                    block_size=16,
+                    num_kv_blocks=blocks,
+                    max_decode_batch=args.e2e_max_batch,
+                    max_batch_tokens=max(512, plen),
+                ),
                 decode_steps_per_call=k,
             ),
             block_layout=lay,

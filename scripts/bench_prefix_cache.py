@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import numpy as np
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
-from jaxserve.core.scheduling import PrefixPolicy
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
 from jaxserve.tools.bench.multiturn import controller_sender, run_conversations
 from models.config import get_config
 from placement.conversations import ConversationSpec, SharedPrefixWorkload, generate_conversations
@@ -170,18 +171,16 @@ def main() -> int:
         print(f"need {2 * k} devices for two arms of {args.deployment}, have {len(devices)}", file=sys.stderr)
         return 2
     cfg = get_config(args.model)
-    base = dict(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_decode_batch_size=args.max_decode_batch,
-        max_queued_requests=4096,
+    limits = ServingLimits(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_decode_batch=args.max_decode_batch
     )
     on_policy = PrefixPolicy(local_prefill_tokens=args.local)
+    admission = AdmissionConfig(max_queued_requests=4096)
     arms = {
-        "off": ControllerConfig(**base),  # type: ignore[arg-type]
-        "on": ControllerConfig(**base, prefix_caching=True, prefix_policy=on_policy),  # type: ignore[arg-type]
+        "off": ControllerConfig(limits=limits, admission=admission, prefix_policy=NO_PREFIX_CACHING),
+        "on": ControllerConfig(limits=limits, admission=admission, prefix_policy=on_policy),
     }
-    sim_policies = {"off": PrefixPolicy(enabled=False), "on": on_policy}
+    sim_policies = {"off": NO_PREFIX_CACHING, "on": on_policy}  # the same policies: one knob for both
     spec = ConversationSpec(
         num_system_prompts=args.system_prompts,
         system_prompt_tokens=args.system_tokens,

@@ -288,7 +288,7 @@ def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[s
     blocks = cfg.max_decode_batch * -(-(n_in + n_out) // cfg.block_size) + 16
     return [
         "--max-batch-tokens", str(latency.prefill_token_budget(engine, plan.instances[0].tp)),
-        "--max-decode-batch-size", str(cfg.max_decode_batch), "--num-kv-blocks", str(blocks),
+        "--max-decode-batch", str(cfg.max_decode_batch), "--num-kv-blocks", str(blocks),
         "--block-size", str(cfg.block_size), "--max-queued-requests", "100000",
     ]  # fmt: skip
 

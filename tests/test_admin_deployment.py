@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from serving_helpers import metric_value
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.workload_monitor import MonitorConfig
@@ -35,7 +36,9 @@ AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 def _controller(factory) -> Controller:  # type: ignore[no-untyped-def]
     plan = parse_deployment(PLAN).assign_devices()
-    c = Controller(build_engines(plan, factory), plan, ControllerConfig(block_size=8, num_kv_blocks=128))
+    c = Controller(
+        build_engines(plan, factory), plan, ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=128))
+    )
     c.start()
     return c
 

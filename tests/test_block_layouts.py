@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import StageKV, StagePages
 from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
@@ -145,7 +147,10 @@ def _factory(source: str, layouts: dict[str, BlockLayout]) -> EngineFactory:
 def test_served_greedy_matches_transformers_in_each_layout(
     spec: str, layouts: dict[str, BlockLayout], prefix_caching: bool, checkpoint: Path, expected: list[list[int]]
 ) -> None:
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64, prefix_caching=prefix_caching)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=prefix_caching),
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64),
+    )
     c = Controller.from_plan(
         str(checkpoint), parse_deployment(spec), engine_factory=_factory(str(checkpoint), layouts), config=config
     )
@@ -179,7 +184,7 @@ def test_llm_generate_runs_the_head_major_pool_by_default(checkpoint: Path, expe
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     layouts: tuple[BlockLayout | None, ...] = (None, "tokens")
     for layout in layouts:
-        config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+        config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
         with LLM(str(checkpoint), "colocated:tp1", config=config, block_layout=layout) as llm:
             got = [list(o.token_ids) for o in llm.generate(PROMPTS, sampling)]
             pages = llm.controller.colocated_instances[0].pages
@@ -193,7 +198,7 @@ def test_llm_runs_the_attention_impl_it_is_given(checkpoint: Path, expected: lis
     from jaxserve.llm import LLM
 
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
     with LLM(str(checkpoint), "colocated:tp1", config=config, attention_impl="xla_heads_flat") as llm:
         got = [list(o.token_ids) for o in llm.generate(PROMPTS, sampling)]
         instance = llm.controller.colocated_instances[0]

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 import jax
 from serving_helpers import SlowFakeEngine
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence
 from jaxserve.runtime.engines.fake import reference_tokens
@@ -81,7 +83,9 @@ def _warm(c: Controller, sampling: SamplingParams) -> None:
 
 def test_three_samples_hold_the_prompt_blocks_once_and_pull_only_the_tail() -> None:
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
-    config = ControllerConfig(block_size=BS, num_kv_blocks=64, prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=BS, num_kv_blocks=64)
+    )
     c = Controller(build_engines(plan, _fake_factory), plan, config, transfer=lambda engine: _SlowTransfer(engine, 0.2))
     c.start()
     try:
@@ -107,7 +111,7 @@ def test_three_samples_hold_the_prompt_blocks_once_and_pull_only_the_tail() -> N
 
 def test_without_caching_each_sample_holds_a_whole_copy() -> None:
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
-    config = ControllerConfig(block_size=BS, num_kv_blocks=64)
+    config = ControllerConfig(limits=ServingLimits(block_size=BS, num_kv_blocks=64))
     c = Controller(build_engines(plan, _fake_factory), plan, config, transfer=lambda engine: _SlowTransfer(engine, 0.2))
     c.start()
     try:
@@ -138,7 +142,9 @@ def test_seeded_samples_sharing_blocks_equal_the_same_requests_one_by_one() -> N
     """
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
     prompt = tuple(range(5, 42))  # 37 tokens: 2 full blocks of 16 + 5
-    config = ControllerConfig(block_size=16, num_kv_blocks=32, prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=16, num_kv_blocks=32)
+    )
     with Controller.from_plan("opt-tiny", plan, config=config) as one_by_one:
         separate = [one_by_one.submit(r).collect(timeout_s=120)[0] for r in _seeded("a", prompt)]
     with Controller.from_plan("opt-tiny", plan, config=config) as on:

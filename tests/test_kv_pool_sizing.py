@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxserve.commands.serve import kv_blocks_from_memory
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
@@ -30,7 +31,8 @@ def _counting_factory() -> tuple[list[Engine], object]:
 def test_pool_is_capped_at_what_a_full_batch_can_reserve() -> None:
     made, factory = _counting_factory()
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices()
-    blocks, cached = kv_blocks_from_memory(plan, factory, 16, 4, 0.5)  # type: ignore[arg-type]
+    limits = ServingLimits(block_size=16, max_decode_batch=4)
+    blocks, cached = kv_blocks_from_memory(plan, factory, limits=limits, memory_fraction=0.5)  # type: ignore[arg-type]
     # A tiny model's blocks are a few KiB: memory is not the limit, 4 sequences of every position are.
     assert blocks == 4 * -(-CFG.max_position_embeddings // 16)
     assert len(made) == 2  # every engine was loaded before sizing
@@ -46,7 +48,8 @@ def test_pool_is_capped_at_what_a_full_batch_can_reserve() -> None:
 def test_pool_follows_the_memory_fraction_when_memory_is_the_limit() -> None:
     made, factory = _counting_factory()
     plan = parse_deployment("colocated:tp1").assign_devices()
-    blocks, _ = kv_blocks_from_memory(plan, factory, 16, 10**9, 0.5)  # type: ignore[arg-type]
+    limits = ServingLimits(block_size=16, max_decode_batch=10**9)
+    blocks, _ = kv_blocks_from_memory(plan, factory, limits=limits, memory_fraction=0.5)  # type: ignore[arg-type]
     engine = made[0]
     assert isinstance(engine, OPTEngine)
     # The engine's own rule for that memory (MemAvailable moves a little between the two reads).

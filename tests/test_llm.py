@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 import jaxserve
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.limits import ServingLimits
+from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from models.config import get_config
 
@@ -29,6 +32,20 @@ def test_llm_generates_for_token_id_prompts_in_order() -> None:
     assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
     assert all(o.finish_reason == "length" and o.timings is not None for o in outs)
     assert len(single) == 1 and list(single[0].token_ids) == reference_tokens([2, 7], 3, CFG.vocab_size)
+
+
+def test_llm_limits_keyword_sets_the_serving_limits() -> None:
+    limits = ServingLimits(block_size=4, num_kv_blocks=8)  # a 32-token pool per instance
+    with jaxserve.LLM(
+        model="opt-tiny", deployment="colocated:tp1", limits=limits, engine_factory=fake_engine_factory(CFG)
+    ) as llm:
+        assert llm.controller.config.limits == limits
+        fits = llm.generate([2, 7], jaxserve.SamplingParams(max_tokens=30, ignore_eos=True))[0]
+        assert list(fits.token_ids) == reference_tokens([2, 7], 30, CFG.vocab_size)
+        with pytest.raises(InvalidRequestError, match="KV pool"):  # 2 + 31 tokens: one more than the pool
+            llm.generate([2, 7], jaxserve.SamplingParams(max_tokens=31, ignore_eos=True))
+    with pytest.raises(ValueError, match="not both"):
+        jaxserve.LLM(model="opt-tiny", config=ControllerConfig(), limits=limits)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

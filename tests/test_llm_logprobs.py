@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from test_runtime_logprobs import PROMPTS, check_against_hf
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.request import SamplingParams
 from jaxserve.llm import LLM
 from jaxserve.runtime.controller import ControllerConfig
@@ -24,7 +25,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("spec", ["colocated:tp1", "disagg:prefill=tp1,decode=tp2"])
 def test_generate_returns_logprobs_equal_to_transformers(spec: str, checkpoint: Path) -> None:
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
     with LLM(str(checkpoint), spec, config=config) as llm:
         asked = llm.generate(list(PROMPTS), SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))
         plain = llm.generate(list(PROMPTS), SamplingParams(max_tokens=6, temperature=0.0))

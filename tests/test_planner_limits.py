@@ -12,7 +12,6 @@ from jaxserve.cli import build_parser, main
 from jaxserve.commands.serve import serving_limits
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan, PlanError, parse_deployment
-from jaxserve.core.scheduling import DEFAULT_PREFILL_BUFFER_SLOTS
 from jaxserve.runtime.controller import ControllerConfig
 from models.config import get_config
 from placement.hardware import get_device
@@ -21,15 +20,10 @@ from placement.simulator import SimOptions
 
 
 def test_server_and_simulator_defaults_are_the_limits() -> None:
-    c = ControllerConfig()
-    assert (c.block_size, c.num_kv_blocks, c.max_decode_batch_size, c.max_batch_tokens, c.prefill_buffer_capacity) == (
-        DEFAULT_LIMITS.block_size,
-        DEFAULT_LIMITS.num_kv_blocks,
-        DEFAULT_LIMITS.max_decode_batch,
-        DEFAULT_LIMITS.max_batch_tokens,
-        DEFAULT_LIMITS.prefill_buffer_slots,
-    )
-    assert DEFAULT_LIMITS.prefill_buffer_slots == DEFAULT_PREFILL_BUFFER_SLOTS  # the runtime policy's constant
+    assert ControllerConfig().limits == DEFAULT_LIMITS  # the server composes the limits, re-declares none
+    # "What the memory holds" (None) is a planner value: a running server needs a number of blocks.
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        ControllerConfig(limits=ServingLimits(num_kv_blocks=None))
     o = SimOptions()
     assert (o.block_size, o.max_decode_batch, o.prefill_buffer_slots) == (
         DEFAULT_LIMITS.block_size,
@@ -70,8 +64,32 @@ def test_plan_file_records_limits_and_serve_applies_them(tmp_path) -> None:
     served = serving_limits(build_parser().parse_args(["serve", "--plan", str(out)]), plan)
     assert served == plan.limits
     # A flag on the command line still wins over the plan.
-    overridden = serving_limits(build_parser().parse_args(["serve", "--max-decode-batch-size", "8"]), plan)
+    overridden = serving_limits(build_parser().parse_args(["serve", "--max-decode-batch", "8"]), plan)
     assert overridden == dataclasses.replace(plan.limits, max_decode_batch=8)
+    # Every limit's flag is its name; the old `--max-decode-batch-size` spelling still works.
+    argv = ["serve", "--max-decode-batch-size", "8", "--prefill-buffer-slots", "3", "--block-size", "8"]
+    flagged = serving_limits(build_parser().parse_args(argv), plan)
+    assert flagged == dataclasses.replace(plan.limits, max_decode_batch=8, prefill_buffer_slots=3, block_size=8)
+
+
+def test_generate_takes_the_limit_flags_serve_takes() -> None:
+    from jaxserve.commands.common import limits_from_args
+
+    argv = [
+        "generate",
+        "--prompt-ids",
+        "2",
+        "--max-decode-batch",
+        "4",
+        "--num-kv-blocks",
+        "40",
+        "--max-batch-tokens",
+        "64",
+    ]
+    args = build_parser().parse_args(argv)
+    assert limits_from_args(args, DEFAULT_LIMITS) == ServingLimits(
+        num_kv_blocks=40, max_decode_batch=4, max_batch_tokens=64
+    )
 
 
 def test_plan_limits_round_trip_and_validation() -> None:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
@@ -113,7 +114,9 @@ def test_runtime_pipelines_prefill_batches_on_the_timed_engine() -> None:
     engine = timed_engine_factory(CFG, LATENCY, CLUSTER)(InstanceSpec("prefill", 1, 2), jax.devices()[:2])
     assert engine.capabilities.async_prefill
     sink = _Sink()
-    inst = PrefillInstance("p0", engine, PrefillConfig(max_batch_tokens=PROMPT), sink, lambda src, live: None)
+    inst = PrefillInstance(
+        "p0", engine, PrefillConfig(limits=ServingLimits(max_batch_tokens=PROMPT)), sink, lambda src, live: None
+    )
     lives = [
         LiveRequest(GenerateRequest(f"r{i}", (7,) * PROMPT, SamplingParams(max_tokens=1)), i, RequestTimings(0.0))
         for i in range(3)
@@ -246,7 +249,9 @@ def test_a_failure_reported_by_a_watcher_kills_the_instance_and_hands_its_reques
             dead.append(sorted(live.request_id for live in held))
             died.set()
 
-    inst = PrefillInstance("p0", BrokenEngine(), PrefillConfig(max_batch_tokens=4), Sink(), lambda src, live: None)
+    inst = PrefillInstance(
+        "p0", BrokenEngine(), PrefillConfig(limits=ServingLimits(max_batch_tokens=4)), Sink(), lambda src, live: None
+    )
     for i in range(3):
         inst.enqueue(LiveRequest(GenerateRequest(f"r{i}", (7, 8, 9), SamplingParams()), i, RequestTimings(0.0)))
     inst.start()

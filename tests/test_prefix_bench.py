@@ -11,6 +11,8 @@ import pytest
 from serving_helpers import fake_controller, running_server
 
 from jaxserve.cli import main
+from jaxserve.core.limits import ServingLimits
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import ControllerConfig
 from placement.conversations import ConversationSpec, generate_conversations
 
@@ -20,7 +22,9 @@ ARGS = dict(system_prompts=2, system_tokens=24, user_tokens=6, answer_tokens=4, 
 
 
 def test_bench_conversations_reports_the_servers_hits(tmp_path) -> None:
-    config = ControllerConfig(block_size=8, num_kv_blocks=256, prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=8, num_kv_blocks=256)
+    )
     out = tmp_path / "run.json"
     with running_server(fake_controller(config=config, first_device=6)) as server:
         argv = ["bench", "--target", server.grpc_address, "--conversations", "5", "--rate", "20"]

@@ -24,9 +24,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.prefix_cache import BlockHash, PrefixCache, block_hashes
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
@@ -103,10 +105,9 @@ def test_runtime_and_simulator_evict_the_same_blocks_in_the_same_order() -> None
     # The runtime: one request at a time, each turn's prompt from the previous answer it really gave.
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
     config = ControllerConfig(
-        block_size=BS,
-        num_kv_blocks=DECODE_BLOCKS,
+        prefix_policy=PrefixPolicy(enabled=True),
+        limits=ServingLimits(block_size=BS, num_kv_blocks=DECODE_BLOCKS),
         prefill_num_kv_blocks=PREFILL_BLOCKS,
-        prefix_caching=True,
     )
     c = Controller(build_engines(plan, fake_engine_factory(CFG)), plan, config)
     rt_prefill, rt_decode = _watch([c.prefill_instances[0].cache, c.decode_instances[0].cache])

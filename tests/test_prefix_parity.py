@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
@@ -61,11 +62,8 @@ def test_greedy_tokens_identical_with_caching_on_and_off(spec: str, local: int, 
     turn2, out1, out2 = expected
     for caching in (False, True):
         config = ControllerConfig(
-            block_size=4,
-            num_kv_blocks=64,
-            max_batch_tokens=64,
-            prefix_caching=caching,
-            prefix_policy=PrefixPolicy(local_prefill_tokens=local),
+            prefix_policy=PrefixPolicy(enabled=caching, local_prefill_tokens=local),
+            limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64),
         )
         c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
         c.start()

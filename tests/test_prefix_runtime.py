@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
@@ -32,7 +33,7 @@ TOKEN_BYTES = 2 * CFG.num_layers * CFG.num_heads * 4  # the fake's K and V: [L, 
 
 
 def _controller(spec: str, factory=None, transfer=None, **overrides) -> Controller:
-    config = ControllerConfig(**{"block_size": BS, "num_kv_blocks": 64, **overrides})
+    config = ControllerConfig(limits=ServingLimits(block_size=BS, num_kv_blocks=64), **overrides)
     plan = parse_deployment(spec)
     c = Controller(build_engines(plan, factory or fake_engine_factory(CFG)), plan, config, transfer=transfer)
     c.start()
@@ -72,7 +73,7 @@ def _two_turns(c: Controller):
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_two_turns_disaggregated_hits_and_bytes_by_hand(caching: bool) -> None:
-    c = _controller("disagg:prefill=tp2,decode=tp1", prefix_caching=caching)
+    c = _controller("disagg:prefill=tp2,decode=tp1", prefix_policy=PrefixPolicy(enabled=caching))
     try:
         t1, t2 = _two_turns(c)
         # Turn 1: nothing cached; all 20 positions pulled (padded to 32 in the dense copy).
@@ -100,7 +101,7 @@ def test_two_turns_disaggregated_hits_and_bytes_by_hand(caching: bool) -> None:
 
 def test_local_prefill_of_a_short_uncached_suffix_moves_nothing() -> None:
     policy = PrefixPolicy(local_prefill_tokens=16)
-    c = _controller("disagg:prefill=tp1,decode=tp1", prefix_caching=True, prefix_policy=policy)
+    c = _controller("disagg:prefill=tp1,decode=tp1", prefix_policy=policy)  # enabled: the policy's default
     try:
         t1, t2 = _two_turns(c)
         assert t1.prefill_instance == "prefill-0" and t1.kv_transfer_tokens == 20  # 20 uncached >= 16: remote
@@ -117,7 +118,7 @@ def test_local_prefill_of_a_short_uncached_suffix_moves_nothing() -> None:
 
 @pytest.mark.parametrize("spec", ["colocated:tp1", "colocated:tp2,chunk=8"])
 def test_colocated_hits_its_own_pool(spec: str) -> None:
-    c = _controller(spec, prefix_caching=True)
+    c = _controller(spec, prefix_policy=PrefixPolicy(enabled=True))
     try:
         _, t2 = _two_turns(c)
         assert t2.cached_prompt_tokens == 24  # prompt + answer of turn 1 but its last token: 3 blocks
@@ -127,7 +128,7 @@ def test_colocated_hits_its_own_pool(spec: str) -> None:
 
 
 def test_routing_sends_a_conversation_back_to_the_instances_holding_it() -> None:
-    c = _controller("disagg:prefill=2xtp1,decode=2xtp1", prefix_caching=True)
+    c = _controller("disagg:prefill=2xtp1,decode=2xtp1", prefix_policy=PrefixPolicy(enabled=True))
     try:
         convs = [tuple(range(1 + 40 * k, 21 + 40 * k)) for k in range(4)]
         first = {}
@@ -236,7 +237,7 @@ def _conversation_load(c: Controller, seed: int, cancel_share: float) -> None:
 def test_nothing_stays_pinned_after_cancels_and_faults(spec, factory, transfer_every) -> None:
     transfer = (lambda engine: _FlakyTransfer(engine, transfer_every)) if transfer_every else None
     policy = PrefixPolicy(local_prefill_tokens=12)
-    c = _controller(spec, factory=factory, transfer=transfer, prefix_caching=True, prefix_policy=policy)
+    c = _controller(spec, factory=factory, transfer=transfer, prefix_policy=policy)
     try:
         _conversation_load(c, seed=1, cancel_share=0.3)
         if transfer_every:
@@ -255,7 +256,7 @@ def test_nothing_stays_pinned_after_cancels_and_faults(spec, factory, transfer_e
 
 def test_samples_of_one_prompt_share_its_blocks() -> None:
     """n > 1: the samples after the first find the prompt cached (a duplicate waits one batch for it)."""
-    c = _controller("disagg:prefill=tp1,decode=tp1", prefix_caching=True)
+    c = _controller("disagg:prefill=tp1,decode=tp1", prefix_policy=PrefixPolicy(enabled=True))
     try:
         streams = [c.submit(_req(f"n{j}", P1)) for j in range(3)]
         lasts = [s.collect(timeout_s=60) for s in streams]

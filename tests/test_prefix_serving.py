@@ -8,6 +8,8 @@ import pytest
 from serving_helpers import expected_tokens, fake_controller, running_server
 
 from jaxserve.client import Client
+from jaxserve.core.limits import ServingLimits
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import ControllerConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,7 +19,9 @@ PROMPT = list(range(30, 48))  # 18 tokens: 4 full blocks of 4 + 2
 
 @pytest.fixture(scope="module")
 def server():
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=4, num_kv_blocks=64)
+    )
     with running_server(fake_controller(config=config, first_device=4)) as s:
         yield s
 

@@ -24,10 +24,11 @@ import pytest
 import test_kv_transfer as conformance
 from jax.sharding import PartitionSpec
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.llm import LLM
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -61,7 +62,9 @@ MODEL = "opt-tiny"
 PLAN = "disagg:prefill=tp2,decode=tp1"
 NUM_REQUESTS = 32
 MAX_TOKENS = 12
-CONFIG = ControllerConfig(num_kv_blocks=96, block_size=16, max_decode_batch_size=8, max_batch_tokens=64)
+CONFIG = ControllerConfig(
+    limits=ServingLimits(num_kv_blocks=96, block_size=16, max_decode_batch=8, max_batch_tokens=64)
+)
 LEASE_S = 2.0
 
 
@@ -417,7 +420,7 @@ def test_low_affinity_plan_pairs_stages_on_one_node(cluster) -> None:
         fake_config=FAKE,
     )
     node_of = {n["NodeID"]: ("node0" if "node0" in n["Resources"] else "node1") for n in ray.nodes() if n["Alive"]}
-    controller = RayController.launch("fake", plan, ControllerConfig(num_kv_blocks=32), rc)
+    controller = RayController.launch("fake", plan, ControllerConfig(limits=ServingLimits(num_kv_blocks=32)), rc)
     try:
         infos = controller.actor_infos
         assert node_of[infos["prefill-0"].node_id] == node_of[infos["decode-0"].node_id] == "node0"
@@ -450,8 +453,8 @@ def test_object_store_transfer_conformance(cluster, monkeypatch, src, dst) -> No
 def transfer_pair(cluster):
     """A fake prefill actor (tp2) and a fake decode actor (tp1 pp2), both with transfer servers."""
     tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0, num_retries=0, on_failure="fail")
-    pspec = EngineSpec("prefill", 2, 1, "fake", engine="fake", fake_config=FAKE)
-    dspec = EngineSpec("decode", 1, 2, "fake", engine="fake", fake_config=FAKE)
+    pspec = EngineSpec(role="prefill", tp=2, pp=1, model_source="fake", engine="fake", fake_config=FAKE)
+    dspec = EngineSpec(role="decode", tp=1, pp=2, model_source="fake", engine="fake", fake_config=FAKE)
     p = ray.remote(PrefillActor).options(runtime_env=actor_env(pspec, False), num_cpus=0.5, max_concurrency=4)
     d = ray.remote(DecodeActor).options(runtime_env=actor_env(dspec, False), num_cpus=0.5, max_concurrency=2)
     pa, da = p.remote("prefill-t", pspec, tc), d.remote("decode-t", dspec, tc)
@@ -515,9 +518,9 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
 
 
 def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(cluster, reference) -> None:
-    """`warmup()` with `warmup_buckets` compiles every padded shape inside each actor (the engines live there):
+    """`warmup()` with `warmup.buckets` compiles every padded shape inside each actor (the engines live there):
     a mixed burst afterwards compiles nothing in any actor (counted by JAX's compile events in each process)."""
-    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
     controller.start()
     try:
@@ -555,7 +558,7 @@ def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, refe
     actor also re-prefills the sequences it tracked (the warm-up request's, here) into its fresh pool,
     which compiles prefill programs its warm-up does not cover; it ends with at least the launch's
     count, and a second burst compiles nothing in either actor."""
-    config = dataclasses.replace(CONFIG, warmup_buckets=True)
+    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
     controller.start()
     try:

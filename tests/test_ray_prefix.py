@@ -18,6 +18,7 @@ cache lacks (the prefill actor slices them). Checked here:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -30,8 +31,10 @@ import httpx
 import pytest
 from serving_helpers import running_server
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from models.config import get_config
@@ -82,7 +85,9 @@ def _ray_config(engine: str = "opt") -> RayConfig:
 
 @pytest.fixture(scope="module")
 def fake(cluster):
-    config = ControllerConfig(block_size=BS, num_kv_blocks=64, prefix_caching=True)
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=BS, num_kv_blocks=64)
+    )
     controller = RayController.launch("fake", parse_deployment("disagg:prefill=tp1,decode=tp1"), config,
                                       _ray_config("fake"))  # fmt: skip
     controller.start()
@@ -184,7 +189,9 @@ def test_http_usage_reports_the_cached_tokens_of_a_second_turn(fake) -> None:
 # ---- the tiny OPT: caching on (Ray) == caching off (embedded), greedy -----------------------------
 
 OPT_PLAN = "disagg:prefill=tp2,decode=tp1"
-OPT_CONFIG = ControllerConfig(num_kv_blocks=96, block_size=16, max_decode_batch_size=8, max_batch_tokens=128)
+OPT_CONFIG = ControllerConfig(
+    limits=ServingLimits(num_kv_blocks=96, block_size=16, max_decode_batch=8, max_batch_tokens=128)
+)
 
 
 def _conversations(c: Controller) -> list[list[tuple[list[int], int]]]:
@@ -207,7 +214,7 @@ def test_opt_greedy_tokens_with_caching_on_ray_equal_embedded_without(cluster) -
     plan = parse_deployment(OPT_PLAN)
     with Controller.from_plan("opt-tiny", plan, config=OPT_CONFIG) as embedded:
         without = _conversations(embedded)
-    cached_config = ControllerConfig(**{**OPT_CONFIG.__dict__, "prefix_caching": True})
+    cached_config = dataclasses.replace(OPT_CONFIG, prefix_policy=PrefixPolicy(enabled=True))
     c = RayController.launch("opt-tiny", plan, cached_config, _ray_config())
     c.start()
     try:

@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
@@ -32,7 +33,7 @@ FACTORY = fake_engine_factory(CFG)
 
 
 def _controller(spec: str, **overrides: object) -> Controller:
-    config = ControllerConfig(**{"block_size": 16, "num_kv_blocks": 256, **overrides})  # type: ignore[arg-type]
+    config = ControllerConfig(limits=ServingLimits(block_size=16, num_kv_blocks=256), **overrides)  # type: ignore[arg-type]
     plan = parse_deployment(spec).assign_devices()
     c = Controller(build_engines(plan, FACTORY), plan, config)
     c.start()

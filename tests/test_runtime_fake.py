@@ -13,9 +13,10 @@ import jax
 import pytest
 
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import KVPages, StepBatch
 from jaxserve.runtime.engines.fake import (
     DECODE_WEIGHTS,
@@ -32,8 +33,11 @@ CFG = get_config("opt-tiny")  # vocab 512, 256 positions, 4 heads, 2 layers
 V = CFG.vocab_size
 
 
-def _controller(spec: str, cfg=CFG, factory=None, **overrides) -> Controller:
-    config = ControllerConfig(**{"block_size": 8, "num_kv_blocks": 64, **overrides})
+LIMITS = ServingLimits(block_size=8, num_kv_blocks=64)
+
+
+def _controller(spec: str, cfg=CFG, factory=None, limits: ServingLimits = LIMITS, **overrides) -> Controller:
+    config = ControllerConfig(limits=limits, **overrides)
     plan = parse_deployment(spec)
     placed = build_engines(plan, factory or fake_engine_factory(cfg))
     c = Controller(placed, plan, config)
@@ -100,7 +104,11 @@ def test_stop_token_and_eos_end_a_request() -> None:
 
 @pytest.mark.parametrize("spec", ["disagg:prefill=2xtp1,decode=tp2", "colocated:tp1,chunk=24"])
 def test_every_block_returns_after_200_requests_with_50_cancelled(spec: str) -> None:
-    c = _controller(spec, num_kv_blocks=128, max_queued_requests=1000, prefill_buffer_capacity=16)
+    c = _controller(
+        spec,
+        admission=AdmissionConfig(max_queued_requests=1000),
+        limits=dataclasses.replace(LIMITS, num_kv_blocks=128, prefill_buffer_slots=16),
+    )
     rng = random.Random(0)
     cancel_ids = set(rng.sample(range(200), 50))
     prompts = {i: [rng.randrange(3, V) for _ in range(rng.randrange(1, 40))] for i in range(200)}
@@ -138,7 +146,9 @@ def test_every_block_returns_after_200_requests_with_50_cancelled(spec: str) -> 
 def test_backpressure_bounds_the_prefill_buffer_and_loses_nothing() -> None:
     # The decode pool holds 2 sequences at a time; prefill buffers at most 3; the queue bound is 6.
     c = _controller(
-        "disagg:prefill=tp1,decode=tp1", num_kv_blocks=8, block_size=8, prefill_buffer_capacity=3, max_queued_requests=6
+        "disagg:prefill=tp1,decode=tp1",
+        admission=AdmissionConfig(max_queued_requests=6),
+        limits=ServingLimits(block_size=8, num_kv_blocks=8, prefill_buffer_slots=3),
     )
     seen_buffer: list[int] = []
     done = threading.Event()
@@ -269,7 +279,7 @@ def test_validation_errors_name_the_field(disagg: Controller) -> None:
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new() -> None:
-    c = _controller("colocated:tp1", max_decode_batch_size=1)
+    c = _controller("colocated:tp1", limits=dataclasses.replace(LIMITS, max_decode_batch=1))
     a = c.submit(_req("a", (3, 4), max_tokens=200))
     b = c.submit(_req("b", (3, 4), max_tokens=200))  # waits behind a (batch of 1)
     assert a.next_chunk(timeout_s=30) is not None
@@ -319,7 +329,10 @@ def test_observer_hears_every_finish_and_transfer() -> None:
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
     recorder = _Recorder()
     c = Controller(
-        build_engines(plan, fake_engine_factory(CFG)), plan, ControllerConfig(block_size=8), observer=recorder
+        build_engines(plan, fake_engine_factory(CFG)),
+        plan,
+        ControllerConfig(limits=ServingLimits(block_size=8)),
+        observer=recorder,
     )
     c.start()
     try:

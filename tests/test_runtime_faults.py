@@ -7,6 +7,7 @@ on the tiny OPT.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -15,11 +16,13 @@ import jax
 import pytest
 
 from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.core.scheduling import PrefillLoad
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.decode_instance import PullFailureConfig
 from jaxserve.runtime.engines.contract import (
     Engine,
     KVPages,
@@ -42,8 +45,13 @@ def _req(rid: str, prompt: Sequence[int], max_tokens: int = 8, **kw: object) -> 
     return GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))  # type: ignore[arg-type]
 
 
-def _controller(spec: str, factory=None, transfer=None, cls=Controller, **overrides) -> Controller:
-    config = ControllerConfig(**{"block_size": 8, "num_kv_blocks": 64, **overrides})
+LIMITS = ServingLimits(block_size=8, num_kv_blocks=64)
+
+
+def _controller(
+    spec: str, factory=None, transfer=None, cls=Controller, limits: ServingLimits = LIMITS, **overrides
+) -> Controller:
+    config = ControllerConfig(limits=limits, **overrides)
     plan = parse_deployment(spec)
     c = cls(build_engines(plan, factory or fake_engine_factory(CFG)), plan, config, transfer=transfer)
     c.start()
@@ -155,7 +163,11 @@ def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int,
         transfers.append(_FlakyTransfer(engine, fail_on={2}))
         return transfers[-1]
 
-    c = _controller("disagg:prefill=tp1,decode=tp1", transfer=make, num_pull_retries=retries, on_pull_failure=policy)
+    c = _controller(
+        "disagg:prefill=tp1,decode=tp1",
+        transfer=make,
+        pull_failure=PullFailureConfig(num_pull_retries=retries, on_pull_failure=policy),
+    )
     try:
         long_prompt, victim_prompt, other_prompt = (5, 6, 7), (8, 9, 10, 11), (12, 13)
         long = c.submit(_req("long", long_prompt, max_tokens=200))
@@ -231,7 +243,9 @@ class _CancelOnFirstToken(Controller):
 def test_cancel_between_prefill_and_decode_hand_off_drops_the_request_at_once() -> None:
     # 20 blocks of 8: "long" reserves 16 (4 + 120 tokens); "zombie" would need 8 (never fits while long runs);
     # "small" needs 1. A zombie at the head of the decode queue would hold "small" back until long ends.
-    c = _controller("disagg:prefill=tp1,decode=tp1", cls=_CancelOnFirstToken, num_kv_blocks=20)
+    c = _controller(
+        "disagg:prefill=tp1,decode=tp1", cls=_CancelOnFirstToken, limits=dataclasses.replace(LIMITS, num_kv_blocks=20)
+    )
     try:
         long = c.submit(_req("long", (5, 6, 7, 8), max_tokens=120))
         _wait_for(lambda: c.decode_instances[0].num_running == 1)
@@ -309,7 +323,9 @@ def test_dead_decode_instance_requests_continue_on_a_live_one_token_identical() 
 
 def test_dead_prefill_instance_requests_go_to_the_live_one_token_identical() -> None:
     c = _controller(
-        "disagg:prefill=2xtp1,decode=tp1", factory=_dying_factory("prefill-0", die_at_prefill=2), max_batch_tokens=8
+        "disagg:prefill=2xtp1,decode=tp1",
+        factory=_dying_factory("prefill-0", die_at_prefill=2),
+        limits=dataclasses.replace(LIMITS, max_batch_tokens=8),
     )
     try:
         got = _stream_all(c)
@@ -370,7 +386,12 @@ class _Sink:
 
 def test_colocated_load_counts_a_partly_prefilled_request_as_running() -> None:
     engine = FakeEngine(CFG, jax.devices()[:1])
-    inst = ColocatedInstance("colocated-0", engine, ColocatedConfig(64, 8, 8, 512, chunk_size=4), _Sink())
+    inst = ColocatedInstance(
+        "colocated-0",
+        engine,
+        ColocatedConfig(limits=ServingLimits(block_size=8, num_kv_blocks=64, max_decode_batch=8, chunk_size=4)),
+        _Sink(),
+    )
     for rid, prompt in (("a", tuple(range(3, 13))), ("b", (20, 21, 22, 23, 24, 25))):
         live = LiveRequest(_req(rid, prompt, max_tokens=3), seed=0, timings=RequestTimings(arrival_at=0.0))
         inst.enqueue(live)
@@ -423,7 +444,7 @@ def test_seeded_sampling_continues_from_the_same_positions_after_a_move(tmp_path
     checkpoint = str(make_hf_checkpoint(tmp_path / "opt-tiny-hf", CFG, seed=3))
     base = opt_engine_factory(checkpoint)
     plan = parse_deployment("disagg:prefill=tp1,decode=2xtp1")
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
     prompts = [(2, 100, 31, 7, 8), (2, 5, 6), (2, 300, 301, 302, 17, 9, 44)]
 
     def run(die_at: int | None) -> tuple[list[list[int]], Controller]:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import MAX_LOGPROBS, GenerateRequest, SamplingParams, TokenChunk, TokenLogprobs
 from jaxserve.runtime.controller import Controller, ControllerConfig
@@ -75,7 +76,9 @@ def run(c: Controller, requests: list[GenerateRequest]) -> list[list[TokenChunk]
     ],
 )
 def test_logprobs_match_transformers(spec: str, steps: int, checkpoint: Path, hf_model: object) -> None:
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64, decode_steps_per_call=steps)
+    config = ControllerConfig(
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64), decode_steps_per_call=steps
+    )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
     c.start()
     try:
@@ -102,7 +105,7 @@ def test_logprobs_match_transformers(spec: str, steps: int, checkpoint: Path, hf
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 2.0])
 def test_logprobs_out_of_range_are_refused(bad: object) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(logprobs=bad).validate(max_tokens_limit=16)  # type: ignore[arg-type]
+        SamplingParams(logprobs=bad).check_ranges(max_tokens_limit=16)  # type: ignore[arg-type]
     assert e.value.field == "logprobs"
 
 
@@ -111,6 +114,6 @@ def test_fake_engine_refuses_logprobs() -> None:
     plan = parse_deployment("colocated:tp1")
     c = Controller.from_plan("fake", plan, engine_factory=fake_engine_factory(CFG))
     with pytest.raises(InvalidRequestError) as e:
-        c.validate(GenerateRequest("r", (2, 5), SamplingParams(max_tokens=2, logprobs=1)))
+        c.check_fits(GenerateRequest("r", (2, 5), SamplingParams(max_tokens=2, logprobs=1)))
     assert e.value.field == "logprobs"
-    c.validate(GenerateRequest("r", (2, 5), SamplingParams(max_tokens=2)))
+    c.check_fits(GenerateRequest("r", (2, 5), SamplingParams(max_tokens=2)))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
@@ -33,7 +34,9 @@ def _run(
     checkpoint: Path, spec: str, steps: int, sampling: list[SamplingParams]
 ) -> tuple[list[list[int]], list[str | None], list[int]]:
     """Each request's tokens, finish reason and largest streamed chunk, all requests submitted at once."""
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64, decode_steps_per_call=steps)
+    config = ControllerConfig(
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64), decode_steps_per_call=steps
+    )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
     c.start()
     try:

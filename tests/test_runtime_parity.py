@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
@@ -53,7 +54,7 @@ def expected() -> list[list[int]]:
     ],
 )
 def test_greedy_matches_transformers(spec: str, checkpoint: Path, expected: list[list[int]]) -> None:
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64)
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)
     c.start()
     try:

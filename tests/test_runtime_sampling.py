@@ -1,4 +1,4 @@
-"""Sampling: greedy, top-k, top-p, temperature, and per-request seeds independent of batch mates."""
+"""Sampling: greedy, top-k, top-p, temperature, and per-request seeds independent of batch mates; the stop rule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import RequestTimings, SamplingParams
+from jaxserve.core.request import RequestTimings, SamplingParams, finish_reason, stop_token_ids
 from jaxserve.runtime.sampling import default_seed, sample
 
 RNG = np.random.default_rng(0)
@@ -89,13 +89,41 @@ def test_top_k_restricts_support_and_temperature_follows_softmax() -> None:
 )
 def test_sampling_params_validation(params: SamplingParams, field: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        params.validate(max_tokens_limit=100, vocab_size=1000)
+        params.check_ranges(max_tokens_limit=100, vocab_size=1000)
     assert info.value.field == field and field in str(info.value)
 
 
 def test_valid_params_pass_and_timings_derive_latencies() -> None:
-    SamplingParams(max_tokens=100, temperature=0.7, top_p=0.9, top_k=50, seed=2**63 - 1).validate(max_tokens_limit=100)
+    SamplingParams(max_tokens=100, temperature=0.7, top_p=0.9, top_k=50, seed=2**63 - 1).check_ranges(
+        max_tokens_limit=100
+    )
     assert default_seed("abc") == default_seed("abc") != default_seed("abd")
     t = RequestTimings(arrival_at=10.0, first_token_at=10.5, token_times=[10.5, 10.7, 10.9], finished_at=11.0)
     assert t.ttft_s == pytest.approx(0.5) and t.tpot_s == pytest.approx(0.2) and t.e2e_s == pytest.approx(1.0)
     assert RequestTimings(arrival_at=0.0, token_times=[1.0]).tpot_s is None
+
+
+EOS = 2
+
+
+@pytest.mark.parametrize(
+    ("sampling", "token", "num_output_tokens", "expected"),
+    [
+        (SamplingParams(max_tokens=4), 7, 1, None),
+        (SamplingParams(max_tokens=4), 7, 4, "length"),
+        (SamplingParams(max_tokens=4), EOS, 1, "stop"),
+        (SamplingParams(max_tokens=4), EOS, 4, "stop"),  # a stop token on the last allowed token is a stop
+        (SamplingParams(max_tokens=4, ignore_eos=True), EOS, 1, None),
+        (SamplingParams(max_tokens=4, ignore_eos=True), EOS, 4, "length"),
+        (SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(EOS,)), EOS, 1, "stop"),  # listed: still stops
+        (SamplingParams(max_tokens=4, stop_token_ids=(9, 11)), 11, 2, "stop"),
+        (SamplingParams(max_tokens=1), 5, 1, "length"),
+    ],
+)
+def test_the_stop_rule(sampling: SamplingParams, token: int, num_output_tokens: int, expected: str | None) -> None:
+    assert finish_reason(sampling, token, num_output_tokens, EOS) == expected
+
+
+def test_stop_token_ids_are_the_stop_list_and_eos_unless_ignored() -> None:
+    assert stop_token_ids(SamplingParams(stop_token_ids=(9, 11)), EOS) == (9, 11, EOS)
+    assert stop_token_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), EOS) == (9,)

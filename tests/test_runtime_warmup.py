@@ -1,4 +1,4 @@
-"""Cold buckets: after `Controller.warmup()` with `warmup_buckets`, no request shape the limits allow compiles.
+"""Cold buckets: after `Controller.warmup()` with `warmup.buckets`, no request shape the limits allow compiles.
 
 The issue: the server compiled only batch size 1 before `ready`, so the first users of every other
 batch / prompt / table-width bucket waited on XLA. JAX's own compile log is the witness: with
@@ -14,9 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
 
@@ -64,13 +65,9 @@ def _burst(c: Controller, tag: str) -> None:
 )
 def test_after_bucket_warmup_no_request_compiles(spec: str, steps: int, checkpoint: Path) -> None:
     config = ControllerConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_batch_tokens=64,
-        max_decode_batch_size=16,
-        max_prompt_tokens=40,
-        max_tokens_limit=24,
-        warmup_buckets=True,
+        admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
+        warmup=WarmupConfig(buckets=True),
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
         decode_steps_per_call=steps,
     )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)

@@ -22,7 +22,7 @@ from jaxserve.client import (
     UnavailableError,
 )
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runtime.controller import ControllerConfig
+from jaxserve.runtime.controller import AdmissionConfig, ControllerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,7 +149,9 @@ def test_grpc_unknown_fields_and_both_prompts(server):
 # ---- limits: configured prompt/max_tokens bounds, overload, sizes ------------------------
 @pytest.fixture(scope="module")
 def limited_server():
-    config = ControllerConfig(max_prompt_tokens=32, max_tokens_limit=64, max_queued_requests=2)
+    config = ControllerConfig(
+        admission=AdmissionConfig(max_prompt_tokens=32, max_tokens_limit=64, max_queued_requests=2)
+    )
     controller = fake_controller(config=config, prefill_delay_s=0.3, first_device=2)
     with running_server(controller, max_request_bytes=4096) as s:
         yield s

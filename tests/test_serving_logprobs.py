@@ -24,6 +24,7 @@ from serving_helpers import (
 )
 
 from jaxserve.client import Client, InvalidArgumentError
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.serving.openai_protocol import ChatMessage, render_chat
@@ -41,7 +42,9 @@ ABS = 2e-4
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     path = make_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-hf"), CFG, seed=3)
-    config = ControllerConfig(block_size=4, num_kv_blocks=64, max_batch_tokens=64, decode_steps_per_call=4)
+    config = ControllerConfig(
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64), decode_steps_per_call=4
+    )
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
     controller = Controller.from_plan(str(path), plan, devices=jax.devices()[4:6], config=config)
     controller.tokenizer = tiny_tokenizer()

@@ -15,8 +15,9 @@ import jax
 import pytest
 from test_runtime_warmup import _burst, _Compiles  # the same witness and burst as the serve warm-up test
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.engines.opt import opt_engine_factory
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.testing.hf import make_hf_checkpoint
@@ -34,13 +35,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_after_a_switch_to_new_instances_no_request_compiles(checkpoint: Path) -> None:
     config = ControllerConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_batch_tokens=64,
-        max_decode_batch_size=16,
-        max_prompt_tokens=40,
-        max_tokens_limit=24,
-        warmup_buckets=True,  # what `serve` runs (its default)
+        admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
+        warmup=WarmupConfig(buckets=True),
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
     )
     factory = opt_engine_factory(str(checkpoint))
     c = Controller.from_plan(str(checkpoint), parse_deployment("disagg:prefill=tp1,decode=tp1"), None, factory, config)

@@ -1,4 +1,4 @@
-"""`warmup_logprobs` (`serve --warmup-logprobs`): after the bucket warm-up, requests asking for logprobs
+"""`warmup.logprobs` (`serve --warmup-logprobs`): after the bucket warm-up, requests asking for logprobs
 compile nothing either.
 
 Without it the warm-up compiles the token programs only: the first request with `logprobs` in each
@@ -16,9 +16,11 @@ import jax
 import pytest
 from test_runtime_warmup import _Compiles
 
+from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
 
@@ -59,16 +61,11 @@ def test_after_logprob_warmup_no_logprob_request_compiles(
     spec: str, steps: int, caching: bool, first_device: int, checkpoint: Path
 ) -> None:
     config = ControllerConfig(
-        block_size=4,
-        num_kv_blocks=64,
-        max_batch_tokens=64,
-        max_decode_batch_size=16,
-        max_prompt_tokens=40,
-        max_tokens_limit=24,
-        warmup_buckets=True,
-        warmup_logprobs=True,
+        admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
+        warmup=WarmupConfig(buckets=True, logprobs=True),
+        prefix_policy=PrefixPolicy(enabled=caching),
+        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
         decode_steps_per_call=steps,
-        prefix_caching=caching,
     )
     devices = jax.devices()[first_device : first_device + 2]
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), devices=devices, config=config)

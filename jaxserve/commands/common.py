@@ -1,12 +1,17 @@
-"""What several subcommands share: the embedded default model, the CPU device count, CPU pinning.
+"""What several subcommands share: the embedded default model, the serving-limit flags, the CPU device count,
+CPU pinning.
 
 Imports nothing heavy: `ensure_host_devices` must run before JAX is imported.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
+
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 
 # The embedded default: the small code model shipped under jaxserve/assets/ when the
 # package has it, else a preset (random weights, with a warning at load time).
@@ -21,6 +26,41 @@ def default_model() -> str:
     if (DEFAULT_MODEL_DIR / "config.json").exists():
         return str(DEFAULT_MODEL_DIR)
     return FALLBACK_MODEL
+
+
+def add_serving_limit_flags(group: argparse._ArgumentGroup, num_kv_blocks_help: str | None = None) -> None:
+    """`serve` and `generate`'s flags for the serving limits: each is its `ServingLimits` name
+    (`--max-decode-batch` -> `max_decode_batch`); default None: the plan's limits, else `DEFAULT_LIMITS`.
+    (`plan` / `simulate` have their own, defaulting to `DEFAULT_LIMITS`: commands/planner_args.py.)"""
+    group.add_argument("--block-size", type=int, default=None, help="paged KV block, tokens")
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help=num_kv_blocks_help
+        or f"paged KV blocks per decode / colocated instance (default {DEFAULT_LIMITS.num_kv_blocks})",
+    )
+    group.add_argument(
+        "--max-decode-batch",
+        "--max-decode-batch-size",  # the old spelling, still accepted
+        dest="max_decode_batch",
+        type=int,
+        default=None,
+        help="running sequences per decode / colocated instance",
+    )
+    group.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
+    group.add_argument(
+        "--prefill-buffer-slots",
+        type=int,
+        default=None,
+        help="prefilled sequences a prefill instance holds until a decode instance pulls them",
+    )
+
+
+def limits_from_args(args: argparse.Namespace, base: ServingLimits) -> ServingLimits:
+    """`base` with each serving-limit flag given on the command line (`add_serving_limit_flags`)."""
+    flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServingLimits)}
+    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def ensure_host_devices(num_devices: int, extra_flags: str = "") -> None:

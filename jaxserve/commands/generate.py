@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices
+from jaxserve.commands.common import (
+    DEFAULT_DEPLOYMENT,
+    add_serving_limit_flags,
+    default_model,
+    ensure_host_devices,
+    limits_from_args,
+)
+from jaxserve.core.limits import DEFAULT_LIMITS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment spec or plan JSON file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    add_serving_limit_flags(
+        parser.add_argument_group("serving limits (default: the plan file's, else jaxserve/core/limits.py)")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +59,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
+    try:
+        limits = limits_from_args(args, plan.limits or DEFAULT_LIMITS)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if limits.num_kv_blocks is None:  # a plan's "what memory holds": the embedded default
+        limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
     ensure_host_devices(plan.num_devices)
 
     from jaxserve.core.request import SamplingParams
@@ -62,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     try:
-        with LLM(model=args.model or default_model(), deployment=plan, dtype=args.dtype) as llm:
+        with LLM(model=args.model or default_model(), deployment=plan, dtype=args.dtype, limits=limits) as llm:
             out = llm.generate(prompt_ids if prompt_ids is not None else args.prompt, sampling)[0]
             text = out.text if out.text is not None else llm.codec.decode(out.token_ids)
     except (JaxServeError, PlanError, ValueError, KeyError) as e:

@@ -41,7 +41,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-decode-batch",
         type=int,
         default=DEFAULT_LIMITS.max_decode_batch,
-        help="running sequences per decode / colocated instance (serve --max-decode-batch-size)",
+        help="running sequences per decode / colocated instance (the same flag on serve)",
     )
     limits.add_argument(
         "--max-batch-tokens",

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus
+from jaxserve.core.limits import DEFAULT_LIMITS
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -116,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wall: elapsed time per step (a dedicated machine); cpu: this process's CPU time per step, "
         "which other processes on a shared machine do not inflate",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="paged KV block size the server uses")
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_LIMITS.block_size, help="paged KV block size the server uses"
+    )
     parser.add_argument("--saturation", type=float, default=0.9, help="L_m: share of peak prefill throughput")
     parser.add_argument("--prefill-tokens", type=int, default=None, help="write this L_m instead of detecting it")
     parser.add_argument("--name", default=None, help="profile name (default: MODEL-DEVICE-measured)")

@@ -23,7 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.commands.common import DEFAULT_DEPLOYMENT, default_model, ensure_host_devices, parse_cpus, pin_to_cpus
+from jaxserve.commands.common import (
+    DEFAULT_DEPLOYMENT,
+    add_serving_limit_flags,
+    default_model,
+    ensure_host_devices,
+    limits_from_args,
+    parse_cpus,
+    pin_to_cpus,
+)
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
@@ -140,12 +148,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits = parser.add_argument_group("runtime limits")
     # Defaults: the plan's recorded limits with --plan, else jaxserve/core/limits.py (what plan/simulate assume).
-    limits.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="paged KV blocks per decode / colocated instance (default: the plan's, else sized from the memory "
-        "the weights leave, --kv-memory-fraction; the fake/timed engines and the Ray backend: 256)",
+    add_serving_limit_flags(
+        limits,
+        num_kv_blocks_help="paged KV blocks per decode / colocated instance (default: the plan's, else sized from "
+        "the memory the weights leave, --kv-memory-fraction; the fake/timed engines and the Ray backend: "
+        f"{DEFAULT_LIMITS.num_kv_blocks})",
     )
     limits.add_argument(
         "--kv-memory-fraction",
@@ -162,9 +169,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode / colocated instances run up to N decode steps per engine call (multi-step decoding: "
         "tokens reach clients N at a time; 1 = one step per call)",
     )
-    limits.add_argument("--block-size", type=int, default=None)
-    limits.add_argument("--max-decode-batch-size", type=int, default=None)
-    limits.add_argument("--max-batch-tokens", type=int, default=None, help="engine token cap of one prefill step")
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     cache = parser.add_argument_group("prefix caching (docs/prefix_caching.md)")
@@ -266,15 +270,11 @@ ENGINE_BACKENDS: dict[str, Callable[[str, argparse.Namespace], EngineBackend]] =
 
 
 def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
-    """The limits to serve with: each flag given on the command line, else the plan's, else the defaults."""
-    base = plan.limits or DEFAULT_LIMITS
-    flags = {
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "max_decode_batch": args.max_decode_batch_size,
-        "max_batch_tokens": args.max_batch_tokens,
-    }
-    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+    """The limits to serve with: each flag given on the command line, else the plan's, else the defaults.
+
+    A limit's flag is its `ServingLimits` name (`--max-decode-batch` -> `max_decode_batch`); `chunk_size` has
+    none here: a colocated instance's chunk comes with the deployment (`colocated:tp1,chunk=N`)."""
+    return limits_from_args(args, plan.limits or DEFAULT_LIMITS)
 
 
 def server_keys(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
@@ -338,31 +338,26 @@ def run(args: argparse.Namespace) -> int:
         log.info("compilation cache: %s", cache_dir)
 
     from jaxserve.core.scheduling import PrefixPolicy
-    from jaxserve.runtime.controller import Controller, ControllerConfig
+    from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
     model = args.model or plan.model or default_model()
     limits = serving_limits(args, plan)
-    config = ControllerConfig(
-        block_size=limits.block_size,
-        num_kv_blocks=limits.num_kv_blocks or DEFAULT_LIMITS.num_kv_blocks or 1,
-        max_decode_batch_size=limits.max_decode_batch,
-        max_batch_tokens=limits.max_batch_tokens,
-        prefill_buffer_capacity=limits.prefill_buffer_slots,
-        max_queued_requests=args.max_queued_requests,
-        max_tokens_limit=args.max_tokens_limit,
-        drain_timeout_s=args.drain_timeout,
-        warmup_buckets=args.warmup_buckets,
-        warmup_logprobs=args.warmup_logprobs,
-        prefix_caching=args.prefix_caching,
-        prefill_num_kv_blocks=args.prefill_kv_blocks,
-        prefix_policy=PrefixPolicy(local_prefill_tokens=args.local_prefill_tokens),
-        decode_steps_per_call=args.decode_steps_per_call,
-    )
+    if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (opt engine), else the default
+        limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
     if args.decode_steps_per_call < 1:
         print("error: --decode-steps-per-call must be >= 1", file=sys.stderr)
         return 2
+    config = ControllerConfig(
+        limits=limits,
+        admission=AdmissionConfig(max_queued_requests=args.max_queued_requests, max_tokens_limit=args.max_tokens_limit),
+        warmup=WarmupConfig(buckets=args.warmup_buckets, logprobs=args.warmup_logprobs),
+        prefix_policy=PrefixPolicy(enabled=args.prefix_caching, local_prefill_tokens=args.local_prefill_tokens),
+        prefill_num_kv_blocks=args.prefill_kv_blocks,
+        decode_steps_per_call=args.decode_steps_per_call,
+        drain_timeout_s=args.drain_timeout,
+    )
     if not 0.0 < args.kv_memory_fraction <= 1.0:
         print("error: --kv-memory-fraction must be in (0, 1]", file=sys.stderr)
         return 2
@@ -383,14 +378,16 @@ def run(args: argparse.Namespace) -> int:
             sized = backend.pool_from_memory and not pool_given
             if sized:
                 blocks, engine_factory = kv_blocks_from_memory(
-                    plan, engine_factory, config.block_size, config.max_decode_batch_size, args.kv_memory_fraction
+                    plan, engine_factory, config.limits, args.kv_memory_fraction
                 )
                 if blocks is not None:
-                    config = dataclasses.replace(config, num_kv_blocks=blocks)
+                    config = dataclasses.replace(
+                        config, limits=dataclasses.replace(config.limits, num_kv_blocks=blocks)
+                    )
             log.info(
                 "KV pool: %d blocks x %d tokens per decode / colocated instance (%s)",
-                config.num_kv_blocks,
-                config.block_size,
+                config.limits.num_kv_blocks,
+                config.limits.block_size,
                 f"--kv-memory-fraction {args.kv_memory_fraction}" if sized else "given",
             )
             controller = Controller.from_plan(
@@ -449,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def kv_blocks_from_memory(
-    plan: DeploymentPlan, factory: EngineFactory, block_size: int, max_decode_batch: int, memory_fraction: float
+    plan: DeploymentPlan, factory: EngineFactory, limits: ServingLimits, memory_fraction: float
 ) -> tuple[int | None, EngineFactory]:
     """Load the plan's engines now and size the KV pool from the memory their weights leave.
 
@@ -457,12 +454,13 @@ def kv_blocks_from_memory(
     colocated engine that can say (`kv_blocks_for_memory`: `OPTEngine`) gives the blocks
     `memory_fraction` of its devices' memory leaves, capped at what a full decode batch of
     sequences of the model's length can reserve; the smallest instance sets the number
-    (`ControllerConfig.num_kv_blocks` is one number for all). Returns it (None: no engine could
+    (`ServingLimits.num_kv_blocks` is one number for all; `limits` gives `block_size` and `max_decode_batch`). Returns it (None: no engine could
     say) and a factory that hands the built engines to `Controller.from_plan` (and loads any
     later instance, such as a replan's, itself).
     """
     from jaxserve.runtime.instances import place
 
+    block_size, max_decode_batch = limits.block_size, limits.max_decode_batch
     built: dict[tuple[int, ...], Engine] = {}
     blocks: list[int] = []
     for _, spec, devices in place(plan):

@@ -43,6 +43,12 @@ class ServingLimits:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
+    def require_num_kv_blocks(self) -> int:
+        """`num_kv_blocks` for a running instance, which needs a number (None is the planner's "what memory holds")."""
+        if self.num_kv_blocks is None:
+            raise ValueError("a running instance needs num_kv_blocks (None means 'what memory holds', a planner value)")
+        return self.num_kv_blocks
+
     def to_dict(self) -> dict[str, int | None]:
         return dataclasses.asdict(self)
 

@@ -54,8 +54,9 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, *, max_tokens_limit: int, vocab_size: int | None = None) -> None:
-        """Raise `InvalidRequestError` naming the first field that is out of range."""
+    def check_ranges(self, *, max_tokens_limit: int, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError` naming the first field that is out of its range (this object alone;
+        whether a request fits a deployment is `Controller.check_fits`)."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequestError("max_tokens must be an integer", field="max_tokens")
         if self.max_tokens <= 0:
@@ -90,6 +91,25 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"stop_token_ids entry {tok} is outside the vocabulary (size {vocab_size})", field="stop_token_ids"
                 )
+
+
+def stop_token_ids(sampling: SamplingParams, eos_token_id: int) -> tuple[int, ...]:
+    """The token ids that end a sequence: its `stop_token_ids`, and EOS unless `ignore_eos` (the stop rule's
+    token half, for an engine that checks it on the device)."""
+    return tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else (eos_token_id,))
+
+
+def finish_reason(
+    sampling: SamplingParams, token: int, num_output_tokens: int, eos_token_id: int
+) -> FinishReason | None:
+    """The stop rule, written once: why a sequence stops once `token` is its `num_output_tokens`-th output
+    token. "stop": a stop token id, or EOS unless `ignore_eos` (the token is kept); "length": `max_tokens`
+    reached; None: it goes on."""
+    if token in stop_token_ids(sampling, eos_token_id):
+        return "stop"
+    if num_output_tokens >= sampling.max_tokens:
+        return "length"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +150,7 @@ def validate_request(request: GenerateRequest, limits: RequestLimits) -> None:
         raise InvalidRequestError(
             f"prompt has {len(prompt)} tokens, the limit is {limits.max_prompt_tokens}", field="prompt_token_ids"
         )
-    request.sampling.validate(max_tokens_limit=limits.max_tokens_limit, vocab_size=limits.vocab_size)
+    request.sampling.check_ranges(max_tokens_limit=limits.max_tokens_limit, vocab_size=limits.vocab_size)
     if request.sampling.logprobs is not None and not limits.logprobs:
         raise InvalidRequestError(
             "logprobs are not available: this deployment's engines do not compute them (a fake or timed engine)",

@@ -63,8 +63,6 @@ def kv_tokens_reserved(num_prompt_tokens: int, max_new_tokens: int) -> int:
 # Disaggregated: prefill side
 # ---------------------------------------------------------------------------
 
-DEFAULT_PREFILL_BUFFER_SLOTS = 8  # prefilled sequences a prefill instance holds until they are pulled
-
 
 def prefill_buffer_free_slots(capacity: int, num_buffered: int, num_in_flight: int) -> int:
     """Sequences the next prefill batch may hold: buffer slots not taken by buffered or running ones."""
@@ -398,6 +396,9 @@ class PrefixPolicy:
 
     def weight(self, block_size: int) -> float:
         return float(block_size) if self.overlap_weight is None else self.overlap_weight
+
+
+NO_PREFIX_CACHING = PrefixPolicy(enabled=False)  # the server's default (`ControllerConfig.prefix_policy`)
 
 
 @dataclasses.dataclass(frozen=True)

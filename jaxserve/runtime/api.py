@@ -93,8 +93,8 @@ class ServingController(Protocol):
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None: ...
 
-    def validate(self, request: GenerateRequest) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+    def check_fits(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError naming the first field that does not fit this deployment."""
         ...
 
     def submit(self, request: GenerateRequest) -> RequestStream: ...

@@ -22,7 +22,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    stop rules as on a decode instance; ended or cancelled requests free their
    blocks at once.
 
-Prefix caching (`ColocatedConfig.prefix_caching`): the pool is run by a `PrefixCache`; an
+Prefix caching (`ColocatedConfig.prefix_policy.enabled`): the pool is run by a `PrefixCache`; an
 admitted request pins its longest cached prefix and its prompt chunks start after it (the
 policy's chunk is cut to the uncached part); a completed prompt's full blocks are named, and a
 finished request names prompt + answer (but the last token) and unpins them.
@@ -37,9 +37,17 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.blocks import BlockAllocator
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
-from jaxserve.core.scheduling import ColocatedRequest, PrefillLoad, colocated_load, schedule_colocated
+from jaxserve.core.scheduling import (
+    NO_PREFIX_CACHING,
+    ColocatedRequest,
+    PrefillLoad,
+    PrefixPolicy,
+    colocated_load,
+    schedule_colocated,
+)
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import Engine, StepRow
 from jaxserve.runtime.multi_step import decode_call, decode_records
@@ -48,12 +56,15 @@ from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, no
 
 @dataclasses.dataclass(frozen=True)
 class ColocatedConfig:
-    num_blocks: int = 256
-    block_size: int = 16
-    max_batch_size: int = 32
-    max_batch_tokens: int = 512  # L_m for prefill-priority steps
-    chunk_size: int | None = None  # set: Sarathi chunked prefill with piggybacked decodes
-    prefix_caching: bool = False  # prompts start after their longest cached prefix in this pool
+    """What a colocated instance reads of the limits: `num_kv_blocks` x `block_size` (its pool),
+    `max_decode_batch` (running sequences), `max_batch_tokens` (L_m of prefill-priority steps) and
+    `chunk_size` (set: Sarathi chunked prefill with piggybacked decodes; the controller puts the plan
+    instance's own there)."""
+
+    limits: ServingLimits = DEFAULT_LIMITS
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: prompts start after their longest cached prefix in this pool
+    )
     decode_steps_per_call: int = 1  # N > 1: decode-only steps run up to N steps per engine call
 
 
@@ -88,9 +99,10 @@ class ColocatedInstance(Worker):
         super().__init__(name, emitter)
         self.engine = engine
         self.config = config
-        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        num_blocks, block_size = config.limits.require_num_kv_blocks(), config.limits.block_size
+        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_policy.enabled)
         self.allocator = self.cache.allocator
-        self.pages = engine.init_pages(config.num_blocks, config.block_size)
+        self.pages = engine.init_pages(num_blocks, block_size)
         self._seqs: dict[str, _Seq] = {}  # arrival order
 
     # ---- controller side (thread-safe) --------------------------------------
@@ -144,10 +156,10 @@ class ColocatedInstance(Worker):
         decision = schedule_colocated(
             [s.policy_view() for s in seqs],
             num_free_blocks=self.cache.num_available,
-            block_size=self.config.block_size,
-            max_batch_size=self.config.max_batch_size,
-            max_batch_tokens=self.config.max_batch_tokens,
-            chunk_size=self.config.chunk_size,
+            block_size=self.config.limits.block_size,
+            max_batch_size=self.config.limits.max_decode_batch,
+            max_batch_tokens=self.config.limits.max_batch_tokens,
+            chunk_size=self.config.limits.chunk_size,
         )
         for reservation in decision.admit:
             rid = reservation.request_id
@@ -155,8 +167,8 @@ class ColocatedInstance(Worker):
             hit = self.cache.acquire(
                 rid,
                 s.prefill_ids,
-                reservation.num_blocks * self.config.block_size,
-                names=s.live.block_names(self.config.block_size),
+                reservation.num_blocks * self.config.limits.block_size,
+                names=s.live.block_names(self.config.limits.block_size),
             )
             s.block_table, s.num_prefilled = hit.block_table, hit.num_cached_tokens
             if s.live.timings.prefill_start_at is None:
@@ -235,7 +247,7 @@ class ColocatedInstance(Worker):
                     s.num_prefilled = row.start_position + len(row.token_ids)
                     if s.num_prefilled < len(s.prefill_ids):
                         continue
-                    self.cache.commit(rid, s.prefill_ids, s.live.block_names(self.config.block_size))
+                    self.cache.commit(rid, s.prefill_ids, s.live.block_names(self.config.limits.block_size))
                     if s.resumed:  # its KV is rebuilt; the next token comes from a decode row
                         continue
                     s.live.timings.prefill_end_at = at

@@ -2,7 +2,7 @@
 
 A request's life (disaggregated):
 
-1. `submit()` validates it (`core.request.validate_request`), applies admission control (OverloadedError when
+1. `submit()` checks it fits (`check_fits`: `core.request.validate_request`), applies admission control (OverloadedError when
    the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
    puts it on the prefill instance with the shortest queue
    (`scheduling.choose_prefill_instance`, through `routing.Router`). It returns a `RequestStream`
@@ -16,7 +16,7 @@ A request's life (disaggregated):
 4. The final `TokenChunk` carries `finish_reason` and the `RequestTimings`;
    the observer (metrics) hears about every finished request and transfer.
 
-Prefix caching (`ControllerConfig.prefix_caching`, off by default; see docs/prefix_caching.md):
+Prefix caching (`ControllerConfig.prefix_policy.enabled`, off by default; see docs/prefix_caching.md):
 every instance keeps KV blocks content-addressed (`PrefixCache`), step 1 picks the prefill
 instance with `scheduling.choose_prefill_instance_cached` (cached prefix against queued uncached
 tokens), step 2 the decode instance with `choose_decode_instance_cached` (the one holding the
@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Protocol
 import jax
 
 from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import (
     FinishReason,
@@ -77,10 +77,10 @@ from jaxserve.core.request import (
     TokenChunk,
     validate_request,
 )
-from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailurePolicy
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
 from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance, build_engines
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -128,32 +128,51 @@ class WorkloadHook(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class AdmissionConfig:
+    """What the front door accepts: request sizes (`Controller.check_fits`) and queue depth (`submit`)."""
+
+    max_queued_requests: int = 256  # over all prefill (or colocated) queues; beyond: OverloadedError
+    retry_after_s: float = 1.0  # the Retry-After an OverloadedError carries
+    max_tokens_limit: int | None = None  # largest max_tokens (default: the model's positions)
+    max_prompt_tokens: int | None = None  # longest prompt (default: the model's positions - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """What `Controller.warmup()` compiles before the first client (and a live switch before routing)."""
+
+    buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
+    logprobs: bool = False  # with buckets: the logprob programs of those shapes too
+
+
+@dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    # The serving limits' defaults are jaxserve/core/limits.py's, which the simulator shares.
-    block_size: int = DEFAULT_LIMITS.block_size
-    num_kv_blocks: int = DEFAULT_LIMITS.num_kv_blocks or 256  # per decode / colocated instance
-    max_decode_batch_size: int = DEFAULT_LIMITS.max_decode_batch
-    max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens  # the engine's token cap per prefill step
-    prefill_buffer_capacity: int = DEFAULT_LIMITS.prefill_buffer_slots  # prefilled sequences held until pulled
-    max_queued_requests: int = 256  # admission control over all prefill (or colocated) queues
-    max_tokens_limit: int | None = None  # default: the model's positions
-    max_prompt_tokens: int | None = None  # default: the model's positions - 1
-    retry_after_s: float = 1.0
-    drain_timeout_s: float = 30.0
-    num_pull_retries: int = 1  # a failed KV pull is retried this often (while the prefill side holds the KV)
-    on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill that request, or fail it alone
-    warmup_buckets: bool = False  # warmup(): compile every padded shape the limits allow (serve turns it on)
-    warmup_logprobs: bool = False  # with warmup_buckets: the logprob programs of those shapes too
-    prefix_caching: bool = False  # content-addressed KV blocks on every instance, cache-aware routing
+    """A deployment's knobs, one small config per concern (docs/knobs.md): the serving limits (block_size,
+    num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots; jaxserve/core/limits.py, which
+    the simulator and plan files share), what a failed KV pull does, admission, warm-up, prefix caching."""
+
+    limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
+    pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
+    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
+    # Prefix caching (docs/prefix_caching.md): `enabled` turns on content-addressed KV blocks on every instance and
+    # cache-aware routing (off by default); the routing weights and the local-prefill threshold. The simulator's too.
+    prefix_policy: PrefixPolicy = NO_PREFIX_CACHING
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
-    prefix_policy: PrefixPolicy = dataclasses.field(
-        default_factory=PrefixPolicy
-    )  # routing weights and the local-prefill threshold
+    drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
+
+    def __post_init__(self) -> None:
+        self.limits.require_num_kv_blocks()
+        if self.decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
 
     @property
     def prefill_pool_blocks(self) -> int:
-        return self.num_kv_blocks if self.prefill_num_kv_blocks is None else self.prefill_num_kv_blocks
+        """A caching prefill instance's pool: `prefill_num_kv_blocks`, else the limits' `num_kv_blocks`."""
+        if self.prefill_num_kv_blocks is not None:
+            return self.prefill_num_kv_blocks
+        return self.limits.require_num_kv_blocks()
 
 
 class Controller:
@@ -186,7 +205,7 @@ class Controller:
         self._shutting_down = False
         self._started = False
         cfg = self.config
-        self.router = Router(cfg.prefix_caching, cfg.block_size, cfg.prefix_policy)
+        self.router = Router(cfg.limits.block_size, cfg.prefix_policy)
         # routed, staged and retiring instances (the live switch: `jaxserve/runtime/switch.py`)
         self.instance_set = InstanceSet()
         self._make_transfer: TransferFactory = transfer or InProcessTransfer
@@ -196,8 +215,8 @@ class Controller:
         for p in placed:
             self.instance_set.add_routed(self._make_instance(p))
         mc = self.model_config
-        self.max_prompt_tokens = cfg.max_prompt_tokens or mc.max_position_embeddings - 1
-        self.max_tokens_limit = cfg.max_tokens_limit or mc.max_position_embeddings
+        self.max_prompt_tokens = cfg.admission.max_prompt_tokens or mc.max_position_embeddings - 1
+        self.max_tokens_limit = cfg.admission.max_tokens_limit or mc.max_position_embeddings
 
     def _make_instance(self, p: PlacedInstance) -> Instance:
         """An instance (not started) for a placed engine."""
@@ -207,29 +226,24 @@ class Controller:
             if not p.engine.capabilities.prefill:
                 raise TypeError(f"{p.name} needs an engine with the prefill role, got {type(p.engine).__name__}")
             pc = PrefillConfig(
-                max_batch_tokens=cfg.max_batch_tokens,
-                buffer_capacity=cfg.prefill_buffer_capacity,
-                prefix_caching=cfg.prefix_caching,
-                num_blocks=cfg.prefill_pool_blocks,
-                block_size=cfg.block_size,
+                limits=dataclasses.replace(cfg.limits, num_kv_blocks=cfg.prefill_pool_blocks),  # its own pool
+                prefix_policy=cfg.prefix_policy,
             )
             return PrefillInstance(p.name, p.engine, pc, self, self._on_prefilled)
         if not p.engine.capabilities.decode:
             raise TypeError(f"{p.name} needs an engine with the decode role, got {type(p.engine).__name__}")
         if p.spec.role == "decode":
             dc = DecodeConfig(
-                cfg.num_kv_blocks, cfg.block_size, cfg.max_decode_batch_size, cfg.num_pull_retries,
-                cfg.on_pull_failure, cfg.prefix_caching, cfg.decode_steps_per_call,
-            )  # fmt: skip
+                limits=cfg.limits,
+                pull_failure=cfg.pull_failure,
+                prefix_policy=cfg.prefix_policy,
+                decode_steps_per_call=cfg.decode_steps_per_call,
+            )
             return DecodeInstance(p.name, p.engine, dc, self, self._make_transfer(p.engine), self._on_kv_transfer)
         cc = ColocatedConfig(
-            cfg.num_kv_blocks,
-            cfg.block_size,
-            cfg.max_decode_batch_size,
-            cfg.max_batch_tokens,
-            p.spec.chunk_size,
-            cfg.prefix_caching,
-            cfg.decode_steps_per_call,
+            limits=dataclasses.replace(cfg.limits, chunk_size=p.spec.chunk_size),  # the plan instance's chunk
+            prefix_policy=cfg.prefix_policy,
+            decode_steps_per_call=cfg.decode_steps_per_call,
         )
         return ColocatedInstance(p.name, p.engine, cc, self)
 
@@ -308,12 +322,12 @@ class Controller:
     def warmup(self) -> float:
         """Compile before the first client; seconds taken.
 
-        With `warmup_buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
+        With `warmup.buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
         allow (`warmup.warm_buckets`), so no user waits on XLA. Then one short request goes through every
         front instance, which also warms the hand-off path.
         """
         started = time.monotonic()
-        if self.config.warmup_buckets:
+        if self.config.warmup.buckets:
             self._warm_buckets(self.instance_set.routed())
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
         bos = self.model_config.bos_token_id
@@ -328,10 +342,10 @@ class Controller:
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         warm_buckets(
             instances,
-            block_size=self.config.block_size,
+            block_size=self.config.limits.block_size,
             max_prompt_tokens=self.max_prompt_tokens,
             max_seq_len=max_seq_len,
-            logprobs=self.config.warmup_logprobs,
+            logprobs=self.config.warmup.logprobs,
         )
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
@@ -360,7 +374,7 @@ class Controller:
         self.shutdown()
 
     # ---- requests ----------------------------------------------------------------
-    def validate(self, request: GenerateRequest) -> None:
+    def check_fits(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError naming the first bad field (`core.request.validate_request`)."""
         validate_request(request, self.request_limits(probe_logprobs=request.sampling.logprobs is not None))
 
@@ -368,14 +382,14 @@ class Controller:
         """What this deployment accepts now. `probe_logprobs`: ask every instance's engine whether it computes
         logprobs (the instances change with a switch); without it (a request that asks none) they count as on."""
         mc, cfg = self.model_config, self.config
-        caching_prefill = cfg.prefix_caching and bool(self.prefill_instances)
+        caching_prefill = cfg.prefix_policy.enabled and bool(self.prefill_instances)
         return RequestLimits(
             vocab_size=mc.vocab_size,
             max_positions=mc.max_position_embeddings,
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens_limit=self.max_tokens_limit,
-            kv_pool_tokens=cfg.num_kv_blocks * cfg.block_size,
-            prefill_pool_tokens=cfg.prefill_pool_blocks * cfg.block_size if caching_prefill else None,
+            kv_pool_tokens=cfg.limits.require_num_kv_blocks() * cfg.limits.block_size,
+            prefill_pool_tokens=cfg.prefill_pool_blocks * cfg.limits.block_size if caching_prefill else None,
             logprobs=self.computes_logprobs() if probe_logprobs else True,
         )
 
@@ -389,7 +403,7 @@ class Controller:
             raise ShuttingDownError("the server is shutting down")
         if not self._started:
             raise ShuttingDownError("the controller is not started; call start()")
-        self.validate(request)
+        self.check_fits(request)
         with self._lock:
             front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
             alive = live_fronts(self.prefill_instances, self.decode_instances, self.colocated_instances)
@@ -401,10 +415,10 @@ class Controller:
             if request.request_id in self._live:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", field="request_id")
             queued = sum(inst.num_waiting for inst in front)
-            if queued >= self.config.max_queued_requests:
+            if queued >= self.config.admission.max_queued_requests:
                 raise OverloadedError(
-                    f"{queued} requests are queued (limit {self.config.max_queued_requests}); retry later",
-                    retry_after_s=self.config.retry_after_s,
+                    f"{queued} requests are queued (limit {self.config.admission.max_queued_requests}); retry later",
+                    retry_after_s=self.config.admission.retry_after_s,
                 )
             seed = request.sampling.seed if request.sampling.seed is not None else default_seed(request.request_id)
             live = LiveRequest(request=request, seed=seed, timings=RequestTimings(arrival_at=now()))
@@ -543,7 +557,7 @@ class Controller:
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
         """Warm every staged instance before it is routed; seconds.
 
-        With `warmup_buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
+        With `warmup.buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
         instances (every padded shape their limits allow); then the hand-off path of every prefill ->
         decode pair a staged instance is part of, for every padded prompt length (`warmup.handoff_warmups`):
         requests pinned to the pair. Without it: one short request pinned through each staged instance.
@@ -553,11 +567,11 @@ class Controller:
             staged = list(self.instance_set.staged)
             routed_prefills = [p for p in self.prefill_instances if p.error is None]
             routed_decodes = [d for d in self.decode_instances if d.error is None]
-        if self.config.warmup_buckets:
+        if self.config.warmup.buckets:
             self._warm_buckets(staged)
         longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
         warmups = handoff_warmups(
-            staged, routed_prefills, routed_decodes, every_length=self.config.warmup_buckets, longest_prompt=longest
+            staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
         )
         bos = self.model_config.bos_token_id
         streams = []

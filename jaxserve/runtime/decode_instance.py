@@ -33,7 +33,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    multi-step call, streamed as one chunk), and end a sequence on max_tokens, EOS (unless ignore_eos) or a stop token; an ended
    or cancelled sequence returns its blocks to the free list immediately.
 
-Prefix caching (`DecodeConfig.prefix_caching`): the pool is run by a `PrefixCache`.
+Prefix caching (`DecodeConfig.prefix_policy.enabled`): the pool is run by a `PrefixCache`.
 Admission pins the longest cached prefix of the prompt (`acquire(..., min_uncached_tokens=0)`)
 and the pull moves only positions `c = hit.num_cached_tokens ..` (a dense slice of the prefill
 side's KV, `kv_pool.slice_sequence`), written into the blocks from `c // block_size` on; the
@@ -65,9 +65,10 @@ from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
 from jaxserve.core.blocks import BlockAllocator
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
-from jaxserve.core.scheduling import DecodeLoad, PendingDecode, admit_decodes
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, DecodeLoad, PendingDecode, PrefixPolicy, admit_decodes
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -98,13 +99,29 @@ class DiscardableHandle(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    num_blocks: int = 256
-    block_size: int = 16
-    max_batch_size: int = 32
+class PullFailureConfig:
+    """What a decode instance does when a KV pull fails (`ControllerConfig.pull_failure`)."""
+
     num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
     on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
-    prefix_caching: bool = False  # keep finished requests' blocks cached; pull only what is missing
+
+    def __post_init__(self) -> None:
+        if self.num_pull_retries < 0:
+            raise ValueError(f"num_pull_retries must be >= 0, got {self.num_pull_retries}")
+        if self.on_pull_failure not in ("recompute", "fail"):
+            raise ValueError(f"on_pull_failure must be 'recompute' or 'fail', got {self.on_pull_failure!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What a decode instance reads of the limits: `num_kv_blocks` x `block_size` (its pool) and
+    `max_decode_batch` (running sequences)."""
+
+    limits: ServingLimits = DEFAULT_LIMITS
+    pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: keep finished requests' blocks cached; pull only what is missing
+    )
     decode_steps_per_call: int = 1  # N > 1: up to N decode steps per engine call (`multi_step_decode`)
 
 
@@ -142,9 +159,10 @@ class DecodeInstance(Worker):
         self.config = config
         self.transfer: KVTransfer = transfer or InProcessTransfer(engine)
         self._on_transfer = on_transfer
-        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        num_blocks, block_size = config.limits.require_num_kv_blocks(), config.limits.block_size
+        self.cache = PrefixCache(BlockAllocator(num_blocks, block_size), enabled=config.prefix_policy.enabled)
         self.allocator = self.cache.allocator
-        self.pages = engine.init_pages(config.num_blocks, config.block_size)
+        self.pages = engine.init_pages(num_blocks, block_size)
         # (request, the prefill instance holding its KV, or None: prefill it here)
         self._pending: collections.deque[tuple[LiveRequest, PrefillInstance | None]] = collections.deque()
         self._pulling: dict[str, _Pull] = {}
@@ -270,8 +288,8 @@ class DecodeInstance(Worker):
             pending,
             num_free_blocks=self.cache.num_available,
             num_running=len(self._running) + len(self._pulling),
-            max_batch_size=self.config.max_batch_size,
-            block_size=self.config.block_size,
+            max_batch_size=self.config.limits.max_decode_batch,
+            block_size=self.config.limits.block_size,
         )
         started = []
         for reservation in decision.admitted:
@@ -284,9 +302,9 @@ class DecodeInstance(Worker):
             hit = self.cache.acquire(
                 live.request_id,
                 ids,
-                reservation.num_blocks * self.config.block_size,
+                reservation.num_blocks * self.config.limits.block_size,
                 min_uncached_tokens=0 if source is not None else 1,
-                names=live.block_names(self.config.block_size),
+                names=live.block_names(self.config.limits.block_size),
             )
             if source is None:
                 self._running[live.request_id] = _Running(live, hit.block_table, prompt_from=hit.num_cached_tokens)
@@ -312,7 +330,7 @@ class DecodeInstance(Worker):
         """
         if not self.cache.enabled:
             return False
-        names = live.block_names(self.config.block_size)
+        names = live.block_names(self.config.limits.block_size)
         if self.cache.num_cached_prefix_blocks(names) >= len(names):
             return False
         in_flight = [p.live for p in self._pulling.values()]
@@ -328,8 +346,8 @@ class DecodeInstance(Worker):
             pending[:1],
             num_free_blocks=self.cache.num_available,
             num_running=len(self._running) + len(self._pulling),
-            max_batch_size=self.config.max_batch_size,
-            block_size=self.config.block_size,
+            max_batch_size=self.config.limits.max_decode_batch,
+            block_size=self.config.limits.block_size,
         )
         return len(decision) > 0
 
@@ -430,7 +448,7 @@ class DecodeInstance(Worker):
         if c > 0:  # this instance holds the first c positions: move only the rest
             rest = seq.num_tokens - c
             if isinstance(seq.kv, HeldKV):  # held by another process (Ray): its holder slices it
-                prefix = pull.block_table[: c // self.config.block_size]
+                prefix = pull.block_table[: c // self.config.limits.block_size]
                 kv: SequenceKV | HeldKV = dataclasses.replace(seq.kv, start=c, prefix_blocks=prefix)
             else:
                 kv = slice_sequence(seq.dense_kv, c, bucket(rest, MIN_PROMPT_BUCKET))
@@ -462,7 +480,7 @@ class DecodeInstance(Worker):
             c = pull.num_cached_tokens
             try:
                 # c is a multiple of the block size: positions c.. start at block c // block_size.
-                table = pull.block_table[c // self.config.block_size :]
+                table = pull.block_table[c // self.config.limits.block_size :]
                 self.pages = handle.insert(pull.live.num_prefill_tokens - c, self.pages, table)
             except Exception as e:
                 # `insert` donates the pool: a failure inside it leaves the pool unusable, so it kills the instance.
@@ -478,7 +496,9 @@ class DecodeInstance(Worker):
                 self.kv_transfer_bytes += handle.num_bytes
                 self.kv_transfer_tokens += pull.live.num_prefill_tokens - c
                 if self._pulling.pop(rid, None) is not None:
-                    self.cache.commit(rid, pull.live.prefill_token_ids, pull.live.block_names(self.config.block_size))
+                    self.cache.commit(
+                        rid, pull.live.prefill_token_ids, pull.live.block_names(self.config.limits.block_size)
+                    )
                     self._running[rid] = _Running(pull.live, pull.block_table)
                     joined = True
             if self._on_transfer is not None:
@@ -491,7 +511,11 @@ class DecodeInstance(Worker):
         self.emitter.count_fault("failed_pull")
         pull.num_failures += 1
         pull.handle = None
-        if retry and pull.num_failures <= self.config.num_pull_retries and pull.source.get(rid) is not None:
+        if (
+            retry
+            and pull.num_failures <= self.config.pull_failure.num_pull_retries
+            and pull.source.get(rid) is not None
+        ):
             log.warning("KV pull of %s failed (%s); retry %d", rid, why, pull.num_failures)
             self.emitter.count_fault("pull_retry")
             self._start_pull(pull)
@@ -506,7 +530,7 @@ class DecodeInstance(Worker):
             log.warning("KV of %s lost with %s; prefilling it again", rid, pull.source.name)
             self.emitter.count_fault("rerouted")
             self.emitter.recompute(pull.live)
-        elif self.config.on_pull_failure == "recompute":
+        elif self.config.pull_failure.on_pull_failure == "recompute":
             log.warning("KV pull of %s failed (%s); recomputing it", rid, why)
             self.emitter.count_fault("recomputed")
             self.emitter.recompute(pull.live)
@@ -529,7 +553,7 @@ class DecodeInstance(Worker):
                     ids = r.live.prefill_token_ids
                     self.num_local_prefills += 1
                     self.num_local_prefill_tokens += len(ids) - r.prompt_from
-                    self.cache.commit(rid, ids, r.live.block_names(self.config.block_size))
+                    self.cache.commit(rid, ids, r.live.block_names(self.config.limits.block_size))
                     r.prompt_from = None
                     r.live.timings.prefill_end_at = at
                     r.live.timings.decode_instance = self.name

@@ -21,7 +21,7 @@ Loop (one thread, `Worker` shell), each `step()`:
    meanwhile is dropped here. An engine failure reported by a watcher is raised here, so the
    `Worker` shell's failure path (hand every held request back) runs on the loop's thread.
 
-Prefix caching (`PrefillConfig.prefix_caching`): the instance keeps a paged pool under a
+Prefix caching (`PrefillConfig.prefix_policy.enabled`): the instance keeps a paged pool under a
 `PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
 too full leaves it queued), execute runs only the uncached suffixes as prompt rows of the
 engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does) and gathers
@@ -47,11 +47,13 @@ import threading
 from collections.abc import Callable
 
 from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import CacheHit, PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import (
-    DEFAULT_PREFILL_BUFFER_SLOTS,
+    NO_PREFIX_CACHING,
     PrefillLoad,
+    PrefixPolicy,
     WaitingPrompt,
     form_prefill_batch,
     prefill_buffer_free_slots,
@@ -76,11 +78,14 @@ from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, no
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    max_batch_tokens: int = 512  # L_m: prompt tokens per batch (a longer prompt runs alone)
-    buffer_capacity: int = DEFAULT_PREFILL_BUFFER_SLOTS  # prefilled sequences held here until pulled
-    prefix_caching: bool = False  # keep prompts' KV in a paged pool and compute only uncached suffixes
-    num_blocks: int = 256  # that pool (used only with prefix_caching)
-    block_size: int = 16
+    """What a prefill instance reads of the limits: `max_batch_tokens` (prompt tokens per batch; a longer prompt
+    runs alone), `prefill_buffer_slots` (prefilled sequences held here until pulled) and, with prefix caching,
+    `num_kv_blocks` x `block_size` (its paged pool: the controller puts `prefill_num_kv_blocks` there)."""
+
+    limits: ServingLimits = DEFAULT_LIMITS
+    prefix_policy: PrefixPolicy = (
+        NO_PREFIX_CACHING  # enabled: keep prompts' KV in a paged pool and compute only uncached suffixes
+    )
 
 
 MIN_PROMPT_BUCKET = 16  # dense copies are padded like the engine's prefill output
@@ -118,19 +123,21 @@ class PrefillInstance(Worker):
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
-        self._pipelined = engine.capabilities.async_prefill and not config.prefix_caching
+        self._pipelined = engine.capabilities.async_prefill and not config.prefix_policy.enabled
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
-        self.cache = PrefixCache(BlockAllocator(config.num_blocks, config.block_size), enabled=config.prefix_caching)
+        limits = config.limits
+        num_blocks = limits.require_num_kv_blocks()
+        self.cache = PrefixCache(BlockAllocator(num_blocks, limits.block_size), enabled=config.prefix_policy.enabled)
         self._paged: Engine | None = None
-        if config.prefix_caching:
+        if config.prefix_policy.enabled:
             if not (engine.capabilities.decode or engine.capabilities.paged_prefill):
                 raise TypeError(
                     f"prefix caching on a prefill instance needs an engine with a paged pool; "
                     f"{type(engine).__name__} has none"
                 )
             self._paged = engine
-            self.pages = engine.init_pages(config.num_blocks, config.block_size)
+            self.pages = engine.init_pages(num_blocks, limits.block_size)
         self.num_computed_tokens = 0  # prompt tokens this instance really computed (cached ones excluded)
 
     @property
@@ -170,7 +177,7 @@ class PrefillInstance(Worker):
         with self.cond:
             return InstanceStats(
                 "prefill", self.name, self.error is None, len(self._queue), len(self._running),
-                num_prefill_buffer_used=len(self._buffer), prefill_buffer_capacity=self.config.buffer_capacity,
+                num_prefill_buffer_used=len(self._buffer), prefill_buffer_capacity=self.config.limits.prefill_buffer_slots,
                 **cache_stats(self.cache),
             )  # fmt: skip
 
@@ -224,7 +231,7 @@ class PrefillInstance(Worker):
 
     # ---- worker --------------------------------------------------------------
     def _free_slots(self) -> int:
-        return prefill_buffer_free_slots(self.config.buffer_capacity, len(self._buffer), len(self._running))
+        return prefill_buffer_free_slots(self.config.limits.prefill_buffer_slots, len(self._buffer), len(self._running))
 
     def has_work(self) -> bool:
         return self._ready() is not None or (bool(self._queue) and self._free_slots() > 0 and self._pipe_open())
@@ -268,7 +275,9 @@ class PrefillInstance(Worker):
             if not self._pipe_open():
                 return False
             waiting = [WaitingPrompt(r.request_id, r.num_prefill_tokens) for r in self._queue]
-            decision = form_prefill_batch(waiting, self.config.max_batch_tokens, max_batch_size=self._free_slots())
+            decision = form_prefill_batch(
+                waiting, self.config.limits.max_batch_tokens, max_batch_size=self._free_slots()
+            )
             batch = [self._queue.popleft() for _ in decision.request_ids]
             hits = self._acquire(batch)
             if not batch:

@@ -27,6 +27,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 
+from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams
 from jaxserve.core.scheduling import blocks_for
 from jaxserve.core.step_samples import DecodeSample, PrefillSample
@@ -50,13 +51,13 @@ class Grid:
     decode: tuple[tuple[int, int], ...]
     coloc_prefill: tuple[tuple[int, int], ...] = ()
     repeats: int = 3
-    block_size: int = 16
+    block_size: int = DEFAULT_LIMITS.block_size  # the KV page the server uses
     clock: str = "wall"  # a key of CLOCKS
     passes: int = 1  # passes over the whole grid; each shape keeps its fastest run of all of them
     min_total_s: float = 0.0  # repeat a short shape (up to 50 x repeats) until its runs total this
 
 
-def default_grid(max_positions: int, quick: bool = False, block_size: int = 16) -> Grid:
+def default_grid(max_positions: int, quick: bool = False, block_size: int = DEFAULT_LIMITS.block_size) -> Grid:
     """A grid spanning short to long prompts, single prompts to batches, small to large decode batches.
 
     `quick` is a minimal grid (a few shapes per phase, for tests and smoke runs).
@@ -95,7 +96,7 @@ def custom_grid(
     decode_batches: Sequence[int],
     decode_contexts: Sequence[int],
     repeats: int = 3,
-    block_size: int = 16,
+    block_size: int = DEFAULT_LIMITS.block_size,
 ) -> Grid:
     """Every single prompt of each length, batches up to twice the longest prompt in total, every decode pair."""
     cap = 2 * max(prefill_lengths)

@@ -53,15 +53,14 @@ def live_fronts(
 
 @dataclasses.dataclass(frozen=True)
 class Router:
-    """The routing choices of one deployment (its prefix-caching settings)."""
+    """The routing choices of one deployment (its prefix-caching policy; `policy.enabled` turns caching on)."""
 
-    prefix_caching: bool
     block_size: int
     policy: PrefixPolicy
 
     def choose_front(self, alive: Sequence[FrontInstance], live: LiveRequest) -> int:
         """The prefill (or colocated) instance for `live`: cache-aware when caching is on."""
-        if not self.prefix_caching:
+        if not self.policy.enabled:
             return choose_prefill_instance([inst.load() for inst in alive])
         bs = self.block_size
         loads = []
@@ -73,7 +72,7 @@ class Router:
         return choose_prefill_instance_cached(loads, self.policy.weight(bs))
 
     def choose_decode(self, alive: Sequence[DecodeInstance], live: LiveRequest) -> int:
-        if not self.prefix_caching:
+        if not self.policy.enabled:
             return choose_decode_instance([d.load() for d in alive])
         bs = self.block_size
         loads = []
@@ -98,7 +97,7 @@ class Router:
         """Conditional disaggregation: the decode instance (of `decodes`, a disaggregated deployment's) that
         should prefill `live` itself, or None."""
         threshold = self.policy.local_prefill_tokens
-        if not self.prefix_caching or threshold <= 0:
+        if not self.policy.enabled or threshold <= 0:
             return None
         alive = [d for d in decodes if d.error is None]
         if not alive:

@@ -40,20 +40,20 @@ def warm_buckets(
             p.engine.warmup(
                 num_blocks=1,
                 block_size=block_size,
-                max_batch_tokens=p.config.max_batch_tokens,
+                max_batch_tokens=p.config.limits.max_batch_tokens,
                 max_seq_len=max_prompt_tokens,
-                max_prefill_rows=p.config.buffer_capacity,  # a batch never outgrows the buffer's free slots
+                max_prefill_rows=p.config.limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
                 decode=False,
                 logprobs=logprobs,
             )
-            if p.config.prefix_caching:  # cached prompts run as paged prompt rows on the instance's pool
+            if p.config.prefix_policy.enabled:  # cached prompts run as paged prompt rows on the instance's pool
                 with p.cond:
                     warmed = p.engine.warmup(
-                        num_blocks=p.config.num_blocks,
-                        block_size=p.config.block_size,
-                        max_decode_batch=p.config.buffer_capacity,
+                        num_blocks=p.config.limits.require_num_kv_blocks(),
+                        block_size=p.config.limits.block_size,
+                        max_decode_batch=p.config.limits.prefill_buffer_slots,
                         max_seq_len=max_prompt_tokens,
-                        chunk_size=p.config.max_batch_tokens,
+                        chunk_size=p.config.limits.max_batch_tokens,
                         prefill=False,
                         decode=False,
                         pages=p.pages,
@@ -67,13 +67,15 @@ def warm_buckets(
             continue
         # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
         chunk = (
-            (inst.config.chunk_size or inst.config.max_batch_tokens) if isinstance(inst, ColocatedInstance) else None
+            (inst.config.limits.chunk_size or inst.config.limits.max_batch_tokens)
+            if isinstance(inst, ColocatedInstance)
+            else None
         )
         with inst.cond:  # no request is running yet; the pool is the instance's own
             warmed = inst.engine.warmup(
-                num_blocks=inst.config.num_blocks,
-                block_size=inst.config.block_size,
-                max_decode_batch=inst.config.max_batch_size,
+                num_blocks=inst.config.limits.require_num_kv_blocks(),
+                block_size=inst.config.limits.block_size,
+                max_decode_batch=inst.config.limits.max_decode_batch,
                 max_seq_len=max_seq_len,
                 chunk_size=chunk,
                 prefill=False,

@@ -34,7 +34,7 @@ from typing import ClassVar, Literal, Protocol
 
 from jaxserve.core.errors import EngineDeadError
 from jaxserve.core.prefix_cache import block_hashes
-from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs
+from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs, finish_reason
 from jaxserve.runtime.api import FaultStats, InstanceStats
 
 log = logging.getLogger(__name__)
@@ -110,12 +110,7 @@ class LiveRequest:
         self.timings.token_times.append(now)
         if self.timings.first_token_at is None:
             self.timings.first_token_at = now
-        sampling = self.request.sampling
-        if token in sampling.stop_token_ids or (token == eos_token_id and not sampling.ignore_eos):
-            return "stop"
-        if len(self.output_ids) >= sampling.max_tokens:
-            return "length"
-        return None
+        return finish_reason(self.request.sampling, token, len(self.output_ids), eos_token_id)
 
     def append_tokens(
         self,

@@ -145,7 +145,7 @@ class Frontend:
             sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.controller.max_tokens_limit, room)))
         request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=sampling)
         try:
-            self.controller.validate(request)
+            self.controller.check_fits(request)
         except InvalidRequestError as e:
             if e.field in _PROMPT_FIELDS:
                 raise InvalidRequestError(str(e), field=params.prompt_field) from None

@@ -11,7 +11,7 @@ server (uvicorn) runs on the same event loop, so both protocols share one fronte
 
 A `Generate` call's life: check the API key (metadata `authorization: Bearer KEY`) ->
 `wire.params_from_proto` (shape; unknown fields refused; chat messages rendered) ->
-`Frontend.prepare_choices` (tokenize, controller.validate, n samples) -> one
+`Frontend.prepare_choices` (tokenize, controller.check_fits, n samples) -> one
 `Frontend.stream` per sample, merged: one `GenerateResponse` per controller chunk,
 tagged with its sample's `index`; each sample's last carries finish reason, usage and timings. Any runtime error
 becomes a status code through `status_for` (the same table the HTTP server uses).

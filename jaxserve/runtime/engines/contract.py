@@ -45,7 +45,7 @@ import jax
 from flax import struct
 from jax.sharding import NamedSharding
 
-from jaxserve.core.request import SamplingParams, TokenLogprobs
+from jaxserve.core.request import SamplingParams, TokenLogprobs, finish_reason, stop_token_ids
 from models.config import OPTConfig
 from models.paged_attention import BlockLayout
 
@@ -383,8 +383,8 @@ def step_tokens(
 
 
 def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
-    """The token ids that end `row`'s request: its stop token ids, and EOS unless `ignore_eos`."""
-    return tuple(row.sampling.stop_token_ids) + (() if row.sampling.ignore_eos else (eos_token_id,))
+    """The token ids that end `row`'s request (`core.request.stop_token_ids`), for a check on the device."""
+    return stop_token_ids(row.sampling, eos_token_id)
 
 
 def decode_steps_one_by_one(
@@ -412,11 +412,11 @@ def decode_steps_one_by_one(
         for i, tok, lp in zip(live, tokens, logprobs, strict=True):
             out[i].append(tok)
             lps[i].append(lp)
+        rows = batch.rows
         live = [
             i
             for i in live
-            if out[i][-1] not in row_stops(batch.rows[i], eos)
-            and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
+            if finish_reason(rows[i].sampling, out[i][-1], rows[i].sample_index + len(out[i]), eos) is None
         ]
     return out, [_row_logprobs(x) for x in lps], pages
 

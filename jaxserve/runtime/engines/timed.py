@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.core.request import finish_reason
 from jaxserve.core.step_cost import LinkCost, StepCost
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -54,7 +55,6 @@ from jaxserve.runtime.engines.contract import (
     StagePages,
     StepBatch,
     bucket,
-    row_stops,
 )
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
 from models.config import OPTConfig
@@ -216,11 +216,11 @@ class TimedEngine(Engine):
             seconds += self.cost.decode_s(len(live), float(ctx))
             for i in live:
                 out[i].append(random_token(batch.rows[i].seed, batch.rows[i].sample_index + k, self._config.vocab_size))
+            rows = batch.rows
             live = [
                 i
                 for i in live
-                if out[i][-1] not in row_stops(batch.rows[i], eos)
-                and batch.rows[i].sample_index + len(out[i]) < batch.rows[i].sampling.max_tokens
+                if finish_reason(rows[i].sampling, out[i][-1], rows[i].sample_index + len(out[i]), eos) is None
             ]
         self._wait("decode", started, seconds)
         return out, pages

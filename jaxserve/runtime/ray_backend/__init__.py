@@ -31,7 +31,7 @@ lends it), then recomputed on the decode actor (`TransferConfig.on_failure=
 "recompute"`, the default) or the pull fails (`"fail"`), which costs only that
 request (the controller's `on_pull_failure` policy applies).
 
-Prefix caching (`ControllerConfig.prefix_caching`): the caches stay in the controller's process
+Prefix caching (`ControllerConfig.prefix_policy.enabled`): the caches stay in the controller's process
 with the instance loops; a prefill actor keeps a paged pool and runs only uncached suffixes
 (`PrefillActor.prefill_rows`), a pull moves only what the decode instance's cache lacks (see
 docs/prefix_caching.md).

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import jax
 
+from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -104,7 +105,7 @@ class EngineSpec:
     pp: int
     model_source: str
     dtype: str = "float32"
-    block_size: int = 16
+    block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
     engine: EngineKind = "opt"
     fake_config: OPTConfig | None = None
 

@@ -184,7 +184,7 @@ class RayController(Controller):
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
-        inputs = _LaunchInputs(model_source, dtype, rc, config.block_size)
+        inputs = _LaunchInputs(model_source, dtype, rc, config.limits.block_size)
         placement = place_on_cluster(plan, rc.placement)
         names = instance_names(plan)
         try:
@@ -425,8 +425,8 @@ def _start_actors(
         for name, inst, opts in zip(names, specs, options, strict=True):
             assert inst.role in ("prefill", "decode")
             spec = EngineSpec(
-                inst.role, inst.tp, inst.pp, inputs.model_source, inputs.dtype, inputs.block_size, rc.engine,
-                rc.fake_config,
+                role=inst.role, tp=inst.tp, pp=inst.pp, model_source=inputs.model_source, dtype=inputs.dtype,
+                block_size=inputs.block_size, engine=rc.engine, fake_config=rc.fake_config,
             )  # fmt: skip
             actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
             remote_cls = ray.remote(actor_cls)

@@ -181,7 +181,7 @@ def server_args(check: Check, limits: ServingLimits = LIMITS) -> list[str]:
     return [
         "--engine", "timed", "--profile", str(check.profile_path),
         "--num-kv-blocks", str(limits.num_kv_blocks), "--block-size", str(limits.block_size),
-        "--max-decode-batch-size", str(limits.max_decode_batch), "--max-batch-tokens", str(limits.max_batch_tokens),
+        "--max-decode-batch", str(limits.max_decode_batch), "--max-batch-tokens", str(limits.max_batch_tokens),
         "--max-queued-requests", "100000",
     ]  # fmt: skip
 
