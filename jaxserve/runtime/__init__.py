@@ -1,7 +1,8 @@
 """The runtime layer: request in, tokens out, on devices.
 
-* `engine.py` — the engine contract the instance loops drive; `opt_engine.py` its
-  JAX/Flax OPT implementation; `kv_pool.py` the paged KV pool; `sampling.py` sampling.
+* `engines/` — the engine contract the instance loops drive (`contract.py`: one `Engine`, its abilities as
+  `EngineCapabilities`) and its backends side by side: `opt.py` (JAX/Flax OPT), `fake.py` (hand-computable),
+  `timed.py` (sleeps a step-cost model); `kv_pool.py` the paged KV pool; `sampling.py` sampling.
 * `prefill_instance.py`, `decode_instance.py`, `colocated_instance.py` — one role each,
   each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/core/scheduling.py`.
 * `kv_transfer.py` — the in-process KV pull; `ray_backend/` the cross-process one and the
@@ -13,9 +14,10 @@
 * `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain);
   `InstanceSet` holds the controller's routed, staged and retiring instances.
 * `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets; `Instance`, the three roles.
-* `request.py` — request-level types shared with the serving layer and `jaxserve.LLM`.
-* `step_timing.py` — times the real engine at a grid of shapes for `jaxserve profile`; `step_samples.py`
-  the measured samples it hands to the planner's fit.
+* `profiling.py` — times the real engine at a grid of shapes for `jaxserve profile` (the samples it hands
+  to the planner's fit are `jaxserve/core/step_samples.py`).
+
+Request types, limits, plans, scheduling policies and block bookkeeping are the contract's (`jaxserve/core/`).
 
 Nothing here imports `jaxserve.serving` or the planner (`placement/`).
 """

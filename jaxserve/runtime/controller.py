@@ -147,9 +147,10 @@ class WarmupConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    """A deployment's knobs, one small config per concern (docs/knobs.md): the serving limits (block_size,
-    num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots; jaxserve/core/limits.py, which
-    the simulator and plan files share), what a failed KV pull does, admission, warm-up, prefix caching."""
+    """A deployment's knobs, one small config per concern (the knob table: docs/architecture.md): the serving
+    limits (block_size, num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots;
+    jaxserve/core/limits.py, which the simulator and plan files share), what a failed KV pull does, admission,
+    warm-up, prefix caching."""
 
     limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
     pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
