@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Literal
@@ -25,15 +26,37 @@ from models.config import get_config
 TINY = get_config("opt-tiny")
 
 
+class PrefillGate:
+    """Holds every prefill until the test opens it, and counts the prefills that began: an order without a clock."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.num_prefills = 0
+
+    def pass_through(self) -> None:
+        self.num_prefills += 1
+        assert self.opened.wait(timeout=120), "the test never opened the prefill gate"
+
+
 class SlowFakeEngine(FakeEngine):
     """The fake engine with a fixed delay per prefill and per decode step, so requests stay in flight."""
 
-    def __init__(self, *args, prefill_delay_s: float = 0.0, decode_delay_s: float = 0.0, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        prefill_delay_s: float = 0.0,
+        decode_delay_s: float = 0.0,
+        prefill_gate: PrefillGate | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.prefill_delay_s = prefill_delay_s
         self.decode_delay_s = decode_delay_s
+        self.prefill_gate = prefill_gate
 
     def prefill(self, items):  # type: ignore[no-untyped-def]
+        if self.prefill_gate is not None:
+            self.prefill_gate.pass_through()
         time.sleep(self.prefill_delay_s)
         return super().prefill(items)
 
@@ -50,12 +73,19 @@ def fake_controller(
     decode_delay_s: float = 0.0,
     first_device: int = 0,
     tokenizer: object | None = None,
+    prefill_gate: PrefillGate | None = None,
 ) -> Controller:
     plan = parse_deployment(spec)
 
     def factory(inst, devices):  # type: ignore[no-untyped-def]
         return SlowFakeEngine(
-            TINY, devices, tp=inst.tp, pp=inst.pp, prefill_delay_s=prefill_delay_s, decode_delay_s=decode_delay_s
+            TINY,
+            devices,
+            tp=inst.tp,
+            pp=inst.pp,
+            prefill_delay_s=prefill_delay_s,
+            decode_delay_s=decode_delay_s,
+            prefill_gate=prefill_gate,
         )
 
     devices = jax.devices()[first_device : first_device + plan.num_devices]

@@ -52,8 +52,9 @@ def expected() -> tuple[tuple[int, ...], list[int], list[int]]:
     "spec,local",
     [
         ("colocated:tp1", 0),
-        pytest.param("colocated:tp2,chunk=8", 0, marks=pytest.mark.slow),  # ~20 s; the default run keeps the other four
-        ("disagg:prefill=tp2,decode=tp1", 0),
+        # slow (~15-30 s each): the default run keeps one colocated and both decode=tp2 cases; .ci/run runs all
+        pytest.param("colocated:tp2,chunk=8", 0, marks=pytest.mark.slow),
+        pytest.param("disagg:prefill=tp2,decode=tp1", 0, marks=pytest.mark.slow),
         ("disagg:prefill=tp1,decode=tp2", 0),
         ("disagg:prefill=tp1,decode=tp2", 16),  # turn 2 prefilled on the decode instance
     ],

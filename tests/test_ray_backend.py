@@ -517,25 +517,6 @@ def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster,
         controller.shutdown(drain_timeout_s=5)
 
 
-def test_bucket_warmup_runs_in_the_actors_and_traffic_after_it_compiles_nothing(cluster, reference) -> None:
-    """`warmup()` with `warmup.buckets` compiles every padded shape inside each actor (the engines live there):
-    a mixed burst afterwards compiles nothing in any actor (counted by JAX's compile events in each process)."""
-    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
-    controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
-    controller.start()
-    try:
-        controller.warmup()
-        names = ("prefill-0", "decode-0")
-        before = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
-        assert all(count > 0 for count in before.values()), before
-        got = _run_streaming(controller, "warm")
-        after = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
-        assert got == reference
-        assert after == before
-    finally:
-        controller.shutdown(drain_timeout_s=5)
-
-
 def _kill_and_wait_for_restart(actor) -> None:
     """Kill an idle actor and wait for its new incarnation without calling through the proxy."""
     pid_before = ray.get(actor.ping.remote())
@@ -551,7 +532,11 @@ def _kill_and_wait_for_restart(actor) -> None:
 
 
 def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, reference) -> None:
-    """Bucket warm-up at launch, then both actors killed while idle. Each new incarnation is cold; its
+    """`warmup()` with `warmup.buckets` compiles every padded shape inside each actor (the engines live there):
+    a mixed burst afterwards compiles nothing in any actor (counted by JAX's compile events in each process).
+    (This was a test of its own, which launched and bucket-warmed the same deployment again.)
+
+    Then both actors are killed while idle. Each new incarnation is cold; its
     proxy notices at the first call (the prefill actor refuses a `warm` call cold, the decode actor has
     no pool), runs the launch's warm-ups in it again and only then the call. The prefill actor ends the
     burst with exactly the compilations the launch's warm-up left (traffic compiled nothing). The decode
@@ -565,6 +550,9 @@ def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, refe
         controller.warmup()
         names = ("prefill-0", "decode-0")
         warmed = {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names}
+        assert all(count > 0 for count in warmed.values()), warmed
+        assert _run_streaming(controller, "warm") == reference
+        assert {n: ray.get(controller.actor(n).num_compiles.remote()) for n in names} == warmed
         restarts = controller.fault_stats().num_instance_restarts
         for n in names:
             _kill_and_wait_for_restart(controller.actor(n))

@@ -72,8 +72,17 @@ def _sampling(temperature: float, stops: list[tuple[int, ...]] | None = None) ->
     ]
 
 
-@pytest.mark.parametrize("spec", ["disagg:prefill=tp1,decode=tp1", "colocated:tp1"])
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize(
+    ("temperature", "spec"),
+    [
+        # the default run keeps greedy on one deployment and sampling on the other; .ci/run runs all four (slow:
+        # ~20-30 s each on 2 cores)
+        (0.0, "disagg:prefill=tp1,decode=tp1"),
+        (0.9, "colocated:tp1"),
+        pytest.param(0.9, "disagg:prefill=tp1,decode=tp1", marks=pytest.mark.slow),
+        pytest.param(0.0, "colocated:tp1", marks=pytest.mark.slow),
+    ],
+)
 def test_four_steps_per_call_give_the_tokens_of_one(checkpoint: Path, spec: str, temperature: float) -> None:
     one, reasons_one, widest_one = _run(checkpoint, spec, 1, _sampling(temperature))
     assert [len(t) for t in one] == MAX_TOKENS and reasons_one == ["length"] * 4

@@ -64,10 +64,11 @@ def _burst(c: Controller, tag: str) -> None:
     ],
 )
 def test_after_bucket_warmup_no_request_compiles(spec: str, steps: int, checkpoint: Path) -> None:
+    # decode batches 1-8 and tables of 1-8 blocks of 8: several buckets in every dimension for `_burst` to span
     config = ControllerConfig(
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True),
-        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
+        limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
         decode_steps_per_call=steps,
     )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)

@@ -44,7 +44,13 @@ def _drive(address: str, api_key: str) -> None:
             assert all(len(c.result(timeout=60).token_ids) == MAX_TOKENS for c in calls)
 
 
-def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> None:
+# The gated case checks what the records must be on any machine (shapes, counts, no step shorter than the
+# engine's delay, a profile the planner loads); how much longer a step may run, how batches formed and how
+# well the fit predicts the medians are wall-clock figures: the `timing` case, by hand (docs/timing-checks.md).
+@pytest.mark.parametrize(
+    "timed", [pytest.param(False, id="records"), pytest.param(True, id="timed", marks=pytest.mark.timing)]
+)
+def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path, timed: bool) -> None:
     controller = fake_controller(prefill_delay_s=PREFILL_S, decode_delay_s=DECODE_S)
     with running_server(controller, api_key="k", admin_key="admin-k") as server:
         http = f"http://{server.http_address}"
@@ -61,12 +67,16 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         # 7 requests; a prefill batch holds whole prompts, each of PROMPT_LEN tokens
         assert sum(len(s["prompt_lengths"]) for s in prefills) == 7
         assert all(s["kind"] == "prefill" and set(s["prompt_lengths"]) == {PROMPT_LEN} for s in prefills)
-        assert all(PREFILL_S <= s["seconds"] < PREFILL_S + 0.25 for s in prefills)
+        assert all(s["seconds"] >= PREFILL_S for s in prefills)
+        if timed:
+            assert all(s["seconds"] < PREFILL_S + 0.25 for s in prefills)
         # every request decodes MAX_TOKENS - 1 tokens (its first came from prefill), one per step it is in
         assert sum(s["batch"] for s in decodes) == 7 * (MAX_TOKENS - 1)
-        assert {s["batch"] for s in decodes} >= {1, 2}
+        if timed:  # the waves' requests met in one batch: their prefills ended close enough together
+            assert {s["batch"] for s in decodes} >= {1, 2}
+            assert all(s["seconds"] < DECODE_S + 0.25 for s in decodes)
         for s in decodes:
-            assert s["kind"] == "decode" and DECODE_S <= s["seconds"] < DECODE_S + 0.25
+            assert s["kind"] == "decode" and s["seconds"] >= DECODE_S
             # each row's new token sits at a position in [PROMPT_LEN, PROMPT_LEN + MAX_TOKENS - 2]
             assert s["batch"] * PROMPT_LEN <= s["ctx_sum"] <= s["batch"] * (PROMPT_LEN + MAX_TOKENS - 2)
         # the same records, fitted into a profile the planner loads
@@ -78,6 +88,8 @@ def test_server_records_its_steps_and_the_profile_fits_them(tmp_path: Path) -> N
         assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert [e["engine"] for e in doc["entries"]] == ["disagg"] and doc["entries"][0]["L_m"] == 512
+    if not timed:
+        return
     # predicted as the simulator charges a step: the kernel model plus the fitted step overhead
     provider = LatencyProvider(get_config("opt-tiny"), get_device("cpu"), load_profile(str(out)))
     model, overhead = provider.instance("disagg", 1, 1), provider.step_overhead("disagg", 1)

@@ -23,7 +23,9 @@ from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
 
-pytestmark = pytest.mark.slow  # ~3.5 min on this 2-core machine: every bucket of three instances compiles
+pytestmark = (
+    pytest.mark.slow
+)  # 69 s at load 3-5 on 2 cores (94 s with 16-row batches of 4-token blocks): every bucket of three instances compiles
 
 CFG = get_config("opt-tiny")
 
@@ -34,10 +36,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_after_a_switch_to_new_instances_no_request_compiles(checkpoint: Path) -> None:
+    # Fewer buckets than the serve warm-up test (decode batches 1-8, tables of 1-8 blocks of 8), every dimension
+    # still several: the burst of 11 mixed requests spans them, and each new instance compiles all of them.
     config = ControllerConfig(
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True),
-        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
+        limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
     )
     factory = opt_engine_factory(str(checkpoint))
     c = Controller.from_plan(str(checkpoint), parse_deployment("disagg:prefill=tp1,decode=tp1"), None, factory, config)

@@ -60,11 +60,12 @@ def _burst(c: Controller, tag: str) -> None:
 def test_after_logprob_warmup_no_logprob_request_compiles(
     spec: str, steps: int, caching: bool, first_device: int, checkpoint: Path
 ) -> None:
+    # decode batches 1-8 and tables of 1-8 blocks of 8: several buckets in every dimension for `_burst` to span
     config = ControllerConfig(
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True, logprobs=True),
         prefix_policy=PrefixPolicy(enabled=caching),
-        limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=16),
+        limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
         decode_steps_per_call=steps,
     )
     devices = jax.devices()[first_device : first_device + 2]
