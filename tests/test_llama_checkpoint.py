@@ -196,9 +196,10 @@ def test_kv_heads_split_replicate_or_refuse() -> None:
     ("kind", "tp", "pp", "kv_split"),
     [
         ("llama-gqa-llama3", 2, 2, True),
-        ("llama-gqa-llama3", 4, 1, False),
         ("qwen2-mqa-tied", 2, 1, False),
-        ("mistral-mha", 4, 2, True),
+        # the same two KV layouts (split, replicated) on more devices: heavier, in the slow run
+        pytest.param("llama-gqa-llama3", 4, 1, False, marks=pytest.mark.slow),
+        pytest.param("mistral-mha", 4, 2, True, marks=pytest.mark.slow),
     ],
 )
 def test_hf_dir_loads_into_a_tp_pp_layout_and_runs_like_the_unsharded_model(
