@@ -2,8 +2,8 @@
 
 A request's life (disaggregated):
 
-1. `submit()` checks it fits (`check_fits`: `core.request.validate_request`), applies admission control (OverloadedError when
-   the prefill queues hold `max_queued_requests`), stamps `arrival_at` and
+1. `submit()` checks it fits (`check_fits`: `core.request.validate_request`), applies admission control
+   (OverloadedError when the prefill queues hold `admission.max_queued_requests`), stamps `arrival_at` and
    puts it on the prefill instance with the shortest queue
    (`scheduling.choose_prefill_instance`, through `routing.Router`). It returns a `RequestStream`
    (`streams.py`).
