@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -34,6 +34,7 @@ from jaxserve.core.plan import DeploymentPlan
 from jaxserve.proto import SERVICE_NAME
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.runtime.api import ServingController
 from jaxserve.serving import wire
 from jaxserve.serving.admin import bearer_ok
 from jaxserve.serving.frontend import Frontend, error_kind, first_chunks, merge_streams
@@ -62,10 +63,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, frontend: Frontend, plan: DeploymentPlan, instance_names: Sequence[str], api_key: str | None):
+    def __init__(self, frontend: Frontend, api_key: str | None):
         self._frontend = frontend
-        self._plan = plan
-        self._instance_names = instance_names
         self._api_key = api_key
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -119,13 +118,21 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def GetDeployment(self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.Deployment:
         await self._authorize(context)
-        return wire.deployment_to_proto(self._plan, self._instance_names)
+        return wire.deployment_to_proto(*current_deployment(self._frontend.controller))
+
+
+def current_deployment(controller: ServingController) -> tuple[DeploymentPlan, tuple[str, ...]]:
+    """The plan the controller serves now (live switches replace it) and its instances' names, in plan order.
+
+    Read per call, never captured at start-up. The routed instances come first in `instance_names`, in
+    routing order (= the plan's order); staged and retiring ones follow and are left out.
+    """
+    plan = controller.plan.assign_devices()
+    return plan, controller.instance_names[: len(plan.instances)]
 
 
 def build_grpc_server(
     frontend: Frontend,
-    plan: DeploymentPlan,
-    instance_names: Sequence[str],
     *,
     api_key: str | None = None,
     max_message_bytes: int = 1 << 20,
@@ -137,7 +144,7 @@ def build_grpc_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend, plan, instance_names, api_key), server)
+    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

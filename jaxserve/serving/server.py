@@ -119,8 +119,6 @@ class JaxServeServer:
             warmup_s = await asyncio.get_running_loop().run_in_executor(None, self.controller.warmup)
         self._grpc, self._health = build_grpc_server(
             self.frontend,
-            self.controller.plan.assign_devices(),
-            self.instance_names,
             api_key=cfg.api_key,
             max_message_bytes=cfg.max_request_bytes,
         )
