@@ -215,14 +215,15 @@ class Controller:
         self.workload_hook: WorkloadHook | None = None
         for p in placed:
             self.instance_set.add_routed(self._make_instance(p))
+            self.placed_of[p.name] = p
         mc = self.model_config
         self.max_prompt_tokens = cfg.admission.max_prompt_tokens or mc.max_position_embeddings - 1
         self.max_tokens_limit = cfg.admission.max_tokens_limit or mc.max_position_embeddings
 
     def _make_instance(self, p: PlacedInstance) -> Instance:
-        """An instance (not started) for a placed engine."""
+        """An instance (not started) for a placed engine. Records nothing: the caller adds it to `placed_of` once
+        built, so a build that raises (e.g. a pool that does not fit in memory) leaves no trace."""
         cfg = self.config
-        self.placed_of[p.name] = p
         if p.spec.role == "prefill":
             if not p.engine.capabilities.prefill:
                 raise TypeError(f"{p.name} needs an engine with the prefill role, got {type(p.engine).__name__}")
@@ -547,8 +548,9 @@ class Controller:
         clash = self.instance_set.name_clash([p.name for p in placed])
         if clash:
             raise ValueError(f"instance names already in use: {clash}")
-        new = [self._make_instance(p) for p in placed]
+        new = [self._make_instance(p) for p in placed]  # one raises: nothing recorded, the ones built are dropped
         with self._lock:
+            self.placed_of.update((p.name, p) for p in placed)
             self.instance_set.stage(new)
         if self._started:
             for inst in new:
