@@ -45,6 +45,7 @@ import jax
 from flax import struct
 from jax.sharding import NamedSharding
 
+from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs, finish_reason, stop_token_ids
 from models.config import OPTConfig
 from models.paged_attention import BlockLayout
@@ -330,8 +331,8 @@ class Engine(Protocol):
         *,
         num_blocks: int,
         block_size: int,
-        max_decode_batch: int = 32,
-        max_batch_tokens: int = 512,
+        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
+        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
         max_seq_len: int | None = None,
         chunk_size: int | None = None,
         prefill: bool = True,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from jaxserve.runtime.engines.contract import (
@@ -198,8 +199,8 @@ class OPTEngine(Engine):
         *,
         num_blocks: int,
         block_size: int,
-        max_decode_batch: int = 32,
-        max_batch_tokens: int = 512,
+        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
+        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
         max_seq_len: int | None = None,
         chunk_size: int | None = None,
         prefill: bool = True,

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import jax
 
 from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -139,8 +140,8 @@ class _RemoteBase(Engine):
         *,
         num_blocks: int,
         block_size: int,
-        max_decode_batch: int = 32,
-        max_batch_tokens: int = 512,
+        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
+        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
         max_seq_len: int | None = None,
         chunk_size: int | None = None,
         prefill: bool = True,
