@@ -121,9 +121,9 @@ class LLM:
                 "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
             )
         if own_engines:
-            from jaxserve.runtime.engines.opt import opt_engine_factory
+            from jaxserve.runtime.engines.model import model_engine_factory
 
-            engine_factory = opt_engine_factory(
+            engine_factory = model_engine_factory(
                 model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl
             )
         if backend == "ray":  # every instance a Ray actor; see jaxserve/runtime/ray_backend

@@ -1,6 +1,6 @@
 """Latency of a bucketed engine from what each of its buckets measured (numpy-free, no JAX).
 
-`OPTEngine` runs every step in a padded bucket: prefill in a power-of-two number of prompt tokens, decode in
+`ModelEngine` runs every step in a padded bucket: prefill in a power-of-two number of prompt tokens, decode in
 a power-of-two number of rows (`placement/padding.py`). The Appendix-A form charges a step's GEMMs as a line
 in its tokens (`C1·t`, or `max(C4, C1·B)` for decode), which is the GPU's story: on a CPU core a GEMM of a few
 rows runs far below its peak, and a step's cost grows concavely with its rows (opt-mini on one core, decode:

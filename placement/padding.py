@@ -1,12 +1,12 @@
-"""The engine's shape padding as a latency term: what `OPTEngine` really computes for a batch.
+"""The engine's shape padding as a latency term: what `ModelEngine` really computes for a batch.
 
-`jaxserve/runtime/engines/opt.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
+`jaxserve/runtime/engines/model.py` pads every step to a bucket so XLA compiles a handful of programs: prefill
 rows to the next power of two and prompt tokens to the next power of two ≥ 16; decode rows to the
 next power of two ≥ 2 and each row's block table to the next power of two of the blocks it has
 filled. The Appendix-A formula charges actual tokens and context, so an engine step of 5 decode rows
 costs what 8 rows cost while the formula says 5. `EnginePadding` maps a batch's actual statistics to
 the padded ones (rules mirrored here, without importing JAX; `tests/test_profile_fit.py` checks them
-against `OPTEngine.step_shape` and `models.paged_attention`); `PaddedModel` wraps an instance's
+against `ModelEngine.step_shape` and `models.paged_attention`); `PaddedModel` wraps an instance's
 latency model with it, so the simulator charges what the engine computes.
 
 Which table columns a decode step's attention reads depends on the engine's attention: the one-gather
@@ -105,7 +105,7 @@ class PaddedModel:
     def chunk_stage_s(
         self, num_tokens: float, sum_sq: float, batch: int, decode_batch: int, decode_ctx_sum: float
     ) -> float:
-        # The engine runs a mixed step as two sub-batches (`OPTEngine._step`): the prompt chunks, padded as
+        # The engine runs a mixed step as two sub-batches (`ModelEngine._step`): the prompt chunks, padded as
         # prompt rows, and the decodes riding along, padded as a decode step of their own (rows to a power
         # of two >= 2, each row's table to its bucket), not to the chunks' length.
         t, t2, b = self.padding.prefill(num_tokens, sum_sq, batch)

@@ -5,12 +5,12 @@ transformers runs the very same weights).
 Parts (`--part`, default `all`; each prints one JSON object per line):
 
 * `decode`   — decode tokens/s at batch 1/8/32 (context = `--prompt-len` tokens): our paged decode
-  step (`OPTEngine.decode_step`, host overhead and sampling included) vs transformers'
+  step (`ModelEngine.decode_step`, host overhead and sampling included) vs transformers'
   `OPTForCausalLM` with its KV cache, same weights, greedy.
 * `transfer` — KV transfer time as a share of request time in `disagg:prefill=tp1,decode=tp1`.
 * `ab`       — old tree vs this tree, interleaved A B A B in one run (`--old-tree`, e.g. a
   `git archive main | tar -x -C /tmp/old`): one long-lived worker per tree runs
-  `OPTEngine.decode_step` on fixed batches (`--ab-cases`): the issue-11 shape cases on the
+  `ModelEngine.decode_step` on fixed batches (`--ab-cases`): the issue-11 shape cases on the
   bundled opt-code-tiny (batch 16 at 21 tokens with 2- or 32-block tables, 15 decodes, a 256-token
   chunk, both in one mixed step) and opt-125m decode at batch 1 and 16 (context 512).
 * `figure1`  — the paper's Figure 1 scaled to a CPU, in one process (single-threaded Eigen; this
@@ -98,9 +98,9 @@ def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> flo
     from jaxserve.core.blocks import BlockAllocator
     from jaxserve.core.request import SamplingParams
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
-    engine = _ENGINES.setdefault(str(path), OPTEngine.load(str(path), jax.devices()[:1]))
+    engine = _ENGINES.setdefault(str(path), ModelEngine.load(str(path), jax.devices()[:1]))
     block_size = 16
     per_seq = -(-(prompt_len + steps + 8) // block_size)
     alloc = BlockAllocator(per_seq * batch, block_size)
@@ -297,7 +297,7 @@ def part_figure1(args: argparse.Namespace) -> None:
     from jaxserve.core.request import SamplingParams
     from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
     _emit({"part": "figure1-scaling", "xla_flags": os.environ.get("XLA_FLAGS"), **_scaling_check(args.quick)})
     cfg, path = _checkpoint(args)
@@ -305,7 +305,7 @@ def part_figure1(args: argparse.Namespace) -> None:
     n = 8 if args.quick else args.fig_requests
 
     # Service times on one core pick the SLOs (the paper's are ~4x prefill and ~1.5-2x a decode step).
-    engine = OPTEngine.load(str(path), jax.devices()[:1])
+    engine = ModelEngine.load(str(path), jax.devices()[:1])
     greedy = SamplingParams()
     prompt = tuple(range(3, 3 + p_len))
     for _ in range(2):
@@ -391,7 +391,7 @@ def part_ab_worker(args: argparse.Namespace) -> None:
     from jaxserve.assets import default_model_path
     from jaxserve.core.request import SamplingParams
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
     greedy, bs = SamplingParams(max_tokens=64, temperature=0.0), 16
     engines: dict[str, Any] = {}
@@ -399,7 +399,7 @@ def part_ab_worker(args: argparse.Namespace) -> None:
     for name in args.ab_cases.split(","):
         model, ctx, batch, reserve, chunk = _AB_CASES[name]
         source = str(default_model_path()) if model == "tiny" else model
-        eng = engines.setdefault(source, OPTEngine.load(source, jax.devices()[:1]))
+        eng = engines.setdefault(source, ModelEngine.load(source, jax.devices()[:1]))
         pages = eng.init_pages((batch + 1) * reserve, bs)
         rng = np.random.default_rng(0)
         rows = []

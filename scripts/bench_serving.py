@@ -5,7 +5,7 @@ A colocated opt-125m server (`colocated:tp1`, random weights) runs pinned to one
 this process drives it with the bench's load generator from another core (`--client-cpu`): closed
 loop, `--concurrency` requests in flight (16 by default), so a batch of that many sequences keeps
 decoding. Between the runs, a child process pinned to the server's core times the engine alone —
-`OPTEngine.decode_step` on the same preset, a batch of `--concurrency` one-token rows at the
+`ModelEngine.decode_step` on the same preset, a batch of `--concurrency` one-token rows at the
 per-row context the served steps had — while the server sits idle.
 
 Per repetition (served run and engine timing interleaved, A B A B …):
@@ -85,10 +85,10 @@ def engine_child(args: argparse.Namespace) -> int:
     from jaxserve.core.request import SamplingParams
     from jaxserve.core.scheduling import blocks_for
     from jaxserve.runtime.engines.contract import StepBatch, StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    engine = OPTEngine.load(args.model, jax.devices()[:1], tp=1, pp=1)
+    engine = ModelEngine.load(args.model, jax.devices()[:1], tp=1, pp=1)
     b = args.concurrency
     per = blocks_for(args.input_len + args.output_len + 1, BLOCK_SIZE)
     pages = engine.init_pages(pool_blocks(args), BLOCK_SIZE)

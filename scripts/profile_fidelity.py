@@ -98,10 +98,10 @@ def measure(
 
     from jaxserve.core.scheduling import blocks_for
     from jaxserve.core.step_samples import DecodeSample, PrefillSample
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
     from jaxserve.runtime.profiling import fastest_of, time_coloc_prefill, time_decode, time_prefill
 
-    engine = OPTEngine.load(model, jax.devices()[:1], tp=1, pp=1, dtype=dtype)
+    engine = ModelEngine.load(model, jax.devices()[:1], tp=1, pp=1, dtype=dtype)
     started = time.perf_counter()
     shapes = {
         ("fit", "prefill"): FIT_PREFILL,

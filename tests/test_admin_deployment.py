@@ -21,7 +21,7 @@ from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.workload_monitor import MonitorConfig
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
-from jaxserve.runtime.engines.opt import opt_engine_factory
+from jaxserve.runtime.engines.model import model_engine_factory
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.serving.server import ServerConfig, ServerThread
@@ -56,7 +56,7 @@ def _requests(n: int) -> list[GenerateRequest]:
 
 @pytest.mark.slow  # ~40 s: a live switch under load; the default run stays well under 15 minutes
 def test_admin_deployment_auth_bad_plans_conflict_and_a_switch_under_load() -> None:
-    factory = opt_engine_factory("opt-tiny")
+    factory = model_engine_factory("opt-tiny")
     requests = _requests(30)
     reference = _controller(factory)  # the same requests without a switch
     try:

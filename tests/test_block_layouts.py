@@ -22,7 +22,7 @@ from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import StageKV, StagePages
-from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
+from jaxserve.runtime.engines.model import ModelEngine, model_engine_factory
 from jaxserve.runtime.instances import EngineFactory
 from jaxserve.runtime.kv_pool import read_sequence, write_sequence
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model
@@ -89,7 +89,7 @@ def test_default_layout_follows_the_attention_impl() -> None:
     model = ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1])
     assert block_layout_for("cpu_kernel") == "heads"
     assert default_impl() in ("cpu_kernel", "xla_heads_flat") and model.block_layout == "heads"  # CPU
-    engine = OPTEngine(model)
+    engine = ModelEngine(model)
     assert engine.init_pages(4, 4)[0].block_layout == "heads"
     model.attention_impl = "xla_gather"
     assert engine.init_pages(4, 4)[0].k.shape == (CFG.num_layers, 4, 4, CFG.num_heads, CFG.head_dim)
@@ -122,10 +122,10 @@ def expected() -> list[list[int]]:
 
 
 def _factory(source: str, layouts: dict[str, BlockLayout]) -> EngineFactory:
-    """`opt_engine_factory` with each role's pool layout set (roles: prefill, decode, colocated)."""
-    base = opt_engine_factory(source)
+    """`model_engine_factory` with each role's pool layout set (roles: prefill, decode, colocated)."""
+    base = model_engine_factory(source)
 
-    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> OPTEngine:
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> ModelEngine:
         engine = base(spec, devices)
         engine.model.block_layout = layouts[spec.role]
         return engine
@@ -202,7 +202,7 @@ def test_llm_runs_the_attention_impl_it_is_given(checkpoint: Path, expected: lis
     with LLM(str(checkpoint), "colocated:tp1", config=config, attention_impl="xla_heads_flat") as llm:
         got = [list(o.token_ids) for o in llm.generate(PROMPTS, sampling)]
         instance = llm.controller.colocated_instances[0]
-        assert isinstance(instance.engine, OPTEngine)
+        assert isinstance(instance.engine, ModelEngine)
         assert instance.engine.model.attention_impl == "xla_heads_flat"
         assert instance.pages[0].block_layout == "heads"  # the layout that impl reads
     assert got == expected

@@ -17,7 +17,7 @@ from jaxserve.runtime.engines.contract import (
     start_prefill,
 )
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
-from jaxserve.runtime.engines.opt import OPTEngine
+from jaxserve.runtime.engines.model import ModelEngine
 from jaxserve.runtime.engines.timed import TimedEngine
 from jaxserve.runtime.ray_backend.actors import ActorInfo, ModelSignature
 from jaxserve.runtime.ray_backend.remote_engine import RemoteDecodeEngine, RemotePrefillEngine
@@ -86,7 +86,7 @@ def _capabilities() -> list[tuple[type, EngineCapabilities]]:
     prefill = RemotePrefillEngine(info=_info(True), lease_s=1.0, **remote)  # type: ignore[arg-type]
     decode = RemoteDecodeEngine(info=_info(False), stage_layers=(CFG.num_layers,), **remote)  # type: ignore[arg-type]
     return [
-        (OPTEngine, OPTEngine.capabilities),
+        (ModelEngine, ModelEngine.capabilities),
         (FakeEngine, FakeEngine.capabilities),
         (TimedEngine, TimedEngine.capabilities),
         (RemotePrefillEngine, prefill.capabilities),

@@ -1,4 +1,4 @@
-"""`OPTEngine.decode_steps`: N decode steps per dispatch give the tokens of N single steps."""
+"""`ModelEngine.decode_steps`: N decode steps per dispatch give the tokens of N single steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.opt import OPTEngine
+from jaxserve.runtime.engines.model import ModelEngine
 from models.sharding import ShardedOPT
 
 BLOCK = 4
@@ -15,11 +15,11 @@ PROMPTS = [[2, 11, 12, 13, 14, 15], [2, 21, 22], [2, 31, 32, 33, 34, 35, 36, 37,
 
 
 @pytest.fixture(scope="module")
-def engine() -> OPTEngine:
-    return OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+def engine() -> ModelEngine:
+    return ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
 
 
-def _start(engine: OPTEngine, sampling: list[SamplingParams]) -> tuple[KVPages, list[StepRow]]:
+def _start(engine: ModelEngine, sampling: list[SamplingParams]) -> tuple[KVPages, list[StepRow]]:
     pages = engine.init_pages(num_blocks=len(PROMPTS) * 8, block_size=BLOCK)
     items = [PrefillItem(f"r{i}", tuple(p), sampling[i], seed=100 + i) for i, p in enumerate(PROMPTS)]
     rows = []
@@ -30,7 +30,7 @@ def _start(engine: OPTEngine, sampling: list[SamplingParams]) -> tuple[KVPages, 
     return pages, rows
 
 
-def _single_steps(engine: OPTEngine, sampling: list[SamplingParams], n: int) -> list[list[int]]:
+def _single_steps(engine: ModelEngine, sampling: list[SamplingParams], n: int) -> list[list[int]]:
     pages, rows = _start(engine, sampling)
     out: list[list[int]] = [[] for _ in rows]
     live = list(range(len(rows)))
@@ -56,7 +56,7 @@ def _single_steps(engine: OPTEngine, sampling: list[SamplingParams], n: int) -> 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decode_steps_equal_single_steps(engine: OPTEngine, temperature: float) -> None:
+def test_decode_steps_equal_single_steps(engine: ModelEngine, temperature: float) -> None:
     sampling = [
         SamplingParams(max_tokens=20, temperature=temperature, ignore_eos=True),
         SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True),  # stops after 3 (index 1..3)
@@ -69,7 +69,7 @@ def test_decode_steps_equal_single_steps(engine: OPTEngine, temperature: float) 
     assert [len(g) for g in got] == [6, 3, 6]
 
 
-def test_decode_steps_stop_on_a_stop_token(engine: OPTEngine) -> None:
+def test_decode_steps_stop_on_a_stop_token(engine: ModelEngine) -> None:
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     free = _single_steps(engine, [greedy] * 3, 6)
     stop = free[0][2]  # row 0's third token becomes its stop token

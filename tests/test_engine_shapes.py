@@ -1,4 +1,4 @@
-"""Engine shapes follow the work (issue 11): what `OPTEngine.decode_step` hands the model.
+"""Engine shapes follow the work (issue 11): what `ModelEngine.decode_step` hands the model.
 
 The model call is recorded (not replaced): each test checks the shapes the real engine
 dispatches and that the sampled tokens equal those of steps run one kind at a time.
@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.opt import OPTEngine, filled_blocks
+from jaxserve.runtime.engines.model import ModelEngine, filled_blocks
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
@@ -22,14 +22,14 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def engine() -> OPTEngine:
-    return OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+def engine() -> ModelEngine:
+    return ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
 
 
 class Recorder:
     """Wraps `ShardedOPT.extend_paged` and keeps (tokens shape, table shape) of every call."""
 
-    def __init__(self, engine: OPTEngine) -> None:
+    def __init__(self, engine: ModelEngine) -> None:
         self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._model = engine.model
         self._orig = engine.model.extend_paged
@@ -47,7 +47,7 @@ class Recorder:
 
 
 def _prefilled(
-    engine: OPTEngine, prompts: list[list[int]], reserve: int, spare: int = 0
+    engine: ModelEngine, prompts: list[list[int]], reserve: int, spare: int = 0
 ) -> tuple[KVPages, list[tuple[int, ...]]]:
     """A pool holding each prompt's KV in its own `reserve`-block table (+ `spare` free blocks at the end)."""
     pages = engine.init_pages(num_blocks=len(prompts) * reserve + spare, block_size=BLOCK)
@@ -70,7 +70,7 @@ def test_filled_blocks_counts_positions_after_the_step() -> None:
     assert filled_blocks(short, 4) == 2  # never more than the table holds
 
 
-def test_decode_table_width_follows_filled_blocks_not_reservation(engine: OPTEngine) -> None:
+def test_decode_table_width_follows_filled_blocks_not_reservation(engine: ModelEngine) -> None:
     prompts = [[2, 11, 12, 13, 14, 15], [2, 21, 22]]
     pages, tables = _prefilled(engine, prompts, reserve=32)  # room for 128 positions each
     rows = tuple(
@@ -89,7 +89,7 @@ def test_decode_table_width_follows_filled_blocks_not_reservation(engine: OPTEng
     assert wide == narrow
 
 
-def test_mixed_step_runs_decodes_and_chunk_as_separate_sub_batches(engine: OPTEngine) -> None:
+def test_mixed_step_runs_decodes_and_chunk_as_separate_sub_batches(engine: ModelEngine) -> None:
     prompts = [[2, 31, 32, 33], [2, 41, 42, 43, 44], [2, 51]]
     pages, tables = _prefilled(engine, prompts, reserve=16)
     decodes = tuple(

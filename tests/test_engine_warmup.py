@@ -1,4 +1,4 @@
-"""OPTEngine warm-up (every bucket the limits allow), KV pool sizing, persistent compilation cache."""
+"""ModelEngine warm-up (every bucket the limits allow), KV pool sizing, persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ import pytest
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.contract import StepBatch, StepRow
-from jaxserve.runtime.engines.opt import OPTEngine, _host_available_bytes, enable_compilation_cache
+from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes, enable_compilation_cache
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def engine() -> OPTEngine:
-    return OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+def engine() -> ModelEngine:
+    return ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
 
 
-def _paged_cache_size(engine: OPTEngine) -> int:
+def _paged_cache_size(engine: ModelEngine) -> int:
     return sum(fn._cache_size() for key, fn in engine.model._fns.items() if key[0] == "paged")  # type: ignore[attr-defined]
 
 
-def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: OPTEngine) -> None:
+def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: ModelEngine) -> None:
     report = engine.warmup(
         num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
     )
@@ -44,28 +44,28 @@ def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: 
     assert _paged_cache_size(engine) == compiled
 
 
-def test_warmup_on_a_pool_returns_it(engine: OPTEngine) -> None:
+def test_warmup_on_a_pool_returns_it(engine: ModelEngine) -> None:
     pages = engine.init_pages(8, 4)
     report = engine.warmup(num_blocks=8, block_size=4, max_decode_batch=2, max_seq_len=4, prefill=False, pages=pages)
     assert report.step_shapes == ((2, 1, 1),)
     assert report.pages is not None and report.pages[0].k.shape == pages[0].k.shape
 
 
-def test_kv_block_bytes_is_exact(engine: OPTEngine) -> None:
+def test_kv_block_bytes_is_exact(engine: ModelEngine) -> None:
     # opt-tiny: 2 layers x 4 heads x 16 head dims, K and V, float32
     assert engine.kv_block_bytes(16) == 2 * 2 * 16 * 4 * 16 * 4
-    tp2 = OPTEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
+    tp2 = ModelEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
     assert tp2.kv_block_bytes(16) == 2 * 2 * 16 * 2 * 16 * 4  # heads split over tp
 
 
-def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(engine: OPTEngine) -> None:
+def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(engine: ModelEngine) -> None:
     share = 1 / len(jax.devices("cpu"))
     expected = 0.5 * _host_available_bytes() * share / engine.kv_block_bytes(16)
     got = engine.kv_blocks_for_memory(16, memory_fraction=0.5)
     assert abs(got - expected) / expected < 0.05  # MemAvailable moves a little between the two reads
     assert engine.kv_blocks_for_memory(16, memory_fraction=0.5, max_blocks=300) == 300
     # tp=2: each device holds half of every block, so twice the blocks fit in the same per-device share
-    tp2 = OPTEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
+    tp2 = ModelEngine(ShardedOPT.load("opt-tiny", tp=2, pp=1, devices=jax.devices()[:2]))
     assert abs(tp2.kv_blocks_for_memory(16, memory_fraction=0.5) - 2 * expected) / (2 * expected) < 0.05
     with pytest.raises(ValueError, match="memory_fraction"):
         engine.kv_blocks_for_memory(16, memory_fraction=0.0)

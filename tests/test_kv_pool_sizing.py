@@ -10,7 +10,7 @@ from jaxserve.commands.serve import kv_blocks_from_memory
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.runtime.engines.contract import Engine
-from jaxserve.runtime.engines.opt import OPTEngine, opt_engine_factory
+from jaxserve.runtime.engines.model import ModelEngine, model_engine_factory
 from models.config import get_config
 
 CFG = get_config("opt-tiny")
@@ -18,7 +18,7 @@ CFG = get_config("opt-tiny")
 
 def _counting_factory() -> tuple[list[Engine], object]:
     made: list[Engine] = []
-    load = opt_engine_factory("opt-tiny")
+    load = model_engine_factory("opt-tiny")
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> Engine:
         engine = load(spec, devices)
@@ -51,7 +51,7 @@ def test_pool_follows_the_memory_fraction_when_memory_is_the_limit() -> None:
     limits = ServingLimits(block_size=16, max_decode_batch=10**9)
     blocks, _ = kv_blocks_from_memory(plan, factory, limits=limits, memory_fraction=0.5)  # type: ignore[arg-type]
     engine = made[0]
-    assert isinstance(engine, OPTEngine)
+    assert isinstance(engine, ModelEngine)
     # The engine's own rule for that memory (MemAvailable moves a little between the two reads).
     expected = engine.kv_blocks_for_memory(16, 0.5)
     assert blocks is not None and abs(blocks - expected) / expected < 0.05

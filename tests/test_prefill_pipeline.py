@@ -203,10 +203,10 @@ def test_timed_engine_schedules_batches_on_per_stage_timelines() -> None:
 
 def test_opt_engine_prefills_in_flight_match_one_at_a_time() -> None:
     """Two batches dispatched before either is read back (pp = 2) give what `prefill` gives one by one."""
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
     from models.sharding import ShardedOPT
 
-    engine = OPTEngine(ShardedOPT.load("opt-tiny", tp=1, pp=2, devices=jax.devices()[:2]))
+    engine = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=2, devices=jax.devices()[:2]))
     a = [PrefillItem("a", (5, 6, 7, 8, 9), SamplingParams(), 0), PrefillItem("b", (11, 12), SamplingParams(), 1)]
     b = [PrefillItem("c", tuple(range(20, 40)), SamplingParams(temperature=1.0), 2)]
     first, second = engine.prefill_async(a), engine.prefill_async(b)

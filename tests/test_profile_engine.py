@@ -82,7 +82,7 @@ def test_profile_command_writes_a_usable_profile(tmp_path: Path) -> None:
 
 
 def test_engine_padding_is_the_shape_the_engine_computes() -> None:
-    """`jaxserve profile`'s padding for this engine: the rows and table width `OPTEngine.step_shape` gives a
+    """`jaxserve profile`'s padding for this engine: the rows and table width `ModelEngine.step_shape` gives a
     decode sub-batch, and what the decode attention of `models.paged_attention` reads on top: the CPU
     kernel (the CPU default where it builds) each row's filled positions, the chunked loop that a stage
     split over devices runs (tp=2 here) its chunks of table columns."""
@@ -92,12 +92,12 @@ def test_engine_padding_is_the_shape_the_engine_computes() -> None:
     from jaxserve.core.request import SamplingParams
     from jaxserve.core.scheduling import blocks_for
     from jaxserve.runtime.engines.contract import StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
     from models.paged_attention import chunk_columns
 
     cfg = get_config("opt-tiny")
-    engine = OPTEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
-    split = OPTEngine.load("opt-tiny", jax.devices()[:2], tp=2, pp=1)
+    engine = ModelEngine.load("opt-tiny", jax.devices()[:1], tp=1, pp=1)
+    split = ModelEngine.load("opt-tiny", jax.devices()[:2], tp=2, pp=1)
     pad, pad_split = engine_padding(cfg, 16, "float32"), engine_padding(cfg, 16, "float32", tp=2)
     assert engine.init_pages(4, 16)[0].block_layout == "heads"  # the pool this engine really serves from
     assert split.model.stage_attention(0) == "xla_heads_flat"

@@ -438,11 +438,11 @@ class _OPTDyingOnDecode:
 
 
 def test_seeded_sampling_continues_from_the_same_positions_after_a_move(tmp_path) -> None:
-    from jaxserve.runtime.engines.opt import opt_engine_factory
+    from jaxserve.runtime.engines.model import model_engine_factory
     from jaxserve.testing.hf import make_hf_checkpoint
 
     checkpoint = str(make_hf_checkpoint(tmp_path / "opt-tiny-hf", CFG, seed=3))
-    base = opt_engine_factory(checkpoint)
+    base = model_engine_factory(checkpoint)
     plan = parse_deployment("disagg:prefill=tp1,decode=2xtp1")
     config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
     prompts = [(2, 100, 31, 7, 8), (2, 5, 6), (2, 300, 301, 302, 17, 9, 44)]

@@ -131,15 +131,15 @@ def test_eos_mid_call_is_exact(checkpoint: Path, tmp_path: Path) -> None:
 
 
 def test_pipeline_engine_runs_multi_step_as_single_steps() -> None:
-    """With pp > 1 `OPTEngine.decode_steps` falls back to single steps: the same tokens as the on-device loop."""
+    """With pp > 1 `ModelEngine.decode_steps` falls back to single steps: the same tokens as the on-device loop."""
     import jax
 
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
     got = []
     for pp in (1, 2):
-        engine = OPTEngine.load("opt-tiny", jax.devices()[:pp], pp=pp)
+        engine = ModelEngine.load("opt-tiny", jax.devices()[:pp], pp=pp)
         pages = engine.init_pages(32, 4)
         sampling = [SamplingParams(max_tokens=m, temperature=t, seed=9) for m, t in ((7, 0.0), (4, 0.9))]
         items = [PrefillItem(f"r{i}", PROMPTS[i], s, 9) for i, s in enumerate(sampling)]

@@ -18,7 +18,7 @@ from test_runtime_warmup import _burst, _Compiles  # the same witness and burst 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
-from jaxserve.runtime.engines.opt import opt_engine_factory
+from jaxserve.runtime.engines.model import model_engine_factory
 from jaxserve.runtime.switch import PlanSwitcher
 from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
@@ -43,7 +43,7 @@ def test_after_a_switch_to_new_instances_no_request_compiles(checkpoint: Path) -
         warmup=WarmupConfig(buckets=True),
         limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
     )
-    factory = opt_engine_factory(str(checkpoint))
+    factory = model_engine_factory(str(checkpoint))
     c = Controller.from_plan(str(checkpoint), parse_deployment("disagg:prefill=tp1,decode=tp1"), None, factory, config)
     switcher = PlanSwitcher(c, factory, drain_timeout_s=30)
     handler = _Compiles()

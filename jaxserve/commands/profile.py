@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 
 def engine_padding(cfg: OPTConfig, block_size: int, dtype: str, tp: int = 1) -> EnginePadding:
-    """The shapes this process's engine computes at tensor-parallel degree `tp`: `OPTEngine`'s buckets and
+    """The shapes this process's engine computes at tensor-parallel degree `tp`: `ModelEngine`'s buckets and
     its decode attention's form (`models.paged_attention.default_impl`, which `models.sharding.ShardedOPT`
     runs: the CPU kernel reads each row's filled positions, the CPU's chunked loop only filled chunks of
     the table, the one-gather form all of it; a tp > 1 stage runs the chunked loop in the kernel's place)."""

@@ -70,7 +70,7 @@ def compile_cache_dir(value: str | None) -> Path | None:
 
 def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
     """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX)."""
-    from jaxserve.runtime.engines.opt import enable_compilation_cache
+    from jaxserve.runtime.engines.model import enable_compilation_cache
 
     enable_compilation_cache(directory, min_compile_time_s)
 
@@ -231,9 +231,9 @@ class EngineBackend:
 
 
 def _opt_backend(model: str, args: argparse.Namespace) -> EngineBackend:
-    from jaxserve.runtime.engines.opt import opt_engine_factory
+    from jaxserve.runtime.engines.model import model_engine_factory
 
-    return EngineBackend(opt_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
+    return EngineBackend(model_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
 
 
 def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:
@@ -451,7 +451,7 @@ def kv_blocks_from_memory(
     """Load the plan's engines now and size the KV pool from the memory their weights leave.
 
     Every instance's engine is built first (so the weights are in memory), then each decode /
-    colocated engine that can say (`kv_blocks_for_memory`: `OPTEngine`) gives the blocks
+    colocated engine that can say (`kv_blocks_for_memory`: `ModelEngine`) gives the blocks
     `memory_fraction` of its devices' memory leaves, capped at what a full decode batch of
     sequences of the model's length can reserve; the smallest instance sets the number
     (`ServingLimits.num_kv_blocks` is one number for all; `limits` gives `block_size` and `max_decode_batch`). Returns it (None: no engine could

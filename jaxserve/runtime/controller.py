@@ -265,9 +265,9 @@ class Controller:
         """Place `plan` on `devices` (default: all), one engine per instance loaded from `model_source`;
         `transfer` moves KV into each decode instance (default `InProcessTransfer`)."""
         if engine_factory is None:
-            from jaxserve.runtime.engines.opt import opt_engine_factory
+            from jaxserve.runtime.engines.model import model_engine_factory
 
-            engine_factory = opt_engine_factory(model_source, dtype=dtype)
+            engine_factory = model_engine_factory(model_source, dtype=dtype)
         placed = build_engines(plan, engine_factory, devices)
         tokenizer = None
         try:

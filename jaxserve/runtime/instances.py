@@ -4,7 +4,7 @@
 assignment, or consecutive ones), checks they are disjoint and exist, and asks
 the engine factory for one engine per instance on exactly its devices (stage
 s on devices[s*tp:(s+1)*tp]). The default factory loads the model into each
-instance's own sharding (`OPTEngine.load`); tests pass the fake engine's.
+instance's own sharding (`ModelEngine.load`); tests pass the fake engine's.
 `Instance` names the three roles' instance types (what a controller holds).
 """
 

@@ -2,10 +2,10 @@
 
 What is timed is exactly what the runtime's instances call, host overhead and sampling included:
 
-* `dist` prefill — `OPTEngine.prefill(items)` (a prefill instance's step);
-* decode — `OPTEngine.decode_step` over one-token rows on a paged pool (a decode instance's step,
+* `dist` prefill — `ModelEngine.prefill(items)` (a prefill instance's step);
+* decode — `ModelEngine.decode_step` over one-token rows on a paged pool (a decode instance's step,
   and a colocated instance's decode-only step);
-* `coloc` prefill — `OPTEngine.decode_step` over prompt rows (`is_prompt`), the colocated
+* `coloc` prefill — `ModelEngine.decode_step` over prompt rows (`is_prompt`), the colocated
   instance's prefill-priority step.
 
 Each shape runs once untimed (XLA compiles it) and then `repeats` times (more for short steps, until
@@ -32,7 +32,7 @@ from jaxserve.core.request import SamplingParams
 from jaxserve.core.scheduling import blocks_for
 from jaxserve.core.step_samples import DecodeSample, PrefillSample
 from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.opt import OPTEngine
+from jaxserve.runtime.engines.model import ModelEngine
 from models.config import OPTConfig
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -140,7 +140,7 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> tuple[int, ...]:
 
 
 def time_prefill(
-    engine: OPTEngine,
+    engine: ModelEngine,
     shapes: Sequence[tuple[int, int]],
     repeats: int,
     seed: int = 0,
@@ -164,7 +164,7 @@ def time_prefill(
 class _Pool:
     """A paged pool big enough for the largest shape, reused (and donated) across calls."""
 
-    def __init__(self, engine: OPTEngine, num_blocks: int, block_size: int) -> None:
+    def __init__(self, engine: ModelEngine, num_blocks: int, block_size: int) -> None:
         self.engine = engine
         self.block_size = block_size
         self.pages = engine.init_pages(num_blocks, block_size)
@@ -180,7 +180,7 @@ def _tables(batch: int, tokens_each: int, block_size: int) -> list[tuple[int, ..
 
 
 def time_decode(
-    engine: OPTEngine,
+    engine: ModelEngine,
     shapes: Sequence[tuple[int, int]],
     repeats: int,
     block_size: int,
@@ -202,7 +202,7 @@ def time_decode(
 
 
 def time_coloc_prefill(
-    engine: OPTEngine,
+    engine: ModelEngine,
     shapes: Sequence[tuple[int, int]],
     repeats: int,
     block_size: int,
@@ -246,7 +246,7 @@ class _Neighbour:
     is timed, prefills of `length` tokens while decode is timed.
     """
 
-    def __init__(self, engine: OPTEngine, length: int, block_size: int) -> None:
+    def __init__(self, engine: ModelEngine, length: int, block_size: int) -> None:
         import threading
 
         self.engine = engine
@@ -302,13 +302,13 @@ def measure(
     """
     all_devs = list(devices) if devices is not None else jax.devices()
     devs = all_devs[:tp]
-    engine = OPTEngine.load(source, devs, tp=tp, pp=1, dtype=dtype)
+    engine = ModelEngine.load(source, devs, tp=tp, pp=1, dtype=dtype)
     say = log or (lambda _msg: None)
     neighbour = None
     if neighbour_length:
         if len(all_devs) < 2 * tp:
             raise ValueError(f"timing with a busy neighbour needs {2 * tp} devices")
-        peer = OPTEngine.load(source, all_devs[tp : 2 * tp], tp=tp, pp=1, dtype=dtype)
+        peer = ModelEngine.load(source, all_devs[tp : 2 * tp], tp=tp, pp=1, dtype=dtype)
         neighbour = _Neighbour(peer, neighbour_length, grid.block_size)
     passes = max(1, grid.passes)
     runs = []
@@ -335,7 +335,7 @@ def _labelled(say: Callable[[str], None], label: str, msg: str) -> None:
 
 
 def _one_pass(
-    engine: OPTEngine, grid: Grid, say: Callable[[str], None], neighbour: _Neighbour | None
+    engine: ModelEngine, grid: Grid, say: Callable[[str], None], neighbour: _Neighbour | None
 ) -> tuple[list[PrefillSample], list[DecodeSample], list[PrefillSample], list[DecodeSample]]:
     """Every shape of `grid` once: prefill, decode, colocated prompt steps (and decode alone, with a neighbour)."""
     timing = (grid.clock, grid.min_total_s)
@@ -377,11 +377,11 @@ def parallel_scaling(source: str, length: int = 256, calls: int = 8, dtype: str 
     devs = jax.devices()
     if len(devs) < 2:
         raise ValueError("needs two devices")
-    engines = [OPTEngine.load(source, [d], tp=1, pp=1, dtype=dtype) for d in devs[:2]]
+    engines = [ModelEngine.load(source, [d], tp=1, pp=1, dtype=dtype) for d in devs[:2]]
     rng = np.random.default_rng(0)
     items = [PrefillItem("s", _prompt(rng, length, engines[0].model_config.vocab_size), GREEDY, 0)]
 
-    def work(engine: OPTEngine) -> None:
+    def work(engine: ModelEngine) -> None:
         for _ in range(calls):
             jax.block_until_ready([s.kv for s in engine.prefill(items).sequences])
 

@@ -30,7 +30,7 @@ say which roles it plays and which optional calls it has; callers read them, and
   `memory_sized_pool`: `kv_blocks_for_memory(...)` sizes the pool from the memory the weights leave.
 
 KV arrays are pytrees of plain `jax.Array`s with the head axis sharded over `tp`. The backends sit beside
-this file: `opt.OPTEngine` (the model), `fake.FakeEngine` (hand-computable arithmetic) and
+this file: `opt.ModelEngine` (the model), `fake.FakeEngine` (hand-computable arithmetic) and
 `timed.TimedEngine` (computes nothing, sleeps the step-cost contract's time); the Ray backend's proxies
 (`ray_backend/remote_engine.py`) play one role each.
 """
@@ -68,7 +68,7 @@ class StagePages:
     """One pipeline stage's paged KV pool.
 
     `block_layout` says how a block holds its positions: "tokens" `[block_size, H, D]` or "heads"
-    `[H, block_size, D]` (what `OPTEngine` uses where its decode attention reads head-major blocks
+    `[H, block_size, D]` (what `ModelEngine` uses where its decode attention reads head-major blocks
     best; `models.paged_attention.block_layout_for`). It is the engine's own choice: instances
     exchange dense `StageKV`, and `kv_pool` reads and writes blocks in the pool's layout.
     """

@@ -1,7 +1,7 @@
 """An engine that computes nothing and takes, on every step, exactly the latency model's time for its shape.
 
 `TimedEngine` implements the engine methods the runtime calls (`kv_layout`, `prefill`, `init_pages`, `insert`,
-`decode_step`) like `FakeEngine` and `OPTEngine`, but each call sleeps for what its step-cost contract
+`decode_step`) like `FakeEngine` and `ModelEngine`, but each call sleeps for what its step-cost contract
 (`jaxserve.core.step_cost.StepCost`) charges that step's real shape — on a server, the simulator's own step
 formulas (`placement.step_cost.ModelStepCost`, bound by `jaxserve.tools.timed_engine.timed_engine_factory`):
 

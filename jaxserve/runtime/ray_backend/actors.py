@@ -227,9 +227,9 @@ def build_engine(spec: EngineSpec) -> Engine:
 
         assert spec.fake_config is not None, "the fake engine needs fake_config"
         return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
-    from jaxserve.runtime.engines.opt import OPTEngine
+    from jaxserve.runtime.engines.model import ModelEngine
 
-    return OPTEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
+    return ModelEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile

@@ -10,7 +10,7 @@ Pipeline parallelism: `ShardedOPT` dispatches stage by stage without waiting,
 so `prefill` and `decode_step` split a batch into `pp` micro-batches and
 dispatch them all before reading any result: stage s+1 works on micro-batch k
 while stage s starts micro-batch k+1 (JAX's asynchronous dispatch does the
-overlap). `prefill_async` returns before reading anything back (`OPTPrefill`),
+overlap). `prefill_async` returns before reading anything back (`ModelPrefill`),
 so a prefill instance puts the next batch into stage 0 as soon as stage 0 has
 finished this one, while later stages still work on it.
 """
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-    """What `OPTEngine.warmup` compiled: one entry per program shape, and the wall time it took."""
+    """What `ModelEngine.warmup` compiled: one entry per program shape, and the wall time it took."""
 
     prefill_shapes: tuple[tuple[int, int], ...]  # (rows, tokens)
     step_shapes: tuple[tuple[int, int, int], ...]  # (rows, tokens, table width)
@@ -121,7 +121,7 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
     return path
 
 
-class OPTEngine(Engine):
+class ModelEngine(Engine):
     """Prefill, insert and paged decode steps of an OPT model placed on one instance's devices."""
 
     capabilities = EngineCapabilities(
@@ -146,7 +146,7 @@ class OPTEngine(Engine):
     @classmethod
     def load(
         cls, source: str, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1, dtype: str = "float32"
-    ) -> OPTEngine:
+    ) -> ModelEngine:
         return cls(ShardedOPT.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype))
 
     @property
@@ -329,7 +329,7 @@ class OPTEngine(Engine):
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
         return self.prefill_async(items).result()
 
-    def prefill_async(self, items: Sequence[PrefillItem]) -> OPTPrefill:
+    def prefill_async(self, items: Sequence[PrefillItem]) -> ModelPrefill:
         """`async_prefill`: dispatch the batch (its `pp` micro-batches, stage after stage) and return at
         once; nothing is read back until `result()`, so the next batch can enter stage 0 meanwhile."""
         num_micro = min(self.model.pp, len(items))
@@ -337,7 +337,7 @@ class OPTEngine(Engine):
         if not groups:
             groups = [list(range(len(items)))]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
-        return OPTPrefill(tuple(items), groups, dispatched)
+        return ModelPrefill(tuple(items), groups, dispatched)
 
     def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         b = bucket(len(items))
@@ -607,8 +607,8 @@ def _pages(caches: Sequence[PagedKVCache]) -> KVPages:
     return tuple(StagePages(k=c.k, v=c.v, block_layout=c.block_layout) for c in caches)
 
 
-class OPTPrefill:
-    """A dispatched `OPTEngine` prefill batch (`PrefillHandle`): device arrays, read back only by `result()`."""
+class ModelPrefill:
+    """A dispatched `ModelEngine` prefill batch (`PrefillHandle`): device arrays, read back only by `result()`."""
 
     def __init__(
         self,
@@ -673,12 +673,12 @@ def filled_blocks(row: StepRow, block_size: int) -> int:
     return min(len(row.block_table), -(-(row.start_position + len(row.token_ids)) // block_size))
 
 
-def opt_engine_factory(
+def model_engine_factory(
     source: str,
     dtype: str = "float32",
     block_layout: BlockLayout | None = None,
     attention_impl: Impl | None = None,
-) -> Callable[[InstanceSpec, Sequence[jax.Device]], OPTEngine]:
+) -> Callable[[InstanceSpec, Sequence[jax.Device]], ModelEngine]:
     """An engine factory: every instance loads `source` straight into its own sharding.
 
     `attention_impl` sets every instance's paged decode attention (`models.paged_attention`; default:
@@ -688,8 +688,8 @@ def opt_engine_factory(
     if attention_impl is not None and attention_impl not in IMPLS:
         raise ValueError(f"unknown paged attention implementation {attention_impl!r}; one of {', '.join(IMPLS)}")
 
-    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> OPTEngine:
-        engine = OPTEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
+    def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> ModelEngine:
+        engine = ModelEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
         if attention_impl is not None:  # before the first step compiles
             engine.model.attention_impl = attention_impl
         if block_layout is not None:
