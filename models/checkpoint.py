@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import llama, opt
-from models.config import LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_config
+from models.config import LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_model_config
 from models.opt import Params
 
 if TYPE_CHECKING:
@@ -550,7 +550,7 @@ def source_config(source: str | Path, dtype: Any = "float32") -> ModelConfig:
         raise CheckpointError(
             f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory)"
         )
-    return get_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
+    return get_model_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
 
 
 def load_stage_params(

@@ -58,6 +58,16 @@ class OPTConfig:
         return self.num_heads
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a sequence (OPT has one)."""
+        return (self.eos_token_id,)
+
+    @property
+    def filler_token_id(self) -> int:
+        """A real token id to pad batches and warm programs with (its values are never read)."""
+        return self.pad_token_id
+
+    @property
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT-350m projects 512 -> 1024)."""
         return self.word_embed_proj_dim or self.hidden_size
@@ -361,6 +371,14 @@ class LlamaConfig:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def filler_token_id(self) -> int:
+        """A real token id to pad batches and warm programs with: pad, else BOS, else 0 (values never read)."""
+        for token in (self.pad_token_id, self.bos_token_id):
+            if token is not None:
+                return token
+        return 0
+
     def with_dtype(self, dtype: str) -> LlamaConfig:
         return dataclasses.replace(self, dtype=dtype)
 
@@ -570,6 +588,10 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
                       eos_token_ids=(151643,)),
         _llama_preset("mistral-7b-v0.3", 4096, 14336, 32, 32, 8, 32768, max_position_embeddings=32768,
                       rms_norm_eps=1e-5, rope_theta=1000000.0, family="mistral"),
+        # SmolLM2-135M(-Instruct): GQA 9:3, tied head; the model `jaxserve pull smollm2-135m-instruct` fetches
+        _llama_preset("smollm2-135m", 576, 1536, 30, 9, 3, 49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+                      pad_token_id=2),
         _llama_preset("llama-tiny", 64, 128, 2, 4, 2, 512, max_position_embeddings=256),
     )
 }  # fmt: skip
@@ -582,3 +604,13 @@ def get_llama_config(name: str, dtype: str | None = None) -> LlamaConfig:
         raise KeyError(f"unknown Llama-style preset {name!r}; known: {', '.join(LLAMA_PRESETS)}")
     config = LLAMA_PRESETS[key]
     return config.with_dtype(dtype) if dtype else config
+
+
+def get_model_config(name: str, dtype: str | None = None) -> ModelConfig:
+    """A preset of either family by name: a Llama-style one (`LLAMA_PRESETS`) or an OPT one (`get_config`)."""
+    if name.lower().split("/")[-1] in LLAMA_PRESETS:
+        return get_llama_config(name, dtype)
+    try:
+        return get_config(name, dtype)
+    except KeyError:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join([*PRESETS, *LLAMA_PRESETS])}") from None

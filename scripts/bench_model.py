@@ -1,10 +1,11 @@
-"""Model micro-benchmark: our JAX OPT vs Hugging Face transformers (PyTorch) on the same random weights.
+"""Model micro-benchmark: our JAX model (OPT or Llama-style) vs Hugging Face transformers (PyTorch) on the same
+random weights.
 
 Measures, in one run on this machine's CPU (or an accelerator, see scripts/device_check.sh):
 
 * decode step time at batch 1, 8, 16, 32 with `--context` (default 512) tokens cached: JAX
   contiguous `decode`, JAX paged `extend_paged` as serving runs it (T=1, block tables as wide as the
-  filled blocks, the attention impl and pool block layout `ShardedOPT` picks on this backend),
+  filled blocks, the attention impl and pool block layout `ShardedModel` picks on this backend),
   torch with its `DynamicCache`, and a bandwidth probe (a jitted `v @ W` over a 154 MB matrix);
 * the bandwidth floor of each batch: bytes the step must read (weights + KV of the context) at
   the probe's rate, and at batch 1 the fraction of it the paged step reaches;
@@ -26,6 +27,8 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
                                                                    # ... and over two paged attentions
     .venv/bin/python scripts/bench_model.py --e2e --no-torch --e2e-decode-steps 1,4,8 --e2e-reps 5  # multi-step A/B
     .venv/bin/python scripts/bench_model.py --model opt-tiny --batches 1,8 --reps 5   # smoke run
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --threads 2        # Llama-style (GQA 9:3)
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --e2e --threads 2
     .venv/bin/python scripts/bench_model.py --no-torch --plot ''    # accelerator: jax only, no plot
     .venv/bin/python scripts/bench_model.py --threads 2 --no-torch --no-prefill --paged-ab xla_gather,xla
                                                                    # paged attention A/B (old vs new)
@@ -196,11 +199,12 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from models import opt
     from models.checkpoint import params_from_hf_tensors
-    from models.config import get_config
+    from models.config import get_model_config
+    from models.sharding import family
 
-    cfg = get_config(args.model)
+    cfg = get_model_config(args.model)
+    fam = family(cfg)
     dtype = jnp.dtype(args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     use_torch = not args.no_torch
@@ -220,9 +224,9 @@ def main() -> int:
         hf = hf.to(args.torch_device)
         host = params_from_hf_tensors(tensors, cfg, source="in-memory HF model")
     else:
-        host = jax.tree.map(np.asarray, opt.init_params(cfg, jax.random.key(0), jnp.float32))
+        host = jax.tree.map(np.asarray, fam.init_params(cfg, jax.random.key(0), jnp.float32))
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), host)
-    params["layers"] = opt.unstack_layers(params["layers"])  # the serving layout (what ShardedOPT runs)
+    params["layers"] = fam.unstack_layers(params["layers"])  # the serving layout (what ShardedModel runs)
     del host
     load_before = load_avg()
     print(
@@ -266,8 +270,11 @@ def main() -> int:
 
     # ---------------- decode ----------------
     ctx, steps = args.context, args.decode_steps
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed_positions"].nbytes
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.hidden_size * dtype.itemsize
+    # bytes a step reads: every weight but OPT's position table (one row read per token)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - (
+        params["embed_positions"].nbytes if "embed_positions" in params else 0
+    )
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
     print()
     print(f"decode step at context {ctx}, {steps} steps per sample; ms per step (min / median of {args.reps})")
     print(f"  paged: what serving runs here, attention {serving_paged()!r} (IMPL:heads = head-major pool blocks)")
@@ -338,7 +345,9 @@ def _prefill(args: argparse.Namespace, cfg: Any, params: Any, hf: Any, torch: An
     import jax.numpy as jnp
     import numpy as np
 
-    from models import opt
+    from models.sharding import family
+
+    fam = family(cfg)
 
     t = args.prompt_len
     prompt = rng.integers(3, cfg.vocab_size, (1, t)).astype(np.int32)
@@ -349,7 +358,7 @@ def _prefill(args: argparse.Namespace, cfg: Any, params: Any, hf: Any, torch: An
     b = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
     dot = jax.jit(jnp.dot)
     contenders: dict[str, Callable[[], Any]] = {
-        "jax": lambda: jax.block_until_ready(opt.prefill(params, cfg, prompt, lengths)),
+        "jax": lambda: jax.block_until_ready(fam.prefill(params, cfg, prompt, lengths)),
         "dot": lambda: dot(a, b).block_until_ready(),
     }
     if hf is not None:
@@ -379,15 +388,20 @@ def _prefill(args: argparse.Namespace, cfg: Any, params: Any, hf: Any, torch: An
 def prefill_flops(cfg: Any, t: int) -> float:
     """Matmul FLOPs of one t-token prefill with last-token logits (causal attention counted once)."""
     h, f, n = cfg.hidden_size, cfg.ffn_dim, cfg.num_layers
-    linear = 2 * t * (4 * h * h + 2 * h * f) * n
-    attention = 2 * 2 * h * (t * (t + 1) // 2) * n  # q.k and p.v over the causal triangle
-    proj = 2 * t * cfg.embed_dim * h * (1 if cfg.has_projections else 0) + 2 * cfg.embed_dim * h * cfg.has_projections
+    q, kvd = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    from models.config import LlamaConfig
+
+    mlp = 3 * h * f if isinstance(cfg, LlamaConfig) else 2 * h * f  # SwiGLU: gate, up, down
+    linear = 2 * t * (2 * h * q + 2 * h * kvd + mlp) * n
+    attention = 2 * 2 * q * (t * (t + 1) // 2) * n  # q.k and p.v over the causal triangle
+    has_proj = bool(getattr(cfg, "has_projections", False))
+    proj = 2 * t * cfg.embed_dim * h * has_proj + 2 * cfg.embed_dim * h * has_proj
     lm_head = 2 * cfg.embed_dim * cfg.vocab_size
     return float(linear + attention + proj + lm_head)
 
 
 def serving_paged() -> str:
-    """What `ShardedOPT` serves the paged step with here: `IMPL` (token-major blocks) or `IMPL:heads`."""
+    """What `ShardedModel` serves the paged step with here: `IMPL` (token-major blocks) or `IMPL:heads`."""
     from models.paged_attention import block_layout_for, default_impl
 
     impl = default_impl()
@@ -407,19 +421,21 @@ def _jax_decode_contenders(
     import jax.numpy as jnp
     import numpy as np
 
-    from models import opt
+    from models.sharding import family
+
+    fam = family(cfg)
 
     bsz, ctx = prompts.shape
     cap = ctx + steps + 1
-    _, kv = opt.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
-    state: dict[str, Any] = {"cache": opt.DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
+    _, kv = fam.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
+    state: dict[str, Any] = {"cache": fam.DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
     tok = jnp.asarray(prompts[:, -1])
     positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
 
     def run_contiguous() -> None:
         cache = state["cache"]
         for pos in positions:
-            logits, cache = opt.decode(params, cfg, tok, pos, cache)
+            logits, cache = fam.decode(params, cfg, tok, pos, cache)
         jax.block_until_ready(logits)
         state["cache"] = cache
 
@@ -436,14 +452,14 @@ def _jax_decode_contenders(
     for name in paged_impls:
         impl, _, layout = name.partition(":")  # "xla:heads": impl "xla" over a pool of head-major blocks
         layout = layout or "tokens"
-        pool = opt.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
+        pool = fam.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
         filled = jnp.full((bsz,), ctx, jnp.int32)
-        state["pages", name] = opt.insert_into_pages(pool, kv, tables, filled, block_layout=layout)
+        state["pages", name] = fam.insert_into_pages(pool, kv, tables, filled, block_layout=layout)
 
         def run_paged(name: str = name, impl: str = impl, layout: str = layout) -> None:
             cache = state["pages", name]
             for pos in positions:
-                logits, cache = opt.extend_paged(
+                logits, cache = fam.extend_paged(
                     params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl, block_layout=layout
                 )
             jax.block_until_ready(logits)
@@ -559,7 +575,9 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
     import jax.numpy as jnp
     import numpy as np
 
-    from models import opt
+    from models.sharding import family
+
+    fam = family(cfg)
 
     ctx, steps = args.context, args.decode_steps
     print(f"contiguous decode A/B at context {ctx}, {steps} steps per sample; ms per step (min/median)")
@@ -568,12 +586,12 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
     rows = []
     for bsz in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(3, cfg.vocab_size, (bsz, ctx)).astype(np.int32)
-        _, kv = opt.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
+        _, kv = fam.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
         cap = ctx + steps + 1
         pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
         state: dict[str, Any] = {
-            "stacked": opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad)),
-            "head_major": opt.DecodeCache.from_kv(kv, cap),
+            "stacked": fam.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad)),
+            "head_major": fam.DecodeCache.from_kv(kv, cap),
         }
         del kv
         tok = jnp.asarray(prompts[:, -1])
@@ -582,7 +600,7 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
         def run(name: str, state: dict[str, Any] = state, tok: Any = tok, positions: list[Any] = positions) -> None:
             cache = state[name]
             for pos in positions:
-                logits, cache = opt.decode(params, cfg, tok, pos, cache)
+                logits, cache = fam.decode(params, cfg, tok, pos, cache)
             jax.block_until_ready(logits)
             state[name] = cache
 
@@ -644,7 +662,7 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     from jaxserve.llm import LLM
     from jaxserve.runtime.controller import ControllerConfig
     from models.checkpoint import params_from_hf_tensors, save_checkpoint
-    from models.sharding import ShardedOPT
+    from models.sharding import sharded_class
 
     n, plen, new = args.e2e_prompts, args.e2e_prompt_len, args.e2e_new_tokens
     steps = [int(x) for x in str(args.e2e_decode_steps).split(",")]
@@ -664,7 +682,7 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     if hf is not None:
         source = tempfile.mkdtemp(prefix="jaxserve-bench-")
         tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-        model = ShardedOPT.from_params(cfg, params_from_hf_tensors(tensors, cfg), 1, 1, jax.devices()[:1])
+        model = sharded_class(cfg).from_params(cfg, params_from_hf_tensors(tensors, cfg), 1, 1, jax.devices()[:1])
         save_checkpoint(source, model)
         del model
     # a pool that holds every sequence at once and a batch cap of --e2e-max-batch, as transformers batches all

@@ -121,9 +121,9 @@ EOS = 2
     ],
 )
 def test_the_stop_rule(sampling: SamplingParams, token: int, num_output_tokens: int, expected: str | None) -> None:
-    assert finish_reason(sampling, token, num_output_tokens, EOS) == expected
+    assert finish_reason(sampling, token, num_output_tokens, (EOS,)) == expected
 
 
 def test_stop_token_ids_are_the_stop_list_and_eos_unless_ignored() -> None:
-    assert stop_token_ids(SamplingParams(stop_token_ids=(9, 11)), EOS) == (9, 11, EOS)
-    assert stop_token_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), EOS) == (9,)
+    assert stop_token_ids(SamplingParams(stop_token_ids=(9, 11)), (EOS,)) == (9, 11, EOS)
+    assert stop_token_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), (EOS,)) == (9,)

@@ -49,11 +49,11 @@ from jaxserve.core.limits import DEFAULT_LIMITS
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 if TYPE_CHECKING:
-    from models.config import OPTConfig
+    from models.config import ModelConfig
     from placement.padding import EnginePadding
 
 
-def engine_padding(cfg: OPTConfig, block_size: int, dtype: str, tp: int = 1) -> EnginePadding:
+def engine_padding(cfg: ModelConfig, block_size: int, dtype: str, tp: int = 1) -> EnginePadding:
     """The shapes this process's engine computes at tensor-parallel degree `tp`: `ModelEngine`'s buckets and
     its decode attention's form (`models.paged_attention.default_impl`, which `models.sharding.ShardedOPT`
     runs: the CPU kernel reads each row's filled positions, the CPU's chunked loop only filled chunks of
@@ -80,7 +80,7 @@ def engine_padding(cfg: OPTConfig, block_size: int, dtype: str, tp: int = 1) -> 
     return EnginePadding(
         block_size=block_size,
         attention_chunk_bytes=(HEADS_CHUNK_BYTES if heads else CHUNK_BYTES) if chunked else 0,
-        kv_column_bytes=block_size * cfg.num_heads * cfg.head_dim * jnp.dtype(dtype).itemsize if chunked else 0,
+        kv_column_bytes=block_size * cfg.kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize if chunked else 0,
         attention_chunk_pow2=heads,
         attention_chunk_max_columns=HEADS_MAX_CHUNK_COLUMNS if heads else 0,
         attention_chunk_min_columns=HEADS_FLAT_MIN_CHUNK_COLUMNS if heads and impl == "xla_heads_flat" else 1,
@@ -200,13 +200,11 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from jaxserve.runtime.profiling import custom_grid, default_grid, measure
-    from models.checkpoint import is_hf_dir, load_hf_config
-    from models.config import get_config
+    from models.checkpoint import source_config
     from placement.profile_fit import profile_entry
 
     try:
-        path = Path(args.model)
-        cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(args.model)
+        cfg = source_config(args.model)
     except (KeyError, OSError, ValueError) as e:
         print(f"jaxserve profile: error: {e}", file=sys.stderr)
         return 2
@@ -306,8 +304,7 @@ def _from_server(args: argparse.Namespace) -> int:
     import urllib.request
 
     from jaxserve.core.plan import PlanError, parse_deployment
-    from models.checkpoint import is_hf_dir, load_hf_config
-    from models.config import get_config
+    from models.checkpoint import source_config
     from placement.profile_fit import profile_entry, samples_from_steps
 
     def fail(msg: str) -> int:
@@ -318,8 +315,7 @@ def _from_server(args: argparse.Namespace) -> int:
         return fail("--from-server needs --deployment (the served one: it says which tp each role runs)")
     try:
         plan = parse_deployment(args.deployment)
-        path = Path(args.model)
-        cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(args.model)
+        cfg = source_config(args.model)
     except (PlanError, KeyError, OSError, ValueError) as e:
         return fail(str(e))
     kind_tps = {inst.tp for inst in plan.instances}

@@ -238,11 +238,9 @@ def _opt_backend(model: str, args: argparse.Namespace) -> EngineBackend:
 
 def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:
     from jaxserve.runtime.engines.fake import fake_engine_factory
-    from models.config import PRESETS, OPTConfig, get_config
+    from models.checkpoint import source_config
 
-    return EngineBackend(
-        fake_engine_factory(get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model))
-    )
+    return EngineBackend(fake_engine_factory(source_config(model)))
 
 
 def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
@@ -250,13 +248,13 @@ def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
     simulator charges it (`TimedTransfer`)."""
     from jaxserve.runtime.engines.timed import TimedTransfer
     from jaxserve.tools.timed_engine import timed_engine_factory
-    from models.config import PRESETS, OPTConfig, get_config
+    from models.checkpoint import source_config
     from placement.hardware import get_device
     from placement.latency import LatencyProvider, load_profile
 
     if args.profile is None:
         raise ValueError("--engine timed needs --profile")
-    cfg = get_config(model, "float16") if model in PRESETS else OPTConfig.from_hf_config(model)
+    cfg = source_config(model, "float16")
     prof = load_profile(args.profile)
     latency = LatencyProvider(cfg, get_device(prof.device or "cpu"), prof)
     return EngineBackend(timed_engine_factory(cfg, latency), transfer=TimedTransfer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 from jaxserve.core.errors import InvalidRequestError
@@ -93,19 +94,19 @@ class SamplingParams:
                 )
 
 
-def stop_token_ids(sampling: SamplingParams, eos_token_id: int) -> tuple[int, ...]:
-    """The token ids that end a sequence: its `stop_token_ids`, and EOS unless `ignore_eos` (the stop rule's
-    token half, for an engine that checks it on the device)."""
-    return tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else (eos_token_id,))
+def stop_token_ids(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The token ids that end a sequence: its `stop_token_ids`, and the model's EOS ids (Llama 3 has three)
+    unless `ignore_eos` (the stop rule's token half, for an engine that checks it on the device)."""
+    return tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else tuple(eos_token_ids))
 
 
 def finish_reason(
-    sampling: SamplingParams, token: int, num_output_tokens: int, eos_token_id: int
+    sampling: SamplingParams, token: int, num_output_tokens: int, eos_token_ids: Sequence[int]
 ) -> FinishReason | None:
     """The stop rule, written once: why a sequence stops once `token` is its `num_output_tokens`-th output
-    token. "stop": a stop token id, or EOS unless `ignore_eos` (the token is kept); "length": `max_tokens`
+    token. "stop": a stop token id, or one of the model's EOS ids unless `ignore_eos` (the token is kept); "length": `max_tokens`
     reached; None: it goes on."""
-    if token in stop_token_ids(sampling, eos_token_id):
+    if token in stop_token_ids(sampling, eos_token_ids):
         return "stop"
     if num_output_tokens >= sampling.max_tokens:
         return "length"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import GenerateRequest
 from jaxserve.runtime.streams import RequestStream
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -68,7 +68,7 @@ class ServingController(Protocol):
     """What any front (gRPC, HTTP, the offline LLM) needs from a runtime backend (embedded or Ray)."""
 
     @property
-    def model_config(self) -> OPTConfig: ...
+    def model_config(self) -> ModelConfig: ...
 
     @property
     def tokenizer(self) -> Tokenizer | None: ...

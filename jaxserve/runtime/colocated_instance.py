@@ -236,7 +236,7 @@ class ColocatedInstance(Worker):
             self.engine, rows, self.pages, self.config.decode_steps_per_call
         )
         at = now()
-        eos = self.engine.model_config.eos_token_id
+        eos = self.engine.model_config.eos_token_ids
         emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
             for row, s, tokens, lps in zip(rows, seqs, lists, logprobs, strict=True):

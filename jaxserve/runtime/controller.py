@@ -91,7 +91,7 @@ from jaxserve.runtime.streams import RequestStream
 from jaxserve.runtime.switch import InstanceSet, SwitchableController
 from jaxserve.runtime.warmup import handoff_warmups, warm_buckets
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -199,7 +199,7 @@ class Controller:
         self.plan = plan
         self.observer = observer
         self.tokenizer: Tokenizer | None = tokenizer
-        self.model_config: OPTConfig = placed[0].engine.model_config
+        self.model_config: ModelConfig = placed[0].engine.model_config
         self.faults = faults or FaultCounters()
         self._lock = threading.Lock()
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
@@ -332,7 +332,7 @@ class Controller:
         if self.config.warmup.buckets:
             self._warm_buckets(self.instance_set.routed())
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-        bos = self.model_config.bos_token_id
+        bos = self.model_config.filler_token_id
         sampling = SamplingParams(max_tokens=2, ignore_eos=True)
         streams = [self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), sampling)) for i in range(len(front))]
         for stream in streams:
@@ -576,7 +576,7 @@ class Controller:
         warmups = handoff_warmups(
             staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
         )
-        bos = self.model_config.bos_token_id
+        bos = self.model_config.filler_token_id
         streams = []
         for k, (front, decode, n) in enumerate(warmups):
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"

@@ -542,7 +542,7 @@ class DecodeInstance(Worker):
 
     def _apply(self, running: list[_Running], lists: list[list[int]], logprobs: list[RowLogprobs]) -> None:
         at = now()
-        eos = self.engine.model_config.eos_token_id
+        eos = self.engine.model_config.eos_token_ids
         emits: list[tuple[LiveRequest, tuple[int, ...], FinishReason | None]] = []
         with self.cond:
             for r, tokens, lps in zip(running, lists, logprobs, strict=False):

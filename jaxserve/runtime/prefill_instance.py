@@ -324,7 +324,7 @@ class PrefillInstance(Worker):
         assert result is not None
         started_at, ended_at = flight.started_at, flight.ended_at
         resumed = [r.is_resumed for r in batch]
-        eos = self.engine.model_config.eos_token_id
+        eos = self.engine.model_config.eos_token_ids
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
         with self.cond:

@@ -33,7 +33,7 @@ from jaxserve.core.scheduling import blocks_for
 from jaxserve.core.step_samples import DecodeSample, PrefillSample
 from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
 from jaxserve.runtime.engines.model import ModelEngine
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 # A full grid's timing: 3 passes, short steps repeated until 0.1 s (`scripts/profile_fidelity.py` measured
@@ -229,7 +229,7 @@ def time_coloc_prefill(
 
 @dataclasses.dataclass(frozen=True)
 class Measurements:
-    cfg: OPTConfig
+    cfg: ModelConfig
     tp: int
     prefill: list[PrefillSample]
     decode: list[DecodeSample]

@@ -99,7 +99,7 @@ class LiveRequest:
         return tuple(self.output_logprobs[len(self.output_logprobs) - num_tokens :]) if num_tokens else ()
 
     def append_token(
-        self, token: int, eos_token_id: int, now: float, logprobs: TokenLogprobs | None = None
+        self, token: int, eos_token_ids: Sequence[int], now: float, logprobs: TokenLogprobs | None = None
     ) -> FinishReason | None:
         """Record one output token (and its logprobs, when the request asked); return why the request stops, or None."""
         if self.wants_logprobs:
@@ -110,12 +110,12 @@ class LiveRequest:
         self.timings.token_times.append(now)
         if self.timings.first_token_at is None:
             self.timings.first_token_at = now
-        return finish_reason(self.request.sampling, token, len(self.output_ids), eos_token_id)
+        return finish_reason(self.request.sampling, token, len(self.output_ids), eos_token_ids)
 
     def append_tokens(
         self,
         tokens: Sequence[int],
-        eos_token_id: int,
+        eos_token_ids: Sequence[int],
         now: float,
         logprobs: Sequence[TokenLogprobs] | None = None,
     ) -> tuple[tuple[int, ...], FinishReason | None]:
@@ -125,7 +125,7 @@ class LiveRequest:
         taken: list[int] = []
         for k, token in enumerate(tokens):
             taken.append(int(token))
-            finish = self.append_token(int(token), eos_token_id, now, None if logprobs is None else logprobs[k])
+            finish = self.append_token(int(token), eos_token_ids, now, None if logprobs is None else logprobs[k])
             if finish is not None:
                 return tuple(taken), finish
         return tuple(taken), None

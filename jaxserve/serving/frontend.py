@@ -99,8 +99,8 @@ class Frontend:
             ffn_dim=cfg.ffn_dim,
             dtype=cfg.dtype,
             has_tokenizer=self.tokenizer is not None,
-            bos_token_id=cfg.bos_token_id,
-            eos_token_id=cfg.eos_token_id,
+            bos_token_id=-1 if cfg.bos_token_id is None else cfg.bos_token_id,
+            eos_token_id=-1 if cfg.eos_token_id is None else cfg.eos_token_id,
             max_prompt_tokens=limits[0],
             max_tokens_limit=limits[1],
         )

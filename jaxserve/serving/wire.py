@@ -179,8 +179,8 @@ class ModelInfo:
     ffn_dim: int
     dtype: str
     has_tokenizer: bool
-    bos_token_id: int
-    eos_token_id: int
+    bos_token_id: int  # -1: the model has none
+    eos_token_id: int  # the first EOS id (Llama 3 has several; every one ends a sequence); -1: none
     max_prompt_tokens: int
     max_tokens_limit: int
 

@@ -1,4 +1,4 @@
-"""Random Hugging Face OPT checkpoints for tests (no model hub needed).
+"""Random Hugging Face checkpoints (OPT, Llama-style) for tests and benchmarks (no model hub needed).
 
 `transformers` and `torch` are imported inside the functions: they are test dependencies only.
 """
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from models.config import OPTConfig
+from models.config import LlamaConfig, ModelConfig, OPTConfig
 
 
 def hf_opt_config(cfg: OPTConfig) -> Any:
@@ -35,16 +35,19 @@ def hf_opt_config(cfg: OPTConfig) -> Any:
     )
 
 
-def make_hf_model(cfg: OPTConfig, seed: int = 0) -> Any:
-    """A random float32 `transformers.OPTForCausalLM` of shape `cfg`, in eval mode.
+def make_hf_model(cfg: ModelConfig, seed: int = 0) -> Any:
+    """A random float32 `transformers` model of shape `cfg` (`OPTForCausalLM`, or the Llama-style family's
+    `*ForCausalLM`), in eval mode.
 
-    Biases and LayerNorm parameters are randomised too (HF initialises them to 0/1), so a
+    Biases and norm parameters are randomised too (HF initialises them to 0/1), so a
     parity test exercises every tensor.
     """
     import torch
     import transformers
 
     torch.manual_seed(seed)
+    if isinstance(cfg, LlamaConfig):
+        return _make_hf_llama(cfg, seed)
     model: Any = transformers.OPTForCausalLM(hf_opt_config(cfg))
     model = model.float().eval()  # HF OPT LayerNorms use the fixed eps 1e-5, as does OPTConfig's default
     gen = torch.Generator().manual_seed(seed + 1)
@@ -96,3 +99,22 @@ def hf_logprobs(model: Any, prompt: Sequence[int], output: Sequence[int]) -> Any
         logits = model(torch.tensor([list(prompt) + list(output)])).logits[0].double()  # [T, V]
     logp = torch.log_softmax(logits, dim=-1).numpy()
     return logp[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+
+
+def _make_hf_llama(cfg: LlamaConfig, seed: int) -> Any:
+    import torch
+    import transformers
+
+    fields = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **fields)
+    model: Any = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return model

@@ -14,14 +14,14 @@ import jax
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.step_cost import LinkCost
 from jaxserve.runtime.engines.timed import TimedEngine
-from models.config import OPTConfig
+from models.config import ModelConfig
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider
 from placement.step_cost import ModelStepCost
 
 
 def timed_engine_factory(
-    config: OPTConfig, latency: LatencyProvider, cluster: ClusterSpec | None = None
+    config: ModelConfig, latency: LatencyProvider, cluster: ClusterSpec | None = None
 ) -> Callable[[InstanceSpec, Sequence[jax.Device]], TimedEngine]:
     """Engines for `Controller.from_plan` that take `latency`'s times (instances on one node of `cluster`)."""
     cluster = cluster or ClusterSpec(latency.device, 1, 8)

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs, finish_reason, stop_token_ids
-from models.config import OPTConfig
+from models.config import ModelConfig
 from models.paged_attention import BlockLayout
 
 
@@ -253,7 +253,7 @@ class Engine(Protocol):
     def capabilities(self) -> EngineCapabilities: ...
 
     @property
-    def model_config(self) -> OPTConfig: ...
+    def model_config(self) -> ModelConfig: ...
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -383,9 +383,9 @@ def step_tokens(
     return tokens, [None] * len(tokens), pages
 
 
-def row_stops(row: StepRow, eos_token_id: int) -> tuple[int, ...]:
+def row_stops(row: StepRow, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
     """The token ids that end `row`'s request (`core.request.stop_token_ids`), for a check on the device."""
-    return stop_token_ids(row.sampling, eos_token_id)
+    return stop_token_ids(row.sampling, eos_token_ids)
 
 
 def decode_steps_one_by_one(
@@ -396,7 +396,7 @@ def decode_steps_one_by_one(
     For engines whose multi-step program does not apply (pipeline parallelism): the same tokens (and,
     for rows that ask, logprobs), one dispatch per step.
     """
-    eos = engine.model_config.eos_token_id
+    eos = engine.model_config.eos_token_ids
     out: list[list[int]] = [[] for _ in batch.rows]
     lps: list[list[TokenLogprobs | None]] = [[] for _ in batch.rows]
     live = list(range(len(batch.rows)))

@@ -40,7 +40,7 @@ from jaxserve.runtime.engines.contract import (
     bucket,
 )
 from jaxserve.runtime.kv_pool import dense_sharding, write_sequence
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 PREFILL_WEIGHTS = (3, 1, 7)
 DECODE_WEIGHTS = (5, 2, 11)
@@ -79,24 +79,24 @@ class FakeEngine(Engine):
 
     capabilities = EngineCapabilities(prefill=True, decode=True, dense_insert=True)
 
-    def __init__(self, config: OPTConfig, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1) -> None:
+    def __init__(self, config: ModelConfig, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1) -> None:
         if len(devices) != tp * pp:
             raise ValueError(f"tp{tp}pp{pp} needs {tp * pp} devices, got {len(devices)}")
-        if config.num_heads % tp:
-            raise ValueError(f"{config.num_heads} heads do not split over tp={tp}")
+        if config.kv_heads % tp:
+            raise ValueError(f"{config.kv_heads} K/V heads do not split over tp={tp}")
         self._config = config
         self._devices = tuple(devices)
         self.tp, self.pp = tp, pp
         self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
         self._stage_layers = _split_layers(config.num_layers, pp)
         self._layer_offsets = tuple(int(x) for x in np.cumsum((0, *self._stage_layers))[:-1])
-        heads = np.arange(config.num_heads) + 1
+        heads = np.arange(config.kv_heads) + 1
         self._norm = float(np.sum(np.arange(1, config.num_layers + 1)) * np.sum(heads))
         self.num_prefill_calls = 0
         self.num_decode_calls = 0
 
     @property
-    def model_config(self) -> OPTConfig:
+    def model_config(self) -> ModelConfig:
         return self._config
 
     @property
@@ -111,7 +111,7 @@ class FakeEngine(Engine):
 
     def _kv_values(self, stage: int, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         layers = np.arange(self._stage_layers[stage]) + self._layer_offsets[stage] + 1  # [L_s]
-        heads = np.arange(self._config.num_heads) + 1  # [H]
+        heads = np.arange(self._config.kv_heads) + 1  # [KVH]
         k = tokens[None, :, None] * layers[:, None, None] * heads[None, None, :]  # [L_s, T, H]
         v = np.broadcast_to((positions + 1)[None, :, None], k.shape)
         return k[..., None].astype(np.float32), np.ascontiguousarray(v[..., None]).astype(np.float32)
@@ -136,7 +136,7 @@ class FakeEngine(Engine):
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         pages = []
         for s, mesh in enumerate(self.meshes):
-            shape = (self._stage_layers[s], num_blocks, block_size, self._config.num_heads, 1)
+            shape = (self._stage_layers[s], num_blocks, block_size, self._config.kv_heads, 1)
             sharding = NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None))
             zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
             pages.append(StagePages(k=zeros, v=zeros.copy()))
@@ -174,7 +174,7 @@ class FakeEngine(Engine):
         return tokens, pages
 
 
-def fake_engine_factory(config: OPTConfig) -> Callable[[InstanceSpec, Sequence[jax.Device]], FakeEngine]:
+def fake_engine_factory(config: ModelConfig) -> Callable[[InstanceSpec, Sequence[jax.Device]], FakeEngine]:
     """An engine factory for `Controller.from_plan` that builds fake engines on each instance's devices."""
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:

@@ -1,4 +1,8 @@
-"""The real engine: `Engine` over a `ShardedOPT` on one instance's tp x pp grid.
+"""The real engine: `Engine` over a `ShardedModel` (OPT or Llama-style) on one instance's tp x pp grid.
+
+The engine is family-blind: the sharded model runs the forward passes, `models.sharding.family`
+gives the functions its multi-step loop traces, and KV sizes follow `cfg.kv_heads` (a K/V head
+split over tp, or replicated where tp is a multiple of them).
 
 Shapes are padded to buckets so XLA compiles a handful of programs, not one per
 request: prefill batches to (next power of two rows) x (next power of two >= 16
@@ -6,7 +10,7 @@ tokens); paged steps to (power-of-two rows) x (1 token for pure decode steps, a
 power of two >= 16 with prompt chunks) x (power-of-two block-table width).
 Padding rows have length 0, so they write no KV.
 
-Pipeline parallelism: `ShardedOPT` dispatches stage by stage without waiting,
+Pipeline parallelism: `ShardedModel` dispatches stage by stage without waiting,
 so `prefill` and `decode_step` split a batch into `pp` micro-batches and
 dispatch them all before reading any result: stage s+1 works on micro-batch k
 while stage s starts micro-batch k+1 (JAX's asynchronous dispatch does the
@@ -64,11 +68,11 @@ from jaxserve.runtime.sampling import (
     token_logprobs,
     token_logprobs_traced,
 )
-from models import opt
-from models.config import OPTConfig
-from models.opt import KVCache, PagedKVCache, Params
+from models.attention import KVCache, PagedKVCache
+from models.config import ModelConfig
+from models.opt import Params
 from models.paged_attention import IMPLS, BlockLayout, Impl
-from models.sharding import ShardedOPT
+from models.sharding import ShardedModel, family, kv_heads_split, sharded_class
 
 MIN_PROMPT_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
@@ -122,7 +126,7 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
 
 
 class ModelEngine(Engine):
-    """Prefill, insert and paged decode steps of an OPT model placed on one instance's devices."""
+    """Prefill, insert and paged decode steps of a model (any `models` family) placed on one instance's devices."""
 
     capabilities = EngineCapabilities(
         prefill=True,
@@ -135,22 +139,29 @@ class ModelEngine(Engine):
         memory_sized_pool=True,
     )
 
-    def __init__(self, model: ShardedOPT) -> None:
+    def __init__(self, model: ShardedModel) -> None:
         self.model = model
         self._cfg = model.cfg
+        self._pad = model.cfg.filler_token_id
+        # A sequence's dense KV [L, T, kv_heads, D]: split over K/V heads, or replicated where tp is a multiple of them.
+        self._kv_split = kv_heads_split(model.cfg, model.tp)
+        heads_axis = "tp" if self._kv_split else None
         self._layout = KVLayout(
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
-            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, "tp", None)) for m in model.meshes),
+            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
 
     @classmethod
     def load(
         cls, source: str, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1, dtype: str = "float32"
     ) -> ModelEngine:
-        return cls(ShardedOPT.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype))
+        from models.checkpoint import source_config
+
+        sharded = sharded_class(source_config(source, dtype))
+        return cls(sharded.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype))
 
     @property
-    def model_config(self) -> OPTConfig:
+    def model_config(self) -> ModelConfig:
         return self._cfg
 
     @property
@@ -162,11 +173,13 @@ class ModelEngine(Engine):
 
     # ---- sizing and warm-up --------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes one KV block takes on the device that holds the most of it (heads split over tp)."""
+        """Bytes one KV block takes on the device that holds the most of it: K/V heads split over tp, or all
+        of them where they are replicated (tp a multiple of a Llama-style model's K/V heads)."""
         cfg = self._cfg
         layers = max(self._layout.stage_layers)
         itemsize = np.dtype(self.model.dtype).itemsize
-        return 2 * layers * block_size * (cfg.num_heads // self.model.tp) * cfg.head_dim * itemsize
+        heads = cfg.kv_heads // self.model.tp if self._kv_split else cfg.kv_heads
+        return 2 * layers * block_size * heads * cfg.head_dim * itemsize
 
     def kv_blocks_for_memory(self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None) -> int:
         """How many KV blocks fit in the memory the weights leave (vLLM's `gpu_memory_utilization`).
@@ -257,7 +270,7 @@ class ModelEngine(Engine):
                     )
                     for k, lengths in enumerate(batches):
                         items = [
-                            PrefillItem(f"warm{i}", (cfg.pad_token_id,) * n, rand if i == 0 else greedy, 0)
+                            PrefillItem(f"warm{i}", (self._pad,) * n, rand if i == 0 else greedy, 0)
                             for i, n in enumerate(lengths)
                         ]
                         self.prefill(items)
@@ -279,7 +292,7 @@ class ModelEngine(Engine):
                         if b == 1 or b // 2 + t_min <= chunk_size:
                             shapes += [(b, t, m) for m in widths]
             for b, t, m in shapes:
-                tokens = np.full((b, t), cfg.pad_token_id, np.int32)
+                tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
                 sample(logits, [greedy] * b, [0] * b, [0] * b)
@@ -291,7 +304,7 @@ class ModelEngine(Engine):
                     for m in widths:
                         for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
                             caches[0] = self._run_loop(
-                                np.full(b, cfg.pad_token_id, np.int32),
+                                np.full(b, self._pad, np.int32),
                                 np.zeros(b, np.int32),
                                 np.zeros(b, bool),  # no row active: nothing is written, the loop ends at once
                                 np.zeros(b, np.int32),
@@ -311,8 +324,8 @@ class ModelEngine(Engine):
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
                         StageKV(
-                            k=jax.device_put(np.zeros((n, t_pad, cfg.num_heads, cfg.head_dim), page.k.dtype), sharding),
-                            v=jax.device_put(np.zeros((n, t_pad, cfg.num_heads, cfg.head_dim), page.v.dtype), sharding),
+                            k=jax.device_put(np.zeros((n, t_pad, cfg.kv_heads, cfg.head_dim), page.k.dtype), sharding),
+                            v=jax.device_put(np.zeros((n, t_pad, cfg.kv_heads, cfg.head_dim), page.v.dtype), sharding),
                         )
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
@@ -342,7 +355,7 @@ class ModelEngine(Engine):
     def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         b = bucket(len(items))
         t = bucket(max(len(i.token_ids) for i in items), MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings)
-        tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
+        tokens = np.full((b, t), self._pad, dtype=np.int32)
         lengths = np.ones(b, dtype=np.int32)  # padding rows: one pad token, ignored
         for r, item in enumerate(items):
             tokens[r, : len(item.token_ids)] = item.token_ids
@@ -441,12 +454,12 @@ class ModelEngine(Engine):
         block_size = pages[0].block_size
         b = bucket(len(rows), 2)
         m = bucket(max(min(len(r.block_table), -(-(r.start_position + num_steps) // block_size)) for r in rows))
-        tokens = np.full(b, self._cfg.pad_token_id, np.int32)
+        tokens = np.full(b, self._pad, np.int32)
         starts = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
         remaining = np.zeros(b, np.int32)
         tables = np.zeros((b, m), np.int32)
-        stops = [row_stops(r, self._cfg.eos_token_id) for r in rows]
+        stops = [row_stops(r, self._cfg.eos_token_ids) for r in rows]
         stop_ids = np.full((b, bucket(max(len(x) for x in stops), MIN_STOP_WIDTH)), -1, np.int32)
         for i, r in enumerate(rows):
             tokens[i], starts[i], active[i] = r.token_ids[0], r.start_position, True
@@ -524,7 +537,7 @@ class ModelEngine(Engine):
         self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int, with_logprobs: bool = False
     ) -> tuple[jax.Array, StepLogprobs | None, list[PagedKVCache]]:
         b, t, m = self.step_shape(rows, block_size)
-        tokens = np.full((b, t), self._cfg.pad_token_id, dtype=np.int32)
+        tokens = np.full((b, t), self._pad, dtype=np.int32)
         starts = np.zeros(b, dtype=np.int32)
         lengths = np.zeros(b, dtype=np.int32)  # padding rows: length 0, nothing written
         tables = np.zeros((b, m), dtype=np.int32)
@@ -551,7 +564,7 @@ def _decode_loop(
     inputs: SamplingInputs,
     stop_ids: jax.Array,  # [B, K] (-1 padding)
     *,
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     num_steps: int,
     greedy: bool,
     logprobs: bool = False,
@@ -565,6 +578,8 @@ def _decode_loop(
     logprob [B, num_steps] and top `MAX_LOGPROBS` [B, num_steps, K] (else None).
     """
 
+    fam = family(cfg)
+
     def cond(carry: tuple[Any, ...]) -> jax.Array:
         k, _, _, act, *_ = carry
         return (k < num_steps) & jnp.any(act)
@@ -572,9 +587,9 @@ def _decode_loop(
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         k, tok, pos, act, rem, c, out, lp = carry
         lengths = act.astype(jnp.int32)
-        x = opt.embed(params, cfg, tok[:, None], pos[:, None])
-        x, c = opt.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables, attention=attention)
-        logits = opt.lm_head(params, cfg, x[:, 0])  # [B, V]
+        x = fam.embed(params, cfg, tok[:, None], pos[:, None])
+        x, c = fam.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables, attention=attention)
+        logits = fam.lm_head(params, cfg, x[:, 0])  # [B, V]
         new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))
         if logprobs:
@@ -683,7 +698,8 @@ def model_engine_factory(
 
     `attention_impl` sets every instance's paged decode attention (`models.paged_attention`; default:
     `default_impl()` for the backend), `block_layout` its KV pool layout (default: the one that impl
-    reads best, `ShardedOPT.block_layout`).
+    reads best, `ShardedModel.block_layout`). `source` is any model source (`models.checkpoint.source_config`):
+    the family's sharded model is chosen from its config.
     """
     if attention_impl is not None and attention_impl not in IMPLS:
         raise ValueError(f"unknown paged attention implementation {attention_impl!r}; one of {', '.join(IMPLS)}")

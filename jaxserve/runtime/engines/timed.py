@@ -57,7 +57,7 @@ from jaxserve.runtime.engines.contract import (
     bucket,
 )
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 MIN_TOKEN = 4  # OPT's special tokens are 0..3
 NO_LINK_COST = LinkCost()  # a pull that takes no time
@@ -78,7 +78,7 @@ class TimedEngine(Engine):
 
     def __init__(
         self,
-        config: OPTConfig,
+        config: ModelConfig,
         devices: Sequence[jax.Device],
         cost: StepCost,
         *,
@@ -106,7 +106,7 @@ class TimedEngine(Engine):
         self.charged_s: list[tuple[str, float]] = []  # (kind, seconds) of every call, for tests
 
     @property
-    def model_config(self) -> OPTConfig:
+    def model_config(self) -> ModelConfig:
         return self._config
 
     @property
@@ -205,7 +205,7 @@ class TimedEngine(Engine):
 
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
         started = self._clock()
-        eos = self._config.eos_token_id
+        eos = self._config.eos_token_ids
         out: list[list[int]] = [[] for _ in batch.rows]
         live = list(range(len(batch.rows)))
         seconds = 0.0

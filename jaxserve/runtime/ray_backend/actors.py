@@ -79,7 +79,7 @@ from jaxserve.runtime.ray_backend.transfer import (
     to_host,
     to_layout,
 )
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -107,7 +107,7 @@ class EngineSpec:
     dtype: str = "float32"
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
     engine: EngineKind = "opt"
-    fake_config: OPTConfig | None = None
+    fake_config: ModelConfig | None = None
 
     @property
     def num_devices(self) -> int:
@@ -126,7 +126,7 @@ class ModelSignature:
     block_size: int
 
     @classmethod
-    def of(cls, cfg: OPTConfig, dtype: str, block_size: int) -> ModelSignature:
+    def of(cls, cfg: ModelConfig, dtype: str, block_size: int) -> ModelSignature:
         return cls(cfg.name, dtype, cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, block_size)
 
 
@@ -149,7 +149,7 @@ class ActorInfo:
     node_ip: str
     num_devices: int
     signature: ModelSignature
-    model_config: OPTConfig
+    model_config: ModelConfig
     stage_layers: tuple[int, ...]
     computes_logprobs: bool = False  # the actor's engine has the `logprobs` capability
 

@@ -62,7 +62,7 @@ from jaxserve.runtime.ray_backend.remote_engine import (
 )
 from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
 from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -80,7 +80,7 @@ class RayConfig:
     restart_timeout_s: float = 180.0
     start_timeout_s: float = 300.0
     engine: EngineKind = "opt"
-    fake_config: OPTConfig | None = None  # engine "fake": the hand-computable test engine
+    fake_config: ModelConfig | None = None  # engine "fake": the hand-computable test engine
 
 
 def loopback_only() -> None:
@@ -456,7 +456,7 @@ def _placed(
     inst: InstanceSpec,
     actor: ActorHandle,
     info: ActorInfo,
-    model_config: OPTConfig,
+    model_config: ModelConfig,
     counters: FaultCounters,
 ) -> PlacedInstance:
     """The controller's view of one actor: its spec and the proxy engine."""
@@ -485,9 +485,9 @@ def launch_from_args(
 
     fake_config = None
     if args.engine == "fake":
-        from models.config import PRESETS, get_config
+        from models.checkpoint import source_config
 
-        fake_config = get_config(model) if model in PRESETS else OPTConfig.from_hf_config(model)
+        fake_config = source_config(model)
     rc = RayConfig(
         address=args.ray_address,
         transfer=TransferConfig(mechanism=args.kv_transfer),

@@ -72,7 +72,7 @@ from jaxserve.runtime.ray_backend.actors import (
 )
 from jaxserve.runtime.ray_backend.transfer import fetch
 from jaxserve.runtime.worker import FaultCounters
-from models.config import OPTConfig
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -113,7 +113,7 @@ class _Warmed:
 
 class _RemoteBase(Engine):
     def __init__(
-        self, name: str, actor: ActorHandle, info: ActorInfo, model_config: OPTConfig, restart_timeout_s: float,
+        self, name: str, actor: ActorHandle, info: ActorInfo, model_config: ModelConfig, restart_timeout_s: float,
         counters: FaultCounters,
     ) -> None:  # fmt: skip
         self.name = name
@@ -128,7 +128,7 @@ class _RemoteBase(Engine):
         self.on_pool_lost: Callable[[], None] | None = None
 
     @property
-    def model_config(self) -> OPTConfig:
+    def model_config(self) -> ModelConfig:
         return self._model_config
 
     @property
