@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
-from jaxserve.core.limits import ServingLimits
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan, parse_deployment
 from jaxserve.core.request import (
     FinishReason,
@@ -30,6 +30,7 @@ from jaxserve.core.request import (
 )
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.runtime.instances import EngineFactory
+from jaxserve.runtime.pool_sizing import DEFAULT_KV_MEMORY_FRACTION
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+
+# Offline defaults: the KV pool sized from memory as `serve` sizes it (num_kv_blocks None), and a decode batch
+# twice serving's (offline work has no latency target; a wider batch reads the weights once for more tokens).
+OFFLINE_LIMITS = dataclasses.replace(DEFAULT_LIMITS, num_kv_blocks=None, max_decode_batch=64)
 
 
 class TextCodec(Protocol):
@@ -104,28 +109,46 @@ class LLM:
         ray_config: RayConfig | None = None,
         block_layout: BlockLayout | None = None,
         attention_impl: Impl | None = None,
+        kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
     ) -> None:
         """`config`: the deployment's knobs (`ControllerConfig`); `limits`: just its serving limits (block_size,
-        num_kv_blocks, max_decode_batch, ...), the rest default — not both. `attention_impl`: every instance's
-        paged decode attention (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
-        or "heads"); default: the one that attention reads best (`models.paged_attention.block_layout_for`)."""
+        num_kv_blocks, max_decode_batch, ...), the rest default — not both. Without either: `OFFLINE_LIMITS`.
+        `num_kv_blocks=None` (the default): the KV pool holds what `kv_memory_fraction` of the memory the loaded
+        weights leave holds, as `jaxserve serve` sizes it (`runtime.pool_sizing`; capped at a full decode batch of
+        the model's longest sequences). `attention_impl`: every instance's paged decode attention
+        (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's
+        block layout on every instance ("tokens" or "heads"); default: the one that attention reads best
+        (`models.paged_attention.block_layout_for`)."""
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
-        if limits is not None:
-            if config is not None:
-                raise ValueError("give config (with its limits) or limits, not both")
-            config = ControllerConfig(limits=limits)
+        if limits is not None and config is not None:
+            raise ValueError("give config (with its limits) or limits, not both")
+        if config is None:
+            limits = limits or OFFLINE_LIMITS
         self.controller: Controller
         own_engines = block_layout is not None or attention_impl is not None
         if own_engines and (engine_factory is not None or backend == "ray"):
             raise ValueError(
                 "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
             )
-        if own_engines:
+        from_memory = config is None and limits is not None and limits.num_kv_blocks is None
+        if (own_engines or from_memory) and engine_factory is None and backend == "embedded":
             from jaxserve.runtime.engines.model import model_engine_factory
 
             engine_factory = model_engine_factory(
                 model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl
             )
+        if config is None:
+            assert limits is not None
+            if from_memory:
+                blocks = None
+                if backend == "embedded" and engine_factory is not None:
+                    from jaxserve.runtime.pool_sizing import kv_blocks_from_memory
+
+                    blocks, engine_factory = kv_blocks_from_memory(plan, engine_factory, limits, kv_memory_fraction)
+                # an engine that cannot say (or Ray's actors, sized where they run): the serving default
+                limits = dataclasses.replace(limits, num_kv_blocks=blocks or DEFAULT_LIMITS.num_kv_blocks)
+                log.info("KV pool: %s blocks x %d tokens per instance", limits.num_kv_blocks, limits.block_size)
+            config = ControllerConfig(limits=limits)
         if backend == "ray":  # every instance a Ray actor; see jaxserve/runtime/ray_backend
             from jaxserve.runtime.ray_backend.deployment import RayController
 

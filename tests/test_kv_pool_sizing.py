@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxserve.commands.serve import kv_blocks_from_memory
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.engines.model import ModelEngine, model_engine_factory
+from jaxserve.runtime.pool_sizing import kv_blocks_from_memory
 from models.config import get_config
 
 CFG = get_config("opt-tiny")

@@ -48,6 +48,23 @@ def test_llm_limits_keyword_sets_the_serving_limits() -> None:
         jaxserve.LLM(model="opt-tiny", config=ControllerConfig(), limits=limits)
 
 
+def test_llm_defaults_size_the_pool_from_memory_as_serve_does() -> None:
+    """No limits given: the pool is what the loaded weights leave (the rule `serve` uses), the batch the offline one."""
+    from jaxserve.llm import OFFLINE_LIMITS
+    from jaxserve.runtime.pool_sizing import DEFAULT_KV_MEMORY_FRACTION
+
+    with jaxserve.LLM(model="opt-tiny", deployment="colocated:tp1") as llm:
+        limits = llm.controller.config.limits
+        engine = llm.controller.colocated_instances[0].engine
+        cap = OFFLINE_LIMITS.max_decode_batch * -(-CFG.max_position_embeddings // limits.block_size)
+        assert limits.num_kv_blocks == engine.kv_blocks_for_memory(  # type: ignore[attr-defined]
+            limits.block_size, DEFAULT_KV_MEMORY_FRACTION, max_blocks=cap
+        )
+        assert limits.max_decode_batch == OFFLINE_LIMITS.max_decode_batch > ServingLimits().max_decode_batch
+        out = llm.generate([2, 7, 9], jaxserve.SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a fresh machine sets nothing
     env["JAX_PLATFORMS"] = "cpu"

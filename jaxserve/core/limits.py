@@ -8,7 +8,7 @@ file's `limits` all come from `ServingLimits`, so the simulator plans for the en
   (`placement.latency.kv_capacity_tokens`): the planner's setting for a modelled accelerator; the server
   needs a number: `--num-kv-blocks`, else a plan file's (`jaxserve plan` records the blocks it planned
   with, the smallest any decode / colocated instance holds), else, with the real engine, the blocks
-  `--kv-memory-fraction` of the memory the loaded weights leave holds (`serve.kv_blocks_from_memory`);
+  `--kv-memory-fraction` of the memory the loaded weights leave holds (`runtime.pool_sizing.kv_blocks_from_memory`; `serve` and `LLM`);
   the default 256 below is what the fake / timed engines and the Ray backend get.
 * `max_decode_batch` — running sequences per decode / colocated instance.
 * `max_batch_tokens` — the engine's token cap: most prompt tokens one prefill (or prefill-priority colocated)
