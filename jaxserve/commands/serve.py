@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model name clients see (default: the model config's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="jaxserve's own log level (default info: one line per event that matters); third-party libraries "
+        "(JAX, Orbax/absl, Ray) log warnings and errors only, unless debug",
+    )
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -287,12 +294,29 @@ def server_keys(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return api_key, admin_key
 
 
+def configure_logging(level_name: str) -> None:
+    """jaxserve's loggers (`jaxserve`, `models`, `placement`) at `level_name`; everything else (absl's Orbax chatter, JAX's backend probes, Ray) at
+    WARNING unless `level_name` is debug. The handler sits on the root logger, so both reach stderr."""
+    import logging
+
+    level = getattr(logging, level_name.upper())
+    logging.basicConfig(
+        level=logging.DEBUG if level <= logging.DEBUG else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for ours in ("jaxserve", "models", "placement"):
+        logging.getLogger(ours).setLevel(level)
+    if level > logging.DEBUG:
+        for name in ("absl", "jax", "orbax", "ray"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
     from jaxserve.core.plan import DeploymentPlan, PlanError, parse_deployment
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     log = logging.getLogger("jaxserve.serve")
     try:
         api_key, admin_key = server_keys(args)
