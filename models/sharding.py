@@ -345,6 +345,9 @@ class ShardedModel:
             _unstack_stage(sp, st) for sp, st in zip(stage_params, layout.stages, strict=True)
         ]
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # Paged-step executables compiled ahead of time (`precompile_paged`), by stage, flags and shapes; a
+        # step of that shape runs them instead of the jitted function (which would compile it again).
+        self._executables: dict[tuple[Any, ...], Any] = {}
         # paged decode attention (models.paged_attention); set before the first step compiles
         self.attention_impl: Impl = default_impl()
         self._block_layout: BlockLayout | None = None  # None: block_layout_for(attention_impl)
@@ -480,7 +483,10 @@ class ShardedModel:
         x: Any = tokens
         out = []
         for s in range(self.pp):
-            x, cache = self._fn("paged", s, all_logits=all_logits, block_layout=caches[s].block_layout)(
+            layout = caches[s].block_layout
+            key = _paged_key(s, all_logits, layout, np.shape(x), np.shape(block_tables), caches[s].k.shape)
+            fn = self._executables.get(key) or self._fn("paged", s, all_logits=all_logits, block_layout=layout)
+            x, cache = fn(
                 self.run_params[s],
                 self._put(x, s),
                 self._put(start_positions, s),
@@ -490,6 +496,41 @@ class ShardedModel:
             )
             out.append(cache)
         return x, out
+
+    def precompile_paged(
+        self, rows: int, tokens: int, table_width: int, caches: Sequence[PagedKVCache], *, all_logits: bool = False
+    ) -> None:
+        """Compile, without running, every stage's paged step of `rows` x `tokens` with `table_width`-wide block
+        tables over pools shaped like `caches`; later `extend_paged` calls of that shape run these executables.
+
+        Nothing is read or written: a server compiles more shapes this way on a background thread while its
+        instances serve on the shapes already compiled (a compile that ran the step would need the pool, which
+        the serving steps own and donate).
+        """
+        x: Any = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
+        for s in range(self.pp):
+            layout = caches[s].block_layout
+            key = _paged_key(s, all_logits, layout, x.shape, (rows, table_width), caches[s].k.shape)
+            if key in self._executables:
+                x = self._executables[key].out_info[0]
+                continue
+            st = self.layout.stages[s]
+
+            def abstract(shape: tuple[int, ...], dtype: Any, st: StageLayout = st) -> jax.ShapeDtypeStruct:
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=st.replicated)
+
+            pool = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), caches[s])
+            fn = self._fn("paged", s, all_logits=all_logits, block_layout=layout)
+            lowered = fn.lower(  # type: ignore[attr-defined]
+                self.run_params[s],
+                abstract(x.shape, x.dtype),
+                abstract((rows,), jnp.int32),
+                abstract((rows,), jnp.int32),
+                pool,
+                abstract((rows, table_width), jnp.int32),
+            )
+            self._executables[key] = lowered.compile()
+            x = lowered.out_info[0]
 
     # ---- caches ------------------------------------------------------------------------------
     def init_paged_caches(
@@ -517,6 +558,13 @@ class ShardedModel:
         """Move a KVCache (e.g. another instance's prefill output for this stage) onto this stage's mesh."""
         sh = self.kv_sharding(stage)
         return KVCache(k=jax.device_put(kv.k, sh), v=jax.device_put(kv.v, sh))
+
+
+def _paged_key(
+    stage: int, all_logits: bool, layout: BlockLayout, x_shape: Any, tables_shape: Any, pool_shape: Any
+) -> tuple[Any, ...]:
+    """A paged step's executable key: stage, flags, input shapes (stage > 0 takes activations, not token ids)."""
+    return (stage, all_logits, layout, tuple(x_shape), tuple(tables_shape), tuple(pool_shape))
 
 
 class ShardedOPT(ShardedModel):

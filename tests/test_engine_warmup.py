@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxserve.core.request import SamplingParams
-from jaxserve.runtime.engines.contract import StepBatch, StepRow
+from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
 from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes, enable_compilation_cache
 from models.sharding import ShardedOPT
 
@@ -79,3 +79,38 @@ def test_enable_compilation_cache_sets_the_directory(tmp_path: Path) -> None:
         assert jax.config.jax_compilation_cache_dir == str(path)
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_the_step_path() -> None:
+    """`warmup(background=True)`: only the frontier buckets compile before it returns; every other bucket's work
+    runs padded up to a compiled one (same greedy tokens as its own bucket) while the rest compile aside; once
+    they are in, each runs its own bucket. The jitted paged step never compiles on the step path."""
+    model = ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[1:2])
+    eng = ModelEngine(model)
+    plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[2:3]))
+    report = eng.warmup(
+        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True
+    )
+    eng.stop_background_warmup()  # covering alone first: whatever the thread had not compiled stays padded up
+    assert report.prefill_shapes == ((32, 16),) and report.step_shapes == ((4, 1, 4),)
+    compiled = _paged_cache_size(eng)
+
+    def run(engine: ModelEngine) -> list[int]:
+        pages = engine.init_pages(8, 4)
+        prefilled = engine.prefill([PrefillItem("p", (5, 6, 7), GREEDY, 0)]).sequences[0]
+        pages = engine.insert(prefilled.kv, 3, pages, [0, 1])
+        out, tok = [prefilled.first_token], prefilled.first_token
+        for k in range(3):
+            (tok,), pages = engine.decode_step(StepBatch((StepRow("p", (tok,), 3 + k, (0, 1), GREEDY, 0, k),)), pages)
+            out.append(tok)
+        return out
+
+    assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (4, 1, 4)  # covered by the widest
+    assert run(eng) == run(plain)
+    assert _paged_cache_size(eng) == compiled  # padded up: nothing compiled on the step path
+    eng.warmup(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
+    assert eng.background_warmup_done(timeout_s=300)
+    assert (2, 1, 1) in eng._ready_steps and (1, 16) in eng._ready_prefill
+    assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 1)  # its own bucket now
+    assert run(eng) == run(plain)
+    assert _paged_cache_size(eng) == compiled  # the precompiled executables ran, not the jitted step

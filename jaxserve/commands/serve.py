@@ -124,6 +124,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="warm-up compiles every padded shape the limits allow, not only one request's (default: on)",
     )
     parser.add_argument(
+        "--background-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ready once the buckets that hold all others are compiled; the rest compile on a background thread "
+        "while work of a bucket not compiled yet runs padded up to a compiled one (never waiting on a compile). "
+        "--no-background-warmup compiles every bucket before the ready line (default: on)",
+    )
+    parser.add_argument(
         "--warmup-logprobs",
         action="store_true",
         help="the bucket warm-up compiles the logprob programs too, so a first request asking for logprobs "
@@ -371,7 +379,9 @@ def run(args: argparse.Namespace) -> int:
     config = ControllerConfig(
         limits=limits,
         admission=AdmissionConfig(max_queued_requests=args.max_queued_requests, max_tokens_limit=args.max_tokens_limit),
-        warmup=WarmupConfig(buckets=args.warmup_buckets, logprobs=args.warmup_logprobs),
+        warmup=WarmupConfig(
+            buckets=args.warmup_buckets, logprobs=args.warmup_logprobs, background=args.background_warmup
+        ),
         prefix_policy=PrefixPolicy(enabled=args.prefix_caching, local_prefill_tokens=args.local_prefill_tokens),
         prefill_num_kv_blocks=args.prefill_kv_blocks,
         decode_steps_per_call=args.decode_steps_per_call,

@@ -143,6 +143,9 @@ class WarmupConfig:
 
     buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
     logprobs: bool = False  # with buckets: the logprob programs of those shapes too
+    # with buckets: compile the buckets that hold all others first, the rest on a background thread while work
+    # runs padded up to compiled buckets (`ModelEngine.warmup(background=True)`; `serve` turns it on)
+    background: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +351,7 @@ class Controller:
             max_prompt_tokens=self.max_prompt_tokens,
             max_seq_len=max_seq_len,
             logprobs=self.config.warmup.logprobs,
+            background=self.config.warmup.background,
         )
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
@@ -367,6 +371,8 @@ class Controller:
             self.cancel(rid)
         for inst in self.instances:
             inst.stop()
+        for inst in self.instances:
+            inst.engine.stop_background_warmup(timeout_s=5.0)
 
     def __enter__(self) -> Controller:
         self.start()

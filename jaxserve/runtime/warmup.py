@@ -32,9 +32,11 @@ def warm_buckets(
     max_prompt_tokens: int,
     max_seq_len: int,
     logprobs: bool,
+    background: bool = False,
 ) -> None:
     """Compile every padded shape of `instances`; `max_seq_len`: the longest sequence a decode row holds,
-    `logprobs`: the logprob programs of those shapes too."""
+    `logprobs`: the logprob programs of those shapes too, `background`: only the buckets that hold all others
+    before returning, the rest on each engine's background thread (`ModelEngine.warmup`)."""
     for p in (i for i in instances if isinstance(i, PrefillInstance)):
         if p.engine.capabilities.bucket_warmup:
             p.engine.warmup(
@@ -45,6 +47,7 @@ def warm_buckets(
                 max_prefill_rows=p.config.limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
                 decode=False,
                 logprobs=logprobs,
+                background=background,
             )
             if p.config.prefix_policy.enabled:  # cached prompts run as paged prompt rows on the instance's pool
                 with p.cond:
@@ -82,6 +85,7 @@ def warm_buckets(
                 pages=inst.pages,
                 decode_steps=inst.config.decode_steps_per_call,
                 logprobs=logprobs,
+                background=background,
             )
             if warmed.pages is not None:
                 inst.pages = warmed.pages

@@ -341,9 +341,15 @@ class Engine(Protocol):
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
         logprobs: bool = False,
+        background: bool = False,
     ) -> WarmedPages:
-        """`bucket_warmup`: compile every padded shape the serving limits allow before traffic."""
+        """`bucket_warmup`: compile every padded shape the serving limits allow before traffic (`background`:
+        the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones)."""
         raise UnsupportedEngineCall(self, "warmup", "bucket_warmup")
+
+    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
+        """Stop a `warmup(background=True)` still compiling (after its current bucket); nothing to stop: no-op."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

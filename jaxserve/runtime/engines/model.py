@@ -21,15 +21,19 @@ finished this one, while later stages still work on it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +154,14 @@ class ModelEngine(Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
+        # Shape covering (`warmup(background=True)`): once on, a step or prefill batch whose own bucket is not
+        # compiled yet runs padded up to the cheapest compiled bucket that holds it, so no request waits on XLA
+        # while the remaining buckets compile on a background thread. Sets are replaced, never mutated.
+        self._cover = False
+        self._ready_prefill: frozenset[tuple[int, int]] = frozenset()
+        self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
 
     @classmethod
     def load(
@@ -222,6 +234,7 @@ class ModelEngine(Engine):
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
         logprobs: bool = False,
+        background: bool = False,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
@@ -241,6 +254,13 @@ class ModelEngine(Engine):
         (each row bucket's log-softmax + top-k of prefill and step logits, and the multi-step program's
         logprob variant), so a first request asking for logprobs compiles nothing. Returns what was
         compiled and how long.
+
+        `background`: compile before returning only the buckets no other bucket holds (the frontier: e.g.
+        the widest decode step), and the rest on a background thread — prefill programs by running them
+        (they touch no pool), paged steps ahead of time (`ShardedModel.precompile_paged`, which reads and
+        writes nothing). Until a bucket is compiled, work of that bucket runs padded up to the cheapest
+        compiled bucket that holds it: slower for a while, never waiting on a compile. Inserts and multi-step
+        programs compile before returning either way.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -251,34 +271,19 @@ class ModelEngine(Engine):
         if prefill:
             for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                 t_min = 1 if t_pad == MIN_PROMPT_BUCKET else t_pad // 2 + 1
-                rows = [
-                    b
+                prefill_shapes += [
+                    (b, t_pad)
                     for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
                     if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
                 ]
-                # Each row's KV is cut to its own padded length: rows of every shorter bucket too.
-                shorter = [n for n in _prompt_buckets(t_pad, cfg.max_position_embeddings) if n < t_pad]
-                for b in rows:
-                    others = shorter or [t_pad]
-                    batches = (
-                        [[t_pad]]
-                        if b == 1
-                        else [
-                            [t_pad] + [others[(k + j) % len(others)] for j in range(b - 1)]
-                            for k in range(0, len(others), b - 1)
-                        ]
-                    )
-                    for k, lengths in enumerate(batches):
-                        items = [
-                            PrefillItem(f"warm{i}", (self._pad,) * n, rand if i == 0 else greedy, 0)
-                            for i, n in enumerate(lengths)
-                        ]
-                        self.prefill(items)
-                        if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
-                            self.prefill([dataclasses.replace(it, sampling=greedy) for it in items])
-                    prefill_shapes.append((b, t_pad))
+        prefill_now = _frontier(prefill_shapes) if background else prefill_shapes
+        for b, t_pad in prefill_now:
+            self._warm_prefill(b, t_pad, max_len, rand, greedy)
+        self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
+        later_steps: list[tuple[int, int, int]] = []
+        caches_like: list[PagedKVCache] | None = None
         if decode or chunk_size:
             caches = _caches(pages or self.init_pages(num_blocks, block_size))
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
@@ -291,14 +296,15 @@ class ModelEngine(Engine):
                     for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
                         if b == 1 or b // 2 + t_min <= chunk_size:
                             shapes += [(b, t, m) for m in widths]
-            for b, t, m in shapes:
+            steps_now = _frontier(shapes) if background else shapes
+            for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
-                sample(logits, [greedy] * b, [0] * b, [0] * b)
-                sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
-                jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
+                self._warm_sampling(logits, rand, greedy, logprobs)
                 step_shapes.append((b, t, m))
+            self._ready_steps = self._ready_steps | frozenset(steps_now)
+            later_steps = [x for x in shapes if x not in self._ready_steps]
             if decode and decode_steps > 1 and self.model.pp == 1:
                 for b in _powers_of_two(2, max_decode_batch):
                     for m in widths:
@@ -319,6 +325,10 @@ class ModelEngine(Engine):
                         multi_step_shapes.append((b, decode_steps, m))
                 jax.block_until_ready(caches[0].k)
             warmed = _pages(caches)
+            caches_like = [  # the pool's shapes and shardings, for compiles that must not touch it
+                PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
+                for c in caches
+            ]
             if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
@@ -332,11 +342,119 @@ class ModelEngine(Engine):
                     warmed = write_sequence(warmed, kv, 0, [0])
             pages = warmed if pages is not None else None
         seconds = time.perf_counter() - t0
+        later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
+        if background:
+            self._cover = True
+            if later_prefill or later_steps:
+                self._start_background(later_prefill, later_steps, caches_like, max_len, rand, greedy, logprobs)
         log.info(
-            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s",
-            len(prefill_shapes), len(step_shapes), len(multi_step_shapes), seconds,
+            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s%s",
+            len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
+            f" ({len(later_prefill) + len(later_steps)} more compile in the background)" if background else "",
         )  # fmt: skip
-        return WarmupReport(tuple(prefill_shapes), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
+        return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
+
+    # ---- warm-up pieces ----------------------------------------------------------
+    def _warm_prefill(self, b: int, t_pad: int, max_len: int, rand: SamplingParams, greedy: SamplingParams) -> None:
+        """Run the prefill bucket (b rows x t_pad tokens) on padding: each row's KV is cut to its own padded
+        length, so the batch holds rows of every shorter bucket too; sampled and greedy both."""
+        shorter = [n for n in _prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
+        others = shorter or [t_pad]
+        batches = (
+            [[t_pad]]
+            if b == 1
+            else [[t_pad] + [others[(k + j) % len(others)] for j in range(b - 1)] for k in range(0, len(others), b - 1)]
+        )
+        for k, lengths in enumerate(batches):
+            items = [
+                PrefillItem(f"warm{i}", (self._pad,) * n, rand if i == 0 else greedy, 0) for i, n in enumerate(lengths)
+            ]
+            self._prefill_exact(items, b, t_pad)
+            if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
+                self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
+
+    def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None:
+        """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too)."""
+        dispatched = self._dispatch_prefill(items, shape=(b, t))
+        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched]).result()
+
+    def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+        b = logits.shape[0]
+        sample(logits, [greedy] * b, [0] * b, [0] * b)
+        sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
+        jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
+
+    def _start_background(
+        self,
+        prefill_shapes: list[tuple[int, int]],
+        step_shapes: list[tuple[int, int, int]],
+        caches: list[PagedKVCache] | None,
+        max_len: int,
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+    ) -> None:
+        """Compile the remaining buckets on a daemon thread, smallest first (the most common work); each joins
+        the covering sets once compiled. Stops between buckets when asked (`stop_background_warmup`)."""
+        self.stop_background_warmup()
+        self._stop_background.clear()
+        last = self.model.pp - 1
+
+        def work() -> None:
+            t0, done = time.perf_counter(), 0
+            with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            try:
+                for b, t in sorted(prefill_shapes, key=lambda x: x[0] * x[1]):
+                    if self._stop_background.is_set():
+                        return
+                    self._warm_prefill(b, t, max_len, rand, greedy)
+                    self._ready_prefill = self._ready_prefill | {(b, t)}
+                    done += 1
+                for b, t, m in sorted(step_shapes, key=lambda x: (x[0] * x[1], x[2])):
+                    if self._stop_background.is_set() or caches is None:
+                        return
+                    self.model.precompile_paged(b, t, m, caches)
+                    logits = jax.device_put(
+                        np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last)
+                    )
+                    self._warm_sampling(logits, rand, greedy, logprobs)
+                    self._ready_steps = self._ready_steps | {(b, t, m)}
+                    done += 1
+                log.info("background warm-up compiled %d more shapes in %.1f s", done, time.perf_counter() - t0)
+            except Exception:  # a failed background compile only leaves that bucket to the covering
+                log.exception("background warm-up stopped after %d shapes", done)
+
+        self._background = threading.Thread(target=work, name="jaxserve-background-warmup", daemon=True)
+        _BACKGROUND.add(self)
+        self._background.start()
+
+    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
+        """Stop the background warm-up after the bucket it is compiling (if one runs)."""
+        thread = self._background
+        if thread is not None and thread.is_alive():
+            self._stop_background.set()
+            thread.join(timeout=timeout_s)
+        self._background = None
+        _BACKGROUND.discard(self)
+
+    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
+        """Wait up to `timeout_s` for the background warm-up; whether none is running now."""
+        thread = self._background
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
+        """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
+        every dimension (rows x tokens first, then table width); `shape` itself when none holds it."""
+        if not self._cover or shape in ready:
+            return shape
+        holders = [r for r in ready if all(x >= y for x, y in zip(r, shape, strict=True))]
+        if not holders:
+            return shape
+        return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -352,9 +470,17 @@ class ModelEngine(Engine):
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
         return ModelPrefill(tuple(items), groups, dispatched)
 
-    def _dispatch_prefill(self, items: Sequence[PrefillItem]) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
-        b = bucket(len(items))
-        t = bucket(max(len(i.token_ids) for i in items), MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings)
+    def _dispatch_prefill(
+        self, items: Sequence[PrefillItem], shape: tuple[int, int] | None = None
+    ) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
+        """Dispatch one prefill batch padded to `shape` (default: its bucket, or the compiled bucket covering it)."""
+        if shape is None:
+            natural = (
+                bucket(len(items)),
+                bucket(max(len(i.token_ids) for i in items), MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings),
+            )
+            shape = cast(tuple[int, int], self._covering(natural, self._ready_prefill))
+        b, t = shape
         tokens = np.full((b, t), self._pad, dtype=np.int32)
         lengths = np.ones(b, dtype=np.int32)  # padding rows: one pad token, ignored
         for r, item in enumerate(items):
@@ -531,7 +657,7 @@ class ModelEngine(Engine):
         b = bucket(len(rows), 2 if longest == 1 else 1)
         t = 1 if longest == 1 else bucket(longest, MIN_PROMPT_BUCKET)
         m = bucket(max(filled_blocks(r, block_size) for r in rows))
-        return b, t, m
+        return cast(tuple[int, int, int], self._covering((b, t, m), self._ready_steps))
 
     def _dispatch_step(
         self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int, with_logprobs: bool = False
@@ -611,6 +737,29 @@ def _decode_loop(
     carry = (jnp.int32(0), tokens, starts, active, remaining, cache, out, lp0)
     *_, cache, out, lp = jax.lax.while_loop(cond, body, carry)
     return out, cache, lp
+
+
+_Shape = TypeVar("_Shape", bound=tuple[int, ...])
+
+
+def _frontier(shapes: Sequence[_Shape]) -> list[_Shape]:
+    """The shapes no other shape holds (>= in every dimension): padded up, they run everything in `shapes`."""
+    unique = sorted(set(shapes))
+    return [s for s in unique if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in unique)]
+
+
+def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+# Engines whose background warm-up may still compile: stopped (between buckets) before the interpreter exits.
+_BACKGROUND: weakref.WeakSet[ModelEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_warmups() -> None:
+    for engine in list(_BACKGROUND):
+        engine.stop_background_warmup(timeout_s=30.0)
 
 
 def _caches(pages: KVPages) -> list[PagedKVCache]:

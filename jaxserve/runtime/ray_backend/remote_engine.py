@@ -150,14 +150,16 @@ class _RemoteBase(Engine):
         max_prefill_rows: int | None = None,
         decode_steps: int = 1,
         logprobs: bool = False,
+        background: bool = False,
     ) -> _Warmed:
         """`Engine.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's; an actor
         whose engine cannot warm does nothing). A remote decode engine runs one step per call (no
         `multi_step_decode`), so `decode_steps` is
-        not passed on: the loop programs would never run."""
+        not passed on: the loop programs would never run. Actors warm every bucket before they take traffic
+        (`background` is not passed on)."""
         import ray
 
-        del decode_steps
+        del decode_steps, background
         options = {
             "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch": max_decode_batch,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
