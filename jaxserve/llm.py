@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
 from jaxserve.core.limits import ServingLimits
+from jaxserve.core.model_registry import resolve_model_source
 from jaxserve.core.plan import DeploymentPlan, parse_deployment
 from jaxserve.core.request import (
     FinishReason,
@@ -109,6 +110,7 @@ class LLM:
         num_kv_blocks, max_decode_batch, ...), the rest default — not both. `attention_impl`: every instance's
         paged decode attention (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's block layout on every instance ("tokens"
         or "heads"); default: the one that attention reads best (`models.paged_attention.block_layout_for`)."""
+        model = resolve_model_source(model)  # a pulled registry name -> its cached file
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         if limits is not None:
             if config is not None:

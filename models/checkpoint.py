@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import gguf, llama, opt
-from models.config import LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_config
+from models.config import CheckpointError, LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_config
 from models.opt import Params
 
 if TYPE_CHECKING:
@@ -97,10 +97,6 @@ class PlacedModel(Protocol):
 
     @property
     def dtype(self) -> jnp.dtype: ...
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor, has one of the wrong shape, or cannot be read."""
 
 
 class TensorLike(Protocol):
@@ -594,8 +590,8 @@ def source_config(source: str | Path, dtype: Any = "float32") -> ModelConfig:
         return load_gguf_config(gguf_path).with_dtype(str(jnp.dtype(dtype)))
     if path.exists():
         raise CheckpointError(
-            f"{path}: not a model source (a Hugging Face OPT or Llama-style directory, a jaxserve checkpoint, a .gguf "
-            "file or a directory holding one)"
+            f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory, "
+            "a .gguf file, or a directory holding one)"
         )
     return get_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
 

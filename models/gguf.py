@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models.config import LlamaConfig, RopeScaling, UnsupportedModelError
+from models.config import CheckpointError, LlamaConfig, RopeScaling, UnsupportedModelError
 
 if TYPE_CHECKING:
     import tokenizers
@@ -35,12 +35,6 @@ ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # llama.cpp's converter permutes q/k rows for these architectures only.
 _PERMUTED_ARCHITECTURES = ("llama",)
-
-
-def _checkpoint_error(message: str) -> Exception:
-    from models.checkpoint import CheckpointError  # a function-level import: checkpoint imports this module
-
-    return CheckpointError(message)
 
 
 # ------------------------------------------------------------------------------------------
@@ -97,7 +91,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/... on short or foreign files
-        raise _checkpoint_error(f"{path}: not a readable GGUF file ({size} bytes): {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"{path}: not a readable GGUF file ({size} bytes): {type(e).__name__}: {e}") from e
     metadata: dict[str, Any] = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -107,7 +101,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
-            raise _checkpoint_error(
+            raise CheckpointError(
                 f"{path}: truncated GGUF file: tensor {t.name} ends at byte {end}, the file has {size}"
             )
         tensors[t.name] = t
@@ -122,7 +116,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
 def _required(f: GGUFFile, key: str) -> Any:
     value = f.arch_key(key)
     if value is None:
-        raise _checkpoint_error(f"{f.path}: GGUF metadata has no {f.architecture}.{key}")
+        raise CheckpointError(f"{f.path}: GGUF metadata has no {f.architecture}.{key}")
     if isinstance(value, list):
         raise UnsupportedModelError(f"{f.path}: {f.architecture}.{key} varies per layer ({value[:4]}...)")
     return value
@@ -168,7 +162,7 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
     elif "token_embd.weight" in f.tensors:
         vocab = int(f.tensors["token_embd.weight"].shape[1])
     else:
-        raise _checkpoint_error(f"{f.path}: GGUF file has no token list, vocab_size, or token_embd.weight")
+        raise CheckpointError(f"{f.path}: GGUF file has no token list, vocab_size, or token_embd.weight")
 
     def token_id(key: str) -> int | None:
         value = f.get(f"tokenizer.ggml.{key}")
@@ -202,7 +196,7 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
     except ValueError as e:
         if isinstance(e, UnsupportedModelError):
             raise
-        raise _checkpoint_error(f"{f.path}: inconsistent GGUF metadata: {e}") from e
+        raise CheckpointError(f"{f.path}: inconsistent GGUF metadata: {e}") from e
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,7 +314,7 @@ def hf_tensors(f: GGUFFile, cfg: LlamaConfig) -> dict[str, GGUFTensor]:
             f"{', ...' if len(unsupported) > 4 else ''}); supported: {', '.join(SUPPORTED_TYPES)}"
         )
     if unknown:
-        raise _checkpoint_error(f"{f.path}: GGUF tensors this loader does not know: {', '.join(unknown[:8])}")
+        raise CheckpointError(f"{f.path}: GGUF tensors this loader does not know: {', '.join(unknown[:8])}")
     return out
 
 
@@ -341,7 +335,7 @@ def find_gguf(source: str | Path) -> Path | None:
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) > 1:
-        raise _checkpoint_error(
+        raise CheckpointError(
             f"{path}: holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); name one of them"
         )
     return found[0] if found else None
@@ -396,7 +390,7 @@ def gguf_tokenizer(f: GGUFFile) -> tokenizers.Tokenizer:
     tokens: list[str] = list(f.get("tokenizer.ggml.tokens") or [])
     merges: list[str] = list(f.get("tokenizer.ggml.merges") or [])
     if not tokens or not merges:
-        raise _checkpoint_error(f"{f.path}: GGUF tokenizer has no token list or no merges")
+        raise CheckpointError(f"{f.path}: GGUF tokenizer has no token list or no merges")
     pre = str(f.get("tokenizer.ggml.pre", "default"))
     if pre not in _SPLITS and pre not in _GPT2_STYLE:
         raise UnsupportedModelError(

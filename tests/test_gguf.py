@@ -214,12 +214,16 @@ def _hf_from_gguf(path: Path) -> Any:
 
 
 def _greedy_ours(params: Any, cfg: LlamaConfig, prompt: np.ndarray, num_new: int) -> list[int]:
-    tokens = list(prompt)
+    """Prefill, then cached decode steps (fixed shapes: compiled once)."""
+    logits, kv = llama.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
+    cache = llama.DecodeCache.from_kv(kv, len(prompt) + num_new)
+    out, pos = [], jnp.asarray([len(prompt)], jnp.int32)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
     for _ in range(num_new):
-        ids = jnp.asarray([tokens], jnp.int32)
-        logits, _ = llama.prefill(params, cfg, ids, jnp.asarray([len(tokens)], jnp.int32))
-        tokens.append(int(jnp.argmax(logits[0])))
-    return tokens[len(prompt) :]
+        out.append(int(tok[0]))
+        logits, cache = llama.decode(params, cfg, tok, pos, cache)
+        tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
+    return out
 
 
 def _greedy_hf(hf: Any, prompt: np.ndarray, num_new: int) -> list[int]:
