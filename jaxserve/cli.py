@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("jaxserve.commands.simulate", "simulate a deployment over a workload"),
     "profile": ("jaxserve.commands.profile", "fit latency-model coefficients on this machine"),
     "bench": ("jaxserve.commands.bench", "drive a running server with a workload and measure SLO attainment"),
+    "pull": ("jaxserve.commands.pull", "fetch a registered model (e.g. smollm2-135m-instruct) into the model cache"),
 }
 
 

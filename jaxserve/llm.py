@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.model_registry import resolve_model_source
 from jaxserve.core.plan import DeploymentPlan, parse_deployment
 from jaxserve.core.request import (
     FinishReason,
@@ -119,6 +120,7 @@ class LLM:
         (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's
         block layout on every instance ("tokens" or "heads"); default: the one that attention reads best
         (`models.paged_attention.block_layout_for`)."""
+        model = resolve_model_source(model)  # a pulled registry name -> its cached file
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         if limits is not None and config is not None:
             raise ValueError("give config (with its limits) or limits, not both")

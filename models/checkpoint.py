@@ -25,6 +25,9 @@ Llama / Qwen2 / Mistral names (prefix `model.`; the untied head `lm_head.weight`
 
 Every expected tensor is checked for presence and shape, and every safetensors file for a complete
 header and data, before any tensor is read: a bad checkpoint is one `CheckpointError` naming what.
+
+GGUF files (llama.cpp's format; `models/gguf.py`) enter through the same reader: their tensors are
+presented under the Llama names above, dequantized lazily.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import llama, opt
-from models.config import LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_model_config
+from models import gguf, llama, opt
+from models.config import CheckpointError, LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_model_config
 from models.opt import Params
 
 if TYPE_CHECKING:
@@ -96,8 +99,13 @@ class PlacedModel(Protocol):
     def dtype(self) -> jnp.dtype: ...
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor, has one of the wrong shape, or cannot be read."""
+class TensorLike(Protocol):
+    """A tensor read by slices: a numpy array (memory-mapped or not) or a lazily dequantized GGUF tensor."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: Any) -> Any: ...
 
 
 # ------------------------------------------------------------------------------------------
@@ -298,7 +306,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
 class HFReader:
     """Reads slices of our params out of Hugging Face tensors (OPT or Llama-style); validates names and shapes up front."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source: str = "checkpoint"):
+    def __init__(self, tensors: Mapping[str, TensorLike], cfg: ModelConfig, source: str = "checkpoint"):
         self.tensors = tensors
         self.cfg = cfg
         self.naming = _LLAMA_NAMING if isinstance(cfg, LlamaConfig) else _OPT_NAMING
@@ -437,6 +445,37 @@ def params_from_hf_tensors(
 
 
 # ------------------------------------------------------------------------------------------
+# GGUF files
+# ------------------------------------------------------------------------------------------
+
+
+def _gguf_name(path: Path) -> str:
+    return path.parent.name if path.name == "model.gguf" else path.stem
+
+
+def load_gguf_config(path: str | Path) -> LlamaConfig:
+    """The config of a GGUF file (`UnsupportedModelError` for an architecture or option we do not implement)."""
+    path = Path(path)
+    return gguf.gguf_config(gguf.open_gguf(path), name=_gguf_name(path))
+
+
+def gguf_reader(path: str | Path, cfg: LlamaConfig) -> HFReader:
+    """A reader of a GGUF file's params, every tensor's presence, type and shape checked against `cfg` first."""
+    f = gguf.open_gguf(path)
+    return HFReader(gguf.hf_tensors(f, cfg), cfg, str(path))
+
+
+def load_gguf_params(path: str | Path, cfg: LlamaConfig | None = None, dtype: Any = jnp.float32) -> Params:
+    """A GGUF file as one host-side (numpy) param tree in our layout, dequantized — for tests and tools."""
+    cfg = cfg or load_gguf_config(path)
+    reader = gguf_reader(path, cfg)
+    out: Params = {}
+    for leaf, shape in _leaf_paths(param_shapes(cfg)):
+        _set(out, leaf, reader.read(leaf, (slice(None),) * len(shape)).astype(jnp.dtype(dtype)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
 # jaxserve (Orbax) checkpoints
 # ------------------------------------------------------------------------------------------
 
@@ -546,9 +585,13 @@ def source_config(source: str | Path, dtype: Any = "float32") -> ModelConfig:
         return checkpoint_config(path, dtype)
     if path.is_dir() and is_hf_dir(path):
         return load_hf_model_config(path).with_dtype(str(jnp.dtype(dtype)))
+    gguf_path = gguf.find_gguf(path)
+    if gguf_path is not None:
+        return load_gguf_config(gguf_path).with_dtype(str(jnp.dtype(dtype)))
     if path.exists():
         raise CheckpointError(
-            f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory)"
+            f"{path}: neither a Hugging Face OPT directory nor a jaxserve checkpoint (nor a Llama-style HF directory, "
+            "a .gguf file, or a directory holding one)"
         )
     return get_model_config(str(source)).with_dtype(str(jnp.dtype(dtype)))
 
@@ -558,7 +601,8 @@ def load_stage_params(
 ) -> list[Params]:
     """Every stage's params of `source` (see `source_config`) placed on `layout`, in `cfg.dtype`.
 
-    A preset name gives random weights (seed `seed`), with a warning.
+    A preset name gives random weights (seed `seed`), with a warning. A GGUF file is dequantized as
+    it is placed: each device dequantizes only the rows of each tensor it holds.
     """
     path = Path(source)
     if path.is_dir() and (path / JAXSERVE_MARKER).exists():
@@ -566,6 +610,11 @@ def load_stage_params(
     if path.is_dir() and is_hf_dir(path):
         reader = HFReader(open_hf_tensors(path), cfg, str(path))
         return place_params(reader, cfg, layout, cfg.dtype)
+    gguf_path = gguf.find_gguf(path)
+    if gguf_path is not None:
+        if not isinstance(cfg, LlamaConfig):
+            raise CheckpointError(f"{gguf_path}: a GGUF file holds a Llama-style model, the config is {cfg.name}'s")
+        return place_params(gguf_reader(gguf_path, cfg), cfg, layout, cfg.dtype)
     log.warning("model %r is a preset name, not a checkpoint: using RANDOM weights (seed %d)", str(source), seed)
     with jax.default_device(jax.devices("cpu")[0]):
         key = jax.random.key(seed)
@@ -579,11 +628,15 @@ def load_stage_params(
 
 
 def load_tokenizer(directory: str | Path) -> tokenizers.Tokenizer | None:
-    """`tokenizer.json`, or GPT-2 style `vocab.json` + `merges.txt` (with OPT's `</s>` BOS); None if neither."""
+    """`tokenizer.json`, GPT-2 style `vocab.json` + `merges.txt` (with OPT's `</s>` BOS), or the tokenizer a
+    GGUF file (or a directory holding one) describes; None if none of these."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, processors
 
     directory = Path(directory)
+    gguf_path = gguf.find_gguf(directory) if directory.exists() else None
+    if gguf_path is not None:
+        return gguf.gguf_tokenizer(gguf.open_gguf(gguf_path))
     if (directory / "tokenizer.json").exists():
         return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     vocab, merges = directory / "vocab.json", directory / "merges.txt"
@@ -598,3 +651,73 @@ def load_tokenizer(directory: str | Path) -> tokenizers.Tokenizer | None:
     if bos is not None:
         tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", bos)])
     return tok
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointChatTemplate:
+    """A checkpoint's own chat template (Jinja source, as `transformers`' `apply_chat_template` renders it).
+
+    `special_tokens` are the texts of the vocabulary's special tokens: chat content may not spell them
+    (`jaxserve.serving.chat_template` refuses such content).
+    """
+
+    template: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    special_tokens: tuple[str, ...] = ()
+
+
+def _token_content(value: Any) -> str | None:
+    """A `tokenizer_config.json` token entry: a string, or an AddedToken dict with a `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(source: str | Path) -> CheckpointChatTemplate | None:
+    """The chat template a checkpoint carries, or None.
+
+    GGUF: `tokenizer.chat_template` (with its BOS/EOS and control tokens). Hugging Face directory:
+    `chat_template` of `tokenizer_config.json` (a string, or the entry named "default" of a list), or
+    `chat_template.jinja`; bos/eos tokens from `tokenizer_config.json`, special tokens from it and
+    `tokenizer.json`'s added tokens.
+    """
+    path = Path(source)
+    if not path.exists():
+        return None
+    gguf_path = gguf.find_gguf(path)
+    if gguf_path is not None:
+        f = gguf.open_gguf(gguf_path)
+        template = f.get("tokenizer.chat_template")
+        if not template:
+            return None
+        return CheckpointChatTemplate(
+            str(template),
+            gguf.token_text(f, "bos_token_id"),
+            gguf.token_text(f, "eos_token_id"),
+            tuple(gguf.special_token_texts(f)),
+        )
+    if not path.is_dir():
+        return None
+    config_path = path / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+    raw = config.get("chat_template")
+    if isinstance(raw, list):
+        raw = next((t.get("template") for t in raw if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not raw and (path / "chat_template.jinja").exists():
+        raw = (path / "chat_template.jinja").read_text()
+    if not isinstance(raw, str) or not raw:
+        return None
+    specials: list[str] = []
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if isinstance(entry, dict) and entry.get("special") and entry.get("content"):
+            specials.append(str(entry["content"]))
+    if (path / "tokenizer.json").exists():
+        added = json.loads((path / "tokenizer.json").read_text()).get("added_tokens") or []
+        specials.extend(str(t["content"]) for t in added if t.get("special") and t.get("content"))
+    return CheckpointChatTemplate(
+        raw,
+        _token_content(config.get("bos_token")),
+        _token_content(config.get("eos_token")),
+        tuple(dict.fromkeys(specials)),
+    )

@@ -256,6 +256,13 @@ class UnsupportedModelError(ValueError):
     """A checkpoint's architecture or one of its options is not one jaxserve implements (raised before loading)."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor, has one of the wrong shape, or cannot be read.
+
+    Here, beside `UnsupportedModelError`, so every checkpoint reader (`models.checkpoint`, `models.gguf`) raises it.
+    """
+
+
 # Hugging Face architecture -> our family name. A family here differs only in config mapping.
 LLAMA_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

@@ -364,12 +364,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
         log.info("compilation cache: %s", cache_dir)
 
+    from jaxserve.core.model_registry import resolve_model_source
     from jaxserve.core.scheduling import PrefixPolicy
     from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
-    model = args.model or plan.model or default_model()
+    model = resolve_model_source(args.model or plan.model or default_model())
     limits = serving_limits(args, plan)
     if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (opt engine), else the default
         limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
