@@ -58,8 +58,13 @@ def test_kv_block_bytes_is_exact(engine: ModelEngine) -> None:
     assert tp2.kv_block_bytes(16) == 2 * 2 * 16 * 2 * 16 * 4  # heads split over tp
 
 
-def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(engine: ModelEngine) -> None:
+def test_kv_blocks_for_memory_on_cpu_uses_a_share_of_available_host_memory(
+    engine: ModelEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     share = 1 / len(jax.devices("cpu"))
+    monkeypatch.setenv("JAXSERVE_CPU_KV_SPACE_GIB", "1")  # the CPU cap: 1 GiB over all devices
+    assert engine.kv_blocks_for_memory(16, memory_fraction=0.5) == int(2**30 * share // engine.kv_block_bytes(16))
+    monkeypatch.setenv("JAXSERVE_CPU_KV_SPACE_GIB", "100000")  # no cap: the share of available memory
     expected = 0.5 * _host_available_bytes() * share / engine.kv_block_bytes(16)
     got = engine.kv_blocks_for_memory(16, memory_fraction=0.5)
     assert abs(got - expected) / expected < 0.05  # MemAvailable moves a little between the two reads

@@ -200,7 +200,8 @@ class ModelEngine(Engine):
         whatever else is already allocated) divided by `kv_block_bytes`; the smallest device wins.
         On CPU, where devices report no memory limit and host RAM is shared with everything else
         on the machine: `memory_fraction` of the host's *available* memory (MemAvailable, i.e.
-        after the weights already loaded) split evenly over this process's CPU devices, each device
+        after the weights already loaded), at most `$JAXSERVE_CPU_KV_SPACE_GIB` (default 4 GiB, as
+        vLLM's CPU backend reserves), split evenly over this process's CPU devices, each device
         holding its part of every block. `max_blocks` caps the result (a server passes what its
         batch limits can use); never below 1.
         """
@@ -213,7 +214,8 @@ class ModelEngine(Engine):
             if stats and "bytes_limit" in stats:
                 budgets.append(memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
         if not budgets:  # CPU: each device's share of the host's available memory, against its part of a block
-            budgets.append(memory_fraction * _host_available_bytes() / max(1, len(jax.devices("cpu"))))
+            host = min(memory_fraction * _host_available_bytes(), cpu_kv_space_bytes())
+            budgets.append(host / max(1, len(jax.devices("cpu"))))
         blocks = int(max(0.0, min(budgets)) // per_block)
         if max_blocks is not None:
             blocks = min(blocks, max_blocks)
@@ -815,6 +817,23 @@ def _without_logprobs(rows: Sequence[StepRow]) -> tuple[StepRow, ...]:
         else dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logprobs=None))
         for r in rows
     )
+
+
+CPU_KV_SPACE_GIB = 4.0  # the KV pools' share of host memory on CPU, unless $JAXSERVE_CPU_KV_SPACE_GIB says
+
+
+def cpu_kv_space_bytes() -> float:
+    """The most host memory a CPU process's KV pools take together (`$JAXSERVE_CPU_KV_SPACE_GIB`, default 4 GiB):
+    host RAM is shared with the weights, the OS and everything else on the machine, and zeroing a pool of
+    most of it takes many seconds of start-up."""
+    raw = os.environ.get("JAXSERVE_CPU_KV_SPACE_GIB")
+    try:
+        gib = float(raw) if raw else CPU_KV_SPACE_GIB
+    except ValueError:
+        raise ValueError(f"JAXSERVE_CPU_KV_SPACE_GIB must be a number of GiB, got {raw!r}") from None
+    if gib <= 0:
+        raise ValueError(f"JAXSERVE_CPU_KV_SPACE_GIB must be > 0, got {raw!r}")
+    return gib * 2**30
 
 
 def _host_available_bytes() -> int:
