@@ -449,7 +449,7 @@ def layers_paged(
                 k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
                 v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
             )
-        if t == 1 and attention_impl == "pallas_gpu" and q.shape[2] == kvh:  # reads the new token from the pages
+        if t == 1 and attention_impl == "pallas_gpu":  # reads the new token from the pages (any group)
             o = paged_decode_attention(
                 q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention_impl,
                 layer=i, block_layout=layout,
