@@ -7,6 +7,8 @@ the fallback below the threshold).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +219,20 @@ IMPL_LAYOUTS: list[tuple[Impl, BlockLayout]] = [
 ]  # fmt: skip
 
 
+def _qkv_layer(heads: int, kv_heads: int, d: int) -> Any:
+    """A decoder layer with no weights: each token's input is its q | k | v; the output replaces q by attention."""
+
+    def layer(lp: object, h: jax.Array, i: object, attend: Any, cache: object) -> tuple[jax.Array, Any, Any]:
+        b, t, _ = h.shape
+        q = h[..., : heads * d].reshape(b, t, heads, d)
+        k = h[..., heads * d : (heads + kv_heads) * d].reshape(b, t, kv_heads, d)
+        v = h[..., (heads + kv_heads) * d :].reshape(b, t, kv_heads, d)
+        o, cache = attend(i, q, k, v, cache)
+        return jnp.concatenate([o.reshape(b, t, heads * d), h[..., heads * d :]], -1), cache, (k, v)
+
+    return layer
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), HEAD_CONFIGS)
 @pytest.mark.parametrize(("impl", "layout"), IMPL_LAYOUTS)
 @pytest.mark.parametrize("num_tokens", [1, 3])
@@ -240,12 +256,7 @@ def test_paged_step_over_grouped_heads_matches_numpy(
     x = rng.standard_normal((b, num_tokens, (heads + 2 * kv_heads) * d)).astype(np.float32)  # q | k | v per token
     scale = d**-0.5
 
-    def layer(lp: object, h: jax.Array, i: object, attend: attention.Attend, cache: object) -> tuple:
-        q = h[..., : heads * d].reshape(b, num_tokens, heads, d)
-        k = h[..., heads * d : (heads + kv_heads) * d].reshape(b, num_tokens, kv_heads, d)
-        v = h[..., (heads + kv_heads) * d :].reshape(b, num_tokens, kv_heads, d)
-        o, cache = attend(i, q, k, v, cache)
-        return jnp.concatenate([o.reshape(b, num_tokens, heads * d), h[..., heads * d :]], -1), cache, (k, v)
+    layer = _qkv_layer(heads, kv_heads, d)
 
     def stored(a: np.ndarray) -> jax.Array:
         return jnp.asarray(a if layout == "tokens" else np.swapaxes(a, 2, 3))
@@ -272,3 +283,26 @@ def test_paged_step_over_grouped_heads_matches_numpy(
             np.testing.assert_allclose(got[r, i], want, atol=2e-5, err_msg=f"row {r} token {i}")
             p_i = start[r] + i
             np.testing.assert_array_equal(pool_after[0, tables[r, p_i // bs], p_i % bs], new_k[r, i])  # written
+
+
+@pytest.mark.parametrize("impl", ["cpu_kernel", "xla_heads_flat", "pallas_gpu"])
+def test_a_decode_row_appending_nothing_reads_no_pages(impl: Impl) -> None:
+    """A row with length 0 (a padding row, or a row stopped inside the engine's multi-step loop, whose position
+    runs on past its table) reads nothing: the kernel's checked build (the suite's) would refuse its position as
+    a length past the table. The other rows are unaffected."""
+    from models import attention
+
+    rng = np.random.default_rng(12)
+    b, bs, m, h, kvh, d = 2, 4, 2, 4, 2, 16
+    pool = rng.standard_normal((1, 2 * m + 1, kvh, bs, d)).astype(np.float32)  # head-major blocks
+    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((b, 1, (h + 2 * kvh) * d)).astype(np.float32))
+    outs = {}
+    for name in (impl, "xla"):
+        cache = attention.PagedKVCache(k=jnp.asarray(pool), v=jnp.asarray(-pool), block_layout="heads")
+        out, _ = attention.layers_paged(
+            [{}], _qkv_layer(h, kvh, d), x, jnp.asarray([5, m * bs + 3]), jnp.asarray([1, 0]), cache, tables, 0.25,
+            attention_impl=name,  # type: ignore[arg-type]
+        )  # fmt: skip
+        outs[name] = np.asarray(out)
+    np.testing.assert_allclose(outs[impl][0], outs["xla"][0], atol=2e-5)
