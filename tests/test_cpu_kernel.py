@@ -165,8 +165,8 @@ def test_checked_build_names_a_bad_block_id_or_length(head_dim: int) -> None:
     for row, column, bad_id in [(0, 1, 10_000), (1, 0, -7), (2, 0, kp.shape[1])]:
         bad = tables.copy()
         bad[row, column] = bad_id
-        with pytest.raises(jax.errors.JaxRuntimeError, match=f"row {row} table column {column} names block id {bad_id}, outside the "
-                                            f"pool's {kp.shape[1]} blocks"):  # fmt: skip
+        message = f"row {row} table column {column} names block id {bad_id}, outside the pool's {kp.shape[1]} blocks"
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
             run(bad, lengths)
     for length in (10_000, -1):
         longer = lengths.copy()

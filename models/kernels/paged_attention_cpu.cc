@@ -130,26 +130,25 @@ void AttendGroupAvx2(const Shapes& s, int64_t item, const Q* q, const KV* k, con
   const int64_t kv_row = (b * s.kv_heads + kh) * d;      // this K/V head's new_k / new_v line
   const __m256 scale8 = _mm256_set1_ps(scale);
 
-  // scores, 8 positions at a time where a block has them; per query head a running vector max
-  for (int64_t g = 0; g < group; ++g) {
-    maxes[g] = -std::numeric_limits<float>::infinity();
-    _mm256_storeu_ps(vmax + 8 * g, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
-  }
-  for (int64_t j = 0; j < nblk; ++j) {
-    const KV* kb = k + layer_base + ClampBlock(s, table[j]) * block_stride;
-    const int64_t cnt = std::min(bs, n - j * bs);
-    if (j + 1 < nblk) PrefetchBlock(k + layer_base + ClampBlock(s, table[j + 1]) * block_stride, bs * d);
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 qv[DV];
-      for (int i = 0; i < DV; ++i) qv[i] = _mm256_mul_ps(Load8(q + q_base + g * d + 8 * i), scale8);
-      auto dot = [&](const KV* kt) {
-        __m256 acc = _mm256_mul_ps(qv[0], Load8(kt));
-        for (int i = 1; i < DV; ++i) acc = _mm256_fmadd_ps(qv[i], Load8(kt + 8 * i), acc);
-        return acc;
-      };
+  // scores, 8 positions at a time where a block has them; per query head a running vector max.
+  // score_blocks(g, j0, j1): query head g over blocks [j0, j1), its query and maxima in registers meanwhile.
+  // G > 1: block by block, every head of the group while the block is in L1; G = 1: one call over all blocks
+  // (the query stays in registers across blocks, as the per-head kernel had it).
+  auto score_blocks = [&](int64_t g, int64_t j0, int64_t j1, bool prefetch) {
+    __m256 qv[DV];
+    for (int i = 0; i < DV; ++i) qv[i] = _mm256_mul_ps(Load8(q + q_base + g * d + 8 * i), scale8);
+    auto dot = [&](const KV* kt) {
+      __m256 acc = _mm256_mul_ps(qv[0], Load8(kt));
+      for (int i = 1; i < DV; ++i) acc = _mm256_fmadd_ps(qv[i], Load8(kt + 8 * i), acc);
+      return acc;
+    };
+    __m256 vm = _mm256_loadu_ps(vmax + 8 * g);
+    float tail_max = maxes[g];
+    for (int64_t j = j0; j < j1; ++j) {
+      const KV* kb = k + layer_base + ClampBlock(s, table[j]) * block_stride;
+      const int64_t cnt = std::min(bs, n - j * bs);
+      if (prefetch && j + 1 < nblk) PrefetchBlock(k + layer_base + ClampBlock(s, table[j + 1]) * block_stride, bs * d);
       float* sj = scores + g * ctx + j * bs;
-      __m256 vm = _mm256_loadu_ps(vmax + 8 * g);
-      float tail_max = maxes[g];
       int64_t t = 0;
       for (; t + 8 <= cnt; t += 8) {
         __m256 acc[8];
@@ -167,9 +166,19 @@ void AttendGroupAvx2(const Shapes& s, int64_t item, const Q* q, const KV* k, con
         sj[t] = lane[0];
         tail_max = std::max(tail_max, lane[0]);
       }
-      _mm256_storeu_ps(vmax + 8 * g, vm);
-      maxes[g] = tail_max;
     }
+    _mm256_storeu_ps(vmax + 8 * g, vm);
+    maxes[g] = tail_max;
+  };
+  for (int64_t g = 0; g < group; ++g) {
+    maxes[g] = -std::numeric_limits<float>::infinity();
+    _mm256_storeu_ps(vmax + 8 * g, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  }
+  if (group == 1) {
+    score_blocks(0, 0, nblk, true);
+  } else {
+    for (int64_t j = 0; j < nblk; ++j)
+      for (int64_t g = 0; g < group; ++g) score_blocks(g, j, j + 1, g == 0);
   }
   if (n == 0 && !has_new) {
     for (int64_t g = 0; g < group; ++g)
@@ -207,23 +216,30 @@ void AttendGroupAvx2(const Shapes& s, int64_t item, const Q* q, const KV* k, con
     for (float x : lanes) sum += x;
     sums[g] = sum;
   }
-  // the weighted values: each V block fetched once, every query head of the group adds its share
-  for (int64_t i = 0; i < group * d; ++i) accs[i] = 0.f;
-  for (int64_t j = 0; j < nblk; ++j) {
-    const KV* vb = v + layer_base + ClampBlock(s, table[j]) * block_stride;
-    const int64_t cnt = std::min(bs, n - j * bs);
-    if (j + 1 < nblk) PrefetchBlock(v + layer_base + ClampBlock(s, table[j + 1]) * block_stride, bs * d);
-    for (int64_t g = 0; g < group; ++g) {
+  // the weighted values: each V block fetched once, every query head of the group adds its share (the same
+  // two orders as the scores: value_blocks(g, j0, j1) keeps head g's sums in registers over blocks [j0, j1))
+  auto value_blocks = [&](int64_t g, int64_t j0, int64_t j1, bool prefetch) {
+    float* ag = accs + g * d;
+    __m256 acc[DV];
+    for (int u = 0; u < DV; ++u) acc[u] = _mm256_loadu_ps(ag + 8 * u);
+    for (int64_t j = j0; j < j1; ++j) {
+      const KV* vb = v + layer_base + ClampBlock(s, table[j]) * block_stride;
+      const int64_t cnt = std::min(bs, n - j * bs);
+      if (prefetch && j + 1 < nblk) PrefetchBlock(v + layer_base + ClampBlock(s, table[j + 1]) * block_stride, bs * d);
       const float* pj = scores + g * ctx + j * bs;
-      float* ag = accs + g * d;
-      __m256 acc[DV];
-      for (int u = 0; u < DV; ++u) acc[u] = _mm256_loadu_ps(ag + 8 * u);
       for (int64_t t = 0; t < cnt; ++t) {
         const __m256 p = _mm256_set1_ps(pj[t]);
         for (int u = 0; u < DV; ++u) acc[u] = _mm256_fmadd_ps(p, Load8(vb + t * d + 8 * u), acc[u]);
       }
-      for (int u = 0; u < DV; ++u) _mm256_storeu_ps(ag + 8 * u, acc[u]);
     }
+    for (int u = 0; u < DV; ++u) _mm256_storeu_ps(ag + 8 * u, acc[u]);
+  };
+  for (int64_t i = 0; i < group * d; ++i) accs[i] = 0.f;
+  if (group == 1) {
+    value_blocks(0, 0, nblk, true);
+  } else {
+    for (int64_t j = 0; j < nblk; ++j)
+      for (int64_t g = 0; g < group; ++g) value_blocks(g, j, j + 1, g == 0);
   }
   for (int64_t g = 0; g < group; ++g) {
     __m256 acc[DV];
