@@ -49,11 +49,14 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   an XLA FFI call built on first use by `models.kernels.cpu`) that reads each (row, K/V head)'s blocks in place
   from the pool, once for the K/V head's group of query heads, with no gather, no transpose and no per-(row,
   head) dot dispatch, items shared over XLA's intra-op threads. With `JAXSERVE_KERNEL_CHECKS=1` a checked
-  build of it raises on an out-of-range block id / length instead of clamping it (`models.kernels.cpu`). Attention alone, opt-125m, 12 layers, 2 threads: 2-3.7x "xla_heads_flat" at 8-64 rows
-  (docs/performance.md). What serving runs on CPU where the kernel builds (`default_impl`). Where it cannot
-  be had (no compiler, a token-major pool, a dtype other than float32 / bfloat16 for q and the pages alike,
-  `JAXSERVE_CPU_KERNEL=0`) it runs "xla_heads_flat"'s form. Its call is not partitioned: a stage split
-  over several devices (tp > 1) runs "xla_heads_flat" instead (`ShardedOPT`);
+  build of it raises on an out-of-range block id / length instead of clamping it (`models.kernels.cpu`).
+  Attention alone, opt-125m, 12 layers, 2 threads: 2-3.7x "xla_heads_flat" at 8-64 rows; GQA 3:1 and MQA
+  read a third / a twelfth of MHA's K/V bytes and ran 2.1-3.6x / 5.2-9.1x faster than MHA (one layer, H=12,
+  batch 8-32, context 512-2048, docs/performance.md "GQA attention"). What serving runs on CPU where the
+  kernel builds (`default_impl`). Where it cannot be had (no compiler, a token-major pool, a dtype other than
+  float32 / bfloat16 for q and the pages alike, `JAXSERVE_CPU_KERNEL=0`) it runs "xla_heads_flat"'s form. Its
+  call is not partitioned: a stage split over several devices (tp > 1) runs "xla_heads_flat" instead
+  (`ShardedOPT`);
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -122,7 +125,7 @@ def paged_decode_attention(
     impl: Impl = "xla",
     interpret: bool = False,
     layer: Any = None,  # int or traced int32: index of the leading layer axis of the pool
-    new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, H, D], v [B, H, D]): one more position per row
+    new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, KVH, D], v [B, KVH, D]): one more position per row
     chunk_blocks: int = 0,  # impl="xla": table columns per loop iteration (0: from CHUNK_BYTES)
     block_layout: BlockLayout = "tokens",  # "heads": pages are [..., num_blocks, H, block_size, D] (not "xla_tokens")
 ) -> jax.Array:
