@@ -418,6 +418,9 @@ def layers_paged(
     attend to the pages before `start_positions` and the new token as two parts of one softmax, a
     kernel reads the new token back from the pages it was just written to (so its position must lie
     inside the row's table). A chunked prefill (T > 1) always gathers the table's pages once per layer.
+    A decode row that appends nothing (`lengths[b] == 0`: a padding row, or a row stopped inside a
+    multi-step loop while its position runs on past its table) reads no pages: its output is unused,
+    and a kernel's checked build refuses a length past the table.
     """
     b, t, _ = x.shape
     layout = pool_layout(cache, block_layout)
@@ -428,6 +431,7 @@ def layers_paged(
     # what the pages already hold: positions before start (later slots may be stale)
     old = jnp.broadcast_to((jnp.arange(m * bs)[None, :] < start_positions[:, None])[:, None, :], (b, t, m * bs))
     new = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))  # causal among new tokens
+    appends = lengths > 0  # decode: rows appending nothing read nothing (see the docstring)
 
     # Rows/columns that must not write point past the pool; mode="drop" discards them.
     qpos = start_positions[:, None] + jnp.arange(t)[None, :]  # [B, T]
@@ -449,16 +453,16 @@ def layers_paged(
                 k=c.k.at[i, write_block, write_slot].set(k, mode="drop"),
                 v=c.v.at[i, write_block, write_slot].set(v, mode="drop"),
             )
-        if t == 1 and attention_impl == "pallas_gpu" and q.shape[2] == kvh:  # reads the new token from the pages
+        if t == 1 and attention_impl == "pallas_gpu":  # reads the new token from the pages (any group)
             o = paged_decode_attention(
-                q[:, 0], c.k, c.v, block_tables, start_positions + lengths, scale=scale, impl=attention_impl,
-                layer=i, block_layout=layout,
+                q[:, 0], c.k, c.v, block_tables, jnp.where(appends, start_positions + lengths, 0), scale=scale,
+                impl=attention_impl, layer=i, block_layout=layout,
             )  # fmt: skip
             return o[:, None].astype(q.dtype), c
         if t == 1:  # the pages before start and the new token in one softmax, the pool read in place
             o = paged_decode_attention(
-                q[:, 0], c.k, c.v, block_tables, start_positions, scale=scale, impl=attention_impl, layer=i,
-                new_kv=(k[:, 0], v[:, 0]), block_layout=layout,
+                q[:, 0], c.k, c.v, block_tables, jnp.where(appends, start_positions, 0), scale=scale,
+                impl=attention_impl, layer=i, new_kv=(k[:, 0], v[:, 0]), block_layout=layout,
             )  # fmt: skip
             return o[:, None].astype(q.dtype), c
         # chunked prefill: one gather straight from the pool (no slice of layer i first: that would be a copy)

@@ -1,12 +1,14 @@
 """Decode attention over a paged KV pool: one function, XLA implementations and a Pallas one.
 
-Grouped queries (GQA / MQA: `q` has more heads than the pool, a multiple of them) are viewed
-[B, KVH, G, D] and each K/V head is attended by its group of query heads in one product, so K/V
-is read once per group and never repeated: "xla_gather" and "pallas_gpu" run the one-gather form
-(`_xla_gather_grouped`), every other impl the chunked loop with an online softmax
-(`_xla_chunked_grouped`: head-major blocks as "xla_heads_flat" reads them, token-major ones
-transposed per chunk). The C++ kernel and the Pallas kernel are written for one query head per
-K/V head (OPT, Mistral-style MHA); giving them groups is the next step for fast Llama serving.
+Grouped queries (GQA / MQA: `q` has H heads, a multiple of the pool's KVH; query head h reads K/V
+head h // G, G = H // KVH) are attended group by group in every implementation, so each K/V block is
+read once per group of G query heads and never repeated: the XLA forms view q [B, KVH, G, D] and
+contract it against K/V as stored ("xla_gather": `_xla_gather_grouped`; every other XLA impl the
+chunked loop with an online softmax, `_xla_chunked_grouped`: head-major blocks as "xla_heads_flat"
+reads them, token-major ones transposed per chunk); the C++ kernel runs one work item per (row, K/V
+head) that attends the group's G query heads to each block while it is in cache; the Pallas kernel
+tiles the group's query heads against each page. With H == KVH (MHA, OPT) every form runs exactly
+its ungrouped code.
 
 `paged_decode_attention(q, k_pages, v_pages, block_tables, lengths)` attends one query per row
 to the first `lengths[b]` positions of row b's pages (position p in block `block_tables[b, p //
@@ -44,13 +46,17 @@ per row that is not in the pages (a decode step's own token) to the same softmax
   at 32 (`--paged-ab xla:heads,xla_heads_flat:heads`); end to end 1.04x and 1.06x (`--e2e-impls`). What
   serving runs on CPU (`default_impl`);
 * `impl="cpu_kernel"` (head-major blocks, CPU backend): a C++ kernel (`models/kernels/paged_attention_cpu.cc`,
-  an XLA FFI call built on first use by `models.kernels.cpu`) that reads each (row, head)'s blocks in place
-  from the pool, with no gather, no transpose and no per-(row, head) dot dispatch, items shared over XLA's
-  intra-op threads. Attention alone, opt-125m, 12 layers, 2 threads: 2-3.7x "xla_heads_flat" at 8-64 rows
-  (docs/performance.md). What serving runs on CPU where the kernel builds (`default_impl`). Where it cannot
-  be had (no compiler, a token-major pool, a dtype other than float32 / bfloat16 for q and the pages alike,
-  `JAXSERVE_CPU_KERNEL=0`) it runs "xla_heads_flat"'s form. Its call is not partitioned: a stage split
-  over several devices (tp > 1) runs "xla_heads_flat" instead (`ShardedOPT`);
+  an XLA FFI call built on first use by `models.kernels.cpu`) that reads each (row, K/V head)'s blocks in place
+  from the pool, once for the K/V head's group of query heads, with no gather, no transpose and no per-(row,
+  head) dot dispatch, items shared over XLA's intra-op threads. With `JAXSERVE_KERNEL_CHECKS=1` a checked
+  build of it raises on an out-of-range block id / length instead of clamping it (`models.kernels.cpu`).
+  Attention alone, opt-125m, 12 layers, 2 threads: 2-3.7x "xla_heads_flat" at 8-64 rows; GQA 3:1 and MQA
+  read a third / a twelfth of MHA's K/V bytes and ran 2.1-3.6x / 5.2-9.1x faster than MHA (one layer, H=12,
+  batch 8-32, context 512-2048, docs/performance.md "GQA attention"). What serving runs on CPU where the
+  kernel builds (`default_impl`). Where it cannot be had (no compiler, a token-major pool, a dtype other than
+  float32 / bfloat16 for q and the pages alike, `JAXSERVE_CPU_KERNEL=0`) it runs "xla_heads_flat"'s form. Its
+  call is not partitioned: a stage split over several devices (tp > 1) runs "xla_heads_flat" instead
+  (`ShardedOPT`);
 * `impl="xla_gather"`: the previous form: gather every column of the table at once, transpose the
   whole context head-major, one softmax (kept as the plain reference and for A/B benchmarks);
 * `impl="pallas_gpu"`: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton), which reads
@@ -119,7 +125,7 @@ def paged_decode_attention(
     impl: Impl = "xla",
     interpret: bool = False,
     layer: Any = None,  # int or traced int32: index of the leading layer axis of the pool
-    new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, H, D], v [B, H, D]): one more position per row
+    new_kv: tuple[jax.Array, jax.Array] | None = None,  # (k [B, KVH, D], v [B, KVH, D]): one more position per row
     chunk_blocks: int = 0,  # impl="xla": table columns per loop iteration (0: from CHUNK_BYTES)
     block_layout: BlockLayout = "tokens",  # "heads": pages are [..., num_blocks, H, block_size, D] (not "xla_tokens")
 ) -> jax.Array:
@@ -132,21 +138,13 @@ def paged_decode_attention(
         raise ValueError("block_layout='heads' is not implemented for impl='xla_tokens' (a token-major form)")
     heads = block_layout == "heads"
     kv_heads = k_pages.shape[-3] if heads else k_pages.shape[-2]
-    if q.shape[1] != kv_heads:  # grouped queries (GQA / MQA): one gather, each K/V head read once per group
-        if q.shape[1] % kv_heads:
-            raise ValueError(f"{q.shape[1]} query heads are not a multiple of the pool's {kv_heads} K/V heads")
-        if layer is None:
-            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-        if impl in ("xla_gather", "pallas_gpu"):
-            return _xla_gather_grouped(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
-        return _xla_chunked_grouped(
-            q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, heads
-        )
-    if impl == "cpu_kernel":
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of the pool's {kv_heads} K/V heads")
+    if impl == "cpu_kernel":  # any group size: the kernel reads each K/V head once for its group
         if heads and cpu_kernel_applies(q.dtype, k_pages.dtype, new_kv):
             return _cpu_kernel(q, k_pages, v_pages, block_tables, lengths, scale, layer, new_kv)
         impl = "xla_heads_flat"  # a token-major pool, another dtype, or no kernel here: the XLA loop
-    if impl == "pallas_gpu":
+    if impl == "pallas_gpu":  # any group size: the kernel tiles a group's query heads against each page
         if new_kv is not None:
             raise ValueError("the Pallas kernel reads every position from the pages: write new_kv first")
         if layer is not None:
@@ -154,6 +152,12 @@ def paged_decode_attention(
         return _pallas_gpu(q, k_pages, v_pages, block_tables, lengths, scale, interpret, heads)
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    if q.shape[1] != kv_heads:  # grouped queries (GQA / MQA): q viewed [B, KVH, G, D], K/V never repeated
+        if impl == "xla_gather":
+            return _xla_gather_grouped(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
+        return _xla_chunked_grouped(
+            q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, heads
+        )
     if impl == "xla_gather":
         return _xla_gather(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, heads)
     tokens = impl == "xla_tokens" and q.shape[0] >= TOKEN_MIN_BATCH
@@ -217,11 +221,19 @@ def _cpu_kernel(
     layer: Any,
     new_kv: tuple[jax.Array, jax.Array] | None,
 ) -> jax.Array:
-    """The C++ kernel over head-major blocks: the pool is passed whole and read in place at `layer`."""
+    """The C++ kernel over head-major blocks: the pool is passed whole and read in place at `layer`.
+
+    q [B, H, D] against a pool of KVH heads (H a multiple of KVH); new_kv, if any, is [B, KVH, D].
+    """
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    k_new, v_new = new_kv if new_kv is not None else (jnp.zeros_like(q), jnp.zeros_like(q))
-    call = jax.ffi.ffi_call(cpu_kernel.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    if new_kv is not None:
+        k_new, v_new = new_kv
+    else:  # unread (has_new=False), but shaped as the kernel checks it
+        k_new = v_new = jnp.zeros((q.shape[0], k_pages.shape[2], q.shape[2]), q.dtype)
+    target = cpu_kernel.paged_attention_target()
+    assert target is not None  # cpu_kernel_applies said so
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q,
         k_pages,

@@ -13,6 +13,7 @@ if "--xla_force_host_platform_device_count" not in _flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAXSERVE_KERNEL_CHECKS", "1")  # tests run the checked CPU kernel: a bad block id raises
 # the CPU attention kernel is built once per session, here, not in the home folder (Ray workers inherit it);
 # the folder goes when the session ends
 if "JAXSERVE_KERNEL_CACHE" not in os.environ:

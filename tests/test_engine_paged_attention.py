@@ -7,6 +7,9 @@ the fallback below the threshold).
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,7 +91,7 @@ def test_chunked_xla_over_filled_chunks_only(impl: str, chunk_blocks: int, case:
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla_tokens", "xla_gather"])
-def test_new_position_and_layer_axis(impl: str, case: tuple[np.ndarray, ...]) -> None:
+def test_new_position_and_layer_axis(impl: Impl, case: tuple[np.ndarray, ...]) -> None:
     """`new_kv` is one more position per row in the same softmax (a row with no cached position attends
     to it alone); `layer` picks a layer of a [L, N, bs, H, D] pool."""
     q, kp, vp, tables, lengths = case
@@ -206,3 +209,100 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     np.testing.assert_allclose(results["xla_tokens"][0], results["xla"][0], atol=1e-4)
     np.testing.assert_allclose(results["xla_tokens"][1], results["xla"][1], atol=1e-5)
     assert m == tables.shape[1]
+
+
+# (query heads, K/V heads): MHA, GQA 3:1, GQA 4:1, MQA
+HEAD_CONFIGS = [(4, 4), (6, 2), (8, 2), (4, 1)]
+IMPL_LAYOUTS: list[tuple[Impl, BlockLayout]] = [
+    ("xla", "tokens"), ("xla", "heads"), ("xla_tokens", "tokens"), ("xla_gather", "tokens"), ("xla_gather", "heads"),
+    ("pallas_gpu", "tokens"), ("pallas_gpu", "heads"), ("xla_heads_flat", "heads"), ("cpu_kernel", "heads"),
+]  # fmt: skip
+
+
+def _qkv_layer(heads: int, kv_heads: int, d: int) -> Any:
+    """A decoder layer with no weights: each token's input is its q | k | v; the output replaces q by attention."""
+
+    def layer(lp: object, h: jax.Array, i: object, attend: Any, cache: object) -> tuple[jax.Array, Any, Any]:
+        b, t, _ = h.shape
+        q = h[..., : heads * d].reshape(b, t, heads, d)
+        k = h[..., heads * d : (heads + kv_heads) * d].reshape(b, t, kv_heads, d)
+        v = h[..., (heads + kv_heads) * d :].reshape(b, t, kv_heads, d)
+        o, cache = attend(i, q, k, v, cache)
+        return jnp.concatenate([o.reshape(b, t, heads * d), h[..., heads * d :]], -1), cache, (k, v)
+
+    return layer
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEAD_CONFIGS)
+@pytest.mark.parametrize(("impl", "layout"), IMPL_LAYOUTS)
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_paged_step_over_grouped_heads_matches_numpy(
+    impl: Impl, layout: BlockLayout, heads: int, kv_heads: int, num_tokens: int
+) -> None:
+    """`attention.layers_paged`, the step every family runs: write `lengths[b]` new tokens' K/V into a pool that
+    already holds each row's first `start[b]` positions (shuffled tables), attend over pages and new tokens.
+    num_tokens=1 is a decode step through `impl`; 3 a multi-token step (a chunked prefill, which gathers the
+    table whatever `impl` names). A row appending nothing (length 0) is padding and is not compared."""
+    from models import attention
+
+    rng = np.random.default_rng(11)
+    b, bs, m, d = 3, 4, 4, 16
+    n = b * m + 2
+    pool_k = rng.standard_normal((1, n, bs, kv_heads, d)).astype(np.float32)  # [L, N, bs, KVH, D] token-major
+    pool_v = rng.standard_normal(pool_k.shape).astype(np.float32)
+    tables = rng.permutation(n)[: b * m].reshape(b, m).astype(np.int32)
+    start = np.array([9, 0, 5], np.int32)
+    lengths = np.array([num_tokens, min(num_tokens, 2), 0], np.int32)
+    x = rng.standard_normal((b, num_tokens, (heads + 2 * kv_heads) * d)).astype(np.float32)  # q | k | v per token
+    scale = d**-0.5
+
+    layer = _qkv_layer(heads, kv_heads, d)
+
+    def stored(a: np.ndarray) -> jax.Array:
+        return jnp.asarray(a if layout == "tokens" else np.swapaxes(a, 2, 3))
+
+    cache = attention.PagedKVCache(k=stored(pool_k), v=stored(pool_v), block_layout=layout)
+    out, cache = attention.layers_paged(
+        [{}], layer, jnp.asarray(x), jnp.asarray(start), jnp.asarray(lengths), cache, jnp.asarray(tables), scale,
+        attention_impl=impl,
+    )  # fmt: skip
+    got = np.asarray(out)[..., : heads * d].reshape(b, num_tokens, heads, d)
+    new_k = x[..., heads * d : (heads + kv_heads) * d].reshape(b, num_tokens, kv_heads, d)
+    new_v = x[..., (heads + kv_heads) * d :].reshape(b, num_tokens, kv_heads, d)
+    pool_after = np.asarray(cache.k) if layout == "tokens" else np.swapaxes(np.asarray(cache.k), 2, 3)
+    g = heads // kv_heads
+    for r in range(b):
+        pos = np.arange(start[r])
+        old_k, old_v = pool_k[0, tables[r, pos // bs], pos % bs], pool_v[0, tables[r, pos // bs], pos % bs]
+        for i in range(lengths[r]):
+            keys = np.repeat(np.concatenate([old_k, new_k[r, : i + 1]]), g, axis=1).astype(np.float64)  # [S, H, D]
+            vals = np.repeat(np.concatenate([old_v, new_v[r, : i + 1]]), g, axis=1).astype(np.float64)
+            s = np.einsum("hd,shd->hs", x[r, i, : heads * d].reshape(heads, d), keys) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            want = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), vals)
+            np.testing.assert_allclose(got[r, i], want, atol=2e-5, err_msg=f"row {r} token {i}")
+            p_i = start[r] + i
+            np.testing.assert_array_equal(pool_after[0, tables[r, p_i // bs], p_i % bs], new_k[r, i])  # written
+
+
+@pytest.mark.parametrize("impl", ["cpu_kernel", "xla_heads_flat", "pallas_gpu"])
+def test_a_decode_row_appending_nothing_reads_no_pages(impl: Impl) -> None:
+    """A row with length 0 (a padding row, or a row stopped inside the engine's multi-step loop, whose position
+    runs on past its table) reads nothing: the kernel's checked build (the suite's) would refuse its position as
+    a length past the table. The other rows are unaffected."""
+    from models import attention
+
+    rng = np.random.default_rng(12)
+    b, bs, m, h, kvh, d = 2, 4, 2, 4, 2, 16
+    pool = rng.standard_normal((1, 2 * m + 1, kvh, bs, d)).astype(np.float32)  # head-major blocks
+    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((b, 1, (h + 2 * kvh) * d)).astype(np.float32))
+    outs = {}
+    for name in (impl, "xla"):
+        cache = attention.PagedKVCache(k=jnp.asarray(pool), v=jnp.asarray(-pool), block_layout="heads")
+        out, _ = attention.layers_paged(
+            [{}], _qkv_layer(h, kvh, d), x, jnp.asarray([5, m * bs + 3]), jnp.asarray([1, 0]), cache, tables, 0.25,
+            attention_impl=name,  # type: ignore[arg-type]
+        )  # fmt: skip
+        outs[name] = np.asarray(out)
+    np.testing.assert_allclose(outs[impl][0], outs["xla"][0], atol=2e-5)

@@ -11,6 +11,12 @@ Builds write to a temporary name and rename, so processes starting together (Ray
 `paged_attention_target()` returns the registered target's name, or None when the kernel cannot be
 had here (no compiler, a failed build, not the CPU backend, or `JAXSERVE_CPU_KERNEL=0`); `build_error()`
 then says why. Callers fall back to the XLA forms: the kernel is a speed-up, never a requirement.
+
+Two variants of the one source: the release kernel clamps out-of-range block ids, lengths and the layer
+index into the pool (no check on the serving path); the checked kernel (`-DJAXSERVE_KERNEL_CHECKS`, its
+own library, cache key and FFI target) fails the call with an error that names the bad block id / length
+instead. `JAXSERVE_KERNEL_CHECKS=1` selects the checked one (the test suite's conftest sets it); it is read
+when a call is traced, so a program compiled before a change keeps the variant it was traced with.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
 TARGET = "jaxserve_paged_attention_cpu"
+CHECKED_TARGET = "jaxserve_paged_attention_cpu_checked"
 _SYMBOL = "JaxservePagedAttention"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 _NATIVE = ("-march=native",)
+_CHECKS = ("-DJAXSERVE_KERNEL_CHECKS=1",)
 BUILD_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "target": str | None once tried, "error": str
+_state: dict[bool, tuple[str | None, str]] = {}  # checked -> (target or None, error) once tried
 _libs: list[ctypes.CDLL] = []  # loaded libraries stay referenced for the process's life
 _registered: set[str] = set()  # targets registered with XLA in this process (a name registers once)
 
@@ -63,6 +71,11 @@ def enabled() -> bool:
     return os.environ.get("JAXSERVE_CPU_KERNEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def checks_enabled() -> bool:
+    """True when `JAXSERVE_KERNEL_CHECKS` is 1 / true / yes / on: calls use the checked kernel."""
+    return os.environ.get("JAXSERVE_KERNEL_CHECKS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _cpu_features() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -74,12 +87,13 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cxx: str, include: str, jaxlib_version: str) -> Path:
+def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False) -> Path:
+    """The library for this source, compiler, flags (the checked variant's define among them), jaxlib and CPU."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = SOURCE.read_bytes()
     last_error = ""
     for extra in (_NATIVE, ()):  # -march=native where the compiler knows it, the baseline otherwise
-        flags = (*_FLAGS, *extra)
+        flags = (*_FLAGS, *(_CHECKS if checked else ()), *extra)
         key = hashlib.sha256(
             b"\0".join(
                 x.encode() if isinstance(x, str) else x
@@ -87,7 +101,7 @@ def _build(cxx: str, include: str, jaxlib_version: str) -> Path:
             )
         ).hexdigest()[:20]
         folder = cache_dir()
-        lib = folder / f"paged_attention_cpu-{key}.so"
+        lib = folder / f"paged_attention_cpu{'-checked' if checked else ''}-{key}.so"
         if lib.exists():
             return lib
         folder.mkdir(parents=True, exist_ok=True)
@@ -104,11 +118,16 @@ def _build(cxx: str, include: str, jaxlib_version: str) -> Path:
     raise RuntimeError(last_error)
 
 
-def paged_attention_target() -> str | None:
-    """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable."""
+def paged_attention_target(checked: bool | None = None) -> str | None:
+    """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable.
+
+    `checked`: the variant that raises on out-of-range indices (default: `checks_enabled()`).
+    """
+    checked = checks_enabled() if checked is None else checked
     with _lock:
-        if "target" in _state:
-            return _state["target"]  # type: ignore[return-value]
+        if checked in _state:
+            return _state[checked][0]
+        name = CHECKED_TARGET if checked else TARGET
         target: str | None = None
         error = ""
         try:
@@ -120,24 +139,25 @@ def paged_attention_target() -> str | None:
             elif (cxx := compiler()) is None:
                 error = "no C++ compiler found (set CXX, or install g++)"
             else:
-                if TARGET not in _registered:
-                    lib_path = _build(cxx, jax.ffi.include_dir(), jaxlib.__version__)
+                if name not in _registered:
+                    lib_path = _build(cxx, jax.ffi.include_dir(), jaxlib.__version__, checked)
                     lib = ctypes.cdll.LoadLibrary(str(lib_path))
                     _libs.append(lib)
-                    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-                    _registered.add(TARGET)
-                target = TARGET
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+                    _registered.add(name)
+                target = name
         except Exception as e:  # a speed-up that failed to build: serve with the XLA forms, say why once
             error = f"{type(e).__name__}: {e}"
         if target is None:
             log.warning("CPU paged-attention kernel unavailable, using the XLA form: %s", error)
-        _state["target"], _state["error"] = target, error
+        _state[checked] = (target, error)
         return target
 
 
-def build_error() -> str:
-    """Why `paged_attention_target()` returned None ('' before it ran or when it succeeded)."""
-    return str(_state.get("error", ""))
+def build_error(checked: bool | None = None) -> str:
+    """Why `paged_attention_target(checked)` returned None ('' before it ran or when it succeeded)."""
+    tried = _state.get(checks_enabled() if checked is None else checked)
+    return tried[1] if tried else ""
 
 
 def _reset_for_tests() -> None:
