@@ -454,11 +454,27 @@ class ShardedModel:
         x: Any = tokens
         caches = []
         for s in range(self.pp):
-            x, cache = self._fn("prefill", s, all_logits=all_logits)(
-                self.run_params[s], self._put(x, s), self._put(lengths, s)
-            )
+            key = ("prefill", s, all_logits, tuple(np.shape(x)))
+            fn = self._executables.get(key) or self._fn("prefill", s, all_logits=all_logits)
+            x, cache = fn(self.run_params[s], self._put(x, s), self._put(lengths, s))
             caches.append(cache)
         return x, caches
+
+    def precompile_prefill(self, rows: int, tokens: int, *, all_logits: bool = False) -> None:
+        """Compile, without running, every stage's prefill of `rows` x `tokens`; later `prefill` calls of that
+        shape run these executables (a long bucket costs its compile, not a prefill of that length)."""
+        x: Any = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
+        for s in range(self.pp):
+            key = ("prefill", s, all_logits, tuple(x.shape))
+            st = self.layout.stages[s]
+            if key not in self._executables:
+                lowered = self._fn("prefill", s, all_logits=all_logits).lower(  # type: ignore[attr-defined]
+                    self.run_params[s],
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=st.replicated),
+                    jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=st.replicated),
+                )
+                self._executables[key] = lowered.compile()
+            x = self._executables[key].out_info[0]
 
     def decode(self, tokens: Any, positions: Any, caches: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
         """tokens/positions [B]; the caches are donated."""

@@ -97,7 +97,7 @@ def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_th
         num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True
     )
     eng.stop_background_warmup()  # covering alone first: whatever the thread had not compiled stays padded up
-    assert report.prefill_shapes == ((32, 16),) and report.step_shapes == ((4, 1, 4),)
+    assert report.prefill_shapes == ((4, 16),) and report.step_shapes == ((4, 1, 4),)  # area <= 2 x the budget
     compiled = _paged_cache_size(eng)
 
     def run(engine: ModelEngine) -> list[int]:
@@ -115,7 +115,7 @@ def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_th
     assert _paged_cache_size(eng) == compiled  # padded up: nothing compiled on the step path
     eng.warmup(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
     assert eng.background_warmup_done(timeout_s=300)
-    assert (2, 1, 1) in eng._ready_steps and (1, 16) in eng._ready_prefill
+    assert (2, 1, 1) in eng._ready_steps and {(1, 16), (32, 16)} <= eng._ready_prefill
     assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 1)  # its own bucket now
     assert run(eng) == run(plain)
     assert _paged_cache_size(eng) == compiled  # the precompiled executables ran, not the jitted step

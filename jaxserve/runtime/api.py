@@ -20,6 +20,8 @@ from models.config import ModelConfig
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from jaxserve.serving.chat_template import JinjaChatTemplate
+
 InstanceRole = Literal["prefill", "decode", "colocated"]
 
 
@@ -72,6 +74,9 @@ class ServingController(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def chat_template(self) -> JinjaChatTemplate | None: ...  # the checkpoint's; None: the built-in one
 
     @property
     def plan(self) -> DeploymentPlan: ...

@@ -81,7 +81,13 @@ from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
-from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance, build_engines
+from jaxserve.runtime.instances import (
+    EngineFactory,
+    Instance,
+    PlacedInstance,
+    build_engines,
+    checkpoint_text_tools,
+)
 from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.recovery import move_error, needs_moving
@@ -95,6 +101,8 @@ from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+    from models.checkpoint import CheckpointChatTemplate
 
 __all__ = [
     "Controller",
@@ -202,6 +210,8 @@ class Controller:
         self.plan = plan
         self.observer = observer
         self.tokenizer: Tokenizer | None = tokenizer
+        # the checkpoint's chat template (`models.checkpoint.load_chat_template`); None: jaxserve's built-in one
+        self.chat_template: CheckpointChatTemplate | None = None
         self.model_config: ModelConfig = placed[0].engine.model_config
         self.faults = faults or FaultCounters()
         self._lock = threading.Lock()
@@ -272,14 +282,10 @@ class Controller:
 
             engine_factory = model_engine_factory(model_source, dtype=dtype)
         placed = build_engines(plan, engine_factory, devices)
-        tokenizer = None
-        try:
-            from models.checkpoint import load_tokenizer
-
-            tokenizer = load_tokenizer(model_source)
-        except Exception:  # a preset name or a directory without tokenizer files
-            tokenizer = None
-        return cls(placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer)
+        tokenizer, chat_template = checkpoint_text_tools(model_source)
+        controller = cls(placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer)
+        controller.chat_template = chat_template
+        return controller
 
     # ---- the instances -------------------------------------------------------------
     @property

@@ -11,7 +11,9 @@ instance's own sharding (`ModelEngine.load`); tests pass the fake engine's.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -20,6 +22,13 @@ from jaxserve.runtime.colocated_instance import ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.prefill_instance import PrefillInstance
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from models.checkpoint import CheckpointChatTemplate
+
+log = logging.getLogger(__name__)
 
 # Embedded factories build an `Engine` (both roles); the Ray backend places one proxy per role.
 EngineFactory = Callable[[InstanceSpec, Sequence[jax.Device]], Engine]
@@ -64,3 +73,21 @@ def build_engines(
     plan: DeploymentPlan, factory: EngineFactory, devices: Sequence[jax.Device] | None = None
 ) -> list[PlacedInstance]:
     return [PlacedInstance(name, spec, devs, factory(spec, devs)) for name, spec, devs in place(plan, devices)]
+
+
+def checkpoint_text_tools(source: str) -> tuple[Tokenizer | None, CheckpointChatTemplate | None]:
+    """The tokenizer and chat template a model source carries (either None where it has none: a preset name,
+    a directory without tokenizer files). One that cannot be read is logged and left out; the model serves
+    token ids (and chat through jaxserve's built-in template)."""
+    from models.checkpoint import load_chat_template, load_tokenizer
+
+    tokenizer = template = None
+    try:
+        tokenizer = load_tokenizer(source)
+    except Exception:  # a preset name or a directory without tokenizer files
+        tokenizer = None
+    try:
+        template = load_chat_template(source)
+    except Exception as e:
+        log.warning("%s: its chat template cannot be read (%s); chat uses the built-in template", source, e)
+    return tokenizer, template

@@ -84,6 +84,7 @@ class Frontend:
         self.metrics = metrics if metrics is not None else ServingMetrics(stats=controller.stats)
         self.model_name = model_name or controller.model_config.name
         self.tokenizer = controller.tokenizer
+        self.chat_template = controller.chat_template  # the checkpoint's (None: the built-in template)
 
     # ---- what the servers report ------------------------------------------------
     def model_info(self) -> ModelInfo:

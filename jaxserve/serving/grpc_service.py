@@ -89,7 +89,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         arrival_at = time.monotonic()
         await self._authorize(context)
         try:
-            params = wire.params_from_proto(request)
+            params = wire.params_from_proto(request, self._frontend.chat_template)
             n = request.n if request.HasField("n") else 1
             choices = await self._frontend.prepare_choices([params], n, request.echo, arrival_at)
             streams = [self._frontend.stream(c.prepared) for c in choices]

@@ -282,7 +282,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         authorize(request)
         check_model(body.model)
-        return await serve(lambda: chat_job(body), request, chat=True)
+        return await serve(lambda: chat_job(body, frontend.chat_template), request, chat=True)
 
     return BodySizeLimit(app, max_request_bytes)
 

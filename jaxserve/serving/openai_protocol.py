@@ -105,9 +105,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """The chat template of `jaxserve.serving.chat_template` over OpenAI messages."""
-    return chat_template.render_chat((m.role, m.text()) for m in messages)
+def render_chat(messages: list[ChatMessage], template: chat_template.JinjaChatTemplate | None = None) -> str:
+    """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one)."""
+    return chat_template.render_chat(((m.role, m.text()) for m in messages), template)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +204,8 @@ def completion_job(body: CompletionRequest) -> OpenAIJob:
     return OpenAIJob(params, body.n, body.echo, body.stream, include_usage, body.return_token_ids, body.logprobs)
 
 
-def chat_job(body: ChatCompletionRequest) -> OpenAIJob:
-    """Check a chat request and render its messages into one prompt."""
+def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTemplate | None = None) -> OpenAIJob:
+    """Check a chat request and render its messages into one prompt (the checkpoint's `template`, if any)."""
     stop, include_usage = _check_common(body)
     logprobs: int | None = None
     if body.top_logprobs is not None:
@@ -219,7 +219,7 @@ def chat_job(body: ChatCompletionRequest) -> OpenAIJob:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = CompletionParams(
-        prompt_text=render_chat(body.messages),
+        prompt_text=render_chat(body.messages, template),
         prompt_token_ids=None,
         sampling=_sampling(body, max_tokens or 1, logprobs),
         stop=stop,

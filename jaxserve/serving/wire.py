@@ -22,7 +22,7 @@ from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.serving.chat_template import render_chat
+from jaxserve.serving.chat_template import JinjaChatTemplate, render_chat
 
 _FINISH_TO_PROTO: dict[FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -206,8 +206,9 @@ def reject_unknown_fields(message: Any, path: str = "") -> None:
                 reject_unknown_fields(v, f"{path}.{field.name}" if path else field.name)
 
 
-def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
-    """Check the request's shape (not its value ranges) and convert it."""
+def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | None = None) -> CompletionParams:
+    """Check the request's shape (not its value ranges) and convert it; `messages` go through the checkpoint's
+    chat `template` (None: the built-in one)."""
     reject_unknown_fields(req)
     has_text = bool(req.prompt)
     has_ids = len(req.prompt_token_ids) > 0
@@ -221,7 +222,7 @@ def params_from_proto(req: pb.GenerateRequest) -> CompletionParams:
     text = req.prompt if has_text else None
     if has_messages:
         try:
-            text = render_chat((m.role, m.content) for m in req.messages)
+            text = render_chat(((m.role, m.content) for m in req.messages), template)
         except ValueError as e:
             raise InvalidRequestError(str(e), field="messages") from None
     if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in req.stop):

@@ -257,12 +257,14 @@ class ModelEngine(Engine):
         logprob variant), so a first request asking for logprobs compiles nothing. Returns what was
         compiled and how long.
 
-        `background`: compile before returning only the buckets no other bucket holds (the frontier: e.g.
-        the widest decode step), and the rest on a background thread — prefill programs by running them
-        (they touch no pool), paged steps ahead of time (`ShardedModel.precompile_paged`, which reads and
-        writes nothing). Until a bucket is compiled, work of that bucket runs padded up to the cheapest
-        compiled bucket that holds it: slower for a while, never waiting on a compile. Inserts and multi-step
-        programs compile before returning either way.
+        `background`: compile before returning only the buckets that hold all others of at most twice the
+        token budget (rows x tokens <= 2 x the prefill cap, or the chunk / decode batch: e.g. the widest decode
+        step), and the rest on a background thread ahead of time (`ShardedModel.precompile_prefill` /
+        `precompile_paged`, which read and write nothing): first the buckets nothing compiled holds (a long
+        single prompt), then the others, smallest first. Until a bucket is compiled, its work runs padded up to
+        the cheapest compiled bucket that holds it: slower for a while, never waiting on a compile — except
+        work no compiled bucket holds yet (a prompt longer than twice the cap in the first moments), which
+        compiles its own. Inserts and multi-step programs compile before returning either way.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -278,7 +280,9 @@ class ModelEngine(Engine):
                     for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
                     if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
                 ]
-        prefill_now = _frontier(prefill_shapes) if background else prefill_shapes
+        prefill_now = (
+            _frontier([x for x in prefill_shapes if _area(x) <= 2 * max_batch_tokens]) if background else prefill_shapes
+        )
         for b, t_pad in prefill_now:
             self._warm_prefill(b, t_pad, max_len, rand, greedy)
         self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
@@ -298,7 +302,8 @@ class ModelEngine(Engine):
                     for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
                         if b == 1 or b // 2 + t_min <= chunk_size:
                             shapes += [(b, t, m) for m in widths]
-            steps_now = _frontier(shapes) if background else shapes
+            budget = 2 * max(chunk_size or 0, max_decode_batch)
+            steps_now = _frontier([x for x in shapes if _area(x) <= budget]) if background else shapes
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -407,13 +412,17 @@ class ModelEngine(Engine):
             with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             try:
-                for b, t in sorted(prefill_shapes, key=lambda x: x[0] * x[1]):
+                for b, t in sorted(prefill_shapes, key=lambda x: (self._held(x, self._ready_prefill), _area(x))):
                     if self._stop_background.is_set():
                         return
-                    self._warm_prefill(b, t, max_len, rand, greedy)
+                    self.model.precompile_prefill(b, t)
+                    logits = jax.device_put(
+                        np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last)
+                    )
+                    self._warm_sampling(logits, rand, greedy, logprobs)
                     self._ready_prefill = self._ready_prefill | {(b, t)}
                     done += 1
-                for b, t, m in sorted(step_shapes, key=lambda x: (x[0] * x[1], x[2])):
+                for b, t, m in sorted(step_shapes, key=lambda x: (self._held(x, self._ready_steps), _area(x), x[2])):
                     if self._stop_background.is_set() or caches is None:
                         return
                     self.model.precompile_paged(b, t, m, caches)
@@ -447,6 +456,11 @@ class ModelEngine(Engine):
             thread.join(timeout=timeout_s)
             return not thread.is_alive()
         return True
+
+    @staticmethod
+    def _held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
+        """Whether some compiled bucket holds `shape` (a bucket nothing holds compiles first in the background)."""
+        return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
 
     def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
         """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
@@ -748,6 +762,11 @@ def _frontier(shapes: Sequence[_Shape]) -> list[_Shape]:
     """The shapes no other shape holds (>= in every dimension): padded up, they run everything in `shapes`."""
     unique = sorted(set(shapes))
     return [s for s in unique if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in unique)]
+
+
+def _area(shape: tuple[int, ...]) -> int:
+    """Rows x tokens of a bucket (the work it pads to)."""
+    return shape[0] * shape[1]
 
 
 def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:

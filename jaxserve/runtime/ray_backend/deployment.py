@@ -41,7 +41,7 @@ from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
-from jaxserve.runtime.instances import Instance, PlacedInstance, instance_names
+from jaxserve.runtime.instances import Instance, PlacedInstance, checkpoint_text_tools, instance_names
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -198,17 +198,13 @@ class RayController(Controller):
             _placed(inputs, name, inst, actors[name], infos[name], model_config, counters)
             for name, inst in zip(names, plan.instances, strict=True)
         ]
-        tokenizer = None
-        try:
-            from models.checkpoint import load_tokenizer
-
-            tokenizer = load_tokenizer(model_source)
-        except Exception:  # a preset name or a directory without tokenizer files
-            tokenizer = None
-        return cls(
+        tokenizer, chat_template = checkpoint_text_tools(model_source)
+        controller = cls(
             placed, plan, config, actors=actors, infos=infos, placement=placement, counters=counters,
             observer=observer, tokenizer=tokenizer, launch=inputs,
         )  # fmt: skip
+        controller.chat_template = chat_template
+        return controller
 
     # ---- live switch (jaxserve/runtime/switch.py with `RayActors`) ------------------------------
     def start_actors(self, specs: Sequence[InstanceSpec], names: Sequence[str]) -> list[PlacedInstance]:
