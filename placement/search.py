@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Literal, TypeVar
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
-from models.config import OPTConfig
+from models.config import ModelConfig, supports_tp
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider, fits
@@ -57,7 +57,7 @@ class SearchContext:
     max_pp: int | None = None  # limit pipeline stages per instance (None: as many as devices allow)
 
     @property
-    def cfg(self) -> OPTConfig:
+    def cfg(self) -> ModelConfig:
         return self.latency.cfg
 
 
@@ -111,9 +111,10 @@ class SearchResult:
 # ---------------------------------------------------------------------------------------------
 # Enumeration
 # ---------------------------------------------------------------------------------------------
-def tp_degrees(cfg: OPTConfig, max_tp: int) -> list[int]:
-    """Tensor-parallel degrees that split the attention heads evenly, up to `max_tp`."""
-    return [tp for tp in range(1, max_tp + 1) if cfg.num_heads % tp == 0]
+def tp_degrees(cfg: ModelConfig, max_tp: int) -> list[int]:
+    """Tensor-parallel degrees up to `max_tp` that shard the model (`models.config.tp_problems`): query heads
+    and MLP split evenly, K/V heads split (tp divides them) or replicated (tp a multiple of them)."""
+    return [tp for tp in range(1, max_tp + 1) if supports_tp(cfg, tp)]
 
 
 def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[tuple[int, int]]:

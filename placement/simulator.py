@@ -63,6 +63,7 @@ from jaxserve.core.scheduling import (
     prefill_buffer_free_slots,
     schedule_colocated,
 )
+from models.config import kv_heads_per_device
 from placement.hardware import ClusterSpec
 from placement.latency import (
     DeploymentKind,
@@ -528,12 +529,16 @@ class Simulator:
 
         Inside a node (every prefill stage on the node of the matching decode stage, or all on one
         node) each of the min(#devices) device pairs moves its share over NVLink in parallel; across
-        nodes the whole KV crosses the inter-node network.
+        nodes the whole KV crosses the inter-node network. A decode instance whose tp replicates the K/V
+        heads (tp a multiple of them, `models.config.kv_heads_split`) needs every head on each device of a
+        stage: inside a node that is `copies` times the bytes over the same links; across nodes the KV
+        crosses once (the copies inside the receiving node are not charged).
         """
         same = (len(p_nodes) == len(d_nodes) and p_nodes == d_nodes) or len(set(p_nodes) | set(d_nodes)) == 1
         if same:
             pairs = min(p_spec.num_devices, d_spec.num_devices)
-            return 1.0 / (pairs * self.cluster.nvlink_bandwidth)
+            copies = d_spec.tp * kv_heads_per_device(self.cfg, d_spec.tp) // self.cfg.kv_heads  # 1 when split
+            return copies / (pairs * self.cluster.nvlink_bandwidth)
         return 1.0 / self.cluster.inter_node_bandwidth
 
     def _on_transfer_done(self, k: int, i: int, src: int) -> None:
