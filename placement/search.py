@@ -27,7 +27,7 @@ import dataclasses
 import math
 import multiprocessing
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Literal, TypeVar
 
@@ -77,6 +77,13 @@ class Candidate:
     # The SLOs still held at the deployment's throughput bound: a finite trace cannot show the queue
     # that builds there, so the true goodput is at most this (and candidates at the bound tie).
     at_bound: bool = False
+    # Not simulated (`evaluate_all` with `prunable`): its throughput bound, which its goodput cannot exceed,
+    # was already below what the search needs to beat. `goodput_rps` is then 0 (it is no search's pick).
+    pruned_bound_rps: float | None = None
+
+    @property
+    def pruned(self) -> bool:
+        return self.pruned_bound_rps is not None
 
     @property
     def per_device(self) -> float:
@@ -134,43 +141,161 @@ def _map(
     fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Callable[[int, int], None] | None
 ) -> list[R]:
     """fn over items, in worker processes when workers > 1; results in item order."""
-    results: list[R] = []
-    if workers <= 1 or len(items) <= 1:
-        for k, item in enumerate(items):
-            results.append(fn(item))
-            if progress:
-                progress(k + 1, len(items))
-        return results
-    # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
-    context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for k, r in enumerate(pool.map(fn, items)):
+    with _Pool(workers) as pool:
+        return pool.map(fn, items, progress)
+
+
+class _Pool:
+    """Worker processes kept across several maps (`evaluate_all`'s rounds); in-process when workers <= 1."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def map(
+        self,
+        fn: Callable[[T], R],
+        items: Sequence[T],
+        progress: Callable[[int, int], None] | None,
+        done: int = 0,
+        total: int | None = None,
+    ) -> list[R]:
+        total = len(items) if total is None else total
+        results: list[R] = []
+        if self.workers <= 1 or len(items) <= 1:
+            for item in items:
+                results.append(fn(item))
+                if progress:
+                    progress(done + len(results), total)
+            return results
+        if self._pool is None:
+            # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
+            context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
+        for r in self._pool.map(fn, items):
             results.append(r)
             if progress:
-                progress(k + 1, len(items))
-    return results
+                progress(done + len(results), total)
+        return results
 
 
 # Candidates by (kind, the plan's instances): what `evaluate_all` returns and the searches look up.
-Evaluated = dict[tuple[str, tuple[InstanceSpec, ...]], Candidate]
+Key = tuple[str, tuple[InstanceSpec, ...]]
+Evaluated = dict[Key, Candidate]
 
 
 def evaluate_all(
-    jobs: Sequence[Job], workers: int = 2, progress: Callable[[int, int], None] | None = None
+    jobs: Sequence[Job],
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    prunable: Mapping[Key, frozenset[Key]] | None = None,
+    keep: int = 1,
+    cluster: ClusterSpec | None = None,
 ) -> Evaluated:
     """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
-    pool); the searches then take their candidates from the result (their `evaluated` argument)."""
+    pool); the searches then take their candidates from the result (their `evaluated` argument).
+
+    `prunable` maps jobs that may be skipped to the candidates their search picks among (its keys). A
+    search needs the best `keep` candidates of a kind exactly (its pick, and the leaders `choose_plan`
+    gives a range over seeds), the others only to know they are not among them. Each kind's prunable jobs
+    run in rounds, highest throughput bound per device first (`GoodputSearch.throughput_bound`: no goodput
+    exceeds it); a job is skipped once its bound is below the `keep`-th best goodput per device of its
+    search and kind so far — and, for a phase alone with `cluster` given (Algorithm 1), below the best
+    balanced prefill + decode group found so far (`_best_fill`: a group's goodput per device is below each
+    member's). The rounds are fixed by the inputs, not by which worker finishes first, so the same
+    candidates are skipped on every run; a skipped one could not have been picked, so the searches choose
+    what they would have chosen without pruning. Skipped candidates carry their bound (`Candidate.pruned`).
+    """
     unique = list({_key(j): j for j in jobs}.values())
-    # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
-    # workers at the end (a long one last would leave the other worker idle while it runs).
-    unique.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
-    return dict(zip(map(_key, unique), _map(_eval, unique, workers, progress), strict=True))
+    prunable = prunable or {}
+    bounds = {_key(j): job_bound_per_device(j) for j in unique if _key(j) in prunable}
+    queues: dict[str, list[Job]] = {}
+    for j in unique:  # each kind's prunable jobs, highest bound first (ties: enumeration order)
+        if _key(j) in bounds:
+            queues.setdefault(j[1], []).append(j)
+    for queue in queues.values():
+        queue.sort(key=lambda j: -bounds[_key(j)])
+    keep = max(1, keep)
+    out: Evaluated = {}
+    wave = [j for j in unique if _key(j) not in bounds] + [j for q in queues.values() for j in q[:keep]]
+    for queue in queues.values():
+        del queue[:keep]
+    step = max(2, workers)  # jobs of each kind per round after the first
+    with _Pool(workers) as pool:
+        while wave:
+            # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
+            # workers at the end (a long one last would leave the other worker idle while it runs).
+            wave.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
+            out.update(zip(map(_key, wave), pool.map(_eval, wave, progress, len(out), len(unique)), strict=True))
+            wave = []
+            for kind, queue in queues.items():
+                taken = 0
+                while queue and taken < step:
+                    key = _key(queue[0])
+                    if bounds[key] * (1 + 1e-6) < _prune_threshold(kind, out, prunable[key], keep, cluster):
+                        for skipped in queue:  # sorted by bound: every later job of this kind is below it too
+                            out[_key(skipped)] = _pruned(skipped, bounds[_key(skipped)])
+                        queue.clear()
+                        break
+                    wave.append(queue.pop(0))
+                    taken += 1
+            if progress:
+                progress(len(out), len(unique))
+    return {_key(j): out[_key(j)] for j in unique}
+
+
+def job_bound_per_device(job: Job) -> float:
+    """The throughput bound of a job's deployment per device (its goodput per device cannot exceed it)."""
+    ctx, kind, plan, slo, options, _ = job
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
+    return search.throughput_bound() / _job_devices(kind, plan)
+
+
+def _job_devices(kind: str, plan: DeploymentPlan) -> int:
+    if kind in ("prefill", "decode"):
+        return next(i for i in plan.instances if i.role == kind).num_devices
+    return plan.num_devices
+
+
+def _pruned(job: Job, bound_per_device: float) -> Candidate:
+    devices = _job_devices(job[1], job[2])
+    return Candidate(job[1], job[2], 0.0, devices, pruned_bound_rps=bound_per_device * devices)
+
+
+def _prune_threshold(
+    kind: str, done: Evaluated, search: frozenset[Key], keep: int, cluster: ClusterSpec | None
+) -> float:
+    """Goodput per device a `kind` candidate of `search` must be able to reach to matter (0: any may).
+
+    The 1e-6 margin the caller adds keeps the search's near-tie rule (`_best`: within 1e-9 the first in
+    enumeration order stays) out of reach of a skipped candidate."""
+    rivals = [c for key, c in done.items() if key in search]
+    rates = sorted((c.per_device for c in rivals if c.kind == kind and c.goodput_rps > 0), reverse=True)
+    if len(rates) < keep:
+        return 0.0
+    need = rates[keep - 1]
+    if kind in ("prefill", "decode"):  # Algorithm 1 without a rate picks a group of both phases
+        fill = _best_fill(rivals, cluster) if cluster is not None else None
+        need = min(need, fill[0]) if fill is not None else 0.0
+    return need
 
 
 _COST_ORDER = {"colocated": 0, "disagg": 0, "decode": 1, "prefill": 2}
 
 
-def _key(job: Job) -> tuple[str, tuple[InstanceSpec, ...]]:
+def job_key(job: Job) -> Key:
+    """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
+    return job[1], job[2].instances
+
+
+def _key(job: Job) -> Key:
     """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
     return job[1], job[2].instances
 
@@ -186,10 +311,7 @@ def _evaluate(
 def _eval(job: Job) -> Candidate:
     ctx, kind, plan, slo, options, hint = job
     search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
-    if kind in ("prefill", "decode"):
-        devices = next(i for i in plan.instances if i.role == kind).num_devices
-    else:
-        devices = plan.num_devices
+    devices = _job_devices(kind, plan)
     rate = max_rate(search, ctx.rel_tol, hint=hint)
     return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
@@ -304,19 +426,7 @@ def algorithm1(
     else:
         # No target rate: the cluster is the budget. Pick the prefill/decode shapes and counts that
         # fit it with the highest balanced per-device goodput (no simulation, just the phase results).
-        fills: list[tuple[float, int, Candidate, Candidate, int, int]] = []
-        order = 0
-        for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
-            for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
-                for n, m, score in _fill_options(
-                    cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices
-                ):
-                    fills.append((score, order, cp, cd, n, m))
-                    order += 1
-        # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
-        # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
-        fills.sort(key=lambda f: (-f[0], f[1]))
-        chosen = next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
+        chosen = _best_fill(cands, cluster)
         if chosen is None:
             raise PlanError(
                 f"no prefill + decode instance pair of {ctx.cfg.name} fits in {cluster.num_devices} devices"
@@ -340,6 +450,27 @@ def algorithm1(
         f"{d_inst.shape} ({g_d / d_inst.num_devices:.3g} rps/device under TPOT); {why}"
     )
     return SearchResult(plan, goodput, cands, reason)
+
+
+def _best_fill(
+    cands: Iterable[Candidate], cluster: ClusterSpec
+) -> tuple[float, int, Candidate, Candidate, int, int] | None:
+    """(score, order, prefill, decode, n, m): the placeable group of n prefill + m decode instances with the
+    highest balanced goodput per device, min(n·g_p, m·g_d) / devices; None when no group fits."""
+    cands = list(cands)
+    fills: list[tuple[float, int, Candidate, Candidate, int, int]] = []
+    order = 0
+    for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
+        for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
+            for n, m, score in _fill_options(
+                cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices
+            ):
+                fills.append((score, order, cp, cd, n, m))
+                order += 1
+    # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
+    # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
+    fills.sort(key=lambda f: (-f[0], f[1]))
+    return next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
 
 
 def _fill_options(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> list[tuple[int, int, float]]:
