@@ -227,7 +227,9 @@ def evaluate_all(
     wave = [j for j in unique if _key(j) not in bounds] + [j for q in queues.values() for j in q[:keep]]
     for queue in queues.values():
         del queue[:keep]
-    step = max(2, workers)  # jobs of each kind per round after the first
+    # Jobs of each kind per round after the first: doubled after each round that skipped none of that kind
+    # (fewer rounds, so fewer idle workers waiting for a round's last job, where little is being pruned).
+    steps = dict.fromkeys(queues, max(2, workers))
     with _Pool(workers) as pool:
         while wave:
             # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
@@ -236,7 +238,8 @@ def evaluate_all(
             out.update(zip(map(_key, wave), pool.map(_eval, wave, progress, len(out), len(unique)), strict=True))
             wave = []
             for kind, queue in queues.items():
-                taken = 0
+                taken, step = 0, steps[kind]
+                steps[kind] *= 2
                 while queue and taken < step:
                     key = _key(queue[0])
                     if bounds[key] * (1 + 1e-6) < _prune_threshold(kind, out, prunable[key], keep, cluster):
