@@ -229,7 +229,7 @@ def evaluate_all(
         del queue[:keep]
     # Jobs of each kind per round after the first: doubled after each round that skipped none of that kind
     # (fewer rounds, so fewer idle workers waiting for a round's last job, where little is being pruned).
-    steps = dict.fromkeys(queues, max(2, workers))
+    steps = dict.fromkeys(queues, 1)
     with _Pool(workers) as pool:
         while wave:
             # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the

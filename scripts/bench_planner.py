@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,11 +57,13 @@ def main() -> None:
     if args.plan_reps:
         trees = {"this tree": ROOT} if not args.baseline else {"baseline": Path(args.baseline), "this tree": ROOT}
         walls: dict[str, list[float]] = {name: [] for name in trees}
+        cpus: dict[str, list[float]] = {name: [] for name in trees}  # the command and its workers, all processes
         plans: dict[str, set[str]] = {name: set() for name in trees}
         plan_path = os.path.join(tempfile.mkdtemp(), "plan.json")
         for rep in range(args.plan_reps):
             for name, tree in trees.items():  # interleaved: A B A B ...
                 load = os.getloadavg()[0]
+                cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 start = time.perf_counter()
                 # the table as a user gets it (with --json the plan skips the ranges over seeds); -o: the plan
                 subprocess.run(
@@ -80,14 +83,19 @@ def main() -> None:
                     env={**os.environ, "PYTHONPATH": str(tree)},
                 )
                 wall = time.perf_counter() - start
+                cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
                 walls[name].append(wall)
+                cpus[name].append(cpu)
                 plans[name].add(_chosen(Path(plan_path).read_text()))
-                print(f"  rep {rep + 1} {name:<9} {wall:6.2f} s  (load average {load:.2f} before)")
+                print(
+                    f"  rep {rep + 1} {name:<9} {wall:6.2f} s wall, {cpu:6.2f} s CPU  (load average {load:.2f} before)"
+                )
         print(f"jaxserve plan {PLAN_ARGS} (target <= 5 s):")
         for name, w in walls.items():
             print(
-                f"  {name:<9} min {min(w):.2f} s, median {statistics.median(w):.2f} s, max {max(w):.2f} s over "
-                f"{len(w)} runs; chosen {' | '.join(sorted(plans[name]))}"
+                f"  {name:<9} wall min {min(w):.2f} s, median {statistics.median(w):.2f} s, max {max(w):.2f} s; "
+                f"CPU median {statistics.median(cpus[name]):.2f} s; {len(w)} runs; chosen {' | '.join(sorted(plans[name]))}"
             )
         if args.baseline and plans["baseline"] != plans["this tree"]:
             print("  the chosen plans DIFFER")
