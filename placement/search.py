@@ -27,8 +27,8 @@ import dataclasses
 import math
 import multiprocessing
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Literal, TypeVar
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
@@ -175,15 +175,67 @@ class _Pool:
                 if progress:
                     progress(done + len(results), total)
             return results
-        if self._pool is None:
-            # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
-            context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
-        for r in self._pool.map(fn, items):
+        for r in self._executor().map(fn, items):
             results.append(r)
             if progress:
                 progress(done + len(results), total)
         return results
+
+    def stream(
+        self,
+        fn: Callable[[T], R],
+        items: Sequence[T],
+        skip: Callable[[int], bool] | None,
+        gated: Callable[[int], bool],
+        lag: int,
+    ) -> Iterator[tuple[int, R | None]]:
+        """(index, fn(item)) as they finish, or (index, None) for an item `skip` rules out.
+
+        An item that is `gated` starts (or is skipped) only once every item at least `lag` places before it
+        has been yielded; `skip(i)` is asked then, and reads only those (so its answer does not depend on the
+        workers' timing). Other items start as soon as a worker is free."""
+        yielded: set[int] = set()
+        upto = 0  # every item before this index has been yielded
+
+        def ready(i: int) -> bool:
+            return not gated(i) or i - lag < upto
+
+        def ruled_out(i: int) -> bool:
+            return gated(i) and skip is not None and skip(i)
+
+        if self.workers <= 1:
+            for i, item in enumerate(items):
+                yield (i, None) if ruled_out(i) else (i, fn(item))
+            return
+        pool = self._executor()
+        running: dict[Future[R], int] = {}
+        nxt = 0
+        while nxt < len(items) or running:
+            while nxt < len(items) and len(running) < self.workers and ready(nxt):
+                if ruled_out(nxt):
+                    yielded.add(nxt)
+                    yield nxt, None
+                else:
+                    running[pool.submit(fn, items[nxt])] = nxt
+                nxt += 1
+                while upto in yielded:
+                    upto += 1
+            if not running:
+                continue  # the next item waits for nothing now (all before it were skipped)
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                i = running.pop(future)
+                yielded.add(i)
+                yield i, future.result()
+            while upto in yielded:
+                upto += 1
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
+            context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
+        return self._pool
 
 
 # Candidates by (kind, the plan's instances): what `evaluate_all` returns and the searches look up.
@@ -204,54 +256,54 @@ def evaluate_all(
 
     `prunable` maps jobs that may be skipped to the candidates their search picks among (its keys). A
     search needs the best `keep` candidates of a kind exactly (its pick, and the leaders `choose_plan`
-    gives a range over seeds), the others only to know they are not among them. Each kind's prunable jobs
-    run in rounds, highest throughput bound per device first (`GoodputSearch.throughput_bound`: no goodput
-    exceeds it); a job is skipped once its bound is below the `keep`-th best goodput per device of its
-    search and kind so far — and, for a phase alone with `cluster` given (Algorithm 1), below the best
-    balanced prefill + decode group found so far (`_best_fill`: a group's goodput per device is below each
-    member's). The rounds are fixed by the inputs, not by which worker finishes first, so the same
-    candidates are skipped on every run; a skipped one could not have been picked, so the searches choose
-    what they would have chosen without pruning. Skipped candidates carry their bound (`Candidate.pruned`).
+    gives a range over seeds), the others only to know they are not among them. The jobs run in a fixed
+    sequence: each kind's `keep` prunable jobs of highest throughput bound per device
+    (`GoodputSearch.throughput_bound`: no goodput exceeds it), the jobs that are not prunable, then the
+    other prunable ones, each kind's by bound. A prunable job is skipped when its bound is below the
+    `keep`-th best goodput per device of its search and kind among the jobs at least `workers` places
+    before it in the sequence — and, for a phase alone with `cluster` given (Algorithm 1), below the best
+    balanced prefill + decode group among them (`_best_fill`: a group's goodput per device is below each
+    member's). Which jobs a decision sees is fixed by the sequence, not by which worker finishes first, so
+    for the same inputs and `workers` the same candidates are skipped on every run; a skipped one could
+    not have been picked, so the searches choose what they would have chosen without pruning. Skipped
+    candidates carry their bound (`Candidate.pruned`).
     """
     unique = list({_key(j): j for j in jobs}.values())
     prunable = prunable or {}
     bounds = {_key(j): job_bound_per_device(j) for j in unique if _key(j) in prunable}
-    queues: dict[str, list[Job]] = {}
+    by_kind: dict[str, list[Job]] = {}
     for j in unique:  # each kind's prunable jobs, highest bound first (ties: enumeration order)
         if _key(j) in bounds:
-            queues.setdefault(j[1], []).append(j)
-    for queue in queues.values():
+            by_kind.setdefault(j[1], []).append(j)
+    for queue in by_kind.values():
         queue.sort(key=lambda j: -bounds[_key(j)])
     keep = max(1, keep)
-    out: Evaluated = {}
-    wave = [j for j in unique if _key(j) not in bounds] + [j for q in queues.values() for j in q[:keep]]
-    for queue in queues.values():
-        del queue[:keep]
-    # Jobs of each kind per round after the first: doubled after each round that skipped none of that kind
-    # (fewer rounds, so fewer idle workers waiting for a round's last job, where little is being pruned).
-    steps = dict.fromkeys(queues, 1)
+    # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
+    # workers at the end (a long one last would leave the other worker idle while it runs).
+    cost = _COST_ORDER.get
+    kinds = sorted(by_kind, key=lambda k: cost(k, 0))
+    sequence = [j for k in kinds for j in by_kind[k][:keep]]
+    sequence += sorted((j for j in unique if _key(j) not in bounds), key=lambda j: cost(j[1], 0))
+    sequence += [j for k in kinds for j in by_kind[k][keep:]]
+    lag = max(1, workers)
+
+    results: dict[int, Candidate] = {}
+
+    def gated(i: int) -> bool:
+        return _key(sequence[i]) in bounds
+
+    def skip(i: int) -> bool:  # sees the jobs at least `lag` places before job i (all yielded by now)
+        key = _key(sequence[i])
+        seen = {_key(sequence[n]): results[n] for n in range(i - lag + 1)}
+        return bounds[key] * (1 + 1e-6) < _prune_threshold(sequence[i][1], seen, prunable[key], keep, cluster)
+
     with _Pool(workers) as pool:
-        while wave:
-            # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
-            # workers at the end (a long one last would leave the other worker idle while it runs).
-            wave.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
-            out.update(zip(map(_key, wave), pool.map(_eval, wave, progress, len(out), len(unique)), strict=True))
-            wave = []
-            for kind, queue in queues.items():
-                taken, step = 0, steps[kind]
-                steps[kind] *= 2
-                while queue and taken < step:
-                    key = _key(queue[0])
-                    if bounds[key] * (1 + 1e-6) < _prune_threshold(kind, out, prunable[key], keep, cluster):
-                        for skipped in queue:  # sorted by bound: every later job of this kind is below it too
-                            out[_key(skipped)] = _pruned(skipped, bounds[_key(skipped)])
-                        queue.clear()
-                        break
-                    wave.append(queue.pop(0))
-                    taken += 1
+        for i, cand in pool.stream(_eval, sequence, skip, gated, lag):
+            results[i] = cand if cand is not None else _pruned(sequence[i], bounds[_key(sequence[i])])
             if progress:
-                progress(len(out), len(unique))
-    return {_key(j): out[_key(j)] for j in unique}
+                progress(len(results), len(sequence))
+    evaluated = {_key(sequence[i]): c for i, c in results.items()}
+    return {_key(j): evaluated[_key(j)] for j in unique}
 
 
 def job_bound_per_device(job: Job) -> float:
