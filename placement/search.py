@@ -282,7 +282,8 @@ def evaluate_all(
     # workers at the end (a long one last would leave the other worker idle while it runs).
     cost = _COST_ORDER.get
     kinds = sorted(by_kind, key=lambda k: cost(k, 0))
-    sequence = [j for k in kinds for j in by_kind[k][:keep]]
+    sequence = [j for k in kinds for j in by_kind[k][:keep]]  # never skipped: fewer than `keep` rivals before them
+    leading = len(sequence)
     sequence += sorted((j for j in unique if _key(j) not in bounds), key=lambda j: cost(j[1], 0))
     sequence += [j for k in kinds for j in by_kind[k][keep:]]
     lag = max(1, workers)
@@ -290,7 +291,7 @@ def evaluate_all(
     results: dict[int, Candidate] = {}
 
     def gated(i: int) -> bool:
-        return _key(sequence[i]) in bounds
+        return i >= leading and _key(sequence[i]) in bounds
 
     def skip(i: int) -> bool:  # sees the jobs at least `lag` places before job i (all yielded by now)
         key = _key(sequence[i])

@@ -23,9 +23,10 @@ def _shape(report) -> list[tuple[str, int, int]]:
     return [(i.role, i.tp, i.pp) for i in report.plan.instances]
 
 
-def test_pruning_keeps_the_plan_and_every_simulated_candidate() -> None:
+@pytest.mark.parametrize("workers", [1, 2])  # 2: decisions from the jobs two places back, in worker processes
+def test_pruning_keeps_the_plan_and_every_simulated_candidate(workers: int) -> None:
     ctx = _ctx("opt-13b", "a100-80gb-distserve", 1, 8, "fixed:512:64", 120, 0.4, 0.04)
-    pruned = choose_plan(ctx, workers=1, seeds=0, interval_top=2)
+    pruned = choose_plan(ctx, workers=workers, seeds=0, interval_top=2)
     full = choose_plan(ctx, workers=1, seeds=0, interval_top=2, prune=False)
     assert pruned.plan == full.plan and pruned.goodput_rps == full.goodput_rps
     assert pruned.why == full.why and pruned.result.reason == full.result.reason
