@@ -15,6 +15,8 @@ from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from models.config import (
     LLAMA_PRESETS,
     PRESETS,
+    LlamaConfig,
+    ModelConfig,
     get_config,
     get_model_config,
     kv_heads_per_device,
@@ -22,7 +24,7 @@ from models.config import (
     supports_tp,
     tp_problems,
 )
-from placement.context import build_base_workload, build_cluster, build_latency, build_options, build_slo
+from placement.context import build_base_workload, build_cluster, build_latency, build_options
 from placement.hardware import GIB, ClusterSpec, DeviceSpec, get_device
 from placement.latency import (
     LatencyProvider,
@@ -35,6 +37,7 @@ from placement.latency import (
 from placement.planner import choose_plan
 from placement.search import SearchContext, instance_shapes, tp_degrees
 from placement.simulator import SimOptions, simulate
+from placement.slo import SloSpec
 from placement.workload import Workload
 
 A100 = get_device("a100-80gb")
@@ -58,7 +61,8 @@ def test_tp_rule_is_the_runtime_sharding_rule() -> None:
     """The planner's pure restatement agrees with `models.sharding.validate_parallelism` (what serve checks)."""
     from models.sharding import validate_parallelism
 
-    for cfg in [*PRESETS.values(), *LLAMA_PRESETS.values()]:
+    configs: list[ModelConfig] = [*PRESETS.values(), *LLAMA_PRESETS.values()]
+    for cfg in configs:
         for tp in range(1, 17):
             try:
                 validate_parallelism(cfg, tp, 1)
@@ -69,7 +73,8 @@ def test_tp_rule_is_the_runtime_sharding_rule() -> None:
 
 
 def test_one_lookup_for_both_families() -> None:
-    assert get_model_config("llama-3.1-70b").num_kv_heads == 8
+    l70 = get_model_config("llama-3.1-70b")
+    assert isinstance(l70, LlamaConfig) and l70.num_kv_heads == 8
     assert get_model_config("meta-llama/llama-3.1-8b").name == "llama-3.1-8b"
     assert get_model_config("opt-66b") == get_config("opt-66b")
     assert get_model_config("13b", "float16") == get_config("opt-13b", "float16")
@@ -112,7 +117,7 @@ def test_memory_with_replicated_kv_heads() -> None:
 def test_llama_70b_shapes_that_fit_on_a100() -> None:
     """141 GB of fp16 weights: tp 1 cannot hold them, tp 2 leaves too little for one 131k-token sequence."""
     latency = LatencyProvider(get_model_config("llama-3.1-70b", "float16"), A100)
-    ctx = SearchContext(latency, ClusterSpec(A100, 1, 8), build_base_workload("sharegpt", latency, 20), build_slo(1, 1))
+    ctx = SearchContext(latency, ClusterSpec(A100, 1, 8), build_base_workload("sharegpt", latency, 20), SloSpec(1, 1))
     ctx_pp1 = SearchContext(ctx.latency, ctx.cluster, ctx.workload, ctx.slo, max_pp=1)
     assert instance_shapes(ctx_pp1, "disagg", 8) == [(4, 1), (8, 1)]
     assert kv_capacity_tokens(latency.cfg, A100, 2, 1) < latency.cfg.max_position_embeddings
@@ -158,7 +163,7 @@ def test_plan_on_a_llama_preset_respects_the_tp_rule() -> None:
     latency = build_latency("qwen2-7b", "a100-80gb")
     cluster = build_cluster(latency, 1, 8)
     ctx = SearchContext(
-        latency, cluster, build_base_workload("fixed:512:64", latency, 80), build_slo(0.25, 0.05), build_options(),
+        latency, cluster, build_base_workload("fixed:512:64", latency, 80), SloSpec(0.25, 0.05), build_options(),
         max_pp=1,
     )  # fmt: skip
     report = choose_plan(ctx, kind="auto", workers=1, seeds=0)

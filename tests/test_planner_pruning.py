@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from placement.context import build_base_workload, build_cluster, build_latency, build_options, build_slo
+from placement.context import build_base_workload, build_cluster, build_latency, build_options
 from placement.planner import choose_plan
 from placement.search import SearchContext, job_bound_per_device
+from placement.slo import SloSpec
 
 
 def _ctx(model: str, profile: str | None, nodes: int, per_node: int, workload: str, n: int, ttft: float, tpot: float):
     latency = build_latency(model, "a100-80gb", profile)
     cluster = build_cluster(latency, nodes, per_node)
     return SearchContext(
-        latency, cluster, build_base_workload(workload, latency, n), build_slo(ttft, tpot), build_options()
+        latency, cluster, build_base_workload(workload, latency, n), SloSpec(ttft, tpot), build_options()
     )
 
 
@@ -36,12 +37,13 @@ def test_pruning_keeps_the_plan_and_every_simulated_candidate(workers: int) -> N
     assert skipped, "this configuration should let the planner skip some candidates"
     for c in after:
         old = before[(c.kind, c.label)]
-        if c.pruned:  # skipped: its bound is above what it would have reached, and it was not a pick
+        if c.pruned_bound_rps is not None:  # skipped: its bound is above what it would have reached
             assert c.goodput_rps == 0.0 and old.goodput_rps <= c.pruned_bound_rps * (1 + 1e-12)
         else:
             assert c == old
     # a skipped candidate is below the kind's best two (interval_top) even at its bound
     for c in skipped:
+        assert c.pruned_bound_rps is not None
         rivals = sorted((o.per_device for o in after if o.kind == c.kind and not o.pruned), reverse=True)
         assert c.pruned_bound_rps / c.num_devices < rivals[1]
 
