@@ -614,10 +614,91 @@ def get_llama_config(name: str, dtype: str | None = None) -> LlamaConfig:
 
 
 def get_model_config(name: str, dtype: str | None = None) -> ModelConfig:
-    """A preset of either family by name: a Llama-style one (`LLAMA_PRESETS`) or an OPT one (`get_config`)."""
-    if name.lower().split("/")[-1] in LLAMA_PRESETS:
-        return get_llama_config(name, dtype)
+    """A preset of either family by name: `opt-13b` (or `13b`, `facebook/opt-13b`) or `llama-3.1-70b`, `qwen2-7b`, ..."""
+    key = name.lower().split("/")[-1]
+    if key in LLAMA_PRESETS:
+        return get_llama_config(key, dtype)
     try:
         return get_config(name, dtype)
     except KeyError:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join([*PRESETS, *LLAMA_PRESETS])}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor parallelism: which degrees shard a model and what one device then holds (the planner's sizes;
+# the runtime's `models.sharding` lays the weights out by the same rule)
+# ------------------------------------------------------------------------------------------------
+
+
+def tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """Why `tp` devices cannot shard `cfg`'s layers (empty: they can).
+
+    Query heads and the MLP's inner width split `tp` ways. K/V heads split when `tp` divides them, and are
+    replicated on every device of the group when `tp` is a multiple of them (Llama-3.1-70B's 8 K/V heads at
+    tp 16); any other `tp` (qwen2-7b's 4 K/V heads at tp 6) would leave devices with parts of a K/V head.
+    """
+    problems = []
+    if tp < 1:
+        return [f"tp must be >= 1, got {tp}"]
+    if cfg.num_heads % tp:
+        problems.append(f"num_heads {cfg.num_heads} is not divisible by tp={tp}")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        problems.append(
+            f"{cfg.kv_heads} K/V heads neither split over tp={tp} (tp must divide them) "
+            f"nor replicate across it (tp must be a multiple of them)"
+        )
+    if cfg.ffn_dim % tp:
+        problems.append(f"ffn_dim {cfg.ffn_dim} is not divisible by tp={tp}")
+    return problems
+
+
+def supports_tp(cfg: ModelConfig, tp: int) -> bool:
+    return not tp_problems(cfg, tp)
+
+
+def kv_heads_split(cfg: ModelConfig, tp: int) -> bool:
+    """Whether K/V heads split over `tp` (tp divides them) or are replicated (tp a multiple of them)."""
+    if tp >= 1 and cfg.kv_heads % tp == 0:
+        return True
+    if tp >= 1 and tp % cfg.kv_heads == 0:
+        return False
+    raise ValueError(
+        f"cannot shard {cfg.name} with tp={tp}: {cfg.kv_heads} K/V heads neither split over tp={tp} "
+        f"(tp must divide them) nor replicate across it (tp must be a multiple of them)"
+    )
+
+
+def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
+    """K/V heads one device of a `tp` group stores: its share when they split, all of them when replicated."""
+    return cfg.kv_heads // tp if kv_heads_split(cfg, tp) else cfg.kv_heads
+
+
+def kv_heads_read_per_device(cfg: ModelConfig, tp: int) -> int:
+    """K/V heads one device's attention reads: its share, or (replicated) the one its query heads use.
+
+    With tp a multiple of the K/V heads each device's `num_heads / tp` query heads fall inside one group, so
+    attention reads one K/V head although the device stores them all.
+    """
+    return cfg.kv_heads // tp if kv_heads_split(cfg, tp) else 1
+
+
+def layer_matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Weights of one layer's matmuls as (q/o projections + MLP, k/v projections).
+
+    Attention: `h·q_dim + 2·h·kv_dim + q_dim·h` (OPT: 4h²); MLP: `2·h·ffn` (OPT: fc1, fc2) or `3·h·ffn`
+    (Llama-style SwiGLU: gate, up, down). The k/v part is what tp may replicate.
+    """
+    h = cfg.hidden_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    mlp = (3 if isinstance(cfg, LlamaConfig) else 2) * h * cfg.ffn_dim
+    return 2 * h * q_dim + mlp, 2 * h * kv_dim
+
+
+def replicated_layer_params(cfg: ModelConfig, tp: int) -> int:
+    """Parameters of one layer every device of a `tp` group holds whole: the k/v projections (and their
+    biases) when K/V heads are replicated, else none."""
+    if kv_heads_split(cfg, tp):
+        return 0
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    bias = 2 * kv_dim if isinstance(cfg, LlamaConfig) and cfg.qkv_bias else 0
+    return layer_matmul_params(cfg)[1] + bias

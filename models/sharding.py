@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import checkpoint, llama, opt
-from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError
+from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError, kv_heads_split, tp_problems
 from models.opt import KVCache, PagedKVCache, Params
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
@@ -92,38 +92,19 @@ def pool_spec(block_layout: BlockLayout, kv_split: bool = True) -> P:
     return HEADS_POOL_SPEC if block_layout == "heads" else KV_SPEC
 
 
-def kv_heads_split(cfg: ModelConfig, tp: int) -> bool:
-    """Whether K/V heads split over `tp` (tp divides them) or are replicated (tp a multiple of them)."""
-    if cfg.kv_heads % tp == 0:
-        return True
-    if tp % cfg.kv_heads == 0:
-        return False
-    raise ValueError(
-        f"cannot shard {cfg.name} with tp={tp}: {cfg.kv_heads} K/V heads neither split over tp={tp} "
-        f"(tp must divide them) nor replicate across it (tp must be a multiple of them)"
-    )
-
-
 def family(cfg: ModelConfig) -> ModuleType:
     """The model module (`models.opt` or `models.llama`) whose functions run `cfg`."""
     return llama if isinstance(cfg, LlamaConfig) else opt
 
 
 def validate_parallelism(cfg: ModelConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
-    """Raise a ValueError that says what is wrong when `cfg` cannot be split `tp` x `pp` ways."""
+    """Raise a ValueError that says what is wrong when `cfg` cannot be split `tp` x `pp` ways (the tp rule is
+    `models.config.tp_problems`, the planner's too)."""
     problems = []
     if tp < 1 or pp < 1:
         problems.append(f"tp and pp must be >= 1 (got tp={tp}, pp={pp})")
     else:
-        if cfg.num_heads % tp:
-            problems.append(f"num_heads {cfg.num_heads} is not divisible by tp={tp}")
-        if cfg.kv_heads % tp and tp % cfg.kv_heads:
-            problems.append(
-                f"{cfg.kv_heads} K/V heads neither split over tp={tp} (tp must divide them) "
-                f"nor replicate across it (tp must be a multiple of them)"
-            )
-        if cfg.ffn_dim % tp:
-            problems.append(f"ffn_dim {cfg.ffn_dim} is not divisible by tp={tp}")
+        problems += tp_problems(cfg, tp)
         if cfg.num_layers % pp:
             problems.append(f"num_layers {cfg.num_layers} is not divisible by pp={pp}")
         if num_devices is not None and num_devices != tp * pp:

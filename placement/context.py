@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from jaxserve.core.limits import DEFAULT_LIMITS
-from models.config import get_config
+from models.config import get_model_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, ProfileError, load_profile
@@ -27,7 +27,7 @@ def build_latency(
     prefill_tokens: int | None = None,
 ) -> LatencyProvider:
     try:
-        cfg = get_config(model, dtype)
+        cfg = get_model_config(model, dtype)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     try:

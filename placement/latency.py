@@ -11,7 +11,16 @@ Forms
 The GEMM terms count multiply-adds of one shard: under tensor parallelism each device holds 1/tp of
 the QKV/FFN-in columns and of the out/FFN-out rows, so it does `t·(4h² + 2hm)/tp` multiply-adds and
 reads `(4h² + 2hm)/tp` weights per layer (the paper writes "h divided by tp", which would count
-`4t(h/tp)²`; the per-shard product is `t·4h·h/tp`). `AR(n)` is a ring all-reduce of `n·h` activations
+`4t(h/tp)²`; the per-shard product is `t·4h·h/tp`).
+
+Llama-style models (grouped K/V heads, SwiGLU) use the same form with their shapes
+(`models.config.layer_matmul_params`): the GEMM weights of a layer are `h·q_dim + 2h·kv_dim + q_dim·h`
+for attention and `3h·m` for the MLP (OPT: `4h²` and `2hm`); attention's `3(h/tp)` becomes
+`q_dim/tp + 2·kv_read` — the shard's query width plus the K and V heads it reads (`attention_width`).
+When tp is a multiple of the K/V heads (`models.config.kv_heads_split`) every device holds the k/v
+projections and the K/V cache whole (they are replicated, not split): those weights count on every
+device, the KV bytes per token per device are all K/V heads', and attention reads the one K/V head its
+query heads use. `AR(n)` is a ring all-reduce of `n·h` activations
 (two per layer: after attention and after the FFN): `2(tp−1)/tp · n·h·bytes / link + latency`.
 `V·h` is the LM head (only the last position of each request). In decode, `max(C4, C1·B)` is the
 roofline: weight reads dominate until the batch is large enough for the GEMMs to be compute-bound.
@@ -64,7 +73,7 @@ first, then `any`. Missing (model, tp) pairs are simply unsupported by that prof
 
 Memory model: `weight_bytes_per_device`, `kv_bytes_per_token_per_device` and `kv_capacity_tokens`
 (the KV slots an instance holds after its weights, with `DeviceSpec.usable_memory_fraction` of memory
-usable). With the default 0.925 it gives OPT-13B on A100-80GB 65,614 tokens at tp1 (artifact: 66,144,
+usable; K/V bytes count the K/V heads a device stores: `kv_heads/tp` when they split, all when replicated). With the default 0.925 it gives OPT-13B on A100-80GB 65,614 tokens at tp1 (artifact: 66,144,
 −0.8 %) and 162,598 at tp2 (163,008, −0.3 %).
 """
 
@@ -81,7 +90,14 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxserve.core.limits import DEFAULT_LIMITS
-from models.config import OPTConfig
+from models.config import (
+    ModelConfig,
+    kv_heads_per_device,
+    kv_heads_read_per_device,
+    kv_heads_split,
+    layer_matmul_params,
+    replicated_layer_params,
+)
 from placement.bucket_latency import BucketCosts, BucketModel
 from placement.hardware import DeviceSpec
 from placement.padding import EnginePadding, PaddedModel
@@ -97,28 +113,51 @@ DEFAULT_KV_BLOCK_TOKENS = 16  # paged KV block size used for capacity in blocks
 # ---------------------------------------------------------------------------------------------
 # Per-shard sizes (what the hand-computation test checks)
 # ---------------------------------------------------------------------------------------------
-def layer_gemm_macs(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
-    """Multiply-adds of one layer's four GEMMs on one tensor-parallel shard for `num_tokens` tokens."""
-    h, m = cfg.hidden_size, cfg.ffn_dim
-    return num_tokens * (4 * h * h + 2 * h * m) / tp
+def layer_gemm_macs(cfg: ModelConfig, tp: int, num_tokens: int) -> float:
+    """Multiply-adds of one layer's GEMMs on one tensor-parallel shard for `num_tokens` tokens.
+
+    q/o and the MLP split `tp` ways; k/v split too unless `tp` replicates the K/V heads (`models.config`).
+    OPT: `t·(4h² + 2hm)/tp`; Llama-style: `t·(2h·q_dim + 3h·ffn)/tp + t·2h·kv_dim/(tp or 1)`.
+    """
+    split, replicated = _split_layer_elems(cfg, tp)
+    return num_tokens * split / tp + num_tokens * replicated
 
 
-def layer_gemm_flops(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
+def _split_layer_elems(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """Matmul weights of one layer as (split over tp, held whole by every device)."""
+    qo_mlp, kv = layer_matmul_params(cfg)
+    return (qo_mlp + kv, 0) if kv_heads_split(cfg, tp) else (qo_mlp, kv)
+
+
+def layer_gemm_flops(cfg: ModelConfig, tp: int, num_tokens: int) -> float:
     return 2.0 * layer_gemm_macs(cfg, tp, num_tokens)
 
 
-def layer_weight_bytes(cfg: OPTConfig, tp: int) -> float:
+def layer_weight_bytes(cfg: ModelConfig, tp: int) -> float:
     """GEMM weight bytes of one layer held (and read once per step) by one shard."""
-    h, m = cfg.hidden_size, cfg.ffn_dim
-    return (4 * h * h + 2 * h * m) / tp * cfg.dtype_bytes
+    return layer_gemm_macs(cfg, tp, 1) * cfg.dtype_bytes
 
 
-def layer_kv_read_bytes(cfg: OPTConfig, tp: int, total_context: int) -> float:
-    """K and V bytes one shard reads in one decode step of one layer (its h/tp heads)."""
-    return 2 * (cfg.hidden_size / tp) * total_context * cfg.dtype_bytes
+def attention_width(cfg: ModelConfig, tp: int) -> float:
+    """Elements per token one shard's attention touches per layer: its query heads' width plus the K and V
+    heads it reads, `q_dim/tp + 2·kv_read` (OPT: 3h/tp, the Appendix's `3(h/tp)`)."""
+    return attention_factor(cfg, tp) * (cfg.num_heads * cfg.head_dim / tp)
 
 
-def allreduce_bytes_per_device(cfg: OPTConfig, tp: int, num_tokens: int) -> float:
+def attention_factor(cfg: ModelConfig, tp: int) -> float:
+    """`attention_width` over the shard's query width: the Appendix's 3 for multi-head attention (Q, K, V
+    alike), less with grouped K/V heads (Llama-3.1-70B at tp 8: 1 + 2/8). Kept as a factor so the OPT
+    terms are the same floating-point products as `C·3·(h/tp)`."""
+    kv_read = kv_heads_read_per_device(cfg, tp) * cfg.head_dim
+    return 1 + 2 * kv_read / (cfg.num_heads * cfg.head_dim / tp)
+
+
+def layer_kv_read_bytes(cfg: ModelConfig, tp: int, total_context: int) -> float:
+    """K and V bytes one shard reads in one decode step of one layer (the K/V heads its query heads use)."""
+    return 2 * kv_heads_read_per_device(cfg, tp) * cfg.head_dim * total_context * cfg.dtype_bytes
+
+
+def allreduce_bytes_per_device(cfg: ModelConfig, tp: int, num_tokens: int) -> float:
     """Bytes each device sends in one ring all-reduce of `num_tokens` activations."""
     if tp == 1:
         return 0.0
@@ -128,19 +167,22 @@ def allreduce_bytes_per_device(cfg: OPTConfig, tp: int, num_tokens: int) -> floa
 # ---------------------------------------------------------------------------------------------
 # Memory model
 # ---------------------------------------------------------------------------------------------
-def weight_bytes_per_device(cfg: OPTConfig, tp: int, pp: int) -> float:
-    """Weights on one device of the heaviest stage: ceil(L/pp) layers plus the embeddings, sharded tp ways."""
+def weight_bytes_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
+    """Weights on one device of the heaviest stage: ceil(L/pp) layers plus the embeddings, sharded tp ways
+    except the k/v projections a tp group replicates (tp a multiple of the K/V heads)."""
     layers = math.ceil(cfg.num_layers / pp)
-    params = layers * cfg.num_layer_params + cfg.num_embedding_params
-    return params * cfg.dtype_bytes / tp
+    replicated = layers * replicated_layer_params(cfg, tp)
+    params = layers * cfg.num_layer_params + cfg.num_embedding_params - replicated
+    return params * cfg.dtype_bytes / tp + replicated * cfg.dtype_bytes
 
 
-def kv_bytes_per_token_per_device(cfg: OPTConfig, tp: int, pp: int) -> float:
+def kv_bytes_per_token_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
+    """K and V of one token on one device of the heaviest stage: its K/V heads (all of them when replicated)."""
     layers = math.ceil(cfg.num_layers / pp)
-    return 2 * layers * cfg.hidden_size / tp * cfg.dtype_bytes
+    return 2 * layers * kv_heads_per_device(cfg, tp) * cfg.head_dim * cfg.dtype_bytes
 
 
-def kv_capacity_tokens(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int) -> int:
+def kv_capacity_tokens(cfg: ModelConfig, device: DeviceSpec, tp: int, pp: int) -> int:
     """KV-cache slots (tokens) one instance holds; 0 when the weights do not fit."""
     free = device.usable_memory_bytes - weight_bytes_per_device(cfg, tp, pp)
     if free <= 0:
@@ -148,7 +190,7 @@ def kv_capacity_tokens(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int) -> 
     return int(free // kv_bytes_per_token_per_device(cfg, tp, pp))
 
 
-def fits(cfg: OPTConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: int | None = None) -> bool:
+def fits(cfg: ModelConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: int | None = None) -> bool:
     """Whether the weights fit with room for at least one max-length sequence of KV cache."""
     need = cfg.max_position_embeddings if min_kv_tokens is None else min_kv_tokens
     return kv_capacity_tokens(cfg, device, tp, pp) >= need
@@ -232,7 +274,7 @@ class AppendixCoefficients:
 class AppendixModel:
     """The appendix form for one (model, tp, pp) instance. Stage = ceil(L/pp) layers (+ LM head)."""
 
-    cfg: OPTConfig
+    cfg: ModelConfig
     coeffs: AppendixCoefficients
     tp: int
     pp: int
@@ -261,8 +303,9 @@ class AppendixModel:
         object.__setattr__(self, "_weights", weights)
         object.__setattr__(self, "_ar_per_token", ar_per_token)
         object.__setattr__(self, "_ar_fixed", ar_fixed)
-        object.__setattr__(self, "_attn_prefill", c.C2 * 3 * (cfg.hidden_size / tp) / c.block_size)
-        object.__setattr__(self, "_attn_decode", layers * c.C5 * 3 * (cfg.hidden_size / tp))
+        factor, q_width = attention_factor(cfg, tp), cfg.num_heads * cfg.head_dim / tp  # OPT: 3, h/tp
+        object.__setattr__(self, "_attn_prefill", c.C2 * factor * q_width / c.block_size)
+        object.__setattr__(self, "_attn_decode", layers * c.C5 * factor * q_width)
         object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
         object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
         object.__setattr__(self, "_send_bytes_per_token", cfg.hidden_size * cfg.dtype_bytes)
@@ -314,7 +357,7 @@ class FoldedCoefficients:
 class FoldedModel:
     """Folded coefficients, with a pp-stage pipeline as 1/pp of the whole-model time per stage."""
 
-    cfg: OPTConfig
+    cfg: ModelConfig
     coeffs: FoldedCoefficients
     pp: int
     stage_link_bandwidth: float
@@ -497,7 +540,7 @@ def load_profile(name_or_path: str) -> Profile:
 class LatencyProvider:
     """Builds instance latency models for one model on one device, from a profile or the roofline."""
 
-    cfg: OPTConfig
+    cfg: ModelConfig
     device: DeviceSpec
     profile: Profile | None = None
     intra_node_bandwidth: float | None = None
@@ -537,7 +580,8 @@ class LatencyProvider:
             base = AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
             if coeffs.buckets is not None:
                 b = coeffs.buckets
-                width = 3 * self.cfg.num_layers * self.cfg.hidden_size / tp  # L·3(h/tp), as the Appendix form
+                cfg = self.cfg  # L·3(h/tp) for OPT, as the Appendix form
+                width = attention_factor(cfg, tp) * cfg.num_layers * (cfg.num_heads * cfg.head_dim) / tp
                 base = BucketModel(b, b.C2 * width / coeffs.block_size, b.C5 * width, base.send_s, pp)
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:

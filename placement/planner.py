@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from jaxserve.core.limits import ServingLimits
@@ -20,6 +20,7 @@ from placement.latency import kv_capacity_tokens
 from placement.search import (
     Candidate,
     Job,
+    Key,
     SearchContext,
     SearchResult,
     algorithm1,
@@ -33,6 +34,7 @@ from placement.search import (
     colocated_jobs,
     colocated_search,
     evaluate_all,
+    job_key,
     plan_job,
     ratio_search,
     replicate_colocated,
@@ -121,8 +123,12 @@ def choose_plan(
     reseed: Callable[[int], Workload] | None = None,
     seeds: int = 2,
     interval_top: int = 3,
+    prune: bool = True,
 ) -> PlanReport:
-    """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them."""
+    """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them.
+
+    With `prune` candidates that provably cannot be picked (nor be among the `interval_top` leaders) are
+    not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`."""
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive")
     cluster, latency = ctx.cluster, ctx.latency
@@ -132,18 +138,29 @@ def choose_plan(
     # The candidates of every search this call runs, in two parallel maps: first every phase alone and
     # every colocated shape; then what starts from those results (Algorithm 2's pairs, from their phases)
     # or needs them (the joint check of Algorithm 1's plan).
+    # A search needs its best few candidates exactly (its pick, the leaders given a range over seeds); the
+    # others may be skipped once their throughput bound shows they cannot be among them (`evaluate_all`).
     first: list[Job] = []
+    prunable: dict[Key, frozenset[Key]] = {}
     local_search = kind != "colocated" and (affinity == "low" or verify)  # Algorithm 2 runs
-    if kind != "colocated" and affinity == "high":
-        with contextlib.suppress(PlanError):  # that search raises it again below, where it is handled
-            first += algorithm1_jobs(ctx)
+    alg2_phases: list[Job] = []
     if local_search:
         with contextlib.suppress(PlanError):
-            first += algorithm2_phase_jobs(ctx)
+            alg2_phases = algorithm2_phase_jobs(ctx)
+    if kind != "colocated" and affinity == "high":
+        with contextlib.suppress(PlanError):  # that search raises it again below, where it is handled
+            alg1 = algorithm1_jobs(ctx)
+            first += alg1
+            # Algorithm 2's pairs start from their phases' goodputs: those are needed whatever they are
+            prunable.update(_competing(alg1, exclude=alg2_phases))
+    first += alg2_phases
     if kind != "disagg" or compare_colocated:
         with contextlib.suppress(PlanError):
-            first += colocated_jobs(ctx)
-    evaluated = evaluate_all(first, workers, progress)
+            coloc = colocated_jobs(ctx)
+            first += coloc
+            prunable.update(_competing(coloc))
+    keep = max(1, interval_top)
+    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster)
     if kind != "colocated" and affinity == "high":
         try:
             disagg = algorithm1(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
@@ -152,15 +169,18 @@ def choose_plan(
                 raise
             failures.append(f"disaggregated: {e}")
     second: list[Job] = []
+    prunable = {}
     if local_search:
         with contextlib.suppress(PlanError, KeyError):  # KeyError: no phase results (no pairs fit)
-            second += algorithm2_jobs(ctx, evaluated)
+            pairs = algorithm2_jobs(ctx, evaluated)
+            second += pairs
+            prunable = _competing(pairs)
     disagg_plan = None
     if disagg is not None:
         disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=False)
         if verify:  # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
             second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
-    evaluated.update(evaluate_all(second, workers, progress))
+    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep))
     if kind != "colocated" and affinity == "low":
         try:
             disagg = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
@@ -261,6 +281,13 @@ def choose_plan(
         runner_up_samples=runner_samples,
         candidate_intervals=intervals,
     )
+
+
+def _competing(jobs: Sequence[Job], exclude: Sequence[Job] = ()) -> dict[Key, frozenset[Key]]:
+    """The jobs of one search as `evaluate_all`'s `prunable`: each (but `exclude`) competes with all of them."""
+    keys = frozenset(job_key(j) for j in jobs)
+    skip = {job_key(j) for j in exclude}
+    return {k: keys for k in keys if k not in skip}
 
 
 def _leaders(results: list[SearchResult], top: int) -> list[Candidate]:

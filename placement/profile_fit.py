@@ -46,9 +46,15 @@ from typing import Any
 import numpy as np
 
 from jaxserve.core.step_samples import DecodeSample, PrefillSample
-from models.config import OPTConfig
+from models.config import ModelConfig
 from placement.bucket_latency import BucketCosts
-from placement.latency import DEFAULT_BLOCK_SIZE, StepOverhead, allreduce_bytes_per_device, layer_gemm_macs
+from placement.latency import (
+    DEFAULT_BLOCK_SIZE,
+    StepOverhead,
+    allreduce_bytes_per_device,
+    attention_factor,
+    layer_gemm_macs,
+)
 from placement.padding import EnginePadding
 
 __all__ = [
@@ -104,11 +110,11 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best[1] / scale
 
 
-def _layer_elems(cfg: OPTConfig, tp: int) -> float:
+def _layer_elems(cfg: ModelConfig, tp: int) -> float:
     return layer_gemm_macs(cfg, tp, 1)  # (4h² + 2hm)/tp: weight elements per layer = MACs per token
 
 
-def _lm_head_macs(cfg: OPTConfig, tp: int, batch: int) -> float:
+def _lm_head_macs(cfg: ModelConfig, tp: int, batch: int) -> float:
     return batch * cfg.vocab_size * cfg.embed_dim / tp
 
 
@@ -117,15 +123,15 @@ _C1, _C2, _C4, _C5, _PREFILL_CONST, _DECODE_CONST, _PER_CTX, _ALLREDUCE = range(
 
 
 def _prefill_row(
-    cfg: OPTConfig, tp: int, lengths: Sequence[int], padded: Sequence[int], block_size: int
+    cfg: ModelConfig, tp: int, lengths: Sequence[int], padded: Sequence[int], block_size: int
 ) -> list[float]:
     """Features of one prefill step: kernel terms on the `padded` batch, overhead on the actual `lengths`."""
     t = float(sum(padded))
     t2 = float(sum(n * n for n in padded))
-    L, h = cfg.num_layers, cfg.hidden_size
+    L, q = cfg.num_layers, cfg.num_heads * cfg.head_dim  # q: the query width (OPT: h)
     row = [0.0] * 8
     row[_C1] = L * _layer_elems(cfg, tp) * t + _lm_head_macs(cfg, tp, len(padded))
-    row[_C2] = L * 3 * (h / tp) * t2 / block_size
+    row[_C2] = L * attention_factor(cfg, tp) * (q / tp) * t2 / block_size  # OPT: L·3(h/tp)
     row[_PREFILL_CONST] = 1.0
     row[_PER_CTX] = float(sum(lengths))
     row[_ALLREDUCE] = 2 * L * allreduce_bytes_per_device(cfg, tp, int(t))
@@ -133,17 +139,17 @@ def _prefill_row(
 
 
 def _decode_row(
-    cfg: OPTConfig, tp: int, ctx_sum: float, rows: int, padded_ctx: float, compute_bound: bool
+    cfg: ModelConfig, tp: int, ctx_sum: float, rows: int, padded_ctx: float, compute_bound: bool
 ) -> list[float]:
     """Features of one decode step of `rows` (padded) rows: GEMMs on C1·B when compute-bound, else on C4."""
-    L, h = cfg.num_layers, cfg.hidden_size
+    L, q = cfg.num_layers, cfg.num_heads * cfg.head_dim  # q: the query width (OPT: h)
     weights = L * _layer_elems(cfg, tp) + cfg.vocab_size * cfg.embed_dim / tp
     row = [0.0] * 8
     if compute_bound:
         row[_C1] = rows * weights
     else:
         row[_C4] = weights
-    row[_C5] = L * 3 * (h / tp) * padded_ctx
+    row[_C5] = L * attention_factor(cfg, tp) * (q / tp) * padded_ctx
     row[_DECODE_CONST] = 1.0
     row[_PER_CTX] = float(ctx_sum)
     row[_ALLREDUCE] = 2 * L * allreduce_bytes_per_device(cfg, tp, rows)
@@ -173,7 +179,7 @@ class InstanceFit:
 
 
 def fit_instance(
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     tp: int,
     prefill: Sequence[PrefillSample],
     decode: Sequence[DecodeSample],
@@ -263,7 +269,7 @@ def _fit_table(
 
 
 def fit_bucket_costs(
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     tp: int,
     prefill: Sequence[PrefillSample],
     decode: Sequence[DecodeSample],
@@ -281,7 +287,7 @@ def fit_bucket_costs(
     constants leave a bucket a negative cost, that much moves from them into every bucket: `fixed_s` (both
     phases) first, then `prefill_s` (prompt steps). The returned overhead says what is left.
     """
-    width = cfg.num_layers * 3 * cfg.hidden_size / tp
+    width = cfg.num_layers * attention_factor(cfg, tp) * (cfg.num_heads * cfg.head_dim) / tp
     pre = [
         padding.prefill(float(sum(s.lengths)), float(sum(n * n for n in s.lengths)), len(s.lengths)) for s in prefill
     ]
@@ -336,7 +342,7 @@ def detect_lm(samples: Sequence[PrefillSample], saturation: float = 0.9) -> int:
 
 
 def profile_entry(
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     tp: int,
     engine: str,
     prefill: Sequence[PrefillSample],

@@ -27,12 +27,12 @@ import dataclasses
 import math
 import multiprocessing
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Literal, TypeVar
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
-from models.config import OPTConfig
+from models.config import ModelConfig, supports_tp
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider, fits
@@ -57,7 +57,7 @@ class SearchContext:
     max_pp: int | None = None  # limit pipeline stages per instance (None: as many as devices allow)
 
     @property
-    def cfg(self) -> OPTConfig:
+    def cfg(self) -> ModelConfig:
         return self.latency.cfg
 
 
@@ -77,6 +77,13 @@ class Candidate:
     # The SLOs still held at the deployment's throughput bound: a finite trace cannot show the queue
     # that builds there, so the true goodput is at most this (and candidates at the bound tie).
     at_bound: bool = False
+    # Not simulated (`evaluate_all` with `prunable`): its throughput bound, which its goodput cannot exceed,
+    # was already below what the search needs to beat. `goodput_rps` is then 0 (it is no search's pick).
+    pruned_bound_rps: float | None = None
+
+    @property
+    def pruned(self) -> bool:
+        return self.pruned_bound_rps is not None
 
     @property
     def per_device(self) -> float:
@@ -111,9 +118,10 @@ class SearchResult:
 # ---------------------------------------------------------------------------------------------
 # Enumeration
 # ---------------------------------------------------------------------------------------------
-def tp_degrees(cfg: OPTConfig, max_tp: int) -> list[int]:
-    """Tensor-parallel degrees that split the attention heads evenly, up to `max_tp`."""
-    return [tp for tp in range(1, max_tp + 1) if cfg.num_heads % tp == 0]
+def tp_degrees(cfg: ModelConfig, max_tp: int) -> list[int]:
+    """Tensor-parallel degrees up to `max_tp` that shard the model (`models.config.tp_problems`): query heads
+    and MLP split evenly, K/V heads split (tp divides them) or replicated (tp a multiple of them)."""
+    return [tp for tp in range(1, max_tp + 1) if supports_tp(cfg, tp)]
 
 
 def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[tuple[int, int]]:
@@ -133,43 +141,217 @@ def _map(
     fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Callable[[int, int], None] | None
 ) -> list[R]:
     """fn over items, in worker processes when workers > 1; results in item order."""
-    results: list[R] = []
-    if workers <= 1 or len(items) <= 1:
-        for k, item in enumerate(items):
-            results.append(fn(item))
-            if progress:
-                progress(k + 1, len(items))
-        return results
-    # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
-    context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for k, r in enumerate(pool.map(fn, items)):
+    with _Pool(workers) as pool:
+        return pool.map(fn, items, progress)
+
+
+class _Pool:
+    """Worker processes kept across several maps (`evaluate_all`'s rounds); in-process when workers <= 1."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def map(
+        self,
+        fn: Callable[[T], R],
+        items: Sequence[T],
+        progress: Callable[[int, int], None] | None,
+        done: int = 0,
+        total: int | None = None,
+    ) -> list[R]:
+        total = len(items) if total is None else total
+        results: list[R] = []
+        if self.workers <= 1 or len(items) <= 1:
+            for item in items:
+                results.append(fn(item))
+                if progress:
+                    progress(done + len(results), total)
+            return results
+        for r in self._executor().map(fn, items):
             results.append(r)
             if progress:
-                progress(k + 1, len(items))
-    return results
+                progress(done + len(results), total)
+        return results
+
+    def stream(
+        self,
+        fn: Callable[[T], R],
+        items: Sequence[T],
+        skip: Callable[[int], bool] | None,
+        gated: Callable[[int], bool],
+        lag: int,
+    ) -> Iterator[tuple[int, R | None]]:
+        """(index, fn(item)) as they finish, or (index, None) for an item `skip` rules out.
+
+        An item that is `gated` starts (or is skipped) only once every item at least `lag` places before it
+        has been yielded; `skip(i)` is asked then, and reads only those (so its answer does not depend on the
+        workers' timing). Other items start as soon as a worker is free."""
+        yielded: set[int] = set()
+        upto = 0  # every item before this index has been yielded
+
+        def ready(i: int) -> bool:
+            return not gated(i) or i - lag < upto
+
+        def ruled_out(i: int) -> bool:
+            return gated(i) and skip is not None and skip(i)
+
+        if self.workers <= 1:
+            for i, item in enumerate(items):
+                yield (i, None) if ruled_out(i) else (i, fn(item))
+            return
+        pool = self._executor()
+        running: dict[Future[R], int] = {}
+        nxt = 0
+        while nxt < len(items) or running:
+            while nxt < len(items) and len(running) < self.workers and ready(nxt):
+                if ruled_out(nxt):
+                    yielded.add(nxt)
+                    yield nxt, None
+                else:
+                    running[pool.submit(fn, items[nxt])] = nxt
+                nxt += 1
+                while upto in yielded:
+                    upto += 1
+            if not running:
+                continue  # the next item waits for nothing now (all before it were skipped)
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                i = running.pop(future)
+                yielded.add(i)
+                yield i, future.result()
+            while upto in yielded:
+                upto += 1
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
+            context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
+        return self._pool
 
 
 # Candidates by (kind, the plan's instances): what `evaluate_all` returns and the searches look up.
-Evaluated = dict[tuple[str, tuple[InstanceSpec, ...]], Candidate]
+Key = tuple[str, tuple[InstanceSpec, ...]]
+Evaluated = dict[Key, Candidate]
 
 
 def evaluate_all(
-    jobs: Sequence[Job], workers: int = 2, progress: Callable[[int, int], None] | None = None
+    jobs: Sequence[Job],
+    workers: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    prunable: Mapping[Key, frozenset[Key]] | None = None,
+    keep: int = 1,
+    cluster: ClusterSpec | None = None,
 ) -> Evaluated:
     """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
-    pool); the searches then take their candidates from the result (their `evaluated` argument)."""
+    pool); the searches then take their candidates from the result (their `evaluated` argument).
+
+    `prunable` maps jobs that may be skipped to the candidates their search picks among (its keys). A
+    search needs the best `keep` candidates of a kind exactly (its pick, and the leaders `choose_plan`
+    gives a range over seeds), the others only to know they are not among them. The jobs run in a fixed
+    sequence: each kind's `keep` prunable jobs of highest throughput bound per device
+    (`GoodputSearch.throughput_bound`: no goodput exceeds it), the jobs that are not prunable, then the
+    other prunable ones, each kind's by bound. A prunable job is skipped when its bound is below the
+    `keep`-th best goodput per device of its search and kind among the jobs at least `workers` places
+    before it in the sequence — and, for a phase alone with `cluster` given (Algorithm 1), below the best
+    balanced prefill + decode group among them (`_best_fill`: a group's goodput per device is below each
+    member's). Which jobs a decision sees is fixed by the sequence, not by which worker finishes first, so
+    for the same inputs and `workers` the same candidates are skipped on every run; a skipped one could
+    not have been picked, so the searches choose what they would have chosen without pruning. Skipped
+    candidates carry their bound (`Candidate.pruned`).
+    """
     unique = list({_key(j): j for j in jobs}.values())
+    prunable = prunable or {}
+    bounds = {_key(j): job_bound_per_device(j) for j in unique if _key(j) in prunable}
+    by_kind: dict[str, list[Job]] = {}
+    for j in unique:  # each kind's prunable jobs, highest bound first (ties: enumeration order)
+        if _key(j) in bounds:
+            by_kind.setdefault(j[1], []).append(j)
+    for queue in by_kind.values():
+        queue.sort(key=lambda j: -bounds[_key(j)])
+    keep = max(1, keep)
     # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
     # workers at the end (a long one last would leave the other worker idle while it runs).
-    unique.sort(key=lambda j: _COST_ORDER.get(j[1], 0))
-    return dict(zip(map(_key, unique), _map(_eval, unique, workers, progress), strict=True))
+    cost = _COST_ORDER.get
+    kinds = sorted(by_kind, key=lambda k: cost(k, 0))
+    sequence = [j for k in kinds for j in by_kind[k][:keep]]  # never skipped: fewer than `keep` rivals before them
+    leading = len(sequence)
+    sequence += sorted((j for j in unique if _key(j) not in bounds), key=lambda j: cost(j[1], 0))
+    sequence += [j for k in kinds for j in by_kind[k][keep:]]
+    lag = max(1, workers)
+
+    results: dict[int, Candidate] = {}
+
+    def gated(i: int) -> bool:
+        return i >= leading and _key(sequence[i]) in bounds
+
+    def skip(i: int) -> bool:  # sees the jobs at least `lag` places before job i (all yielded by now)
+        key = _key(sequence[i])
+        seen = {_key(sequence[n]): results[n] for n in range(i - lag + 1)}
+        return bounds[key] * (1 + 1e-6) < _prune_threshold(sequence[i][1], seen, prunable[key], keep, cluster)
+
+    with _Pool(workers) as pool:
+        for i, cand in pool.stream(_eval, sequence, skip, gated, lag):
+            results[i] = cand if cand is not None else _pruned(sequence[i], bounds[_key(sequence[i])])
+            if progress:
+                progress(len(results), len(sequence))
+    evaluated = {_key(sequence[i]): c for i, c in results.items()}
+    return {_key(j): evaluated[_key(j)] for j in unique}
+
+
+def job_bound_per_device(job: Job) -> float:
+    """The throughput bound of a job's deployment per device (its goodput per device cannot exceed it)."""
+    ctx, kind, plan, slo, options, _ = job
+    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
+    return search.throughput_bound() / _job_devices(kind, plan)
+
+
+def _job_devices(kind: str, plan: DeploymentPlan) -> int:
+    if kind in ("prefill", "decode"):
+        return next(i for i in plan.instances if i.role == kind).num_devices
+    return plan.num_devices
+
+
+def _pruned(job: Job, bound_per_device: float) -> Candidate:
+    devices = _job_devices(job[1], job[2])
+    return Candidate(job[1], job[2], 0.0, devices, pruned_bound_rps=bound_per_device * devices)
+
+
+def _prune_threshold(
+    kind: str, done: Evaluated, search: frozenset[Key], keep: int, cluster: ClusterSpec | None
+) -> float:
+    """Goodput per device a `kind` candidate of `search` must be able to reach to matter (0: any may).
+
+    The 1e-6 margin the caller adds keeps the search's near-tie rule (`_best`: within 1e-9 the first in
+    enumeration order stays) out of reach of a skipped candidate."""
+    rivals = [c for key, c in done.items() if key in search]
+    rates = sorted((c.per_device for c in rivals if c.kind == kind and c.goodput_rps > 0), reverse=True)
+    if len(rates) < keep:
+        return 0.0
+    need = rates[keep - 1]
+    if kind in ("prefill", "decode"):  # Algorithm 1 without a rate picks a group of both phases
+        fill = _best_fill(rivals, cluster) if cluster is not None else None
+        need = min(need, fill[0]) if fill is not None else 0.0
+    return need
 
 
 _COST_ORDER = {"colocated": 0, "disagg": 0, "decode": 1, "prefill": 2}
 
 
-def _key(job: Job) -> tuple[str, tuple[InstanceSpec, ...]]:
+def job_key(job: Job) -> Key:
+    """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
+    return job[1], job[2].instances
+
+
+def _key(job: Job) -> Key:
     """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
     return job[1], job[2].instances
 
@@ -185,10 +367,7 @@ def _evaluate(
 def _eval(job: Job) -> Candidate:
     ctx, kind, plan, slo, options, hint = job
     search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
-    if kind in ("prefill", "decode"):
-        devices = next(i for i in plan.instances if i.role == kind).num_devices
-    else:
-        devices = plan.num_devices
+    devices = _job_devices(kind, plan)
     rate = max_rate(search, ctx.rel_tol, hint=hint)
     return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
 
@@ -303,19 +482,7 @@ def algorithm1(
     else:
         # No target rate: the cluster is the budget. Pick the prefill/decode shapes and counts that
         # fit it with the highest balanced per-device goodput (no simulation, just the phase results).
-        fills: list[tuple[float, int, Candidate, Candidate, int, int]] = []
-        order = 0
-        for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
-            for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
-                for n, m, score in _fill_options(
-                    cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices
-                ):
-                    fills.append((score, order, cp, cd, n, m))
-                    order += 1
-        # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
-        # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
-        fills.sort(key=lambda f: (-f[0], f[1]))
-        chosen = next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
+        chosen = _best_fill(cands, cluster)
         if chosen is None:
             raise PlanError(
                 f"no prefill + decode instance pair of {ctx.cfg.name} fits in {cluster.num_devices} devices"
@@ -339,6 +506,27 @@ def algorithm1(
         f"{d_inst.shape} ({g_d / d_inst.num_devices:.3g} rps/device under TPOT); {why}"
     )
     return SearchResult(plan, goodput, cands, reason)
+
+
+def _best_fill(
+    cands: Iterable[Candidate], cluster: ClusterSpec
+) -> tuple[float, int, Candidate, Candidate, int, int] | None:
+    """(score, order, prefill, decode, n, m): the placeable group of n prefill + m decode instances with the
+    highest balanced goodput per device, min(n·g_p, m·g_d) / devices; None when no group fits."""
+    cands = list(cands)
+    fills: list[tuple[float, int, Candidate, Candidate, int, int]] = []
+    order = 0
+    for cp in (c for c in cands if c.kind == "prefill" and c.goodput_rps > 0):
+        for cd in (c for c in cands if c.kind == "decode" and c.goodput_rps > 0):
+            for n, m, score in _fill_options(
+                cp.goodput_rps, cp.num_devices, cd.goodput_rps, cd.num_devices, cluster.num_devices
+            ):
+                fills.append((score, order, cp, cd, n, m))
+                order += 1
+    # Best balanced per-device goodput first; ties keep enumeration order. Each stage's tp group must
+    # fit inside one node, so the first group `assign_nodes` can put on the cluster wins.
+    fills.sort(key=lambda f: (-f[0], f[1]))
+    return next((f for f in fills if _placeable(f[2].instance, f[4], f[3].instance, f[5], cluster)), None)
 
 
 def _fill_options(g_p: float, dev_p: int, g_d: float, dev_d: int, total: int) -> list[tuple[int, int, float]]:

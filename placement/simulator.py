@@ -63,6 +63,7 @@ from jaxserve.core.scheduling import (
     prefill_buffer_free_slots,
     schedule_colocated,
 )
+from models.config import kv_heads_per_device
 from placement.hardware import ClusterSpec
 from placement.latency import (
     DeploymentKind,
@@ -217,6 +218,11 @@ class Simulator:
         self.arrival_at = workload.arrival_at
         self.input_lens = workload.input_lens
         self.output_lens = workload.output_lens
+        # Python ints of the same lengths: the event handlers read one or a few at a time, where indexing a
+        # numpy array (and summing a small slice of one) costs more than the arithmetic it feeds.
+        self._input_list: list[int] = workload.input_lens.tolist()
+        self._output_list: list[int] = workload.output_lens.tolist()
+        self._arrival_list: list[float] = workload.arrival_at.tolist()
         nan = np.full(n, np.nan)
         self.prefill_start_at = nan.copy()
         self.first_token_at = nan.copy()
@@ -372,8 +378,8 @@ class Simulator:
             k = self._route_colocated(i, loads)  # prefix-cache hook
             c = self.colocated[k]
             c.waiting.append(i)
-            c.records[i] = ColocatedRequest(str(i), int(self.input_lens[i]), int(self.output_lens[i]))
-            c.waiting_tokens += int(self.input_lens[i])
+            c.records[i] = ColocatedRequest(str(i), self._input_list[i], self._output_list[i])
+            c.waiting_tokens += self._input_list[i]
             c.steady = None
             if c.busy:
                 self._cut_steps(k)
@@ -391,8 +397,8 @@ class Simulator:
         if k < 0:
             return
         p = self.prefills[k]
-        p.queue.append(WaitingPrompt(str(i), int(self.input_lens[i])))
-        p.queued_tokens += int(self.input_lens[i])
+        p.queue.append(WaitingPrompt(str(i), self._input_list[i]))
+        p.queued_tokens += self._input_list[i]
         self._try_start_prefill(k)
 
     # ---- prefill -----------------------------------------------------------------------------
@@ -419,8 +425,8 @@ class Simulator:
         if n == 0:
             return
         batch = [int(p.queue.popleft().request_id) for _ in range(n)]
-        lengths = self.input_lens[batch]
-        total = int(lengths.sum())
+        lengths = self._input_list
+        total = sum(lengths[i] for i in batch)
         p.queued_tokens -= total
         p.inflight_tokens += total
         p.inflight_requests += n
@@ -440,7 +446,8 @@ class Simulator:
 
     def _on_prefill_done(self, k: int, batch: list[int]) -> None:
         p = self.prefills[k]
-        total = int(self.input_lens[batch].sum())
+        lengths = self._input_list
+        total = sum(lengths[i] for i in batch)
         p.inflight_tokens -= total
         p.inflight_requests -= len(batch)
         for i in batch:
@@ -448,17 +455,17 @@ class Simulator:
             if self.options.mode == "prefill":
                 self._first_token(i, finish_now=True)
             else:
-                p.buffer_tokens += int(self.input_lens[i])
+                p.buffer_tokens += self._input_list[i]
                 p.buffer_requests += 1
                 self._first_token(i, src=k)
         if p.model.pp == 1:
             self._try_start_prefill(k)
 
     def _first_token(self, i: int, src: int = -1, finish_now: bool = False) -> None:
-        ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s
+        ttft_ok = self.slo is None or self.now - self._arrival_list[i] <= self.slo.ttft_s
         if self.tracker is not None:
             self.tracker.record_ttft(ttft_ok)
-        if finish_now or self.output_lens[i] == 1:
+        if finish_now or self._output_list[i] == 1:
             self.finish_at[i] = self.now
             if self.tracker is not None:
                 self.tracker.record_done(ttft_ok, True)
@@ -471,12 +478,12 @@ class Simulator:
         ]
         k = self._route_decode(i, loads)  # prefix-cache hook
         d = self.decodes[k]
-        d.pending.append((PendingDecode(str(i), int(self.input_lens[i]), int(self.output_lens[i])), i, src))
+        d.pending.append((PendingDecode(str(i), self._input_list[i], self._output_list[i]), i, src))
         self._try_admit(k)
 
     def _release_buffer(self, src: int, i: int) -> None:
         p = self.prefills[src]
-        p.buffer_tokens -= int(self.input_lens[i])
+        p.buffer_tokens -= self._input_list[i]
         p.buffer_requests -= 1
         self._try_start_prefill(src)
 
@@ -528,12 +535,16 @@ class Simulator:
 
         Inside a node (every prefill stage on the node of the matching decode stage, or all on one
         node) each of the min(#devices) device pairs moves its share over NVLink in parallel; across
-        nodes the whole KV crosses the inter-node network.
+        nodes the whole KV crosses the inter-node network. A decode instance whose tp replicates the K/V
+        heads (tp a multiple of them, `models.config.kv_heads_split`) needs every head on each device of a
+        stage: inside a node that is `copies` times the bytes over the same links; across nodes the KV
+        crosses once (the copies inside the receiving node are not charged).
         """
         same = (len(p_nodes) == len(d_nodes) and p_nodes == d_nodes) or len(set(p_nodes) | set(d_nodes)) == 1
         if same:
             pairs = min(p_spec.num_devices, d_spec.num_devices)
-            return 1.0 / (pairs * self.cluster.nvlink_bandwidth)
+            copies = d_spec.tp * kv_heads_per_device(self.cfg, d_spec.tp) // self.cfg.kv_heads  # 1 when split
+            return copies / (pairs * self.cluster.nvlink_bandwidth)
         return 1.0 / self.cluster.inter_node_bandwidth
 
     def _on_transfer_done(self, k: int, i: int, src: int) -> None:
@@ -569,9 +580,9 @@ class Simulator:
             # Request j runs rounds rounds_done .. rounds_done + out - 2 (its first token came from
             # prefill), with context input + 1 in its first round.
             self.decode_start_at[j] = self.now
-            heapq.heappush(d.finish_heap, (d.rounds_done + int(self.output_lens[j]) - 2, j))
+            heapq.heappush(d.finish_heap, (d.rounds_done + self._output_list[j] - 2, j))
             d.num_running += 1
-            d.ctx_sum += int(self.input_lens[j]) + 1
+            d.ctx_sum += self._input_list[j] + 1
         d.joining = []
         if not self._batch_rounds:
             round_s = self._decode_round_s(k)  # prefix-cache hook
@@ -621,7 +632,7 @@ class Simulator:
         while d.finish_heap and d.finish_heap[0][0] == d.rounds_done:
             _, j = heapq.heappop(d.finish_heap)
             finished = True
-            n_in, n_out = int(self.input_lens[j]), int(self.output_lens[j])
+            n_in, n_out = self._input_list[j], self._output_list[j]
             self.finish_at[j] = self.now
             d.num_running -= 1
             d.ctx_sum -= n_in + n_out
@@ -641,9 +652,9 @@ class Simulator:
         return choose_prefill_instance(loads)
 
     def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
-        lengths = self.input_lens[batch]
+        lengths = [self._input_list[i] for i in batch]
         return self.prefills[k].model.prefill_stage_s(
-            float(lengths.sum()), float((lengths * lengths).sum()), len(batch)
+            float(sum(lengths)), float(sum(n * n for n in lengths)), len(batch)
         )
 
     def _route_decode(self, i: int, loads: list[DecodeLoad]) -> int:
@@ -654,14 +665,14 @@ class Simulator:
         return num_blocks
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
-        n_tokens = kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i]))
+        n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
         return blocks_for(n_tokens, self.options.block_size)
 
     def _admit_without_transfer(self, k: int, i: int, src: int) -> bool:
         return False
 
     def _transfer_tokens(self, k: int, i: int) -> int:
-        return int(self.input_lens[i])
+        return self._input_list[i]
 
     def _decode_has_work(self, k: int) -> bool:
         return bool(self.decodes[k].joining)
@@ -681,7 +692,7 @@ class Simulator:
         return None
 
     def _release_colocated_blocks(self, k: int, i: int) -> int:
-        n_tokens = kv_tokens_reserved(int(self.input_lens[i]), int(self.output_lens[i]))
+        n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
         return blocks_for(n_tokens, self.options.block_size)
 
     # <<< prefix-cache hooks ----------------------------------------------------------------------
@@ -727,10 +738,13 @@ class Simulator:
         for reservation in step.admit:
             i = c.waiting.popleft()  # admission is an FCFS prefix of the waiting queue
             assert str(i) == reservation.request_id
-            c.waiting_tokens -= int(self.input_lens[i])
+            c.waiting_tokens -= self._input_list[i]
             c.admitted.append(i)
             c.free_blocks -= self._reserve_colocated_blocks(k, i, reservation.num_blocks)  # prefix-cache hook
-            c.records[i] = dataclasses.replace(c.records[i], admitted=True, num_prefilled=int(self._prefilled[i]))
+            r = c.records[i]  # (what dataclasses.replace builds, without its per-call introspection)
+            c.records[i] = ColocatedRequest(
+                r.request_id, r.num_prompt_tokens, r.max_new_tokens, int(self._prefilled[i]), True
+            )
             self.prefill_start_at[i] = self.now
         decode_idx = np.asarray([int(r) for r in step.decode], dtype=np.int64)
         decode_ctx = (
@@ -747,13 +761,13 @@ class Simulator:
             start = max(ch.start, int(self._prefilled[i]))
             if start < ch.start + ch.num_tokens:
                 cut.append((i, start, ch.start + ch.num_tokens - start))
-        chunks = np.asarray([n for _, _, n in cut], dtype=np.int64)
-        priors = np.asarray([start for _, start, _ in cut], dtype=np.int64)
-        ctx_sum = float(decode_ctx.sum())
-        dt = mixed_step_s(c.model, c.overhead, chunks.tolist(), priors.tolist(), len(decode_idx), ctx_sum)
+        chunks = [n for _, _, n in cut]
+        priors = [start for _, start, _ in cut]
+        ctx_total = int(decode_ctx.sum())
+        dt = mixed_step_s(c.model, c.overhead, chunks, priors, len(decode_idx), float(ctx_total))
         c.busy = True
         if not step.admit and not step.prefill:
-            c.steady = (decode_idx, int(decode_ctx.sum()))
+            c.steady = (decode_idx, ctx_total)
         c.step_ends, c.step_decodes = [self.now + dt], decode_idx
         c.generation += 1
         self._push(c.step_ends[0], _COLOC_STEP_DONE, k, (tuple((i, n) for i, _, n in cut), decode_idx, c.generation))
@@ -781,16 +795,19 @@ class Simulator:
         done: list[int] = []
         for i, num in chunks:
             self._prefilled[i] += num
-            c.records[i] = dataclasses.replace(c.records[i], num_prefilled=int(self._prefilled[i]))
+            r = c.records[i]
+            c.records[i] = ColocatedRequest(
+                r.request_id, r.num_prompt_tokens, r.max_new_tokens, int(self._prefilled[i]), r.admitted
+            )
             if self._prefilled[i] >= self.input_lens[i]:
                 self._colocated_prompt_done(k, i)  # prefix-cache hook
                 self.first_token_at[i] = self.decode_start_at[i] = self.now
                 self.transfer_start_at[i] = self.transfer_end_at[i] = self.now
                 self._generated[i] = 1
-                ttft_ok = self.slo is None or self.now - self.arrival_at[i] <= self.slo.ttft_s
+                ttft_ok = self.slo is None or self.now - self._arrival_list[i] <= self.slo.ttft_s
                 if self.tracker is not None:
                     self.tracker.record_ttft(ttft_ok)
-                if self.output_lens[i] == 1:
+                if self._output_list[i] == 1:
                     done.append(i)
         if len(decode_idx):
             self._generated[decode_idx] += 1
@@ -808,8 +825,8 @@ class Simulator:
             if self.tracker is not None:
                 assert self.slo is not None
                 ttft_ok = self.first_token_at[i] - self.arrival_at[i] <= self.slo.ttft_s
-                tpot = (self.now - self.first_token_at[i]) / max(int(self.output_lens[i]) - 1, 1)
-                self.tracker.record_done(bool(ttft_ok), bool(tpot <= self.slo.tpot_s or self.output_lens[i] == 1))
+                tpot = (self.now - self.first_token_at[i]) / max(self._output_list[i] - 1, 1)
+                self.tracker.record_done(bool(ttft_ok), bool(tpot <= self.slo.tpot_s or self._output_list[i] == 1))
         self._coloc_step(k)
 
 

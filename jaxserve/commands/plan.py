@@ -150,12 +150,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}  {'range over seeds':>17}")
     rows = (list(disagg.candidates) if disagg else []) + (list(colocated.candidates) if colocated else [])
     for c in rows:
+        if c.pruned_bound_rps is not None:
+            bound = c.pruned_bound_rps
+            print(f"{c.label:<34} {c.num_devices:>7} {'<=' + format(bound, '.3f'):>12} "
+                  f"{'<=' + format(bound / c.num_devices, '.3f'):>11}  {'':>17} (pruned)")  # fmt: skip
+            continue
         mark = " *" if c.at_bound else ""
         span = report.interval(c)
         spread = f"[{span[0]:.3f}, {span[1]:.3f}]" if span else ""
         print(f"{c.label:<34} {c.num_devices:>7} {c.goodput_rps:>12.3f} {c.per_device:>11.3f}  {spread:>17}{mark}")
     if any(c.at_bound for c in rows):
         print("* met the SLOs at its throughput bound (the search's ceiling); its true goodput is at most this")
+    if any(c.pruned for c in rows):
+        print(
+            "(pruned): not simulated; its throughput bound (shown) was already below the best candidates "
+            "found, so it could not have been chosen"
+        )
     if report.candidate_intervals:
         n = len(report.candidate_intervals[0][1])
         print(

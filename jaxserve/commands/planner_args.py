@@ -22,7 +22,11 @@ from placement.workload import Workload
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="OPT preset, e.g. opt-13b")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="model preset: OPT (opt-13b, opt-66b, ...) or Llama-style (llama-3.1-70b, qwen2-7b, ...)",
+    )
     parser.add_argument("--device", default="a100-80gb", help="a100-80gb, a100-40gb, h100-80gb, h200, tpu-v5e, cpu")
     parser.add_argument("--nodes", type=int, default=1, help="nodes in the cluster")
     parser.add_argument("--devices-per-node", type=int, default=8)

@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.core.plan import PlanError, parse_deployment
+    from models.config import tp_problems
     from placement.context import UsageError
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import DeploymentKind, ProfileError
@@ -63,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
         for inst in plan.instances:
+            problems = tp_problems(latency.cfg, inst.tp)
+            if problems:
+                raise UsageError(f"{latency.cfg.name} cannot be sharded tp{inst.tp}: " + "; ".join(problems))
             if not latency.supports(engine, inst.tp):
                 raise UsageError(
                     f"profile {args.profile} has no {engine} coefficients for {latency.cfg.name} tp{inst.tp}"

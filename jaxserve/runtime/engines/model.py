@@ -73,10 +73,10 @@ from jaxserve.runtime.sampling import (
     token_logprobs_traced,
 )
 from models.attention import KVCache, PagedKVCache
-from models.config import ModelConfig
+from models.config import ModelConfig, kv_heads_split
 from models.opt import Params
 from models.paged_attention import IMPLS, BlockLayout, Impl
-from models.sharding import ShardedModel, family, kv_heads_split, sharded_class
+from models.sharding import ShardedModel, family, sharded_class
 
 MIN_PROMPT_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
