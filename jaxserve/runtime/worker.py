@@ -253,6 +253,21 @@ class Worker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
+    def request_stop(self) -> None:
+        """Ask the thread to stop without waiting for it or for `cond` (a compile in progress may hold that)."""
+        self._stop = True
+        if self.cond.acquire(blocking=False):
+            try:
+                self.cond.notify_all()
+            finally:
+                self.cond.release()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the thread to end; True when it has (or never started)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        return self._thread is None or not self._thread.is_alive()
+
     def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()

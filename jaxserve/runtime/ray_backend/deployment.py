@@ -248,12 +248,12 @@ class RayController(Controller):
                 engine.start_lease_keeper(inst.holds_kv)
         return new
 
-    def discard_staged(self) -> None:
-        """`Controller.discard_staged` (a switch that failed before routing), and the new prefill proxies'
-        lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """`Controller.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
+        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
         with self._lock:
             engines = [inst.engine for inst in self.instance_set.staged]
-        super().discard_staged()
+        super().discard_staged(join_timeout_s)
         for engine in engines:
             if isinstance(engine, RemotePrefillEngine):
                 engine.stop_lease_keeper()
