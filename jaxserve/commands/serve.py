@@ -169,6 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode / colocated instances run up to N decode steps per engine call (multi-step decoding: "
         "tokens reach clients N at a time; 1 = one step per call)",
     )
+    limits.add_argument(
+        "--kv-checksum",
+        action="store_true",
+        help="check a checksum of every KV pulled from a prefill instance (in-process transfer): a corrupted one "
+        "costs its request a re-prefill; one extra read of the KV per side (shape, dtype and length are always "
+        "checked)",
+    )
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     cache = parser.add_argument_group("prefix caching (docs/prefix_caching.md)")
@@ -357,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_num_kv_blocks=args.prefill_kv_blocks,
         decode_steps_per_call=args.decode_steps_per_call,
         drain_timeout_s=args.drain_timeout,
+        kv_checksum=args.kv_checksum,
     )
     if not 0.0 < args.kv_memory_fraction <= 1.0:
         print("error: --kv-memory-fraction must be in (0, 1]", file=sys.stderr)

@@ -57,6 +57,7 @@ drain for `drain_timeout_s`, aborts the rest and stops threads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -162,6 +163,9 @@ class ControllerConfig:
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
     drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
+    # The default (in-process) KV transfer also checks a checksum of each pulled KV's contents (one extra read of
+    # the KV per side); off by default. Shape, dtype and length are always checked (`kv_transfer.check_pulled_kv`).
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         self.limits.require_num_kv_blocks()
@@ -209,7 +213,9 @@ class Controller:
         self.router = Router(cfg.limits.block_size, cfg.prefix_policy)
         # routed, staged and retiring instances (the live switch: `jaxserve/runtime/switch.py`)
         self.instance_set = InstanceSet()
-        self._make_transfer: TransferFactory = transfer or InProcessTransfer
+        self._make_transfer: TransferFactory = transfer or functools.partial(
+            InProcessTransfer, checksum=self.config.kv_checksum
+        )
         self._pinned: dict[str, DecodeInstance] = {}  # switch warm-up request -> the decode instance it must use
         self._internal: set[str] = set()  # switch warm-up request ids (not the workload's)
         self.workload_hook: WorkloadHook | None = None

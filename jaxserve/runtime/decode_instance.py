@@ -80,7 +80,14 @@ from jaxserve.runtime.engines.contract import (
     bucket,
 )
 from jaxserve.runtime.kv_pool import slice_sequence
-from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
+from jaxserve.runtime.kv_transfer import (
+    InProcessTransfer,
+    KVIntegrityError,
+    KVTransfer,
+    KVTransferError,
+    TransferHandle,
+    TransferState,
+)
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
@@ -482,6 +489,9 @@ class DecodeInstance(Worker):
                 # c is a multiple of the block size: positions c.. start at block c // block_size.
                 table = pull.block_table[c // self.config.limits.block_size :]
                 self.pages = handle.insert(pull.live.num_prefill_tokens - c, self.pages, table)
+            except KVIntegrityError as e:  # checked before the pool was touched: that request is recomputed
+                self._pull_failed(pull, str(e), retry=False, lost=True)
+                continue
             except Exception as e:
                 # `insert` donates the pool: a failure inside it leaves the pool unusable, so it kills the instance.
                 raise RuntimeError(f"writing the KV of {rid!r} into the pool failed") from e
@@ -505,8 +515,9 @@ class DecodeInstance(Worker):
                 self._on_transfer(handle.num_bytes, seconds)
         return joined
 
-    def _pull_failed(self, pull: _Pull, why: str, *, retry: bool) -> None:
-        """One pull failed: retry it, or give its blocks back now and recompute or fail that request alone."""
+    def _pull_failed(self, pull: _Pull, why: str, *, retry: bool, lost: bool = False) -> None:
+        """One pull failed: retry it, or give its blocks back now and recompute or fail that request alone.
+        `lost`: the KV that arrived is unusable (`KVIntegrityError`): recomputed whatever the policy."""
         rid = pull.live.request_id
         self.emitter.count_fault("failed_pull")
         pull.num_failures += 1
@@ -526,7 +537,11 @@ class DecodeInstance(Worker):
             self.cache.release(rid)
             self.cond.notify_all()
         pull.source.release(rid)
-        if pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
+        if lost:
+            log.warning("KV of %s failed its integrity check (%s); prefilling it again", rid, why)
+            self.emitter.count_fault("recomputed")
+            self.emitter.recompute(pull.live)
+        elif pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
             log.warning("KV of %s lost with %s; prefilling it again", rid, pull.source.name)
             self.emitter.count_fault("rerouted")
             self.emitter.recompute(pull.live)
