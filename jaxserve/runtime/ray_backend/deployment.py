@@ -225,9 +225,10 @@ class RayController(Controller):
                 started.append(name)
                 actors, infos = _start_actors(inputs, [name], [spec], placement.options)
                 reference = next(iter(self.actor_infos))
-                check_compatible(self.actor_infos[reference].signature, infos[name].signature, reference, name)
-                self.actors.update(actors)
+                reference_info = self.actor_infos[reference]
+                self.actors.update(actors)  # before the check: one that fails it is killed with the others below
                 self.actor_infos.update(infos)
+                check_compatible(reference_info.signature, infos[name].signature, reference, name)
         except BaseException:
             self.release_actors(started)
             raise
