@@ -69,9 +69,15 @@ def compile_cache_dir(value: str | None) -> Path | None:
 
 
 def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX)."""
-    from jaxserve.runtime.engines.model import enable_compilation_cache
+    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX).
 
+    The directory must be this user's alone (`models.kernels.trust.ensure_private_dir`: created 0700 when
+    missing; UntrustedDirectoryError, an OSError, when another user owns it or its group or others may write it):
+    the cache holds compiled programs this process runs."""
+    from jaxserve.runtime.engines.model import enable_compilation_cache
+    from models.kernels.trust import ensure_private_dir
+
+    ensure_private_dir(directory, "the XLA compilation cache (--compile-cache)")
     enable_compilation_cache(directory, min_compile_time_s)
 
 
