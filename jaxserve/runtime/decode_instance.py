@@ -343,7 +343,11 @@ class DecodeInstance(Worker):
         in_flight = [p.live for p in self._pulling.values()]
         in_flight += [r.live for r in self._running.values() if r.prompt_from is not None]
         ids = live.prefill_token_ids
-        return any(other is not live and other.prefill_token_ids == ids for other in in_flight)
+        salt = live.request.cache_salt
+        return any(
+            other is not live and other.prefill_token_ids == ids and other.request.cache_salt == salt
+            for other in in_flight
+        )
 
     def _admissible(self) -> bool:
         if self._pending and self._awaits_shared_prefix(self._pending[0][0]):
@@ -580,7 +584,7 @@ class DecodeInstance(Worker):
                     del self._running[rid]
                     # Name prompt + answer but the last token (whose KV was never computed), then unpin.
                     done_ids = r.live.request.prompt_token_ids + tuple(r.live.output_ids[:-1])
-                    self.cache.commit(rid, done_ids)
+                    self.cache.commit(rid, done_ids, r.live.names_of(done_ids, self.config.limits.block_size))
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)

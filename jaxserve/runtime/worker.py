@@ -57,8 +57,12 @@ class LiveRequest:
         """The prefix-cache names of `prefill_token_ids`' full blocks (computed once per length)."""
         ids = self.prefill_token_ids
         if self._names is None or self._names[:2] != (block_size, len(ids)):
-            self._names = (block_size, len(ids), block_hashes(ids, block_size))
+            self._names = (block_size, len(ids), block_hashes(ids, block_size, self.request.cache_salt))
         return self._names[2]
+
+    def names_of(self, token_ids: tuple[int, ...], block_size: int) -> tuple[bytes, ...]:
+        """The prefix-cache names of other token ids of this request (e.g. prompt + answer), under its salt."""
+        return block_hashes(token_ids, block_size, self.request.cache_salt)
 
     @property
     def request_id(self) -> str:
