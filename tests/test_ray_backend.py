@@ -621,6 +621,31 @@ def test_live_switch_on_ray_under_load_loses_nothing_and_kills_the_retired_actor
         controller.shutdown(drain_timeout_s=5)
 
 
+def test_a_switch_actor_failing_the_compatibility_check_is_killed(deployment) -> None:
+    """A new actor built with another block size than the running ones is refused and killed: the CPU it
+    reserved comes back (issue 27). It used to be left to Ray's reference counting, so it lived as long as
+    anything kept the error (its traceback holds the handle): a switch's error chain, a log record."""
+    inputs = deployment.launch_inputs
+    assert inputs is not None
+
+    def free_cpus() -> float:
+        return float(ray.available_resources().get("CPU", 0.0))
+
+    before = free_cpus()
+    deployment.launch_inputs = dataclasses.replace(inputs, block_size=inputs.block_size * 2)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="block_size") as kept_error:  # the error is kept
+            deployment.start_actors([InstanceSpec("decode", 1)], ["decode-incompatible"])
+    finally:
+        deployment.launch_inputs = inputs
+    assert "decode-incompatible" not in deployment.actors
+    deadline = time.monotonic() + 60  # a deadline for a hang only: Ray reports freed resources asynchronously
+    while free_cpus() < before:
+        assert time.monotonic() < deadline, f"{before - free_cpus()} CPUs still held by the refused actor"
+        time.sleep(0.2)
+    assert kept_error.value is not None
+
+
 def test_idle_decode_actor_gone_for_good_is_found_dead_by_its_first_pull(cluster, reference) -> None:
     """A decode actor killed while it holds nothing: the first pull into it finds it gone, the instance dies
     and that request moves to the other decode instance. (Counting the dead actor as a failed pull instead

@@ -66,9 +66,15 @@ def compile_cache_dir(value: str | None) -> Path | None:
 
 
 def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX)."""
-    from jaxserve.runtime.engines.model import enable_compilation_cache
+    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX).
 
+    The directory must be this user's alone (`models.kernels.trust.ensure_private_dir`: created 0700 when
+    missing; UntrustedDirectoryError, an OSError, when another user owns it or its group or others may write it):
+    the cache holds compiled programs this process runs."""
+    from jaxserve.runtime.engines.model import enable_compilation_cache
+    from models.kernels.trust import ensure_private_dir
+
+    ensure_private_dir(directory, "the XLA compilation cache (--compile-cache)")
     enable_compilation_cache(directory, min_compile_time_s)
 
 
@@ -180,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="decode / colocated instances run up to N decode steps per engine call (multi-step decoding: "
         "tokens reach clients N at a time; 1 = one step per call)",
+    )
+    limits.add_argument(
+        "--kv-checksum",
+        action="store_true",
+        help="check a checksum of every KV pulled from a prefill instance (in-process transfer): a corrupted one "
+        "costs its request a re-prefill; one extra read of the KV per side (shape, dtype and length are always "
+        "checked)",
     )
     limits.add_argument("--max-queued-requests", type=int, default=256, help="admission control bound")
     limits.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
@@ -387,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_num_kv_blocks=args.prefill_kv_blocks,
         decode_steps_per_call=args.decode_steps_per_call,
         drain_timeout_s=args.drain_timeout,
+        kv_checksum=args.kv_checksum,
     )
     if not 0.0 < args.kv_memory_fraction <= 1.0:
         print("error: --kv-memory-fraction must be in (0, 1]", file=sys.stderr)

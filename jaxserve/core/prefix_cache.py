@@ -65,14 +65,25 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int] | np.ndarray) -> 
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tuple[BlockHash, ...]:
-    """The chained names of the full blocks of `token_ids` (a partial last block has none)."""
+def salt_root(salt: str | None) -> BlockHash:
+    """The parent name of a sequence's first block under `salt` (vLLM's `cache_salt`): blocks named under one
+    salt are never found under another or under none. None or "" is no salt (the plain root)."""
+    if not salt:
+        return _ROOT
+    return hashlib.blake2b(b"jaxserve-cache-salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, salt: str | None = None
+) -> tuple[BlockHash, ...]:
+    """The chained names of the full blocks of `token_ids` (a partial last block has none); with `salt`, a chain
+    of its own (`salt_root`)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     raw = np.asarray(token_ids, dtype=np.int64).tobytes()
     step = 8 * block_size
     out: list[BlockHash] = []
-    parent = _ROOT
+    parent = salt_root(salt)
     for start in range(0, len(raw) - step + 1, step):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(raw[start : start + step])

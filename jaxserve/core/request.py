@@ -120,6 +120,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    # Prefix caching: blocks are named under this salt (`prefix_cache.salt_root`), so only requests with the same
+    # salt share them (vLLM's `cache_salt`). None: unsalted. The server puts the API key's salt in front of it.
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

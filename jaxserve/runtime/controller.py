@@ -57,6 +57,7 @@ drain for `drain_timeout_s`, aborts the rest and stops threads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -173,6 +174,9 @@ class ControllerConfig:
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
     drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
+    # The default (in-process) KV transfer also checks a checksum of each pulled KV's contents (one extra read of
+    # the KV per side); off by default. Shape, dtype and length are always checked (`kv_transfer.check_pulled_kv`).
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         self.limits.require_num_kv_blocks()
@@ -222,7 +226,9 @@ class Controller:
         self.router = Router(cfg.limits.block_size, cfg.prefix_policy)
         # routed, staged and retiring instances (the live switch: `jaxserve/runtime/switch.py`)
         self.instance_set = InstanceSet()
-        self._make_transfer: TransferFactory = transfer or InProcessTransfer
+        self._make_transfer: TransferFactory = transfer or functools.partial(
+            InProcessTransfer, checksum=self.config.kv_checksum
+        )
         self._pinned: dict[str, DecodeInstance] = {}  # switch warm-up request -> the decode instance it must use
         self._internal: set[str] = set()  # switch warm-up request ids (not the workload's)
         self.workload_hook: WorkloadHook | None = None
@@ -314,6 +320,14 @@ class Controller:
     def instance_names(self) -> tuple[str, ...]:
         return tuple(inst.name for inst in self.instances)
 
+    def _may_hold(self, request_id: str) -> list[Instance]:
+        """The instances that may hold `request_id`: routed and retiring ones; the staged ones too for a
+        switch's own warm-up request (the only kind a staged instance takes). So cancelling, failing or moving a
+        client's request never waits on a staged instance's lock, which its bucket warm-up holds across a compile."""
+        with self._lock:
+            internal = request_id in self._internal
+            return self.instance_set.all() if internal else self.instance_set.serving()
+
     def step_records(self, since: float = 0.0) -> list[dict[str, object]]:
         """Each instance's recent steps (`StepRecord`s that ended after `since`, monotonic seconds)."""
         out: list[dict[str, object]] = []
@@ -361,14 +375,20 @@ class Controller:
         )
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
-        """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop."""
+        """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop.
+
+        During a live switch: the instances it staged are discarded at once and the switch fails at its next
+        step (nothing of the new plan is routed after this); instances it already routed away drain with the rest.
+        """
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         with self._lock:
-            self._shutting_down = True
+            self._shutting_down = True  # a live switch in progress stops at its next step (ShuttingDownError)
+        # a switch's new instances, not routed yet: stopped (a compile holding one is left behind), warm-ups ended
+        self.discard_staged(join_timeout_s=2.0)
         deadline = now() + timeout
         while now() < deadline:
             with self._lock:
-                if not self._live:
+                if not self._live.keys() - self._internal:
                     break
             threading.Event().wait(0.01)
         with self._lock:
@@ -460,7 +480,7 @@ class Controller:
             return
         live, stream = entry
         live.cancelled = True
-        for inst in self.instances:
+        for inst in self._may_hold(request_id):
             inst.cancel(request_id)
         live.timings.finished_at = now()
         self._finish_observed(live, "abort")
@@ -490,7 +510,7 @@ class Controller:
             if entry is None or entry[0] is not live:
                 return
             del self._live[live.request_id]
-        for inst in self.instances:
+        for inst in self._may_hold(live.request_id):
             inst.cancel(live.request_id)
         entry[1].push(error)
 
@@ -536,7 +556,7 @@ class Controller:
         """
         log.error("instance %s died (%r); moving its %d requests", instance.name, instance.error, len(held))
         for live in held:
-            if not needs_moving(self.instances, live):
+            if not needs_moving(self._may_hold(live.request_id), live):
                 continue
             self.faults.count("rerouted")
             self._move(live, f"instance {instance.name} died: {instance.error!r}")
@@ -562,11 +582,13 @@ class Controller:
             raise ValueError(f"instance names already in use: {clash}")
         new = [self._make_instance(p) for p in placed]  # one raises: nothing recorded, the ones built are dropped
         with self._lock:
+            if self._shutting_down:  # shutdown() stops the instances it sees: none may appear after it
+                raise ShuttingDownError("the server is shutting down: the switch stops before staging new instances")
             self.placed_of.update((p.name, p) for p in placed)
             self.instance_set.stage(new)
-        if self._started:
-            for inst in new:
-                inst.start()
+            if self._started:  # under the lock: shutdown() sees these staged and stops them
+                for inst in new:
+                    inst.start()
         return new
 
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
@@ -584,6 +606,7 @@ class Controller:
             routed_decodes = [d for d in self.decode_instances if d.error is None]
         if self.config.warmup.buckets:
             self._warm_buckets(staged)
+        self._check_still_staged(staged)
         longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
         warmups = handoff_warmups(
             staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
@@ -596,6 +619,8 @@ class Controller:
             live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
             stream = RequestStream(rid, self.cancel)
             with self._lock:
+                if self._shutting_down:
+                    raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
                 self._live[rid] = (live, stream)
                 self._internal.add(rid)
                 if decode is not None:
@@ -604,27 +629,61 @@ class Controller:
             if error is not None:
                 self.fail(live, error)
             streams.append(stream)
-        try:
-            for stream in streams:
-                stream.collect(timeout_s=timeout_s)
-        finally:
+        deadline = time.monotonic() + timeout_s
+        for stream in streams:  # a timeout or an error leaves them to `discard_staged`, which cancels them
+            stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
+        self._check_still_staged(staged)
+        with self._lock:
             self._internal.difference_update(s.request_id for s in streams)
         return time.monotonic() - started
 
-    def discard_staged(self) -> None:
-        """Stop and drop every staged instance (a switch that failed before routing to them)."""
+    def _check_still_staged(self, staged: Sequence[Instance]) -> None:
+        """Raise when the warm-up of `staged` cannot lead to routing them: one died (its warm-up requests
+        were moved on and may have finished, but it cannot serve), or shutdown discarded them."""
+        dead = [i for i in staged if i.error is not None]
+        if dead:
+            raise RuntimeError(f"instance {dead[0].name} died during its warm-up: {dead[0].error!r}")
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
+            gone = [i.name for i in staged if i not in self.instance_set.staged]
+        if gone:
+            raise RuntimeError(f"staged instances {gone} were discarded during their warm-up")
+
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """Stop and drop every staged instance (a switch that failed before routing to them), and end the
+        switch's warm-up requests still in flight (timed out, or on an instance that died or hangs).
+
+        Those requests may be queued on a routed prefill instance or held in its buffer waiting for a staged
+        decode instance's pull: cancelling them on the serving instances frees those buffer slots, so a
+        staged instance that hangs in its warm-up costs the routed ones nothing. A staged instance's own
+        lock is not needed (it may be held by a compile that never ends): it is out of the instance set first.
+        """
         with self._lock:
             staged = self.instance_set.discard_staged()
+            warmups = sorted(self._internal)
+            self._internal.clear()
+            for rid in warmups:
+                self._pinned.pop(rid, None)
+        for inst in staged:  # never waits on their locks: a compile may hold one
+            inst.request_stop()
+        for rid in warmups:
+            self.cancel(rid)  # no longer internal: only routed and retiring instances are asked
+        deadline = time.monotonic() + join_timeout_s
         for inst in staged:
-            inst.stop()
+            if not inst.join(max(deadline - time.monotonic(), 0.0)):
+                log.warning("discarded instance %s did not stop (stuck in a compile or a step): left behind", inst.name)
 
     def route(self, names: Sequence[str]) -> list[Instance]:
         """Atomically make the routed instances exactly `names` (routed or staged ones), in that order.
 
         New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
-        out *retire*: they finish what they hold (see `retire_drained`). Returns them.
+        out *retire*: they finish what they hold (see `retire_drained`). Returns them. Raises
+        ShuttingDownError (nothing changed) once `shutdown()` has begun.
         """
         with self._lock:
+            if self._shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops before routing")
             return self.instance_set.route(names)
 
     def routed_instances(self) -> list[Instance]:
@@ -666,7 +725,7 @@ class Controller:
                 held = inst.held_requests()
                 inst.drop_all()
             for live in held:
-                if needs_moving(self.instances, live):
+                if needs_moving(self._may_hold(live.request_id), live):
                     self._move(live, f"instance {inst.name} retired by a deployment switch")
             stats = inst.stats()
             with self._lock:
@@ -676,11 +735,13 @@ class Controller:
 
     # ---- introspection -----------------------------------------------------------
     def stats(self) -> ControllerStats:
-        """Every instance's own stats and the fault counters; only local locks, never a remote call."""
+        """Every serving (routed or retiring) instance's own stats and the fault counters; only local locks, never a
+        remote call, never a staged instance's (a live switch's new instance compiling under it)."""
         with self._lock:
             num_live = len(self._live)
+            serving = self.instance_set.serving()  # staged instances are not serving (and may be compiling)
         return ControllerStats(
-            instances=tuple(inst.stats() for inst in self.instances),
+            instances=tuple(inst.stats() for inst in serving),
             num_live_requests=num_live,
             num_transfers=sum(d.num_transfers for d in self.decode_instances),
             kv_transfer_bytes=sum(d.kv_transfer_bytes for d in self.decode_instances),

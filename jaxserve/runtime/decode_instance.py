@@ -80,7 +80,14 @@ from jaxserve.runtime.engines.contract import (
     bucket,
 )
 from jaxserve.runtime.kv_pool import slice_sequence
-from jaxserve.runtime.kv_transfer import InProcessTransfer, KVTransfer, KVTransferError, TransferHandle, TransferState
+from jaxserve.runtime.kv_transfer import (
+    InProcessTransfer,
+    KVIntegrityError,
+    KVTransfer,
+    KVTransferError,
+    TransferHandle,
+    TransferState,
+)
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
 from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
@@ -336,7 +343,11 @@ class DecodeInstance(Worker):
         in_flight = [p.live for p in self._pulling.values()]
         in_flight += [r.live for r in self._running.values() if r.prompt_from is not None]
         ids = live.prefill_token_ids
-        return any(other is not live and other.prefill_token_ids == ids for other in in_flight)
+        salt = live.request.cache_salt
+        return any(
+            other is not live and other.prefill_token_ids == ids and other.request.cache_salt == salt
+            for other in in_flight
+        )
 
     def _admissible(self) -> bool:
         if self._pending and self._awaits_shared_prefix(self._pending[0][0]):
@@ -482,6 +493,9 @@ class DecodeInstance(Worker):
                 # c is a multiple of the block size: positions c.. start at block c // block_size.
                 table = pull.block_table[c // self.config.limits.block_size :]
                 self.pages = handle.insert(pull.live.num_prefill_tokens - c, self.pages, table)
+            except KVIntegrityError as e:  # checked before the pool was touched: that request is recomputed
+                self._pull_failed(pull, str(e), retry=False, lost=True)
+                continue
             except Exception as e:
                 # `insert` donates the pool: a failure inside it leaves the pool unusable, so it kills the instance.
                 raise RuntimeError(f"writing the KV of {rid!r} into the pool failed") from e
@@ -505,8 +519,9 @@ class DecodeInstance(Worker):
                 self._on_transfer(handle.num_bytes, seconds)
         return joined
 
-    def _pull_failed(self, pull: _Pull, why: str, *, retry: bool) -> None:
-        """One pull failed: retry it, or give its blocks back now and recompute or fail that request alone."""
+    def _pull_failed(self, pull: _Pull, why: str, *, retry: bool, lost: bool = False) -> None:
+        """One pull failed: retry it, or give its blocks back now and recompute or fail that request alone.
+        `lost`: the KV that arrived is unusable (`KVIntegrityError`): recomputed whatever the policy."""
         rid = pull.live.request_id
         self.emitter.count_fault("failed_pull")
         pull.num_failures += 1
@@ -526,7 +541,11 @@ class DecodeInstance(Worker):
             self.cache.release(rid)
             self.cond.notify_all()
         pull.source.release(rid)
-        if pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
+        if lost:
+            log.warning("KV of %s failed its integrity check (%s); prefilling it again", rid, why)
+            self.emitter.count_fault("recomputed")
+            self.emitter.recompute(pull.live)
+        elif pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
             log.warning("KV of %s lost with %s; prefilling it again", rid, pull.source.name)
             self.emitter.count_fault("rerouted")
             self.emitter.recompute(pull.live)
@@ -565,7 +584,7 @@ class DecodeInstance(Worker):
                     del self._running[rid]
                     # Name prompt + answer but the last token (whose KV was never computed), then unpin.
                     done_ids = r.live.request.prompt_token_ids + tuple(r.live.output_ids[:-1])
-                    self.cache.commit(rid, done_ids)
+                    self.cache.commit(rid, done_ids, r.live.names_of(done_ids, self.config.limits.block_size))
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)

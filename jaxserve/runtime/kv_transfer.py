@@ -17,6 +17,15 @@ splits differ, layers are regrouped first: the prefill stages' layers are read
 in order and cut at the decode stages' boundaries (slices stay on the prefill
 devices; pieces landing on one decode stage are concatenated there). Different
 tp degrees need nothing extra: `device_put` reshards the head axis.
+
+Integrity: before a pulled KV is written into the pool, `check_pulled_kv` compares what arrived with
+what the pool and the request need (stages, layers, heads, head size, dtype, at least the request's
+positions); an opt-in checksum (`checksum=True`; `ControllerConfig.kv_checksum`, off by default)
+also compares a fingerprint of the contents taken on the prefill side at `start` with one of what
+arrived. Either mismatch raises `KVIntegrityError` before the pool is touched, and the decode instance
+recomputes that request (prefills it again), never decodes from a wrong KV. The checksum's cost: one
+extra read of the KV on each side (a position-weighted sum over its bits, on device) and a small
+host sync at insert.
 """
 
 from __future__ import annotations
@@ -45,6 +54,44 @@ class KVTransferError(EngineDeadError):
 
     A subclass of `EngineDeadError` so that every front maps it to "unavailable, retry".
     """
+
+
+class KVIntegrityError(ValueError):
+    """A pulled KV is not what the request needs (shape, dtype, length or checksum): that request is recomputed."""
+
+
+def check_pulled_kv(kv: SequenceKV, num_tokens: int, pages: KVPages, request_id: str) -> None:
+    """Raise KVIntegrityError unless `kv` fits `pages` (stages, layers, heads, head size, dtype) and holds at least
+    `num_tokens` positions."""
+    if len(kv) != len(pages):
+        raise KVIntegrityError(
+            f"the KV of {request_id!r} arrived with {len(kv)} pipeline stages, the pool has {len(pages)}"
+        )
+    for s, (stage, pool) in enumerate(zip(kv, pages, strict=True)):
+        heads_axis = 2 if pool.block_layout == "heads" else 3
+        layers, heads, head_dim = pool.k.shape[0], pool.k.shape[heads_axis], pool.k.shape[4]
+        for part, a in (("k", stage.k), ("v", stage.v)):
+            where = f"the KV of {request_id!r} (stage {s}, {part})"
+            if a.ndim != 4 or (a.shape[0], a.shape[2], a.shape[3]) != (layers, heads, head_dim):
+                raise KVIntegrityError(
+                    f"{where} arrived with shape {tuple(a.shape)}; the pool wants [{layers}, T, {heads}, {head_dim}]"
+                )
+            if a.shape[1] < num_tokens:
+                raise KVIntegrityError(f"{where} arrived truncated: {a.shape[1]} positions of {num_tokens}")
+            if a.dtype != pool.k.dtype:
+                raise KVIntegrityError(f"{where} arrived as {a.dtype}; the pool holds {pool.k.dtype}")
+
+
+def kv_fingerprint(kv: SequenceKV) -> jax.Array:
+    """A uint32 fingerprint of `kv`'s contents: Σ bits x (index + 1) over every array, wrapping (on device, async)."""
+    total = jnp.zeros((), jnp.uint32)
+    for stage in kv:
+        for a in (stage.k, stage.v):
+            width = a.dtype.itemsize * 8
+            bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{width}")).reshape(-1).astype(jnp.uint32)
+            weights = jnp.arange(1, bits.shape[0] + 1, dtype=jnp.uint32)
+            total = total + jnp.sum(bits * weights, dtype=jnp.uint32)
+    return total
 
 
 class TransferState(enum.Enum):
@@ -106,8 +153,17 @@ def regroup_layers(kv: SequenceKV, target_stage_layers: tuple[int, ...]) -> list
 class InProcessHandle:
     """A transfer inside one JAX process: the arrays were dispatched with `device_put` at start."""
 
-    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, started_at: float, target: Engine) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        arrays: SequenceKV,
+        num_bytes: int,
+        started_at: float,
+        target: Engine,
+        fingerprint: jax.Array | None = None,
+    ) -> None:
         self.target = target
+        self._fingerprint = fingerprint  # the source's `kv_fingerprint` (checksum on)
         self._request_id = request_id
         self._arrays = arrays
         self._num_bytes = num_bytes
@@ -159,22 +215,34 @@ class InProcessHandle:
         return self._arrays
 
     def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        return self.target.insert(self.result(), num_tokens, pages, block_table)
+        """Check what arrived (`check_pulled_kv`, and the checksum when on), then write it; KVIntegrityError
+        before the pool is touched."""
+        arrays = self.result()
+        check_pulled_kv(arrays, num_tokens, pages, self._request_id)
+        if self._fingerprint is not None and int(kv_fingerprint(arrays)) != int(self._fingerprint):
+            raise KVIntegrityError(f"the KV of {self._request_id!r} arrived corrupted (checksum mismatch)")
+        return self.target.insert(arrays, num_tokens, pages, block_table)
 
 
 class InProcessTransfer:
     """`jax.device_put` of the prefill KV onto the shardings of the decode engine it is bound to."""
 
-    def __init__(self, target: Engine) -> None:
+    def __init__(self, target: Engine, checksum: bool = False) -> None:
         if not target.capabilities.dense_insert:
             raise TypeError(f"an in-process transfer writes into a local engine; {type(target).__name__} is not one")
         self.target = target
         self.layout = target.kv_layout()
+        self.checksum = checksum
 
     def start(self, seq: PrefilledSequence) -> InProcessHandle:
         started_at = time.monotonic()
-        arrays = move_kv(seq.dense_kv, self.layout)
-        return InProcessHandle(seq.request_id, arrays, seq.num_bytes, started_at, self.target)
+        fingerprint = kv_fingerprint(seq.dense_kv) if self.checksum else None  # of the source, before it moves
+        arrays = self.move(seq.dense_kv)
+        return InProcessHandle(seq.request_id, arrays, seq.num_bytes, started_at, self.target, fingerprint)
+
+    def move(self, kv: SequenceKV) -> SequenceKV:
+        """The copy itself (`move_kv`)."""
+        return move_kv(kv, self.layout)
 
 
 def move_kv(kv: SequenceKV, target: KVLayout) -> SequenceKV:

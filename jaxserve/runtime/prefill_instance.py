@@ -47,6 +47,7 @@ import threading
 from collections.abc import Callable
 
 from jaxserve.core.blocks import BlockAllocator, OutOfBlocksError
+from jaxserve.core.errors import EngineDeadError
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.prefix_cache import CacheHit, PrefixCache, cache_stats
 from jaxserve.core.request import FinishReason
@@ -147,6 +148,15 @@ class PrefillInstance(Worker):
 
     # ---- controller / decode side (thread-safe) -----------------------------
     def enqueue(self, live: LiveRequest) -> None:
+        """Queue `live`. Raises EngineDeadError when this instance is dead, or when `live` is a resumed request
+        (prompt + streamed tokens) longer than this caching instance's own KV pool: it could never be acquired
+        and would block the FCFS queue behind it forever (admission checked the prompt alone)."""
+        pool_tokens = self.cache.num_blocks * self.cache.block_size if self._paged is not None else None
+        if pool_tokens is not None and live.num_prefill_tokens > pool_tokens:
+            raise EngineDeadError(
+                f"request {live.request_id!r} cannot be resumed: its prompt and streamed tokens "
+                f"({live.num_prefill_tokens}) exceed the prefill instance's KV pool ({pool_tokens} tokens)"
+            )
         with self.cond:
             if self.error is not None:
                 raise self.dead_error()

@@ -49,7 +49,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
-from jaxserve.core.errors import JaxServeError
+from jaxserve.core.errors import JaxServeError, ShuttingDownError
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.colocated_instance import ColocatedInstance
@@ -63,7 +63,12 @@ Shape = tuple[str, int, int, int | None]
 
 
 class SwitchError(JaxServeError):
-    """The switch cannot be made (nothing was changed)."""
+    """The switch could not be made; its message says what the deployment is now (as it was, unless a
+    drain-first switch's build failed and the drained instances could not be rebuilt either)."""
+
+
+class SwitchAbortedError(SwitchError):
+    """The server began shutting down during the switch: it stopped at its next step (nothing new routed)."""
 
 
 class SwitchUnsupportedError(SwitchError):
@@ -122,6 +127,11 @@ class InstanceSet:
 
     def routed(self) -> list[Instance]:
         return [*self.prefill, *self.decode, *self.colocated]
+
+    def serving(self) -> list[Instance]:
+        """The instances the serving path may touch: routed and retiring (staged ones are invisible to it
+        until routed; a staged instance may hold its lock across a compile)."""
+        return [*self.prefill, *self.decode, *self.colocated, *self.retiring]
 
     def all(self) -> list[Instance]:
         return [*self.prefill, *self.decode, *self.colocated, *self.staged, *self.retiring]
@@ -347,7 +357,10 @@ class PlanSwitcher:
                     f"draining the retiring instances first would leave no {sorted(needed - kept_roles)} instance serving"
                 )
             log.info("switch: draining %s first to free their devices", retiring)
-            c.route(kept_names)
+            try:
+                c.route(kept_names)
+            except ShuttingDownError as e:
+                raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
             t = time.monotonic()
             retired, num_moved = self._drain()
             drain_s = time.monotonic() - t
@@ -358,24 +371,29 @@ class PlanSwitcher:
         for spec in to_add:
             names.append(_fresh_name(spec.role, taken))
             taken.add(names[-1])
-        try:
-            placed = builder.build(c, to_add, names) if to_add else []
-            c.add_instances(placed)
-            build_s = time.monotonic() - t
-            warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
-        except Exception as e:
-            c.discard_staged()
-            builder.discard(c, names)
-            if drain_first:
-                c.plan = DeploymentPlan(tuple(c.placed_of[n].spec for n in kept_names), model=old.model)
-            raise SwitchError(f"building the new instances of {plan.describe()} failed: {e}") from e
         # route: kept and added, in the new plan's order
         new_names: list[str] = []
         added_iter = iter(names)
         for _, kept in pairs:
             new_names.append(kept if kept is not None else next(added_iter))
-        routed_at = time.monotonic()
-        c.route(new_names)  # (after a drain-first, the kept ones are routed already: this adds the built ones)
+        try:
+            placed = builder.build(c, to_add, names) if to_add else []
+            c.add_instances(placed)
+            build_s = time.monotonic() - t
+            warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
+            routed_at = time.monotonic()
+            c.route(new_names)  # (after a drain-first, the kept ones are routed already: this adds the built ones)
+        except Exception as e:
+            c.discard_staged()
+            builder.discard(c, names)
+            if isinstance(e, ShuttingDownError):
+                raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
+            what = f"building the new instances of {plan.describe()} failed: {e}"
+            if drain_first:
+                drained = [(name, spec) for name, spec in routed_specs if name in retiring]
+                restored = self._restore(old, [name for name, _ in routed_specs], drained)
+                raise SwitchError(f"{what}; {restored}") from e
+            raise SwitchError(f"{what}; the deployment is as it was ({old.describe()})") from e
         c.plan = DeploymentPlan(
             tuple(c.placed_of[n].spec for n in new_names), model=old.model, expected=dict(plan.expected)
         )
@@ -405,6 +423,38 @@ class PlanSwitcher:
             [s.name for s in report.retired], report.total_s, build_s, warmup_s, drain_s,
         )  # fmt: skip
         return report
+
+    def _restore(
+        self, old: DeploymentPlan, routed_order: Sequence[str], drained: Sequence[tuple[str, InstanceSpec]]
+    ) -> str:
+        """A drain-first switch whose build failed has already stopped the `drained` instances (name, spec).
+        Rebuild them on the devices they freed, under their names, warm them and route them again in
+        `routed_order` (the order before the switch). Returns what is serving now, truthfully, for the error."""
+        c = self.controller
+        names = [name for name, _ in drained]
+        try:
+            placed = self.builder.build(c, [spec for _, spec in drained], names)
+            c.add_instances(placed)
+            c.warm_up_staged(self.warmup_timeout_s)
+            c.route(routed_order)
+        except Exception as e:
+            c.discard_staged()
+            self.builder.discard(c, names)
+            serving = [i.name for i in c.routed_instances()]
+            c.plan = DeploymentPlan(tuple(c.placed_of[n].spec for n in serving), model=old.model)
+            log.error("switch: rebuilding the drained instances %s failed too: %r", names, e)
+            return (
+                f"{', '.join(names)} had been drained first to free their devices, and rebuilding them failed too "
+                f"({e}): now serving {c.plan.describe()} ({', '.join(serving)})"
+            )
+        c.plan = DeploymentPlan(
+            tuple(c.placed_of[n].spec for n in routed_order), model=old.model, expected=dict(old.expected)
+        )
+        log.warning("switch: the build failed after draining %s first; rebuilt them", names)
+        return (
+            f"{', '.join(names)} had been drained first to free their devices and were rebuilt: "
+            f"the deployment is as it was ({c.plan.describe()})"
+        )
 
     def _drain(self) -> tuple[list[InstanceStats], int]:
         """Wait for the retiring instances to finish what they hold; move the rest at the timeout."""
@@ -436,6 +486,7 @@ __all__ = [
     "LocalDevices",
     "PlanError",
     "PlanSwitcher",
+    "SwitchAbortedError",
     "SwitchError",
     "SwitchInProgressError",
     "SwitchReport",

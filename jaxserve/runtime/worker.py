@@ -57,8 +57,12 @@ class LiveRequest:
         """The prefix-cache names of `prefill_token_ids`' full blocks (computed once per length)."""
         ids = self.prefill_token_ids
         if self._names is None or self._names[:2] != (block_size, len(ids)):
-            self._names = (block_size, len(ids), block_hashes(ids, block_size))
+            self._names = (block_size, len(ids), block_hashes(ids, block_size, self.request.cache_salt))
         return self._names[2]
+
+    def names_of(self, token_ids: tuple[int, ...], block_size: int) -> tuple[bytes, ...]:
+        """The prefix-cache names of other token ids of this request (e.g. prompt + answer), under its salt."""
+        return block_hashes(token_ids, block_size, self.request.cache_salt)
 
     @property
     def request_id(self) -> str:
@@ -252,6 +256,21 @@ class Worker:
             self.cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+
+    def request_stop(self) -> None:
+        """Ask the thread to stop without waiting for it or for `cond` (a compile in progress may hold that)."""
+        self._stop = True
+        if self.cond.acquire(blocking=False):
+            try:
+                self.cond.notify_all()
+            finally:
+                self.cond.release()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the thread to end; True when it has (or never started)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        return self._thread is None or not self._thread.is_alive()
 
     def wake(self) -> None:
         with self.cond:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -74,13 +75,36 @@ class Choice:
     counts_prompt: bool  # the first sample of its prompt: its prompt tokens count in usage
 
 
+def key_salt(api_key: str | None) -> str | None:
+    """The prefix-cache salt of requests made with `api_key` (a digest: the key itself never goes into a name);
+    None without a key."""
+    if api_key is None:
+        return None
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+def cache_salt_for(key: str | None, client: str | None) -> str | None:
+    """A request's salt: the API key's and the client's own `cache_salt` (either may be None). Requests share
+    cached blocks only when both agree, so two keys never share, and a client's salt never matches a bare key's."""
+    if key is None and client is None:
+        return None
+    return f"{key or ''}|{client if client is not None else ''}"
+
+
 class Frontend:
     """Shared request handling over one running `ServingController`."""
 
     def __init__(
-        self, controller: ServingController, metrics: ServingMetrics | None = None, *, model_name: str | None = None
+        self,
+        controller: ServingController,
+        metrics: ServingMetrics | None = None,
+        *,
+        model_name: str | None = None,
+        api_key: str | None = None,
     ):
+        """`api_key`: the server's inference key; prefix-cache blocks are salted by it (`cache_salt_for`)."""
         self.controller = controller
+        self.key_salt = key_salt(api_key)
         self.metrics = metrics if metrics is not None else ServingMetrics(stats=controller.stats)
         self.model_name = model_name or controller.model_config.name
         self.tokenizer = controller.tokenizer
@@ -144,7 +168,12 @@ class Frontend:
         if params.fill_max_tokens:
             room = self.controller.model_config.max_position_embeddings - len(ids)
             sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.controller.max_tokens_limit, room)))
-        request = GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=ids, sampling=sampling)
+        request = GenerateRequest(
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            prompt_token_ids=ids,
+            sampling=sampling,
+            cache_salt=cache_salt_for(self.key_salt, params.cache_salt),
+        )
         try:
             self.controller.check_fits(request)
         except InvalidRequestError as e:
@@ -174,7 +203,7 @@ class Frontend:
         r = prepared.request
         seed = None if r.sampling.seed is None else (r.sampling.seed + sample) % (MAX_SEED + 1)
         sampling = dataclasses.replace(r.sampling, seed=seed)
-        request = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", r.prompt_token_ids, sampling)
+        request = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", r.prompt_token_ids, sampling, r.cache_salt)
         return dataclasses.replace(prepared, request=request)
 
     def token_text(self, token_id: int) -> str:

@@ -3,8 +3,9 @@
 Operator routes, behind the admin credential and never the API key (`jaxserve.serving.admin.AdminAccess`:
 401 without it, 403 for the inference key, 404 when they are off): `GET /debug/steps`, `GET /debug/workload`
 (the workload monitor, when the server has one) and `POST /admin/deployment` (a live switch: the body is
-parsed on a worker thread and bounded by the devices there are; 400 for a bad plan, 409 while another
-switch runs, 501 on a backend that cannot switch).
+parsed on a worker thread and bounded by the devices there are; 400 for a bad plan or a switch that could not
+be made, 409 while another switch runs, 501 on a backend that cannot switch, 503 when the server began
+shutting down during the switch).
 
 The request schemas and their checks are `jaxserve.serving.openai_protocol`; a request
 becomes one `Frontend.stream` per choice (prompts x n), merged into OpenAI's response or
@@ -41,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
-from jaxserve.runtime.switch import SwitchError, SwitchInProgressError, SwitchUnsupportedError
+from jaxserve.runtime.switch import SwitchAbortedError, SwitchError, SwitchInProgressError, SwitchUnsupportedError
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
 from jaxserve.serving.openai_protocol import (
@@ -197,13 +198,18 @@ def create_app(
         except PlanError as e:
             raise APIError(400, f"bad plan: {e}", type_="invalid_request_error", code="bad_plan") from None
         if admin.switch_busy():
-            raise APIError(409, "a deployment switch is already running", type_="conflict", code="switch_running")
+            raise APIError(
+                409, "a deployment switch is already running; retry when it has finished", type_="conflict",
+                code="switch_running",
+            )  # fmt: skip
         try:
             report = await loop.run_in_executor(None, admin.apply_deployment, plan)
         except SwitchInProgressError as e:
             raise APIError(409, str(e), type_="conflict", code="switch_running") from None
         except SwitchUnsupportedError as e:
             raise APIError(501, str(e), type_="server_error", code="switch_unsupported") from None
+        except SwitchAbortedError as e:  # shutdown began during the switch: it stopped, nothing new routed
+            raise APIError(503, str(e), type_="server_error", code="shutting_down") from None
         except (SwitchError, PlanError) as e:
             raise APIError(400, f"cannot switch: {e}", type_="invalid_request_error", code="bad_plan") from None
         return JSONResponse(report)

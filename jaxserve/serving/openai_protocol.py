@@ -28,7 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.request import SamplingParams
 from jaxserve.serving import chat_template
-from jaxserve.serving.wire import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, CompletionParams
+from jaxserve.serving.wire import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    CompletionParams,
+)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; gRPC's default is greedy (0)
 MAX_CHOICES = 64  # prompts x n in one request
@@ -65,6 +72,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = Field(default=None)
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with requests of the same salt
 
 
 class CompletionRequest(_SamplingFields):
@@ -198,10 +206,19 @@ def completion_job(body: CompletionRequest) -> OpenAIJob:
             sampling=sampling,
             stop=stop,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            cache_salt=_salt(body.cache_salt),
         )
         for p in prompts
     )
     return OpenAIJob(params, body.n, body.echo, body.stream, include_usage, body.return_token_ids, body.logprobs)
+
+
+def _salt(salt: str | None) -> str | None:
+    if salt is not None and not salt:
+        raise _bad("cache_salt", "cache_salt must not be empty (leave it out for none)")
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise _bad("cache_salt", f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTemplate | None = None) -> OpenAIJob:
@@ -226,5 +243,6 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         prompt_field="messages",
         include_stop_str_in_output=body.include_stop_str_in_output,
         fill_max_tokens=max_tokens is None,
+        cache_salt=_salt(body.cache_salt),
     )
     return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs)

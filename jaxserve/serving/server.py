@@ -92,7 +92,7 @@ class JaxServeServer:
     ) -> None:
         self.controller = controller
         self.config = config or ServerConfig()
-        self.frontend = Frontend(controller, model_name=self.config.model_name)
+        self.frontend = Frontend(controller, model_name=self.config.model_name, api_key=self.config.api_key)
         self.metrics: ServingMetrics = self.frontend.metrics
         self.admin = admin  # the replanning loop: workload gauges, /debug/workload, /admin/deployment
         if admin is not None:

@@ -37,6 +37,7 @@ _FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_T
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 256
 MAX_N = 16  # samples per prompt
 
 
@@ -58,6 +59,7 @@ class CompletionParams:
     prompt_field: str = "prompt"
     include_stop_str_in_output: bool = False
     fill_max_tokens: bool = False  # max_tokens unset (chat): as many as the context and limits allow
+    cache_salt: str | None = None  # the client's (vLLM's `cache_salt`); the server adds its API key's salt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +235,10 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         raise InvalidRequestError("stop strings must not be empty", field="stop")
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", field="stop_token_ids")
+    if req.HasField("cache_salt") and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters (leave it unset for none)", field="cache_salt"
+        )
     defaults = SamplingParams()
     sampling = SamplingParams(
         max_tokens=req.max_tokens if req.HasField("max_tokens") else defaults.max_tokens,
@@ -251,6 +257,7 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         stop=tuple(req.stop),
         prompt_field="prompt" if has_text else "prompt_token_ids" if has_ids else "messages",
         include_stop_str_in_output=req.include_stop_str_in_output,
+        cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
     )
 
 

@@ -32,6 +32,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from models.kernels.trust import ensure_private_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
@@ -100,7 +102,7 @@ def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False) -
                 for x in (source, version, " ".join(flags), jaxlib_version, platform.machine(), _cpu_features())
             )
         ).hexdigest()[:20]
-        folder = cache_dir()
+        folder = ensure_private_dir(cache_dir(), "the CPU kernel cache ($JAXSERVE_KERNEL_CACHE)")
         lib = folder / f"paged_attention_cpu{'-checked' if checked else ''}-{key}.so"
         if lib.exists():
             return lib

@@ -221,9 +221,10 @@ class RayController(Controller):
                 started.append(name)
                 actors, infos = _start_actors(inputs, [name], [spec], placement.options)
                 reference = next(iter(self.actor_infos))
-                check_compatible(self.actor_infos[reference].signature, infos[name].signature, reference, name)
-                self.actors.update(actors)
+                reference_info = self.actor_infos[reference]
+                self.actors.update(actors)  # before the check: one that fails it is killed with the others below
                 self.actor_infos.update(infos)
+                check_compatible(reference_info.signature, infos[name].signature, reference, name)
         except BaseException:
             self.release_actors(started)
             raise
@@ -244,12 +245,12 @@ class RayController(Controller):
                 engine.start_lease_keeper(inst.holds_kv)
         return new
 
-    def discard_staged(self) -> None:
-        """`Controller.discard_staged` (a switch that failed before routing), and the new prefill proxies'
-        lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """`Controller.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
+        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
         with self._lock:
             engines = [inst.engine for inst in self.instance_set.staged]
-        super().discard_staged()
+        super().discard_staged(join_timeout_s)
         for engine in engines:
             if isinstance(engine, RemotePrefillEngine):
                 engine.stop_lease_keeper()

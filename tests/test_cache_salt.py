@@ -1,0 +1,114 @@
+"""Prefix-cache isolation: vLLM's `cache_salt`, and salting by API key by default (issue 27).
+
+Blocks cached for one salt are never found under another (nor under none), so `cached_tokens` and TTFT no
+longer let one client confirm another's prompt. Real servers on 127.0.0.1 (fake engine, prefix caching on,
+block size 4): HTTP's `cache_salt` body field and gRPC's `cache_salt` field; requests made with two API keys
+never share blocks; a server without keys salts nothing.
+"""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+from serving_helpers import expected_tokens, fake_controller, running_server
+
+from jaxserve.core.limits import ServingLimits
+from jaxserve.core.prefix_cache import block_hashes
+from jaxserve.core.request import SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.runtime.controller import ControllerConfig
+from jaxserve.serving.frontend import Frontend
+from jaxserve.serving.wire import CompletionParams
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = list(range(30, 48))  # 18 tokens: 4 full blocks of 4 + 2
+KEY = "inference-key"
+
+
+def test_a_salt_gives_a_chain_of_its_own() -> None:
+    plain = block_hashes(PROMPT, 4)
+    assert block_hashes(PROMPT, 4, None) == block_hashes(PROMPT, 4, "") == plain
+    a, b = block_hashes(PROMPT, 4, "a"), block_hashes(PROMPT, 4, "b")
+    assert a == block_hashes(PROMPT, 4, "a") and len(a) == len(plain) == 4
+    assert not ({*a} & {*b}) and not ({*a} & {*plain})
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=4, num_kv_blocks=64)
+    )
+    with running_server(fake_controller(config=config, first_device=4), api_key=KEY) as s:
+        yield s
+
+
+def _http(server, prompt: list[int], salt: str | None = None) -> int:  # type: ignore[no-untyped-def]
+    body: dict[str, object] = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(
+        f"{server.http_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == expected_tokens(prompt, 4)
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _grpc(server, prompt: list[int], salt: str | None) -> int:  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        request = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4, ignore_eos=True)
+        if salt is not None:
+            request.cache_salt = salt
+        responses = list(
+            pb_grpc.JaxServeStub(channel).Generate(request, timeout=30, metadata=[("authorization", f"Bearer {KEY}")])
+        )
+    assert [t for r in responses for t in r.token_ids] == expected_tokens(prompt, 4)
+    return int(responses[-1].usage.cached_tokens)
+
+
+def test_cache_salt_over_http_and_grpc(server) -> None:  # type: ignore[no-untyped-def]
+    assert _http(server, PROMPT) == 0
+    assert _http(server, PROMPT) == 16  # same key, no salt of its own: shared
+    assert _http(server, PROMPT, "alice") == 0  # a salt of its own: not the unsalted blocks
+    assert _http(server, PROMPT, "alice") == 16
+    assert _grpc(server, PROMPT, "alice") == 16  # the same salt over gRPC
+    assert _grpc(server, PROMPT, "bob") == 0
+    assert _grpc(server, PROMPT, None) == 16  # the key's own blocks
+
+
+def test_bad_salts_get_400_naming_the_field(server) -> None:  # type: ignore[no-untyped-def]
+    for bad in ("", "x" * 257, 7):
+        body = {"prompt": PROMPT, "max_tokens": 2, "cache_salt": bad}
+        r = httpx.post(
+            f"{server.http_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_two_api_keys_never_share_blocks_and_no_key_salts_nothing() -> None:
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=4, num_kv_blocks=64)
+    )
+    controller = fake_controller(config=config, first_device=6)
+    controller.start()
+    try:
+        params = CompletionParams(None, tuple(PROMPT), SamplingParams(max_tokens=2, ignore_eos=True))
+        one, two, none = Frontend(controller, api_key="k1"), Frontend(controller, api_key="k2"), Frontend(controller)
+        assert none.check(params, tuple(PROMPT)).cache_salt is None  # no keys: no salt
+        assert KEY not in (one.check(params, tuple(PROMPT)).cache_salt or "")  # a digest, never the key itself
+
+        def cached(frontend: Frontend) -> int:
+            request = frontend.check(params, tuple(PROMPT))
+            _, last = controller.submit(request).collect(timeout_s=30)
+            return last.timings.cached_prompt_tokens if last.timings is not None else -1
+
+        assert cached(one) == 0 and cached(one) == 16
+        assert cached(two) == 0  # another key: its own chain
+        assert cached(none) == 0 and cached(none) == 16
+        assert cached(two) == 16
+    finally:
+        controller.shutdown(drain_timeout_s=1)
