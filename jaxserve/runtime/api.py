@@ -20,7 +20,7 @@ from models.config import ModelConfig
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from jaxserve.serving.chat_template import JinjaChatTemplate
+    from models.checkpoint import CheckpointChatTemplate
 
 InstanceRole = Literal["prefill", "decode", "colocated"]
 
@@ -76,7 +76,7 @@ class ServingController(Protocol):
     def tokenizer(self) -> Tokenizer | None: ...
 
     @property
-    def chat_template(self) -> JinjaChatTemplate | None: ...  # the checkpoint's; None: the built-in one
+    def chat_template(self) -> CheckpointChatTemplate | None: ...  # the checkpoint's; None: the built-in one
 
     @property
     def plan(self) -> DeploymentPlan: ...
