@@ -79,6 +79,7 @@ from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedModel, family, sharded_class
 
 MIN_PROMPT_BUCKET = 16
+SHORT_PROMPT_BUCKET = 128  # background warm-up: a single prompt of up to this many tokens has its own bucket at once
 MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 
 log = logging.getLogger(__name__)
@@ -280,11 +281,16 @@ class ModelEngine(Engine):
                     for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
                     if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
                 ]
-        prefill_now = (
-            _frontier([x for x in prefill_shapes if _area(x) <= 2 * max_batch_tokens]) if background else prefill_shapes
-        )
+        prefill_now = prefill_shapes
+        if background:  # + one short single prompt's bucket: a lone chat turn must not pay a padded batch
+            single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
+            held = _frontier([x for x in prefill_shapes if _area(x) <= 2 * max_batch_tokens])
+            prefill_now = held + [x for x in single if x not in held]
         for b, t_pad in prefill_now:
-            self._warm_prefill(b, t_pad, max_len, rand, greedy)
+            if background:  # compile only: running a long bucket costs a prefill of that length
+                self._precompile_prefill(b, t_pad, rand, greedy, logprobs)
+            else:
+                self._warm_prefill(b, t_pad, max_len, rand, greedy)
         self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
@@ -303,7 +309,11 @@ class ModelEngine(Engine):
                         if b == 1 or b // 2 + t_min <= chunk_size:
                             shapes += [(b, t, m) for m in widths]
             budget = 2 * max(chunk_size or 0, max_decode_batch)
-            steps_now = _frontier([x for x in shapes if _area(x) <= budget]) if background else shapes
+            steps_now = shapes
+            if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
+                held_steps = _frontier([x for x in shapes if _area(x) <= budget])
+                lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
+                steps_now = held_steps + [x for x in lone if x not in held_steps]
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -385,6 +395,13 @@ class ModelEngine(Engine):
         dispatched = self._dispatch_prefill(items, shape=(b, t))
         ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched]).result()
 
+    def _precompile_prefill(self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+        """Compile the prefill bucket (b, t) without running it, and run its samplers on placeholder logits."""
+        self.model.precompile_prefill(b, t)
+        last = self.model.pp - 1
+        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+        self._warm_sampling(logits, rand, greedy, logprobs)
+
     def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
         b = logits.shape[0]
         sample(logits, [greedy] * b, [0] * b, [0] * b)
@@ -415,11 +432,7 @@ class ModelEngine(Engine):
                 for b, t in sorted(prefill_shapes, key=lambda x: (self._held(x, self._ready_prefill), _area(x))):
                     if self._stop_background.is_set():
                         return
-                    self.model.precompile_prefill(b, t)
-                    logits = jax.device_put(
-                        np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last)
-                    )
-                    self._warm_sampling(logits, rand, greedy, logprobs)
+                    self._precompile_prefill(b, t, rand, greedy, logprobs)
                     self._ready_prefill = self._ready_prefill | {(b, t)}
                     done += 1
                 for b, t, m in sorted(step_shapes, key=lambda x: (self._held(x, self._ready_steps), _area(x), x[2])):
