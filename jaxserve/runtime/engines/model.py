@@ -290,7 +290,7 @@ class ModelEngine(Engine):
             if background:  # compile only: running a long bucket costs a prefill of that length
                 self._precompile_prefill(b, t_pad, rand, greedy, logprobs)
             else:
-                self._warm_prefill(b, t_pad, max_len, rand, greedy)
+                self._warm_prefill(b, t_pad, rand, greedy)
         self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
@@ -363,7 +363,7 @@ class ModelEngine(Engine):
         if background:
             self._cover = True
             if later_prefill or later_steps:
-                self._start_background(later_prefill, later_steps, caches_like, max_len, rand, greedy, logprobs)
+                self._start_background(later_prefill, later_steps, caches_like, rand, greedy, logprobs)
         log.info(
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
@@ -372,7 +372,7 @@ class ModelEngine(Engine):
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
     # ---- warm-up pieces ----------------------------------------------------------
-    def _warm_prefill(self, b: int, t_pad: int, max_len: int, rand: SamplingParams, greedy: SamplingParams) -> None:
+    def _warm_prefill(self, b: int, t_pad: int, rand: SamplingParams, greedy: SamplingParams) -> None:
         """Run the prefill bucket (b rows x t_pad tokens) on padding: each row's KV is cut to its own padded
         length, so the batch holds rows of every shorter bucket too; sampled and greedy both."""
         shorter = [n for n in _prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
@@ -413,7 +413,6 @@ class ModelEngine(Engine):
         prefill_shapes: list[tuple[int, int]],
         step_shapes: list[tuple[int, int, int]],
         caches: list[PagedKVCache] | None,
-        max_len: int,
         rand: SamplingParams,
         greedy: SamplingParams,
         logprobs: bool,
