@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxserve.testing.hf import randomize_llama
+
 # Each variant covers a different corner: GQA + llama3 RoPE; MHA-width q with a head_dim that is not
 # hidden / heads, linear RoPE, biases everywhere; MQA, tied head, Qwen2's q/k/v biases; plain MHA Mistral.
 KINDS = ("llama-gqa-llama3", "llama-headdim-linear-bias", "qwen2-mqa-tied", "mistral-mha")
@@ -68,16 +70,7 @@ def make_hf_llama(kind: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model: Any = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model = model.float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    return model
+    return randomize_llama(model, seed, weight_scale=0.08, bias_scale=0.1)
 
 
 def save_hf_llama(model: Any, path: Path, dtype: str = "float32", max_shard_size: str | None = None) -> Path:

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
+from jaxserve.testing.hf import randomize_llama  # noqa: E402
 from models import checkpoint, llama  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError  # noqa: E402
@@ -67,16 +68,7 @@ def _hf_model(family: str, seed: int, layers: int = 2) -> Any:
         config = transformers.Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    return model
+    return randomize_llama(model, seed, weight_scale=0.08, bias_scale=0.1)
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:

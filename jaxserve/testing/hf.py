@@ -102,19 +102,27 @@ def hf_logprobs(model: Any, prompt: Sequence[int], output: Sequence[int]) -> Any
 
 
 def _make_hf_llama(cfg: LlamaConfig, seed: int) -> Any:
-    import torch
     import transformers
 
     fields = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf_cfg = transformers.AutoConfig.for_model(cfg.family, **fields)
     model: Any = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    return randomize_llama(model, seed, weight_scale=0.02, bias_scale=0.02)
+
+
+def randomize_llama(model: Any, seed: int, weight_scale: float, bias_scale: float) -> Any:
+    """Every tensor of a Llama-style `model` random, from generator `seed + 1` in parameter order: biases and
+    matrices normal with their scale, norm scales 1 + 0.1 x normal (HF initialises those to 0 / 1, so a
+    parity test would not exercise them). Returns the model."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+                p.copy_(bias_scale * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+                p.copy_(weight_scale * torch.randn(p.shape, generator=gen))
     return model
