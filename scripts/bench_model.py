@@ -387,12 +387,10 @@ def _prefill(args: argparse.Namespace, cfg: Any, params: Any, hf: Any, torch: An
 
 def prefill_flops(cfg: Any, t: int) -> float:
     """Matmul FLOPs of one t-token prefill with last-token logits (causal attention counted once)."""
-    h, f, n = cfg.hidden_size, cfg.ffn_dim, cfg.num_layers
-    q, kvd = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    from models.config import LlamaConfig
+    from models.config import layer_matmul_params
 
-    mlp = 3 * h * f if isinstance(cfg, LlamaConfig) else 2 * h * f  # SwiGLU: gate, up, down
-    linear = 2 * t * (2 * h * q + 2 * h * kvd + mlp) * n
+    h, n, q = cfg.hidden_size, cfg.num_layers, cfg.num_heads * cfg.head_dim
+    linear = 2 * t * sum(layer_matmul_params(cfg)) * n  # q/k/v/o and the MLP (SwiGLU's three matrices)
     attention = 2 * 2 * q * (t * (t + 1) // 2) * n  # q.k and p.v over the causal triangle
     has_proj = bool(getattr(cfg, "has_projections", False))
     proj = 2 * t * cfg.embed_dim * h * has_proj + 2 * cfg.embed_dim * h * has_proj

@@ -73,7 +73,7 @@ from jaxserve.runtime.sampling import (
     token_logprobs_traced,
 )
 from models.attention import KVCache, PagedKVCache
-from models.config import ModelConfig, kv_heads_split
+from models.config import ModelConfig, kv_heads_per_device, kv_heads_split
 from models.opt import Params
 from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedModel, family, sharded_class
@@ -191,8 +191,7 @@ class ModelEngine(Engine):
         cfg = self._cfg
         layers = max(self._layout.stage_layers)
         itemsize = np.dtype(self.model.dtype).itemsize
-        heads = cfg.kv_heads // self.model.tp if self._kv_split else cfg.kv_heads
-        return 2 * layers * block_size * heads * cfg.head_dim * itemsize
+        return 2 * layers * block_size * kv_heads_per_device(cfg, self.model.tp) * cfg.head_dim * itemsize
 
     def kv_blocks_for_memory(self, block_size: int, memory_fraction: float = 0.9, max_blocks: int | None = None) -> int:
         """How many KV blocks fit in the memory the weights leave (vLLM's `gpu_memory_utilization`).
