@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The project's test command: lint, format check, type check, then the default tests (about 7-8 minutes on
-# 2 cores; it prints its 20 slowest tests). Extra arguments go to pytest instead of the default selection:
+# The project's test command: lint, format check, type check, then the default tests in two pytest-xdist
+# workers (one file per worker at a time; $JAXSERVE_TEST_WORKERS to change; it prints its 20 slowest tests).
+# Extra arguments go to pytest instead of the default selection:
 #   bash scripts/check.sh -m "slow and not timing"   the heavier deterministic checks (`.ci/run` runs them too)
 #   bash scripts/check.sh -m heavy                   minutes-long checks (real model download, largest plans), by hand
 #   bash scripts/check.sh -m timing                  wall-clock checks, by hand on a quiet machine (never in CI)
@@ -13,6 +14,7 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m mypy
 if [ "$#" -eq 0 ]; then
   # Deterministic and quick: a `timing` verdict depends on the machine's hour, a `slow` one takes minutes.
-  set -- -m "not slow and not timing and not heavy" --durations=20
+  # One process leaves a 2-core box ~40 % idle (compiles are single-threaded); two workers fill it.
+  set -- -m "not slow and not timing and not heavy" -n "${JAXSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=20
 fi
 "$PY" -m pytest "$@"

@@ -44,13 +44,14 @@ class ServeProcess:
     def __init__(
         self,
         deployment: str,
-        model: str,
+        model: str | None,
         extra_args: Sequence[str] = (),
         num_devices: int | None = None,
         single_core: bool = True,
         startup_timeout_s: float = 300.0,
         log_path: str | Path | None = None,
         cpus: Sequence[int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.deployment = deployment
         self.model = model
@@ -60,6 +61,7 @@ class ServeProcess:
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else None
         self.cpus = tuple(cpus) if cpus else None  # `serve --cpus`: the cores the server may use
+        self.env = dict(env or {})  # added to (and overriding) this process's environment
         self.proc: subprocess.Popen[str] | None = None
         self.grpc_address = ""
         self.http_address = ""
@@ -68,13 +70,15 @@ class ServeProcess:
         from jaxserve.core.plan import parse_deployment
 
         devices = self.num_devices or parse_deployment(self.deployment).num_devices
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         env["XLA_FLAGS"] = cpu_xla_flags(devices, self.single_core)
         env.setdefault("JAX_PLATFORMS", "cpu")
         cmd = [
-            sys.executable, "-m", "jaxserve", "serve", "--deployment", self.deployment, "--model", self.model,
+            sys.executable, "-m", "jaxserve", "serve", "--deployment", self.deployment,
             "--grpc-port", "0", "--http-port", "0", *self.extra_args,
         ]  # fmt: skip
+        if self.model:  # None: serve's default model (the embedded tiny one)
+            cmd += ["--model", self.model]
         if self.cpus:
             cmd += ["--cpus", ",".join(map(str, self.cpus))]
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115

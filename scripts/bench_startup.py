@@ -1,0 +1,104 @@
+"""Start-up as a new user meets it: `jaxserve serve` to its ready line, then a cold burst of mixed requests.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_startup.py                 # the embedded tiny model
+    PYTHONPATH=. .venv/bin/python scripts/bench_startup.py --model smollm2-135m-instruct
+
+Each run starts `jaxserve serve` (its defaults: background warm-up on, both cores) in a child process with
+a fresh `XDG_CACHE_HOME` shared by that run's two starts: the first start compiles into an empty
+compilation cache ("fresh"), the second finds it filled ("warm"). After each ready line the script sends a
+burst of `--burst` requests at once over HTTP (prompt lengths spread from 4 tokens to the model's longest
+prompt bucket, outputs 2-48 tokens, a quarter with `n`=2), then the same burst again. A request that had to
+wait for a compile on the request path would show as a first-burst TTFT seconds above the second burst's;
+the script prints both bursts' TTFT P50 and max, and the load average before and after. The server's
+stderr goes to `--log-dir` (default: a temp folder) for the background compile log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from jaxserve.commands.common import DEFAULT_DEPLOYMENT
+from jaxserve.core.model_registry import model_cache_dir
+from jaxserve.tools.bench.launch import ServeProcess
+from jaxserve.tools.bench.loadgen import Target, run_workload
+from placement.workload import Workload
+
+
+def burst(num: int, longest_prompt: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    inputs = np.unique(np.geomspace(4, longest_prompt, num).astype(np.int64))
+    inputs = np.resize(inputs, num)
+    rng.shuffle(inputs)
+    outputs = rng.integers(2, 49, size=num).astype(np.int64)
+    return Workload(np.zeros(num), inputs, outputs, 1.0)
+
+
+def ttft_stats(run: object) -> dict[str, float | int]:
+    records = run.records  # type: ignore[attr-defined]
+    ok = [r.ttft_s for r in records if r.ok]
+    return {
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "ttft_p50_s": float(np.median(ok)) if ok else float("nan"),
+        "ttft_max_s": float(max(ok)) if ok else float("nan"),
+    }
+
+
+def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Path) -> dict[str, object]:
+    server = ServeProcess(
+        args.deployment,
+        args.model,
+        extra_args=["--log-level", "info"],
+        single_core=False,
+        startup_timeout_s=args.startup_timeout,
+        log_path=log_dir / f"serve-{label}.log",
+        # the kernel build and the XLA cache start empty; a pulled model stays where it is
+        env={"XDG_CACHE_HOME": cache_home, "JAXSERVE_MODEL_CACHE": str(model_cache_dir())},
+    )
+    started = time.perf_counter()
+    with server:
+        ready_s = time.perf_counter() - started
+        target = Target(server.http_address, http=True, timeout_s=600.0)
+        work = burst(args.burst, args.longest_prompt, seed=1)
+        cold = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
+        again = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
+    return {
+        "start": label,
+        "ready_s": round(ready_s, 2),
+        "cold_burst": ttft_stats(cold),
+        "second_burst": ttft_stats(again),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="serve's --model (default: serve's default, the embedded tiny model)")
+    ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
+    ap.add_argument("--burst", type=int, default=24)
+    ap.add_argument("--longest-prompt", type=int, default=400, help="the burst's longest prompt (tokens)")
+    ap.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn below this")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--log-dir", type=Path, default=None)
+    args = ap.parse_args()
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="jaxserve-startup-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cache_home = tempfile.mkdtemp(prefix="jaxserve-xdg-")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    for label in ("fresh", "warm"):
+        print(json.dumps(one_start(args, cache_home, label, log_dir)), flush=True)
+    print(f"load average after: {os.getloadavg()}; server logs in {log_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
