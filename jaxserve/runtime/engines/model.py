@@ -21,19 +21,15 @@ finished this one, while later stages still work on it.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import itertools
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, bucket_area, frontier
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -130,7 +127,7 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
     return path
 
 
-class ModelEngine(Engine):
+class ModelEngine(BackgroundWarmup, Engine):
     """Prefill, insert and paged decode steps of a model (any `models` family) placed on one instance's devices."""
 
     capabilities = EngineCapabilities(
@@ -155,14 +152,7 @@ class ModelEngine(Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
-        # Shape covering (`warmup(background=True)`): once on, a step or prefill batch whose own bucket is not
-        # compiled yet runs padded up to the cheapest compiled bucket that holds it, so no request waits on XLA
-        # while the remaining buckets compile on a background thread. Sets are replaced, never mutated.
-        self._cover = False
-        self._ready_prefill: frozenset[tuple[int, int]] = frozenset()
-        self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
-        self._background: threading.Thread | None = None
-        self._stop_background = threading.Event()
+        self._init_background_warmup()  # shape covering and the background compile thread (background_warmup.py)
 
     @classmethod
     def load(
@@ -283,7 +273,7 @@ class ModelEngine(Engine):
         prefill_now = prefill_shapes
         if background:  # + one short single prompt's bucket: a lone chat turn must not pay a padded batch
             single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
-            held = _frontier([x for x in prefill_shapes if _area(x) <= 2 * max_batch_tokens])
+            held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
         for b, t_pad in prefill_now:
             if background:  # compile only: running a long bucket costs a prefill of that length
@@ -310,7 +300,7 @@ class ModelEngine(Engine):
             budget = 2 * max(chunk_size or 0, max_decode_batch)
             steps_now = shapes
             if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
-                held_steps = _frontier([x for x in shapes if _area(x) <= budget])
+                held_steps = frontier([x for x in shapes if bucket_area(x) <= budget])
                 lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
                 steps_now = held_steps + [x for x in lone if x not in held_steps]
             for b, t, m in steps_now:
@@ -401,87 +391,28 @@ class ModelEngine(Engine):
         logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
         self._warm_sampling(logits, rand, greedy, logprobs)
 
+    def _precompile_step(
+        self,
+        b: int,
+        t: int,
+        m: int,
+        caches: list[PagedKVCache],
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+    ) -> None:
+        """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
+        samplers on placeholder logits."""
+        self.model.precompile_paged(b, t, m, caches)
+        last = self.model.pp - 1
+        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+        self._warm_sampling(logits, rand, greedy, logprobs)
+
     def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
         b = logits.shape[0]
         sample(logits, [greedy] * b, [0] * b, [0] * b)
         sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
         jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
-
-    def _start_background(
-        self,
-        prefill_shapes: list[tuple[int, int]],
-        step_shapes: list[tuple[int, int, int]],
-        caches: list[PagedKVCache] | None,
-        rand: SamplingParams,
-        greedy: SamplingParams,
-        logprobs: bool,
-    ) -> None:
-        """Compile the remaining buckets on a daemon thread, smallest first (the most common work); each joins
-        the covering sets once compiled. Stops between buckets when asked (`stop_background_warmup`)."""
-        self.stop_background_warmup()
-        self._stop_background.clear()
-        last = self.model.pp - 1
-
-        def work() -> None:
-            t0, done = time.perf_counter(), 0
-            with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            try:
-                for b, t in sorted(prefill_shapes, key=lambda x: (self._held(x, self._ready_prefill), _area(x))):
-                    if self._stop_background.is_set():
-                        return
-                    self._precompile_prefill(b, t, rand, greedy, logprobs)
-                    self._ready_prefill = self._ready_prefill | {(b, t)}
-                    done += 1
-                for b, t, m in sorted(step_shapes, key=lambda x: (self._held(x, self._ready_steps), _area(x), x[2])):
-                    if self._stop_background.is_set() or caches is None:
-                        return
-                    self.model.precompile_paged(b, t, m, caches)
-                    logits = jax.device_put(
-                        np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last)
-                    )
-                    self._warm_sampling(logits, rand, greedy, logprobs)
-                    self._ready_steps = self._ready_steps | {(b, t, m)}
-                    done += 1
-                log.info("background warm-up compiled %d more shapes in %.1f s", done, time.perf_counter() - t0)
-            except Exception:  # a failed background compile only leaves that bucket to the covering
-                log.exception("background warm-up stopped after %d shapes", done)
-
-        self._background = threading.Thread(target=work, name="jaxserve-background-warmup", daemon=True)
-        _BACKGROUND.add(self)
-        self._background.start()
-
-    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop the background warm-up after the bucket it is compiling (if one runs)."""
-        thread = self._background
-        if thread is not None and thread.is_alive():
-            self._stop_background.set()
-            thread.join(timeout=timeout_s)
-        self._background = None
-        _BACKGROUND.discard(self)
-
-    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
-        """Wait up to `timeout_s` for the background warm-up; whether none is running now."""
-        thread = self._background
-        if thread is not None:
-            thread.join(timeout=timeout_s)
-            return not thread.is_alive()
-        return True
-
-    @staticmethod
-    def _held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
-        """Whether some compiled bucket holds `shape` (a bucket nothing holds compiles first in the background)."""
-        return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
-
-    def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
-        """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
-        every dimension (rows x tokens first, then table width); `shape` itself when none holds it."""
-        if not self._cover or shape in ready:
-            return shape
-        holders = [r for r in ready if all(x >= y for x, y in zip(r, shape, strict=True))]
-        if not holders:
-            return shape
-        return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -766,32 +697,8 @@ def _decode_loop(
     return out, cache, lp
 
 
-_Shape = TypeVar("_Shape", bound=tuple[int, ...])
-
-
-def _frontier(shapes: Sequence[_Shape]) -> list[_Shape]:
-    """The shapes no other shape holds (>= in every dimension): padded up, they run everything in `shapes`."""
-    unique = sorted(set(shapes))
-    return [s for s in unique if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in unique)]
-
-
-def _area(shape: tuple[int, ...]) -> int:
-    """Rows x tokens of a bucket (the work it pads to)."""
-    return shape[0] * shape[1]
-
-
 def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-
-
-# Engines whose background warm-up may still compile: stopped (between buckets) before the interpreter exits.
-_BACKGROUND: weakref.WeakSet[ModelEngine] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_background_warmups() -> None:
-    for engine in list(_BACKGROUND):
-        engine.stop_background_warmup(timeout_s=30.0)
 
 
 def _caches(pages: KVPages) -> list[PagedKVCache]:
