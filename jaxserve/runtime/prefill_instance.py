@@ -22,14 +22,17 @@ Loop (one thread, `Worker` shell), each `step()`:
    `Worker` shell's failure path (hand every held request back) runs on the loop's thread.
 
 Prefix caching (`PrefillConfig.prefix_policy.enabled`): the instance keeps a paged pool under a
-`PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
-too full leaves it queued), execute runs only the uncached suffixes as prompt rows of the
-engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does) and gathers
-each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`),
-and apply names the prompt's full blocks (`commit`) and unpins them (`release`). So blocks are
-pinned only within one step, the buffer and the pull path are the same as without caching, and
-the pool is touched by this thread alone. The paged step runs in the call (one batch at a time), so
-each batch's blocks are committed before the next batch looks the cache up. Needs an engine with a paged pool (`decode` or `paged_prefill`).
+`PrefixCache`. Each batch member pins its longest cached prefix and fresh blocks for the rest (`acquire` in
+decide; a pool too full leaves it queued). A batch where no member hits runs exactly as without caching (the
+dense prefill, pipelined over pp stages like any other batch); apply then writes each prompt's KV into its
+blocks (`Engine.insert`, the decode side's write). A batch with a hit runs only the uncached suffixes as prompt
+rows of the engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does), in the call, and
+gathers each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`). Either
+way apply names the prompt's full blocks (`commit`) and unpins them (`release`): blocks are pinned only while
+their batch is in flight, the buffer and the pull path are the same as without caching, and the pool is touched
+by this thread alone. A prompt identical to one in flight waits for it (and then finds its blocks cached). An
+engine whose pool lives elsewhere (`paged_prefill`, a Ray actor) always takes the paged step. Needs an engine
+with a paged pool (`decode` + `dense_insert`, or `paged_prefill`).
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
@@ -62,6 +65,7 @@ from jaxserve.core.scheduling import (
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
     Engine,
+    HeldKV,
     PrefilledSequence,
     PrefillHandle,
     PrefillItem,
@@ -101,6 +105,7 @@ class _Flight:
     hits: dict[str, CacheHit]
     decided_at: float
     started_at: float = 0.0
+    dense: bool = False  # with caching: run by the dense prefill, its KV written into the pool in apply
     stage_free: bool = False  # the batch has left the engine's first stage
     result: PrefillResult | None = None
     error: BaseException | None = None
@@ -124,13 +129,14 @@ class PrefillInstance(Worker):
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
-        self._pipelined = engine.capabilities.async_prefill and not config.prefix_policy.enabled
+        self._pipelined = engine.capabilities.async_prefill
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
         limits = config.limits
         num_blocks = limits.require_num_kv_blocks()
         self.cache = PrefixCache(BlockAllocator(num_blocks, limits.block_size), enabled=config.prefix_policy.enabled)
         self._paged: Engine | None = None
+        self._dense_misses = False
         if config.prefix_policy.enabled:
             if not (engine.capabilities.decode or engine.capabilities.paged_prefill):
                 raise TypeError(
@@ -138,6 +144,8 @@ class PrefillInstance(Worker):
                     f"{type(engine).__name__} has none"
                 )
             self._paged = engine
+            # Batches with no cache hit take the dense prefill (pipelined) and are written into the pool after.
+            self._dense_misses = engine.capabilities.dense_insert and not engine.capabilities.paged_prefill
             self.pages = engine.init_pages(num_blocks, limits.block_size)
         self.num_computed_tokens = 0  # prompt tokens this instance really computed (cached ones excluded)
 
@@ -259,7 +267,8 @@ class PrefillInstance(Worker):
     def _pipe_open(self) -> bool:
         """Under the lock: may a new batch enter the engine now? An asynchronous engine takes one as soon as
         its first stage has finished the last batch (a pp-stage instance pipelines batches, as the
-        simulator's prefill pipe does); a synchronous one (or prefix caching) runs one batch at a time."""
+        simulator's prefill pipe does); a synchronous one runs one batch at a time, and so does a batch with a
+        prefix-cache hit (its paged step runs in the call: it is back before the next batch is decided)."""
         if not self._inflight:
             return True
         return self._pipelined and all(f.stage_free for f in self._inflight)
@@ -293,13 +302,12 @@ class PrefillInstance(Worker):
             if not batch:
                 return False
             items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
-            flight = _Flight(batch, items, hits, decided_at)
+            dense = self._paged is None or (self._dense_misses and not any(h.num_cached_tokens for h in hits.values()))
+            flight = _Flight(batch, items, hits, decided_at, dense=dense)
             self._inflight.append(flight)
         flight.started_at = now()
         handle = (
-            start_prefill(self.engine, items)
-            if self._paged is None
-            else ReadyPrefill(self._prefill_paged(self._paged, items, hits))
+            start_prefill(self.engine, items) if dense else ReadyPrefill(self._prefill_paged(self._paged, items, hits))  # type: ignore[arg-type]
         )
         if isinstance(handle, ReadyPrefill):
             with self.cond:
@@ -335,6 +343,10 @@ class PrefillInstance(Worker):
         started_at, ended_at = flight.started_at, flight.ended_at
         resumed = [r.is_resumed for r in batch]
         eos = self.engine.model_config.eos_token_ids
+        if self._paged is not None and flight.dense:  # the pool gets what the dense prefill computed (async writes)
+            for live, seq in zip(batch, result.sequences, strict=True):
+                assert not isinstance(seq.kv, HeldKV)  # a dense-insert engine prefills into this process
+                self.pages = self._paged.insert(seq.kv, seq.num_tokens, self.pages, hits[live.request_id].block_table)
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
         with self.cond:
@@ -385,7 +397,8 @@ class PrefillInstance(Worker):
         hits: dict[str, CacheHit] = {}
         kept: list[LiveRequest] = []
         back: list[LiveRequest] = []
-        seen: set[tuple[int, ...]] = set()
+        # a prompt identical to one in flight (its blocks not named yet) waits for it, as within a batch
+        seen = {r.prefill_token_ids for r in self._running if len(r.prefill_token_ids) > self.cache.block_size}
         full = False
         for live in batch:
             ids = live.prefill_token_ids

@@ -342,9 +342,11 @@ class Engine(Protocol):
         decode_steps: int = 1,
         logprobs: bool = False,
         background: bool = False,
+        prefix_prefill: bool = False,
     ) -> WarmedPages:
         """`bucket_warmup`: compile every padded shape the serving limits allow before traffic (`background`:
-        the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones)."""
+        the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones;
+        `prefix_prefill`: also what a prefix-caching prefill instance runs on its pool)."""
         raise UnsupportedEngineCall(self, "warmup", "bucket_warmup")
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:

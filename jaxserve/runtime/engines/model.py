@@ -58,7 +58,7 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.kv_pool import write_sequence
+from jaxserve.runtime.kv_pool import read_sequence, slice_sequence, write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
@@ -227,6 +227,7 @@ class ModelEngine(BackgroundWarmup, Engine):
         decode_steps: int = 1,
         logprobs: bool = False,
         background: bool = False,
+        prefix_prefill: bool = False,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
@@ -255,6 +256,14 @@ class ModelEngine(BackgroundWarmup, Engine):
         the cheapest compiled bucket that holds it: slower for a while, never waiting on a compile — except
         work no compiled bucket holds yet (a prompt longer than twice the cap in the first moments), which
         compiles its own. Inserts and multi-step programs compile before returning either way.
+
+        `prefix_prefill` (a prefix-caching prefill instance, with `decode=False` and its pool): the insert of
+        every prompt length bucket (a batch with no cache hit is prefilled densely and written into the pool),
+        the gather of every length bucket (`kv_pool.read_sequence`: a batch with a hit hands dense copies on),
+        the slice of every shorter bucket out of each (`kv_pool.slice_sequence`: a decode instance holding a
+        prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
+        widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
+        not multiplied by every table width (24 shapes at the default limits, not 6 x 24).
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -288,6 +297,7 @@ class ModelEngine(BackgroundWarmup, Engine):
         if decode or chunk_size:
             caches = _caches(pages or self.init_pages(num_blocks, block_size))
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            prompt_widths = widths[-1:] if prefix_prefill else widths
             shapes: list[tuple[int, int, int]] = []
             if decode:
                 shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch) for m in widths]
@@ -296,7 +306,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                     t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
                     for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
                         if b == 1 or b // 2 + t_min <= chunk_size:
-                            shapes += [(b, t, m) for m in widths]
+                            shapes += [(b, t, m) for m in prompt_widths]
             budget = 2 * max(chunk_size or 0, max_decode_batch)
             steps_now = shapes
             if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
@@ -335,7 +345,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                 PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
                 for c in caches
             ]
-            if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
+            if decode or prefix_prefill:  # the insert of a pulled KV, one program per padded length (0 tokens)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
@@ -346,9 +356,16 @@ class ModelEngine(BackgroundWarmup, Engine):
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
                     warmed = write_sequence(warmed, kv, 0, [0])
+                    if prefix_prefill:  # the gather of a prompt's KV into a dense copy, and every partial pull's
+                        # slice of it (a decode instance holding a prefix pulls positions c.. padded to their bucket)
+                        jax.block_until_ready(read_sequence(warmed, [0], 0, t_pad))
+                        for rest in _prompt_buckets(t_pad, cfg.max_position_embeddings):
+                            jax.block_until_ready(slice_sequence(kv, 0, rest))
             pages = warmed if pages is not None else None
         seconds = time.perf_counter() - t0
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
+        if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
+            self._cover = True
         if background:
             self._cover = True
             if later_prefill or later_steps:
