@@ -302,12 +302,20 @@ class PrefillInstance(Worker):
             if not batch:
                 return False
             items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
-            dense = self._paged is None or (self._dense_misses and not any(h.num_cached_tokens for h in hits.values()))
+            rows = self._suffix_rows(items, hits)
+            dense = self._paged is None or (
+                self._dense_misses
+                and (
+                    not any(h.num_cached_tokens for h in hits.values())
+                    # a hit whose paged bucket is still compiling in the background: recompute the whole prompts
+                    or not self._paged.step_compiled(rows, self.cache.block_size)
+                )
+            )
             flight = _Flight(batch, items, hits, decided_at, dense=dense)
             self._inflight.append(flight)
         flight.started_at = now()
         handle = (
-            start_prefill(self.engine, items) if dense else ReadyPrefill(self._prefill_paged(self._paged, items, hits))  # type: ignore[arg-type]
+            start_prefill(self.engine, items) if dense else ReadyPrefill(self._prefill_paged(self._paged, items, rows))  # type: ignore[arg-type]
         )
         if isinstance(handle, ReadyPrefill):
             with self.cond:
@@ -346,7 +354,14 @@ class PrefillInstance(Worker):
         if self._paged is not None and flight.dense:  # the pool gets what the dense prefill computed (async writes)
             for live, seq in zip(batch, result.sequences, strict=True):
                 assert not isinstance(seq.kv, HeldKV)  # a dense-insert engine prefills into this process
-                self.pages = self._paged.insert(seq.kv, seq.num_tokens, self.pages, hits[live.request_id].block_table)
+                hit = hits[live.request_id]
+                # cached blocks (a recomputed hit) are not written again: other requests read them; a table entry
+                # past the pool drops its writes
+                kept = hit.num_cached_tokens // self.cache.block_size
+                table = (self.cache.num_blocks,) * kept + hit.block_table[kept:]
+                self.pages = self._paged.insert(seq.kv, seq.num_tokens, self.pages, table)
+        # what this batch found cached and did not compute (nothing when it was prefilled densely)
+        cached = {i.request_id: 0 if flight.dense else hits[i.request_id].num_cached_tokens for i in items}
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
         with self.cond:
@@ -354,7 +369,7 @@ class PrefillInstance(Worker):
                 t = live.timings
                 if t.prefill_start_at is None:  # a resumed request keeps its first prefill's times
                     t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
-                    t.cached_prompt_tokens = hits[live.request_id].num_cached_tokens if hits else 0
+                    t.cached_prompt_tokens = cached[live.request_id]
                 if self._paged is not None:
                     self.cache.commit(live.request_id, live.prefill_token_ids, live.block_names(self.cache.block_size))
                     self.cache.release(live.request_id)
@@ -368,9 +383,7 @@ class PrefillInstance(Worker):
                     self._buffer[live.request_id] = (live, seq)
                     handed.append(live)
             self._inflight.popleft()
-            self.num_computed_tokens += sum(
-                len(i.token_ids) - (hits[i.request_id].num_cached_tokens if hits else 0) for i in items
-            )
+            self.num_computed_tokens += sum(len(i.token_ids) - cached[i.request_id] for i in items)
             self.max_buffer_used = max(self.max_buffer_used, len(self._buffer))
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
@@ -378,7 +391,7 @@ class PrefillInstance(Worker):
             self._on_prefilled(self, live)
         done = now()
         lengths = tuple(len(item.token_ids) for item in items)
-        if any(hit.num_cached_tokens for hit in hits.values()):
+        if any(cached.values()):
             # Suffixes over cached prefixes are not whole prompts: not a "prefill" to fit the latency model on.
             self.record_step(StepRecord("mixed", done - flight.decided_at, batch=len(items), at=done))
         else:
@@ -419,9 +432,12 @@ class PrefillInstance(Worker):
         batch[:] = kept
         return hits
 
-    def _prefill_paged(self, engine: Engine, items: list[PrefillItem], hits: dict[str, CacheHit]) -> PrefillResult:
-        """Compute each prompt's uncached suffix into the pool, then copy every prompt's KV out densely."""
-        rows = []
+    @staticmethod
+    def _suffix_rows(items: list[PrefillItem], hits: dict[str, CacheHit]) -> list[StepRow]:
+        """Each prompt's uncached suffix as a prompt row of a paged step (caching; none without)."""
+        rows: list[StepRow] = []
+        if not hits:
+            return rows
         for item in items:
             hit = hits[item.request_id]
             c = hit.num_cached_tokens
@@ -437,13 +453,17 @@ class PrefillInstance(Worker):
                     is_prompt=True,
                 )
             )
+        return rows
+
+    def _prefill_paged(self, engine: Engine, items: list[PrefillItem], rows: list[StepRow]) -> PrefillResult:
+        """Compute each prompt's uncached suffix (`rows`) into the pool, then copy every prompt's KV out densely."""
         if engine.capabilities.paged_prefill:  # the pool lives with the engine (a Ray prefill actor)
             result, self.pages = engine.prefill_rows(items, StepBatch(tuple(rows)), self.pages)
             return result
         tokens, logprobs, self.pages = step_tokens(engine, StepBatch(tuple(rows)), self.pages)
         out = []
-        for item, token, lp in zip(items, tokens, logprobs, strict=True):
+        for item, row, token, lp in zip(items, rows, tokens, logprobs, strict=True):
             n = len(item.token_ids)
-            kv = read_sequence(self.pages, hits[item.request_id].block_table, n, bucket(n, MIN_PROMPT_BUCKET))
+            kv = read_sequence(self.pages, row.block_table, n, bucket(n, MIN_PROMPT_BUCKET))
             out.append(PrefilledSequence(item.request_id, int(token), n, kv, lp))
         return PrefillResult(tuple(out))

@@ -263,7 +263,9 @@ class ModelEngine(BackgroundWarmup, Engine):
         the slice of every shorter bucket out of each (`kv_pool.slice_sequence`: a decode instance holding a
         prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
         widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
-        not multiplied by every table width (24 shapes at the default limits, not 6 x 24).
+        not multiplied by every table width (24 shapes at the default limits, not 6 x 24). With `background`
+        these steps all compile on the background thread; until a hit batch's bucket is in (`step_compiled`),
+        the prefill instance prefills that batch densely instead.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -313,6 +315,8 @@ class ModelEngine(BackgroundWarmup, Engine):
                 held_steps = frontier([x for x in shapes if bucket_area(x) <= budget])
                 lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
                 steps_now = held_steps + [x for x in lone if x not in held_steps]
+                if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
+                    steps_now = []
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -619,6 +623,11 @@ class ModelEngine(BackgroundWarmup, Engine):
             logprobs=with_logprobs,
             attention=self.model.stage_attention(0),
         )
+
+    def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
+        """Whether a step of `rows` runs a compiled bucket now (always, unless a background warm-up is still
+        compiling the bucket that would hold it)."""
+        return not self._cover or self.step_shape(rows, block_size) in self._ready_steps
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
