@@ -12,6 +12,13 @@ off, on, ...) and reports per arm: the prompt-token hit rate (1 − computed / p
 KV positions and bytes pulled, TTFT P50/P90 (client side, in this process; medians over
 repetitions), then the simulator (`placement.prefix_sim.PrefixSimulator`, the runtime's pool sizes
 and policies) on each measured trace: its hit rate and bytes against the runtime's.
+
+`--overhead`: what caching costs where it saves little, to decide whether it can be on by default. For a
+colocated and a disaggregated deployment (`--overhead-deployments`), two arms each (caching off / on, on
+separate devices, both warmed first), run interleaved off, on, off, on, ... (`--reps`, >= 5) on two workloads:
+"0 % hit" (`--overhead-requests` prompts of unique random tokens, all submitted at once) and "multi-turn" (the
+conversation trace above, closed loop). Per repetition: the load average, throughput (prompt + output tokens
+per second of the run's wall time) and TTFT P50; then the medians and on / off.
 """
 
 from __future__ import annotations
@@ -162,7 +169,15 @@ def main() -> int:
         help="opt: the real model; timed: `TimedEngine`, every step sleeping the simulator's own step time "
         "(the runtime's mechanism with the simulator's timing)",
     )
+    ap.add_argument("--overhead", action="store_true", help="caching on vs off at 0 %% hit and multi-turn (above)")
+    ap.add_argument(
+        "--overhead-deployments", default="colocated:2xtp1;disagg:prefill=tp1,decode=tp1", help="';'-separated"
+    )
+    ap.add_argument("--overhead-requests", type=int, default=48, help="0 %% hit: requests per run")
+    ap.add_argument("--overhead-prompt-tokens", type=int, default=96, help="0 %% hit: prompt tokens")
     args = ap.parse_args()
+    if args.overhead:
+        return overhead(args)
 
     plan = parse_deployment(args.deployment)
     k = plan.num_devices
@@ -292,6 +307,149 @@ def main() -> int:
         print("WARNING: some requests failed", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "arms": out}, indent=1))
+    return 0
+
+
+@dataclasses.dataclass
+class CostRun:
+    load_average: float
+    tokens_per_s: float  # prompt + output tokens over the run's wall time
+    ttft_p50: float
+    hit_rate: float
+
+
+def _unique_prompts(args: argparse.Namespace, vocab: int, rep: int, arm: int) -> list[tuple[int, ...]]:
+    """Prompts no cache holds: fresh random token ids (first token 2, BOS), a new draw per run."""
+    rng = np.random.default_rng(1_000_003 * (rep + 1) + arm)
+    return [
+        (2, *(int(x) for x in rng.integers(4, vocab, args.overhead_prompt_tokens - 1)))
+        for _ in range(args.overhead_requests)
+    ]
+
+
+def _prompt_hits(c: Controller) -> tuple[int, int]:
+    """(hit, looked-up) prompt tokens so far where prompts are computed (prefill and colocated instances)."""
+    caches = [i.cache for i in c.instances if i.role in ("prefill", "colocated")]
+    return sum(x.stats.num_hit_tokens for x in caches), sum(x.stats.num_query_tokens for x in caches)
+
+
+def _hit_rate(c: Controller, before: tuple[int, int]) -> float:
+    hit, query = (a - b for a, b in zip(_prompt_hits(c), before, strict=True))
+    return hit / query if query else 0.0
+
+
+def _burst_run(c: Controller, prompts: list[tuple[int, ...]], max_tokens: int, tag: str) -> CostRun:
+    from jaxserve.core.request import GenerateRequest, SamplingParams
+
+    clear_caches(c)
+    before = _prompt_hits(c)
+    load = os.getloadavg()[0]
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    streams = [c.submit(GenerateRequest(f"{tag}-{i}", p, sampling)) for i, p in enumerate(prompts)]
+    ttfts, tokens = [], 0
+    for stream, prompt in zip(streams, prompts, strict=True):
+        ids, last = stream.collect(timeout_s=600)
+        assert last.timings is not None and last.timings.first_token_at is not None
+        ttfts.append(last.timings.first_token_at - last.timings.arrival_at)
+        tokens += len(prompt) + len(ids)
+    wall = time.perf_counter() - t0
+    return CostRun(load, tokens / wall, float(np.median(ttfts)), _hit_rate(c, before))
+
+
+def _trace_run(c: Controller, trace: SharedPrefixWorkload) -> CostRun:
+    load = os.getloadavg()[0]
+    before = _prompt_hits(c)
+    t0 = time.perf_counter()
+    run = run_arm(c, trace)
+    wall = time.perf_counter() - t0
+    tokens = int(trace.workload.input_lens.sum() + trace.workload.output_lens.sum())
+    return CostRun(load, tokens / wall, run.ttft_p50, _hit_rate(c, before))
+
+
+def overhead(args: argparse.Namespace) -> int:
+    """`--overhead`: caching on vs off, interleaved, at 0 % hit and on the multi-turn trace (module docstring)."""
+    cfg = get_config(args.model)
+    devices = jax.devices()
+    limits = ServingLimits(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_decode_batch=args.max_decode_batch
+    )
+    admission = AdmissionConfig(max_queued_requests=4096)
+    policies = {"off": NO_PREFIX_CACHING, "on": PrefixPolicy(local_prefill_tokens=args.local)}
+    spec = ConversationSpec(
+        num_system_prompts=args.system_prompts,
+        system_prompt_tokens=args.system_tokens,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        think_time_s=args.think_time,
+        max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
+        vocab_size=cfg.vocab_size,
+    )
+    started = time.monotonic()
+    print(
+        f"{args.model}, caching off vs on, interleaved, {args.reps} reps; 0 % hit: {args.overhead_requests} requests "
+        f"of {args.overhead_prompt_tokens} unique tokens + {args.answer_tokens} out, all at once; multi-turn: "
+        f"{args.conversations} conversations at {args.rate:g} rps; block {args.block_size}, {args.num_kv_blocks} "
+        f"blocks per pool; load average {os.getloadavg()[0]:.1f} at start"
+    )
+    summary = []
+    for deployment in args.overhead_deployments.split(";"):
+        plan = parse_deployment(deployment)
+        k = plan.num_devices
+        if len(devices) < 2 * k:
+            print(f"need {2 * k} devices for two arms of {deployment}, have {len(devices)}", file=sys.stderr)
+            return 2
+        controllers = {
+            name: Controller.from_plan(
+                args.model,
+                plan,
+                devices[i * k : (i + 1) * k],
+                config=ControllerConfig(limits=limits, admission=admission, prefix_policy=policy),
+            )
+            for i, (name, policy) in enumerate(policies.items())
+        }
+        runs: dict[tuple[str, str], list[CostRun]] = {}
+        try:
+            for c in controllers.values():
+                c.start()
+            warm = generate_conversations(spec, max(8, args.conversations // 2), np.random.default_rng(10_000))
+            for i, c in enumerate(controllers.values()):  # compiles the shapes; not measured
+                run_arm(c, warm.at_rate(args.rate * 2))
+                _burst_run(c, _unique_prompts(args, cfg.vocab_size, -1, i), args.answer_tokens, "warm")
+            for rep in range(args.reps):
+                trace = generate_conversations(spec, args.conversations, np.random.default_rng(args.seed + rep))
+                for i, (name, c) in enumerate(controllers.items()):
+                    prompts = _unique_prompts(args, cfg.vocab_size, rep, i)
+                    runs.setdefault(("0 % hit", name), []).append(_burst_run(c, prompts, args.answer_tokens, f"r{rep}"))
+                for name, c in controllers.items():
+                    runs.setdefault(("multi-turn", name), []).append(_trace_run(c, trace.at_rate(args.rate)))
+        finally:
+            for c in controllers.values():
+                c.shutdown(drain_timeout_s=0)
+        print()
+        print(f"{deployment}")
+        print("| workload | arm | rep | load avg | hit rate | tokens/s | TTFT P50 ms |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for (workload, name), rs in runs.items():
+            for rep, r in enumerate(rs):
+                print(
+                    f"| {workload} | {name} | {rep} | {r.load_average:.1f} | {r.hit_rate:.1%} | {r.tokens_per_s:.0f} "
+                    f"| {r.ttft_p50 * 1e3:.1f} |"
+                )
+        med = statistics.median
+        for workload in ("0 % hit", "multi-turn"):
+            off, on = runs[(workload, "off")], runs[(workload, "on")]
+            thr = med([r.tokens_per_s for r in on]) / med([r.tokens_per_s for r in off])
+            ttft = med([r.ttft_p50 for r in on]) / med([r.ttft_p50 for r in off])
+            summary.append((deployment, workload, med([r.hit_rate for r in on]), thr, ttft))
+    print()
+    print("| deployment | workload | hit rate (on) | throughput on / off | TTFT P50 on / off |")
+    print("|---|---|---:|---:|---:|")
+    for deployment, workload, hit, thr, ttft in summary:
+        print(f"| {deployment} | {workload} | {hit:.1%} | {thr:.3f} | {ttft:.3f} |")
+    print(f"(medians over {args.reps} interleaved repetitions; {time.monotonic() - started:.0f} s)")
     return 0
 
 

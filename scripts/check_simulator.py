@@ -290,6 +290,7 @@ def server_args(cfg: CheckConfig, latency: LatencyProvider, spec: str) -> list[s
         "--max-batch-tokens", str(latency.prefill_token_budget(engine, plan.instances[0].tp)),
         "--max-decode-batch", str(cfg.max_decode_batch), "--num-kv-blocks", str(blocks),
         "--block-size", str(cfg.block_size), "--max-queued-requests", "100000",
+        "--no-prefix-caching",  # the simulator checked against is cache-blind
     ]  # fmt: skip
 
 

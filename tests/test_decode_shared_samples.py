@@ -20,7 +20,7 @@ from serving_helpers import SlowFakeEngine
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence
 from jaxserve.runtime.engines.fake import reference_tokens
@@ -111,7 +111,7 @@ def test_three_samples_hold_the_prompt_blocks_once_and_pull_only_the_tail() -> N
 
 def test_without_caching_each_sample_holds_a_whole_copy() -> None:
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
-    config = ControllerConfig(limits=ServingLimits(block_size=BS, num_kv_blocks=64))
+    config = ControllerConfig(prefix_policy=NO_PREFIX_CACHING, limits=ServingLimits(block_size=BS, num_kv_blocks=64))
     c = Controller(build_engines(plan, _fake_factory), plan, config, transfer=lambda engine: _SlowTransfer(engine, 0.2))
     c.start()
     try:

@@ -57,6 +57,8 @@ def expected() -> tuple[tuple[int, ...], list[int], list[int]]:
         pytest.param("disagg:prefill=tp2,decode=tp1", 0, marks=pytest.mark.slow),
         ("disagg:prefill=tp1,decode=tp2", 0),
         ("disagg:prefill=tp1,decode=tp2", 16),  # turn 2 prefilled on the decode instance
+        # pp2 prefill: turn 1 (no hit) through the pipelined dense prefill, written into the pool; turn 2 hits it
+        pytest.param("disagg:prefill=tp1pp2,decode=tp1", 0, marks=pytest.mark.slow),
     ],
 )
 def test_greedy_tokens_identical_with_caching_on_and_off(spec: str, local: int, checkpoint: Path, expected) -> None:

@@ -20,7 +20,7 @@ from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.core.scheduling import PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence, StepBatch
+from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence, PrefillItem, PrefillResult, StepBatch
 from jaxserve.runtime.engines.fake import FakeEngine, fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
@@ -183,6 +183,12 @@ class _FlakyTransfer:
 
 class _DyingEngine(FakeEngine):
     die_at_decode: int = 10**9
+    die_at_prefill: int = 10**9  # a caching prefill instance prefills batches with no cache hit densely
+
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
+        if self.num_prefill_calls + 1 >= self.die_at_prefill:
+            raise RuntimeError("device lost")
+        return super().prefill(items)
 
     def decode_step(self, batch: StepBatch, pages: KVPages) -> tuple[list[int], KVPages]:
         if self.num_decode_calls + 1 >= self.die_at_decode:
@@ -190,7 +196,7 @@ class _DyingEngine(FakeEngine):
         return super().decode_step(batch, pages)
 
 
-def _dying(name_role: str, die_at_decode: int):
+def _dying(name_role: str, die_at_decode: int, die_at_prefill: int = 10**9):
     counts: dict[str, int] = {}
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FakeEngine:
@@ -199,6 +205,7 @@ def _dying(name_role: str, die_at_decode: int):
         if f"{spec.role}-{i}" == name_role:
             engine = _DyingEngine(CFG, devices, tp=spec.tp, pp=spec.pp)
             engine.die_at_decode = die_at_decode
+            engine.die_at_prefill = die_at_prefill
             return engine
         return FakeEngine(CFG, devices, tp=spec.tp, pp=spec.pp)
 
@@ -229,7 +236,7 @@ def _conversation_load(c: Controller, seed: int, cancel_share: float) -> None:
     [
         ("disagg:prefill=2xtp1,decode=2xtp1", None, 3),  # every third pull fails (recomputed)
         ("disagg:prefill=2xtp1,decode=2xtp1", _dying("decode-0", 9), 0),  # a decode instance dies
-        ("disagg:prefill=2xtp1,decode=2xtp1", _dying("prefill-0", 1), 0),  # a prefill instance dies
+        ("disagg:prefill=2xtp1,decode=2xtp1", _dying("prefill-0", 1, die_at_prefill=1), 0),  # a prefill instance dies
         ("colocated:2xtp1,chunk=8", _dying("colocated-0", 12), 0),
     ],
     ids=["failed-pulls", "dead-decode", "dead-prefill", "dead-colocated"],

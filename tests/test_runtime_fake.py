@@ -134,9 +134,11 @@ def test_every_block_returns_after_200_requests_with_50_cancelled(spec: str) -> 
                 ids, last = streams[i].collect(timeout_s=60)
                 assert last.finish_reason == "length"
                 assert ids == reference_tokens(prompts[i], len(ids), V)
-        allocators = [d.allocator for d in c.decode_instances] + [i.allocator for i in c.colocated_instances]
-        assert len(allocators) == 1
-        assert allocators[0].free_blocks == frozenset(range(128))
+        pools = [d.cache for d in c.decode_instances] + [i.cache for i in c.colocated_instances]
+        assert len(pools) == 1
+        # every block back: free, or (prefix caching, the default) cached and evictable, none pinned
+        assert pools[0].num_pinned == 0 and pools[0].num_available == 128
+        assert all(p.cache.num_pinned == 0 for p in c.prefill_instances)
         assert all(p.buffer_used == 0 for p in c.prefill_instances)
         assert c.stats().num_live_requests == 0
     finally:
@@ -181,7 +183,7 @@ def test_backpressure_bounds_the_prefill_buffer_and_loses_nothing() -> None:
     assert overloaded > 0  # admission control answered while the queues were full
     assert max(seen_buffer) <= 3 and c.prefill_instances[0].max_buffer_used == 3
     assert [ids for ids, _ in results] == [reference_tokens(p, 20, V) for p in prompts]
-    assert c.decode_instances[0].allocator.num_free == 8
+    assert c.decode_instances[0].cache.num_available == 8
 
 
 def _decode_engine(cls: type[FakeEngine]):
@@ -294,7 +296,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new() -> None:
     assert b.collect(timeout_s=10)[1].finish_reason == "abort"
     with pytest.raises(ShuttingDownError):
         c.submit(_req("c", (3, 4)))
-    assert c.colocated_instances[0].allocator.num_free == 64
+    assert c.colocated_instances[0].cache.num_available == 64
 
 
 def test_cancelling_the_async_consumer_cancels_the_request(disagg: Controller) -> None:
@@ -316,7 +318,7 @@ def test_cancelling_the_async_consumer_cancels_the_request(disagg: Controller) -
         return disagg.stats().num_live_requests
 
     assert asyncio.run(main()) == 0
-    assert disagg.decode_instances[0].allocator.num_free == 64
+    assert disagg.decode_instances[0].cache.num_available == 64
 
 
 class _Recorder:

@@ -189,7 +189,7 @@ def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int,
         assert (faults.num_pull_retries, faults.num_recomputed) == {
             "retry": (1, 0), "recompute": (0, 1), "fail": (0, 0)
         }[("retry" if retries else policy)]  # fmt: skip
-        assert c.decode_instances[0].allocator.num_free == 64  # the failed pull's blocks came back
+        assert c.decode_instances[0].cache.num_available == 64  # the failed pull's blocks came back
         assert c.prefill_instances[0].buffer_used == 0
     finally:
         c.shutdown(drain_timeout_s=0)
@@ -257,7 +257,7 @@ def test_cancel_between_prefill_and_decode_hand_off_drops_the_request_at_once() 
         assert not long.finished  # small did not wait for long to end
         assert c.decode_instances[0].num_waiting == 0
         assert long.collect(timeout_s=60)[0] == reference_tokens((5, 6, 7, 8), 120, V)
-        assert c.prefill_instances[0].buffer_used == 0 and c.decode_instances[0].allocator.num_free == 20
+        assert c.prefill_instances[0].buffer_used == 0 and c.decode_instances[0].cache.num_available == 20
         assert c.stats().num_live_requests == 0
     finally:
         c.shutdown(drain_timeout_s=0)
@@ -316,7 +316,7 @@ def test_dead_decode_instance_requests_continue_on_a_live_one_token_identical() 
         assert dead.error is not None and c.decode_instances[1].error is None
         assert c.stats().faults.num_rerouted_requests > 0
         assert c.submit(_req("after", (7, 7), max_tokens=6)).collect(30)[0] == reference_tokens((7, 7), 6, V)
-        assert c.decode_instances[1].allocator.num_free == 64 and c.stats().num_live_requests == 0
+        assert c.decode_instances[1].cache.num_available == 64 and c.stats().num_live_requests == 0
     finally:
         c.shutdown(drain_timeout_s=0)
 

@@ -280,7 +280,9 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
     )
     if best.policy.enabled:
         local = best.policy.local_prefill_tokens
-        print("serve it with: --prefix-caching" + (f" --local-prefill-tokens {local}" if local else ""))
+        print("serve it with prefix caching (the default)" + (f" and --local-prefill-tokens {local}" if local else ""))
+    else:
+        print("serve it with: --no-prefix-caching")
     for inst in plan.instances:
         print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:

@@ -199,9 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("prefix caching (docs/prefix_caching.md)")
     cache.add_argument(
         "--prefix-caching",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="keep KV blocks content-addressed on every instance, compute and pull only uncached prompt parts, "
-        "route by cached prefix",
+        "route by cached prefix (default: on; --no-prefix-caching turns it off)",
     )
     cache.add_argument(
         "--local-prefill-tokens",

@@ -398,7 +398,8 @@ class PrefixPolicy:
         return float(block_size) if self.overlap_weight is None else self.overlap_weight
 
 
-NO_PREFIX_CACHING = PrefixPolicy(enabled=False)  # the server's default (`ControllerConfig.prefix_policy`)
+NO_PREFIX_CACHING = PrefixPolicy(enabled=False)  # an instance config's default (a controller passes its own)
+DEFAULT_PREFIX_CACHING = PrefixPolicy()  # the server's default (`ControllerConfig.prefix_policy`): on
 
 
 @dataclasses.dataclass(frozen=True)

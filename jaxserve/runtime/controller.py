@@ -16,7 +16,7 @@ A request's life (disaggregated):
 4. The final `TokenChunk` carries `finish_reason` and the `RequestTimings`;
    the observer (metrics) hears about every finished request and transfer.
 
-Prefix caching (`ControllerConfig.prefix_policy.enabled`, off by default; see docs/prefix_caching.md):
+Prefix caching (`ControllerConfig.prefix_policy.enabled`, on by default; see docs/prefix_caching.md):
 every instance keeps KV blocks content-addressed (`PrefixCache`), step 1 picks the prefill
 instance with `scheduling.choose_prefill_instance_cached` (cached prefix against queued uncached
 tokens), step 2 the decode instance with `choose_decode_instance_cached` (the one holding the
@@ -78,7 +78,7 @@ from jaxserve.core.request import (
     TokenChunk,
     validate_request,
 )
-from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
+from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
@@ -169,8 +169,9 @@ class ControllerConfig:
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
     # Prefix caching (docs/prefix_caching.md): `enabled` turns on content-addressed KV blocks on every instance and
-    # cache-aware routing (off by default); the routing weights and the local-prefill threshold. The simulator's too.
-    prefix_policy: PrefixPolicy = NO_PREFIX_CACHING
+    # cache-aware routing (on by default; `NO_PREFIX_CACHING` turns it off); the routing weights and the
+    # local-prefill threshold. The simulator's too.
+    prefix_policy: PrefixPolicy = DEFAULT_PREFIX_CACHING
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
     drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted

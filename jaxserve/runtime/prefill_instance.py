@@ -22,14 +22,17 @@ Loop (one thread, `Worker` shell), each `step()`:
    `Worker` shell's failure path (hand every held request back) runs on the loop's thread.
 
 Prefix caching (`PrefillConfig.prefix_policy.enabled`): the instance keeps a paged pool under a
-`PrefixCache`. Each batch member pins its longest cached prefix (`acquire` in decide; a pool
-too full leaves it queued), execute runs only the uncached suffixes as prompt rows of the
-engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does) and gathers
-each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`),
-and apply names the prompt's full blocks (`commit`) and unpins them (`release`). So blocks are
-pinned only within one step, the buffer and the pull path are the same as without caching, and
-the pool is touched by this thread alone. The paged step runs in the call (one batch at a time), so
-each batch's blocks are committed before the next batch looks the cache up. Needs an engine with a paged pool (`decode` or `paged_prefill`).
+`PrefixCache`. Each batch member pins its longest cached prefix and fresh blocks for the rest (`acquire` in
+decide; a pool too full leaves it queued). A batch where no member hits runs exactly as without caching (the
+dense prefill, pipelined over pp stages like any other batch); apply then writes each prompt's KV into its
+blocks (`Engine.insert`, the decode side's write). A batch with a hit runs only the uncached suffixes as prompt
+rows of the engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked prefill does), in the call, and
+gathers each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`). Either
+way apply names the prompt's full blocks (`commit`) and unpins them (`release`): blocks are pinned only while
+their batch is in flight, the buffer and the pull path are the same as without caching, and the pool is touched
+by this thread alone. A prompt identical to one in flight waits for it (and then finds its blocks cached). An
+engine whose pool lives elsewhere (`paged_prefill`, a Ray actor) always takes the paged step. Needs an engine
+with a paged pool (`decode` + `dense_insert`, or `paged_prefill`).
 
 Inputs: `enqueue()` from the controller. Outputs: `emit()` of first tokens, the
 buffer read by decode instances through `get()`, freed by `release()` once the
@@ -62,6 +65,7 @@ from jaxserve.core.scheduling import (
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
     Engine,
+    HeldKV,
     PrefilledSequence,
     PrefillHandle,
     PrefillItem,
@@ -101,6 +105,7 @@ class _Flight:
     hits: dict[str, CacheHit]
     decided_at: float
     started_at: float = 0.0
+    dense: bool = False  # with caching: run by the dense prefill, its KV written into the pool in apply
     stage_free: bool = False  # the batch has left the engine's first stage
     result: PrefillResult | None = None
     error: BaseException | None = None
@@ -124,13 +129,14 @@ class PrefillInstance(Worker):
         self._on_prefilled = on_prefilled
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched batches, oldest first
-        self._pipelined = engine.capabilities.async_prefill and not config.prefix_policy.enabled
+        self._pipelined = engine.capabilities.async_prefill
         self._buffer: dict[str, tuple[LiveRequest, PrefilledSequence]] = {}
         self.max_buffer_used = 0  # high-water mark, for tests and stats
         limits = config.limits
         num_blocks = limits.require_num_kv_blocks()
         self.cache = PrefixCache(BlockAllocator(num_blocks, limits.block_size), enabled=config.prefix_policy.enabled)
         self._paged: Engine | None = None
+        self._dense_misses = False
         if config.prefix_policy.enabled:
             if not (engine.capabilities.decode or engine.capabilities.paged_prefill):
                 raise TypeError(
@@ -138,6 +144,8 @@ class PrefillInstance(Worker):
                     f"{type(engine).__name__} has none"
                 )
             self._paged = engine
+            # Batches with no cache hit take the dense prefill (pipelined) and are written into the pool after.
+            self._dense_misses = engine.capabilities.dense_insert and not engine.capabilities.paged_prefill
             self.pages = engine.init_pages(num_blocks, limits.block_size)
         self.num_computed_tokens = 0  # prompt tokens this instance really computed (cached ones excluded)
 
@@ -259,7 +267,8 @@ class PrefillInstance(Worker):
     def _pipe_open(self) -> bool:
         """Under the lock: may a new batch enter the engine now? An asynchronous engine takes one as soon as
         its first stage has finished the last batch (a pp-stage instance pipelines batches, as the
-        simulator's prefill pipe does); a synchronous one (or prefix caching) runs one batch at a time."""
+        simulator's prefill pipe does); a synchronous one runs one batch at a time, and so does a batch with a
+        prefix-cache hit (its paged step runs in the call: it is back before the next batch is decided)."""
         if not self._inflight:
             return True
         return self._pipelined and all(f.stage_free for f in self._inflight)
@@ -293,13 +302,20 @@ class PrefillInstance(Worker):
             if not batch:
                 return False
             items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
-            flight = _Flight(batch, items, hits, decided_at)
+            rows = self._suffix_rows(items, hits)
+            dense = self._paged is None or (
+                self._dense_misses
+                and (
+                    not any(h.num_cached_tokens for h in hits.values())
+                    # a hit whose paged bucket is still compiling in the background: recompute the whole prompts
+                    or not self._paged.step_compiled(rows, self.cache.block_size)
+                )
+            )
+            flight = _Flight(batch, items, hits, decided_at, dense=dense)
             self._inflight.append(flight)
         flight.started_at = now()
         handle = (
-            start_prefill(self.engine, items)
-            if self._paged is None
-            else ReadyPrefill(self._prefill_paged(self._paged, items, hits))
+            start_prefill(self.engine, items) if dense else ReadyPrefill(self._prefill_paged(self._paged, items, rows))  # type: ignore[arg-type]
         )
         if isinstance(handle, ReadyPrefill):
             with self.cond:
@@ -335,6 +351,17 @@ class PrefillInstance(Worker):
         started_at, ended_at = flight.started_at, flight.ended_at
         resumed = [r.is_resumed for r in batch]
         eos = self.engine.model_config.eos_token_ids
+        if self._paged is not None and flight.dense:  # the pool gets what the dense prefill computed (async writes)
+            for live, seq in zip(batch, result.sequences, strict=True):
+                assert not isinstance(seq.kv, HeldKV)  # a dense-insert engine prefills into this process
+                hit = hits[live.request_id]
+                # cached blocks (a recomputed hit) are not written again: other requests read them; a table entry
+                # past the pool drops its writes
+                kept = hit.num_cached_tokens // self.cache.block_size
+                table = (self.cache.num_blocks,) * kept + hit.block_table[kept:]
+                self.pages = self._paged.insert(seq.kv, seq.num_tokens, self.pages, table)
+        # what this batch found cached and did not compute (nothing when it was prefilled densely)
+        cached = {i.request_id: 0 if flight.dense else hits[i.request_id].num_cached_tokens for i in items}
         emits: list[tuple[LiveRequest, int, FinishReason | None]] = []
         handed: list[LiveRequest] = []
         with self.cond:
@@ -342,7 +369,7 @@ class PrefillInstance(Worker):
                 t = live.timings
                 if t.prefill_start_at is None:  # a resumed request keeps its first prefill's times
                     t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
-                    t.cached_prompt_tokens = hits[live.request_id].num_cached_tokens if hits else 0
+                    t.cached_prompt_tokens = cached[live.request_id]
                 if self._paged is not None:
                     self.cache.commit(live.request_id, live.prefill_token_ids, live.block_names(self.cache.block_size))
                     self.cache.release(live.request_id)
@@ -356,9 +383,7 @@ class PrefillInstance(Worker):
                     self._buffer[live.request_id] = (live, seq)
                     handed.append(live)
             self._inflight.popleft()
-            self.num_computed_tokens += sum(
-                len(i.token_ids) - (hits[i.request_id].num_cached_tokens if hits else 0) for i in items
-            )
+            self.num_computed_tokens += sum(len(i.token_ids) - cached[i.request_id] for i in items)
             self.max_buffer_used = max(self.max_buffer_used, len(self._buffer))
         for live, token, finish in emits:
             self.emitter.emit(live, (token,), finish)
@@ -366,7 +391,7 @@ class PrefillInstance(Worker):
             self._on_prefilled(self, live)
         done = now()
         lengths = tuple(len(item.token_ids) for item in items)
-        if any(hit.num_cached_tokens for hit in hits.values()):
+        if any(cached.values()):
             # Suffixes over cached prefixes are not whole prompts: not a "prefill" to fit the latency model on.
             self.record_step(StepRecord("mixed", done - flight.decided_at, batch=len(items), at=done))
         else:
@@ -385,7 +410,8 @@ class PrefillInstance(Worker):
         hits: dict[str, CacheHit] = {}
         kept: list[LiveRequest] = []
         back: list[LiveRequest] = []
-        seen: set[tuple[int, ...]] = set()
+        # a prompt identical to one in flight (its blocks not named yet) waits for it, as within a batch
+        seen = {r.prefill_token_ids for r in self._running if len(r.prefill_token_ids) > self.cache.block_size}
         full = False
         for live in batch:
             ids = live.prefill_token_ids
@@ -406,9 +432,12 @@ class PrefillInstance(Worker):
         batch[:] = kept
         return hits
 
-    def _prefill_paged(self, engine: Engine, items: list[PrefillItem], hits: dict[str, CacheHit]) -> PrefillResult:
-        """Compute each prompt's uncached suffix into the pool, then copy every prompt's KV out densely."""
-        rows = []
+    @staticmethod
+    def _suffix_rows(items: list[PrefillItem], hits: dict[str, CacheHit]) -> list[StepRow]:
+        """Each prompt's uncached suffix as a prompt row of a paged step (caching; none without)."""
+        rows: list[StepRow] = []
+        if not hits:
+            return rows
         for item in items:
             hit = hits[item.request_id]
             c = hit.num_cached_tokens
@@ -424,13 +453,17 @@ class PrefillInstance(Worker):
                     is_prompt=True,
                 )
             )
+        return rows
+
+    def _prefill_paged(self, engine: Engine, items: list[PrefillItem], rows: list[StepRow]) -> PrefillResult:
+        """Compute each prompt's uncached suffix (`rows`) into the pool, then copy every prompt's KV out densely."""
         if engine.capabilities.paged_prefill:  # the pool lives with the engine (a Ray prefill actor)
             result, self.pages = engine.prefill_rows(items, StepBatch(tuple(rows)), self.pages)
             return result
         tokens, logprobs, self.pages = step_tokens(engine, StepBatch(tuple(rows)), self.pages)
         out = []
-        for item, token, lp in zip(items, tokens, logprobs, strict=True):
+        for item, row, token, lp in zip(items, rows, tokens, logprobs, strict=True):
             n = len(item.token_ids)
-            kv = read_sequence(self.pages, hits[item.request_id].block_table, n, bucket(n, MIN_PROMPT_BUCKET))
+            kv = read_sequence(self.pages, row.block_table, n, bucket(n, MIN_PROMPT_BUCKET))
             out.append(PrefilledSequence(item.request_id, int(token), n, kv, lp))
         return PrefillResult(tuple(out))

@@ -38,32 +38,29 @@ def warm_buckets(
     `logprobs`: the logprob programs of those shapes too, `background`: only the buckets that hold all others
     before returning, the rest on each engine's background thread (`ModelEngine.warmup`)."""
     for p in (i for i in instances if isinstance(i, PrefillInstance)):
-        if p.engine.capabilities.bucket_warmup:
-            p.engine.warmup(
-                num_blocks=1,
-                block_size=block_size,
-                max_batch_tokens=p.config.limits.max_batch_tokens,
+        if not p.engine.capabilities.bucket_warmup:
+            continue
+        limits = p.config.limits
+        # With prefix caching the same call warms the instance's pool (one background thread per engine): the
+        # insert of a batch with no hit, the gather and the paged prompt-row steps of a batch with one.
+        caching = p.config.prefix_policy.enabled
+        with p.cond:  # no request is running yet; the pool is the instance's own
+            warmed = p.engine.warmup(
+                num_blocks=limits.require_num_kv_blocks() if caching else 1,
+                block_size=limits.block_size,
+                max_decode_batch=limits.prefill_buffer_slots,
+                max_batch_tokens=limits.max_batch_tokens,
                 max_seq_len=max_prompt_tokens,
-                max_prefill_rows=p.config.limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
+                chunk_size=limits.max_batch_tokens if caching else None,
+                max_prefill_rows=limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
                 decode=False,
+                pages=p.pages if caching else None,
                 logprobs=logprobs,
                 background=background,
+                prefix_prefill=caching,
             )
-            if p.config.prefix_policy.enabled:  # cached prompts run as paged prompt rows on the instance's pool
-                with p.cond:
-                    warmed = p.engine.warmup(
-                        num_blocks=p.config.limits.require_num_kv_blocks(),
-                        block_size=p.config.limits.block_size,
-                        max_decode_batch=p.config.limits.prefill_buffer_slots,
-                        max_seq_len=max_prompt_tokens,
-                        chunk_size=p.config.limits.max_batch_tokens,
-                        prefill=False,
-                        decode=False,
-                        pages=p.pages,
-                        logprobs=logprobs,
-                    )
-                    if warmed.pages is not None:
-                        p.pages = warmed.pages
+            if caching and warmed.pages is not None:
+                p.pages = warmed.pages
     pooled = [i for i in instances if isinstance(i, (DecodeInstance, ColocatedInstance))]
     for inst in pooled:
         if not inst.engine.capabilities.bucket_warmup:

@@ -342,10 +342,17 @@ class Engine(Protocol):
         decode_steps: int = 1,
         logprobs: bool = False,
         background: bool = False,
+        prefix_prefill: bool = False,
     ) -> WarmedPages:
         """`bucket_warmup`: compile every padded shape the serving limits allow before traffic (`background`:
-        the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones)."""
+        the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones;
+        `prefix_prefill`: also what a prefix-caching prefill instance runs on its pool)."""
         raise UnsupportedEngineCall(self, "warmup", "bucket_warmup")
+
+    def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
+        """Whether a `decode_step` of `rows` would run an already compiled program (an engine that compiles
+        in the background says False until it has one that holds them; the others: True)."""
+        return True
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
         """Stop a `warmup(background=True)` still compiling (after its current bucket); nothing to stop: no-op."""

@@ -21,19 +21,15 @@ finished this one, while later stages still work on it.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import itertools
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, bucket_area, frontier
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -61,7 +58,7 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.kv_pool import write_sequence
+from jaxserve.runtime.kv_pool import read_sequence, slice_sequence, write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
@@ -130,7 +127,7 @@ def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_ti
     return path
 
 
-class ModelEngine(Engine):
+class ModelEngine(BackgroundWarmup, Engine):
     """Prefill, insert and paged decode steps of a model (any `models` family) placed on one instance's devices."""
 
     capabilities = EngineCapabilities(
@@ -155,14 +152,7 @@ class ModelEngine(Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
-        # Shape covering (`warmup(background=True)`): once on, a step or prefill batch whose own bucket is not
-        # compiled yet runs padded up to the cheapest compiled bucket that holds it, so no request waits on XLA
-        # while the remaining buckets compile on a background thread. Sets are replaced, never mutated.
-        self._cover = False
-        self._ready_prefill: frozenset[tuple[int, int]] = frozenset()
-        self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
-        self._background: threading.Thread | None = None
-        self._stop_background = threading.Event()
+        self._init_background_warmup()  # shape covering and the background compile thread (background_warmup.py)
 
     @classmethod
     def load(
@@ -237,6 +227,7 @@ class ModelEngine(Engine):
         decode_steps: int = 1,
         logprobs: bool = False,
         background: bool = False,
+        prefix_prefill: bool = False,
     ) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
@@ -265,6 +256,16 @@ class ModelEngine(Engine):
         the cheapest compiled bucket that holds it: slower for a while, never waiting on a compile — except
         work no compiled bucket holds yet (a prompt longer than twice the cap in the first moments), which
         compiles its own. Inserts and multi-step programs compile before returning either way.
+
+        `prefix_prefill` (a prefix-caching prefill instance, with `decode=False` and its pool): the insert of
+        every prompt length bucket (a batch with no cache hit is prefilled densely and written into the pool),
+        the gather of every length bucket (`kv_pool.read_sequence`: a batch with a hit hands dense copies on),
+        the slice of every shorter bucket out of each (`kv_pool.slice_sequence`: a decode instance holding a
+        prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
+        widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
+        not multiplied by every table width (24 shapes at the default limits, not 6 x 24). With `background`
+        these steps all compile on the background thread; until a hit batch's bucket is in (`step_compiled`),
+        the prefill instance prefills that batch densely instead.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -283,7 +284,7 @@ class ModelEngine(Engine):
         prefill_now = prefill_shapes
         if background:  # + one short single prompt's bucket: a lone chat turn must not pay a padded batch
             single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
-            held = _frontier([x for x in prefill_shapes if _area(x) <= 2 * max_batch_tokens])
+            held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
         for b, t_pad in prefill_now:
             if background:  # compile only: running a long bucket costs a prefill of that length
@@ -298,6 +299,7 @@ class ModelEngine(Engine):
         if decode or chunk_size:
             caches = _caches(pages or self.init_pages(num_blocks, block_size))
             widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            prompt_widths = widths[-1:] if prefix_prefill else widths
             shapes: list[tuple[int, int, int]] = []
             if decode:
                 shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch) for m in widths]
@@ -306,13 +308,15 @@ class ModelEngine(Engine):
                     t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
                     for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
                         if b == 1 or b // 2 + t_min <= chunk_size:
-                            shapes += [(b, t, m) for m in widths]
+                            shapes += [(b, t, m) for m in prompt_widths]
             budget = 2 * max(chunk_size or 0, max_decode_batch)
             steps_now = shapes
             if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
-                held_steps = _frontier([x for x in shapes if _area(x) <= budget])
+                held_steps = frontier([x for x in shapes if bucket_area(x) <= budget])
                 lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
                 steps_now = held_steps + [x for x in lone if x not in held_steps]
+                if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
+                    steps_now = []
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -345,7 +349,7 @@ class ModelEngine(Engine):
                 PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
                 for c in caches
             ]
-            if decode:  # the insert of a pulled KV, one program per padded length (writes nothing: 0 tokens)
+            if decode or prefix_prefill:  # the insert of a pulled KV, one program per padded length (0 tokens)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
@@ -356,9 +360,16 @@ class ModelEngine(Engine):
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
                     warmed = write_sequence(warmed, kv, 0, [0])
+                    if prefix_prefill:  # the gather of a prompt's KV into a dense copy, and every partial pull's
+                        # slice of it (a decode instance holding a prefix pulls positions c.. padded to their bucket)
+                        jax.block_until_ready(read_sequence(warmed, [0], 0, t_pad))
+                        for rest in _prompt_buckets(t_pad, cfg.max_position_embeddings):
+                            jax.block_until_ready(slice_sequence(kv, 0, rest))
             pages = warmed if pages is not None else None
         seconds = time.perf_counter() - t0
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
+        if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
+            self._cover = True
         if background:
             self._cover = True
             if later_prefill or later_steps:
@@ -401,87 +412,28 @@ class ModelEngine(Engine):
         logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
         self._warm_sampling(logits, rand, greedy, logprobs)
 
+    def _precompile_step(
+        self,
+        b: int,
+        t: int,
+        m: int,
+        caches: list[PagedKVCache],
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+    ) -> None:
+        """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
+        samplers on placeholder logits."""
+        self.model.precompile_paged(b, t, m, caches)
+        last = self.model.pp - 1
+        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+        self._warm_sampling(logits, rand, greedy, logprobs)
+
     def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
         b = logits.shape[0]
         sample(logits, [greedy] * b, [0] * b, [0] * b)
         sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
         jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
-
-    def _start_background(
-        self,
-        prefill_shapes: list[tuple[int, int]],
-        step_shapes: list[tuple[int, int, int]],
-        caches: list[PagedKVCache] | None,
-        rand: SamplingParams,
-        greedy: SamplingParams,
-        logprobs: bool,
-    ) -> None:
-        """Compile the remaining buckets on a daemon thread, smallest first (the most common work); each joins
-        the covering sets once compiled. Stops between buckets when asked (`stop_background_warmup`)."""
-        self.stop_background_warmup()
-        self._stop_background.clear()
-        last = self.model.pp - 1
-
-        def work() -> None:
-            t0, done = time.perf_counter(), 0
-            with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            try:
-                for b, t in sorted(prefill_shapes, key=lambda x: (self._held(x, self._ready_prefill), _area(x))):
-                    if self._stop_background.is_set():
-                        return
-                    self._precompile_prefill(b, t, rand, greedy, logprobs)
-                    self._ready_prefill = self._ready_prefill | {(b, t)}
-                    done += 1
-                for b, t, m in sorted(step_shapes, key=lambda x: (self._held(x, self._ready_steps), _area(x), x[2])):
-                    if self._stop_background.is_set() or caches is None:
-                        return
-                    self.model.precompile_paged(b, t, m, caches)
-                    logits = jax.device_put(
-                        np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last)
-                    )
-                    self._warm_sampling(logits, rand, greedy, logprobs)
-                    self._ready_steps = self._ready_steps | {(b, t, m)}
-                    done += 1
-                log.info("background warm-up compiled %d more shapes in %.1f s", done, time.perf_counter() - t0)
-            except Exception:  # a failed background compile only leaves that bucket to the covering
-                log.exception("background warm-up stopped after %d shapes", done)
-
-        self._background = threading.Thread(target=work, name="jaxserve-background-warmup", daemon=True)
-        _BACKGROUND.add(self)
-        self._background.start()
-
-    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop the background warm-up after the bucket it is compiling (if one runs)."""
-        thread = self._background
-        if thread is not None and thread.is_alive():
-            self._stop_background.set()
-            thread.join(timeout=timeout_s)
-        self._background = None
-        _BACKGROUND.discard(self)
-
-    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
-        """Wait up to `timeout_s` for the background warm-up; whether none is running now."""
-        thread = self._background
-        if thread is not None:
-            thread.join(timeout=timeout_s)
-            return not thread.is_alive()
-        return True
-
-    @staticmethod
-    def _held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
-        """Whether some compiled bucket holds `shape` (a bucket nothing holds compiles first in the background)."""
-        return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
-
-    def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
-        """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
-        every dimension (rows x tokens first, then table width); `shape` itself when none holds it."""
-        if not self._cover or shape in ready:
-            return shape
-        holders = [r for r in ready if all(x >= y for x, y in zip(r, shape, strict=True))]
-        if not holders:
-            return shape
-        return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -672,6 +624,11 @@ class ModelEngine(Engine):
             attention=self.model.stage_attention(0),
         )
 
+    def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
+        """Whether a step of `rows` runs a compiled bucket now (always, unless a background warm-up is still
+        compiling the bucket that would hold it)."""
+        return not self._cover or self.step_shape(rows, block_size) in self._ready_steps
+
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
 
@@ -766,32 +723,8 @@ def _decode_loop(
     return out, cache, lp
 
 
-_Shape = TypeVar("_Shape", bound=tuple[int, ...])
-
-
-def _frontier(shapes: Sequence[_Shape]) -> list[_Shape]:
-    """The shapes no other shape holds (>= in every dimension): padded up, they run everything in `shapes`."""
-    unique = sorted(set(shapes))
-    return [s for s in unique if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in unique)]
-
-
-def _area(shape: tuple[int, ...]) -> int:
-    """Rows x tokens of a bucket (the work it pads to)."""
-    return shape[0] * shape[1]
-
-
 def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-
-
-# Engines whose background warm-up may still compile: stopped (between buckets) before the interpreter exits.
-_BACKGROUND: weakref.WeakSet[ModelEngine] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_background_warmups() -> None:
-    for engine in list(_BACKGROUND):
-        engine.stop_background_warmup(timeout_s=30.0)
 
 
 def _caches(pages: KVPages) -> list[PagedKVCache]:

@@ -151,6 +151,7 @@ class _RemoteBase(Engine):
         decode_steps: int = 1,
         logprobs: bool = False,
         background: bool = False,
+        prefix_prefill: bool = False,
     ) -> _Warmed:
         """`Engine.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's; an actor
         whose engine cannot warm does nothing). A remote decode engine runs one step per call (no
@@ -164,7 +165,7 @@ class _RemoteBase(Engine):
             "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch": max_decode_batch,
             "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
             "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows, "on_pool": pages is not None,
-            "logprobs": logprobs,
+            "logprobs": logprobs, "prefix_prefill": prefix_prefill,
         }  # fmt: skip
         seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
         if options not in self._warmups:

@@ -183,6 +183,7 @@ def server_args(check: Check, limits: ServingLimits = LIMITS) -> list[str]:
         "--num-kv-blocks", str(limits.num_kv_blocks), "--block-size", str(limits.block_size),
         "--max-decode-batch", str(limits.max_decode_batch), "--max-batch-tokens", str(limits.max_batch_tokens),
         "--max-queued-requests", "100000",
+        "--no-prefix-caching",  # the simulator checked against is cache-blind, and every rate replays the same prompts
     ]  # fmt: skip
 
 
