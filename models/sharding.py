@@ -329,8 +329,9 @@ class ShardedModel:
 
     The model keeps each stage's decoder layers as one dict per layer (`attention.unstack_layers`):
     the unrolled per-layer program reads each weight once, where slices of stacked leaves were
-    copied first (see `models/opt.py`). `stage_params` gives the stacked view (a copy) for
-    checkpoints and tools.
+    copied first (see `models/opt.py`); on a one-device stage each layer's q/k/v (and a Llama-style
+    gate/up) are one fused kernel (`_unstack_stage`). `stage_params` gives the stacked, unfused view
+    (a copy) for checkpoints and tools.
     """
 
     # The configs this class serves (a subclass narrows it to its family).
