@@ -8,8 +8,8 @@ over the parts. So a third family is one file of layers plus a config mapping.
 KV shapes are `[kv_heads, head_dim]` per position. Query heads come in groups of
 `G = num_heads // kv_heads` that share one K/V head (GQA; G = 1 is MHA, kv_heads = 1 is MQA);
 query head h reads K/V head `h // G` (Hugging Face's `repeat_kv` order). Attention reshapes q
-to `[..., kv_heads, G, D]` and contracts against K/V as stored: K/V is never repeated. With
-G == 1 every product is exactly the ungrouped einsum OPT was measured with.
+to `[..., kv_heads, G, D]` (a prompt's queries `[B, kv_heads, G*T, D]`) and contracts against each K/V head
+once: K/V is never repeated.
 
 Caches (pytrees, passed in and returned):
 
@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.paged_attention import BlockLayout, Impl, paged_decode_attention
 
@@ -166,26 +167,6 @@ LayerFn = Callable[[Mapping[str, Any], jax.Array, Any, Attend, Any], tuple[jax.A
 Part = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """q [B,T,H,D], k [B,S,H,D] -> float32 scores [B,H,T,S]."""
-    return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-
-
-def _weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
-    """p [B,H,T,S] float32, v [B,S,H,D] -> [B,T,H,D] float32."""
-    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def _grouped_scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """q [B,T,KVH,G,D], k [B,S,KVH,D] -> float32 scores [B,KVH,G,T,S] (each K head read once per group)."""
-    return jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-
-
-def _grouped_weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
-    """p [B,KVH,G,T,S] float32, v [B,S,KVH,D] -> [B,T,KVH,G,D] float32."""
-    return jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
 def attention(q: jax.Array, parts: Sequence[Part], scale: float) -> jax.Array:
     """Softmax attention (float32) of q [B,T,H,D] over key/value parts, each (k [B,S,KVH,D], v, mask [B,T,S]).
 
@@ -194,25 +175,61 @@ def attention(q: jax.Array, parts: Sequence[Part], scale: float) -> jax.Array:
     """
     if q.shape[1] == 1:
         return decode_attention(q, parts, scale)
+    return _head_major_prompt_attention(q, parts, scale)
+
+
+def _head_major_prompt_attention(q: jax.Array, parts: Sequence[Part], scale: float) -> jax.Array:
+    """`attention` for T > 1 queries as plain batched matmuls over (row, K/V head): q [B,T,H,D] -> [B,T,H,D].
+
+    q is put [B, KVH, G*T, D] (the group's G query heads stacked over the T positions) and each part's K/V
+    [B, KVH, S, D] (copies of q- and K/V-sized arrays), so the scores come out [B, KVH, G*T, S] with the
+    softmax axis contiguous and the weighted values [B, KVH, G*T, D]. Written as `btkgd,bskd` einsums over
+    the stored layouts, XLA:CPU computed the transposed scores [KVH, S, G*T] and copied score-sized arrays
+    between layouts twice per layer, which at 2,048 tokens cost more than the products.
+    """
     b, t, nh, d = q.shape
     kvh = parts[0][0].shape[2]
-    if kvh == nh:
-        scores = [jnp.where(m[:, None], _scores(q, k, scale), MASK_VALUE) for k, _, m in parts]  # [B,H,T,S_i]
-        weigh: Callable[[jax.Array, jax.Array], jax.Array] = _weighted_values
-        out_shape: tuple[int, ...] = q.shape
-    else:
-        qg = q.reshape(b, t, kvh, nh // kvh, d)  # [B,T,KVH,G,D]: head h = k * G + g reads K/V head k
-        scores = [jnp.where(m[:, None, None], _grouped_scores(qg, k, scale), MASK_VALUE) for k, _, m in parts]
-        weigh = _grouped_weighted_values
-        out_shape = qg.shape
+    g = nh // kvh
+    qh = jnp.transpose(q.reshape(b, t, kvh, g, d), (0, 2, 3, 1, 4)).reshape(b, kvh, g * t, d)  # [B,KVH,G*T,D]
+    scores = []
+    for k, _, m in parts:
+        kh = jnp.swapaxes(k, 1, 2)  # [B, KVH, S, D]
+        si = jnp.einsum("bkqd,bksd->bkqs", qh, kh, preferred_element_type=jnp.float32) * scale
+        si = jnp.where(m[:, None, None], si.reshape(b, kvh, g, t, -1), MASK_VALUE)  # mask [B,T,S] over (KVH, G)
+        scores.append(si.reshape(b, kvh, g * t, -1))  # [B, KVH, G*T, S_i]
     p = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
-    out = jnp.zeros(out_shape, jnp.float32)
+    out = jnp.zeros((b, kvh, g * t, d), jnp.float32)
     offset = 0
     for (_, v, _), si in zip(parts, scores, strict=True):
         width = si.shape[-1]
-        out = out + weigh(p[..., offset : offset + width], v)
+        pi = p[..., offset : offset + width].astype(v.dtype)
+        out = out + jnp.einsum("bkqs,bksd->bkqd", pi, jnp.swapaxes(v, 1, 2), preferred_element_type=jnp.float32)
         offset += width
+    out = jnp.transpose(out.reshape(b, kvh, g, t, d), (0, 3, 1, 2, 4))  # [B, T, KVH, G, D]
     return out.reshape(q.shape).astype(q.dtype)
+
+
+# Queries per block of `causal_attention`: a prompt longer than this attends block by block, each block of queries
+# to the keys up to its own end only (the causal triangle's upper blocks, all masked, are never computed).
+PREFILL_QUERY_CHUNK = 512
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """`attention(q, [(k, v, mask)])` of a causal prompt q [B,T,H,D], k/v [B,T,KVH,D], mask [B,T,T], by query blocks.
+
+    Block j (queries `[j*C, (j+1)*C)`, C = `PREFILL_QUERY_CHUNK`) attends to keys `[0, (j+1)*C)`: every key it
+    leaves out is masked for all of its queries, so the result is the same softmax over the same keys, while
+    the scores of a T-token prompt take ~(T/C + 1) / (2 T/C) of the square (0.56 at 4,096 tokens) and no
+    [B, H, T, T] score array is ever whole in memory. Blocks of 128, 256 and 512 queries ran a 2,048-token
+    prefill within 5 % of each other (smollm2-135m shape, one thread, CPU time); 512 leaves a 512-token prompt whole.
+    """
+    t = q.shape[1]
+    outs = []
+    for start in range(0, t, PREFILL_QUERY_CHUNK):
+        end = min(start + PREFILL_QUERY_CHUNK, t)
+        part = (k[:, :end], v[:, :end], mask[:, start:end, :end])
+        outs.append(attention(q[:, start:end], [part], scale))
+    return jnp.concatenate(outs, axis=1)
 
 
 def decode_attention(q: jax.Array, parts: Sequence[Part], scale: float) -> jax.Array:
@@ -288,6 +305,65 @@ def stack_layers(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *[dict(lp) for lp in layers])
 
 
+# Projections that read the same input, fused into one matmul in the serving layout: fused name -> its parts.
+Fusions = Mapping[str, Sequence[str]]
+
+
+def fuse_projections(layer: Mapping[str, Any], fusions: Fusions) -> dict[str, Any]:
+    """One layer's params with each group of `fusions` concatenated into one `[in, sum(out)]` kernel (and bias).
+
+    Why: on CPU each dot is one library call, and three narrow ones (k/v are `[h, kv_heads * D]`, a third
+    of q's width under GQA) run slower than one wide one over the same input; the fused product's
+    columns are the parts' columns, in order. Only for a stage on one device: a tp split of the fused
+    kernel's columns would not give each device its own part of every projection. `unfuse_projections`
+    undoes it. A layer without a group's parts (or with the group already fused) keeps it as it is.
+    """
+    out = dict(layer)
+    for fused, parts in fusions.items():
+        if fused in out or not all(p in out for p in parts):
+            continue
+        biased = ["bias" in out[p] for p in parts]
+        if any(biased) and not all(biased):
+            continue  # mixed biases: leave separate (no family has them)
+        group = {"kernel": jnp.concatenate([out[p]["kernel"] for p in parts], axis=-1)}
+        if all(biased):
+            group["bias"] = jnp.concatenate([out[p]["bias"] for p in parts], axis=-1)
+        for p in parts:
+            del out[p]
+        out[fused] = group
+    return out
+
+
+def unfuse_projections(layer: Mapping[str, Any], fusions: Fusions, widths: Mapping[str, int]) -> dict[str, Any]:
+    """The inverse of `fuse_projections`: each fused group split back into its parts (`widths`: each part's out width)."""
+    out = dict(layer)
+    for fused, parts in fusions.items():
+        if fused not in out:
+            continue
+        group = out.pop(fused)
+        offsets = np.cumsum([widths[p] for p in parts])[:-1].tolist()
+        for key, whole in group.items():
+            for p, piece in zip(parts, jnp.split(whole, offsets, axis=-1), strict=True):
+                out.setdefault(p, {})[key] = piece
+    return out
+
+
+def projections(
+    x: jax.Array, layer: Mapping[str, Any], fused: str, parts: Sequence[tuple[str, int]]
+) -> list[jax.Array]:
+    """`x @ kernel (+ bias)` of each (name, out width) in `parts`: one matmul split by column when the layer holds
+    them fused as `fused` (`fuse_projections`), else one per part."""
+
+    def linear(p: Mapping[str, Any]) -> jax.Array:
+        y = jnp.dot(x, p["kernel"])
+        return y + p["bias"] if "bias" in p else y
+
+    if fused in layer:
+        offsets = np.cumsum([w for _, w in parts])[:-1].tolist()
+        return list(jnp.split(linear(layer[fused]), offsets, axis=-1))
+    return [linear(layer[name]) for name, _ in parts]
+
+
 def select_last(x: jax.Array, lengths: jax.Array) -> jax.Array:
     """Hidden state at position `lengths - 1` of each row: [B, T, ...] -> [B, ...] (0 for empty rows)."""
     idx = jnp.maximum(lengths - 1, 0)
@@ -338,6 +414,8 @@ def layers_prefill(
     mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # [B,T,S]
 
     def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: None) -> tuple[jax.Array, None]:
+        if t > PREFILL_QUERY_CHUNK:
+            return causal_attention(q, k, v, mask, scale), c
         return attention(q, [(k, v, mask)], scale), c
 
     x, ks, vs, _ = run_layers(layers, layer, x, attend)

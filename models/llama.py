@@ -233,14 +233,39 @@ def _layer(
     nh, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = rope
     y = rms_norm(h, lp["input_layernorm"], eps)
-    q = apply_rope(_linear(y, lp["q_proj"]).reshape(b, t, nh, hd), cos, sin)  # [B, T, H, D]
-    k = apply_rope(_linear(y, lp["k_proj"]).reshape(b, t, kvh, hd), cos, sin)  # [B, T, KVH, D]
-    v = _linear(y, lp["v_proj"]).reshape(b, t, kvh, hd)
+    q, k, v = kv.projections(y, lp, "qkv_proj", _qkv_parts(cfg))  # one matmul where fused (`fuse_layer`)
+    q = apply_rope(q.reshape(b, t, nh, hd), cos, sin)  # [B, T, H, D]
+    k = apply_rope(k.reshape(b, t, kvh, hd), cos, sin)  # [B, T, KVH, D]
+    v = v.reshape(b, t, kvh, hd)
     o, c = attend(i, q, k, v, c)
     h = h + _linear(o.reshape(b, t, nh * hd), lp["o_proj"])
     y = rms_norm(h, lp["post_attention_layernorm"], eps)
-    y = jax.nn.silu(_linear(y, lp["gate_proj"])) * _linear(y, lp["up_proj"])  # SwiGLU
+    gate, up = kv.projections(y, lp, "gate_up_proj", _gate_up_parts(cfg))
+    y = jax.nn.silu(gate) * up  # SwiGLU
     return h + _linear(y, lp["down_proj"]), c, (k, v)
+
+
+# Projections of one input, fused into one matmul in the serving layout of a one-device stage (`fuse_layer`).
+FUSIONS: kv.Fusions = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _qkv_parts(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
+    return (("q_proj", cfg.q_dim), ("k_proj", cfg.kv_dim), ("v_proj", cfg.kv_dim))
+
+
+def _gate_up_parts(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
+    return (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))
+
+
+def fuse_layer(lp: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
+    """One layer's params with q/k/v and gate/up each as one matmul (`attention.fuse_projections`)."""
+    del cfg
+    return kv.fuse_projections(lp, FUSIONS)
+
+
+def unfuse_layer(lp: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
+    """The inverse of `fuse_layer` (the layout checkpoints hold)."""
+    return kv.unfuse_projections(lp, FUSIONS, dict(_qkv_parts(cfg) + _gate_up_parts(cfg)))
 
 
 def _layer_fn(cfg: LlamaConfig, positions: jax.Array, dtype: Any) -> kv.LayerFn:

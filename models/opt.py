@@ -230,9 +230,8 @@ def _layer(
     pre_ln = cfg.do_layer_norm_before
     residual = h
     y = _layer_norm(h, lp["self_attn_layer_norm"], eps) if pre_ln else h
-    q = _linear(y, lp["q_proj"]).reshape(b, t, nh, hd)
-    k = _linear(y, lp["k_proj"]).reshape(b, t, nh, hd)
-    v = _linear(y, lp["v_proj"]).reshape(b, t, nh, hd)
+    q, k, v = kv.projections(y, lp, "qkv_proj", _qkv_parts(cfg))  # one matmul where fused (`fuse_layer`)
+    q, k, v = (x.reshape(b, t, nh, hd) for x in (q, k, v))
     o, c = attend(i, q, k, v, c)
     h = residual + _linear(o.reshape(b, t, nh * hd), lp["out_proj"])
     if not pre_ln:
@@ -244,6 +243,25 @@ def _layer(
     if not pre_ln:
         h = _layer_norm(h, lp["final_layer_norm"], eps)
     return h, c, (k, v)
+
+
+# q/k/v fused into one matmul in the serving layout of a one-device stage (`fuse_layer`).
+FUSIONS: kv.Fusions = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
+def _qkv_parts(cfg: OPTConfig) -> tuple[tuple[str, int], ...]:
+    return tuple((name, cfg.num_heads * cfg.head_dim) for name in ("q_proj", "k_proj", "v_proj"))
+
+
+def fuse_layer(lp: Mapping[str, Any], cfg: OPTConfig) -> dict[str, Any]:
+    """One layer's params with q/k/v as one matmul (`attention.fuse_projections`)."""
+    del cfg
+    return kv.fuse_projections(lp, FUSIONS)
+
+
+def unfuse_layer(lp: Mapping[str, Any], cfg: OPTConfig) -> dict[str, Any]:
+    """The inverse of `fuse_layer` (the layout checkpoints hold)."""
+    return kv.unfuse_projections(lp, FUSIONS, dict(_qkv_parts(cfg)))
 
 
 # --------------------------------------------------------------------------------------------

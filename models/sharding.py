@@ -222,18 +222,38 @@ def _layer_shardings(st: StageLayout) -> dict[str, Any]:
     )
 
 
-def _unstack_stage(sp: Params, st: StageLayout) -> Params:
-    """A stage's params with `layers` as one dict per layer, each leaf on its own sharding."""
+def _unstack_stage(sp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
+    """A stage's params with `layers` as one dict per layer, each leaf on its own sharding.
+
+    On a one-device stage each layer's projections of one input are fused into one matmul (the
+    family's `fuse_layer`: q/k/v, and a Llama-style gate/up): the step runs fewer, wider dots.
+    Stages split over tp keep them apart (a column split of a fused kernel would mix the parts).
+    """
     layers = sp["layers"]
     if isinstance(layers, Sequence):
         return sp
+    if fuses_projections(st):
+        fam = family(cfg)
+        split = jax.jit(
+            lambda ls: [fam.fuse_layer(lp, cfg) for lp in opt.unstack_layers(ls)], out_shardings=st.replicated
+        )
+        return {**sp, "layers": split(layers)}
     one = _layer_shardings(st)
     split = jax.jit(opt.unstack_layers, out_shardings=[one] * st.num_layers)
     return {**sp, "layers": split(layers)}
 
 
-def _stack_stage(rp: Params, st: StageLayout) -> Params:
-    stack = jax.jit(opt.stack_layers, out_shardings=st.param_shardings["layers"])
+def fuses_projections(st: StageLayout) -> bool:
+    """Whether a stage serves with its projections fused (`_unstack_stage`): only on one device."""
+    return bool(st.mesh.devices.size == 1)
+
+
+def _stack_stage(rp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
+    fam = family(cfg)
+    stack = jax.jit(
+        lambda ls: opt.stack_layers([fam.unfuse_layer(lp, cfg) for lp in ls]),
+        out_shardings=st.param_shardings["layers"],
+    )
     return {**rp, "layers": stack(rp["layers"])}
 
 
@@ -309,8 +329,9 @@ class ShardedModel:
 
     The model keeps each stage's decoder layers as one dict per layer (`attention.unstack_layers`):
     the unrolled per-layer program reads each weight once, where slices of stacked leaves were
-    copied first (see `models/opt.py`). `stage_params` gives the stacked view (a copy) for
-    checkpoints and tools.
+    copied first (see `models/opt.py`); on a one-device stage each layer's q/k/v (and a Llama-style
+    gate/up) are one fused kernel (`_unstack_stage`). `stage_params` gives the stacked, unfused view
+    (a copy) for checkpoints and tools.
     """
 
     # The configs this class serves (a subclass narrows it to its family).
@@ -323,7 +344,7 @@ class ShardedModel:
         self.pp = pp
         self.layout = layout
         self.run_params: list[Params] = [
-            _unstack_stage(sp, st) for sp, st in zip(stage_params, layout.stages, strict=True)
+            _unstack_stage(sp, st, cfg) for sp, st in zip(stage_params, layout.stages, strict=True)
         ]
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Paged-step executables compiled ahead of time (`precompile_paged`), by stage, flags and shapes; a
@@ -349,7 +370,7 @@ class ShardedModel:
     @property
     def stage_params(self) -> list[Params]:
         """Each stage's params with stacked layer leaves `[L_s, ...]` (a copy; the layout checkpoints use)."""
-        return [_stack_stage(rp, st) for rp, st in zip(self.run_params, self.layout.stages, strict=True)]
+        return [_stack_stage(rp, st, self.cfg) for rp, st in zip(self.run_params, self.layout.stages, strict=True)]
 
     @classmethod
     def from_params(

@@ -55,6 +55,13 @@ def test_sharded_matches_unsharded(
         assert ("embed_positions" in sp) == (s == 0)
         assert "embed_tokens" in sp if s in (0, pp - 1) else "embed_tokens" not in sp
 
+    # one-device stages serve q/k/v as one fused matmul; stage_params (checkpoints) gives them back apart, unchanged
+    served = set(model.run_params[0]["layers"][0])
+    assert ("qkv_proj" in served, "q_proj" in served) == ((True, False) if tp == 1 else (False, True))
+    if tp == pp == 1:
+        back = model.stage_params[0]["layers"]
+        assert all(np.array_equal(back[k][x], params["layers"][k][x]) for k in back for x in back[k])
+
     lengths = np.array([T, 5], np.int32)
     logits, caches = model.prefill(tokens[:, :T], lengths, all_logits=True)
     assert len(caches) == pp
