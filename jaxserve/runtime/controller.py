@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import jax
 
-from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import (
@@ -599,6 +599,9 @@ class Controller:
         instances (every padded shape their limits allow); then the hand-off path of every prefill ->
         decode pair a staged instance is part of, for every padded prompt length (`warmup.handoff_warmups`):
         requests pinned to the pair. Without it: one short request pinned through each staged instance.
+        A warm-up request lost with a routed instance that died (a retiring one the switch replaces anyway:
+        nothing routed was left to continue it) does not fail the switch; a staged instance that died, a
+        timeout or any other error does.
         """
         started = time.monotonic()
         with self._lock:
@@ -631,11 +634,23 @@ class Controller:
                 self.fail(live, error)
             streams.append(stream)
         deadline = time.monotonic() + timeout_s
-        for stream in streams:  # a timeout or an error leaves them to `discard_staged`, which cancels them
-            stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
+        lost: list[str] = []
+        for stream in streams:  # a timeout or another error leaves them to `discard_staged`, which cancels them
+            try:
+                stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
+            except EngineDeadError as e:
+                # An instance it went through died and nothing could continue it: a routed one (e.g. a retiring
+                # instance that the switch would replace anyway) costs the switch nothing; a staged one fails it
+                # just below.
+                lost.append(f"{stream.request_id}: {e}")
         self._check_still_staged(staged)
+        if lost:
+            log.warning("switch warm-up: %d of %d warm-up requests lost with a routed instance (%s)",
+                        len(lost), len(streams), lost[0])  # fmt: skip
         with self._lock:
-            self._internal.difference_update(s.request_id for s in streams)
+            for s in streams:  # one that failed before its hand-off never reached `_on_prefilled`: its pin goes too
+                self._internal.discard(s.request_id)
+                self._pinned.pop(s.request_id, None)
         return time.monotonic() - started
 
     def _check_still_staged(self, staged: Sequence[Instance]) -> None:
