@@ -181,6 +181,8 @@ class RayController(Controller):
 
         rc = ray_config or RayConfig()
         config = config or ControllerConfig()
+        if config.kv_checksum and not rc.transfer.checksum:  # `--kv-checksum`: the actors' pulls check it
+            rc = dataclasses.replace(rc, transfer=dataclasses.replace(rc.transfer, checksum=True))
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
