@@ -537,8 +537,9 @@ def _faulty_prefill_actor_class() -> type:
             damaged, fault = self._damage(kv)
             described = damaged if fault == "short at the source" else kv
             uuid = next(self._uuids)
-            self._server.await_pull(uuid, stage_for_pull(damaged))
-            return JaxTicket(self._server.address(), uuid, manifest(described), fingerprint_of(described))
+            server = self._server
+            server.await_pull(uuid, stage_for_pull(damaged))  # type: ignore[attr-defined]
+            return JaxTicket(server.address(), uuid, manifest(described), fingerprint_of(described))  # type: ignore[attr-defined]
 
     return FaultyPrefillActor
 
@@ -573,7 +574,7 @@ def test_a_kv_arriving_wrong_across_processes_is_recomputed(transfer_pair, fault
     _, da = transfer_pair
     prompt = tuple(range(7, 19))
     local = FakeEngine(FAKE, jax.devices()[:1]).prefill([PrefillItem("x", prompt, SamplingParams(), 0)])
-    want = [np.concatenate([np.asarray(getattr(s, part)) for s in local.sequences[0].kv]) for part in ("k", "v")]
+    want = [np.concatenate([np.asarray(getattr(s, part)) for s in local.sequences[0].dense_kv]) for part in "kv"]
 
     def pull(rid: str):  # type: ignore[no-untyped-def]
         item = PrefillItem(rid, prompt, SamplingParams(), 0)
