@@ -313,11 +313,13 @@ class RayController(Controller):
             engine = inst.engine
             if isinstance(engine, RemotePrefillEngine):
                 engine.stop_lease_keeper()
-        for a in self.actors.values():
+        # copies: a switch's build may still be adding actors from its thread (it kills them when it sees the
+        # shutdown; these are the ones already there)
+        for a in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         self.placement.remove()
-        for placement in self._own_placement.values():
+        for placement in list(self._own_placement.values()):
             placement.remove()
         self._own_placement.clear()
 
