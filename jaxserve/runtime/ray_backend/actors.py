@@ -31,7 +31,8 @@ the order (retries, then recompute or fail per `TransferConfig`), checks the
 peer's model signature at first contact, checks what arrived (the sender's
 manifest and, with `TransferConfig.checksum`, fingerprint; the positions the
 request needs; the pool's shapes: a KV that fails is recomputed here, whatever
-the policy), and stages the KV in this actor's layout; `insert` writes a staged KV into the paged pool; `decode_step` runs one
+the policy), and stages the KV in this actor's layout; `insert` writes a staged
+KV into the paged pool (checked against it once more); `decode_step` runs one
 step (`decode_step_logprobs`: with the logprobs of the rows that ask; `PrefillMeta` carries a
 first token's); `rebuild` re-prefills known token contexts into their blocks after a
 restart. Pages never leave the actor.
