@@ -11,7 +11,9 @@
 `generate` returns a `Completion` (`.token_ids`, `.text`, `.finish_reason`,
 `.timings`); `stream` yields `Chunk`s with the new `.token_ids` and `.text`, the last
 one with `.finish_reason` and `.timings`. `logprobs=k` (0..20) adds `.logprobs`: one
-`TokenLogprobs` (`.logprob`, `.top` = k (token id, logprob) pairs) per token. Leaving a stream early (break, `cancel()`,
+`TokenLogprobs` (`.logprob`, `.top` = k (token id, logprob) pairs) per token. `cache_salt="..."` (vLLM's):
+prefix-cache blocks are shared only with requests of the same salt (and API key), so other clients cannot
+learn from `.num_cached_tokens` or timings what you sent. Leaving a stream early (break, `cancel()`,
 `close()`, or cancelling the task consuming an `AsyncClient` stream) cancels the call,
 and the server cancels the request and frees its KV blocks. `timeout_s` is a gRPC
 deadline. Failures raise a `ClientError` subclass chosen by the gRPC status code.
@@ -173,9 +175,11 @@ def _request(
     echo: bool = False,
     messages: Sequence[Mapping[str, str]] | None = None,
     logprobs: int | None = None,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     return wire.request_to_proto(
         logprobs=logprobs,
+        cache_salt=cache_salt,
         n=n,
         echo=echo,
         messages=[(m["role"], m["content"]) for m in messages or ()],
@@ -279,6 +283,7 @@ class Client:
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         timeout_s: float | None = None,
     ) -> Stream:
         request = _request(
@@ -297,6 +302,7 @@ class Client:
             echo,
             messages,
             logprobs,
+            cache_salt,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
@@ -319,6 +325,7 @@ class Client:
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = list(
@@ -338,6 +345,7 @@ class Client:
                 echo=echo,
                 messages=messages,
                 logprobs=logprobs,
+                cache_salt=cache_salt,
                 timeout_s=timeout_s,
             )
         )
@@ -424,6 +432,7 @@ class AsyncClient:
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
@@ -443,6 +452,7 @@ class AsyncClient:
             echo,
             messages,
             logprobs,
+            cache_salt,
         )
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         num_tokens: dict[int, int] = {}  # per sample index
@@ -475,6 +485,7 @@ class AsyncClient:
         echo: bool = False,
         messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         chunks = [
@@ -495,6 +506,7 @@ class AsyncClient:
                 echo=echo,
                 messages=messages,
                 logprobs=logprobs,
+                cache_salt=cache_salt,
                 timeout_s=timeout_s,
             )
         ]

@@ -112,3 +112,35 @@ def test_two_api_keys_never_share_blocks_and_no_key_salts_nothing() -> None:
         assert cached(two) == 16
     finally:
         controller.shutdown(drain_timeout_s=1)
+
+
+def test_the_python_client_passes_cache_salt(server) -> None:  # type: ignore[no-untyped-def]
+    """`Client` / `AsyncClient` (`jaxserve.client`) over real gRPC: `cache_salt=` on generate and stream reaches
+    the server (its blocks are that salt's alone), `Completion.num_cached_tokens` shows it, and a bad salt is the
+    server's INVALID_ARGUMENT naming the field."""
+    import asyncio
+
+    from jaxserve.client import AsyncClient, Client, InvalidArgumentError
+
+    prompt = list(range(60, 78))  # a prompt of this test's own: 4 full blocks of 4
+    want = tuple(expected_tokens(prompt, 4))
+
+    def cached(completion) -> int:  # type: ignore[no-untyped-def]
+        assert completion.token_ids == want
+        return int(completion.num_cached_tokens)
+
+    with Client(server.grpc_address, api_key=KEY, timeout_s=30) as client:
+        assert cached(client.generate(prompt_ids=prompt, max_tokens=4, ignore_eos=True, cache_salt="carol")) == 0
+        assert cached(client.generate(prompt_ids=prompt, max_tokens=4, ignore_eos=True, cache_salt="carol")) == 16
+        assert cached(client.generate(prompt_ids=prompt, max_tokens=4, ignore_eos=True)) == 0  # unsalted: not carol's
+        chunks = list(client.stream(prompt_ids=prompt, max_tokens=4, ignore_eos=True, cache_salt="dave"))
+        assert chunks[-1].num_cached_tokens == 0  # another salt
+        with pytest.raises(InvalidArgumentError) as info:
+            client.generate(prompt_ids=prompt, max_tokens=4, cache_salt="")
+        assert info.value.field == "cache_salt"
+
+    async def salted_async() -> int:
+        async with AsyncClient(server.grpc_address, api_key=KEY, timeout_s=30) as client:
+            return cached(await client.generate(prompt_ids=prompt, max_tokens=4, ignore_eos=True, cache_salt="dave"))
+
+    assert asyncio.run(salted_async()) == 16

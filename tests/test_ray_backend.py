@@ -491,6 +491,110 @@ def test_cross_process_pull_lands_in_decode_layout(transfer_pair, mechanism) -> 
         ray.get(da.pull.remote(PullOrder(rid, pa, "prefill-t", item, mechanism)))
 
 
+def _faulty_prefill_actor_class() -> type:
+    """A `PrefillActor` whose next pull's arrays are damaged after they were described (in transit), or whose
+    KV is short at the source (its description agrees). Defined in a function so that Ray ships it by value."""
+    from jaxserve.runtime.ray_backend.transfer import HostShipment, fingerprint_of, manifest, stage_for_pull
+
+    damage = {
+        "truncated": lambda a: a[:, :2],
+        "dtype": lambda a: a.astype(np.float16),
+        "missing head": lambda a: a[:, :, 1:],
+        "corrupted": lambda a: a + 1.0,  # same shape and dtype: only the checksum sees it
+        "short at the source": lambda a: a[:, :2],
+    }
+
+    class FaultyPrefillActor(PrefillActor):
+        fault: str | None = None
+
+        def set_fault(self, kind: str) -> None:
+            self.fault = kind
+
+        def _damage(self, kv):  # type: ignore[no-untyped-def]
+            """(the KV with every stage's K damaged by the armed fault, the fault); disarms it."""
+            from jaxserve.runtime.engines.contract import StageKV
+
+            fault, self.fault = self.fault, None
+            return tuple(StageKV(k=damage[fault](s.k), v=s.v) for s in kv) if fault else kv, fault
+
+        def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0):  # type: ignore[no-untyped-def]
+            kv = self._lend(request_id, start, num_tokens)
+            if kv is None:
+                return None
+            damaged, fault = self._damage(kv)
+            described = damaged if fault == "short at the source" else kv
+            return HostShipment(
+                tuple((np.asarray(s.k), np.asarray(s.v)) for s in damaged), manifest(described),
+                fingerprint_of(described),
+            )  # fmt: skip
+
+        def offer_jax(self, request_id: str, start: int = 0, num_tokens: int = 0):  # type: ignore[no-untyped-def]
+            from jaxserve.runtime.ray_backend.transfer import JaxTicket
+
+            kv = self._lend(request_id, start, num_tokens)
+            if kv is None:
+                return None
+            damaged, fault = self._damage(kv)
+            described = damaged if fault == "short at the source" else kv
+            uuid = next(self._uuids)
+            server = self._server
+            server.await_pull(uuid, stage_for_pull(damaged))  # type: ignore[attr-defined]
+            return JaxTicket(server.address(), uuid, manifest(described), fingerprint_of(described))  # type: ignore[attr-defined]
+
+    return FaultyPrefillActor
+
+
+@pytest.fixture(scope="module")
+def faulty_prefill(transfer_pair):
+    """A fake-model prefill actor (tp1) with the checksum on, next to `transfer_pair`'s decode actor."""
+    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0, checksum=True)
+    spec = EngineSpec(role="prefill", tp=1, pp=1, model_source="fake", engine="fake", fake_config=FAKE)
+    cls = ray.remote(_faulty_prefill_actor_class())
+    actor = cls.options(runtime_env=actor_env(spec, False), num_cpus=0.5, max_concurrency=4).remote("faulty", spec, tc)
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "fault", "why"),
+    [
+        ("object_store", "truncated", "arrived damaged: array 0 is float32"),
+        ("object_store", "dtype", "arrived damaged: array 0 is float16"),
+        ("object_store", "missing head", "arrived damaged: array 0 is float32"),
+        ("object_store", "corrupted", "arrived corrupted (checksum mismatch)"),
+        ("object_store", "short at the source", "arrived truncated"),
+        ("jax", "corrupted", "arrived corrupted (checksum mismatch)"),
+        ("jax", "short at the source", "arrived truncated"),
+    ],
+)
+def test_a_kv_arriving_wrong_across_processes_is_recomputed(transfer_pair, faulty_prefill, mechanism, fault, why):
+    """Issue 27 on the Ray path: a KV that arrives truncated, as another dtype, with a head missing or (checksum
+    on) with its contents changed is recomputed by the decode actor, even under `on_failure="fail"` (it moved,
+    it is only wrong): the staged KV equals the prefill's, and the decode actor goes on pulling."""
+    _, da = transfer_pair
+    prompt = tuple(range(7, 19))
+    local = FakeEngine(FAKE, jax.devices()[:1]).prefill([PrefillItem("x", prompt, SamplingParams(), 0)])
+    want = [np.concatenate([np.asarray(getattr(s, part)) for s in local.sequences[0].dense_kv]) for part in "kv"]
+
+    def pull(rid: str):  # type: ignore[no-untyped-def]
+        item = PrefillItem(rid, prompt, SamplingParams(), 0)
+        ray.get(faulty_prefill.prefill.remote([item]))
+        report = ray.get(da.pull.remote(PullOrder(rid, faulty_prefill, "faulty", item, mechanism)))
+        host, _, _ = ray.get(da.staged_host.remote(rid))
+        for got, expected in zip([np.concatenate([h[k] for h in host]) for k in (0, 1)], want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+        assert ray.get(da.discard.remote(rid))
+        return report
+
+    rid = f"wrong-{mechanism}-{fault}"
+    ray.get(faulty_prefill.set_fault.remote(fault))
+    report = pull(rid)
+    assert report.recomputed and report.num_failed_attempts == 1 and why in (report.error or ""), report
+    assert f"the KV of {rid!r}" in (report.error or "")
+    clean = pull(f"{rid}-then")  # the same pair, no fault: pulled, checked, not recomputed
+    assert not clean.recomputed and clean.num_failed_attempts == 0 and clean.num_bytes > 0
+
+
 def test_decode_actor_gone_for_good_requests_continue_on_another_decode(cluster, reference) -> None:
     """No restart left: every request the dead decode instance held is re-prefilled (prompt + streamed
     tokens) and continues on the other decode instance, in the same client stream."""

@@ -1,4 +1,5 @@
-"""The Ray backend's pure parts, without a cluster: leases, peer checks, placement from a plan, the watchdog."""
+"""The Ray backend's pure parts, without a cluster: leases, peer checks, placement from a plan, the watchdog, the
+checks a pulled KV passes."""
 
 from __future__ import annotations
 
@@ -11,10 +12,21 @@ import numpy as np
 import pytest
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
+from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.contract import StageKV
+from jaxserve.runtime.kv_transfer import KVIntegrityError
 from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
+from jaxserve.runtime.ray_backend.deployment import RayConfig, with_kv_checksum
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig, bundle, group_by_node
-from jaxserve.runtime.ray_backend.transfer import LeasedKVBuffer, PullError, run_with_watchdog
+from jaxserve.runtime.ray_backend.transfer import (
+    LeasedKVBuffer,
+    PullError,
+    check_arrival,
+    check_positions,
+    fingerprint_of,
+    manifest,
+    run_with_watchdog,
+)
 from models.config import get_config
 
 
@@ -112,3 +124,35 @@ def test_watchdog_bounds_a_jax_pull_of_an_id_nobody_registers() -> None:
         [sys.executable, "-c", _NEVER_REGISTERED], capture_output=True, text=True, env=env, timeout=120, check=True
     ).stdout
     assert "watchdog after 2." in out and "no answer within 2.0 s" in out, out
+
+
+def test_a_pulled_kv_is_checked_against_what_was_sent() -> None:
+    """`check_arrival` (the decode actor, on every pull): the sender's manifest (shapes, dtypes) and, when it sent
+    one, its fingerprint; `check_positions`: the positions the request needs. Each refusal names the request."""
+    rng = np.random.default_rng(0)
+    sent = tuple(
+        StageKV(k=rng.standard_normal((2, 8, 2, 4)).astype(np.float32), v=rng.standard_normal((2, 8, 2, 4)).astype(np.float32))  # type: ignore[arg-type]
+        for _ in range(2)
+    )  # fmt: skip
+    specs, fp = manifest(sent), fingerprint_of(sent)
+    check_arrival(sent, specs, fp, "r", "prefill-0")  # as sent: fine, with or without the checksum
+    check_arrival(sent, specs, None, "r", "prefill-0")
+    check_positions(sent, 8, "r")
+    damaged = {
+        "truncated": (sent[0], StageKV(k=sent[1].k[:, :3], v=sent[1].v)),
+        "dtype": (StageKV(k=sent[0].k.astype(np.float16), v=sent[0].v), sent[1]),
+        "a stage lost": (sent[0],),
+        "contents": (StageKV(k=sent[0].k + 1.0, v=sent[0].v), sent[1]),
+    }
+    for why, kv in damaged.items():
+        expected = "checksum mismatch" if why == "contents" else "arrived"
+        with pytest.raises(KVIntegrityError, match=f"the KV of 'r' from prefill-0 .*{expected}"):
+            check_arrival(kv, specs, fp, "r", "prefill-0")  # type: ignore[arg-type]
+    check_arrival(damaged["contents"], specs, None, "r", "prefill-0")  # type: ignore[arg-type]  # no checksum
+    with pytest.raises(KVIntegrityError, match=r"the KV of 'r' \(stage 0, k\) arrived truncated: .* 9 positions"):
+        check_positions(sent, 9, "r")  # the sender's KV itself is short
+
+
+def test_kv_checksum_turns_on_the_actors_checksum() -> None:
+    assert with_kv_checksum(RayConfig(), ControllerConfig()).transfer.checksum is False
+    assert with_kv_checksum(RayConfig(), ControllerConfig(kv_checksum=True)).transfer.checksum is True

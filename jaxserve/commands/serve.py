@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--kv-checksum",
         action="store_true",
-        help="check a checksum of every KV pulled from a prefill instance (in-process transfer): a corrupted one "
+        help="check a checksum of every KV pulled from a prefill instance (both backends): a corrupted one "
         "costs its request a re-prefill; one extra read of the KV per side (shape, dtype and length are always "
         "checked)",
     )

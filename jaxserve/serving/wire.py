@@ -145,6 +145,7 @@ class Completion:
     timings: Timings | None
     num_prompt_tokens: int
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
 
     @property
     def num_output_tokens(self) -> int:
@@ -162,6 +163,7 @@ class Completion:
             finish_reason=last.finish_reason,
             timings=last.timings,
             num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
             logprobs=None
             if all(c.logprobs is None for c in chunks)
             else tuple(lp for c in chunks for lp in c.logprobs or ()),
@@ -278,6 +280,7 @@ def request_to_proto(
     echo: bool = False,
     messages: Sequence[tuple[str, str]] = (),
     logprobs: int | None = None,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     """Build a request message (client side). Unset optional fields take the server's defaults."""
     req = pb.GenerateRequest(
@@ -304,6 +307,8 @@ def request_to_proto(
         req.seed = seed
     if logprobs is not None:
         req.logprobs = logprobs
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
     return req
 
 

@@ -28,8 +28,11 @@ warm=True)`) raises `ActorRestartedError` there, so the controller warms it agai
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
 the order (retries, then recompute or fail per `TransferConfig`), checks the
-peer's model signature at first contact, and stages the KV in this actor's
-layout; `insert` writes a staged KV into the paged pool; `decode_step` runs one
+peer's model signature at first contact, checks what arrived (the sender's
+manifest and, with `TransferConfig.checksum`, fingerprint; the positions the
+request needs; the pool's shapes: a KV that fails is recomputed here, whatever
+the policy), and stages the KV in this actor's layout; `insert` writes a staged
+KV into the paged pool (checked against it once more); `decode_step` runs one
 step (`decode_step_logprobs`: with the logprobs of the rows that ask; `PrefillMeta` carries a
 first token's); `rebuild` re-prefills known token contexts into their blocks after a
 restart. Pages never leave the actor.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import threading
 import time
@@ -61,17 +65,23 @@ from jaxserve.runtime.engines.contract import (
     step_tokens,
 )
 from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
+from jaxserve.runtime.kv_transfer import KVIntegrityError, check_pulled_kv
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
 from jaxserve.runtime.ray_backend.transfer import (
+    ArraySpec,
     HostKV,
+    HostShipment,
     JaxTicket,
     LeasedKVBuffer,
     Mechanism,
     PullError,
     TransferConfig,
+    check_arrival,
+    check_positions,
     fetch,
+    fingerprint_of,
     from_host,
-    host_num_bytes,
+    manifest,
     pull_staged,
     run_with_watchdog,
     stage_for_pull,
@@ -83,6 +93,8 @@ from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+
+log = logging.getLogger(__name__)
 
 EngineKind = Literal["opt", "fake"]
 
@@ -374,17 +386,20 @@ class PrefillActor(_ActorBase):
         kv = self.buffer.lend(request_id, time.monotonic())
         return None if kv is None else suffix(kv, start, num_tokens)
 
-    def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0) -> HostKV | None:
-        """Object-store pull: the KV (positions `start` .. `start + num_tokens` when `start` > 0) as host arrays
-        (None if gone). It stays lent until the controller cancels it."""
+    def _fingerprint(self, kv: SequenceKV) -> int | None:
+        return fingerprint_of(kv) if self.transfer.checksum else None
+
+    def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0) -> HostShipment | None:
+        """Object-store pull: the KV (positions `start` .. `start + num_tokens` when `start` > 0) as host arrays,
+        with its manifest and fingerprint (None if gone). It stays lent until the controller cancels it."""
         kv = self._lend(request_id, start, num_tokens)
-        return None if kv is None else to_host(kv)
+        if kv is None:
+            return None
+        return HostShipment(to_host(kv), manifest(kv), self._fingerprint(kv))
 
     def offer_jax(self, request_id: str, start: int = 0, num_tokens: int = 0) -> JaxTicket | None:
         """JAX-transfer pull: stage the KV (from `start`, as `take_host`) on one device and register it with
         the transfer server."""
-        from jaxserve.runtime.ray_backend.transfer import ArraySpec
-
         kv = self._lend(request_id, start, num_tokens)
         if kv is None:
             return None
@@ -393,8 +408,7 @@ class PrefillActor(_ActorBase):
         arrays = stage_for_pull(kv)
         uuid = next(self._uuids)
         self._server.await_pull(uuid, arrays)  # type: ignore[attr-defined]
-        specs = tuple(ArraySpec(tuple(a.shape), str(a.dtype)) for a in arrays)
-        return JaxTicket(self._server.address(), uuid, specs)  # type: ignore[attr-defined]
+        return JaxTicket(self._server.address(), uuid, manifest(kv), self._fingerprint(kv))  # type: ignore[attr-defined]
 
     def buffer_stats(self) -> BufferStats:
         b = self.buffer
@@ -430,7 +444,7 @@ class DecodeActor(_ActorBase):
         self._peers_checked.add(order.source_name)
 
     def _fetch(self, order: PullOrder) -> tuple[SequenceKV, int]:
-
+        """The KV `order` names, checked (`_check_arrival`) and in this actor's layout; its size in bytes."""
         timeout = self.transfer.pull_timeout_s
         rid = order.request_id
         if (order.mechanism or self.transfer.mechanism) == "jax":
@@ -440,11 +454,24 @@ class DecodeActor(_ActorBase):
                 raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
             server = self._server
             kv = run_with_watchdog(lambda: pull_staged(server, ticket, timeout), timeout + 1.0, f"pull {rid!r}")
+            self._check_arrival(order, kv, ticket.specs, ticket.fingerprint)
             return to_layout(kv, self.layout), ticket.num_bytes
-        host = cast(HostKV | None, fetch(order.source.take_host.remote(rid, order.start, order.num_tokens), timeout))
-        if host is None:
+        shipment = cast(
+            HostShipment | None, fetch(order.source.take_host.remote(rid, order.start, order.num_tokens), timeout)
+        )
+        if shipment is None:
             raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
-        return to_layout(from_host(host), self.layout), host_num_bytes(host)
+        kv = from_host(shipment.kv)
+        self._check_arrival(order, kv, shipment.specs, shipment.fingerprint)
+        return to_layout(kv, self.layout), shipment.num_bytes
+
+    def _check_arrival(
+        self, order: PullOrder, kv: SequenceKV, specs: Sequence[ArraySpec], fingerprint: int | None
+    ) -> None:
+        """KVIntegrityError unless `kv` is what the prefill actor sent and holds every position the request needs
+        (the pool's shapes are checked after the regrouping, in `pull`)."""
+        check_arrival(kv, specs, fingerprint, order.request_id, order.source_name)
+        check_positions(kv, len(order.item.token_ids) - order.start, order.request_id)
 
     def pull(self, order: PullOrder, warm: bool = False) -> PullReport:
         """Stage one request's KV here: pulled from its prefill actor, or recomputed when that fails.
@@ -455,9 +482,17 @@ class DecodeActor(_ActorBase):
         self._check_peer(order)
         started_at = time.monotonic()
         failures: list[str] = []
+        damaged = False
         for _ in range(1 + self.transfer.num_retries):
             try:
                 kv, num_bytes = self._fetch(order)
+                if self.pages is not None:  # a pool to write it into: the KV must fit it
+                    check_pulled_kv(kv, len(order.item.token_ids) - order.start, self.pages, order.request_id)
+            except KVIntegrityError as e:  # it moved, but wrong: recomputed below, whatever the policy
+                failures.append(str(e))
+                self.num_failed_pulls += 1
+                damaged = True
+                break
             except (PullError, ray.exceptions.RayError) as e:
                 failures.append(repr(e))
                 self.num_failed_pulls += 1
@@ -470,7 +505,7 @@ class DecodeActor(_ActorBase):
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
             return PullReport(order.request_id, num_bytes, seconds, len(failures), False)
-        if self.transfer.on_failure == "fail":
+        if self.transfer.on_failure == "fail" and not damaged:
             raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
         kv = self.engine.prefill([order.item]).sequences[0].dense_kv  # the prompt again, on this actor's devices
         kv = suffix(kv, order.start, order.num_tokens)
@@ -507,12 +542,19 @@ class DecodeActor(_ActorBase):
         return to_host(kv), shard_shapes, specs
 
     def insert(self, request_id: str, num_tokens: int, block_table: Sequence[int]) -> bool:
-        """Write a staged KV into the pool; False if nothing is staged under that id (e.g. after a restart)."""
+        """Write a staged KV into the pool; False if nothing usable is staged under that id (lost with a
+        restart, or one that does not fit the pool: `check_pulled_kv`); the caller then re-prefills it."""
         with self._staged_lock:
             kv = self._staged.pop(request_id, None)
         if kv is None:
             return False
-        self.pages = self.engine.insert(kv, num_tokens, self._require_pages(), block_table)
+        pages = self._require_pages()
+        try:
+            check_pulled_kv(kv, num_tokens, pages, request_id)  # before the pool (donated by insert) is touched
+        except KVIntegrityError as e:
+            log.warning("%s: %s; prefilling it again", self.name, e)
+            return False
+        self.pages = self.engine.insert(kv, num_tokens, pages, block_table)
         return True
 
     def _warm(self, engine: Engine, options: WarmupOptions) -> None:

@@ -83,6 +83,14 @@ class RayConfig:
     fake_config: ModelConfig | None = None  # engine "fake": the hand-computable test engine
 
 
+def with_kv_checksum(rc: RayConfig, config: ControllerConfig) -> RayConfig:
+    """`rc`, with the actors' pull checksum on when the controller's is (`ControllerConfig.kv_checksum`, serve's
+    `--kv-checksum`): one knob for both backends."""
+    if config.kv_checksum and not rc.transfer.checksum:
+        return dataclasses.replace(rc, transfer=dataclasses.replace(rc.transfer, checksum=True))
+    return rc
+
+
 def loopback_only() -> None:
     """Make Ray bind 127.0.0.1 (it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -179,8 +187,8 @@ class RayController(Controller):
         dtype: str = "float32",
     ) -> RayController:
 
-        rc = ray_config or RayConfig()
         config = config or ControllerConfig()
+        rc = with_kv_checksum(ray_config or RayConfig(), config)
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
@@ -311,11 +319,13 @@ class RayController(Controller):
             engine = inst.engine
             if isinstance(engine, RemotePrefillEngine):
                 engine.stop_lease_keeper()
-        for a in self.actors.values():
+        # copies: a switch's build may still be adding actors from its thread (it kills them when it sees the
+        # shutdown; these are the ones already there)
+        for a in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         self.placement.remove()
-        for placement in self._own_placement.values():
+        for placement in list(self._own_placement.values()):
             placement.remove()
         self._own_placement.clear()
 

@@ -29,6 +29,14 @@ mechanisms (`TransferConfig.mechanism`):
   re-shards locally (`to_layout`). A pull whose producer never registers the id
   can block past its own timeout: `run_with_watchdog` bounds it.
 
+Integrity (issue 27): what leaves the prefill actor is described by a manifest (each array's shape and
+dtype: `ArraySpec`s) and, with `TransferConfig.checksum` (`ControllerConfig.kv_checksum`, serve's
+`--kv-checksum`), a fingerprint of its contents (`kv_transfer.kv_fingerprint`). The decode actor
+compares what arrived with both (`check_arrival`), and with what its pool and the request need
+(`kv_transfer.check_pulled_kv`: stages, layers, heads, head size, dtype, positions), before anything is
+staged. A KV that fails costs that request a recompute on the decode actor (whatever `on_failure` says:
+the KV was there and moved, it is only wrong), never wrong tokens and never the decode actor.
+
 `ObjectStoreTransfer` is the object-store path as a plain `KVTransfer` (one
 process, `ray.put`/`ray.get` round trip), so the shared conformance test can
 run it next to `InProcessTransfer`.
@@ -54,7 +62,7 @@ from jaxserve.runtime.engines.contract import (
     SequenceKV,
     StageKV,
 )
-from jaxserve.runtime.kv_transfer import TransferState, regroup_layers
+from jaxserve.runtime.kv_transfer import KVIntegrityError, TransferState, kv_fingerprint, regroup_layers
 
 Mechanism = Literal["object_store", "jax"]
 FailurePolicy = Literal["recompute", "fail"]
@@ -68,6 +76,9 @@ class TransferConfig:
     pull_timeout_s: float = 30.0  # one pull attempt; the watchdog fires after this
     num_retries: int = 1  # pull attempts after the first, before the failure policy applies
     on_failure: FailurePolicy = "recompute"  # recompute: the decode actor re-prefills the prompt itself
+    # The prefill actor sends a fingerprint of each KV's contents and the decode actor compares what arrived
+    # (one extra read of the KV per side); shapes, dtypes and lengths are always checked.
+    checksum: bool = False
 
 
 class PullError(RuntimeError):
@@ -150,9 +161,72 @@ class LeasedKVBuffer:
             return gone
 
 
+# ---- what a pull carries besides the arrays: a manifest, a fingerprint ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def manifest(kv: SequenceKV) -> tuple[ArraySpec, ...]:
+    """Each array's shape and dtype, flat: stage0 k, stage0 v, stage1 k, ..."""
+    return tuple(ArraySpec(tuple(int(d) for d in a.shape), str(a.dtype)) for s in kv for a in (s.k, s.v))
+
+
+def fingerprint_of(kv: SequenceKV) -> int:
+    """`kv_fingerprint` as a Python int (it travels in a pull's metadata)."""
+    return int(kv_fingerprint(kv))
+
+
+def check_arrival(
+    kv: SequenceKV, specs: Sequence[ArraySpec], fingerprint: int | None, request_id: str, source: str
+) -> None:
+    """Raise KVIntegrityError unless `kv` is what `source` sent: the arrays its manifest names (number, shapes,
+    dtypes) and, when it sent one, the same fingerprint."""
+    got = manifest(kv)
+    where = f"the KV of {request_id!r} from {source}"
+    if len(got) != len(specs):
+        raise KVIntegrityError(f"{where} arrived as {len(got)} arrays; {len(specs)} were sent")
+    for k, (have, sent) in enumerate(zip(got, specs, strict=True)):
+        if have != sent:
+            raise KVIntegrityError(
+                f"{where} arrived damaged: array {k} is {have.dtype}{list(have.shape)}, "
+                f"{sent.dtype}{list(sent.shape)} was sent"
+            )
+    if fingerprint is not None and fingerprint_of(kv) != fingerprint:
+        raise KVIntegrityError(f"{where} arrived corrupted (checksum mismatch)")
+
+
+def check_positions(kv: SequenceKV, num_tokens: int, request_id: str) -> None:
+    """Raise KVIntegrityError unless every array of `kv` ([L, T, H, D]) holds at least `num_tokens` positions."""
+    for s, stage in enumerate(kv):
+        for part, a in (("k", stage.k), ("v", stage.v)):
+            if a.ndim != 4 or a.shape[1] < num_tokens:
+                raise KVIntegrityError(
+                    f"the KV of {request_id!r} (stage {s}, {part}) arrived truncated: shape {tuple(a.shape)}, "
+                    f"{num_tokens} positions needed"
+                )
+
+
 # ---- host arrays (object-store path) ------------------------------------------------------
 
 HostKV = tuple[tuple[np.ndarray, np.ndarray], ...]  # per prefill stage: (k, v), each [L_s, T, H, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShipment:
+    """An object-store pull's answer: the KV as host arrays, what was sent (`manifest`) and its fingerprint
+    (with `TransferConfig.checksum`)."""
+
+    kv: HostKV
+    specs: tuple[ArraySpec, ...]
+    fingerprint: int | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return host_num_bytes(self.kv)
 
 
 def to_host(kv: SequenceKV) -> HostKV:
@@ -185,18 +259,13 @@ def from_host(host: HostKV) -> SequenceKV:
 
 
 @dataclasses.dataclass(frozen=True)
-class ArraySpec:
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclasses.dataclass(frozen=True)
 class JaxTicket:
     """Where and under which id a staged KV waits for a `jax.experimental.transfer` pull."""
 
     address: str
     uuid: int
-    specs: tuple[ArraySpec, ...]  # flat: stage0 k, stage0 v, stage1 k, ...
+    specs: tuple[ArraySpec, ...]  # flat: stage0 k, stage0 v, stage1 k, ... (the pull asks for exactly these)
+    fingerprint: int | None = None  # of the KV's contents (`TransferConfig.checksum`)
 
     @property
     def num_bytes(self) -> int:
