@@ -33,12 +33,13 @@ PROMPT_LEN, MAX_TOKENS = 20, 6
 
 
 def _drive(address: str, api_key: str) -> None:
-    """Waves of 1, 2 and 4 concurrent requests, so decode steps run at several batch sizes."""
-    prompt = list(range(10, 10 + PROMPT_LEN))
+    """Waves of 1, 2 and 4 concurrent requests, so decode steps run at several batch sizes. Each prompt has its
+    own first token: a prefix-cache hit (caching is on by default) would make a "mixed" step, not a prefill."""
+    prompts = iter([[10 + n, *range(40, 39 + PROMPT_LEN)] for n in range(7)])
     with Client(address, api_key=api_key) as client, ThreadPoolExecutor(4) as pool:
         for wave in (1, 2, 4):
             calls = [
-                pool.submit(client.generate, prompt_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+                pool.submit(client.generate, prompt_ids=next(prompts), max_tokens=MAX_TOKENS, ignore_eos=True)
                 for _ in range(wave)
             ]
             assert all(len(c.result(timeout=60).token_ids) == MAX_TOKENS for c in calls)
