@@ -34,7 +34,7 @@ from serving_helpers import running_server
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from models.config import get_config
@@ -189,8 +189,9 @@ def test_http_usage_reports_the_cached_tokens_of_a_second_turn(fake) -> None:
 # ---- the tiny OPT: caching on (Ray) == caching off (embedded), greedy -----------------------------
 
 OPT_PLAN = "disagg:prefill=tp2,decode=tp1"
-OPT_CONFIG = ControllerConfig(
-    limits=ServingLimits(num_kv_blocks=96, block_size=16, max_decode_batch=8, max_batch_tokens=128)
+OPT_CONFIG = ControllerConfig(  # caching off (the "without" arm); the cached arm turns it on below
+    limits=ServingLimits(num_kv_blocks=96, block_size=16, max_decode_batch=8, max_batch_tokens=128),
+    prefix_policy=NO_PREFIX_CACHING,
 )
 
 

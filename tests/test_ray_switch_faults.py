@@ -42,6 +42,7 @@ from jaxserve.client import Client
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import NO_PREFIX_CACHING
 from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import PlacedInstance
@@ -63,7 +64,11 @@ NUM_STREAMS = 24
 MAX_TOKENS = 96
 NUM_CPUS = 4.0
 CPUS_PER_ACTOR = 0.5
-CONFIG = ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32))
+# Caching off: these cases were built and checked without it; with it on (the server's default) the two prefill
+# cases route differently (cache-aware routing) and are not checked yet (see the stop note).
+CONFIG = ControllerConfig(
+    limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32), prefix_policy=NO_PREFIX_CACHING
+)
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=5.0, pull_timeout_s=20.0),
     placement=PlacementConfig(num_cpus_per_actor=CPUS_PER_ACTOR),

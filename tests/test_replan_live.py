@@ -19,6 +19,7 @@ import pytest
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import NO_PREFIX_CACHING
 from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
@@ -129,7 +130,8 @@ def _shift_loop(mode: str) -> tuple[Controller, PlanSwitcher, ReplanLoop, Load, 
     """prefill=tp1,decode=tp2 under chat load, the loop in `mode`, then the load turns to long prompts.
 
     The planner's answer for long prompts has tp1 decode instances: the tp2 one retires under load."""
-    c = _controller(FIRST_PLAN)
+    # caching off: the checks count every prompt token as transferred (a hit transfers only the uncached part)
+    c = _controller(FIRST_PLAN, prefix_policy=NO_PREFIX_CACHING)
     first_decode = weakref.ref(c.decode_instances[0])
     switcher = PlanSwitcher(c, FACTORY, drain_timeout_s=60)
     config = ReplanLoopConfig(
