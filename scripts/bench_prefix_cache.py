@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,6 +51,21 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider
 from placement.prefix_sim import PrefixSimulator
 from placement.simulator import SimOptions
+
+
+def conversation_spec(args: argparse.Namespace, cfg: Any) -> ConversationSpec:
+    """The multi-turn trace's shape from the command line (both modes of this script)."""
+    return ConversationSpec(
+        num_system_prompts=args.system_prompts,
+        system_prompt_tokens=args.system_tokens,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        think_time_s=args.think_time,
+        max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
+        vocab_size=cfg.vocab_size,
+    )
 
 
 @dataclasses.dataclass
@@ -196,17 +212,7 @@ def main() -> int:
         "on": ControllerConfig(limits=limits, admission=admission, prefix_policy=on_policy),
     }
     sim_policies = {"off": NO_PREFIX_CACHING, "on": on_policy}  # the same policies: one knob for both
-    spec = ConversationSpec(
-        num_system_prompts=args.system_prompts,
-        system_prompt_tokens=args.system_tokens,
-        min_turns=args.min_turns,
-        max_turns=args.max_turns,
-        user_tokens=args.user_tokens,
-        answer_tokens=args.answer_tokens,
-        think_time_s=args.think_time,
-        max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
-        vocab_size=cfg.vocab_size,
-    )
+    spec = conversation_spec(args, cfg)
     started = time.monotonic()
     factory = None
     if args.engine == "timed":
@@ -376,17 +382,7 @@ def overhead(args: argparse.Namespace) -> int:
     )
     admission = AdmissionConfig(max_queued_requests=4096)
     policies = {"off": NO_PREFIX_CACHING, "on": PrefixPolicy(local_prefill_tokens=args.local)}
-    spec = ConversationSpec(
-        num_system_prompts=args.system_prompts,
-        system_prompt_tokens=args.system_tokens,
-        min_turns=args.min_turns,
-        max_turns=args.max_turns,
-        user_tokens=args.user_tokens,
-        answer_tokens=args.answer_tokens,
-        think_time_s=args.think_time,
-        max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
-        vocab_size=cfg.vocab_size,
-    )
+    spec = conversation_spec(args, cfg)
     started = time.monotonic()
     print(
         f"{args.model}, caching off vs on, interleaved, {args.reps} reps; 0 % hit: {args.overhead_requests} requests "
