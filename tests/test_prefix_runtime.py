@@ -167,7 +167,10 @@ class _FailedHandle:
 
 
 class _FlakyTransfer:
-    """In-process pulls, except every `every`-th one fails."""
+    """In-process pulls, except the first and every `every`-th after it fail.
+
+    Failing the first makes the fault certain: how many pulls an instance starts depends on which
+    cancels land before their pull, i.e. on timing."""
 
     def __init__(self, engine: Engine, every: int) -> None:
         self.inner = InProcessTransfer(engine)
@@ -176,7 +179,7 @@ class _FlakyTransfer:
 
     def start(self, seq: PrefilledSequence) -> InProcessHandle | _FailedHandle:
         self.num_started += 1
-        if self.num_started % self.every == 0:
+        if self.num_started % self.every == 1:
             return _FailedHandle(seq.request_id)
         return self.inner.start(seq)
 
