@@ -75,10 +75,12 @@ from jaxserve.core.scheduling import (
     PendingDecode,
     PrefillLoad,
     PrefixPolicy,
+    WaitingPrompt,
     choose_decode_instance_cached,
     choose_prefill_instance_cached,
     prefill_locally,
     prefix_prefill_work,
+    prompts_to_defer,
 )
 from placement.conversations import ConversationSet, SharedPrefixWorkload
 from placement.goodput import GoodputSearch
@@ -104,6 +106,7 @@ class PrefixStats:
     num_prefill_evictions: int
     num_decode_evictions: int
     num_colocated_evictions: int = 0
+    num_deferred: int = 0  # times a prefill batch member waited for an identical prompt in flight
 
     @property
     def hit_rate(self) -> float:
@@ -179,6 +182,8 @@ class PrefixSimulator(Simulator):
         self._local = np.zeros(n, dtype=bool)
         self._names: dict[int, tuple[BlockHash, ...]] = {}
         self._pending_compute = [0] * len(self.prefills)  # uncached tokens queued or running per prefill instance
+        self._in_flight: list[dict[int, tuple[int, ...]]] = [{} for _ in self.prefills]  # running prompts
+        self._num_deferred = 0  # times a batch member waited for an identical prompt in flight
         self._local_ready: list[list[int]] = [[] for _ in self.decodes]
         self._local_running: list[list[int]] = [[] for _ in self.decodes]
 
@@ -216,6 +221,7 @@ class PrefixSimulator(Simulator):
             num_prefill_evictions=sum(c.stats.num_evictions for c in self.prefill_caches),
             num_decode_evictions=sum(c.stats.num_evictions for c in self.decode_caches),
             num_colocated_evictions=sum(c.stats.num_evictions for c in self.colocated_caches),
+            num_deferred=self._num_deferred,
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -280,6 +286,26 @@ class PrefixSimulator(Simulator):
         self._pending_compute[k] += int(self._computed[i])
         return k
 
+    def _defer_repeats(self, k: int, batch: list[int]) -> list[int]:
+        # The runtime's rule (`prompts_to_defer`): a prompt identical to one in flight here or to an earlier
+        # member waits for a later batch, where its blocks are cached.
+        if not self.policy.enabled:
+            return batch
+        keys = [tuple(self._prompt(i).tolist()) for i in batch]
+        defer = prompts_to_defer(keys, self._in_flight[k].values(), self.options.block_size)
+        if any(defer):
+            q = self.prefills[k].queue
+            for i, wait in reversed(list(zip(batch, defer, strict=True))):
+                if wait:
+                    q.appendleft(WaitingPrompt(str(i), self._input_list[i]))
+            self._num_deferred += sum(defer)
+        kept = []
+        for i, key, wait in zip(batch, keys, defer, strict=True):
+            if not wait:
+                kept.append(i)
+                self._in_flight[k][i] = key
+        return kept
+
     def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
         # Called once per batch, as it starts: pin each prompt's cached prefix now (what is cached
         # may have changed since routing), as the runtime's prefill step does when it forms a batch.
@@ -300,6 +326,7 @@ class PrefixSimulator(Simulator):
     def _on_prefill_done(self, k: int, batch: list[int]) -> None:
         cache = self.prefill_caches[k]
         for i in batch:
+            self._in_flight[k].pop(i, None)
             cache.commit(str(i), self._prompt(i), self._prompt_names(i))
             # The runtime copies the prompt's KV out of the pool for the buffer and unpins at once.
             cache.release(str(i))

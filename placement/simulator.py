@@ -424,7 +424,10 @@ class Simulator:
         n = len(form_prefill_batch(p.queue, p.max_batch_tokens, min(fit, free)))
         if n == 0:
             return
-        batch = [int(p.queue.popleft().request_id) for _ in range(n)]
+        batch = self._defer_repeats(k, [int(p.queue.popleft().request_id) for _ in range(n)])  # prefix-cache hook
+        if not batch:
+            return
+        n = len(batch)
         lengths = self._input_list
         total = sum(lengths[i] for i in batch)
         p.queued_tokens -= total
@@ -650,6 +653,10 @@ class Simulator:
     # ---- prefix-cache hooks (>>> placement/prefix_sim.py overrides these; defaults: no cache) ----
     def _route_prefill(self, i: int, loads: list[PrefillLoad]) -> int:
         return choose_prefill_instance(loads)
+
+    def _defer_repeats(self, k: int, batch: list[int]) -> list[int]:
+        """The members of prefill instance `k`'s next batch that run now; the rest go back to its queue head."""
+        return batch
 
     def _prefill_stage_s(self, k: int, batch: list[int]) -> float:
         lengths = [self._input_list[i] for i in batch]

@@ -17,6 +17,7 @@ from jaxserve.core.scheduling import (
     prefill_locally,
     prefill_routing_score,
     prefix_prefill_work,
+    prompts_to_defer,
 )
 
 
@@ -81,3 +82,14 @@ def test_prefix_prefill_work_matches_the_chunk_formula() -> None:
     assert prefix_prefill_work(100, 0) == (100, 100 * 100)
     assert prefix_prefill_work(100, 64) == (36, 36 * (36 + 128))
     assert PrefixPolicy().weight(16) == 16.0 and PrefixPolicy(overlap_weight=3.5).weight(16) == 3.5
+
+
+def test_repeats_of_a_prompt_in_flight_or_earlier_in_the_batch_wait() -> None:
+    a, b, short = (1, 2, 3, 4, 5), (1, 2, 3, 4, 6), (7, 8, 9, 10)  # block size 4: a, b span 2 blocks
+    # a repeat of an earlier member waits; a prompt differing in one token does not
+    assert prompts_to_defer([a, b, a, a], [], 4) == [False, False, True, True]
+    # a repeat of one in flight waits, even as the batch's first member
+    assert prompts_to_defer([a, b], [a], 4) == [True, False]
+    # a prompt of at most one block has no full block to share: never held back
+    assert prompts_to_defer([short, short], [short], 4) == [False, False]
+    assert prompts_to_defer([], [a], 4) == []

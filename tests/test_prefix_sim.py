@@ -11,7 +11,7 @@ import pytest
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.scheduling import PrefixPolicy
 from models.config import get_config
-from placement.conversations import ConversationSpec, generate_conversations
+from placement.conversations import ConversationSpec, SharedPrefixWorkload, generate_conversations
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, load_profile
 from placement.prefix_sim import PrefixSimulator, simulate_prefix
@@ -265,3 +265,32 @@ def test_small_decode_pool_evicts_the_previous_turn(a100: tuple[LatencyProvider,
     assert stats.transferred_tokens == 11 + 7 and stats.num_decode_evictions == 0
     # The 3-block prefill pool: turn 2 (19 tokens, 5 blocks) cannot be pinned -> computed in full.
     assert stats.computed_tokens == 11 + 19 and stats.num_prefill_evictions == 0
+
+
+def test_identical_prompts_sent_together_wait_for_the_first(a100: tuple[LatencyProvider, ClusterSpec]) -> None:
+    # Four single-turn requests sent at once (11-token prompts, block size 4): an unrelated prompt runs
+    # alone, and three copies of one prompt queue behind it. The runtime's rule (`prompts_to_defer`)
+    # runs one copy and holds back the repeats until its 2 full blocks are named, so each repeat
+    # computes only its last 3 tokens (the next batch holds both repeats, and again only one runs).
+    # Without the rule the three copies would share a batch and compute 11 tokens each.
+    latency, cluster = a100
+    plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
+    other, prompt = np.arange(200, 211, dtype=np.int64), np.arange(100, 111, dtype=np.int64)
+    n = 4
+    shared = SharedPrefixWorkload(
+        workload=Workload(np.zeros(n), np.full(n, 11), np.full(n, 4), 1.0),
+        prompts=(other, prompt, prompt, prompt),
+        answers=(np.arange(4, dtype=np.int64),) * n,
+        conversation=np.arange(n),
+        turn=np.zeros(n, dtype=np.int64),
+        think_s=np.zeros(n),
+        next_turn=np.full(n, -1),
+        num_first=n,
+    )
+    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions(block_size=4), policy=PrefixPolicy())
+    sim.run()
+    stats = sim.stats()
+    assert np.isfinite(sim.finish_at).all()
+    assert all(c.num_pinned == 0 for c in sim.prefill_caches + sim.decode_caches)
+    assert (stats.computed_tokens, stats.num_deferred) == (11 + 11 + 3 + 3, 2 + 1)
+    assert sim.prefill_start_at[1] < sim.prefill_start_at[2] < sim.prefill_start_at[3]

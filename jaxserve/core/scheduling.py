@@ -44,7 +44,7 @@ The policies (DistServe section 3 and its baselines):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -474,6 +474,29 @@ def prefill_locally(num_prompt_tokens: int, num_cached_tokens: int, threshold_to
     if num_cached_tokens < 0 or num_cached_tokens > num_prompt_tokens:
         raise ValueError(f"cached tokens {num_cached_tokens} outside [0, {num_prompt_tokens}]")
     return num_prompt_tokens - num_cached_tokens < threshold_tokens
+
+
+def prompts_to_defer(
+    batch: Sequence[tuple[int, ...]], in_flight: Iterable[tuple[int, ...]], block_size: int
+) -> list[bool]:
+    """Which members of a caching prefill batch wait for a later batch instead of running now.
+
+    A prompt longer than one block that is identical to a prompt in flight on the instance (computing,
+    its blocks not named in the cache yet) or to an earlier member of the batch waits: once the first one
+    commits its blocks, the repeat finds them cached and computes only its last, partial block, instead
+    of computing (and transferring) the whole prompt a second time. The samples of an `n` > 1 request and
+    a client's retries are such repeats. A prompt of at most one block has no full block to share and
+    never waits. The runtime's prefill instance and the simulator's (`placement/prefix_sim.py`) both
+    apply this rule.
+    """
+    seen = {p for p in in_flight if len(p) > block_size}
+    defer = []
+    for prompt in batch:
+        wait = len(prompt) > block_size and prompt in seen
+        defer.append(wait)
+        if not wait:
+            seen.add(prompt)
+    return defer
 
 
 def prefix_prefill_work(num_tokens: int, num_cached_tokens: int) -> tuple[int, int]:

@@ -61,6 +61,7 @@ from jaxserve.core.scheduling import (
     WaitingPrompt,
     form_prefill_batch,
     prefill_buffer_free_slots,
+    prompts_to_defer,
 )
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import (
@@ -401,22 +402,27 @@ class PrefillInstance(Worker):
     def _acquire(self, batch: list[LiveRequest]) -> dict[str, CacheHit]:
         """Under the lock: pin each member's cached prefix; members that wait go back to the queue head.
 
-        A member whose prompt equals an earlier member's (the samples of an `n` > 1 request) waits
-        for the next batch, where it finds that prompt's blocks cached instead of computing them
-        again; a member the pool cannot take now waits too (with everything after it).
+        A member whose prompt equals one in flight or an earlier member's (the samples of an `n` > 1
+        request) waits for a later batch, where it finds that prompt's blocks cached instead of
+        computing them again (`prompts_to_defer`, the rule the simulator shares); a member the pool
+        cannot take now waits too (with everything after it).
         """
         if self._paged is None:
             return {}
         hits: dict[str, CacheHit] = {}
         kept: list[LiveRequest] = []
         back: list[LiveRequest] = []
-        # a prompt identical to one in flight (its blocks not named yet) waits for it, as within a batch
-        seen = {r.prefill_token_ids for r in self._running if len(r.prefill_token_ids) > self.cache.block_size}
+        # a prompt identical to one in flight (its blocks not named yet) or to an earlier member waits for it
+        defer = prompts_to_defer(
+            [live.prefill_token_ids for live in batch],
+            (r.prefill_token_ids for r in self._running),
+            self.cache.block_size,
+        )
         full = False
-        for live in batch:
+        for live, wait in zip(batch, defer, strict=True):
             ids = live.prefill_token_ids
-            if full or (len(ids) > self.cache.block_size and ids in seen):
-                back.append(live)  # after one that did not fit (FCFS), or a duplicate of an earlier prompt
+            if full or wait:
+                back.append(live)  # after one that did not fit (FCFS), or a repeat of a prompt in flight
                 continue
             try:
                 hits[live.request_id] = self.cache.acquire(
@@ -427,7 +433,6 @@ class PrefillInstance(Worker):
                 back.append(live)
                 continue
             kept.append(live)
-            seen.add(ids)
         self._queue.extendleft(reversed(back))
         batch[:] = kept
         return hits
