@@ -1,6 +1,7 @@
 """A live switch on real Ray actors under 24 concurrent streams, each participant killed or failed (issue 27).
 
-One local Ray cluster (127.0.0.1, a temp dir) and one fake-engine deployment for the module; each test
+One local Ray cluster (127.0.0.1, a temp dir) and one fake-engine deployment for the module, with the server's
+default config (prefix caching on: a prefill actor runs every batch as `prefill_rows` on its own pool); each test
 switches it from the plan it finds to the same plan with one instance's tp flipped (tp1 <-> tp2):
 one actor is added, the one it replaces retires. The faults:
 
@@ -42,7 +43,6 @@ from jaxserve.client import Client
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.core.scheduling import NO_PREFIX_CACHING
 from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import PlacedInstance
@@ -64,11 +64,7 @@ NUM_STREAMS = 24
 MAX_TOKENS = 96
 NUM_CPUS = 4.0
 CPUS_PER_ACTOR = 0.5
-# Caching off: these cases were built and checked without it; with it on (the server's default) the two prefill
-# cases route differently (cache-aware routing) and are not checked yet (see the stop note).
-CONFIG = ControllerConfig(
-    limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32), prefix_policy=NO_PREFIX_CACHING
-)
+CONFIG = ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32))
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=5.0, pull_timeout_s=20.0),
     placement=PlacementConfig(num_cpus_per_actor=CPUS_PER_ACTOR),
@@ -188,21 +184,26 @@ def _kill(actor, how: str) -> None:  # type: ignore[no-untyped-def]
         os.kill(ray.get(actor.ping.remote(), timeout=30), signal.SIGKILL)
 
 
-def _before_first_call(obj: object, method: str, action: Callable[[], None], when: Callable[[], bool]) -> list[int]:
-    """Run `action` once, before the first call of `obj.method` at which `when()` holds; returns a list that
-    gets one entry when it ran."""
-    original = getattr(obj, method)
+def _before_first_call(
+    obj: object, methods: Sequence[str], action: Callable[[], None], when: Callable[[], bool]
+) -> list[int]:
+    """Run `action` once, before the first call of any of `obj`'s `methods` at which `when()` holds; returns a
+    list that gets one entry when it ran."""
     fired: list[int] = []
     lock = threading.Lock()
 
-    def wrapped(*args: object, **kwargs: object) -> object:
-        with lock:
-            if not fired and when():
-                fired.append(1)
-                action()
-        return original(*args, **kwargs)
+    def wrap(original: Callable[..., object]) -> Callable[..., object]:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            with lock:
+                if not fired and when():
+                    fired.append(1)
+                    action()
+            return original(*args, **kwargs)
 
-    setattr(obj, method, wrapped)
+        return wrapped
+
+    for method in methods:
+        setattr(obj, method, wrap(getattr(obj, method)))
     return fired
 
 
@@ -310,11 +311,15 @@ def _switch(controller: RayController, builder: LoadedBuilder, target: Deploymen
 
 # ---- the tests ---------------------------------------------------------------------------------
 
-# The first call a new instance's warm-up makes on its actor: a decode actor's first pull, a prefill actor's prefill.
-WARM_UP_CALL = {"decode": "start_pull", "prefill": "prefill"}
+# The first call a new instance's warm-up makes on its actor: a decode actor's first pull, a prefill actor's first
+# prefill. A prefill proxy has two entry points: `prefill` (the dense prefill, caching off) and `prefill_rows` (the
+# paged step on the actor's own pool, which a caching prefill instance always takes: its pool lives in the actor).
+# Hooking only `prefill` made the fault never fire with caching on (the switch then succeeded: "DID NOT RAISE").
+PREFILL_CALLS = ("prefill", "prefill_rows")
+WARM_UP_CALLS = {"decode": ("start_pull",), "prefill": PREFILL_CALLS}
 # The first call a retiring instance makes on its actor after routing: a decode step over the streams it holds, a
 # prefill of the prompts queued on it.
-DRAIN_CALL = {"decode": "decode_step", "prefill": "prefill"}
+DRAIN_CALLS = {"decode": ("decode_step",), "prefill": PREFILL_CALLS}
 
 
 @pytest.mark.parametrize(("role", "how"), [("decode", "ray.kill"), ("decode", "SIGKILL"), ("prefill", "ray.kill")])
@@ -327,7 +332,7 @@ def test_a_new_actor_killed_during_its_warm_up(served, role: str, how: str) -> N
 
     def arm(p: PlacedInstance) -> None:
         actor = p.engine.actor  # type: ignore[attr-defined]
-        armed.append(_before_first_call(p.engine, WARM_UP_CALL[role], lambda: _kill(actor, how), lambda: True))
+        armed.append(_before_first_call(p.engine, WARM_UP_CALLS[role], lambda: _kill(actor, how), lambda: True))
 
     builder = LoadedBuilder(controller, load, arm)
     if how == "ray.kill":  # gone for good: the switch fails and says the deployment is as it was
@@ -363,7 +368,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
 
         controller.route = loaded_route  # type: ignore[method-assign]
     killed = _before_first_call(  # (the retiring list read without the controller's lock: no lock order to mind)
-        old.engine, DRAIN_CALL[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
+        old.engine, DRAIN_CALLS[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
         lambda: any(i is old for i in controller.instance_set.retiring),
     )  # fmt: skip
     rerouted = controller.fault_stats().num_rerouted_requests
@@ -371,7 +376,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
         report = _switch(controller, builder, target)
     finally:
         controller.__dict__.pop("route", None)
-    assert killed, f"the retiring actor made no {DRAIN_CALL[role]} call after routing (nothing to drain)"
+    assert killed, f"the retiring actor made no {DRAIN_CALLS[role]} call after routing (nothing to drain)"
     assert report.to_plan == target.describe() == controller.plan.describe()
     assert [s.name for s in report.retired] == [old.name]
     assert controller.fault_stats().num_rerouted_requests > rerouted  # what it held moved to the routed instances

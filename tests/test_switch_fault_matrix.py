@@ -1,7 +1,7 @@
 """Every participant of a live switch failed or killed at every stage, under 24 streams (issue 27, embedded).
 
 Embedded runtime, the hand-computable fake engine (`reference_tokens` is the run without a switch) on 8
-virtual CPU devices. Two switches, each with all four participants:
+virtual CPU devices, prefix caching on (the default: content-addressed blocks, cache-aware routing). Two switches, each with all four participants:
 
 * `kept`: `prefill=2xtp1,decode=2xtp1` -> `prefill=tp1+tp2, decode=tp1+tp2`: prefill-0 and decode-0 are
   kept, the new prefill-2 and decode-2 (tp2) are added, prefill-1 and decode-1 retire. A kept instance of
@@ -55,6 +55,7 @@ from jaxserve.core.errors import EngineDeadError, JaxServeError
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.decode_instance import DecodeInstance
@@ -339,6 +340,9 @@ class Case:
             limits=ServingLimits(block_size=8, num_kv_blocks=128, prefill_buffer_slots=16),
             admission=AdmissionConfig(max_prompt_tokens=16, max_tokens_limit=32),
             warmup=WarmupConfig(buckets=True),
+            # the default, named so that the matrix keeps testing what a server runs: content-addressed blocks
+            # and cache-aware routing
+            prefix_policy=DEFAULT_PREFIX_CACHING,
         )
         plan = self.start.assign_devices()
         placed = build_engines(plan, self.factory)
