@@ -691,11 +691,13 @@ class Controller:
                 log.warning("discarded instance %s did not stop (stuck in a compile or a step): left behind", inst.name)
 
     def route(self, names: Sequence[str]) -> list[Instance]:
-        """Atomically make the routed instances exactly `names` (routed or staged ones), in that order.
+        """Atomically make the routed instances exactly the live ones of `names` (routed or staged ones), in that
+        order (`InstanceSet.route`).
 
         New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
-        out *retire*: they finish what they hold (see `retire_drained`). Returns them. Raises
-        ShuttingDownError (nothing changed) once `shutdown()` has begun.
+        out *retire*: they finish what they hold (see `retire_drained`), and so does a named one that is dead.
+        Returns them. Raises ShuttingDownError (nothing changed) once `shutdown()` has begun, ValueError
+        (nothing changed) when a role would be left with no live instance.
         """
         with self._lock:
             if self._shutting_down:
