@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +36,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray reads it at import:
 
 import numpy as np
 import pytest
+from ray_cluster import local_cluster
 
 from jaxserve.client import Client
 from jaxserve.core.limits import ServingLimits
@@ -52,7 +51,7 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
-from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController, loopback_only  # noqa: E402
+from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController  # noqa: E402
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
@@ -77,30 +76,8 @@ RAY_CONFIG = RayConfig(
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    root = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must stay short
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = root
-    loopback_only()
-    ray_dir = os.path.join(root, "ray")
-    os.makedirs(ray_dir)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": int(NUM_CPUS), "node_ip_address": "127.0.0.1", "include_dashboard": False,
-            "temp_dir": ray_dir,
-        },
-    )  # fmt: skip
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    if saved is None:
-        os.environ.pop("RAY_TMPDIR", None)
-    else:
-        os.environ["RAY_TMPDIR"] = saved
+    with local_cluster(int(NUM_CPUS), prefix="rs") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
