@@ -12,7 +12,9 @@ one actor is added, the one it replaces retires. The faults:
 * a retiring actor is killed (`ray.kill`, no restart) during its drain, holding requests: a decode actor at its
   first step after routing (the streams it runs resume on the new one), a prefill actor at its first prefill
   after routing (the prompts queued on it, submitted just before routing, go to the new one);
-* a new decode actor fails its build (a tp its model's K/V heads cannot split: the actor's constructor raises).
+* a new decode actor fails its build (a tp its model's K/V heads cannot split: the actor's constructor raises);
+* a decode actor gone for good before a switch to the same plan: the switch does not keep it but builds its shape
+  anew (a kept instance found dead is never routed).
 
 The 24 streams start once the new actor is up (a switch's build takes longer than the fake engine's streams), so
 they are in flight at the fault. Every stream must equal the fake engine's hand-computed tokens (what any run
@@ -39,6 +41,7 @@ import pytest
 from ray_cluster import local_cluster
 
 from jaxserve.client import Client
+from jaxserve.core.errors import EngineDeadError
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
@@ -373,3 +376,27 @@ def test_a_new_actor_failing_its_build(served) -> None:
     assert controller.plan.describe() == before.describe()
     load.check()
     _check_after(controller, server, handles, pids)
+
+
+def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) -> None:
+    """A decode actor gone for good (`ray.kill`, no restart), found dead by the next request's pull: a switch to the
+    same plan does not keep it (it could not serve) but starts a new actor of its shape, kills the dead one's
+    remains and serves 24 streams on the new one."""
+    controller, server = served
+    before, handles, pids = _snapshot(controller)
+    (old,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == "decode"]
+    ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
+    request = GenerateRequest("finds-it-dead", _prompt(0), SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(EngineDeadError):  # the only decode instance: nothing can continue it
+        controller.submit(request).collect(timeout_s=120)
+    assert old.error is not None
+    builder = LoadedBuilder(controller, Load(controller, "unused"), load_at=None)
+    report = _switch(controller, builder, before)
+    assert old.name not in report.kept and len(report.added) == 1 and not report.lost
+    assert [s.name for s in report.retired] == [old.name]
+    assert report.to_plan == before.describe() == controller.plan.describe()
+    assert all(i.error is None for i in controller.routed_instances())
+    load = Load(controller, "rebuilt")
+    load.start()
+    load.check()
+    _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})
