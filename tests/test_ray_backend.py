@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 import threading
 import time
 
@@ -23,6 +21,7 @@ import numpy as np
 import pytest
 import test_kv_transfer as conformance
 from jax.sharding import PartitionSpec
+from ray_cluster import local_cluster
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
@@ -48,7 +47,6 @@ from jaxserve.runtime.ray_backend.deployment import (  # noqa: E402
     RayConfig,
     RayController,
     actor_env,
-    loopback_only,
 )
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
@@ -84,33 +82,8 @@ def _requests(tag: str, seeded: bool = False) -> list[GenerateRequest]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    root = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    os.environ["RAY_TMPDIR"] = root
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    loopback_only()
-    ray_dir = os.path.join(root, "ray")
-    os.makedirs(ray_dir)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 4, "resources": {"node0": 4}, "node_ip_address": "127.0.0.1",
-            "include_dashboard": False, "temp_dir": ray_dir,
-        },
-    )  # fmt: skip
-    c.add_node(num_cpus=4, resources={"node1": 4}, node_ip_address="127.0.0.1")
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with local_cluster(4, resources={"node0": 4}, extra_nodes=[{"num_cpus": 4, "resources": {"node1": 4}}]) as c:
+        yield c
 
 
 RAY_CONFIG = RayConfig(

@@ -1,6 +1,7 @@
 """A live switch on real Ray actors under 24 concurrent streams, each participant killed or failed (issue 27).
 
-One local Ray cluster (127.0.0.1, a temp dir) and one fake-engine deployment for the module; each test
+One local Ray cluster (127.0.0.1, a temp dir) and one fake-engine deployment for the module, with the server's
+default config (prefix caching on: a prefill actor runs every batch as `prefill_rows` on its own pool); each test
 switches it from the plan it finds to the same plan with one instance's tp flipped (tp1 <-> tp2):
 one actor is added, the one it replaces retires. The faults:
 
@@ -11,7 +12,9 @@ one actor is added, the one it replaces retires. The faults:
 * a retiring actor is killed (`ray.kill`, no restart) during its drain, holding requests: a decode actor at its
   first step after routing (the streams it runs resume on the new one), a prefill actor at its first prefill
   after routing (the prompts queued on it, submitted just before routing, go to the new one);
-* a new decode actor fails its build (a tp its model's K/V heads cannot split: the actor's constructor raises).
+* a new decode actor fails its build (a tp its model's K/V heads cannot split: the actor's constructor raises);
+* a decode actor gone for good before a switch to the same plan: the switch does not keep it but builds its shape
+  anew (a kept instance found dead is never routed).
 
 The 24 streams start once the new actor is up (a switch's build takes longer than the fake engine's streams), so
 they are in flight at the fault. Every stream must equal the fake engine's hand-computed tokens (what any run
@@ -25,9 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,12 +38,13 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray reads it at import:
 
 import numpy as np
 import pytest
+from ray_cluster import local_cluster
 
 from jaxserve.client import Client
+from jaxserve.core.errors import EngineDeadError
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
-from jaxserve.core.scheduling import NO_PREFIX_CACHING
 from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import PlacedInstance
@@ -52,7 +54,7 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
-from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController, loopback_only  # noqa: E402
+from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController  # noqa: E402
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
@@ -64,11 +66,7 @@ NUM_STREAMS = 24
 MAX_TOKENS = 96
 NUM_CPUS = 4.0
 CPUS_PER_ACTOR = 0.5
-# Caching off: these cases were built and checked without it; with it on (the server's default) the two prefill
-# cases route differently (cache-aware routing) and are not checked yet (see the stop note).
-CONFIG = ControllerConfig(
-    limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32), prefix_policy=NO_PREFIX_CACHING
-)
+CONFIG = ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32))
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=5.0, pull_timeout_s=20.0),
     placement=PlacementConfig(num_cpus_per_actor=CPUS_PER_ACTOR),
@@ -81,30 +79,8 @@ RAY_CONFIG = RayConfig(
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    root = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must stay short
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = root
-    loopback_only()
-    ray_dir = os.path.join(root, "ray")
-    os.makedirs(ray_dir)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": int(NUM_CPUS), "node_ip_address": "127.0.0.1", "include_dashboard": False,
-            "temp_dir": ray_dir,
-        },
-    )  # fmt: skip
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    if saved is None:
-        os.environ.pop("RAY_TMPDIR", None)
-    else:
-        os.environ["RAY_TMPDIR"] = saved
+    with local_cluster(int(NUM_CPUS), prefix="rs") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -188,21 +164,26 @@ def _kill(actor, how: str) -> None:  # type: ignore[no-untyped-def]
         os.kill(ray.get(actor.ping.remote(), timeout=30), signal.SIGKILL)
 
 
-def _before_first_call(obj: object, method: str, action: Callable[[], None], when: Callable[[], bool]) -> list[int]:
-    """Run `action` once, before the first call of `obj.method` at which `when()` holds; returns a list that
-    gets one entry when it ran."""
-    original = getattr(obj, method)
+def _before_first_call(
+    obj: object, methods: Sequence[str], action: Callable[[], None], when: Callable[[], bool]
+) -> list[int]:
+    """Run `action` once, before the first call of any of `obj`'s `methods` at which `when()` holds; returns a
+    list that gets one entry when it ran."""
     fired: list[int] = []
     lock = threading.Lock()
 
-    def wrapped(*args: object, **kwargs: object) -> object:
-        with lock:
-            if not fired and when():
-                fired.append(1)
-                action()
-        return original(*args, **kwargs)
+    def wrap(original: Callable[..., object]) -> Callable[..., object]:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            with lock:
+                if not fired and when():
+                    fired.append(1)
+                    action()
+            return original(*args, **kwargs)
 
-    setattr(obj, method, wrapped)
+        return wrapped
+
+    for method in methods:
+        setattr(obj, method, wrap(getattr(obj, method)))
     return fired
 
 
@@ -310,11 +291,15 @@ def _switch(controller: RayController, builder: LoadedBuilder, target: Deploymen
 
 # ---- the tests ---------------------------------------------------------------------------------
 
-# The first call a new instance's warm-up makes on its actor: a decode actor's first pull, a prefill actor's prefill.
-WARM_UP_CALL = {"decode": "start_pull", "prefill": "prefill"}
+# The first call a new instance's warm-up makes on its actor: a decode actor's first pull, a prefill actor's first
+# prefill. A prefill proxy has two entry points: `prefill` (the dense prefill, caching off) and `prefill_rows` (the
+# paged step on the actor's own pool, which a caching prefill instance always takes: its pool lives in the actor).
+# Hooking only `prefill` made the fault never fire with caching on (the switch then succeeded: "DID NOT RAISE").
+PREFILL_CALLS = ("prefill", "prefill_rows")
+WARM_UP_CALLS = {"decode": ("start_pull",), "prefill": PREFILL_CALLS}
 # The first call a retiring instance makes on its actor after routing: a decode step over the streams it holds, a
 # prefill of the prompts queued on it.
-DRAIN_CALL = {"decode": "decode_step", "prefill": "prefill"}
+DRAIN_CALLS = {"decode": ("decode_step",), "prefill": PREFILL_CALLS}
 
 
 @pytest.mark.parametrize(("role", "how"), [("decode", "ray.kill"), ("decode", "SIGKILL"), ("prefill", "ray.kill")])
@@ -327,7 +312,7 @@ def test_a_new_actor_killed_during_its_warm_up(served, role: str, how: str) -> N
 
     def arm(p: PlacedInstance) -> None:
         actor = p.engine.actor  # type: ignore[attr-defined]
-        armed.append(_before_first_call(p.engine, WARM_UP_CALL[role], lambda: _kill(actor, how), lambda: True))
+        armed.append(_before_first_call(p.engine, WARM_UP_CALLS[role], lambda: _kill(actor, how), lambda: True))
 
     builder = LoadedBuilder(controller, load, arm)
     if how == "ray.kill":  # gone for good: the switch fails and says the deployment is as it was
@@ -363,7 +348,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
 
         controller.route = loaded_route  # type: ignore[method-assign]
     killed = _before_first_call(  # (the retiring list read without the controller's lock: no lock order to mind)
-        old.engine, DRAIN_CALL[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
+        old.engine, DRAIN_CALLS[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
         lambda: any(i is old for i in controller.instance_set.retiring),
     )  # fmt: skip
     rerouted = controller.fault_stats().num_rerouted_requests
@@ -371,7 +356,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
         report = _switch(controller, builder, target)
     finally:
         controller.__dict__.pop("route", None)
-    assert killed, f"the retiring actor made no {DRAIN_CALL[role]} call after routing (nothing to drain)"
+    assert killed, f"the retiring actor made no {DRAIN_CALLS[role]} call after routing (nothing to drain)"
     assert report.to_plan == target.describe() == controller.plan.describe()
     assert [s.name for s in report.retired] == [old.name]
     assert controller.fault_stats().num_rerouted_requests > rerouted  # what it held moved to the routed instances
@@ -391,3 +376,27 @@ def test_a_new_actor_failing_its_build(served) -> None:
     assert controller.plan.describe() == before.describe()
     load.check()
     _check_after(controller, server, handles, pids)
+
+
+def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) -> None:
+    """A decode actor gone for good (`ray.kill`, no restart), found dead by the next request's pull: a switch to the
+    same plan does not keep it (it could not serve) but starts a new actor of its shape, kills the dead one's
+    remains and serves 24 streams on the new one."""
+    controller, server = served
+    before, handles, pids = _snapshot(controller)
+    (old,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == "decode"]
+    ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
+    request = GenerateRequest("finds-it-dead", _prompt(0), SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(EngineDeadError):  # the only decode instance: nothing can continue it
+        controller.submit(request).collect(timeout_s=120)
+    assert old.error is not None
+    builder = LoadedBuilder(controller, Load(controller, "unused"), load_at=None)
+    report = _switch(controller, builder, before)
+    assert old.name not in report.kept and len(report.added) == 1 and not report.lost
+    assert [s.name for s in report.retired] == [old.name]
+    assert report.to_plan == before.describe() == controller.plan.describe()
+    assert all(i.error is None for i in controller.routed_instances())
+    load = Load(controller, "rebuilt")
+    load.start()
+    load.check()
+    _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})

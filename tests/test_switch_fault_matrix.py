@@ -1,7 +1,7 @@
 """Every participant of a live switch failed or killed at every stage, under 24 streams (issue 27, embedded).
 
 Embedded runtime, the hand-computable fake engine (`reference_tokens` is the run without a switch) on 8
-virtual CPU devices. Two switches, each with all four participants:
+virtual CPU devices, prefix caching on (the default: content-addressed blocks, cache-aware routing). Two switches, each with all four participants:
 
 * `kept`: `prefill=2xtp1,decode=2xtp1` -> `prefill=tp1+tp2, decode=tp1+tp2`: prefill-0 and decode-0 are
   kept, the new prefill-2 and decode-2 (tp2) are added, prefill-1 and decode-1 retire. A kept instance of
@@ -55,6 +55,7 @@ from jaxserve.core.errors import EngineDeadError, JaxServeError
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec
 from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.decode_instance import DecodeInstance
@@ -80,6 +81,8 @@ PLANS = {
     "sole": (DeploymentPlan((P1, D1)), DeploymentPlan((P2, D2)), ("prefill-0", "decode-0")),
 }
 PARTICIPANTS = ("new-prefill", "new-decode", "old-prefill", "old-decode")
+# `kept` also loses an instance the switch keeps (neither staged nor retiring): prefill-0 or decode-0
+KEPT = {"kept-prefill": "prefill-0", "kept-decode": "decode-0"}
 STAGES = ("build", "warmup", "route", "drain", "retire")
 FAULTS = ("fails", "dies")
 GATED = ("route", "drain", "retire")  # stages that need the retiring instances holding requests
@@ -223,6 +226,7 @@ class Case:
         self.variant, self.participant, self.stage, self.fault = variant, participant, stage, fault
         self.start, self.target, (old_prefill, old_decode) = PLANS[variant]
         self.old_names = {"old-prefill": old_prefill, "old-decode": old_decode}
+        self.kept = participant in KEPT  # the lost one is a kept instance
         self.engines: dict[str, FaultyEngine] = {}  # participant -> its engine
         self.switching = False
         self.reached: list[str] = []
@@ -269,6 +273,7 @@ class Case:
         self.reached.append(stage)
         try:
             if stage == "route":
+                self._await_kept_dead()
                 self._await_old_holding()
             if stage == self.stage and not (stage == "build" and self.participant.startswith("new-")):
                 fault = self.fault_of
@@ -289,6 +294,39 @@ class Case:
         instances' compute calls wait at their gates, so they certainly hold requests then."""
         if self.stage in GATED:
             self.engines["old-decode"].gate.clear()
+
+    def _await_kept_dead(self) -> None:
+        """Before routing: a kept participant whose fault was armed at build or warm-up has died (at its next
+        engine call: a decode step of the streams it runs, or a prefill of the prompts sent here)."""
+        if not (self.kept and self.stage in ("build", "warmup")):
+            return
+        c = self.c
+        assert c is not None
+        inst = next(i for i in c.instances if i.name == KEPT[self.participant])
+        deadline = time.monotonic() + DEADLINE_S
+        k = 0
+        while inst.error is None:
+            assert time.monotonic() < deadline, f"{inst.name} never died: {inst.stats()}"
+            if k % 20 == 0:
+                for j in range(2):
+                    self._submit(f"kill-{k // 20}-{j}")
+            k += 1
+            time.sleep(0.005)
+
+    def until_fired(self) -> None:
+        """A kept participant whose fault was armed late (route, drain, retire) gets work until it meets it
+        (the streams it ran may have ended first); these streams are checked with the others."""
+        fault = self.fault_of
+        if not self.kept or fault is None:
+            return
+        deadline = time.monotonic() + DEADLINE_S
+        k = 0
+        while not fault.fired.wait(0.005):
+            assert time.monotonic() < deadline, f"the fault on {self.participant} never fired"
+            if k % 20 == 0:
+                for j in range(2):
+                    self._submit(f"late-{k // 20}-{j}")
+            k += 1
 
     def _await_old_holding(self) -> None:
         """Before routing: each retiring participant has a call with requests waiting at its gate; the decode
@@ -339,10 +377,15 @@ class Case:
             limits=ServingLimits(block_size=8, num_kv_blocks=128, prefill_buffer_slots=16),
             admission=AdmissionConfig(max_prompt_tokens=16, max_tokens_limit=32),
             warmup=WarmupConfig(buckets=True),
+            # the default, named so that the matrix keeps testing what a server runs: content-addressed blocks
+            # and cache-aware routing
+            prefix_policy=DEFAULT_PREFIX_CACHING,
         )
         plan = self.start.assign_devices()
         placed = build_engines(plan, self.factory)
-        for who, name in self.old_names.items():
+        for who, name in [*self.old_names.items(), *KEPT.items()]:
+            if name not in {p.name for p in placed}:
+                continue  # sole: nothing is kept
             engine = next(p.engine for p in placed if p.name == name)
             assert isinstance(engine, FaultyEngine)
             self.engines[who] = engine
@@ -374,6 +417,7 @@ class Case:
         for wave in WAVE_STAGES:  # a switch that stopped early: the rest of the 24 streams come now
             self.send_wave(wave)
         assert len(self.clients) >= 24
+        self.until_fired()
         self.check_outcome(c, report, error)
         self.check_streams()
         self.check_fault_fired()  # after the streams: a fault armed late fires on the work that follows
@@ -395,13 +439,39 @@ class Case:
         """Which way the switch went: a new participant lost before routing fails it, with the deployment as
         it was; anything else switches."""
         new_lost_early = self.participant.startswith("new-") and self.stage in ("build", "warmup")
-        if new_lost_early:
+        if self.kept:
+            self.check_kept_outcome(c, report, error)
+        elif new_lost_early:
             assert error is not None and report is None, "the switch went on with a lost new instance"
             assert "the deployment is as it was" in str(error), error
             assert c.plan.describe() == self.start.describe()
         else:
             assert error is None, error
             assert report is not None and c.plan.describe() == self.target.describe()
+
+    def check_kept_outcome(self, c: Controller, report: SwitchReport | None, error: SwitchError | None) -> None:
+        """A kept instance lost before routing (build, warm-up; at route it may be either side of the swap) is
+        not routed: the switch goes on without it (the other instances of its role serve), it retires and is
+        freed, and the plan and the report say so. One lost after routing is a routed instance that died: no
+        traffic, reported dead (`instance_alive` 0, `check_views`)."""
+        assert error is None, error
+        assert report is not None
+        name = KEPT[self.participant]
+        routed = {i.name: i for i in c.routed_instances()}
+        if self.stage in ("build", "warmup"):
+            assert name not in routed, f"the dead kept instance {name} was routed (plan {c.plan.describe()})"
+            assert name in report.lost, report
+        if self.stage in ("drain", "retire"):
+            assert name not in report.lost, report
+        if name in report.lost:
+            assert name not in routed and name not in c.placed_of, "a dead kept instance was routed or kept its devices"
+            assert name not in report.kept
+            assert name in {s.name for s in report.retired}
+            left = list(self.target.instances)
+            left.remove(P1 if name.startswith("prefill") else D1)  # its shape, of the kept variant
+            assert c.plan.describe() == DeploymentPlan(tuple(left)).describe() == report.to_plan
+        else:
+            assert routed[name].error is not None and c.plan.describe() == self.target.describe()
 
     def check_streams(self) -> None:
         deadline = time.monotonic() + DEADLINE_S
@@ -430,7 +500,7 @@ class Case:
         """Whether losing the participant may leave a stream with no live instance of a role to continue on:
         only without kept instances, for a new instance lost once routed, or a retiring one lost while still
         routed (up to the route swap, which its death may precede)."""
-        if self.variant == "kept":
+        if self.variant == "kept":  # (a lost kept instance too: the other instance of its role serves)
             return False
         if self.participant.startswith("new-"):
             return self.stage in ("route", "drain", "retire")
@@ -501,7 +571,9 @@ def _wait(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-ALL = [(v, p, s, f) for v in PLANS for p in PARTICIPANTS for s in STAGES for f in FAULTS]
+ALL = [
+    (v, p, s, f) for v in PLANS for p in (*PARTICIPANTS, *(KEPT if v == "kept" else ())) for s in STAGES for f in FAULTS
+]
 DEFAULT = {
     ("kept", "new-decode", "build", "dies"),
     ("kept", "new-prefill", "warmup", "fails"),
@@ -510,6 +582,7 @@ DEFAULT = {
     ("kept", "old-decode", "drain", "dies"),
     ("kept", "new-decode", "retire", "dies"),
     ("sole", "new-decode", "route", "dies"),
+    ("kept", "kept-decode", "warmup", "dies"),  # was routed dead and reported in the plan before the fix
 }
 
 
@@ -521,3 +594,73 @@ def test_a_participant_lost_at_any_stage_costs_no_stream_and_leaks_nothing(
     variant: str, participant: str, stage: str, fault: str
 ) -> None:
     Case(variant, participant, stage, fault).run()
+
+
+def _killed(c: Controller, name: str) -> None:
+    """Kill `name` for good (every engine call raises from now) and send it work until its worker has died."""
+    inst = next(i for i in c.instances if i.name == name)
+    engine = inst.engine
+    assert isinstance(engine, FaultyEngine)
+    engine.fault.armed = True
+    k = 0
+    while inst.error is None:
+        prompt = (5, 6, 7 + k % 50)
+        ids, _ = c.submit(GenerateRequest(f"kill-{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))).collect(
+            timeout_s=DEADLINE_S
+        )
+        assert ids == reference_tokens(prompt, 4, V)  # moved to a live instance, token for token
+        k += 1
+        assert k < 200, f"{name} never died"
+
+
+def _faulty(spec: InstanceSpec, devices: Sequence[jax.Device]) -> FaultyEngine:
+    return FaultyEngine(CFG, devices, tp=spec.tp, pp=spec.pp)
+
+
+def _controller(plan: DeploymentPlan) -> Controller:
+    placed = build_engines(plan.assign_devices(), _faulty)
+    c = Controller(
+        placed, plan.assign_devices(), ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=64))
+    )
+    c.start()
+    return c
+
+
+def test_a_switch_never_keeps_a_dead_instance_it_builds_its_shape_anew() -> None:
+    """A routed instance dead before the switch is not matched as kept (it could not serve): it retires and is
+    freed, and a new one of its shape is built; the same plan again repairs the deployment."""
+    plan = DeploymentPlan((P1, P1, D1, D1))
+    c = _controller(plan)
+    try:
+        _killed(c, "decode-0")
+        report = PlanSwitcher(c, _faulty).switch(plan)
+        assert report.kept == ("prefill-0", "prefill-1", "decode-1") and report.added == ("decode-2",)
+        assert [s.name for s in report.retired] == ["decode-0"] and not report.lost
+        routed = c.routed_instances()
+        assert [i.name for i in routed] == ["prefill-0", "prefill-1", "decode-1", "decode-2"]
+        assert all(i.error is None for i in routed) and set(c.placed_of) == {i.name for i in routed}
+        assert c.plan.describe() == plan.describe()
+        for k in range(4):
+            prompt = (9, 9, k + 1)
+            ids, _ = c.submit(GenerateRequest(f"after-{k}", prompt, SamplingParams(max_tokens=3))).collect(timeout_s=30)
+            assert ids == reference_tokens(prompt, 3, V)
+    finally:
+        c.shutdown(drain_timeout_s=5)
+
+
+def test_route_refuses_to_leave_a_role_with_no_live_instance() -> None:
+    """Routing a role's dead instances alone would leave it nothing to serve: a clear error, nothing changed."""
+    c = _controller(DeploymentPlan((P1, D1)))
+    try:
+        prefill = c.routed_instances()[0]
+        assert isinstance(prefill.engine, FaultyEngine)
+        prefill.engine.fault.armed = True
+        request = GenerateRequest("killer", (5, 6, 7), SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError):  # no other prefill instance to continue it
+            c.submit(request).collect(timeout_s=DEADLINE_S)
+        assert prefill.error is not None
+        with pytest.raises(ValueError, match=r"prefill-0 died .*no live instance of its role would be left"):
+            c.route(["prefill-0", "decode-0"])
+        assert [i.name for i in c.routed_instances()] == ["prefill-0", "decode-0"] and not c.retiring
+    finally:
+        c.shutdown(drain_timeout_s=5)

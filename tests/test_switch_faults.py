@@ -206,9 +206,14 @@ def test_a_staged_decode_hanging_in_its_warm_up_frees_the_routed_prefills_buffer
     c = _controller(factory, prefill_buffer_slots=2)  # one prefill instance, two buffer slots
     try:
         _completes(c, "before")
-        with pytest.raises(SwitchError, match="the deployment is as it was"):
+        with pytest.raises(SwitchError, match="the deployment is as it was") as info:
             PlanSwitcher(c, factory, warmup_timeout_s=10).switch(parse_deployment(NEW))
         assert factory.gates.entered.is_set()  # decode-1 hung in its first step, warm-up pulls behind it
+        # the timeout names the new instance that did not answer and says what to do
+        message = str(info.value)
+        assert "the new instance decode-1 gave no token for its warm-up request (prefill-0 -> decode-1" in message
+        assert "warm-up timeout of 10 s" in message and "warmup_timeout_s" in message
+        assert "check decode-1's log" in message
         assert c.plan.describe() == OLD and set(c.placed_of) == {"prefill-0", "decode-0"}
         _wait(lambda: c.stats().num_live_requests == 0)  # the switch's warm-up requests are gone
         prefill = next(s for s in c.stats().instances if s.role == "prefill")

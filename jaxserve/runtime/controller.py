@@ -616,7 +616,8 @@ class Controller:
             staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
         )
         bos = self.model_config.filler_token_id
-        streams = []
+        streams: list[RequestStream] = []
+        routes: list[tuple[Instance, ...]] = []  # the instances each warm-up request goes through
         for k, (front, decode, n) in enumerate(warmups):
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
             request = GenerateRequest(rid, (bos,) * n, SamplingParams(max_tokens=2, ignore_eos=True))
@@ -633,11 +634,14 @@ class Controller:
             if error is not None:
                 self.fail(live, error)
             streams.append(stream)
+            routes.append((front,) if decode is None else (front, decode))
         deadline = time.monotonic() + timeout_s
         lost: list[str] = []
-        for stream in streams:  # a timeout or another error leaves them to `discard_staged`, which cancels them
+        for stream, route in zip(streams, routes, strict=True):  # an error leaves them to `discard_staged`
             try:
                 stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError as e:
+                raise TimeoutError(_warmup_timeout_message(stream.request_id, route, staged, timeout_s)) from e
             except EngineDeadError as e:
                 # An instance it went through died and nothing could continue it: a routed one (e.g. a retiring
                 # instance that the switch would replace anyway) costs the switch nothing; a staged one fails it
@@ -691,11 +695,13 @@ class Controller:
                 log.warning("discarded instance %s did not stop (stuck in a compile or a step): left behind", inst.name)
 
     def route(self, names: Sequence[str]) -> list[Instance]:
-        """Atomically make the routed instances exactly `names` (routed or staged ones), in that order.
+        """Atomically make the routed instances exactly the live ones of `names` (routed or staged ones), in that
+        order (`InstanceSet.route`).
 
         New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
-        out *retire*: they finish what they hold (see `retire_drained`). Returns them. Raises
-        ShuttingDownError (nothing changed) once `shutdown()` has begun.
+        out *retire*: they finish what they hold (see `retire_drained`), and so does a named one that is dead.
+        Returns them. Raises ShuttingDownError (nothing changed) once `shutdown()` has begun, ValueError
+        (nothing changed) when a role would be left with no live instance.
         """
         with self._lock:
             if self._shutting_down:
@@ -768,6 +774,20 @@ class Controller:
     def fault_stats(self) -> FaultStats:
         """The fault counters alone (what `stats().faults` holds)."""
         return self.faults.snapshot()
+
+
+def _warmup_timeout_message(
+    request_id: str, route: Sequence[Instance], staged: Sequence[Instance], timeout_s: float
+) -> str:
+    """What a switch's warm-up timeout tells the operator: which new instance did not answer, and what to do."""
+    new = [i.name for i in route if i in staged] or [i.name for i in route]
+    through = " -> ".join(i.name for i in route)
+    return (
+        f"the new instance {' / '.join(new)} gave no token for its warm-up request ({through}, {request_id!r}) within "
+        f"the switch's warm-up timeout of {timeout_s:g} s: it may still be compiling or it hangs. If its compile is "
+        f"slow (a large model, bucket warm-up), raise the warm-up timeout (`PlanSwitcher(warmup_timeout_s=...)`); "
+        f"otherwise check {' / '.join(new)}'s log (and its device) for a stuck step"
+    )
 
 
 def _is_a_serving_controller(controller: Controller) -> ServingController:

@@ -5,9 +5,10 @@
 (this process's JAX devices and an engine factory: the embedded backend) or the Ray backend's
 `RayActors` (a new actor per instance, placed by Ray; retired actors are killed). The steps:
 
-1. match: each instance of the new plan that has the role and shape (tp, pp, chunk size) of a
+1. match: each instance of the new plan that has the role and shape (tp, pp, chunk size) of a live
    routed instance keeps that instance (no reload, no drain; `placement.replan_decision.plan_delta` counts
-   the same way); the others are *added*, and the routed instances left unmatched *retire*.
+   the same way); the others are *added*, and the routed instances left unmatched *retire*. A dead
+   routed instance is never kept: it retires, and a switch to the plan it was part of builds it anew.
 2. devices: added instances go on devices no instance holds (`InstanceBuilder.can_build`). When
    there are too few, the retiring instances are routed away and drained first and their devices
    are reused; that needs a kept instance of every routed role to serve meanwhile, else the switch
@@ -21,7 +22,11 @@
    length; otherwise one pinned request through each. `SwitchReport.warmup_s` is what it took.
 4. route: `Controller.route(kept + added)` switches new requests, hand-offs and re-routes to the
    new instance set atomically (under the controller's lock); `controller.plan` becomes the new plan
-   (device indices are those the instances really hold).
+   (device indices are those the instances really hold). A kept instance that died since the match
+   (its worker moved its requests as it died) is left out and retires with the others: the plan and
+   the report (`lost`) say so. If that leaves a role with no live instance, nothing is routed and the
+   switch fails like a failed build. (One that dies after routing is a routed instance that died: no
+   traffic, `instance_alive` 0, replaced by the next switch.)
 5. drain: retiring instances finish what they hold (queued prompts are prefilled, buffered KVs are
    pulled by decode instances, decodes run to completion) and are stopped and dropped, KV pool and
    buffers with them (`Controller.retire_drained`; the Ray backend also kills their actors). After
@@ -85,6 +90,9 @@ class SwitchReport:
     to_plan: str
     kept: tuple[str, ...]
     added: tuple[str, ...]
+    # instances of the new plan that died before routing (a kept one under load): not routed, retired like the
+    # others; `to_plan` is the plan without them
+    lost: tuple[str, ...]
     retired: tuple[InstanceStats, ...]  # each retired instance's last stats (KV blocks, buffer slots in use)
     started_at: float  # monotonic time the switch began
     routed_at: float  # monotonic time new requests started going to the new instance set
@@ -152,24 +160,33 @@ class InstanceSet:
         return staged
 
     def route(self, names: Sequence[str]) -> list[Instance]:
-        """Make the routed instances exactly `names` (routed or staged ones), in that order; the routed ones
-        left out retire (returned). Raises ValueError (nothing changed) for an unknown name or a mix
-        that is neither prefill + decode nor colocated only."""
+        """Make the routed instances exactly the live ones of `names` (routed or staged ones), in that order; the
+        routed ones left out retire (returned), and so does a named instance that is dead (its worker already
+        handed what it held on: it cannot serve, and a dead staged one is not routed either). Raises ValueError
+        (nothing changed) for an unknown name, a mix that is neither prefill + decode nor colocated only, or
+        one whose live part is not (a role whose named instances are all dead)."""
         routed = self.routed()
         pool: dict[str, Instance] = {i.name: i for i in [*routed, *self.staged]}
         missing = [n for n in names if n not in pool]
         if missing:
             raise ValueError(f"no routed or staged instance named {missing}")
         chosen = [pool[n] for n in names]
-        prefills = [i for i in chosen if isinstance(i, PrefillInstance)]
-        decodes = [i for i in chosen if isinstance(i, DecodeInstance)]
-        colocated = [i for i in chosen if isinstance(i, ColocatedInstance)]
-        if not (bool(prefills) == bool(decodes) and bool(prefills) != bool(colocated)):
+        if not _routable(chosen):
             raise ValueError("route either prefill and decode instances, or colocated ones only")
-        retired = [i for i in routed if i.name not in names]
-        self.prefill[:] = prefills
-        self.decode[:] = decodes
-        self.colocated[:] = colocated
+        dead = [i for i in chosen if i.error is not None]
+        if dead:
+            chosen = [i for i in chosen if i.error is None]
+            if not _routable(chosen):
+                raise ValueError(
+                    f"{', '.join(i.name for i in dead)} died ({dead[0].error!r}): no live instance of "
+                    f"{'its role' if len(dead) == 1 else 'their roles'} would be left to route"
+                )
+        kept = {i.name for i in chosen}
+        retired = [i for i in routed if i.name not in kept]
+        self.prefill[:] = [i for i in chosen if isinstance(i, PrefillInstance)]
+        self.decode[:] = [i for i in chosen if isinstance(i, DecodeInstance)]
+        self.colocated[:] = [i for i in chosen if isinstance(i, ColocatedInstance)]
+        retired += [i for i in self.staged if i in dead]  # a dead staged instance: stopped and freed like the rest
         self.staged = [i for i in self.staged if i.name not in names]
         self.retiring.extend(retired)
         return retired
@@ -178,6 +195,14 @@ class InstanceSet:
         """A retiring instance is stopped and gone."""
         self.retiring.remove(inst)
         self.placed_of.pop(inst.name, None)
+
+
+def _routable(instances: Sequence[Instance]) -> bool:
+    """Prefill and decode instances, or colocated ones only."""
+    prefills = any(isinstance(i, PrefillInstance) for i in instances)
+    decodes = any(isinstance(i, DecodeInstance) for i in instances)
+    colocated = any(isinstance(i, ColocatedInstance) for i in instances)
+    return prefills == decodes and prefills != colocated
 
 
 class SwitchableController(Protocol):
@@ -339,7 +364,12 @@ class PlanSwitcher:
             raise SwitchError(f"cannot switch a {old.kind} deployment to a {plan.kind} one ({plan.describe()})")
         routed = c.routed_instances()
         routed_specs = [(i.name, c.placed_of[i.name].spec) for i in routed]
-        pairs, retiring = match_instances(routed_specs, plan)
+        # A dead routed instance is never kept (it cannot serve): it retires, and its shape is built anew.
+        dead = {i.name for i in routed if i.error is not None}
+        if dead:
+            log.warning("switch: routed instances %s are dead: they retire, the new plan's are built", sorted(dead))
+        pairs, retiring = match_instances([(n, s) for n, s in routed_specs if n not in dead], plan)
+        retiring += [n for n, _ in routed_specs if n in dead]
         to_add = [spec for spec, kept in pairs if kept is None]
         builder = self.builder
         drain_first = not builder.can_build(c, to_add, ())
@@ -361,6 +391,8 @@ class PlanSwitcher:
                 c.route(kept_names)
             except ShuttingDownError as e:
                 raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
+            except ValueError as e:  # the kept instances of a role died since the match: nothing changed
+                raise SwitchError(f"{plan.describe()} cannot drain first: {e}; the deployment is as it was") from e
             t = time.monotonic()
             retired, num_moved = self._drain()
             drain_s = time.monotonic() - t
@@ -376,27 +408,39 @@ class PlanSwitcher:
         added_iter = iter(names)
         for _, kept in pairs:
             new_names.append(kept if kept is not None else next(added_iter))
+        step = "building"
         try:
             placed = builder.build(c, to_add, names) if to_add else []
             c.add_instances(placed)
             build_s = time.monotonic() - t
+            step = "warming up"
             warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
             routed_at = time.monotonic()
-            c.route(new_names)  # (after a drain-first, the kept ones are routed already: this adds the built ones)
+            step = "routing"
+            # (after a drain-first, the kept ones are routed already: this adds the built ones). An instance
+            # of `new_names` that died meanwhile (a kept one) is left out and retires: see `InstanceSet.route`.
+            c.route(new_names)
         except Exception as e:
             c.discard_staged()
             builder.discard(c, names)
             if isinstance(e, ShuttingDownError):
                 raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
-            what = f"building the new instances of {plan.describe()} failed: {e}"
+            what = f"{step} the new instances of {plan.describe()} failed: {e}"
             if drain_first:
                 drained = [(name, spec) for name, spec in routed_specs if name in retiring]
                 restored = self._restore(old, [name for name, _ in routed_specs], drained)
                 raise SwitchError(f"{what}; {restored}") from e
             raise SwitchError(f"{what}; the deployment is as it was ({old.describe()})") from e
+        serving = {i.name for i in c.routed_instances()}
+        lost = [n for n in new_names if n not in serving]  # dead at routing: left out, retiring
+        new_names = [n for n in new_names if n in serving]
         c.plan = DeploymentPlan(
-            tuple(c.placed_of[n].spec for n in new_names), model=old.model, expected=dict(plan.expected)
+            tuple(c.placed_of[n].spec for n in new_names),
+            model=old.model,
+            expected=dict(plan.expected) if not lost else {},  # the plan's predictions were for all of it
         )
+        if lost:
+            log.error("switch: %s died during the switch: not routed (retiring); serving %s", lost, c.plan.describe())
         log.info("switch: now routing to %s (%s)", c.plan.describe(), ", ".join(new_names))
         if not drain_first:
             t = time.monotonic()
@@ -405,8 +449,9 @@ class PlanSwitcher:
         report = SwitchReport(
             from_plan=old.describe(),
             to_plan=c.plan.describe(),
-            kept=tuple(kept_names),
-            added=tuple(names),
+            kept=tuple(n for n in kept_names if n not in lost),
+            added=tuple(n for n in names if n not in lost),
+            lost=tuple(lost),
             retired=tuple(retired),
             started_at=started,
             routed_at=routed_at,
