@@ -789,10 +789,11 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
         prompts = next_round("torch")
 
         def gen() -> None:
+            generated: list[list[int]] = []
             with torch.inference_mode():
                 for i in range(0, n, torch_batch):
                     ids = torch.from_numpy(prompts[i : i + torch_batch])
-                    hf.generate(
+                    out = hf.generate(
                         input_ids=ids,
                         attention_mask=torch.ones_like(ids),
                         max_new_tokens=new,
@@ -800,6 +801,8 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
                         do_sample=False,
                         pad_token_id=cfg.pad_token_id,
                     )
+                    generated.extend(out[:, plen:].tolist())
+            outputs["torch"] = generated
 
         timed_cpu("torch", gen)
 
@@ -826,6 +829,10 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     names = list(variants)
     same = all(outputs[k] == outputs[names[0]] for k in names)
     print(f"  outputs identical across the LLMs: {same}; load average after: {load_avg():.2f}")
+    same_hf = None
+    if "torch" in outputs:  # the last round's prompts on both sides
+        same_hf = outputs["torch"] == outputs[names[0]]
+        print(f"  greedy tokens identical to transformers generate: {same_hf}")
     gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
     for k in names[1:]:
         med = statistics.median(raw[names[0]]) / statistics.median(raw[k])
@@ -842,6 +849,7 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
         "new_tokens": new,
         "torch_batch": torch_batch,
         "same_outputs": same,
+        "same_as_transformers": same_hf,
         **{f"{k}_s": v for k, v in raw.items()},
         **{f"{k}_cpu_s": v[1:] for k, v in cpu.items()},
     }
