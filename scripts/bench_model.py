@@ -11,7 +11,8 @@ Measures, in one run on this machine's CPU (or an accelerator, see scripts/devic
   the probe's rate, and at batch 1 the fraction of it the paged step reaches;
 * prefill time of one prompt of each `--prompt-len` against transformers and a bare square `jnp.dot` of
   equal FLOPs;
-* with `--e2e`: `LLM.generate` vs transformers `generate` output tokens/s on the same weights.
+* with `--e2e`: `LLM.generate` vs transformers `generate` output tokens/s on the same weights (`--e2e-workload`:
+  the decode-heavy or prefill-heavy preset; new random prompts every round, so prefix caching finds no repeats).
 
 Hygiene (issue 13): contenders run interleaved (A B C A B C ...), `--reps` >= 5 repetitions each,
 min and median reported, load average printed before and after; a ratio is printed only when the
@@ -22,6 +23,16 @@ the table LOADED. Both sides get the same threads: `--threads N` pins this proce
 
     .venv/bin/python scripts/bench_model.py --threads 2             # opt-125m, ~5 minutes on 2 cores
     .venv/bin/python scripts/bench_model.py --e2e --threads 2       # end to end (64 x 128 in, 128 out)
+
+  The issue-26/28 targets, one command each (SmolLM2-135M's shape; opt-125m: --model opt-125m):
+
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --threads 2 --no-prefill       # decode table
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --threads 2 --no-decode --prompt-len 512,2048,4096
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --threads 2 --e2e --e2e-defaults \
+        --e2e-workload decode-heavy --e2e-reps 5                   # LLM defaults, 32 x 128 in, 128 out
+    .venv/bin/python scripts/bench_model.py --model smollm2-135m --threads 2 --e2e --e2e-defaults \
+        --e2e-workload prefill-heavy --e2e-reps 5                  # LLM defaults, 64 x 512 in, 16 out
+
     .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-layouts tokens,heads
                                                                    # the same over both KV pool layouts
     .venv/bin/python scripts/bench_model.py --e2e --threads 2 --e2e-reps 5 --e2e-impls xla,xla_heads_flat
@@ -65,6 +76,10 @@ from jaxserve.core.limits import ServingLimits
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# `--e2e-workload` presets: (prompts, prompt tokens, new tokens).
+E2E_WORKLOADS = {"decode-heavy": (32, 128, 128), "prefill-heavy": (64, 512, 16)}
+
+
 def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-125m")
@@ -81,10 +96,25 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--no-torch", action="store_true", help="skip transformers (e.g. on an accelerator)")
     ap.add_argument("--torch-device", default="cpu", help="where transformers runs (cuda on a GPU machine)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode table (e.g. prefill lengths only)")
     ap.add_argument("--e2e", action="store_true", help="only the end-to-end LLM.generate comparison")
-    ap.add_argument("--e2e-prompts", type=int, default=64)
-    ap.add_argument("--e2e-prompt-len", type=int, default=128)
-    ap.add_argument("--e2e-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--e2e-workload",
+        choices=sorted(E2E_WORKLOADS),
+        default=None,
+        help="a preset of prompts x prompt length x new tokens: "
+        + "; ".join(f"{k}: {n} x {t}, {m} new" for k, (n, t, m) in sorted(E2E_WORKLOADS.items()))
+        + " (the three --e2e-* sizes below override it)",
+    )
+    ap.add_argument("--e2e-prompts", type=int, default=None, help="default 64 (or the workload's)")
+    ap.add_argument("--e2e-prompt-len", type=int, default=None, help="default 128 (or the workload's)")
+    ap.add_argument("--e2e-new-tokens", type=int, default=None, help="default 128 (or the workload's)")
+    ap.add_argument(
+        "--e2e-torch-batch",
+        type=int,
+        default=0,
+        help="transformers generate's batch (equal-length prompts, so no padding); 0: all prompts in one batch",
+    )
     ap.add_argument("--e2e-reps", type=int, default=3)
     ap.add_argument("--e2e-max-batch", type=int, default=64, help="LLM's max_decode_batch")
     ap.add_argument(
@@ -129,7 +159,12 @@ def _parse() -> argparse.Namespace:
     )
     ap.add_argument("--json", default="", help="write all samples here")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
-    return ap.parse_args()
+    args = ap.parse_args()
+    preset = E2E_WORKLOADS.get(args.e2e_workload or "", (64, 128, 128))
+    for name, value in zip(("e2e_prompts", "e2e_prompt_len", "e2e_new_tokens"), preset, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def pin_threads(n: int) -> None:
@@ -275,6 +310,9 @@ def main() -> int:
     # ---------------- prefill ----------------
     if not args.no_prefill:
         record["prefill"] = [_prefill(args, int(t), cfg, params, hf, torch, rng) for t in args.prompt_len.split(",")]
+
+    if args.no_decode:
+        return _finish(args, record, load_before)
 
     # ---------------- decode ----------------
     ctx, steps = args.context, args.decode_steps
@@ -656,7 +694,11 @@ def _torch_decode_contender(hf: Any, torch: Any, prompts: Any, steps: int, devic
 def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, Any]:
     """`LLM.generate` (one LLM per `--e2e-decode-steps` value) vs transformers `generate`, interleaved.
 
-    Greedy, `ignore_eos`, on the same weights (without torch: the preset's random weights, jax only).
+    Greedy, `ignore_eos`, on the same weights (without torch: the preset's random weights, jax only). Every
+    round (the warm-up and each repetition) draws new random prompts, the same for every contender in it: with
+    prefix caching on (the default) a repeated prompt would be a cache hit that transformers has no equivalent
+    of. transformers gets batches of `--e2e-torch-batch` equal-length prompts (no padding; default all at once)
+    and its default attention. Each run's CPU time (this process, all threads) is reported beside its wall time.
     """
     import tempfile
 
@@ -682,7 +724,8 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
         for impl in impls
     }
     rng = np.random.default_rng(1)
-    prompts = rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64)
+    # one prompt set per round (warm-up + reps), shared by the contenders of that round
+    rounds = [rng.integers(3, cfg.vocab_size, (n, plen)).astype(np.int64) for _ in range(args.e2e_reps + 1)]
     source = args.model  # a preset name: random weights
     if hf is not None:
         source = tempfile.mkdtemp(prefix="jaxserve-bench-")
@@ -715,46 +758,81 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
     for name, llm in llms.items():
         print(f"  {name}: KV pool blocks {llm.controller.colocated_instances[0].pages[0].block_layout!r}")
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    batch = [list(map(int, p)) for p in prompts]
     outputs: dict[str, list[list[int]]] = {}
+    cpu: dict[str, list[float]] = {}
+    turn: dict[str, int] = {}  # each contender's next round
+
+    def next_round(name: str) -> Any:
+        k = turn.get(name, 0)
+        turn[name] = k + 1
+        return rounds[k]
+
+    def timed_cpu(name: str, fn: Callable[[], None]) -> None:
+        c0 = time.process_time()
+        fn()
+        cpu.setdefault(name, []).append(time.process_time() - c0)
 
     def run_jax(name: str) -> Callable[[], None]:
         def run() -> None:
-            outs = llms[name].generate(batch, sp)
+            batch = [list(map(int, p)) for p in next_round(name)]
+            holder: list[Any] = []
+            timed_cpu(name, lambda: holder.append(llms[name].generate(batch, sp)))
+            outs = holder[0]
             assert all(len(o.token_ids) == new for o in outs)
             outputs[name] = [list(o.token_ids) for o in outs]
 
         return run
 
+    torch_batch = args.e2e_torch_batch or n
+
     def run_torch() -> None:
-        ids = torch.from_numpy(prompts)
-        with torch.inference_mode():
-            hf.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=cfg.pad_token_id,
-            )
+        prompts = next_round("torch")
+
+        def gen() -> None:
+            generated: list[list[int]] = []
+            with torch.inference_mode():
+                for i in range(0, n, torch_batch):
+                    ids = torch.from_numpy(prompts[i : i + torch_batch])
+                    out = hf.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=new,
+                        min_new_tokens=new,
+                        do_sample=False,
+                        pad_token_id=cfg.pad_token_id,
+                    )
+                    generated.extend(out[:, plen:].tolist())
+            outputs["torch"] = generated
+
+        timed_cpu("torch", gen)
 
     contenders: dict[str, Callable[[], Any]] = {name: run_jax(name) for name in variants}
     if hf is not None:
         contenders["torch"] = run_torch
     print()
+    workload = f" ({args.e2e_workload})" if args.e2e_workload else ""
     print(
-        f"end to end: {n} prompts x {plen} tokens, {new} new tokens each, greedy; N = decode steps per call; "
-        f"s per run (min / median); load average {load_avg():.2f}"
+        f"end to end{workload}: {n} prompts x {plen} tokens, {new} new tokens each, greedy, new prompts each round; "
+        f"N = decode steps per call; transformers batch {torch_batch}; s per run (min / median), CPU s of the "
+        f"process (median); load average {load_avg():.2f}"
     )
     raw = interleaved(contenders, args.e2e_reps)
     for llm in llms.values():
         llm.shutdown()
     out_tokens = n * new
     for k, v in raw.items():
-        print(f"  {k:<18}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s")
+        cpu_med = statistics.median(cpu[k][1:]) if len(cpu.get(k, [])) > 1 else float("nan")  # [0]: warm-up
+        print(
+            f"  {k:<18}{min(v):>8.2f} /{statistics.median(v):>8.2f}   {out_tokens / min(v):>8.0f} output tokens/s"
+            f"   cpu {cpu_med:>7.2f} s"
+        )
     names = list(variants)
     same = all(outputs[k] == outputs[names[0]] for k in names)
     print(f"  outputs identical across the LLMs: {same}; load average after: {load_avg():.2f}")
+    same_hf = None
+    if "torch" in outputs:  # the last round's prompts on both sides
+        same_hf = outputs["torch"] == outputs[names[0]]
+        print(f"  greedy tokens identical to transformers generate: {same_hf}")
     gate = RatioGate(args.max_load, args.allow_loaded, own_threads(args))
     for k in names[1:]:
         med = statistics.median(raw[names[0]]) / statistics.median(raw[k])
@@ -765,11 +843,15 @@ def _e2e(args: argparse.Namespace, cfg: Any, hf: Any, torch: Any) -> dict[str, A
             ratio = gate(min(raw["torch"]) / min(raw[k]))
             print(f"  LLM.generate ({k}) / transformers generate: {ratio} (median {med:.2f}x; target >= 2x)")
     return {
+        "workload": args.e2e_workload,
         "prompts": n,
         "prompt_len": plen,
         "new_tokens": new,
+        "torch_batch": torch_batch,
         "same_outputs": same,
+        "same_as_transformers": same_hf,
         **{f"{k}_s": v for k, v in raw.items()},
+        **{f"{k}_cpu_s": v[1:] for k, v in cpu.items()},
     }
 
 
