@@ -9,7 +9,9 @@ its `warm_up_staged()` during a live switch):
   pooled instances warm under their condition lock on their own KV pool (no request runs yet).
 * `handoff_warmups(...)`: which requests a switch sends through its staged instances to warm the
   hand-off path: (front instance, decode instance or None, prompt length) triples. Pure; the
-  controller submits them, pinned to the pair.
+  controller submits them, pinned to the pair, each with its own `handoff_prompt` (with prefix caching,
+  warm-up prompts that shared a prefix would pull only their rest, and leave the full pull of their length
+  cold on a new pair: the first partial pull of a real request would then compile its resharding).
 """
 
 from __future__ import annotations
@@ -121,3 +123,10 @@ def handoff_warmups(
         for k, d in enumerate(d for d in decodes if d.name not in covered):
             pairs.append((routed_prefills[k % len(routed_prefills)], d))
     return [(front, decode, n) for (front, decode), n in itertools.product(pairs, lengths)]
+
+
+def handoff_prompt(index: int, num_tokens: int, filler_token_id: int, vocab_size: int) -> tuple[int, ...]:
+    """The prompt of hand-off warm-up `index`: `num_tokens` tokens whose first block no other warm-up shares
+    (its first token is the index, mod the vocabulary; the rest filler), so no prefix cache serves any of it
+    and every warm-up moves its whole KV."""
+    return ((filler_token_id + 1 + index) % vocab_size,) + (filler_token_id,) * (num_tokens - 1)
