@@ -50,12 +50,24 @@ class BackgroundWarmup:
         self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
+        self._publishing = threading.Lock()  # `_publish` from several compile threads loses no key
+        self._hold = False  # `hold_background_warmup`: the next jobs wait for `start_background_warmup`
+        self._deferred: Sequence[CompileJob] = ()
+
+    def _publish(self, ready_set: str, key: object) -> None:
+        """One compiled program is in: `key` joins the engine's ready set named `ready_set` (a new set)."""
+        with self._publishing:
+            setattr(self, ready_set, getattr(self, ready_set) | {key})
 
     # ---- the thread ------------------------------------------------------------------
     def _start_background(self, jobs: Sequence[CompileJob]) -> None:
         """Run `jobs` in order on a daemon thread; each publishes its program once compiled. Stops between
-        jobs when asked (`stop_background_warmup`); a job that fails leaves the rest to their fallbacks."""
+        jobs when asked (`stop_background_warmup`); a job that fails leaves the rest to their fallbacks.
+        Held (`hold_background_warmup`): kept until `start_background_warmup()`."""
         self.stop_background_warmup()
+        if self._hold:
+            self._hold, self._deferred = False, jobs
+            return
         self._stop_background.clear()
 
         def work() -> None:
@@ -77,8 +89,21 @@ class BackgroundWarmup:
         _BACKGROUND.add(self)
         self._background.start()
 
+    def hold_background_warmup(self) -> None:
+        """The next `warmup(background=True)` keeps its background jobs until `start_background_warmup()`: a
+        server warming several engines starts every thread once all foreground warm-ups are done, so no
+        engine's background compiles slow another's way to ready."""
+        self._hold = True
+
+    def start_background_warmup(self) -> None:
+        """Start the background jobs `hold_background_warmup` kept waiting (if any)."""
+        jobs, self._deferred, self._hold = self._deferred, (), False
+        if jobs:
+            self._start_background(jobs)
+
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
         """Stop the background warm-up after the program it is compiling (if one runs)."""
+        self._deferred = ()
         thread = self._background
         if thread is not None and thread.is_alive():
             self._stop_background.set()

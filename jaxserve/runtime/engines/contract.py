@@ -362,6 +362,15 @@ class Engine(Protocol):
         says False until it has; the others: True."""
         return True
 
+    def hold_background_warmup(self) -> None:
+        """The next `warmup(background=True)` keeps its background compiles until `start_background_warmup()`
+        (a caller warming several engines starts them all at the end); an engine without them: no-op."""
+        return None
+
+    def start_background_warmup(self) -> None:
+        """Start the background compiles `hold_background_warmup` kept waiting; none: no-op."""
+        return None
+
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
         """Stop a `warmup(background=True)` still compiling (after its current bucket); nothing to stop: no-op."""
         return None

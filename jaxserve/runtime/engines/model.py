@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -283,8 +284,14 @@ class ModelEngine(BackgroundWarmup, Engine):
         prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
         widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
         not multiplied by every table width (24 shapes at the default limits, not 6 x 24). With `background`
-        these steps all compile on the background thread; until a hit batch's bucket is in (`step_compiled`),
-        the prefill instance prefills that batch densely instead.
+        all of these compile on the background thread (ahead of time: `kv_pool.precompile_*`); until one is in
+        (`step_compiled`, `kv_copy_compiled`) the prefill instance takes a path without it: a hit batch is
+        prefilled densely, a prompt whose insert is not in is not kept in the pool, a partial pull whose slice
+        is not in moves the whole KV.
+
+        Every prefill bucket compiles with its rows' KV programs (`_row_kv`, and the cut of a row to each shorter
+        padded length), so taking a dense prefill's result apart compiles nothing either.
+        After `hold_background_warmup()` the background thread waits for `start_background_warmup()`.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -305,12 +312,15 @@ class ModelEngine(BackgroundWarmup, Engine):
             single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
             held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
-        for b, t_pad in prefill_now:
-            if background:  # compile only: running a long bucket costs a prefill of that length
-                self._precompile_prefill(b, t_pad, rand, greedy, logprobs)
-            else:
+        if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+            with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
+                for done in [threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs) for x in prefill_now]:
+                    done.result()
+        else:
+            for b, t_pad in prefill_now:
                 self._warm_prefill(b, t_pad, rand, greedy)
         self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
+        phases = {"prefill": time.perf_counter() - t0}  # seconds per part, for the log line
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
         later_steps: list[tuple[int, int, int]] = []
@@ -336,6 +346,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                 steps_now = held_steps + [x for x in lone if x not in held_steps]
                 if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
                     steps_now = []
+            mark = time.perf_counter()
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -344,6 +355,8 @@ class ModelEngine(BackgroundWarmup, Engine):
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
+            phases["steps"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             if decode and decode_steps > 1 and self.model.pp == 1:
                 for b in _powers_of_two(2, max_decode_batch):
                     for m in widths:
@@ -368,6 +381,8 @@ class ModelEngine(BackgroundWarmup, Engine):
                 PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
                 for c in caches
             ]
+            phases["multi-step"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             if decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
@@ -381,16 +396,19 @@ class ModelEngine(BackgroundWarmup, Engine):
                     warmed = write_sequence(warmed, kv, 0, [0])
                     self._ready_inserts = self._ready_inserts | {t_pad}
             pages = warmed if pages is not None else None
+            phases["inserts"] = time.perf_counter() - mark
         # A prefix-caching prefill instance's KV copies on its own pool (`kv_copy_compiled` says which are in)
         copies: list[CompileJob] = []
         slices: list[CompileJob] = []
         if prefix_prefill and caches_like is not None:
             copies, slices = self._pool_copy_jobs(_pages(caches_like), max_len)
             if not background:
+                mark = time.perf_counter()
                 for job in (*copies, *slices):
                     job.compile()
                     job.publish()
                 copies, slices = [], []
+                phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
         if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
@@ -401,7 +419,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                 CompileJob(
                     f"prefill {x}",
                     partial(self._precompile_prefill, *x, rand, greedy, logprobs),
-                    partial(self._add_ready, "_ready_prefill", x),
+                    partial(self._publish, "_ready_prefill", x),
                 )
                 for x in compile_order(later_prefill, self._ready_prefill)
             ]
@@ -409,7 +427,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                 CompileJob(
                     f"step {x}",
                     partial(self._precompile_step, *x, caches_like, rand, greedy, logprobs),
-                    partial(self._add_ready, "_ready_steps", x),
+                    partial(self._publish, "_ready_steps", x),
                 )
                 for x in compile_order(later_steps, self._ready_steps)
                 if caches_like is not None
@@ -421,8 +439,9 @@ class ModelEngine(BackgroundWarmup, Engine):
             if jobs:
                 self._start_background(jobs)
         log.info(
-            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s%s",
+            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
+            ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
             f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices)} more programs compile in the "
             "background)" if background else "",
         )  # fmt: skip
@@ -465,7 +484,7 @@ class ModelEngine(BackgroundWarmup, Engine):
         for n in _prompt_buckets(t, self._cfg.max_position_embeddings):
             if n < t and (t, n) not in self._ready_slices:
                 precompile_slice(self._dense_like(t), n)
-                self._add_ready("_ready_slices", (t, n))
+                self._publish("_ready_slices", (t, n))
         last = self.model.pp - 1
         logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
         self._warm_sampling(logits, rand, greedy, logprobs)
@@ -481,19 +500,19 @@ class ModelEngine(BackgroundWarmup, Engine):
             kv = self._dense_like(t)
             copies.append(
                 CompileJob(
-                    f"insert {t}", partial(precompile_write, pages, kv), partial(self._add_ready, "_ready_inserts", t)
+                    f"insert {t}", partial(precompile_write, pages, kv), partial(self._publish, "_ready_inserts", t)
                 )
             )
             copies.append(
                 CompileJob(
-                    f"gather {t}", partial(precompile_read, pages, t), partial(self._add_ready, "_ready_gathers", t)
+                    f"gather {t}", partial(precompile_read, pages, t), partial(self._publish, "_ready_gathers", t)
                 )
             )
         slices = [
             CompileJob(
                 f"slice {t} -> {n}",
                 partial(self._precompile_slice, t, n),
-                partial(self._add_ready, "_ready_slices", (t, n)),
+                partial(self._publish, "_ready_slices", (t, n)),
             )
             for t in buckets
             for n in buckets
@@ -513,10 +532,6 @@ class ModelEngine(BackgroundWarmup, Engine):
                     v=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self.model.dtype, sharding=sharding))  # type: ignore[arg-type]
             for n, sharding in zip(self._layout.stage_layers, self._layout.shardings, strict=True)
         )  # fmt: skip
-
-    def _add_ready(self, name: str, key: object) -> None:
-        """Publish one compiled program: its key joins the ready set `name` (replaced, never mutated)."""
-        setattr(self, name, getattr(self, name) | {key})
 
     def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> bool:
         """Whether a KV copy of `padded` positions runs a compiled program now: "insert" (a dense KV into the
