@@ -30,7 +30,10 @@ rows of the engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked
 gathers each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`). Either
 way apply names the prompt's full blocks (`commit`) and unpins them (`release`): blocks are pinned only while
 their batch is in flight, the buffer and the pull path are the same as without caching, and the pool is touched
-by this thread alone. A prompt identical to one in flight waits for it (and then finds its blocks cached). An
+by this thread alone. While the engine's background warm-up still compiles a program this needs, the batch takes
+a path without it: a hit batch whose paged bucket or gather is not in is prefilled densely, and a prompt whose
+insert is not in is not written into the pool (its blocks are released unnamed: not cached). A prompt identical
+to one in flight waits for it (and then finds its blocks cached). An
 engine whose pool lives elsewhere (`paged_prefill`, a Ray actor) always takes the paged step. Needs an engine
 with a paged pool (`decode` + `dense_insert`, or `paged_prefill`).
 

@@ -51,10 +51,10 @@ def warm_buckets(
     work: list[Callable[[], None]] = []
     for p in (i for i in instances if isinstance(i, PrefillInstance)):
         if p.engine.capabilities.bucket_warmup:
-            work.append(partial(_warm_prefill, p, max_prompt_tokens, logprobs, background))
+            work.append(partial(_warm_prefill_instance, p, max_prompt_tokens, logprobs, background))
     for inst in (i for i in instances if isinstance(i, (DecodeInstance, ColocatedInstance))):
         if inst.engine.capabilities.bucket_warmup:
-            work.append(partial(_warm_pooled, inst, max_seq_len, logprobs, background))
+            work.append(partial(_warm_pooled_instance, inst, max_seq_len, logprobs, background))
     if len(work) > 1:
         with ThreadPoolExecutor(len(work), thread_name_prefix="jaxserve-warmup") as pool:
             for future in [pool.submit(w) for w in work]:
@@ -66,7 +66,7 @@ def warm_buckets(
         engine.start_background_warmup()
 
 
-def _warm_prefill(p: PrefillInstance, max_prompt_tokens: int, logprobs: bool, background: bool) -> None:
+def _warm_prefill_instance(p: PrefillInstance, max_prompt_tokens: int, logprobs: bool, background: bool) -> None:
     limits = p.config.limits
     # With prefix caching the same call warms the instance's pool (one background thread per engine): the
     # insert of a batch with no hit, the gather and the paged prompt-row steps of a batch with one.
@@ -91,7 +91,9 @@ def _warm_prefill(p: PrefillInstance, max_prompt_tokens: int, logprobs: bool, ba
             p.pages = warmed.pages
 
 
-def _warm_pooled(inst: DecodeInstance | ColocatedInstance, max_seq_len: int, logprobs: bool, background: bool) -> None:
+def _warm_pooled_instance(
+    inst: DecodeInstance | ColocatedInstance, max_seq_len: int, logprobs: bool, background: bool
+) -> None:
     # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
     limits = inst.config.limits
     chunk = (limits.chunk_size or limits.max_batch_tokens) if isinstance(inst, ColocatedInstance) else None
