@@ -313,9 +313,16 @@ class ModelEngine(BackgroundWarmup, Engine):
             held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
         if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+            cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
-                for done in [threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs) for x in prefill_now]:
+                compiles = [
+                    threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False)
+                    for x in prefill_now
+                ]
+                compiles += [threads.submit(self._precompile_slice, t, n) for t, n in cuts]
+                for done in compiles:
                     done.result()
+            self._ready_slices = self._ready_slices | frozenset(cuts)
         else:
             for b, t_pad in prefill_now:
                 self._warm_prefill(b, t_pad, rand, greedy)
@@ -472,17 +479,19 @@ class ModelEngine(BackgroundWarmup, Engine):
         dispatched = self._dispatch_prefill(items, shape=(b, t))
         ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings).result()
 
-    def _precompile_prefill(self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+    def _precompile_prefill(
+        self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool, *, cuts: bool = True
+    ) -> None:
         """Compile the prefill bucket (b, t) without running it, and what its result takes apart: each row's
-        KV (`_row_kv`) and its cut to every shorter padded length; run its samplers on placeholder logits."""
+        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits."""
         self.model.precompile_prefill(b, t)
         row = jax.ShapeDtypeStruct((), jnp.int32)
         for s, (num_layers, sharding) in enumerate(zip(self._layout.stage_layers, self._layout.shardings, strict=True)):
             shape = (num_layers, b, t, self._cfg.kv_heads, self._cfg.head_dim)  # [L_s, B, T, H, D]
             cache = jax.ShapeDtypeStruct(shape, self.model.dtype, sharding=self.model.kv_sharding(s))
             _row_kv.lower(cache, cache, row, sharding=sharding).compile()
-        for n in _prompt_buckets(t, self._cfg.max_position_embeddings):
-            if n < t and (t, n) not in self._ready_slices:
+        for n in self._cuts(t) if cuts else []:
+            if (t, n) not in self._ready_slices:
                 precompile_slice(self._dense_like(t), n)
                 self._publish("_ready_slices", (t, n))
         last = self.model.pp - 1
@@ -519,6 +528,10 @@ class ModelEngine(BackgroundWarmup, Engine):
             if n <= t
         ]
         return copies, slices
+
+    def _cuts(self, t: int) -> list[int]:
+        """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
+        return [n for n in _prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
 
     def _precompile_slice(self, t: int, n: int) -> None:
         if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
