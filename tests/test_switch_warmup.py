@@ -25,7 +25,7 @@ from models.config import get_config
 
 pytestmark = (
     pytest.mark.slow
-)  # 123 s at load 3.4 on 2 cores with caching on (69 s off): every bucket and KV copy of three instances compiles
+)  # 68-123 s at load 2-3.4 on 2 cores with caching on: every bucket and KV copy of three instances compiles
 
 CFG = get_config("opt-tiny")
 
