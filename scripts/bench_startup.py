@@ -9,8 +9,10 @@ compilation cache ("fresh"), the second finds it filled ("warm"). After each rea
 burst of `--burst` requests at once over HTTP (prompt lengths spread from 4 tokens to the model's longest
 prompt bucket, outputs 2-48 tokens, a quarter with `n`=2), then the same burst again. A request that had to
 wait for a compile on the request path would show as a first-burst TTFT seconds above the second burst's;
-the script prints both bursts' TTFT P50 and max, and the load average before and after. The server's
-stderr goes to `--log-dir` (default: a temp folder) for the background compile log.
+the script prints both bursts' TTFT P50 and max, the load average before each start, and the phases the
+server logged (its own `ready in` seconds and each engine's warm-up line: seconds per part, programs left to
+the background). The server's stderr goes to `--log-dir` (default: a temp folder) for the background compile
+log.
 """
 
 from __future__ import annotations
@@ -55,7 +57,22 @@ def ttft_stats(run: object) -> dict[str, float | int]:
     }
 
 
+PHASE_MARKS = ("built the CPU paged-attention kernel", "warm-up compiled", "ready in", "background warm-up")
+
+
+def logged_phases(log_path: Path) -> list[str]:
+    """The server log's start-up lines (time of day, then the message), for the per-phase story."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    out = []
+    for line in lines:
+        if any(mark in line for mark in PHASE_MARKS):
+            day_time, _, rest = line.partition(" INFO ")
+            out.append(f"{day_time.split(' ')[-1]} {rest.split(': ', 1)[-1][:160]}")
+    return out
+
+
 def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Path) -> dict[str, object]:
+    load = os.getloadavg()[0]
     server = ServeProcess(
         args.deployment,
         args.model,
@@ -75,9 +92,11 @@ def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Pa
         again = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
     return {
         "start": label,
+        "load_1min": round(load, 2),
         "ready_s": round(ready_s, 2),
         "cold_burst": ttft_stats(cold),
         "second_burst": ttft_stats(again),
+        "server_log": logged_phases(log_dir / f"serve-{label}.log"),
     }
 
 

@@ -17,7 +17,6 @@ from test_runtime_warmup import _burst, _Compiles  # the same witness and burst 
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
-from jaxserve.core.scheduling import NO_PREFIX_CACHING
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.engines.model import model_engine_factory
 from jaxserve.runtime.switch import PlanSwitcher
@@ -26,7 +25,7 @@ from models.config import get_config
 
 pytestmark = (
     pytest.mark.slow
-)  # 69 s at load 3-5 on 2 cores (94 s with 16-row batches of 4-token blocks): every bucket of three instances compiles
+)  # 68-123 s at load 2-3.4 on 2 cores with caching on: every bucket and KV copy of three instances compiles
 
 CFG = get_config("opt-tiny")
 
@@ -43,10 +42,8 @@ def test_after_a_switch_to_new_instances_no_request_compiles(checkpoint: Path) -
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True),
         limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
-        # Caching off: with it on, a new decode instance's first partial pull from the kept prefill still
-        # compiles its slice program (`_multi_slice`, ~80 ms) after the switch — a known gap of the switch's
-        # hand-off warm-up (docs/prefix_caching.md), not yet closed.
-        prefix_policy=NO_PREFIX_CACHING,
+        # prefix caching on (the default): the burst's prompts share prefixes, so the new decode instance pulls
+        # only the rest of some (a slice of the kept prefill's KV, resharded onto tp2: warmed like a whole pull)
     )
     factory = model_engine_factory(str(checkpoint))
     c = Controller.from_plan(str(checkpoint), parse_deployment("disagg:prefill=tp1,decode=tp1"), None, factory, config)

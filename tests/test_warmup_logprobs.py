@@ -52,8 +52,7 @@ def _burst(c: Controller, tag: str) -> None:
     [
         # slow (~45 s): every logprob bucket compiled; the default run keeps test_engine_warmup's no-compile check
         pytest.param("disagg:prefill=tp1,decode=tp1", 1, False, 6, marks=pytest.mark.slow),
-        # the multi-step loop's logprob variants. Not with prefix caching: its dense gather and partial-pull
-        # slice (kv_pool.read_sequence / slice_sequence) are not in the bucket warm-up at all yet.
+        # the multi-step loop's logprob variants (caching off: test_runtime_warmup covers caching's programs)
         pytest.param("disagg:prefill=tp1,decode=tp1", 4, False, 4, marks=pytest.mark.slow),
     ],
 )

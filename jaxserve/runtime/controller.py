@@ -96,7 +96,7 @@ from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
 from jaxserve.runtime.switch import InstanceSet, SwitchableController
-from jaxserve.runtime.warmup import handoff_warmups, warm_buckets
+from jaxserve.runtime.warmup import handoff_prompt, handoff_warmups, warm_buckets
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -620,7 +620,8 @@ class Controller:
         routes: list[tuple[Instance, ...]] = []  # the instances each warm-up request goes through
         for k, (front, decode, n) in enumerate(warmups):
             rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
-            request = GenerateRequest(rid, (bos,) * n, SamplingParams(max_tokens=2, ignore_eos=True))
+            prompt = handoff_prompt(k, n, bos, self.model_config.vocab_size)  # no warm-up hits another's prefix
+            request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
             live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
             stream = RequestStream(rid, self.cancel)
             with self._lock:

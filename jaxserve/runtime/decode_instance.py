@@ -37,7 +37,9 @@ Prefix caching (`DecodeConfig.prefix_policy.enabled`): the pool is run by a `Pre
 Admission pins the longest cached prefix of the prompt (`acquire(..., min_uncached_tokens=0)`)
 and the pull moves only positions `c = hit.num_cached_tokens ..` (a dense slice of the prefill
 side's KV, `kv_pool.slice_sequence`), written into the blocks from `c // block_size` on; the
-prompt's full blocks are then named (`commit`). A finished request names its blocks of prompt +
+prompt's full blocks are then named (`commit`). While the prefill engine still compiles that slice in its
+background warm-up (`Engine.kv_copy_compiled`), the pull moves the whole KV instead and writes none of the
+first `c // block_size` blocks (their table entries point past the pool): more bytes, no compile. A finished request names its blocks of prompt +
 answer (but the last token, whose KV is never computed) and unpins them, so the next turn of a
 conversation finds them. `enqueue_local()` is conditional disaggregation: the request was never
 prefilled elsewhere; after admission its uncached prompt suffix rides as a prompt row
@@ -146,6 +148,7 @@ class _Pull:
     block_table: tuple[int, ...]
     num_cached_tokens: int = 0  # prompt positions this instance already holds (not pulled)
     handle: TransferHandle | None = None
+    whole: bool = False  # the whole KV moves even so (its slice is not compiled yet); the cached blocks are skipped
     num_failures: int = 0
 
 
@@ -456,8 +459,15 @@ class DecodeInstance(Worker):
         if pull.live.timings.transfer_start_at is None:
             pull.live.timings.transfer_start_at = now()
         c = pull.num_cached_tokens
-        if c > 0:  # this instance holds the first c positions: move only the rest
-            rest = seq.num_tokens - c
+        rest = seq.num_tokens - c
+        pull.whole = (
+            c > 0
+            and not isinstance(seq.kv, HeldKV)
+            and not pull.source.engine.kv_copy_compiled(
+                "slice", bucket(rest, MIN_PROMPT_BUCKET), seq.dense_kv[0].k.shape[1]
+            )
+        )
+        if c > 0 and not pull.whole:  # this instance holds the first c positions: move only the rest
             if isinstance(seq.kv, HeldKV):  # held by another process (Ray): its holder slices it
                 prefix = pull.block_table[: c // self.config.limits.block_size]
                 kv: SequenceKV | HeldKV = dataclasses.replace(seq.kv, start=c, prefix_blocks=prefix)
@@ -489,10 +499,14 @@ class DecodeInstance(Worker):
                 if self._pulling.get(rid) is not pull:
                     continue  # cancelled while in flight (its blocks are already free)
             c = pull.num_cached_tokens
+            moved = pull.live.num_prefill_tokens - (0 if pull.whole else c)  # positions that came over
             try:
                 # c is a multiple of the block size: positions c.. start at block c // block_size.
-                table = pull.block_table[c // self.config.limits.block_size :]
-                self.pages = handle.insert(pull.live.num_prefill_tokens - c, self.pages, table)
+                kept = c // self.config.limits.block_size
+                table = pull.block_table[kept:]
+                if pull.whole:  # all positions arrived: the cached blocks' entries point past the pool (dropped)
+                    table = (self.cache.num_blocks,) * kept + table
+                self.pages = handle.insert(moved, self.pages, table)
             except KVIntegrityError as e:  # checked before the pool was touched: that request is recomputed
                 self._pull_failed(pull, str(e), retry=False, lost=True)
                 continue
@@ -504,11 +518,11 @@ class DecodeInstance(Worker):
             t = pull.live.timings
             t.transfer_end_at = now()
             t.kv_transfer_bytes, t.kv_transfer_s, t.decode_instance = handle.num_bytes, seconds, self.name
-            t.kv_transfer_tokens = pull.live.num_prefill_tokens - c
+            t.kv_transfer_tokens = moved
             with self.cond:
                 self.num_transfers += 1
                 self.kv_transfer_bytes += handle.num_bytes
-                self.kv_transfer_tokens += pull.live.num_prefill_tokens - c
+                self.kv_transfer_tokens += moved
                 if self._pulling.pop(rid, None) is not None:
                     self.cache.commit(
                         rid, pull.live.prefill_token_ids, pull.live.block_names(self.config.limits.block_size)

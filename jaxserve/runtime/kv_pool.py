@@ -8,6 +8,11 @@ write; `write_sequence` scatters a sequence's dense KV into its blocks
 ("tokens": a block is `[block_size, H, D]`; "heads": `[H, block_size, D]`), so
 the dense KV they take and give, `[L_s, T, H, D]`, is the same in either layout:
 a prefill instance and a decode instance may keep their pools differently.
+
+`precompile_write` / `precompile_read` / `precompile_slice` compile those programs ahead of time from
+shapes and shardings alone (`jax.ShapeDtypeStruct`s: nothing is read or written, so a background thread may
+compile them while the pool serves); a later call with arrays of those shapes and shardings runs the compiled
+program.
 """
 
 from __future__ import annotations
@@ -76,6 +81,14 @@ def _read_stage(pages: StagePages, table: jax.Array, padded: int) -> StageKV:
     return StageKV(k=k, v=v)
 
 
+def precompile_write(pages: KVPages, kv: SequenceKV) -> None:
+    """Compile `write_sequence` of a dense KV shaped like `kv` (its padded length) into a pool shaped like
+    `pages` (both may be `jax.ShapeDtypeStruct`s with shardings), without running it."""
+    slots = jax.ShapeDtypeStruct((kv[0].k.shape[1],), jnp.int32)  # slot_block / slot_offset: host arrays
+    for p, s in zip(pages, kv, strict=True):
+        _write_stage.lower(p, s, slots, slots).compile()
+
+
 def read_sequence(pages: KVPages, block_table: Sequence[int], num_tokens: int, padded: int) -> SequenceKV:
     """Gather positions 0..`padded` of `block_table`'s blocks into a dense `SequenceKV` (the inverse of
     `write_sequence`); entries from `num_tokens` on are padding (whatever the blocks hold).
@@ -92,6 +105,13 @@ def read_sequence(pages: KVPages, block_table: Sequence[int], num_tokens: int, p
     return tuple(_read_stage(p, table, padded) for p in pages)
 
 
+def precompile_read(pages: KVPages, padded: int) -> None:
+    """Compile `read_sequence(pages, table, n, padded)` for a pool shaped like `pages`, without running it."""
+    table = jax.ShapeDtypeStruct((-(-padded // pages[0].block_size),), jnp.int32)
+    for p in pages:
+        _read_stage.lower(p, table, padded).compile()
+
+
 @functools.partial(jax.jit, static_argnums=(2,))
 def _slice_stage(kv: StageKV, start: jax.Array, length: int) -> StageKV:
     idx = jnp.clip(start + jnp.arange(length), 0, kv.k.shape[1] - 1)
@@ -104,3 +124,10 @@ def slice_sequence(kv: SequenceKV, start: int, padded: int) -> SequenceKV:
     What a pull moves when the decode instance already holds the first `start` positions.
     """
     return tuple(_slice_stage(s, np.int32(start), padded) for s in kv)
+
+
+def precompile_slice(kv: SequenceKV, padded: int) -> None:
+    """Compile `slice_sequence(kv, start, padded)` for a dense KV shaped like `kv`, without running it."""
+    start = jax.ShapeDtypeStruct((), jnp.int32)
+    for s in kv:
+        _slice_stage.lower(s, start, padded).compile()

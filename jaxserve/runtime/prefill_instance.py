@@ -30,7 +30,10 @@ rows of the engine's paged step (`StepRow(is_prompt=True)`, as colocated chunked
 gathers each prompt's whole KV from the pool into a dense copy for the buffer (`kv_pool.read_sequence`). Either
 way apply names the prompt's full blocks (`commit`) and unpins them (`release`): blocks are pinned only while
 their batch is in flight, the buffer and the pull path are the same as without caching, and the pool is touched
-by this thread alone. A prompt identical to one in flight waits for it (and then finds its blocks cached). An
+by this thread alone. While the engine's background warm-up still compiles a program this needs, the batch takes
+a path without it: a hit batch whose paged bucket or gather is not in is prefilled densely, and a prompt whose
+insert is not in is not written into the pool (its blocks are released unnamed: not cached). A prompt identical
+to one in flight waits for it (and then finds its blocks cached). An
 engine whose pool lives elsewhere (`paged_prefill`, a Ray actor) always takes the paged step. Needs an engine
 with a paged pool (`decode` + `dense_insert`, or `paged_prefill`).
 
@@ -308,8 +311,13 @@ class PrefillInstance(Worker):
                 self._dense_misses
                 and (
                     not any(h.num_cached_tokens for h in hits.values())
-                    # a hit whose paged bucket is still compiling in the background: recompute the whole prompts
+                    # a hit whose paged bucket (or a prompt's gather) is still compiling in the background:
+                    # recompute the whole prompts
                     or not self._paged.step_compiled(rows, self.cache.block_size)
+                    or not all(
+                        self._paged.kv_copy_compiled("gather", bucket(len(i.token_ids), MIN_PROMPT_BUCKET))
+                        for i in items
+                    )
                 )
             )
             flight = _Flight(batch, items, hits, decided_at, dense=dense)
@@ -352,9 +360,13 @@ class PrefillInstance(Worker):
         started_at, ended_at = flight.started_at, flight.ended_at
         resumed = [r.is_resumed for r in batch]
         eos = self.engine.model_config.eos_token_ids
+        unkept: set[str] = set()  # prompts whose KV the pool does not get (their blocks are not named)
         if self._paged is not None and flight.dense:  # the pool gets what the dense prefill computed (async writes)
             for live, seq in zip(batch, result.sequences, strict=True):
                 assert not isinstance(seq.kv, HeldKV)  # a dense-insert engine prefills into this process
+                if not self._paged.kv_copy_compiled("insert", seq.dense_kv[0].k.shape[1]):
+                    unkept.add(live.request_id)  # its insert still compiles in the background: not cached
+                    continue
                 hit = hits[live.request_id]
                 # cached blocks (a recomputed hit) are not written again: other requests read them; a table entry
                 # past the pool drops its writes
@@ -372,7 +384,9 @@ class PrefillInstance(Worker):
                     t.prefill_start_at, t.prefill_end_at, t.prefill_instance = started_at, ended_at, self.name
                     t.cached_prompt_tokens = cached[live.request_id]
                 if self._paged is not None:
-                    self.cache.commit(live.request_id, live.prefill_token_ids, live.block_names(self.cache.block_size))
+                    if live.request_id not in unkept:
+                        names = live.block_names(self.cache.block_size)
+                        self.cache.commit(live.request_id, live.prefill_token_ids, names)
                     self.cache.release(live.request_id)
                 if live.cancelled:
                     continue

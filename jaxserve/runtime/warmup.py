@@ -5,17 +5,22 @@ its `warm_up_staged()` during a live switch):
 
 * `warm_buckets(instances, ...)`: every engine that can (its `bucket_warmup` capability) runs each padded shape its
   instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table widths
-  up to the longest sequence; chunk shapes). It runs on the calling thread and blocks until compiled;
-  pooled instances warm under their condition lock on their own KV pool (no request runs yet).
+  up to the longest sequence; chunk shapes). The instances warm concurrently (a thread each) and the call
+  blocks until all are compiled; pooled instances warm under their condition lock on their own KV pool (no
+  request runs yet).
 * `handoff_warmups(...)`: which requests a switch sends through its staged instances to warm the
   hand-off path: (front instance, decode instance or None, prompt length) triples. Pure; the
-  controller submits them, pinned to the pair.
+  controller submits them, pinned to the pair, each with its own `handoff_prompt` (with prefix caching,
+  warm-up prompts that shared a prefix would pull only their rest, and leave the full pull of their length
+  cold on a new pair: the first partial pull of a real request would then compile its resharding).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from jaxserve.runtime.colocated_instance import ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeInstance
@@ -36,56 +41,78 @@ def warm_buckets(
 ) -> None:
     """Compile every padded shape of `instances`; `max_seq_len`: the longest sequence a decode row holds,
     `logprobs`: the logprob programs of those shapes too, `background`: only the buckets that hold all others
-    before returning, the rest on each engine's background thread (`ModelEngine.warmup`)."""
+    before returning, the rest on each engine's background thread (`ModelEngine.warmup`), started once every
+    engine's foreground part is done.
+
+    The instances warm concurrently, one thread each (their engines, pools and locks are their own; XLA
+    compiles release the GIL), so the foreground part takes about the longest instance's time on a machine
+    with a core per instance, not the sum.
+    """
+    work: list[Callable[[], None]] = []
     for p in (i for i in instances if isinstance(i, PrefillInstance)):
-        if not p.engine.capabilities.bucket_warmup:
-            continue
-        limits = p.config.limits
-        # With prefix caching the same call warms the instance's pool (one background thread per engine): the
-        # insert of a batch with no hit, the gather and the paged prompt-row steps of a batch with one.
-        caching = p.config.prefix_policy.enabled
-        with p.cond:  # no request is running yet; the pool is the instance's own
-            warmed = p.engine.warmup(
-                num_blocks=limits.require_num_kv_blocks() if caching else 1,
-                block_size=limits.block_size,
-                max_decode_batch=limits.prefill_buffer_slots,
-                max_batch_tokens=limits.max_batch_tokens,
-                max_seq_len=max_prompt_tokens,
-                chunk_size=limits.max_batch_tokens if caching else None,
-                max_prefill_rows=limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
-                decode=False,
-                pages=p.pages if caching else None,
-                logprobs=logprobs,
-                background=background,
-                prefix_prefill=caching,
-            )
-            if caching and warmed.pages is not None:
-                p.pages = warmed.pages
-    pooled = [i for i in instances if isinstance(i, (DecodeInstance, ColocatedInstance))]
-    for inst in pooled:
-        if not inst.engine.capabilities.bucket_warmup:
-            continue
-        # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
-        chunk = (
-            (inst.config.limits.chunk_size or inst.config.limits.max_batch_tokens)
-            if isinstance(inst, ColocatedInstance)
-            else None
+        if p.engine.capabilities.bucket_warmup:
+            work.append(partial(_warm_prefill_instance, p, max_prompt_tokens, logprobs, background))
+    for inst in (i for i in instances if isinstance(i, (DecodeInstance, ColocatedInstance))):
+        if inst.engine.capabilities.bucket_warmup:
+            work.append(partial(_warm_pooled_instance, inst, max_seq_len, logprobs, background))
+    if len(work) > 1:
+        with ThreadPoolExecutor(len(work), thread_name_prefix="jaxserve-warmup") as pool:
+            for future in [pool.submit(w) for w in work]:
+                future.result()  # the first failure is raised, once every warm-up has ended
+    elif work:
+        work[0]()
+    # Every engine's background compiles start once all foreground warm-ups are done: none slows another's.
+    for engine in [i.engine for i in instances if isinstance(i, (PrefillInstance, DecodeInstance, ColocatedInstance))]:
+        engine.start_background_warmup()
+
+
+def _warm_prefill_instance(p: PrefillInstance, max_prompt_tokens: int, logprobs: bool, background: bool) -> None:
+    limits = p.config.limits
+    # With prefix caching the same call warms the instance's pool (one background thread per engine): the
+    # insert of a batch with no hit, the gather and the paged prompt-row steps of a batch with one.
+    caching = p.config.prefix_policy.enabled
+    p.engine.hold_background_warmup()  # started by `warm_buckets` once every engine's foreground part is done
+    with p.cond:  # no request is running yet; the pool is the instance's own
+        warmed = p.engine.warmup(
+            num_blocks=limits.require_num_kv_blocks() if caching else 1,
+            block_size=limits.block_size,
+            max_decode_batch=limits.prefill_buffer_slots,
+            max_batch_tokens=limits.max_batch_tokens,
+            max_seq_len=max_prompt_tokens,
+            chunk_size=limits.max_batch_tokens if caching else None,
+            max_prefill_rows=limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
+            decode=False,
+            pages=p.pages if caching else None,
+            logprobs=logprobs,
+            background=background,
+            prefix_prefill=caching,
         )
-        with inst.cond:  # no request is running yet; the pool is the instance's own
-            warmed = inst.engine.warmup(
-                num_blocks=inst.config.limits.require_num_kv_blocks(),
-                block_size=inst.config.limits.block_size,
-                max_decode_batch=inst.config.limits.max_decode_batch,
-                max_seq_len=max_seq_len,
-                chunk_size=chunk,
-                prefill=False,
-                pages=inst.pages,
-                decode_steps=inst.config.decode_steps_per_call,
-                logprobs=logprobs,
-                background=background,
-            )
-            if warmed.pages is not None:
-                inst.pages = warmed.pages
+        if caching and warmed.pages is not None:
+            p.pages = warmed.pages
+
+
+def _warm_pooled_instance(
+    inst: DecodeInstance | ColocatedInstance, max_seq_len: int, logprobs: bool, background: bool
+) -> None:
+    # A colocated instance's prompt rows share a budget: the chunk, or (prefill priority) the token cap.
+    limits = inst.config.limits
+    chunk = (limits.chunk_size or limits.max_batch_tokens) if isinstance(inst, ColocatedInstance) else None
+    inst.engine.hold_background_warmup()
+    with inst.cond:  # no request is running yet; the pool is the instance's own
+        warmed = inst.engine.warmup(
+            num_blocks=limits.require_num_kv_blocks(),
+            block_size=limits.block_size,
+            max_decode_batch=limits.max_decode_batch,
+            max_seq_len=max_seq_len,
+            chunk_size=chunk,
+            prefill=False,
+            pages=inst.pages,
+            decode_steps=inst.config.decode_steps_per_call,
+            logprobs=logprobs,
+            background=background,
+        )
+        if warmed.pages is not None:
+            inst.pages = warmed.pages
 
 
 def handoff_warmups(
@@ -121,3 +148,10 @@ def handoff_warmups(
         for k, d in enumerate(d for d in decodes if d.name not in covered):
             pairs.append((routed_prefills[k % len(routed_prefills)], d))
     return [(front, decode, n) for (front, decode), n in itertools.product(pairs, lengths)]
+
+
+def handoff_prompt(index: int, num_tokens: int, filler_token_id: int, vocab_size: int) -> tuple[int, ...]:
+    """The prompt of hand-off warm-up `index`: `num_tokens` tokens whose first block no other warm-up shares
+    (its first token is the index, mod the vocabulary; the rest filler), so no prefix cache serves any of it
+    and every warm-up moves its whole KV."""
+    return ((filler_token_id + 1 + index) % vocab_size,) + (filler_token_id,) * (num_tokens - 1)

@@ -1,36 +1,45 @@
-"""Background bucket warm-up of an engine: shape covering and the compile thread (`warmup(background=True)`).
+"""Background warm-up of an engine: shape covering and the compile thread (`warmup(background=True)`).
 
-`ModelEngine.warmup(background=True)` compiles only the buckets that hold all others before it returns; this
-mixin keeps what is compiled (`_ready_prefill`, `_ready_steps`: sets that are replaced, never mutated, so a
-serving thread reads them without a lock) and compiles the remaining buckets on a niced daemon thread,
-smallest first. Until a bucket is compiled, its work runs padded up to the cheapest compiled bucket that holds
-it (`_covering`): slower for a while, never waiting on XLA. The thread stops between buckets when asked
+`ModelEngine.warmup(background=True)` compiles only what must be compiled before serving (the buckets that
+hold all others, the decode side's inserts) before it returns, and hands the rest to this mixin as an ordered
+list of `CompileJob`s, run on a niced daemon thread. A job compiles one program ahead of time (nothing read or
+written: the serving threads keep their pools) and then publishes it (`publish`: the engine adds its shape to
+a ready set that is replaced, never mutated, so a serving thread reads it without a lock). Until a program is
+published its work takes a fallback that compiles nothing: a step or prefill batch runs padded up to the
+cheapest compiled bucket that holds it (`_covering`), a prefix-caching prefill batch with a hit is prefilled
+densely, its KV not kept in the pool while the insert of its length compiles, a partial pull moves the whole
+KV. Slower for a while, never waiting on XLA. The thread stops between jobs when asked
 (`stop_background_warmup`, and at interpreter exit for every engine still compiling).
-
-The engine supplies the compiles: `_precompile_prefill(b, t, ...)` and `_precompile_step(b, t, m, caches, ...)`
-(compile only: they read and write nothing, so the serving steps keep their pools).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-
-from jaxserve.core.request import SamplingParams
-from models.attention import PagedKVCache
 
 log = logging.getLogger("jaxserve.runtime.engines.model")  # the engine's log: one logger for its warm-up lines
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """One program the background thread compiles: `compile()` builds it without running it (it must touch
+    no serving state), then `publish()` tells the serving side it may use it."""
+
+    what: str  # for the log: e.g. "prefill (8, 64)"
+    compile: Callable[[], None]
+    publish: Callable[[], None]
+
+
 class BackgroundWarmup:
-    """Shape covering and the background compile thread of an engine (a mixin: the engine compiles)."""
+    """Shape covering and the background compile thread of an engine (a mixin: the engine builds the jobs)."""
 
     def _init_background_warmup(self) -> None:
         # Shape covering (`warmup(background=True)`): once on, a step or prefill batch whose own bucket is not
@@ -41,36 +50,24 @@ class BackgroundWarmup:
         self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
+        self._publishing = threading.Lock()  # `_publish` from several compile threads loses no key
+        self._hold = False  # `hold_background_warmup`: the next jobs wait for `start_background_warmup`
+        self._deferred: Sequence[CompileJob] = ()
 
-    # ---- what the engine compiles ------------------------------------------------
-    def _precompile_prefill(self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
-        raise NotImplementedError
-
-    def _precompile_step(
-        self,
-        b: int,
-        t: int,
-        m: int,
-        caches: list[PagedKVCache],
-        rand: SamplingParams,
-        greedy: SamplingParams,
-        logprobs: bool,
-    ) -> None:
-        raise NotImplementedError
+    def _publish(self, ready_set: str, key: object) -> None:
+        """One compiled program is in: `key` joins the engine's ready set named `ready_set` (a new set)."""
+        with self._publishing:
+            setattr(self, ready_set, getattr(self, ready_set) | {key})
 
     # ---- the thread ------------------------------------------------------------------
-    def _start_background(
-        self,
-        prefill_shapes: list[tuple[int, int]],
-        step_shapes: list[tuple[int, int, int]],
-        caches: list[PagedKVCache] | None,
-        rand: SamplingParams,
-        greedy: SamplingParams,
-        logprobs: bool,
-    ) -> None:
-        """Compile the remaining buckets on a daemon thread, smallest first (the most common work); each joins
-        the covering sets once compiled. Stops between buckets when asked (`stop_background_warmup`)."""
+    def _start_background(self, jobs: Sequence[CompileJob]) -> None:
+        """Run `jobs` in order on a daemon thread; each publishes its program once compiled. Stops between
+        jobs when asked (`stop_background_warmup`); a job that fails leaves the rest to their fallbacks.
+        Held (`hold_background_warmup`): kept until `start_background_warmup()`."""
         self.stop_background_warmup()
+        if self._hold:
+            self._hold, self._deferred = False, jobs
+            return
         self._stop_background.clear()
 
         def work() -> None:
@@ -78,30 +75,35 @@ class BackgroundWarmup:
             with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             try:
-                for b, t in sorted(prefill_shapes, key=lambda x: (self._held(x, self._ready_prefill), bucket_area(x))):
+                for job in jobs:
                     if self._stop_background.is_set():
                         return
-                    self._precompile_prefill(b, t, rand, greedy, logprobs)
-                    self._ready_prefill = self._ready_prefill | {(b, t)}
+                    job.compile()
+                    job.publish()
                     done += 1
-                for b, t, m in sorted(
-                    step_shapes, key=lambda x: (self._held(x, self._ready_steps), bucket_area(x), x[2])
-                ):
-                    if self._stop_background.is_set() or caches is None:
-                        return
-                    self._precompile_step(b, t, m, caches, rand, greedy, logprobs)
-                    self._ready_steps = self._ready_steps | {(b, t, m)}
-                    done += 1
-                log.info("background warm-up compiled %d more shapes in %.1f s", done, time.perf_counter() - t0)
-            except Exception:  # a failed background compile only leaves that bucket to the covering
-                log.exception("background warm-up stopped after %d shapes", done)
+                log.info("background warm-up compiled %d more programs in %.1f s", done, time.perf_counter() - t0)
+            except Exception:  # a failed background compile only leaves its work to the fallbacks
+                log.exception("background warm-up stopped after %d programs (at %s)", done, jobs[done].what)
 
         self._background = threading.Thread(target=work, name="jaxserve-background-warmup", daemon=True)
         _BACKGROUND.add(self)
         self._background.start()
 
+    def hold_background_warmup(self) -> None:
+        """The next `warmup(background=True)` keeps its background jobs until `start_background_warmup()`: a
+        server warming several engines starts every thread once all foreground warm-ups are done, so no
+        engine's background compiles slow another's way to ready."""
+        self._hold = True
+
+    def start_background_warmup(self) -> None:
+        """Start the background jobs `hold_background_warmup` kept waiting (if any)."""
+        jobs, self._deferred, self._hold = self._deferred, (), False
+        if jobs:
+            self._start_background(jobs)
+
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop the background warm-up after the bucket it is compiling (if one runs)."""
+        """Stop the background warm-up after the program it is compiling (if one runs)."""
+        self._deferred = ()
         thread = self._background
         if thread is not None and thread.is_alive():
             self._stop_background.set()
@@ -116,11 +118,6 @@ class BackgroundWarmup:
             thread.join(timeout=timeout_s)
             return not thread.is_alive()
         return True
-
-    @staticmethod
-    def _held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
-        """Whether some compiled bucket holds `shape` (a bucket nothing holds compiles first in the background)."""
-        return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
 
     def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
         """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
@@ -147,7 +144,18 @@ def bucket_area(shape: tuple[int, ...]) -> int:
     return shape[0] * shape[1]
 
 
-# Engines whose background warm-up may still compile: stopped (between buckets) before the interpreter exits.
+def compile_order(shapes: Sequence[_Shape], ready: frozenset[Any]) -> list[_Shape]:
+    """`shapes` in the order the background compiles them: those no compiled bucket holds first (their work
+    would otherwise compile its own), then the smallest (the most common work), the narrower table first."""
+    return sorted(shapes, key=lambda x: (is_held(x, ready), bucket_area(x), x[2:]))
+
+
+def is_held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
+    """Whether some compiled bucket holds `shape` (>= in every dimension)."""
+    return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
+
+
+# Engines whose background warm-up may still compile: stopped (between programs) before the interpreter exits.
 _BACKGROUND: weakref.WeakSet[BackgroundWarmup] = weakref.WeakSet()
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import jax
 from flax import struct
@@ -88,6 +88,7 @@ class StagePages:
 
 SequenceKV = tuple[StageKV, ...]
 KVPages = tuple[StagePages, ...]
+KVCopy = Literal["insert", "gather", "slice"]  # the KV copies of a pool (`Engine.kv_copy_compiled`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +354,22 @@ class Engine(Protocol):
         """Whether a `decode_step` of `rows` would run an already compiled program (an engine that compiles
         in the background says False until it has one that holds them; the others: True)."""
         return True
+
+    def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> bool:
+        """Whether a KV copy of `padded` positions would run an already compiled program: "insert" (a dense KV
+        into its pool), "gather" (out of its pool, `kv_pool.read_sequence`) or "slice" (out of a KV it prefilled
+        of `from_padded` positions, `kv_pool.slice_sequence`). An engine that compiles them in the background
+        says False until it has; the others: True."""
+        return True
+
+    def hold_background_warmup(self) -> None:
+        """The next `warmup(background=True)` keeps its background compiles until `start_background_warmup()`
+        (a caller warming several engines starts them all at the end); an engine without them: no-op."""
+        return None
+
+    def start_background_warmup(self) -> None:
+        """Start the background compiles `hold_background_warmup` kept waiting; none: no-op."""
+        return None
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
         """Stop a `warmup(background=True)` still compiling (after its current bucket); nothing to stop: no-op."""

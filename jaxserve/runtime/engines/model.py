@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -39,10 +40,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, bucket_area, frontier
+from jaxserve.runtime.engines.background_warmup import (
+    BackgroundWarmup,
+    CompileJob,
+    bucket_area,
+    compile_order,
+    frontier,
+    is_held,
+)
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
+    KVCopy,
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -58,7 +67,13 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.kv_pool import read_sequence, slice_sequence, write_sequence
+from jaxserve.runtime.kv_pool import (
+    precompile_read,
+    precompile_slice,
+    precompile_write,
+    slice_sequence,
+    write_sequence,
+)
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
@@ -153,6 +168,11 @@ class ModelEngine(BackgroundWarmup, Engine):
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
         self._init_background_warmup()  # shape covering and the background compile thread (background_warmup.py)
+        # The KV copies compiled so far (read only while covering is on, `kv_copy_compiled`): inserts and gathers
+        # by padded length, slices by (padded length of the KV, padded length cut out). Replaced, never mutated.
+        self._ready_inserts: frozenset[int] = frozenset()
+        self._ready_gathers: frozenset[int] = frozenset()
+        self._ready_slices: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def load(
@@ -264,8 +284,14 @@ class ModelEngine(BackgroundWarmup, Engine):
         prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
         widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
         not multiplied by every table width (24 shapes at the default limits, not 6 x 24). With `background`
-        these steps all compile on the background thread; until a hit batch's bucket is in (`step_compiled`),
-        the prefill instance prefills that batch densely instead.
+        all of these compile on the background thread (ahead of time: `kv_pool.precompile_*`); until one is in
+        (`step_compiled`, `kv_copy_compiled`) the prefill instance takes a path without it: a hit batch is
+        prefilled densely, a prompt whose insert is not in is not kept in the pool, a partial pull whose slice
+        is not in moves the whole KV.
+
+        Every prefill bucket compiles with its rows' KV programs (`_row_kv`, and the cut of a row to each shorter
+        padded length), so taking a dense prefill's result apart compiles nothing either.
+        After `hold_background_warmup()` the background thread waits for `start_background_warmup()`.
         """
         t0 = time.perf_counter()
         cfg = self._cfg
@@ -286,12 +312,22 @@ class ModelEngine(BackgroundWarmup, Engine):
             single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
             held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
-        for b, t_pad in prefill_now:
-            if background:  # compile only: running a long bucket costs a prefill of that length
-                self._precompile_prefill(b, t_pad, rand, greedy, logprobs)
-            else:
+        if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+            cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
+            with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
+                compiles = [
+                    threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False)
+                    for x in prefill_now
+                ]
+                compiles += [threads.submit(self._precompile_slice, t, n) for t, n in cuts]
+                for done in compiles:
+                    done.result()
+            self._ready_slices = self._ready_slices | frozenset(cuts)
+        else:
+            for b, t_pad in prefill_now:
                 self._warm_prefill(b, t_pad, rand, greedy)
         self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
+        phases = {"prefill": time.perf_counter() - t0}  # seconds per part, for the log line
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
         later_steps: list[tuple[int, int, int]] = []
@@ -317,6 +353,7 @@ class ModelEngine(BackgroundWarmup, Engine):
                 steps_now = held_steps + [x for x in lone if x not in held_steps]
                 if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
                     steps_now = []
+            mark = time.perf_counter()
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
@@ -325,6 +362,8 @@ class ModelEngine(BackgroundWarmup, Engine):
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
+            phases["steps"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             if decode and decode_steps > 1 and self.model.pp == 1:
                 for b in _powers_of_two(2, max_decode_batch):
                     for m in widths:
@@ -349,7 +388,9 @@ class ModelEngine(BackgroundWarmup, Engine):
                 PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
                 for c in caches
             ]
-            if decode or prefix_prefill:  # the insert of a pulled KV, one program per padded length (0 tokens)
+            phases["multi-step"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+            if decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
                 layout = self.kv_layout()
                 for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
@@ -360,24 +401,56 @@ class ModelEngine(BackgroundWarmup, Engine):
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
                     warmed = write_sequence(warmed, kv, 0, [0])
-                    if prefix_prefill:  # the gather of a prompt's KV into a dense copy, and every partial pull's
-                        # slice of it (a decode instance holding a prefix pulls positions c.. padded to their bucket)
-                        jax.block_until_ready(read_sequence(warmed, [0], 0, t_pad))
-                        for rest in _prompt_buckets(t_pad, cfg.max_position_embeddings):
-                            jax.block_until_ready(slice_sequence(kv, 0, rest))
+                    self._ready_inserts = self._ready_inserts | {t_pad}
             pages = warmed if pages is not None else None
+            phases["inserts"] = time.perf_counter() - mark
+        # A prefix-caching prefill instance's KV copies on its own pool (`kv_copy_compiled` says which are in)
+        copies: list[CompileJob] = []
+        slices: list[CompileJob] = []
+        if prefix_prefill and caches_like is not None:
+            copies, slices = self._pool_copy_jobs(_pages(caches_like), max_len)
+            if not background:
+                mark = time.perf_counter()
+                for job in (*copies, *slices):
+                    job.compile()
+                    job.publish()
+                copies, slices = [], []
+                phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
         if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
             self._cover = True
         if background:
             self._cover = True
-            if later_prefill or later_steps:
-                self._start_background(later_prefill, later_steps, caches_like, rand, greedy, logprobs)
+            prefill_jobs = [
+                CompileJob(
+                    f"prefill {x}",
+                    partial(self._precompile_prefill, *x, rand, greedy, logprobs),
+                    partial(self._publish, "_ready_prefill", x),
+                )
+                for x in compile_order(later_prefill, self._ready_prefill)
+            ]
+            step_jobs = [
+                CompileJob(
+                    f"step {x}",
+                    partial(self._precompile_step, *x, caches_like, rand, greedy, logprobs),
+                    partial(self._publish, "_ready_steps", x),
+                )
+                for x in compile_order(later_steps, self._ready_steps)
+                if caches_like is not None
+            ]
+            unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
+            # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
+            # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
+            jobs = [*prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
+            if jobs:
+                self._start_background(jobs)
         log.info(
-            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s%s",
+            "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
-            f" ({len(later_prefill) + len(later_steps)} more compile in the background)" if background else "",
+            ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
+            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices)} more programs compile in the "
+            "background)" if background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
@@ -399,18 +472,91 @@ class ModelEngine(BackgroundWarmup, Engine):
             self._prefill_exact(items, b, t_pad)
             if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
                 self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
+        self._ready_slices = self._ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
 
     def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None:
         """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too)."""
         dispatched = self._dispatch_prefill(items, shape=(b, t))
-        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched]).result()
+        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings).result()
 
-    def _precompile_prefill(self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
-        """Compile the prefill bucket (b, t) without running it, and run its samplers on placeholder logits."""
+    def _precompile_prefill(
+        self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool, *, cuts: bool = True
+    ) -> None:
+        """Compile the prefill bucket (b, t) without running it, and what its result takes apart: each row's
+        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits."""
         self.model.precompile_prefill(b, t)
+        row = jax.ShapeDtypeStruct((), jnp.int32)
+        for s, (num_layers, sharding) in enumerate(zip(self._layout.stage_layers, self._layout.shardings, strict=True)):
+            shape = (num_layers, b, t, self._cfg.kv_heads, self._cfg.head_dim)  # [L_s, B, T, H, D]
+            cache = jax.ShapeDtypeStruct(shape, self.model.dtype, sharding=self.model.kv_sharding(s))
+            _row_kv.lower(cache, cache, row, sharding=sharding).compile()
+        for n in self._cuts(t) if cuts else []:
+            if (t, n) not in self._ready_slices:
+                precompile_slice(self._dense_like(t), n)
+                self._publish("_ready_slices", (t, n))
         last = self.model.pp - 1
         logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
         self._warm_sampling(logits, rand, greedy, logprobs)
+
+    def _pool_copy_jobs(self, pages: KVPages, max_len: int) -> tuple[list[CompileJob], list[CompileJob]]:
+        """A prefix-caching prefill instance's KV copies on a pool shaped like `pages` (shapes only), for every
+        prompt length bucket: the insert of a densely prefilled prompt, the gather of a prompt's KV into a dense
+        copy, and (second list) the slice of every shorter bucket out of it (a decode instance holding a prefix
+        pulls only the rest; the rows' cuts of the prefill buckets are among them)."""
+        buckets = _prompt_buckets(max_len, self._cfg.max_position_embeddings)
+        copies: list[CompileJob] = []
+        for t in buckets:
+            kv = self._dense_like(t)
+            copies.append(
+                CompileJob(
+                    f"insert {t}", partial(precompile_write, pages, kv), partial(self._publish, "_ready_inserts", t)
+                )
+            )
+            copies.append(
+                CompileJob(
+                    f"gather {t}", partial(precompile_read, pages, t), partial(self._publish, "_ready_gathers", t)
+                )
+            )
+        slices = [
+            CompileJob(
+                f"slice {t} -> {n}",
+                partial(self._precompile_slice, t, n),
+                partial(self._publish, "_ready_slices", (t, n)),
+            )
+            for t in buckets
+            for n in buckets
+            if n <= t
+        ]
+        return copies, slices
+
+    def _cuts(self, t: int) -> list[int]:
+        """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
+        return [n for n in _prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
+
+    def _precompile_slice(self, t: int, n: int) -> None:
+        if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
+            precompile_slice(self._dense_like(t), n)
+
+    def _dense_like(self, t: int) -> SequenceKV:
+        """Shapes and shardings of a dense KV of `t` positions as this engine's prefill hands it out."""
+        cfg = self._cfg
+        return tuple(
+            StageKV(k=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self.model.dtype, sharding=sharding),  # type: ignore[arg-type]
+                    v=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self.model.dtype, sharding=sharding))  # type: ignore[arg-type]
+            for n, sharding in zip(self._layout.stage_layers, self._layout.shardings, strict=True)
+        )  # fmt: skip
+
+    def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> bool:
+        """Whether a KV copy of `padded` positions runs a compiled program now: "insert" (a dense KV into the
+        pool), "gather" (out of the pool, `kv_pool.read_sequence`) or "slice" (out of a prefilled KV of
+        `from_padded` positions, `kv_pool.slice_sequence`). Always, unless a background warm-up still compiles it."""
+        if not self._cover:
+            return True
+        if kind == "insert":
+            return padded in self._ready_inserts
+        if kind == "gather":
+            return padded in self._ready_gathers
+        return (from_padded, padded) in self._ready_slices
 
     def _precompile_step(
         self,
@@ -447,7 +593,7 @@ class ModelEngine(BackgroundWarmup, Engine):
         if not groups:
             groups = [list(range(len(items)))]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
-        return ModelPrefill(tuple(items), groups, dispatched)
+        return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings)
 
     def _dispatch_prefill(
         self, items: Sequence[PrefillItem], shape: tuple[int, int] | None = None
@@ -744,8 +890,9 @@ class ModelPrefill:
         items: tuple[PrefillItem, ...],
         groups: list[list[int]],
         dispatched: list[tuple[jax.Array, StepLogprobs | None, list[KVCache]]],
+        shardings: Sequence[NamedSharding],  # each stage's dense-KV sharding (`KVLayout.shardings`)
     ) -> None:
-        self._items, self._groups, self._dispatched = items, groups, dispatched
+        self._items, self._groups, self._dispatched, self._shardings = items, groups, dispatched, shardings
 
     def wait_first_stage(self) -> None:
         """Stage 0 is free once it has written every micro-batch's KV (its program's outputs)."""
@@ -759,10 +906,24 @@ class ModelPrefill:
             firsts_lp = _host_logprobs(lp, [items[i].sampling for i in g])
             for row, i in enumerate(g):
                 n = len(items[i].token_ids)
+                # [L_s, T, H, D] each, cut to the row's own padded length (programs the warm-up compiled)
+                kv = tuple(
+                    _row_kv(c.k, c.v, np.int32(row), sharding=sh) for c, sh in zip(caches, self._shardings, strict=True)
+                )
                 padded = bucket(n, MIN_PROMPT_BUCKET)
-                kv = tuple(StageKV(k=c.k[:, row, :padded], v=c.v[:, row, :padded]) for c in caches)  # [L_s, T, H, D]
+                if padded < kv[0].k.shape[1]:
+                    kv = slice_sequence(kv, 0, padded)
                 out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv, firsts_lp[row]))
         return PrefillResult(tuple(out))
+
+
+@partial(jax.jit, static_argnames=("sharding",))
+def _row_kv(k: jax.Array, v: jax.Array, row: jax.Array, *, sharding: NamedSharding) -> StageKV:
+    """Row `row` of a prefill batch's KV [L_s, B, T, H, D] -> [L_s, T, H, D], in the dense-KV `sharding`."""
+    pick = partial(jax.lax.dynamic_index_in_dim, index=row, axis=1, keepdims=False)
+    return StageKV(
+        k=jax.lax.with_sharding_constraint(pick(k), sharding), v=jax.lax.with_sharding_constraint(pick(v), sharding)
+    )
 
 
 def _host_logprobs(lp: StepLogprobs | None, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
