@@ -18,7 +18,9 @@ colocated and a disaggregated deployment (`--overhead-deployments`), two arms ea
 separate devices, both warmed first), run interleaved off, on, off, on, ... (`--reps`, >= 5) on two workloads:
 "0 % hit" (`--overhead-requests` prompts of unique random tokens, all submitted at once) and "multi-turn" (the
 conversation trace above, closed loop). Per repetition: the load average, throughput (prompt + output tokens
-per second of the run's wall time) and TTFT P50; then the medians and on / off.
+per second of the run's wall time), TTFT P50 and this process's CPU time per 1,000 tokens; then on / off of
+the medians, the median of each repetition's on / off (the two arms of a repetition run back to back) and
+on / off of the CPU time per token, which other processes' load moves far less than wall time.
 """
 
 from __future__ import annotations
@@ -322,6 +324,7 @@ class CostRun:
     tokens_per_s: float  # prompt + output tokens over the run's wall time
     ttft_p50: float
     hit_rate: float
+    cpu_ms_per_ktok: float = 0.0  # this process's CPU time over the run, per 1,000 tokens (robust to other load)
 
 
 def _unique_prompts(args: argparse.Namespace, vocab: int, rep: int, arm: int) -> list[tuple[int, ...]]:
@@ -351,7 +354,7 @@ def _burst_run(c: Controller, prompts: list[tuple[int, ...]], max_tokens: int, t
     before = _prompt_hits(c)
     load = os.getloadavg()[0]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     streams = [c.submit(GenerateRequest(f"{tag}-{i}", p, sampling)) for i, p in enumerate(prompts)]
     ttfts, tokens = [], 0
     for stream, prompt in zip(streams, prompts, strict=True):
@@ -359,18 +362,18 @@ def _burst_run(c: Controller, prompts: list[tuple[int, ...]], max_tokens: int, t
         assert last.timings is not None and last.timings.first_token_at is not None
         ttfts.append(last.timings.first_token_at - last.timings.arrival_at)
         tokens += len(prompt) + len(ids)
-    wall = time.perf_counter() - t0
-    return CostRun(load, tokens / wall, float(np.median(ttfts)), _hit_rate(c, before))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return CostRun(load, tokens / wall, float(np.median(ttfts)), _hit_rate(c, before), 1e6 * cpu / tokens)
 
 
 def _trace_run(c: Controller, trace: SharedPrefixWorkload) -> CostRun:
     load = os.getloadavg()[0]
     before = _prompt_hits(c)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     run = run_arm(c, trace)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = int(trace.workload.input_lens.sum() + trace.workload.output_lens.sum())
-    return CostRun(load, tokens / wall, run.ttft_p50, _hit_rate(c, before))
+    return CostRun(load, tokens / wall, run.ttft_p50, _hit_rate(c, before), 1e6 * cpu / tokens)
 
 
 def overhead(args: argparse.Namespace) -> int:
@@ -426,26 +429,41 @@ def overhead(args: argparse.Namespace) -> int:
                 c.shutdown(drain_timeout_s=0)
         print()
         print(f"{deployment}")
-        print("| workload | arm | rep | load avg | hit rate | tokens/s | TTFT P50 ms |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("| workload | arm | rep | load avg | hit rate | tokens/s | TTFT P50 ms | CPU ms / 1k tokens |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for (workload, name), rs in runs.items():
             for rep, r in enumerate(rs):
                 print(
                     f"| {workload} | {name} | {rep} | {r.load_average:.1f} | {r.hit_rate:.1%} | {r.tokens_per_s:.0f} "
-                    f"| {r.ttft_p50 * 1e3:.1f} |"
+                    f"| {r.ttft_p50 * 1e3:.1f} | {r.cpu_ms_per_ktok:.0f} |"
                 )
         med = statistics.median
         for workload in ("0 % hit", "multi-turn"):
             off, on = runs[(workload, "off")], runs[(workload, "on")]
             thr = med([r.tokens_per_s for r in on]) / med([r.tokens_per_s for r in off])
             ttft = med([r.ttft_p50 for r in on]) / med([r.ttft_p50 for r in off])
-            summary.append((deployment, workload, med([r.hit_rate for r in on]), thr, ttft))
+            # each repetition's on / off (the arms ran back to back, so they share that moment's load)
+            paired_thr = med([b.tokens_per_s / a.tokens_per_s for a, b in zip(off, on, strict=True)])
+            paired_ttft = med([b.ttft_p50 / a.ttft_p50 for a, b in zip(off, on, strict=True)])
+            cpu = med([r.cpu_ms_per_ktok for r in on]) / med([r.cpu_ms_per_ktok for r in off])
+            summary.append(
+                (deployment, workload, med([r.hit_rate for r in on]), thr, ttft, paired_thr, paired_ttft, cpu)
+            )
     print()
-    print("| deployment | workload | hit rate (on) | throughput on / off | TTFT P50 on / off |")
-    print("|---|---|---:|---:|---:|")
-    for deployment, workload, hit, thr, ttft in summary:
-        print(f"| {deployment} | {workload} | {hit:.1%} | {thr:.3f} | {ttft:.3f} |")
-    print(f"(medians over {args.reps} interleaved repetitions; {time.monotonic() - started:.0f} s)")
+    print(
+        "| deployment | workload | hit rate (on) | throughput on / off | TTFT P50 on / off "
+        "| paired throughput | paired TTFT | CPU per token on / off |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for deployment, workload, hit, thr, ttft, p_thr, p_ttft, cpu in summary:
+        print(
+            f"| {deployment} | {workload} | {hit:.1%} | {thr:.3f} | {ttft:.3f} | {p_thr:.3f} | {p_ttft:.3f} | {cpu:.3f} |"
+        )
+    print(
+        f"(medians over {args.reps} interleaved repetitions; paired: the median of each repetition's on / off; CPU: "
+        f"this process's CPU time per token, which other processes' load hardly moves; "
+        f"{time.monotonic() - started:.0f} s)"
+    )
     return 0
 
 
