@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -29,6 +27,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when Ray is import
 
 import httpx
 import pytest
+from ray_cluster import local_cluster
 from serving_helpers import running_server
 
 from jaxserve.core.limits import ServingLimits
@@ -41,7 +40,7 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
-from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController, loopback_only  # noqa: E402
+from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController  # noqa: E402
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
@@ -56,22 +55,8 @@ LEASE_S = 2.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ.update(RAY_TMPDIR=root, RAY_AUTH_MODE="disabled")
-    loopback_only()
-    ray.init(
-        _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=os.path.join(root, "ray"), num_cpus=4,
-        log_to_driver=False,
-    )  # fmt: skip
-    yield
-    ray.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with local_cluster(4, prefix="rp") as c:
+        yield c
 
 
 def _ray_config(engine: str = "opt") -> RayConfig:

@@ -14,24 +14,35 @@ one actor is added, the one it replaces retires. The faults:
   after routing (the prompts queued on it, submitted just before routing, go to the new one);
 * a new decode actor fails its build (a tp its model's K/V heads cannot split: the actor's constructor raises);
 * a decode actor gone for good before a switch to the same plan: the switch does not keep it but builds its shape
-  anew (a kept instance found dead is never routed).
+  anew (a kept instance found dead is never routed);
+* at the route swap (just before `route`): the retiring decode actor killed (`ray.kill`) while still routed and
+  running the streams (its next step held at a gate until the swap returned: its proxy finds it dead after it,
+  and the streams resume on the new actor); the new decode actor's process SIGKILLed (it is routed, Ray
+  restarts it, and the streams started after the swap find it at their first pull: the proxy recovers it);
+* forced retire: the retiring decode or prefill actor's calls held at a gate from just before the swap until the
+  drain timeout's `retire_drained(force=True)`, so its drain cannot end in time: the forced retire moves what
+  it holds and kills the actor; and the retiring decode actor killed (`ray.kill`) at that moment, its held step
+  then answered by a dead actor (its instance dies and its streams move by that path).
 
 The 24 streams start once the new actor is up (a switch's build takes longer than the fake engine's streams), so
-they are in flight at the fault. Every stream must equal the fake engine's hand-computed tokens (what any run
-without the switch gives); afterwards nothing is held (controller-side
-KV blocks and prefill buffer slots, the prefill actor's leased KVs, the decode actor's staged KVs), the plan the
-controller and gRPC `GetDeployment` report is the one serving, and no actor outside it is alive (its handle
-answers RayActorError, its process is gone, Ray's CPU count is back).
+they are in flight at the fault; for a fault at the route swap or the forced retire they start at the swap (just
+before it, or just after it for the new actor). The moments are events (a call reached, a call held at a gate),
+never a clock; a retire case's short drain timeout only ends a drain the gate keeps from ending. Every stream
+must equal the fake engine's hand-computed tokens (what any run without the switch gives); afterwards nothing is
+held (controller-side KV blocks and prefill buffer slots, the prefill actor's leased KVs, the decode actor's staged
+KVs), the plan the controller and gRPC `GetDeployment` report is the one serving, and no actor outside it is alive
+(its handle answers RayActorError, its process is gone, Ray's CPU count is back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray reads it at import: bind loopback only
@@ -398,5 +409,196 @@ def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) ->
     assert all(i.error is None for i in controller.routed_instances())
     load = Load(controller, "rebuilt")
     load.start()
+    load.check()
+    _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})
+
+
+# ---- route and forced retire -------------------------------------------------------------------
+
+
+class Gate:
+    """Holds the calls of `obj`'s `methods` while closed (open at first); counts the calls waiting. A call held
+    at a retiring instance's gate holds that instance's requests (a decode step its running streams, a prefill
+    its batch) without a clock."""
+
+    def __init__(self, obj: object, methods: Sequence[str]) -> None:
+        self.opened = threading.Event()
+        self.opened.set()
+        self.num_waiting = 0
+        self.timed_out = False
+        self._lock = threading.Lock()
+        for method in methods:
+            setattr(obj, method, self._wrap(getattr(obj, method)))
+
+    def _wrap(self, original: Callable[..., object]) -> Callable[..., object]:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            if not self.opened.is_set():
+                with self._lock:
+                    self.num_waiting += 1
+                if not self.opened.wait(120):  # a hang's deadline only: the test reports it
+                    self.timed_out = True
+                with self._lock:
+                    self.num_waiting -= 1
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    def close(self) -> None:
+        self.opened.clear()
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def await_held(self) -> None:
+        _wait(lambda: self.num_waiting > 0, "a call held at the gate")
+
+
+@contextlib.contextmanager
+def _around(
+    controller: RayController,
+    method: str,
+    before: Callable[..., None] = lambda *a, **k: None,
+    after: Callable[[], None] = lambda: None,
+) -> Iterator[None]:
+    """`before(*args)` ahead of and `after()` behind each call of `controller.<method>` (what the switch calls: an
+    instance attribute over the method, gone on exit)."""
+    original = getattr(controller, method)
+
+    def hooked(*args: object, **kwargs: object) -> object:
+        before(*args, **kwargs)
+        out = original(*args, **kwargs)
+        after()
+        return out
+
+    setattr(controller, method, hooked)
+    try:
+        yield
+    finally:
+        controller.__dict__.pop(method, None)
+
+
+def _routed(controller: RayController, role: str):  # type: ignore[no-untyped-def]
+    (inst,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == role]
+    return inst
+
+
+def _hold_requests(load: Load, gate: Gate, role: str) -> None:
+    """Just before the route swap: the retiring `role` instance holds requests at its gate. Decode: every stream
+    runs on it (each has streamed a token) and its next step waits; prefill: the prompts are queued on it and
+    its first batch waits."""
+    if role == "decode":
+        load.start()
+    gate.close()
+    if role == "prefill":
+        load.start(wait=False)
+    gate.await_held()
+
+
+def test_a_retiring_decode_actor_killed_at_the_route_swap(served) -> None:
+    """The retiring decode actor is killed (`ray.kill`, no restart) just before the swap, while it is still
+    routed and runs the 24 streams (each has streamed a token; its next step waits at a gate until the swap has
+    returned, so its proxy finds it dead after the swap): what it held resumes on the new decode actor."""
+    controller, server = served
+    before, handles, pids = _snapshot(controller)
+    target = _flipped(before, "decode")
+    old = _routed(controller, "decode")
+    load = Load(controller, "route-retiring-decode")
+    builder = LoadedBuilder(controller, load, load_at=None)
+    gate = Gate(old.engine, DRAIN_CALLS["decode"])
+    killed: list[int] = []
+
+    def at_swap(names: Sequence[str]) -> None:
+        _hold_requests(load, gate, "decode")
+        ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
+        killed.append(1)
+
+    rerouted = controller.fault_stats().num_rerouted_requests
+    try:
+        with _around(controller, "route", before=at_swap, after=gate.open):
+            report = _switch(controller, builder, target)
+    finally:
+        gate.open()
+    assert killed and not gate.timed_out
+    assert report.to_plan == target.describe() == controller.plan.describe() and not report.lost
+    assert [s.name for s in report.retired] == [old.name]
+    assert controller.fault_stats().num_rerouted_requests > rerouted  # moved off the dead actor
+    load.check()
+    _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})
+
+
+def test_a_new_decode_actor_sigkilled_at_the_route_swap_is_recovered(served) -> None:
+    """The new decode actor's process is SIGKILLed just before the swap (after its warm-up): it is routed, Ray
+    restarts it, and the 24 streams started right after the swap find it at their first pull; its proxy
+    recovers it (pool, warm-up) and they end token-identical on it."""
+    controller, server = served
+    before, handles, pids = _snapshot(controller)
+    target = _flipped(before, "decode")
+    load = Load(controller, "route-new-decode")
+    builder = LoadedBuilder(controller, load, load_at=None)
+
+    def at_swap(names: Sequence[str]) -> None:
+        (new,) = [n for n in names if n in builder.pids]
+        pid = builder.pids[new]
+        os.kill(pid, signal.SIGKILL)
+        _wait(functools.partial(_gone, pid), f"the new actor's process {pid} ends", 30)
+
+    restarts = controller.fault_stats().num_instance_restarts
+    with _around(controller, "route", before=at_swap, after=lambda: load.start(wait=False)):
+        report = _switch(controller, builder, target)
+    assert report.to_plan == target.describe() == controller.plan.describe() and not report.lost
+    load.check()
+    assert controller.fault_stats().num_instance_restarts > restarts
+    (new,) = report.added
+    assert ray.get(controller.actors[new].ping.remote(), timeout=60) != builder.pids[new]  # a new incarnation
+    _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})
+
+
+@pytest.mark.parametrize(
+    ("role", "killed"),
+    [
+        pytest.param("decode", False, id="decode-held"),
+        pytest.param("prefill", False, id="prefill-held"),
+        pytest.param("decode", True, id="decode-killed"),
+    ],
+)
+def test_a_retiring_actor_held_past_the_drain_is_retired_by_force(served, role: str, killed: bool) -> None:
+    """The retiring actor holds requests at a gate from just before the swap until the drain timeout's forced
+    retire, so its drain never ends in time: the forced retire stops it (the held call goes on and ends first),
+    moves what it still holds (running streams, resumed; queued or buffered prompts, prefilled again on the new
+    prefill actor) and kills its actor. With
+    `killed`, the actor is killed (`ray.kill`) at that moment, its held call answered by a dead actor: its proxy
+    says so, its instance dies and its requests move by that path."""
+    controller, server = served
+    before, handles, pids = _snapshot(controller)
+    target = _flipped(before, role)
+    old = _routed(controller, role)
+    load = Load(controller, f"forced-{role}-{'killed' if killed else 'held'}")
+    builder = LoadedBuilder(controller, load, load_at=None)
+    gate = Gate(old.engine, DRAIN_CALLS[role])
+    forced: list[int] = []
+
+    def at_forced_retire(force: bool = False) -> None:
+        if not force:
+            return
+        forced.append(1)
+        if killed:
+            ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
+        gate.open()
+
+    rerouted = controller.fault_stats().num_rerouted_requests
+    switcher = PlanSwitcher(controller, builder, drain_timeout_s=0.5, warmup_timeout_s=120)
+    try:
+        with (
+            _around(controller, "route", before=lambda names: _hold_requests(load, gate, role)),
+            _around(controller, "retire_drained", before=at_forced_retire),
+        ):
+            report = switcher.switch(target)
+    finally:
+        gate.open()
+    assert forced and not gate.timed_out
+    assert report.to_plan == target.describe() == controller.plan.describe() and not report.lost
+    assert [s.name for s in report.retired] == [old.name] and report.num_moved > 0
+    if killed:
+        assert controller.fault_stats().num_rerouted_requests > rerouted  # moved as a dead instance's
     load.check()
     _check_after(controller, server, {**handles, **builder.handles}, {**pids, **builder.pids})
