@@ -195,6 +195,55 @@ def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int,
         c.shutdown(drain_timeout_s=0)
 
 
+class _LostOnceOpenHandle(_GatedHandle):
+    """PENDING until the test opens the gate, then FAILED: its holder went away meanwhile."""
+
+    def poll(self) -> TransferState:
+        return TransferState.FAILED if self.gate.is_set() else TransferState.PENDING
+
+
+class _LosingTransfer:
+    """The in-process transfer, except that the first pull of each request in `lost` fails once the gate opens."""
+
+    def __init__(self, engine: Engine, lost: set[str], gate: threading.Event) -> None:
+        self.inner = InProcessTransfer(engine)
+        self.lost, self.gate = lost, gate
+
+    def start(self, seq: PrefilledSequence) -> InProcessHandle | _LostOnceOpenHandle:
+        handle = self.inner.start(seq)
+        if seq.request_id not in self.lost:
+            return handle
+        self.lost.discard(seq.request_id)  # its first pull only: a second one (after a re-route) succeeds
+        return _LostOnceOpenHandle(handle, self.gate)
+
+
+def test_a_pull_from_a_prefill_instance_retired_by_force_is_prefilled_again_whatever_the_policy() -> None:
+    # A switch retires a prefill instance by force (its drain timed out) while a decode instance still pulls a
+    # KV it held: the pull fails. Under on_pull_failure="fail" that failed the stream, though the request did
+    # nothing wrong and a live prefill instance remains; now it is prefilled again there, as when the holder dies.
+    gate = threading.Event()
+    c = _controller(
+        "disagg:prefill=2xtp1,decode=tp1",
+        transfer=lambda engine: _LosingTransfer(engine, {"held"}, gate),
+        pull_failure=PullFailureConfig(num_pull_retries=0, on_pull_failure="fail"),
+    )
+    try:
+        held = c.submit(_req("held", (5, 6, 7), max_tokens=10))
+        _wait_for(lambda: c.decode_instances[0].num_pulling == 1)  # its pull is in flight, the gate shut
+        (holder,) = [p for p in c.prefill_instances if p.get("held") is not None]
+        (other,) = [p for p in c.prefill_instances if p is not holder]
+        c.route([other.name, c.decode_instances[0].name])  # what a switch does: the holder retires
+        c.retire_drained(force=True)  # its drain timed out: stopped, its buffer dropped
+        assert not holder.alive and holder.error is None
+        gate.set()  # the pull now fails
+        assert held.collect(timeout_s=30)[0] == reference_tokens((5, 6, 7), 10, V)
+        assert c.stats().faults.num_rerouted_requests >= 1
+        assert c.decode_instances[0].cache.num_available == 64 and other.buffer_used == 0
+    finally:
+        gate.set()
+        c.shutdown(drain_timeout_s=0)
+
+
 # ---- 6. pulls overlap decoding -----------------------------------------------------------------
 
 

@@ -20,7 +20,9 @@ Loop (one thread, `Worker` shell), each `step()`:
    prefill instance still holds the KV), then the request is recomputed
    (`on_pull_failure="recompute"`: the controller prefills it again on a live
    prefill instance and it comes back here or elsewhere) or fails alone with
-   `KVTransferError` (`"fail"`). The instance keeps decoding the others.
+   `KVTransferError` (`"fail"`). A pull whose prefill instance died, or was
+   retired by a switch meanwhile, is recomputed whatever the policy: the request
+   did nothing wrong. The instance keeps decoding the others.
 3. execute: one `engine.decode_step` over every running sequence (one token
    each; the engine pads the batch to a bucketed size), or, with
    `decode_steps_per_call = N > 1` and an engine that can (`multi_step_decode`),
@@ -559,8 +561,11 @@ class DecodeInstance(Worker):
             log.warning("KV of %s failed its integrity check (%s); prefilling it again", rid, why)
             self.emitter.count_fault("recomputed")
             self.emitter.recompute(pull.live)
-        elif pull.source.error is not None:  # its prefill instance died: a re-route, whatever the policy
-            log.warning("KV of %s lost with %s; prefilling it again", rid, pull.source.name)
+        elif pull.source.error is not None or not pull.source.alive:
+            # its prefill instance died, or a switch retired it (stopped, its buffer dropped): a re-route, whatever
+            # the policy, since the request did nothing wrong and a live prefill instance can compute it again
+            how = "died" if pull.source.error is not None else "was retired"
+            log.warning("KV of %s lost: %s %s; prefilling it again", rid, pull.source.name, how)
             self.emitter.count_fault("rerouted")
             self.emitter.recompute(pull.live)
         elif self.config.pull_failure.on_pull_failure == "recompute":
