@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import numpy as np
 
+from jaxserve.commands import bench as bench_cli
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
@@ -56,15 +57,9 @@ from placement.simulator import SimOptions
 
 
 def conversation_spec(args: argparse.Namespace, cfg: Any) -> ConversationSpec:
-    """The multi-turn trace's shape from the command line (both modes of this script)."""
-    return ConversationSpec(
-        num_system_prompts=args.system_prompts,
-        system_prompt_tokens=args.system_tokens,
-        min_turns=args.min_turns,
-        max_turns=args.max_turns,
-        user_tokens=args.user_tokens,
-        answer_tokens=args.answer_tokens,
-        think_time_s=args.think_time,
+    """The multi-turn trace's shape from the command line (both modes of this script), within the KV pool."""
+    return bench_cli.conversation_spec(
+        args,
         max_positions=min(cfg.max_position_embeddings, args.num_kv_blocks * args.block_size),
         vocab_size=cfg.vocab_size,
     )

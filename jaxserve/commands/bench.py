@@ -33,7 +33,10 @@ import argparse
 import functools
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from placement.conversations import ConversationSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +229,25 @@ def _measure(
     return attainment(bench.records, slo) if slo is not None else 1.0
 
 
+def conversation_spec(args: argparse.Namespace, *, max_positions: int, vocab_size: int) -> ConversationSpec:
+    """The multi-turn trace's shape from the conversation options (`--system-prompts`, `--system-tokens`,
+    `--min-turns`, `--max-turns`, `--user-tokens`, `--answer-tokens`, `--think-time`); also used by
+    `scripts/bench_prefix_cache.py`, whose options bear the same names."""
+    from placement.conversations import ConversationSpec
+
+    return ConversationSpec(
+        num_system_prompts=args.system_prompts,
+        system_prompt_tokens=args.system_tokens,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        think_time_s=args.think_time,
+        max_positions=max_positions,
+        vocab_size=vocab_size,
+    )
+
+
 def _run_conversations(args: argparse.Namespace, rates: list[float], slo: Any) -> int:
     """`--conversations`: one closed-loop multi-turn run per target and rate."""
     import asyncio
@@ -236,7 +258,7 @@ def _run_conversations(args: argparse.Namespace, rates: list[float], slo: Any) -
     from jaxserve.tools.bench import loadgen
     from jaxserve.tools.bench.multiturn import grpc_sender, run_conversations
     from jaxserve.tools.bench.records import format_summary, summarize
-    from placement.conversations import ConversationSpec, generate_conversations
+    from placement.conversations import generate_conversations
 
     if args.http:
         return _fail("--conversations runs over gRPC (it reads usage.cached_tokens); drop --http")
@@ -252,14 +274,8 @@ def _run_conversations(args: argparse.Namespace, rates: list[float], slo: Any) -
         except Exception as e:
             return _fail(f"cannot reach {address}: {e}")
         try:
-            spec = ConversationSpec(
-                num_system_prompts=args.system_prompts,
-                system_prompt_tokens=args.system_tokens,
-                min_turns=args.min_turns,
-                max_turns=args.max_turns,
-                user_tokens=args.user_tokens,
-                answer_tokens=args.answer_tokens,
-                think_time_s=args.think_time,
+            spec = conversation_spec(
+                args,
                 max_positions=args.max_positions or info.max_positions or 2048,
                 vocab_size=args.vocab_size or info.vocab_size or 512,
             )
