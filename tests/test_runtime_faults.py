@@ -202,19 +202,14 @@ class _LostOnceOpenHandle(_GatedHandle):
         return TransferState.FAILED if self.gate.is_set() else TransferState.PENDING
 
 
-class _LosingTransfer:
-    """The in-process transfer, except that the first pull of each request in `lost` fails once the gate opens."""
-
-    def __init__(self, engine: Engine, lost: set[str], gate: threading.Event) -> None:
-        self.inner = InProcessTransfer(engine)
-        self.lost, self.gate = lost, gate
+class _LosingTransfer(_GatedTransfer):
+    """The in-process transfer, except that the first pull of each request in `gated` fails once the gate opens."""
 
     def start(self, seq: PrefilledSequence) -> InProcessHandle | _LostOnceOpenHandle:
-        handle = self.inner.start(seq)
-        if seq.request_id not in self.lost:
-            return handle
-        self.lost.discard(seq.request_id)  # its first pull only: a second one (after a re-route) succeeds
-        return _LostOnceOpenHandle(handle, self.gate)
+        if seq.request_id not in self.gated:
+            return self.inner.start(seq)
+        self.gated.discard(seq.request_id)  # its first pull only: a second one (after a re-route) succeeds
+        return _LostOnceOpenHandle(self.inner.start(seq), self.gate)
 
 
 def test_a_pull_from_a_prefill_instance_retired_by_force_is_prefilled_again_whatever_the_policy() -> None:
