@@ -11,8 +11,9 @@ dequantizes only the rows it holds). A parsed file is kept per process (`open_gg
 asks for the same file's config, weights, tokenizer and chat template several times.
 
 Why no on-disk cache of the dequantized weights: SmolLM2-135M's Q4_1 file (98 MB) dequantizes in
-~0.3 s here, less than reading its 540 MB of float32 back from disk would cost; what made a warm
-start slow was parsing the metadata (~2.5 s per parse, several parses per start).
+~0.3-0.6 s on a loaded 2-core machine; a cache would save that per engine for 540 MB of float32 on
+disk. What made a warm start slow was parsing the metadata (2-6 s per parse with the `gguf`
+package's reader, ~8 parses per two-instance start).
 
 llama.cpp's converter permutes the rows of the llama architecture's q/k projections (it pairs
 rotary dimensions as (2i, 2i+1), Hugging Face as (i, i + head_dim/2)); we undo that per head on
