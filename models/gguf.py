@@ -2,10 +2,18 @@
 
 A GGUF file carries its config as metadata (`llama.embedding_length`, ...), its tokenizer as metadata
 (`tokenizer.ggml.tokens`, `.merges`, `.token_type`, ...) and its tensors under llama.cpp names, many
-of them block-quantized. We read it with the `gguf` package (memory-mapped), dequantize to float32
-at load, and present the tensors under Hugging Face names as `[out, in]` arrays so the HF reader of
-`models.checkpoint` places them into any tp x pp layout (each device dequantizes only the rows it
-holds).
+of them block-quantized. We parse the header ourselves (the `gguf` package's reader takes seconds
+on a real vocabulary; see `_HeaderParser`), keep the tensor data memory-mapped, dequantize to
+float32 at load (`dequantize`: whole-array numpy for the float and 32-element block types, the
+`gguf` package for K-quants), and present the tensors under Hugging Face names as `[out, in]`
+arrays so the HF reader of `models.checkpoint` places them into any tp x pp layout (each device
+dequantizes only the rows it holds). A parsed file is kept per process (`open_gguf`): a start
+asks for the same file's config, weights, tokenizer and chat template several times.
+
+Why no on-disk cache of the dequantized weights: SmolLM2-135M's Q4_1 file (98 MB) dequantizes in
+~0.3-0.6 s on a loaded 2-core machine; a cache would save that per engine for 540 MB of float32 on
+disk. What made a warm start slow was parsing the metadata (2-6 s per parse with the `gguf`
+package's reader, ~8 parses per two-instance start).
 
 llama.cpp's converter permutes the rows of the llama architecture's q/k projections (it pairs
 rotary dimensions as (2i, 2i+1), Hugging Face as (i, i + head_dim/2)); we undo that per head on
@@ -19,6 +27,10 @@ type and shape, and that the file holds every tensor's bytes. A bad file is one 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import mmap
+import struct
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,12 +55,29 @@ _PERMUTED_ARCHITECTURES = ("llama",)
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a GGUF file's tensor table, and its raw bytes (memory-mapped, read-only).
+
+    `shape` is in GGUF order (fastest dimension first); `data` is `[rows, bytes per row]` uint8.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    type_name: str  # ggml's name ("Q4_1"); "type<N>" for an id this gguf package does not know
+    data_offset: int  # absolute, in the file
+    n_bytes: int
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class GGUFFile:
     """An opened GGUF file: its metadata as plain Python values and its tensors by GGUF name."""
 
     path: Path
     metadata: Mapping[str, Any]
-    tensors: Mapping[str, Any]  # name -> gguf.ReaderTensor
+    tensors: Mapping[str, TensorInfo]
+    size: int  # bytes
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -61,51 +90,156 @@ class GGUFFile:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
 
-def _field_value(field: Any) -> Any:
-    """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
+# GGUF metadata value types (the spec's numbering) -> struct format of a scalar, numpy dtype of an array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Truncated(Exception):
+    """The header, metadata or tensor table runs past the end of the file (or claims absurd counts)."""
+
+
+class _HeaderParser:
+    """Reads GGUF v2/v3's little-endian header, metadata and tensor table from a memory map.
+
+    Written for speed: a real vocabulary is ~100k strings, and the `gguf` package's reader spends
+    seconds building a numpy view per item; here a string is one `struct` read and one decode, a
+    numeric array one `np.frombuffer`.
+    """
+
+    def __init__(self, buf: memoryview):
+        self.buf = buf
+        self.pos = 0
+
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise _Truncated(f"needs {n} bytes at offset {self.pos}")
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.need(n)
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            if item_type in _SCALARS:
+                itemsize = struct.calcsize(_SCALARS[item_type])
+                self.need(count * itemsize)
+                out = np.frombuffer(self.buf, _SCALARS[item_type], count, self.pos).tolist()
+                self.pos += count * itemsize
+                return out
+            self.need(count * (8 if item_type == _STRING else 12))  # the least each item can take
+            return [self.value(item_type) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype} at offset {self.pos}")
+        return self.scalar(_SCALARS[vtype])
+
+
+def _parse(path: Path, buf: memoryview) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(metadata, [(name, GGUF-order shape, type id, offset relative to the data section)], data section start)."""
+    p = _HeaderParser(buf)
+    p.need(4)
+    if bytes(buf[:4]) != _GGUF_MAGIC:
+        raise ValueError(f"no GGUF magic (starts with {bytes(buf[:4])!r})")
+    p.pos = 4
+    version = p.scalar("<I")
+    if version not in (2, 3):
+        if version & 0xFFFF == 0:
+            raise UnsupportedModelError(f"{path}: big-endian GGUF files are not supported")
+        raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
+    num_tensors, num_kv = p.scalar("<Q"), p.scalar("<Q")
+    p.need(num_kv * 12 + num_tensors * 24)  # the least each entry can take
+    metadata: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key = p.string()
+        metadata[key] = p.value(p.scalar("<I"))
+    table = []
+    for _ in range(num_tensors):
+        name = p.string()
+        num_dims = p.scalar("<I")
+        p.need(8 * num_dims)
+        shape = tuple(p.scalar("<Q") for _ in range(num_dims))
+        table.append((name, shape, p.scalar("<I"), p.scalar("<Q")))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT)) or _DEFAULT_ALIGNMENT
+    return metadata, table, -(-p.pos // alignment) * alignment
+
+
+def _type_sizes(type_id: int) -> tuple[str, int, int]:
+    """(ggml name, elements per block, bytes per block) of a tensor type id."""
     import gguf
 
-    types = list(field.types)
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        item_type = types[-1]
-        if item_type == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]].tolist()[0]
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        return f"type{type_id}", 0, 0
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype.name, block, nbytes
+
+
+def _read_file(path: Path) -> GGUFFile:
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: not a readable GGUF file (0 bytes)")
+    with path.open("rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while the arrays below live
+    buf = memoryview(mm)
+    try:
+        metadata, table, data_start = _parse(path, buf)
+    except _Truncated as e:
+        raise CheckpointError(f"{path}: truncated GGUF file ({size} bytes): the header {e}") from e
+    except (ValueError, UnicodeDecodeError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({size} bytes): {e}") from e
+    whole = np.frombuffer(mm, np.uint8)
+    tensors: dict[str, TensorInfo] = {}
+    for name, shape, type_id, offset in table:
+        type_name, block, block_bytes = _type_sizes(type_id)
+        if block == 0:  # without its block size not even the tensor's length is known
+            raise UnsupportedModelError(f"{path}: tensor {name} has tensor type id {type_id}, unknown to this reader")
+        if not shape or shape[0] % block:
+            raise CheckpointError(f"{path}: tensor {name} of type {type_name} has an impossible shape {list(shape)}")
+        row_bytes = shape[0] // block * block_bytes
+        rows = int(np.prod(shape[1:], dtype=np.int64))
+        start = data_start + offset
+        if start + rows * row_bytes > size:
+            raise CheckpointError(
+                f"{path}: truncated GGUF file: tensor {name} ends at byte {start + rows * row_bytes}, the file has {size}"
+            )
+        data = whole[start : start + rows * row_bytes].reshape(rows, row_bytes)
+        tensors[name] = TensorInfo(name, shape, type_id, type_name, start, rows * row_bytes, data)
+    return GGUFFile(path, types.MappingProxyType(metadata), types.MappingProxyType(tensors), size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_file_cached(path: Path, identity: tuple[int, ...]) -> GGUFFile:
+    del identity  # part of the cache key only: a file replaced or rewritten is read afresh
+    return _read_file(path)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """Parse `path`'s header, metadata and tensor table (data stays memory-mapped).
+    """Parse `path`'s header, metadata and tensor table (data stays memory-mapped, read-only).
 
     A file that is not GGUF, or is cut short anywhere (header, metadata, any tensor's data), is a
-    `CheckpointError` here.
+    `CheckpointError` here. A start reads one file several times (config, each engine's weights,
+    tokenizer, chat template): the parsed file is kept per process, keyed by its path and identity
+    (device, inode, size, mtime, ctime), so a file replaced or rewritten is read afresh.
     """
-    import gguf
-
-    path = Path(path)
-    size = path.stat().st_size
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/... on short or foreign files
-        raise CheckpointError(f"{path}: not a readable GGUF file ({size} bytes): {type(e).__name__}: {e}") from e
-    metadata: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        metadata[name] = _field_value(field)
-    tensors: dict[str, Any] = {}
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise CheckpointError(
-                f"{path}: truncated GGUF file: tensor {t.name} ends at byte {end}, the file has {size}"
-            )
-        tensors[t.name] = t
-    return GGUFFile(path, metadata, tensors)
+    path = Path(path).absolute()
+    st = path.stat()
+    return _read_file_cached(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,30 +377,64 @@ def _unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return (h * head_dim + 2 * j + i).reshape(-1)
 
 
+def dequantize(raw: np.ndarray, type_name: str, num_cols: int) -> np.ndarray:
+    """Rows of a GGUF tensor's raw bytes (`[rows, bytes per row]` uint8) as float32 `[rows, num_cols]`.
+
+    F32/F16/BF16 and the 32-element block types Q8_0, Q4_0, Q4_1 are done here in whole-array numpy
+    (one pass over all rows, no per-group Python loop), with the same float32 operations in the same
+    order as `gguf.quants` (so the same bits; `tests/test_gguf.py` checks it). K-quants go to
+    `gguf.quants`.
+    """
+    rows = raw.shape[0]
+    raw = np.ascontiguousarray(raw)
+    if type_name == "F32":
+        return raw.view(np.float32).reshape(rows, num_cols)
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32).reshape(rows, num_cols)
+    if type_name == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, num_cols)
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        blocks = raw.reshape(rows, num_cols // 32, -1)  # [rows, blocks, bytes per block]
+        scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [rows, blocks, 1]
+        if type_name == "Q8_0":
+            values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.float32)  # [rows, blocks, 32]
+        else:
+            packed = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]  # [rows, blocks, 16]
+            # element i < 16 is byte i's low nibble, element 16 + i its high nibble
+            nibbles = np.concatenate([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=-1)  # [rows, blocks, 32]
+            if type_name == "Q4_0":
+                nibbles = nibbles.view(np.int8) - np.int8(8)
+            values = nibbles.astype(np.float32)
+        np.multiply(values, scale, out=values)  # in place: the float32 output is the one big array made
+        if type_name == "Q4_1":
+            np.add(values, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32), out=values)
+        return values.reshape(rows, num_cols)
+    import gguf
+
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return np.asarray(out, np.float32).reshape(rows, num_cols)
+
+
 class GGUFTensor:
     """One GGUF tensor as a lazily dequantized float32 array in Hugging Face layout (`[out, in]`).
 
     Indexing reads (and dequantizes) only the rows asked for; `row_map` is the q/k unpermutation.
     """
 
-    def __init__(self, tensor: Any, row_map: np.ndarray | None = None):
-        self.tensor = tensor
-        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dim first
+    def __init__(self, info: TensorInfo, row_map: np.ndarray | None = None):
+        self.info = info
+        self.shape = tuple(reversed(info.shape))  # GGUF lists the fastest dim first
         self.ndim = len(self.shape)
         self.dtype = np.dtype(np.float32)
         self.row_map = row_map
 
     def _rows(self, rows: Any) -> np.ndarray:
-        import gguf
-
-        raw = self.tensor.data
         if self.ndim == 1:
-            return np.asarray(gguf.quants.dequantize(np.asarray(raw), self.tensor.tensor_type), np.float32)[rows]
+            return dequantize(self.info.data, self.info.type_name, self.shape[0])[0][rows]
         src = np.arange(self.shape[0])[rows]
         if self.row_map is not None:
             src = self.row_map[src]
-        out = gguf.quants.dequantize(np.asarray(raw[src]), self.tensor.tensor_type)  # [len(rows), in]
-        return np.asarray(out, np.float32).reshape(len(src), self.shape[1])
+        return dequantize(self.info.data[src], self.info.type_name, self.shape[-1])  # [len(rows), in]
 
     def __getitem__(self, index: Any) -> np.ndarray:
         if not isinstance(index, tuple):
@@ -287,15 +455,12 @@ def hf_tensors(f: GGUFFile, cfg: LlamaConfig) -> dict[str, GGUFTensor]:
     a tensor we do not know (it would be silently dropped otherwise). Missing tensors and wrong
     shapes are left to `models.checkpoint.HFReader`, which checks every expected name.
     """
-    import gguf
-
     unsupported, unknown = [], []
     out: dict[str, GGUFTensor] = {}
     permuted = f.architecture in _PERMUTED_ARCHITECTURES
     for name, t in f.tensors.items():
-        type_name = gguf.GGMLQuantizationType(t.tensor_type).name
-        if type_name not in SUPPORTED_TYPES:
-            unsupported.append(f"{name} is {type_name}")
+        if t.type_name not in SUPPORTED_TYPES:
+            unsupported.append(f"{name} is {t.type_name}")
             continue
         target = hf_name(name)
         if target is None:
@@ -304,7 +469,7 @@ def hf_tensors(f: GGUFFile, cfg: LlamaConfig) -> dict[str, GGUFTensor]:
         row_map = None
         if permuted and name.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
             heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-            rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else int(t.shape[0])
+            rows = t.shape[-1]
             if rows % (2 * heads) == 0:  # else a wrong shape: HFReader names it
                 row_map = _unpermute_rows(rows, heads)
         out[target] = GGUFTensor(t, row_map)

@@ -272,7 +272,7 @@ def test_k_quant_tensors_dequantize_like_transformers(tmp_path: Path) -> None:
     path = write_gguf(
         _hf_model("llama", seed=4, layers=3), tmp_path / "k.gguf", Q.Q8_0, k_quants=(Q.Q4_K, Q.Q5_K, Q.Q6_K)
     )
-    assert {t for n, t in ((n, t.tensor_type.name) for n, t in checkpoint.gguf.open_gguf(path).tensors.items())
+    assert {t for n, t in ((n, t.type_name) for n, t in checkpoint.gguf.open_gguf(path).tensors.items())
             if "ffn_down" in n} == {"Q4_K", "Q5_K", "Q6_K"}  # fmt: skip
     cfg = checkpoint.load_gguf_config(path)
     params = checkpoint.load_gguf_params(path, cfg)
@@ -389,3 +389,115 @@ def test_rope_scaling_keys_map_to_the_config(tmp_path: Path) -> None:
     yarn = write_gguf(_hf_model("llama", seed=6), tmp_path / "y.gguf", metadata={"rope.scaling.type": "yarn"})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         checkpoint.load_gguf_config(yarn)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading: our header parser and dequantizer against the gguf package's, the per-process memo
+# ------------------------------------------------------------------------------------------
+
+
+def _reference_metadata(path: Path) -> dict[str, Any]:
+    """The file's metadata as `gguf.GGUFReader` (an independent reader) parses it."""
+    reader = gguf.GGUFReader(path, "r")
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        types = list(field.types)
+        if types[0] == gguf.GGUFValueType.ARRAY and types[-1] == gguf.GGUFValueType.STRING:
+            out[name] = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        elif types[0] == gguf.GGUFValueType.ARRAY:
+            out[name] = [field.parts[i].tolist()[0] for i in field.data]
+        elif types[0] == gguf.GGUFValueType.STRING:
+            out[name] = bytes(field.parts[field.data[0]]).decode("utf-8")
+        else:
+            out[name] = field.parts[field.data[0]].tolist()[0]
+    return out
+
+
+def test_header_parser_reads_what_the_gguf_package_reads(tmp_path: Path) -> None:
+    path = tmp_path / "kinds.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)  # not the default 32: the data section must start where the file says
+    for add, key, value in [
+        (w.add_uint8, "k.u8", 200), (w.add_int8, "k.i8", -100), (w.add_uint16, "k.u16", 60000),
+        (w.add_int16, "k.i16", -30000), (w.add_uint32, "k.u32", 4_000_000_000), (w.add_int32, "k.i32", -7),
+        (w.add_float32, "k.f32", 0.25), (w.add_uint64, "k.u64", 2**60), (w.add_int64, "k.i64", -(2**60)),
+        (w.add_float64, "k.f64", 1e-300), (w.add_bool, "k.bool", True), (w.add_string, "k.str", "né ünïcode"),
+        (w.add_array, "k.strs", ["a", "", "Ġthe", "<|im_end|>"]), (w.add_array, "k.ints", [3, 1, 4, 1, 5]),
+        (w.add_array, "k.floats", [0.5, -2.0]), (w.add_array, "k.empty", []),
+    ]:  # fmt: skip
+        add(key, value)  # type: ignore[operator]
+    rng = np.random.default_rng(0)
+    w.add_tensor("a", rng.normal(size=(3, 64)).astype(np.float32))
+    w.add_tensor("b", gguf.quants.quantize(rng.normal(size=(5, 96)).astype(np.float32), Q.Q4_1), raw_dtype=Q.Q4_1)
+    w.add_tensor("c", rng.normal(size=7).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours = checkpoint.gguf.open_gguf(path)
+    assert dict(ours.metadata) == _reference_metadata(path)
+    assert ours.metadata["k.u64"] == 2**60 and ours.metadata["k.str"] == "né ünïcode"
+    ref = {t.name: t for t in gguf.GGUFReader(path, "r").tensors}
+    assert set(ours.tensors) == set(ref) == {"a", "b", "c"}
+    for name, t in ours.tensors.items():
+        r = ref[name]
+        assert (t.shape, t.type_name, t.data_offset, t.n_bytes) == (
+            tuple(r.shape.tolist()), r.tensor_type.name, int(r.data_offset), int(r.n_bytes))  # fmt: skip
+        assert t.data.tobytes() == np.asarray(r.data).tobytes()
+    assert ours.tensors["b"].data.shape == (5, 96 // 32 * 20)  # [rows, bytes per row]
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda q: q.name)  # fmt: skip
+def test_dequantize_gives_the_gguf_packages_bits(qtype: Any) -> None:
+    rows, cols = 6, 512
+    rng = np.random.default_rng(int(qtype))
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        raw = _k_quant_blocks(qtype, rows, cols, seed=1)
+    else:
+        data = rng.normal(scale=3.0, size=(rows, cols)).astype(np.float32)
+        data[0, :32] = -(data[0, :32] ** 2)  # one all-negative block (a negative scale / minimum)
+        if qtype in (Q.F32, Q.F16):
+            data = data.astype(np.float32 if qtype == Q.F32 else np.float16)
+        else:
+            data = gguf.quants.quantize(data, qtype)
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
+    for pick in (slice(None), np.array([4, 1, 5])):  # all rows; a subset out of order (a device's q/k rows)
+        ref = np.asarray(gguf.quants.dequantize(raw[pick], qtype), np.float32).reshape(-1, cols)
+        got = checkpoint.gguf.dequantize(raw[pick], qtype.name, cols)
+        assert got.dtype == np.float32 and got.shape == ref.shape
+        assert got.tobytes() == ref.tobytes()
+        assert np.abs(got).max() > 0
+
+
+def test_the_parsed_file_is_kept_until_the_file_changes(tmp_path: Path) -> None:
+    hf = _hf_model("llama", seed=6)
+    path = write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0)
+    first = checkpoint.gguf.open_gguf(path)
+    assert checkpoint.gguf.open_gguf(path) is first  # config, weights, tokenizer: one parse
+    before = checkpoint.load_gguf_params(path)
+    # a new file moved over the old one (as `jaxserve pull` installs it): other weights, a longer context
+    new = write_gguf(_hf_model("llama", seed=7), tmp_path / "new.gguf", Q.Q8_0, metadata={"context_length": 512})
+    new.replace(path)
+    assert checkpoint.gguf.open_gguf(path) is not first
+    assert checkpoint.load_gguf_config(path).max_position_embeddings == 512
+    after = checkpoint.load_gguf_params(path)
+    assert not np.array_equal(after["embed_tokens"], before["embed_tokens"])
+    # rewritten in place with a different length
+    write_gguf(hf, path, Q.Q4_0)
+    assert checkpoint.gguf.open_gguf(path).tensors["blk.0.ffn_up.weight"].type_name == "Q4_0"
+
+
+@pytest.mark.parametrize("where", ["kv_count", "key_length"])
+def test_absurd_counts_are_refused_at_once(where: str, llama_q8: Path, tmp_path: Path) -> None:
+    """A corrupt count or length is a CheckpointError, not a huge allocation or a long loop."""
+    data = bytearray(llama_q8.read_bytes())
+    offset = 16 if where == "kv_count" else 24  # magic, version, tensor count | kv count | first key's length
+    data[offset : offset + 8] = (2**62).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="truncated GGUF file"):
+        checkpoint.source_config(bad)
