@@ -257,68 +257,6 @@ def _stack_stage(rp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
     return {**rp, "layers": stack(rp["layers"])}
 
 
-# ------------------------------------------------------------------------------------------
-# Stage functions (jitted once per stage with that stage's output shardings)
-# ------------------------------------------------------------------------------------------
-
-
-def _stage_prefill(
-    sp: Params, x: jax.Array, lengths: jax.Array, *, cfg: ModelConfig, first: bool, last: bool, all_logits: bool
-) -> tuple[jax.Array, KVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        b, t = x.shape
-        x = fam.embed(sp, cfg, x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    x, cache = fam.run_layers_prefill(sp["layers"], cfg, x, lengths)
-    if last:
-        if not all_logits:
-            x = fam.select_last(x, lengths)
-        return fam.lm_head(sp, cfg, x), cache
-    return x, cache
-
-
-def _stage_decode(
-    sp: Params, x: jax.Array, positions: jax.Array, cache: KVCache, *, cfg: ModelConfig, first: bool, last: bool
-) -> tuple[jax.Array, KVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        x = fam.embed(sp, cfg, x[:, None], positions[:, None])
-    x, cache = fam.run_layers_decode(sp["layers"], cfg, x, positions, cache)
-    if last:
-        return fam.lm_head(sp, cfg, x[:, 0]), cache
-    return x, cache
-
-
-def _stage_paged(
-    sp: Params,
-    x: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    *,
-    cfg: ModelConfig,
-    first: bool,
-    last: bool,
-    all_logits: bool,
-    attention: Impl = "xla",
-    block_layout: BlockLayout = "tokens",
-) -> tuple[jax.Array, PagedKVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        t = x.shape[1]
-        positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
-        x = fam.embed(sp, cfg, x, positions)
-    x, cache = fam.run_layers_paged(
-        sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
-    )
-    if last:
-        if not all_logits:
-            x = fam.select_last(x, lengths)
-        return fam.lm_head(sp, cfg, x), cache
-    return x, cache
-
-
 class ShardedModel:
     """A model's params (OPT or Llama-style) placed `tp` x `pp` ways, with prefill / decode / paged-extend
     across the stages; `ShardedOPT` and `ShardedLlama` are it for one family each.
@@ -433,15 +371,16 @@ class ShardedModel:
         fn = self._fns.get(key)
         if fn is None:
             st = self.layout.stages[stage]
+            dec = family(self.cfg).DECODER  # the family's pieces in the shared skeleton (`models.decoder`)
             flags: dict[str, Any] = {"cfg": self.cfg, "first": st.first, "last": stage == self.pp - 1}
             out = (st.replicated, st.kv_sharding)
             if kind == "prefill":
-                fn = jax.jit(partial(_stage_prefill, **flags, **static), out_shardings=out)
+                fn = jax.jit(partial(dec.stage_prefill, **flags, **static), out_shardings=out)
             elif kind == "decode":
-                fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
+                fn = jax.jit(partial(dec.stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
             elif kind == "paged":  # static carries the pool's block_layout
                 fn = jax.jit(
-                    partial(_stage_paged, **flags, **static, attention=self.stage_attention(stage)),
+                    partial(dec.stage_paged, **flags, **static, attention=self.stage_attention(stage)),
                     out_shardings=(st.replicated, st.pool_sharding(static["block_layout"])),
                     donate_argnums=(4,),
                 )
