@@ -32,12 +32,18 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
 from models.attention import KVCache, KVCacheT, KVShape, Layers, PagedKVCache, select_last
 from models.paged_attention import BlockLayout, Impl
 
 Params = dict[str, Any]
+
+# The mesh axis tensor parallelism splits over (`models.sharding`'s meshes; a family's `param_specs` name it).
+TP_AXIS = "tp"
+# A column-parallel kernel [L, in, out] split on `out` (its bias [L, out] too), a row-parallel one split on `in`.
+COLUMN_KERNEL, COLUMN_BIAS, ROW_KERNEL = P(None, None, TP_AXIS), P(None, TP_AXIS), P(None, TP_AXIS, None)
 
 CfgT = TypeVar("CfgT", bound=KVShape)
 

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
 from models import decoder
@@ -57,7 +58,7 @@ from models.attention import (
     unstack_layers,
 )
 from models.config import LlamaConfig
-from models.decoder import Params
+from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
 
 __all__ = [
     "DecodeCache",
@@ -117,6 +118,40 @@ def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> P
         else:
             out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def param_specs(cfg: LlamaConfig, first: bool, last: bool, kv_split: bool) -> dict[str, Any]:
+    """PartitionSpecs of a stage's param tree (the structure of `stage_params`; `models.sharding` places by it).
+
+    q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel, RMSNorm scales and the head
+    replicated; k/v replicated too when `kv_split` is false (tp a multiple of the K/V heads).
+    """
+    col, row = {"kernel": COLUMN_KERNEL, "bias": COLUMN_BIAS}, {"kernel": ROW_KERNEL}
+    kv_spec = col if kv_split else {"kernel": P(), "bias": P()}
+
+    def keep(spec: dict[str, P], bias: bool) -> dict[str, P]:
+        return spec if bias else {"kernel": spec["kernel"]}
+
+    specs: dict[str, Any] = {
+        "layers": {
+            "input_layernorm": {"scale": P()},
+            "q_proj": keep(col, cfg.qkv_bias),
+            "k_proj": keep(kv_spec, cfg.qkv_bias),
+            "v_proj": keep(kv_spec, cfg.qkv_bias),
+            "o_proj": {**row, "bias": P()} if cfg.o_bias else row,
+            "post_attention_layernorm": {"scale": P()},
+            "gate_proj": keep(col, False),
+            "up_proj": keep(col, False),
+            "down_proj": row,
+        }
+    }
+    if first or (last and cfg.tie_word_embeddings):
+        specs["embed_tokens"] = P()
+    if last:
+        specs["norm"] = {"scale": P()}
+        if not cfg.tie_word_embeddings:
+            specs["lm_head"] = P()
+    return specs
 
 
 def stage_params(params: Params, cfg: LlamaConfig, start: int, end: int) -> Params:

@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
 from models import decoder
@@ -68,7 +69,7 @@ from models.attention import (
     unstack_layers,
 )
 from models.config import OPT_POSITION_OFFSET, OPTConfig
-from models.decoder import Params
+from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
 
 # The shared KV layer's names, re-exported: the runtime reaches them as `opt.KVCache`, `opt.insert_into_pages`.
 __all__ = [
@@ -145,6 +146,35 @@ def param_shapes(cfg: OPTConfig, num_layers: int | None = None) -> dict[str, Any
     if cfg.has_final_layer_norm:
         shapes["final_layer_norm"] = ln()
     return shapes
+
+
+def param_specs(cfg: OPTConfig, first: bool, last: bool, kv_split: bool) -> dict[str, Any]:
+    """PartitionSpecs of a stage's param tree (the structure of `stage_params`; `models.sharding` places by it).
+
+    q/k/v and fc1 column-parallel, out_proj and fc2 row-parallel (their biases replicated, added after the
+    all-reduce); LayerNorms, embeddings and the tied head replicated. OPT has as many K/V heads as query
+    heads, so `kv_split` is always true.
+    """
+    del kv_split
+    col, row, ln = (
+        {"kernel": COLUMN_KERNEL, "bias": COLUMN_BIAS},
+        {"kernel": ROW_KERNEL, "bias": P()},
+        {"scale": P(), "bias": P()},
+    )
+    layers = {"q_proj": col, "k_proj": col, "v_proj": col, "out_proj": row, "fc1": col, "fc2": row}
+    specs: dict[str, Any] = {"layers": {**layers, "self_attn_layer_norm": ln, "final_layer_norm": ln}}
+    if first or last:
+        specs["embed_tokens"] = P()
+    if first:
+        specs["embed_positions"] = P()
+        if cfg.has_projections:
+            specs["project_in"] = P()
+    if last:
+        if cfg.has_projections:
+            specs["project_out"] = P()
+        if cfg.has_final_layer_norm:
+            specs["final_layer_norm"] = ln
+    return specs
 
 
 def stage_params(params: Params, cfg: OPTConfig, start: int, end: int) -> Params:
