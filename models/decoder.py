@@ -115,11 +115,7 @@ class Decoder(Generic[CfgT]):
             b, t = x.shape
             x = self.embed(sp, cfg, x, prompt_positions(b, t))
         x, cache = self.run_layers_prefill(sp["layers"], cfg, x, lengths)
-        if last:
-            if not all_logits:
-                x = select_last(x, lengths)
-            return self.lm_head(sp, cfg, x), cache
-        return x, cache
+        return (self._logits(sp, cfg, x, lengths, all_logits) if last else x), cache
 
     def stage_decode(
         self, sp: Params, x: jax.Array, positions: jax.Array, cache: KVCacheT, *, cfg: CfgT, first: bool, last: bool
@@ -128,9 +124,7 @@ class Decoder(Generic[CfgT]):
         if first:
             x = self.embed(sp, cfg, x[:, None], positions[:, None])
         x, cache = self.run_layers_decode(sp["layers"], cfg, x, positions, cache)
-        if last:
-            return self.lm_head(sp, cfg, x[:, 0]), cache
-        return x, cache
+        return (self.lm_head(sp, cfg, x[:, 0]) if last else x), cache
 
     def stage_paged(
         self,
@@ -154,11 +148,11 @@ class Decoder(Generic[CfgT]):
         x, cache = self.run_layers_paged(
             sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
         )
-        if last:
-            if not all_logits:
-                x = select_last(x, lengths)
-            return self.lm_head(sp, cfg, x), cache
-        return x, cache
+        return (self._logits(sp, cfg, x, lengths, all_logits) if last else x), cache
+
+    def _logits(self, sp: Params, cfg: CfgT, x: jax.Array, lengths: jax.Array, all_logits: bool) -> jax.Array:
+        """The last stage's end: logits at each row's last new token [B,V], or at every position [B,T,V]."""
+        return self.lm_head(sp, cfg, x if all_logits else select_last(x, lengths))
 
     # ---- the whole model (jitted per family by `jit_entry_points`) ------------------------------
 

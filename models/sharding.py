@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import checkpoint, llama, opt
+from models.attention import KVCache, PagedKVCache, stack_layers, unstack_layers
 from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError, kv_heads_split, tp_problems
-from models.decoder import TP_AXIS
-from models.opt import KVCache, PagedKVCache, Params
+from models.decoder import TP_AXIS, Params
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
 log = logging.getLogger(__name__)
@@ -185,12 +185,10 @@ def _unstack_stage(sp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
         return sp
     if fuses_projections(st):
         fam = family(cfg)
-        split = jax.jit(
-            lambda ls: [fam.fuse_layer(lp, cfg) for lp in opt.unstack_layers(ls)], out_shardings=st.replicated
-        )
+        split = jax.jit(lambda ls: [fam.fuse_layer(lp, cfg) for lp in unstack_layers(ls)], out_shardings=st.replicated)
         return {**sp, "layers": split(layers)}
     one = _layer_shardings(st)
-    split = jax.jit(opt.unstack_layers, out_shardings=[one] * st.num_layers)
+    split = jax.jit(unstack_layers, out_shardings=[one] * st.num_layers)
     return {**sp, "layers": split(layers)}
 
 
@@ -202,7 +200,7 @@ def fuses_projections(st: StageLayout) -> bool:
 def _stack_stage(rp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
     fam = family(cfg)
     stack = jax.jit(
-        lambda ls: opt.stack_layers([fam.unfuse_layer(lp, cfg) for lp in ls]),
+        lambda ls: stack_layers([fam.unfuse_layer(lp, cfg) for lp in ls]),
         out_shardings=st.param_shardings["layers"],
     )
     return {**rp, "layers": stack(rp["layers"])}
