@@ -22,6 +22,10 @@ What a family supplies:
 * `layer(cfg, positions [B, T], dtype) -> attention.LayerFn`: its layer body for a step whose new
   tokens sit at `positions` (rotary tables are built here, once per step, not once per layer);
 * `lm_head(params, cfg, x [..., h]) -> float32 logits [..., V]` (final norm included).
+
+The rest of a family file (param shapes, stage slices, partition specs, fused projections) is
+listed in docs/models.md; `TP_AXIS` and the column / row split specs here are what its
+`param_specs` are written in.
 """
 
 from __future__ import annotations
