@@ -24,8 +24,9 @@ Param tree (`h` hidden, `f` intermediate, `q = num_heads * head_dim`, `k = kv_he
 Kernels are `[in, out]` (Hugging Face Linear weights transposed); the LM head stays `[V, h]` as
 the embedding is, so both heads are read by the same product.
 
-Entry points as in `models.opt`: `prefill`, `decode` (contiguous `KVCache` or `DecodeCache`),
-`extend_paged` (a `PagedKVCache` block pool; T == 1 decode, T > 1 chunked prefill),
+The forward passes are the shared skeleton's (`models.decoder`) bound to this file's `embed`,
+`layer` and `lm_head`, as in `models.opt`: `prefill`, `decode` (contiguous `KVCache` or
+`DecodeCache`), `extend_paged` (a `PagedKVCache` block pool; T == 1 decode, T > 1 chunked prefill),
 `insert_into_pages`; stage pieces `embed`, `run_layers_prefill`, `run_layers_decode`,
 `run_layers_paged`, `lm_head`, `stage_params`.
 """
@@ -40,13 +41,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
+from models import decoder
 from models.attention import (
     DecodeCache,
     KVCache,
-    KVCacheT,
-    Layers,
     PagedKVCache,
     init_cache,
     init_paged_cache,
@@ -57,7 +58,7 @@ from models.attention import (
     unstack_layers,
 )
 from models.config import LlamaConfig
-from models.paged_attention import BlockLayout, Impl
+from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
 
 __all__ = [
     "DecodeCache",
@@ -71,8 +72,6 @@ __all__ = [
     "stack_layers",
     "unstack_layers",
 ]
-
-Params = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,6 +118,40 @@ def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> P
         else:
             out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def param_specs(cfg: LlamaConfig, first: bool, last: bool, kv_split: bool) -> dict[str, Any]:
+    """PartitionSpecs of a stage's param tree (the structure of `stage_params`; `models.sharding` places by it).
+
+    q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel, RMSNorm scales and the head
+    replicated; k/v replicated too when `kv_split` is false (tp a multiple of the K/V heads).
+    """
+    col, row = {"kernel": COLUMN_KERNEL, "bias": COLUMN_BIAS}, {"kernel": ROW_KERNEL}
+    kv_spec = col if kv_split else {"kernel": P(), "bias": P()}
+
+    def keep(spec: dict[str, P], bias: bool) -> dict[str, P]:
+        return spec if bias else {"kernel": spec["kernel"]}
+
+    specs: dict[str, Any] = {
+        "layers": {
+            "input_layernorm": {"scale": P()},
+            "q_proj": keep(col, cfg.qkv_bias),
+            "k_proj": keep(kv_spec, cfg.qkv_bias),
+            "v_proj": keep(kv_spec, cfg.qkv_bias),
+            "o_proj": {**row, "bias": P()} if cfg.o_bias else row,
+            "post_attention_layernorm": {"scale": P()},
+            "gate_proj": keep(col, False),
+            "up_proj": keep(col, False),
+            "down_proj": row,
+        }
+    }
+    if first or (last and cfg.tie_word_embeddings):
+        specs["embed_tokens"] = P()
+    if last:
+        specs["norm"] = {"scale": P()}
+        if not cfg.tie_word_embeddings:
+            specs["lm_head"] = P()
+    return specs
 
 
 def stage_params(params: Params, cfg: LlamaConfig, start: int, end: int) -> Params:
@@ -245,6 +278,11 @@ def _layer(
     return h + _linear(y, lp["down_proj"]), c, (k, v)
 
 
+def layer(cfg: LlamaConfig, positions: jax.Array, dtype: Any) -> kv.LayerFn:
+    """The layer body of a step whose new tokens sit at `positions` [B, T]: RoPE tables built once for all layers."""
+    return partial(_layer, cfg=cfg, rope=rope_tables(cfg, positions, dtype))
+
+
 # Projections of one input, fused into one matmul in the serving layout of a one-device stage (`fuse_layer`).
 FUSIONS: kv.Fusions = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -268,103 +306,12 @@ def unfuse_layer(lp: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
     return kv.unfuse_projections(lp, FUSIONS, dict(_qkv_parts(cfg) + _gate_up_parts(cfg)))
 
 
-def _layer_fn(cfg: LlamaConfig, positions: jax.Array, dtype: Any) -> kv.LayerFn:
-    return partial(_layer, cfg=cfg, rope=rope_tables(cfg, positions, dtype))
-
-
 # --------------------------------------------------------------------------------------------
-# Stage-level forward passes (a pipeline stage runs these on its layer slice)
+# Forward passes: the shared skeleton (`models.decoder`) over this file's embed, layer and head
 # --------------------------------------------------------------------------------------------
 
-
-def run_layers_prefill(layers: Layers, cfg: LlamaConfig, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Causal + padding-masked layers over right-padded prompts. x [B,T,h] -> (x, KVCache [L,B,T,KVH,D])."""
-    b, t, _ = x.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return kv.layers_prefill(layers, _layer_fn(cfg, positions, x.dtype), x, lengths, cfg.head_dim**-0.5)
-
-
-def run_layers_decode(
-    layers: Layers, cfg: LlamaConfig, x: jax.Array, positions: jax.Array, cache: KVCacheT
-) -> tuple[jax.Array, KVCacheT]:
-    """One token per row at `positions[b]` over a contiguous cache (`KVCache` or `DecodeCache`). x [B,1,h]."""
-    layer = _layer_fn(cfg, positions[:, None], x.dtype)
-    return kv.layers_decode(layers, layer, x, positions, cache, cfg.head_dim**-0.5)
-
-
-def run_layers_paged(
-    layers: Layers,
-    cfg: LlamaConfig,
-    x: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    attention: Impl = "xla",
-    block_layout: BlockLayout | None = None,
-) -> tuple[jax.Array, PagedKVCache]:
-    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names (`attention.layers_paged`). x [B,T,h]."""
-    t = x.shape[1]
-    positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
-    return kv.layers_paged(
-        layers, _layer_fn(cfg, positions, x.dtype), x, start_positions, lengths, cache, block_tables,
-        cfg.head_dim**-0.5, attention, block_layout,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# Whole-model entry points
-# --------------------------------------------------------------------------------------------
-
-
-@partial(jax.jit, static_argnames=("cfg", "all_logits"))
-def prefill(
-    params: Params, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Array, *, all_logits: bool = False
-) -> tuple[jax.Array, KVCache]:
-    """Right-padded prompts tokens [B,T] with true `lengths` [B].
-
-    Returns float32 logits [B,T,V] (all_logits) or at position `lengths - 1` [B,V], and K/V for all
-    T positions (padding positions hold values the caller ignores).
-    """
-    x = embed(params, cfg, tokens, tokens)
-    x, cache = run_layers_prefill(params["layers"], cfg, x, lengths)
-    if not all_logits:
-        x = select_last(x, lengths)
-    return lm_head(params, cfg, x), cache
-
-
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode(
-    params: Params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array, cache: KVCacheT
-) -> tuple[jax.Array, KVCacheT]:
-    """One token per row: tokens/positions [B]; writes K/V at `positions[b]`, attends to 0..positions[b].
-
-    `cache` is donated (updated in place). A position past the cache's length writes nothing.
-    """
-    x = embed(params, cfg, tokens[:, None], positions[:, None])
-    x, cache = run_layers_decode(params["layers"], cfg, x, positions, cache)
-    return lm_head(params, cfg, x[:, 0]), cache
-
-
-@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention", "block_layout"), donate_argnames=("cache",))
-def extend_paged(
-    params: Params,
-    cfg: LlamaConfig,
-    tokens: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    *,
-    all_logits: bool = False,
-    attention: Impl = "xla",
-    block_layout: BlockLayout | None = None,
-) -> tuple[jax.Array, PagedKVCache]:
-    """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV (see `opt.extend_paged`)."""
-    x = embed(params, cfg, tokens, tokens)
-    x, cache = run_layers_paged(
-        params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
-    )
-    if not all_logits:
-        x = select_last(x, lengths)
-    return lm_head(params, cfg, x), cache
+DECODER = decoder.Decoder(embed=embed, layer=layer, lm_head=lm_head)
+run_layers_prefill = DECODER.run_layers_prefill
+run_layers_decode = DECODER.run_layers_decode
+run_layers_paged = DECODER.run_layers_paged
+prefill, decode, extend_paged = decoder.jit_entry_points(DECODER)

@@ -19,23 +19,21 @@ Param tree (shapes for `cfg`; `E = cfg.embed_dim`, `h = cfg.hidden_size`, `f = c
       fc1                 {kernel [L, h, f], bias [L, f]}
       fc2                 {kernel [L, f, h], bias [L, h]}
 
-Kernels are `[in, out]` (Hugging Face Linear weights transposed). This file holds OPT's layers only;
-the caches, attention and the step kinds are the shared KV layer's (`models.attention`), whose
-names (`KVCache`, `DecodeCache`, `PagedKVCache`, `insert_into_pages`, ...) it re-exports. Three
-entry points share one layer body and differ only in how attention reads and writes K/V:
+Kernels are `[in, out]` (Hugging Face Linear weights transposed). This file holds OPT's layers only:
+its embedding (tokens + learned positions), its decoder layer body and its tied LM head. The caches,
+attention and the step kinds are the shared KV layer's (`models.attention`), whose names
+(`KVCache`, `DecodeCache`, `PagedKVCache`, `insert_into_pages`, ...) it re-exports; the forward
+passes are the shared skeleton's (`models.decoder`), bound here to OPT's pieces:
 
 * `prefill`  — right-padded prompts `[B, T]`, returns a contiguous `KVCache` `[L, B, T, H, D]`;
 * `decode`   — one token per sequence at its own position, over a contiguous `KVCache`;
 * `extend_paged` — `T >= 1` new tokens per sequence appended into a block pool (`PagedKVCache`)
   addressed by block tables; `T == 1` is a paged decode step, `T > 1` a chunked prefill.
 
-Attention attends to the positions the cache held before the call and to the new tokens in one
-float32 softmax. Each layer writes its new K/V into the (donated) cache before reading that layer
-back, so reads and in-place writes alternate and XLA copies no cache. Layers given as one dict per
-layer (`unstack_layers`, the serving layout of `models.sharding.ShardedOPT`) run as an unrolled
-loop that reads every weight in place; stacked leaves run as a `lax.scan` (slices of stacked
-weights are copies on XLA:CPU, so that form is for tests and tools). Decode attention over pages
-can run through `models.paged_attention` (XLA or a Pallas kernel).
+Layers given as one dict per layer (`unstack_layers`, the serving layout of
+`models.sharding.ShardedOPT`) run as an unrolled loop that reads every weight in place; stacked
+leaves run as a `lax.scan` (slices of stacked weights are copies on XLA:CPU, so that form is for
+tests and tools).
 
 Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layers_decode`,
 `run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`; `insert_into_pages` writes a
@@ -51,44 +49,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
+from models import decoder
 from models.attention import (
     DecodeCache,
     KVCache,
-    KVCacheT,
-    Layers,
     PagedKVCache,
     init_cache,
     init_paged_cache,
     insert_into_pages,
-    num_layers_of,
     paged_cache_shape,
     select_last,
     stack_layers,
     unstack_layers,
 )
 from models.config import OPT_POSITION_OFFSET, OPTConfig
-from models.paged_attention import BlockLayout, Impl
+from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
 
 # The shared KV layer's names, re-exported: the runtime reaches them as `opt.KVCache`, `opt.insert_into_pages`.
 __all__ = [
     "DecodeCache",
     "KVCache",
-    "KVCacheT",
-    "Layers",
     "PagedKVCache",
     "init_cache",
     "init_paged_cache",
     "insert_into_pages",
-    "num_layers_of",
     "paged_cache_shape",
     "select_last",
     "stack_layers",
     "unstack_layers",
 ]
-
-Params = dict[str, Any]
 
 
 def _as_dtype(dtype: Any) -> jnp.dtype:
@@ -148,6 +140,35 @@ def param_shapes(cfg: OPTConfig, num_layers: int | None = None) -> dict[str, Any
     if cfg.has_final_layer_norm:
         shapes["final_layer_norm"] = ln()
     return shapes
+
+
+def param_specs(cfg: OPTConfig, first: bool, last: bool, kv_split: bool) -> dict[str, Any]:
+    """PartitionSpecs of a stage's param tree (the structure of `stage_params`; `models.sharding` places by it).
+
+    q/k/v and fc1 column-parallel, out_proj and fc2 row-parallel (their biases replicated, added after the
+    all-reduce); LayerNorms, embeddings and the tied head replicated. OPT has as many K/V heads as query
+    heads, so `kv_split` is always true.
+    """
+    del kv_split
+    col, row, ln = (
+        {"kernel": COLUMN_KERNEL, "bias": COLUMN_BIAS},
+        {"kernel": ROW_KERNEL, "bias": P()},
+        {"scale": P(), "bias": P()},
+    )
+    layers = {"q_proj": col, "k_proj": col, "v_proj": col, "out_proj": row, "fc1": col, "fc2": row}
+    specs: dict[str, Any] = {"layers": {**layers, "self_attn_layer_norm": ln, "final_layer_norm": ln}}
+    if first or last:
+        specs["embed_tokens"] = P()
+    if first:
+        specs["embed_positions"] = P()
+        if cfg.has_projections:
+            specs["project_in"] = P()
+    if last:
+        if cfg.has_projections:
+            specs["project_out"] = P()
+        if cfg.has_final_layer_norm:
+            specs["final_layer_norm"] = ln
+    return specs
 
 
 def stage_params(params: Params, cfg: OPTConfig, start: int, end: int) -> Params:
@@ -245,6 +266,12 @@ def _layer(
     return h, c, (k, v)
 
 
+def layer(cfg: OPTConfig, positions: jax.Array, dtype: Any) -> kv.LayerFn:
+    """The layer body of a step (`decoder.Decoder.layer`); OPT's positions enter at `embed`, not here."""
+    del positions, dtype
+    return partial(_layer, cfg=cfg)
+
+
 # q/k/v fused into one matmul in the serving layout of a one-device stage (`fuse_layer`).
 FUSIONS: kv.Fusions = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
@@ -265,108 +292,14 @@ def unfuse_layer(lp: Mapping[str, Any], cfg: OPTConfig) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Stage-level forward passes (a pipeline stage runs these on its layer slice)
+# Forward passes: the shared skeleton (`models.decoder`) over this file's embed, layer and head
 # --------------------------------------------------------------------------------------------
 
-
-def run_layers_prefill(layers: Layers, cfg: OPTConfig, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Causal + padding-masked layers over right-padded prompts. x [B,T,h] -> (x, KVCache [L,B,T,H,D])."""
-    return kv.layers_prefill(layers, partial(_layer, cfg=cfg), x, lengths, cfg.head_dim**-0.5)
-
-
-def run_layers_decode(
-    layers: Layers, cfg: OPTConfig, x: jax.Array, positions: jax.Array, cache: KVCacheT
-) -> tuple[jax.Array, KVCacheT]:
-    """One token per row at `positions[b]` over a contiguous cache (`KVCache` or `DecodeCache`). x [B,1,h]."""
-    return kv.layers_decode(layers, partial(_layer, cfg=cfg), x, positions, cache, cfg.head_dim**-0.5)
-
-
-def run_layers_paged(
-    layers: Layers,
-    cfg: OPTConfig,
-    x: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    attention: Impl = "xla",
-    block_layout: BlockLayout | None = None,
-) -> tuple[jax.Array, PagedKVCache]:
-    """Append `lengths[b]` tokens per row into the pages `block_tables[b]` names (`attention.layers_paged`). x [B,T,h]."""
-    return kv.layers_paged(
-        layers, partial(_layer, cfg=cfg), x, start_positions, lengths, cache, block_tables, cfg.head_dim**-0.5,
-        attention, block_layout,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# Whole-model entry points
-# --------------------------------------------------------------------------------------------
-
-
-@partial(jax.jit, static_argnames=("cfg", "all_logits"))
-def prefill(
-    params: Params, cfg: OPTConfig, tokens: jax.Array, lengths: jax.Array, *, all_logits: bool = False
-) -> tuple[jax.Array, KVCache]:
-    """Right-padded prompts tokens [B,T] with true `lengths` [B].
-
-    Returns float32 logits [B,T,V] (all_logits) or at position `lengths - 1` [B,V], and K/V for all
-    T positions (padding positions hold values the caller ignores).
-    """
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, cfg, tokens, positions)
-    x, cache = run_layers_prefill(params["layers"], cfg, x, lengths)
-    if not all_logits:
-        x = select_last(x, lengths)
-    return lm_head(params, cfg, x), cache
-
-
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode(
-    params: Params, cfg: OPTConfig, tokens: jax.Array, positions: jax.Array, cache: KVCacheT
-) -> tuple[jax.Array, KVCacheT]:
-    """One token per row: tokens/positions [B]; writes K/V at `positions[b]`, attends to 0..positions[b].
-
-    `cache` is donated (updated in place). A position past the cache's length writes nothing.
-    A `DecodeCache` (`DecodeCache.from_kv(prefill_kv, max_len)`) is the fast layout; a stacked
-    `KVCache` [L,B,T,H,D] also works but slices and transposes each layer every step.
-    """
-    x = embed(params, cfg, tokens[:, None], positions[:, None])
-    x, cache = run_layers_decode(params["layers"], cfg, x, positions, cache)
-    return lm_head(params, cfg, x[:, 0]), cache
-
-
-@partial(jax.jit, static_argnames=("cfg", "all_logits", "attention", "block_layout"), donate_argnames=("cache",))
-def extend_paged(
-    params: Params,
-    cfg: OPTConfig,
-    tokens: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    *,
-    all_logits: bool = False,
-    attention: Impl = "xla",
-    block_layout: BlockLayout | None = None,
-) -> tuple[jax.Array, PagedKVCache]:
-    """Append tokens [B,T] (first `lengths[b]` valid) at `start_positions[b]..` into paged KV.
-
-    Each new token attends to positions `< start_positions[b]` of its sequence's pages (slots past
-    that are ignored, so a reused block needs no clearing) and causally to the new tokens. Logits
-    at the last new token [B,V] (or all [B,T,V]). Rows with `lengths[b] == 0` write nothing.
-    `cache` is donated (updated in place).
-    """
-    t = tokens.shape[1]
-    positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
-    x = embed(params, cfg, tokens, positions)
-    x, cache = run_layers_paged(
-        params["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
-    )
-    if not all_logits:
-        x = select_last(x, lengths)
-    return lm_head(params, cfg, x), cache
+DECODER = decoder.Decoder(embed=embed, layer=layer, lm_head=lm_head)
+run_layers_prefill = DECODER.run_layers_prefill
+run_layers_decode = DECODER.run_layers_decode
+run_layers_paged = DECODER.run_layers_paged
+prefill, decode, extend_paged = decoder.jit_entry_points(DECODER)
 
 
 def num_params(params: Params) -> int:

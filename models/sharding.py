@@ -11,7 +11,8 @@ Llama-style (`models.llama`): q/k/v and gate/up are column-parallel, o_proj and 
 row-parallel, RMSNorm scales and the head replicated. Query heads split over `tp`; K/V heads split
 too where `tp` divides them, and where `tp` is a multiple of them every device holds all K/V heads
 (k/v projections and the cache replicated; each device's query heads read the K/V head of their
-group). Any other `tp` is refused with the reason.
+group). Any other `tp` is refused with the reason. Each family's file holds its partition specs
+(`param_specs`, the structure of its `stage_params`); this module builds the meshes and places by them.
 
 Pipeline parallelism: `pp` contiguous, equal layer ranges; stage s runs on its own 1-D mesh over
 devices `[s*tp, (s+1)*tp)` (devices are stage-major). Activations move between stages with
@@ -37,46 +38,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import checkpoint, llama, opt
+from models.attention import KVCache, PagedKVCache, stack_layers, unstack_layers
 from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError, kv_heads_split, tp_problems
-from models.opt import KVCache, PagedKVCache, Params
+from models.decoder import TP_AXIS, Params
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
 log = logging.getLogger(__name__)
-
-TP_AXIS = "tp"
-
-# Partition specs of the per-layer leaves (leading axis = layer).
-_LAYER_SPECS: dict[str, dict[str, P]] = {
-    "q_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
-    "k_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
-    "v_proj": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
-    "out_proj": {"kernel": P(None, TP_AXIS, None), "bias": P()},
-    "fc1": {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)},
-    "fc2": {"kernel": P(None, TP_AXIS, None), "bias": P()},
-    "self_attn_layer_norm": {"scale": P(), "bias": P()},
-    "final_layer_norm": {"scale": P(), "bias": P()},
-}
-
-
-def _llama_layer_specs(cfg: LlamaConfig, kv_split: bool) -> dict[str, dict[str, P]]:
-    """Llama-style layer leaves: column-parallel q/k/v, gate/up; row-parallel o/down; K/V replicated unless split."""
-    col, row = {"kernel": P(None, None, TP_AXIS), "bias": P(None, TP_AXIS)}, {"kernel": P(None, TP_AXIS, None)}
-    kv = col if kv_split else {"kernel": P(), "bias": P()}
-
-    def keep(spec: dict[str, P], bias: bool) -> dict[str, P]:
-        return spec if bias else {"kernel": spec["kernel"]}
-
-    return {
-        "input_layernorm": {"scale": P()},
-        "q_proj": keep(col, cfg.qkv_bias),
-        "k_proj": keep(kv, cfg.qkv_bias),
-        "v_proj": keep(kv, cfg.qkv_bias),
-        "o_proj": {**row, "bias": P()} if cfg.o_bias else row,
-        "post_attention_layernorm": {"scale": P()},
-        "gate_proj": keep(col, False),
-        "up_proj": keep(col, False),
-        "down_proj": row,
-    }
 
 
 # [L, B, T, H, D] and [L, num_blocks, block_size, H, D]: heads split.
@@ -92,9 +59,14 @@ def pool_spec(block_layout: BlockLayout, kv_split: bool = True) -> P:
     return HEADS_POOL_SPEC if block_layout == "heads" else KV_SPEC
 
 
+# Each config type's family module: its layers, params and partition specs, and the shared skeleton
+# (`models.decoder`) bound to them (docs/models.md, "Adding a family").
+FAMILIES: dict[type, ModuleType] = {OPTConfig: opt, LlamaConfig: llama}
+
+
 def family(cfg: ModelConfig) -> ModuleType:
     """The model module (`models.opt` or `models.llama`) whose functions run `cfg`."""
-    return llama if isinstance(cfg, LlamaConfig) else opt
+    return FAMILIES[type(cfg)]
 
 
 def validate_parallelism(cfg: ModelConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
@@ -122,29 +94,8 @@ def stage_layer_ranges(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
 
 
 def param_specs(cfg: ModelConfig, first: bool = True, last: bool = True, tp: int = 1) -> dict[str, Any]:
-    """PartitionSpecs for a stage's param tree (same structure as the family's `stage_params`)."""
-    if isinstance(cfg, LlamaConfig):
-        specs: dict[str, Any] = {"layers": _llama_layer_specs(cfg, kv_heads_split(cfg, tp))}
-        if first or (last and cfg.tie_word_embeddings):
-            specs["embed_tokens"] = P()
-        if last:
-            specs["norm"] = {"scale": P()}
-            if not cfg.tie_word_embeddings:
-                specs["lm_head"] = P()
-        return specs
-    specs = {"layers": {k: dict(v) for k, v in _LAYER_SPECS.items()}}
-    if first or last:
-        specs["embed_tokens"] = P()
-    if first:
-        specs["embed_positions"] = P()
-        if cfg.has_projections:
-            specs["project_in"] = P()
-    if last:
-        if cfg.has_projections:
-            specs["project_out"] = P()
-        if cfg.has_final_layer_norm:
-            specs["final_layer_norm"] = {"scale": P(), "bias": P()}
-    return specs
+    """PartitionSpecs for a stage's param tree (the family's `param_specs`, same structure as its `stage_params`)."""
+    return family(cfg).param_specs(cfg, first, last, kv_heads_split(cfg, tp))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,12 +185,10 @@ def _unstack_stage(sp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
         return sp
     if fuses_projections(st):
         fam = family(cfg)
-        split = jax.jit(
-            lambda ls: [fam.fuse_layer(lp, cfg) for lp in opt.unstack_layers(ls)], out_shardings=st.replicated
-        )
+        split = jax.jit(lambda ls: [fam.fuse_layer(lp, cfg) for lp in unstack_layers(ls)], out_shardings=st.replicated)
         return {**sp, "layers": split(layers)}
     one = _layer_shardings(st)
-    split = jax.jit(opt.unstack_layers, out_shardings=[one] * st.num_layers)
+    split = jax.jit(unstack_layers, out_shardings=[one] * st.num_layers)
     return {**sp, "layers": split(layers)}
 
 
@@ -251,72 +200,10 @@ def fuses_projections(st: StageLayout) -> bool:
 def _stack_stage(rp: Params, st: StageLayout, cfg: ModelConfig) -> Params:
     fam = family(cfg)
     stack = jax.jit(
-        lambda ls: opt.stack_layers([fam.unfuse_layer(lp, cfg) for lp in ls]),
+        lambda ls: stack_layers([fam.unfuse_layer(lp, cfg) for lp in ls]),
         out_shardings=st.param_shardings["layers"],
     )
     return {**rp, "layers": stack(rp["layers"])}
-
-
-# ------------------------------------------------------------------------------------------
-# Stage functions (jitted once per stage with that stage's output shardings)
-# ------------------------------------------------------------------------------------------
-
-
-def _stage_prefill(
-    sp: Params, x: jax.Array, lengths: jax.Array, *, cfg: ModelConfig, first: bool, last: bool, all_logits: bool
-) -> tuple[jax.Array, KVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        b, t = x.shape
-        x = fam.embed(sp, cfg, x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    x, cache = fam.run_layers_prefill(sp["layers"], cfg, x, lengths)
-    if last:
-        if not all_logits:
-            x = fam.select_last(x, lengths)
-        return fam.lm_head(sp, cfg, x), cache
-    return x, cache
-
-
-def _stage_decode(
-    sp: Params, x: jax.Array, positions: jax.Array, cache: KVCache, *, cfg: ModelConfig, first: bool, last: bool
-) -> tuple[jax.Array, KVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        x = fam.embed(sp, cfg, x[:, None], positions[:, None])
-    x, cache = fam.run_layers_decode(sp["layers"], cfg, x, positions, cache)
-    if last:
-        return fam.lm_head(sp, cfg, x[:, 0]), cache
-    return x, cache
-
-
-def _stage_paged(
-    sp: Params,
-    x: jax.Array,
-    start_positions: jax.Array,
-    lengths: jax.Array,
-    cache: PagedKVCache,
-    block_tables: jax.Array,
-    *,
-    cfg: ModelConfig,
-    first: bool,
-    last: bool,
-    all_logits: bool,
-    attention: Impl = "xla",
-    block_layout: BlockLayout = "tokens",
-) -> tuple[jax.Array, PagedKVCache]:
-    fam = family(cfg)  # models.opt or models.llama
-    if first:
-        t = x.shape[1]
-        positions = start_positions[:, None] + jnp.arange(t, dtype=start_positions.dtype)[None, :]
-        x = fam.embed(sp, cfg, x, positions)
-    x, cache = fam.run_layers_paged(
-        sp["layers"], cfg, x, start_positions, lengths, cache, block_tables, attention, block_layout
-    )
-    if last:
-        if not all_logits:
-            x = fam.select_last(x, lengths)
-        return fam.lm_head(sp, cfg, x), cache
-    return x, cache
 
 
 class ShardedModel:
@@ -335,7 +222,7 @@ class ShardedModel:
     """
 
     # The configs this class serves (a subclass narrows it to its family).
-    config_types: tuple[type, ...] = (OPTConfig, LlamaConfig)
+    config_types: tuple[type, ...] = tuple(FAMILIES)
 
     def __init__(self, cfg: ModelConfig, tp: int, pp: int, layout: ParallelLayout, stage_params: list[Params]) -> None:
         _check_config(type(self), cfg)
@@ -433,15 +320,16 @@ class ShardedModel:
         fn = self._fns.get(key)
         if fn is None:
             st = self.layout.stages[stage]
+            dec = family(self.cfg).DECODER  # the family's pieces in the shared skeleton (`models.decoder`)
             flags: dict[str, Any] = {"cfg": self.cfg, "first": st.first, "last": stage == self.pp - 1}
             out = (st.replicated, st.kv_sharding)
             if kind == "prefill":
-                fn = jax.jit(partial(_stage_prefill, **flags, **static), out_shardings=out)
+                fn = jax.jit(partial(dec.stage_prefill, **flags, **static), out_shardings=out)
             elif kind == "decode":
-                fn = jax.jit(partial(_stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
+                fn = jax.jit(partial(dec.stage_decode, **flags), out_shardings=out, donate_argnums=(3,))
             elif kind == "paged":  # static carries the pool's block_layout
                 fn = jax.jit(
-                    partial(_stage_paged, **flags, **static, attention=self.stage_attention(stage)),
+                    partial(dec.stage_paged, **flags, **static, attention=self.stage_attention(stage)),
                     out_shardings=(st.replicated, st.pool_sharding(static["block_layout"])),
                     donate_argnums=(4,),
                 )
@@ -608,5 +496,6 @@ def _check_config(cls: type[ShardedModel], cfg: ModelConfig) -> None:
 
 
 def sharded_class(cfg: ModelConfig) -> type[ShardedModel]:
-    """The sharded-model class of `cfg`'s family."""
-    return ShardedLlama if isinstance(cfg, LlamaConfig) else ShardedOPT
+    """The sharded-model class of `cfg`'s family (`ShardedModel` itself for a family without its own)."""
+    classes: dict[type, type[ShardedModel]] = {OPTConfig: ShardedOPT, LlamaConfig: ShardedLlama}
+    return classes.get(type(cfg), ShardedModel)
