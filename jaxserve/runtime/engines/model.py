@@ -78,6 +78,7 @@ from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
     logprobs_rows,
+    pad_rows,
     sample,
     sample_traced,
     sampling_inputs,
@@ -173,6 +174,11 @@ class ModelEngine(BackgroundWarmup, Engine):
         self._ready_inserts: frozenset[int] = frozenset()
         self._ready_gathers: frozenset[int] = frozenset()
         self._ready_slices: frozenset[tuple[int, int]] = frozenset()
+        # Row counts whose random sampler is compiled, and the pads (rows, up to rows) to one of them: a batch that
+        # samples at random on a row count whose own sampler the background still compiles is sampled padded up
+        # (`_sampling_rows`; its rows' tokens are the same). Read only while covering is on. Replaced, never mutated.
+        self._ready_random: frozenset[int] = frozenset()
+        self._ready_pads: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def load(
@@ -312,11 +318,17 @@ class ModelEngine(BackgroundWarmup, Engine):
             single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
             held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
             prefill_now = held + [x for x in single if x not in held]
+        # With `background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
+        # count only, the most rows of a foreground bucket; the others' are padded up to it until theirs are in.
+        random_rows: int | None = None
         if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+            random_rows = max(b for b, _ in prefill_now) if prefill_now else None
             cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
                 compiles = [
-                    threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False)
+                    threads.submit(
+                        self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False, random_rows=random_rows
+                    )
                     for x in prefill_now
                 ]
                 compiles += [threads.submit(self._precompile_slice, t, n) for t, n in cuts]
@@ -354,11 +366,13 @@ class ModelEngine(BackgroundWarmup, Engine):
                 if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
                     steps_now = []
             mark = time.perf_counter()
+            if background and steps_now:
+                random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
-                self._warm_sampling(logits, rand, greedy, logprobs)
+                self._warm_sampling(logits, rand, greedy, logprobs, random_rows)
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
@@ -417,11 +431,22 @@ class ModelEngine(BackgroundWarmup, Engine):
                 copies, slices = [], []
                 phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
+        sampler_jobs: list[CompileJob] = []
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
         if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
             self._cover = True
         if background:
             self._cover = True
+            # first the random samplers the foreground padded up: a lone prompt's or stream's bucket has its own then
+            foreground_rows = sorted({x[0] for x in (*prefill_now, *step_shapes)} - self._ready_random)
+            sampler_jobs = [
+                CompileJob(
+                    f"random sampler ({b} rows)",
+                    partial(self._compile_random_sampler, b, rand, greedy, logprobs),
+                    partial(self._publish, "_ready_random", b),
+                )
+                for b in foreground_rows
+            ]
             prefill_jobs = [
                 CompileJob(
                     f"prefill {x}",
@@ -442,15 +467,15 @@ class ModelEngine(BackgroundWarmup, Engine):
             unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
             # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
             # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
-            jobs = [*prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
+            jobs = [*sampler_jobs, *prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
             if jobs:
                 self._start_background(jobs)
         log.info(
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
-            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices)} more programs compile in the "
-            "background)" if background else "",
+            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs)} more programs "
+            "compile in the background)" if background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
@@ -473,6 +498,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
                 self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
         self._ready_slices = self._ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
+        self._publish("_ready_random", b)  # row 0 sampled at random
 
     def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None:
         """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too)."""
@@ -480,10 +506,19 @@ class ModelEngine(BackgroundWarmup, Engine):
         ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings).result()
 
     def _precompile_prefill(
-        self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool, *, cuts: bool = True
+        self,
+        b: int,
+        t: int,
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+        *,
+        cuts: bool = True,
+        random_rows: int | None = None,
     ) -> None:
         """Compile the prefill bucket (b, t) without running it, and what its result takes apart: each row's
-        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits."""
+        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits
+        (`_warm_sampling`: the random one padded up to `random_rows`, if given)."""
         self.model.precompile_prefill(b, t)
         row = jax.ShapeDtypeStruct((), jnp.int32)
         for s, (num_layers, sharding) in enumerate(zip(self._layout.stage_layers, self._layout.shardings, strict=True)):
@@ -494,9 +529,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             if (t, n) not in self._ready_slices:
                 precompile_slice(self._dense_like(t), n)
                 self._publish("_ready_slices", (t, n))
-        last = self.model.pp - 1
-        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
-        self._warm_sampling(logits, rand, greedy, logprobs)
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs, random_rows)
 
     def _pool_copy_jobs(self, pages: KVPages, max_len: int) -> tuple[list[CompileJob], list[CompileJob]]:
         """A prefix-caching prefill instance's KV copies on a pool shaped like `pages` (shapes only), for every
@@ -571,15 +604,59 @@ class ModelEngine(BackgroundWarmup, Engine):
         """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
         samplers on placeholder logits."""
         self.model.precompile_paged(b, t, m, caches)
-        last = self.model.pp - 1
-        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
-        self._warm_sampling(logits, rand, greedy, logprobs)
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
 
-    def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+    def _logits_like(self, b: int) -> jax.Array:
+        """Placeholder logits [b, V] where the model leaves its logits (replicated on the last stage)."""
+        last = self.model.pp - 1
+        return jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+
+    def _warm_sampling(
+        self,
+        logits: jax.Array,
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+        random_rows: int | None = None,
+    ) -> None:
+        """Run the samplers of `logits`' row count once: greedy (and its logprobs), and random; with `random_rows`
+        (another row count, whose random sampler is compiled beside this one) only the pad of these logits up to
+        it: this row count's own random sampler is left to the background (`_compile_random_sampler`)."""
         b = logits.shape[0]
-        sample(logits, [greedy] * b, [0] * b, [0] * b)
-        sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
-        jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
+        greedy_tokens = sample(logits, [greedy] * b, [0] * b, [0] * b)
+        out = [token_logprobs(logits, greedy_tokens) if logprobs else greedy_tokens]
+        pad = random_rows is not None and random_rows != b
+        if pad:
+            out.append(pad_rows(logits, random_rows))
+        else:
+            sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
+            out.append(token_logprobs(logits, sampled) if logprobs else sampled)
+        jax.block_until_ready(out)
+        if pad:
+            self._publish("_ready_pads", (b, random_rows))
+        else:
+            self._publish("_ready_random", b)
+
+    def _compile_random_sampler(self, b: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+        """A background job: the random sampler of `b` rows (a foreground bucket's, padded up until it is in)."""
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
+
+    def _sampling_rows(self, rows: int, params: Sequence[SamplingParams]) -> int:
+        """The rows a batch's `rows` logits are sampled on: its own, unless some row samples at random while the
+        background still compiles that sampler; then the compiled random sampler its logits are padded up to."""
+        if not self._cover or rows in self._ready_random or all(p.is_greedy for p in params):
+            return rows
+        return min((r for b, r in self._ready_pads if b == rows and r in self._ready_random), default=rows)
+
+    def _sample(
+        self, logits: jax.Array, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+    ) -> tuple[jax.Array, jax.Array]:
+        """`sample` on `logits` [B, V] padded up to `_sampling_rows` (each row's token depends only on its seed and
+        index, so padding changes none). -> tokens [B'] (the first B are the batch's) and the logits [B', V] drawn from."""
+        rows = self._sampling_rows(logits.shape[0], params)
+        if rows != logits.shape[0]:
+            logits = pad_rows(logits, rows)  # [rows, V]: the added rows are sampled greedily and read by no one
+        return sample(logits, params, seeds, indices), logits
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -612,7 +689,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             tokens[r, : len(item.token_ids)] = item.token_ids
             lengths[r] = len(item.token_ids)
         logits, caches = self.model.prefill(tokens, lengths)  # [B, V]
-        first = sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
+        first, logits = self._sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
         lp = token_logprobs(logits, first) if any(i.sampling.logprobs is not None for i in items) else None
         return first, lp, caches
 
@@ -804,7 +881,9 @@ class ModelEngine(BackgroundWarmup, Engine):
             lengths[i] = len(r.token_ids)
             tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
-        sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
+        sampled, logits = self._sample(
+            logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows]
+        )
         return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
 
