@@ -40,14 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from jaxserve.runtime.engines.background_warmup import (
-    BackgroundWarmup,
-    CompileJob,
-    bucket_area,
-    compile_order,
-    frontier,
-    is_held,
-)
+from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -66,6 +59,17 @@ from jaxserve.runtime.engines.contract import (
     bucket,
     decode_steps_one_by_one,
     row_stops,
+)
+from jaxserve.runtime.engines.warmup_plan import (
+    MIN_PROMPT_BUCKET,
+    compile_order,
+    foreground_prefill,
+    foreground_steps,
+    is_held,
+    powers_of_two,
+    prefill_buckets,
+    prompt_buckets,
+    step_buckets,
 )
 from jaxserve.runtime.kv_pool import (
     precompile_read,
@@ -91,8 +95,6 @@ from models.opt import Params
 from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedModel, family, sharded_class
 
-MIN_PROMPT_BUCKET = 16
-SHORT_PROMPT_BUCKET = 128  # background warm-up: a single prompt of up to this many tokens has its own bucket at once
 MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 
 log = logging.getLogger(__name__)
@@ -111,19 +113,6 @@ class WarmupReport:
     @property
     def num_programs(self) -> int:
         return len(self.prefill_shapes) + len(self.step_shapes) + len(self.multi_step_shapes)
-
-
-def _prompt_buckets(max_len: int, max_positions: int) -> list[int]:
-    """The padded lengths `bucket(n, MIN_PROMPT_BUCKET, max_positions)` takes for 1 <= n <= max_len."""
-    return sorted({bucket(t, MIN_PROMPT_BUCKET, max_positions) for t in _powers_of_two(MIN_PROMPT_BUCKET, max_len)})
-
-
-def _powers_of_two(lo: int, hi: int) -> list[int]:
-    out, n = [], bucket(lo)
-    while n <= bucket(hi):
-        out.append(n)
-        n *= 2
-    return out
 
 
 def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_time_s: float = 0.2) -> Path:
@@ -304,20 +293,11 @@ class ModelEngine(BackgroundWarmup, Engine):
         max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
         rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if logprobs else None)
-        prefill_shapes: list[tuple[int, int]] = []
-        if prefill:
-            for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
-                t_min = 1 if t_pad == MIN_PROMPT_BUCKET else t_pad // 2 + 1
-                prefill_shapes += [
-                    (b, t_pad)
-                    for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
-                    if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
-                ]
-        prefill_now = prefill_shapes
-        if background:  # + one short single prompt's bucket: a lone chat turn must not pay a padded batch
-            single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
-            held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
-            prefill_now = held + [x for x in single if x not in held]
+        # the plan (warmup_plan.py): every bucket the limits allow, and with `background` those compiled first
+        prefill_shapes = (
+            prefill_buckets(max_len, cfg.max_position_embeddings, max_batch_tokens, max_prefill_rows) if prefill else []
+        )
+        prefill_now = foreground_prefill(prefill_shapes, max_batch_tokens) if background else prefill_shapes
         # With `background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
         # count only, the most rows of a foreground bucket; the others' are padded up to it until theirs are in.
         random_rows: int | None = None
@@ -346,25 +326,19 @@ class ModelEngine(BackgroundWarmup, Engine):
         caches_like: list[PagedKVCache] | None = None
         if decode or chunk_size:
             caches = _caches(pages or self.init_pages(num_blocks, block_size))
-            widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
-            prompt_widths = widths[-1:] if prefix_prefill else widths
-            shapes: list[tuple[int, int, int]] = []
-            if decode:
-                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch) for m in widths]
-            if chunk_size:  # prompt rows: a step's prompt-token budget may be split over several prompts
-                for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size):
-                    t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
-                    for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
-                        if b == 1 or b // 2 + t_min <= chunk_size:
-                            shapes += [(b, t, m) for m in prompt_widths]
-            budget = 2 * max(chunk_size or 0, max_decode_batch)
+            widths = powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            shapes = step_buckets(
+                decode=decode,
+                chunk_size=chunk_size,
+                max_decode_batch=max_decode_batch,
+                widths=widths,
+                prompt_widths=widths[-1:] if prefix_prefill else widths,  # narrower ones run padded up to it
+            )
             steps_now = shapes
-            if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
-                held_steps = frontier([x for x in shapes if bucket_area(x) <= budget])
-                lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
-                steps_now = held_steps + [x for x in lone if x not in held_steps]
-                if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
-                    steps_now = []
+            if background:
+                steps_now = foreground_steps(
+                    shapes, chunk_size=chunk_size, max_decode_batch=max_decode_batch, prefix_prefill=prefix_prefill
+                )
             mark = time.perf_counter()
             if background and steps_now:
                 random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
@@ -379,7 +353,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             phases["steps"] = time.perf_counter() - mark
             mark = time.perf_counter()
             if decode and decode_steps > 1 and self.model.pp == 1:
-                for b in _powers_of_two(2, max_decode_batch):
+                for b in powers_of_two(2, max_decode_batch):
                     for m in widths:
                         for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
                             caches[0] = self._run_loop(
@@ -406,7 +380,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             mark = time.perf_counter()
             if decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
                 layout = self.kv_layout()
-                for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
+                for t_pad in prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
                         StageKV(
                             k=jax.device_put(np.zeros((n, t_pad, cfg.kv_heads, cfg.head_dim), page.k.dtype), sharding),
@@ -483,7 +457,7 @@ class ModelEngine(BackgroundWarmup, Engine):
     def _warm_prefill(self, b: int, t_pad: int, rand: SamplingParams, greedy: SamplingParams) -> None:
         """Run the prefill bucket (b rows x t_pad tokens) on padding: each row's KV is cut to its own padded
         length, so the batch holds rows of every shorter bucket too; sampled and greedy both."""
-        shorter = [n for n in _prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
+        shorter = [n for n in prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
         others = shorter or [t_pad]
         batches = (
             [[t_pad]]
@@ -536,7 +510,7 @@ class ModelEngine(BackgroundWarmup, Engine):
         prompt length bucket: the insert of a densely prefilled prompt, the gather of a prompt's KV into a dense
         copy, and (second list) the slice of every shorter bucket out of it (a decode instance holding a prefix
         pulls only the rest; the rows' cuts of the prefill buckets are among them)."""
-        buckets = _prompt_buckets(max_len, self._cfg.max_position_embeddings)
+        buckets = prompt_buckets(max_len, self._cfg.max_position_embeddings)
         copies: list[CompileJob] = []
         for t in buckets:
             kv = self._dense_like(t)
@@ -564,7 +538,7 @@ class ModelEngine(BackgroundWarmup, Engine):
 
     def _cuts(self, t: int) -> list[int]:
         """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
-        return [n for n in _prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
+        return [n for n in prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
 
     def _precompile_slice(self, t: int, n: int) -> None:
         if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
