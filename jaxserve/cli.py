@@ -25,10 +25,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with `only`, that one's arguments alone (the others are listed by name:
+    `jaxserve serve` does not import the planner's argument modules to start)."""
     parser = argparse.ArgumentParser(prog="jaxserve", description="Disaggregated LLM serving on JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -42,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(only=words[0] if words and words[0] in COMMANDS else None)
+    args = parser.parse_args(words)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

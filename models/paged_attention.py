@@ -168,7 +168,7 @@ def paged_decode_attention(
     return _xla_chunked(q, k_pages, v_pages, layer, block_tables, lengths, scale, new_kv, chunk_blocks, form)
 
 
-def default_impl() -> Impl:
+def default_impl(wait: bool = True) -> Impl:
     """The implementation to use on the default backend.
 
     On CPU the C++ kernel "cpu_kernel" where it builds (`models.kernels.cpu`), else the chunked loop's
@@ -176,10 +176,15 @@ def default_impl() -> Impl:
     in cache; the flat form 1.04-1.09x "xla" at batch 1-8, docs/performance.md). On an accelerator each
     iteration is a handful of kernel launches, so the one-gather form stays the default there until an A/B
     on the device (`scripts/bench_model.py --paged-ab xla_gather,xla`) says otherwise.
+
+    `wait=False` (a model being built, whose first paged step is seconds away): "cpu_kernel" while the kernel's
+    build is still under way (`cpu_kernel.may_have_kernel`), which the step's trace then waits for; should that
+    build fail, impl="cpu_kernel" runs the "xla_heads_flat" loop, on the same head-major pool.
     """
     if jax.default_backend() != "cpu":
         return "xla_gather"
-    return "cpu_kernel" if cpu_kernel.paged_attention_target() is not None else "xla_heads_flat"
+    has_kernel = cpu_kernel.paged_attention_target() is not None if wait else cpu_kernel.may_have_kernel()
+    return "cpu_kernel" if has_kernel else "xla_heads_flat"
 
 
 def stage_impl(impl: Impl, devices: int) -> Impl:

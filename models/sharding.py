@@ -237,8 +237,9 @@ class ShardedModel:
         # Paged-step executables compiled ahead of time (`precompile_paged`), by stage, flags and shapes; a
         # step of that shape runs them instead of the jitted function (which would compile it again).
         self._executables: dict[tuple[Any, ...], Any] = {}
-        # paged decode attention (models.paged_attention); set before the first step compiles
-        self.attention_impl: Impl = default_impl()
+        # paged decode attention (models.paged_attention); set before the first step compiles. Not waiting for
+        # the CPU kernel's build: the first paged step's trace does (loading and prefill compiles go on meanwhile)
+        self.attention_impl: Impl = default_impl(wait=False)
         self._block_layout: BlockLayout | None = None  # None: block_layout_for(attention_impl)
 
     # ---- construction ----------------------------------------------------------------------

@@ -12,7 +12,8 @@ wait for a compile on the request path would show as a first-burst TTFT seconds 
 the script prints both bursts' TTFT P50 and max, the load average before each start, and the phases the
 server logged (its own `ready in` seconds and each engine's warm-up line: seconds per part, programs left to
 the background). The server's stderr goes to `--log-dir` (default: a temp folder) for the background compile
-log.
+log. `--log-compiles` (JAX_LOG_COMPILES=1 in the server: its own cost is small but not nil) adds the programs
+compiled before the last engine's foreground warm-up line, by name.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def logged_phases(log_path: Path) -> list[str]:
     return out
 
 
+def foreground_compiles(log_path: Path) -> dict[str, int]:
+    """Programs XLA compiled before the last foreground warm-up line of the server log (JAX_LOG_COMPILES), by name."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    ends = [i for i, line in enumerate(lines) if "engines.model: warm-up compiled" in line]
+    counts: dict[str, int] = {}
+    for line in lines[: ends[-1] if ends else 0]:
+        if "Finished XLA compilation of " in line and not line.startswith("WARNING:"):  # absl's copy of the line
+            name = line.split("Finished XLA compilation of ", 1)[1].split(" in ")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Path) -> dict[str, object]:
     load = os.getloadavg()[0]
     server = ServeProcess(
@@ -81,7 +94,11 @@ def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Pa
         startup_timeout_s=args.startup_timeout,
         log_path=log_dir / f"serve-{label}.log",
         # the kernel build and the XLA cache start empty; a pulled model stays where it is
-        env={"XDG_CACHE_HOME": cache_home, "JAXSERVE_MODEL_CACHE": str(model_cache_dir())},
+        env={
+            "XDG_CACHE_HOME": cache_home,
+            "JAXSERVE_MODEL_CACHE": str(model_cache_dir()),
+            **({"JAX_LOG_COMPILES": "1"} if args.log_compiles else {}),
+        },
     )
     started = time.perf_counter()
     with server:
@@ -90,8 +107,10 @@ def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Pa
         work = burst(args.burst, args.longest_prompt, seed=1)
         cold = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
         again = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
+    compiles = foreground_compiles(log_dir / f"serve-{label}.log") if args.log_compiles else {}
     return {
         "start": label,
+        **({"compiles_before_ready": sum(compiles.values()), "compiled": compiles} if args.log_compiles else {}),
         "load_1min": round(load, 2),
         "ready_s": round(ready_s, 2),
         "cold_burst": ttft_stats(cold),
@@ -109,6 +128,7 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn below this")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--log-compiles", action="store_true", help="count the programs compiled before ready")
     args = ap.parse_args()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="jaxserve-startup-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -246,3 +246,40 @@ def test_without_the_kernel_the_xla_loop_serves(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(cpu_kernel, "_registered", set())  # as in a fresh process that must build
     assert cpu_kernel.paged_attention_target() is None and "nonexistent" in cpu_kernel.build_error()
+
+
+@needs_compiler
+def test_an_early_build_runs_aside_and_the_first_user_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`start_build` (serve's first step) runs the compiler on a thread; a model built meanwhile takes "cpu_kernel"
+    without waiting (`default_impl(wait=False)`), and the first caller that needs the kernel takes that build."""
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "_pending", {})
+    monkeypatch.setattr(cpu_kernel, "_registered", set())  # as in a fresh process
+    cpu_kernel.start_build()
+    _, build = cpu_kernel._pending[True]  # the suite's checked variant
+    assert default_impl(wait=False) == "cpu_kernel"
+    cpu_kernel.start_build()  # started once
+    assert cpu_kernel._pending[True][1] is build
+    library = build.result(timeout=300)
+    assert library.exists() and library.parent == cpu_kernel.cache_dir()
+
+    def build_again(*args: object) -> Path:
+        raise AssertionError("built a second time")
+
+    monkeypatch.setattr(cpu_kernel, "_build", build_again)
+    assert cpu_kernel.paged_attention_target() == cpu_kernel.CHECKED_TARGET, cpu_kernel.build_error()
+    assert not cpu_kernel._pending  # taken
+
+
+def test_a_failed_early_build_leaves_the_xla_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An early build that fails: the model took "cpu_kernel" while it ran; its first paged step learns the
+    kernel is not there (and why), and impl="cpu_kernel" runs the XLA loop, the default from then on."""
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "_pending", {})
+    monkeypatch.setattr(cpu_kernel, "_registered", set())
+    monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "1")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    cpu_kernel.start_build()
+    assert default_impl(wait=False) == "cpu_kernel"  # not known yet: the build is under way (or not taken)
+    assert cpu_kernel.paged_attention_target() is None and "nonexistent" in cpu_kernel.build_error()
+    assert default_impl(wait=False) == "xla_heads_flat" and not cpu_kernel_applies(jnp.float32, jnp.float32)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import pytest
 
 from jaxserve.core.request import SamplingParams
-from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
 from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes, enable_compilation_cache
 from models.sharding import ShardedOPT
 
@@ -120,3 +123,73 @@ def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_th
     assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 1)  # its own bucket now
     assert run(eng) == run(plain)
     assert _paged_cache_size(eng) == compiled  # the precompiled executables ran, not the jitted step
+
+
+class _CompileLog(logging.Handler):
+    """JAX's compile log (`jax_log_compiles`): one line per program XLA compiles, on any thread."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Compiling" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    handler, logger = _CompileLog(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        jax.jit(lambda x: x * 5 - 2)(jax.numpy.ones(11)).block_until_ready()  # the witness sees a compile
+        assert handler.lines, "jax_log_compiles logged nothing for a fresh program: the check would be blind"
+        handler.lines.clear()
+        yield handler.lines
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+
+
+@pytest.mark.slow  # ~9 s: every program of the test compiles anew (jax.clear_caches)
+def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_draws_the_same_tokens() -> None:
+    """`warmup(background=True)` compiles the random sampler of one row count only (the most rows of a foreground
+    bucket); until the background has compiled a lone prompt's and a lone stream's own, their random draws run on
+    logits padded up to it: nothing compiles on the request path, and the seeded tokens are those an engine
+    sampling on its own row count draws."""
+    jax.clear_caches()  # no sampler of this process (another test's) may stand in for the ones under test
+    eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[3:4]))
+    plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[4:5]))
+    eng.hold_background_warmup()  # the background jobs wait: the foreground's programs alone
+    report = eng.warmup(
+        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True
+    )
+    assert report.prefill_shapes == ((4, 16), (1, 16)) and report.step_shapes == ((4, 1, 4), (2, 1, 4))
+    assert eng._ready_random == {4}  # the lone prompt's (1 row) and the lone stream's (2 rows) are not compiled
+
+    def run(engine: ModelEngine, pages: KVPages) -> list[int]:
+        hot = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+        prefilled = engine.prefill([PrefillItem("p", (5, 6, 7), hot, 11)]).sequences[0]
+        pages = engine.insert(prefilled.kv, 3, pages, [0, 1])
+        out, tok = [prefilled.first_token], prefilled.first_token
+        for k in range(4):
+            row = StepRow("p", (tok,), 3 + k, (0, 1), hot, 11, k + 1)
+            (tok,), pages = engine.decode_step(StepBatch((row,)), pages)
+            out.append(tok)
+        return out
+
+    want = run(plain, plain.init_pages(8, 4))
+    pages = eng.init_pages(8, 4)  # an instance's pool, made once before its first request
+    with _compiles() as lines:
+        assert run(eng, pages) == want
+    assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"
+    eng.start_background_warmup()  # its first jobs: those two samplers; stopped once they are in
+    while not {1, 2} <= eng._ready_random and not eng.background_warmup_done(timeout_s=0.05):
+        pass
+    eng.stop_background_warmup()
+    assert {1, 2} <= eng._ready_random
+    pages = eng.init_pages(8, 4)  # the first run's was donated to its steps
+    with _compiles() as lines:
+        assert run(eng, pages) == want
+    assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.request import RequestTimings, SamplingParams, finish_reason, stop_token_ids
-from jaxserve.runtime.sampling import default_seed, sample
+from jaxserve.runtime.sampling import default_seed, pad_rows, sample
 
 RNG = np.random.default_rng(0)
 LOGITS = jnp.asarray(RNG.normal(size=(6, 40)).astype(np.float32))
@@ -127,3 +127,15 @@ def test_the_stop_rule(sampling: SamplingParams, token: int, num_output_tokens: 
 def test_stop_token_ids_are_the_stop_list_and_eos_unless_ignored() -> None:
     assert stop_token_ids(SamplingParams(stop_token_ids=(9, 11)), (EOS,)) == (9, 11, EOS)
     assert stop_token_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), (EOS,)) == (9,)
+
+
+def test_sampling_on_padded_rows_draws_the_same_tokens() -> None:
+    """An engine whose random sampler for this row count still compiles samples on logits padded up to a compiled
+    one (`pad_rows`): each real row's token depends only on its seed and index, so padding changes none."""
+    params = [SamplingParams(temperature=0.9, top_p=0.8, seed=7), SamplingParams(), SamplingParams(temperature=1.5)]
+    logits = LOGITS[:3]
+    for index in range(5):
+        alone = np.asarray(sample(logits, params, [7, 1, 99], [index, 2, index + 3]))
+        padded = np.asarray(sample(pad_rows(logits, 8), params, [7, 1, 99], [index, 2, index + 3]))
+        assert padded.shape == (8,) and padded[:3].tolist() == alone.tolist()
+        assert padded[3:].tolist() == [0] * 5  # zero logits, sampled greedily

@@ -369,6 +369,11 @@ def run(args: argparse.Namespace) -> int:
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
     ensure_host_devices(max(wanted, highest + 1))
+    if args.engine == "opt" and args.backend != "ray":
+        from models.kernels import cpu as cpu_kernel
+
+        if cpu_kernel.only_cpu_expected():  # a fresh machine's build runs beside the imports and weight loading
+            cpu_kernel.start_build()  # the first paged step's trace waits for it
     cache_dir = compile_cache_dir(args.compile_cache)
     if cache_dir is not None:
         try:

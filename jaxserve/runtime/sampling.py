@@ -8,13 +8,17 @@ temperature / top-k / top-p (vLLM's default "raw logprobs").
 
 Each row draws from its own key, `fold_in(key(seed), sample_index)`, so a
 request's tokens depend only on its seed and position in its output, never on
-which other requests share the batch or where in the batch it sits.
+which other requests share the batch or where in the batch it sits. That is what
+lets an engine sample a batch on more rows than it has (`pad_rows`: zero logits,
+sampled greedily, read by no one) while the sampler of its own row count is still
+compiling on a background thread: its rows draw the tokens they would alone.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -64,6 +68,12 @@ def _sample_row(
 
 
 _sample_batch = jax.jit(jax.vmap(_sample_row))
+
+
+@partial(jax.jit, static_argnames=("rows",))
+def pad_rows(logits: jax.Array, rows: int) -> jax.Array:
+    """`logits` [B, V] with zero rows appended up to `rows` -> [rows, V] (`sample` draws them greedily)."""
+    return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
 
 class SamplingInputs(NamedTuple):

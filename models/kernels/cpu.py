@@ -12,6 +12,11 @@ Builds write to a temporary name and rename, so processes starting together (Ray
 had here (no compiler, a failed build, not the CPU backend, or `JAXSERVE_CPU_KERNEL=0`); `build_error()`
 then says why. Callers fall back to the XLA forms: the kernel is a speed-up, never a requirement.
 
+A fresh machine's build takes seconds (`-O3` C++ on one core). `start_build()` runs the compiler on a thread
+(a process of its own: another core) from the start of a process that will want the kernel, beside its
+imports, weight loading and XLA compiles; `paged_attention_target()` waits for that build where the kernel is
+first needed (a paged step's trace), and `may_have_kernel()` answers without waiting (`default_impl(wait=False)`).
+
 Two variants of the one source: the release kernel clamps out-of-range block ids, lengths and the layer
 index into the pool (no check on the serving path); the checked kernel (`-DJAXSERVE_KERNEL_CHECKS`, its
 own library, cache key and FFI target) fails the call with an error that names the bad block id / length
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -30,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from models.kernels.trust import ensure_private_dir
@@ -49,6 +56,9 @@ _lock = threading.Lock()
 _state: dict[bool, tuple[str | None, str]] = {}  # checked -> (target or None, error) once tried
 _libs: list[ctypes.CDLL] = []  # loaded libraries stay referenced for the process's life
 _registered: set[str] = set()  # targets registered with XLA in this process (a name registers once)
+# checked -> (compiler, the library it is building): started by `start_build`, taken by `paged_attention_target`
+_pending: dict[bool, tuple[str, Future[Path]]] = {}
+_pending_lock = threading.Lock()  # not `_lock`, which a caller holds while it waits for the build
 
 
 def cache_dir() -> Path:
@@ -120,6 +130,59 @@ def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False) -
     raise RuntimeError(last_error)
 
 
+def _jaxlib() -> tuple[str, str]:
+    """(jaxlib's header folder, as `jax.ffi.include_dir()` says, and its version) without importing JAX."""
+    import jaxlib
+
+    if jaxlib.__file__ is not None:
+        folder = os.path.dirname(os.path.abspath(jaxlib.__file__))
+    else:  # a namespace package
+        folder = next(iter(jaxlib.__path__))
+    return os.path.join(folder, "include"), jaxlib.__version__
+
+
+def start_build(checked: bool | None = None) -> None:
+    """Build the kernel's library on a daemon thread, so the compiler runs beside what the process does next;
+    `paged_attention_target()` waits for it. Nothing when it is disabled, there is no compiler, or it was
+    built (or started) already. Imports no JAX: a start-up calls it first thing."""
+    checked = checks_enabled() if checked is None else checked
+    with _pending_lock:
+        if checked in _state or checked in _pending or not enabled() or (cxx := compiler()) is None:
+            return
+        future: Future[Path] = Future()
+        _pending[checked] = (cxx, future)
+
+    def build() -> None:
+        try:
+            future.set_result(_build(cxx, *_jaxlib(), checked))
+        except BaseException as e:  # handed to whoever takes the build (`paged_attention_target`)
+            future.set_exception(e)
+
+    threading.Thread(target=build, name="jaxserve-kernel-build", daemon=True).start()
+
+
+def may_have_kernel(checked: bool | None = None) -> bool:
+    """Without waiting: True when the kernel is registered, or may be (enabled, a compiler here, and no build
+    of it failed yet); starts its build (`start_build`) if none ran. `paged_attention_target()` is the answer."""
+    checked = checks_enabled() if checked is None else checked
+    if checked in _state:
+        return _state[checked][0] is not None
+    if not enabled() or compiler() is None:
+        return False
+    start_build(checked)
+    return True
+
+
+def only_cpu_expected() -> bool:
+    """Whether JAX will run on the CPU here, judged without importing it: `JAX_PLATFORMS` says cpu, or no
+    accelerator plugin (CUDA, ROCm, TPU) is installed. A start-up builds the CPU kernel early only then."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+    return not any(importlib.util.find_spec(name) is not None for name in plugins)
+
+
 def paged_attention_target(checked: bool | None = None) -> str | None:
     """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable.
 
@@ -134,7 +197,6 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
         error = ""
         try:
             import jax
-            import jaxlib
 
             if not enabled():
                 error = "disabled by JAXSERVE_CPU_KERNEL"
@@ -142,7 +204,12 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
                 error = "no C++ compiler found (set CXX, or install g++)"
             else:
                 if name not in _registered:
-                    lib_path = _build(cxx, jax.ffi.include_dir(), jaxlib.__version__, checked)
+                    with _pending_lock:
+                        started = _pending.get(checked)  # dropped once `_state` has the outcome
+                    if started is not None and started[0] == cxx:  # `start_build`'s: wait for it
+                        lib_path = started[1].result()
+                    else:
+                        lib_path = _build(cxx, *_jaxlib(), checked)
                     lib = ctypes.cdll.LoadLibrary(str(lib_path))
                     _libs.append(lib)
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
@@ -153,6 +220,8 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
         if target is None:
             log.warning("CPU paged-attention kernel unavailable, using the XLA form: %s", error)
         _state[checked] = (target, error)
+        with _pending_lock:
+            _pending.pop(checked, None)
         return target
 
 
@@ -166,3 +235,5 @@ def _reset_for_tests() -> None:
     """Forget the last attempt, so the next call tries again (the registered target stays registered)."""
     with _lock:
         _state.clear()
+        with _pending_lock:
+            _pending.clear()

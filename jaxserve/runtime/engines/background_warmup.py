@@ -6,7 +6,7 @@ list of `CompileJob`s, run on a niced daemon thread. A job compiles one program 
 written: the serving threads keep their pools) and then publishes it (`publish`: the engine adds its shape to
 a ready set that is replaced, never mutated, so a serving thread reads it without a lock). Until a program is
 published its work takes a fallback that compiles nothing: a step or prefill batch runs padded up to the
-cheapest compiled bucket that holds it (`_covering`), a prefix-caching prefill batch with a hit is prefilled
+cheapest compiled bucket that holds it (`_covering`; which buckets and in which order: `warmup_plan.py`), a prefix-caching prefill batch with a hit is prefilled
 densely, its KV not kept in the pool while the insert of its length compiles, a partial pull moves the whole
 KV. Slower for a while, never waiting on XLA. The thread stops between jobs when asked
 (`stop_background_warmup`, and at interpreter exit for every engine still compiling).
@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 log = logging.getLogger("jaxserve.runtime.engines.model")  # the engine's log: one logger for its warm-up lines
 
@@ -128,31 +128,6 @@ class BackgroundWarmup:
         if not holders:
             return shape
         return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
-
-
-_Shape = TypeVar("_Shape", bound=tuple[int, ...])
-
-
-def frontier(shapes: Sequence[_Shape]) -> list[_Shape]:
-    """The shapes no other shape holds (>= in every dimension): padded up, they run everything in `shapes`."""
-    unique = sorted(set(shapes))
-    return [s for s in unique if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in unique)]
-
-
-def bucket_area(shape: tuple[int, ...]) -> int:
-    """Rows x tokens of a bucket (the work it pads to)."""
-    return shape[0] * shape[1]
-
-
-def compile_order(shapes: Sequence[_Shape], ready: frozenset[Any]) -> list[_Shape]:
-    """`shapes` in the order the background compiles them: those no compiled bucket holds first (their work
-    would otherwise compile its own), then the smallest (the most common work), the narrower table first."""
-    return sorted(shapes, key=lambda x: (is_held(x, ready), bucket_area(x), x[2:]))
-
-
-def is_held(shape: tuple[int, ...], ready: frozenset[Any]) -> bool:
-    """Whether some compiled bucket holds `shape` (>= in every dimension)."""
-    return any(all(x >= y for x, y in zip(r, shape, strict=True)) for r in ready)
 
 
 # Engines whose background warm-up may still compile: stopped (between programs) before the interpreter exits.

@@ -40,14 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from jaxserve.runtime.engines.background_warmup import (
-    BackgroundWarmup,
-    CompileJob,
-    bucket_area,
-    compile_order,
-    frontier,
-    is_held,
-)
+from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -67,6 +60,17 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
+from jaxserve.runtime.engines.warmup_plan import (
+    MIN_PROMPT_BUCKET,
+    compile_order,
+    foreground_prefill,
+    foreground_steps,
+    is_held,
+    powers_of_two,
+    prefill_buckets,
+    prompt_buckets,
+    step_buckets,
+)
 from jaxserve.runtime.kv_pool import (
     precompile_read,
     precompile_slice,
@@ -78,6 +82,7 @@ from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
     logprobs_rows,
+    pad_rows,
     sample,
     sample_traced,
     sampling_inputs,
@@ -90,8 +95,6 @@ from models.opt import Params
 from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedModel, family, sharded_class
 
-MIN_PROMPT_BUCKET = 16
-SHORT_PROMPT_BUCKET = 128  # background warm-up: a single prompt of up to this many tokens has its own bucket at once
 MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 
 log = logging.getLogger(__name__)
@@ -110,19 +113,6 @@ class WarmupReport:
     @property
     def num_programs(self) -> int:
         return len(self.prefill_shapes) + len(self.step_shapes) + len(self.multi_step_shapes)
-
-
-def _prompt_buckets(max_len: int, max_positions: int) -> list[int]:
-    """The padded lengths `bucket(n, MIN_PROMPT_BUCKET, max_positions)` takes for 1 <= n <= max_len."""
-    return sorted({bucket(t, MIN_PROMPT_BUCKET, max_positions) for t in _powers_of_two(MIN_PROMPT_BUCKET, max_len)})
-
-
-def _powers_of_two(lo: int, hi: int) -> list[int]:
-    out, n = [], bucket(lo)
-    while n <= bucket(hi):
-        out.append(n)
-        n *= 2
-    return out
 
 
 def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_time_s: float = 0.2) -> Path:
@@ -173,6 +163,11 @@ class ModelEngine(BackgroundWarmup, Engine):
         self._ready_inserts: frozenset[int] = frozenset()
         self._ready_gathers: frozenset[int] = frozenset()
         self._ready_slices: frozenset[tuple[int, int]] = frozenset()
+        # Row counts whose random sampler is compiled, and the pads (rows, up to rows) to one of them: a batch that
+        # samples at random on a row count whose own sampler the background still compiles is sampled padded up
+        # (`_sampling_rows`; its rows' tokens are the same). Read only while covering is on. Replaced, never mutated.
+        self._ready_random: frozenset[int] = frozenset()
+        self._ready_pads: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def load(
@@ -298,25 +293,22 @@ class ModelEngine(BackgroundWarmup, Engine):
         max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
         rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if logprobs else None)
-        prefill_shapes: list[tuple[int, int]] = []
-        if prefill:
-            for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
-                t_min = 1 if t_pad == MIN_PROMPT_BUCKET else t_pad // 2 + 1
-                prefill_shapes += [
-                    (b, t_pad)
-                    for b in _powers_of_two(1, max(1, min(max_prefill_rows or max_batch_tokens, max_batch_tokens)))
-                    if b == 1 or (b // 2 + 1) - 1 + t_min <= max_batch_tokens
-                ]
-        prefill_now = prefill_shapes
-        if background:  # + one short single prompt's bucket: a lone chat turn must not pay a padded batch
-            single = [x for x in prefill_shapes if x[0] == 1 and x[1] <= SHORT_PROMPT_BUCKET][-1:]
-            held = frontier([x for x in prefill_shapes if bucket_area(x) <= 2 * max_batch_tokens])
-            prefill_now = held + [x for x in single if x not in held]
+        # the plan (warmup_plan.py): every bucket the limits allow, and with `background` those compiled first
+        prefill_shapes = (
+            prefill_buckets(max_len, cfg.max_position_embeddings, max_batch_tokens, max_prefill_rows) if prefill else []
+        )
+        prefill_now = foreground_prefill(prefill_shapes, max_batch_tokens) if background else prefill_shapes
+        # With `background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
+        # count only, the most rows of a foreground bucket; the others' are padded up to it until theirs are in.
+        random_rows: int | None = None
         if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+            random_rows = max(b for b, _ in prefill_now) if prefill_now else None
             cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
                 compiles = [
-                    threads.submit(self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False)
+                    threads.submit(
+                        self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False, random_rows=random_rows
+                    )
                     for x in prefill_now
                 ]
                 compiles += [threads.submit(self._precompile_slice, t, n) for t, n in cuts]
@@ -334,38 +326,34 @@ class ModelEngine(BackgroundWarmup, Engine):
         caches_like: list[PagedKVCache] | None = None
         if decode or chunk_size:
             caches = _caches(pages or self.init_pages(num_blocks, block_size))
-            widths = _powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
-            prompt_widths = widths[-1:] if prefix_prefill else widths
-            shapes: list[tuple[int, int, int]] = []
-            if decode:
-                shapes += [(b, 1, m) for b in _powers_of_two(2, max_decode_batch) for m in widths]
-            if chunk_size:  # prompt rows: a step's prompt-token budget may be split over several prompts
-                for t in _powers_of_two(MIN_PROMPT_BUCKET, chunk_size):
-                    t_min = 1 if t == MIN_PROMPT_BUCKET else t // 2 + 1
-                    for b in _powers_of_two(1, max(1, min(max_decode_batch, chunk_size))):
-                        if b == 1 or b // 2 + t_min <= chunk_size:
-                            shapes += [(b, t, m) for m in prompt_widths]
-            budget = 2 * max(chunk_size or 0, max_decode_batch)
+            widths = powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+            shapes = step_buckets(
+                decode=decode,
+                chunk_size=chunk_size,
+                max_decode_batch=max_decode_batch,
+                widths=widths,
+                prompt_widths=widths[-1:] if prefix_prefill else widths,  # narrower ones run padded up to it
+            )
             steps_now = shapes
-            if background and shapes:  # + the smallest decode batch at full width: one stream pays no wide batch
-                held_steps = frontier([x for x in shapes if bucket_area(x) <= budget])
-                lone = [x for x in shapes if x[1] == 1 and x[0] == min(s[0] for s in shapes)][-1:]
-                steps_now = held_steps + [x for x in lone if x not in held_steps]
-                if prefix_prefill:  # all in the background: a hit batch is prefilled densely until its bucket is in
-                    steps_now = []
+            if background:
+                steps_now = foreground_steps(
+                    shapes, chunk_size=chunk_size, max_decode_batch=max_decode_batch, prefix_prefill=prefix_prefill
+                )
             mark = time.perf_counter()
+            if background and steps_now:
+                random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
-                self._warm_sampling(logits, rand, greedy, logprobs)
+                self._warm_sampling(logits, rand, greedy, logprobs, random_rows)
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
             phases["steps"] = time.perf_counter() - mark
             mark = time.perf_counter()
             if decode and decode_steps > 1 and self.model.pp == 1:
-                for b in _powers_of_two(2, max_decode_batch):
+                for b in powers_of_two(2, max_decode_batch):
                     for m in widths:
                         for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
                             caches[0] = self._run_loop(
@@ -392,7 +380,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             mark = time.perf_counter()
             if decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
                 layout = self.kv_layout()
-                for t_pad in _prompt_buckets(max_len, cfg.max_position_embeddings):
+                for t_pad in prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
                         StageKV(
                             k=jax.device_put(np.zeros((n, t_pad, cfg.kv_heads, cfg.head_dim), page.k.dtype), sharding),
@@ -417,11 +405,22 @@ class ModelEngine(BackgroundWarmup, Engine):
                 copies, slices = [], []
                 phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
+        sampler_jobs: list[CompileJob] = []
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
         if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
             self._cover = True
         if background:
             self._cover = True
+            # first the random samplers the foreground padded up: a lone prompt's or stream's bucket has its own then
+            foreground_rows = sorted({x[0] for x in (*prefill_now, *step_shapes)} - self._ready_random)
+            sampler_jobs = [
+                CompileJob(
+                    f"random sampler ({b} rows)",
+                    partial(self._compile_random_sampler, b, rand, greedy, logprobs),
+                    partial(self._publish, "_ready_random", b),
+                )
+                for b in foreground_rows
+            ]
             prefill_jobs = [
                 CompileJob(
                     f"prefill {x}",
@@ -442,15 +441,15 @@ class ModelEngine(BackgroundWarmup, Engine):
             unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
             # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
             # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
-            jobs = [*prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
+            jobs = [*sampler_jobs, *prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
             if jobs:
                 self._start_background(jobs)
         log.info(
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
-            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices)} more programs compile in the "
-            "background)" if background else "",
+            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs)} more programs "
+            "compile in the background)" if background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
@@ -458,7 +457,7 @@ class ModelEngine(BackgroundWarmup, Engine):
     def _warm_prefill(self, b: int, t_pad: int, rand: SamplingParams, greedy: SamplingParams) -> None:
         """Run the prefill bucket (b rows x t_pad tokens) on padding: each row's KV is cut to its own padded
         length, so the batch holds rows of every shorter bucket too; sampled and greedy both."""
-        shorter = [n for n in _prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
+        shorter = [n for n in prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
         others = shorter or [t_pad]
         batches = (
             [[t_pad]]
@@ -473,6 +472,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
                 self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
         self._ready_slices = self._ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
+        self._publish("_ready_random", b)  # row 0 sampled at random
 
     def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None:
         """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too)."""
@@ -480,10 +480,19 @@ class ModelEngine(BackgroundWarmup, Engine):
         ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings).result()
 
     def _precompile_prefill(
-        self, b: int, t: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool, *, cuts: bool = True
+        self,
+        b: int,
+        t: int,
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+        *,
+        cuts: bool = True,
+        random_rows: int | None = None,
     ) -> None:
         """Compile the prefill bucket (b, t) without running it, and what its result takes apart: each row's
-        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits."""
+        KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits
+        (`_warm_sampling`: the random one padded up to `random_rows`, if given)."""
         self.model.precompile_prefill(b, t)
         row = jax.ShapeDtypeStruct((), jnp.int32)
         for s, (num_layers, sharding) in enumerate(zip(self._layout.stage_layers, self._layout.shardings, strict=True)):
@@ -494,16 +503,14 @@ class ModelEngine(BackgroundWarmup, Engine):
             if (t, n) not in self._ready_slices:
                 precompile_slice(self._dense_like(t), n)
                 self._publish("_ready_slices", (t, n))
-        last = self.model.pp - 1
-        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
-        self._warm_sampling(logits, rand, greedy, logprobs)
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs, random_rows)
 
     def _pool_copy_jobs(self, pages: KVPages, max_len: int) -> tuple[list[CompileJob], list[CompileJob]]:
         """A prefix-caching prefill instance's KV copies on a pool shaped like `pages` (shapes only), for every
         prompt length bucket: the insert of a densely prefilled prompt, the gather of a prompt's KV into a dense
         copy, and (second list) the slice of every shorter bucket out of it (a decode instance holding a prefix
         pulls only the rest; the rows' cuts of the prefill buckets are among them)."""
-        buckets = _prompt_buckets(max_len, self._cfg.max_position_embeddings)
+        buckets = prompt_buckets(max_len, self._cfg.max_position_embeddings)
         copies: list[CompileJob] = []
         for t in buckets:
             kv = self._dense_like(t)
@@ -531,7 +538,7 @@ class ModelEngine(BackgroundWarmup, Engine):
 
     def _cuts(self, t: int) -> list[int]:
         """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
-        return [n for n in _prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
+        return [n for n in prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
 
     def _precompile_slice(self, t: int, n: int) -> None:
         if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
@@ -571,15 +578,59 @@ class ModelEngine(BackgroundWarmup, Engine):
         """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
         samplers on placeholder logits."""
         self.model.precompile_paged(b, t, m, caches)
-        last = self.model.pp - 1
-        logits = jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
-        self._warm_sampling(logits, rand, greedy, logprobs)
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
 
-    def _warm_sampling(self, logits: jax.Array, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+    def _logits_like(self, b: int) -> jax.Array:
+        """Placeholder logits [b, V] where the model leaves its logits (replicated on the last stage)."""
+        last = self.model.pp - 1
+        return jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+
+    def _warm_sampling(
+        self,
+        logits: jax.Array,
+        rand: SamplingParams,
+        greedy: SamplingParams,
+        logprobs: bool,
+        random_rows: int | None = None,
+    ) -> None:
+        """Run the samplers of `logits`' row count once: greedy (and its logprobs), and random; with `random_rows`
+        (another row count, whose random sampler is compiled beside this one) only the pad of these logits up to
+        it: this row count's own random sampler is left to the background (`_compile_random_sampler`)."""
         b = logits.shape[0]
-        sample(logits, [greedy] * b, [0] * b, [0] * b)
-        sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
-        jax.block_until_ready(token_logprobs(logits, sampled) if logprobs else sampled)
+        greedy_tokens = sample(logits, [greedy] * b, [0] * b, [0] * b)
+        out = [token_logprobs(logits, greedy_tokens) if logprobs else greedy_tokens]
+        pad = random_rows is not None and random_rows != b
+        if pad:
+            out.append(pad_rows(logits, random_rows))
+        else:
+            sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
+            out.append(token_logprobs(logits, sampled) if logprobs else sampled)
+        jax.block_until_ready(out)
+        if pad:
+            self._publish("_ready_pads", (b, random_rows))
+        else:
+            self._publish("_ready_random", b)
+
+    def _compile_random_sampler(self, b: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
+        """A background job: the random sampler of `b` rows (a foreground bucket's, padded up until it is in)."""
+        self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
+
+    def _sampling_rows(self, rows: int, params: Sequence[SamplingParams]) -> int:
+        """The rows a batch's `rows` logits are sampled on: its own, unless some row samples at random while the
+        background still compiles that sampler; then the compiled random sampler its logits are padded up to."""
+        if not self._cover or rows in self._ready_random or all(p.is_greedy for p in params):
+            return rows
+        return min((r for b, r in self._ready_pads if b == rows and r in self._ready_random), default=rows)
+
+    def _sample(
+        self, logits: jax.Array, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+    ) -> tuple[jax.Array, jax.Array]:
+        """`sample` on `logits` [B, V] padded up to `_sampling_rows` (each row's token depends only on its seed and
+        index, so padding changes none). -> tokens [B'] (the first B are the batch's) and the logits [B', V] drawn from."""
+        rows = self._sampling_rows(logits.shape[0], params)
+        if rows != logits.shape[0]:
+            logits = pad_rows(logits, rows)  # [rows, V]: the added rows are sampled greedily and read by no one
+        return sample(logits, params, seeds, indices), logits
 
     # ---- prefill ---------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
@@ -612,7 +663,7 @@ class ModelEngine(BackgroundWarmup, Engine):
             tokens[r, : len(item.token_ids)] = item.token_ids
             lengths[r] = len(item.token_ids)
         logits, caches = self.model.prefill(tokens, lengths)  # [B, V]
-        first = sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
+        first, logits = self._sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
         lp = token_logprobs(logits, first) if any(i.sampling.logprobs is not None for i in items) else None
         return first, lp, caches
 
@@ -804,7 +855,9 @@ class ModelEngine(BackgroundWarmup, Engine):
             lengths[i] = len(r.token_ids)
             tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
-        sampled = sample(logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows])
+        sampled, logits = self._sample(
+            logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows]
+        )
         return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
 
