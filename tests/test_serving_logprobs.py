@@ -133,7 +133,11 @@ def test_chat_logprobs_match_transformers(server, hf_model):  # type: ignore[no-
     assert done
     chunks = [ChatCompletionChunk.model_validate(p).choices[0] for p in payloads]
     streamed = [e for c in chunks if c.logprobs is not None for e in c.logprobs.content or []]
-    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+    # The same tokens; logprobs equal to fp32 rounding, not bit for bit: while the background warm-up compiles,
+    # a batch may be stepped and sampled padded up to a compiled row count, and later on its own, and XLA:CPU's
+    # reductions round differently per shape (a few 1e-7 here).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-5, abs=1e-5)
 
     plain = httpx.post(
         f"{server.http_url}/v1/chat/completions", json={k: v for k, v in body.items() if "logprobs" not in k}
@@ -196,7 +200,7 @@ def test_openai_client_parses_logprobs(server, hf_model):  # type: ignore[no-unt
             extra_body={"ignore_eos": True},
         )
         streamed = [e.logprob for c in stream for ch in c.choices if ch.logprobs for e in ch.logprobs.content or []]
-        assert streamed == [e.logprob for e in content]
+        assert streamed == pytest.approx([e.logprob for e in content], rel=1e-5, abs=1e-5)  # see the chat test above
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=MESSAGES, logprobs=True, top_logprobs=25)  # type: ignore[arg-type]
         assert "top_logprobs" in str(e.value)
