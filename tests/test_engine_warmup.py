@@ -193,3 +193,25 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
     with _compiles() as lines:
         assert run(eng, pages) == want
     assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"
+
+
+def test_a_batch_no_compiled_bucket_holds_runs_as_held_sub_batches_and_compiles_nothing() -> None:
+    """Right after `warmup(background=True)` (the background jobs held: the foreground's programs alone), a prefill
+    batch whose own bucket (4 rows x 32 tokens) no compiled bucket holds (2 x 32 and 4 x 16 are in) runs as
+    consecutive sub-batches each held by one, instead of compiling its own: nothing compiles on the request path,
+    and every prompt's first token and KV length are those of an engine prefilling the batch in its own bucket."""
+    eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[5:6]))
+    plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[6:7]))
+    eng.hold_background_warmup()
+    report = eng.warmup(num_blocks=8, block_size=4, max_batch_tokens=32, max_seq_len=32, decode=False, background=True)
+    assert set(report.prefill_shapes) == {(4, 16), (2, 32), (1, 32)}
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    prompts = [tuple(range(4, 21)), (7, 8, 9), (10, 11, 12), (13, 14, 15)]  # 17 + 3 x 3 tokens: bucket (4, 32)
+    items = [PrefillItem(f"r{i}", p, hot if i == 1 else GREEDY, 3 if i == 1 else 0) for i, p in enumerate(prompts)]
+    want = plain.prefill(items).sequences
+    with _compiles() as lines:
+        got = eng.prefill(items).sequences
+    assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"
+    assert [s.request_id for s in got] == ["r0", "r1", "r2", "r3"]
+    assert [s.first_token for s in got] == [s.first_token for s in want]
+    assert [s.kv[0].k.shape for s in got] == [s.kv[0].k.shape for s in want]

@@ -5,10 +5,16 @@ hold all others, the decode side's inserts) before it returns, and hands the res
 list of `CompileJob`s, run on a niced daemon thread. A job compiles one program ahead of time (nothing read or
 written: the serving threads keep their pools) and then publishes it (`publish`: the engine adds its shape to
 a ready set that is replaced, never mutated, so a serving thread reads it without a lock). Until a program is
-published its work takes a fallback that compiles nothing: a step or prefill batch runs padded up to the
-cheapest compiled bucket that holds it (`_covering`; which buckets and in which order: `warmup_plan.py`), a prefix-caching prefill batch with a hit is prefilled
-densely, its KV not kept in the pool while the insert of its length compiles, a partial pull moves the whole
-KV. Slower for a while, never waiting on XLA. The thread stops between jobs when asked
+published its work takes a fallback that compiles nothing:
+* a step or prefill batch runs padded up to the cheapest compiled bucket that holds it (`_covering`; which
+  buckets and in which order: `warmup_plan.py`), or, when none holds it whole, as consecutive sub-batches
+  that each one holds (`_held_runs`);
+* a prefix-caching prefill batch with a hit is prefilled densely, its KV not kept in the pool while the insert
+  of its length compiles;
+* a partial pull moves the whole KV.
+
+Slower for a while, never waiting on XLA (only a lone prompt longer than every compiled bucket compiles its
+own: the thread compiles those first). The thread stops between jobs when asked
 (`stop_background_warmup`, and at interpreter exit for every engine still compiling).
 """
 
@@ -24,6 +30,8 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from jaxserve.runtime.engines.warmup_plan import is_held
 
 log = logging.getLogger("jaxserve.runtime.engines.model")  # the engine's log: one logger for its warm-up lines
 
@@ -128,6 +136,26 @@ class BackgroundWarmup:
         if not holders:
             return shape
         return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
+
+    def _held_runs(
+        self, ids: Sequence[int], shape_of: Callable[[Sequence[int]], tuple[int, ...]], ready: frozenset[Any]
+    ) -> list[list[int]]:
+        """`ids` (a batch's rows) as one run, or, while covering and no compiled bucket holds the batch's
+        `shape_of`, split in order into the fewest consecutive runs that each one holds: a batch wider than
+        every compiled bucket (8 prompts of 32 tokens beside buckets of 4 x 32 and 8 x 16) runs as two
+        compiled programs, never as a new one. Kept whole when some row alone is held by none (it compiles
+        either way: one program, not one per row)."""
+        whole = list(ids)
+        if not self._cover or len(whole) < 2 or is_held(shape_of(whole), ready):
+            return [whole]
+        if not all(is_held(shape_of([i]), ready) for i in whole):
+            return [whole]
+        runs: list[list[int]] = [[]]
+        for i in whole:
+            if runs[-1] and not is_held(shape_of([*runs[-1], i]), ready):
+                runs.append([])
+            runs[-1].append(i)
+        return runs
 
 
 # Engines whose background warm-up may still compile: stopped (between programs) before the interpreter exits.

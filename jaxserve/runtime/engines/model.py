@@ -640,9 +640,14 @@ class ModelEngine(BackgroundWarmup, Engine):
         """`async_prefill`: dispatch the batch (its `pp` micro-batches, stage after stage) and return at
         once; nothing is read back until `result()`, so the next batch can enter stage 0 meanwhile."""
         num_micro = min(self.model.pp, len(items))
-        groups = [list(g) for g in np.array_split(np.arange(len(items)), num_micro)] if num_micro > 1 else []
-        if not groups:
-            groups = [list(range(len(items)))]
+        micro = [[int(i) for i in g] for g in np.array_split(np.arange(len(items)), num_micro)]
+        groups = [  # while the background compiles, a batch no compiled bucket holds runs as held sub-batches
+            run
+            for g in micro
+            for run in self._held_runs(
+                g, lambda ids: self._prefill_bucket([items[i] for i in ids]), self._ready_prefill
+            )
+        ]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
         return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings)
 
@@ -651,11 +656,7 @@ class ModelEngine(BackgroundWarmup, Engine):
     ) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         """Dispatch one prefill batch padded to `shape` (default: its bucket, or the compiled bucket covering it)."""
         if shape is None:
-            natural = (
-                bucket(len(items)),
-                bucket(max(len(i.token_ids) for i in items), MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings),
-            )
-            shape = cast(tuple[int, int], self._covering(natural, self._ready_prefill))
+            shape = cast(tuple[int, int], self._covering(self._prefill_bucket(items), self._ready_prefill))
         b, t = shape
         tokens = np.full((b, t), self._pad, dtype=np.int32)
         lengths = np.ones(b, dtype=np.int32)  # padding rows: one pad token, ignored
@@ -666,6 +667,11 @@ class ModelEngine(BackgroundWarmup, Engine):
         first, logits = self._sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
         lp = token_logprobs(logits, first) if any(i.sampling.logprobs is not None for i in items) else None
         return first, lp, caches
+
+    def _prefill_bucket(self, items: Sequence[PrefillItem]) -> tuple[int, int]:
+        """The (rows, tokens) bucket of a prefill batch of `items`, before covering."""
+        longest = max(len(i.token_ids) for i in items)
+        return bucket(len(items)), bucket(longest, MIN_PROMPT_BUCKET, self._cfg.max_position_embeddings)
 
     # ---- decode side -----------------------------------------------------------
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
@@ -706,7 +712,14 @@ class ModelEngine(BackgroundWarmup, Engine):
             num_micro = min(self.model.pp, len(ids))
             # With pp > 1 the rows go through the stages as micro-batches, all dispatched before any
             # result is read; each micro-batch threads the (donated) caches on to the next.
-            groups = [[ids[j] for j in g] for g in np.array_split(np.arange(len(ids)), num_micro)]
+            micro = [[ids[j] for j in g] for g in np.array_split(np.arange(len(ids)), num_micro)]
+            groups = [  # while the background compiles, rows no compiled bucket holds run as held sub-batches
+                run
+                for g in micro
+                for run in self._held_runs(
+                    g, lambda ids: self._natural_step_shape([rows[i] for i in ids], block_size), self._ready_steps
+                )
+            ]
             for g in groups:
                 part = [rows[i] for i in g]
                 asks = with_logprobs and any(r.sampling.logprobs is not None for r in part)
@@ -824,7 +837,14 @@ class ModelEngine(BackgroundWarmup, Engine):
     def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
         """Whether a step of `rows` runs a compiled bucket now (always, unless a background warm-up is still
         compiling the bucket that would hold it)."""
-        return not self._cover or self.step_shape(rows, block_size) in self._ready_steps
+        if not self._cover:
+            return True
+        runs = self._held_runs(
+            range(len(rows)),
+            lambda ids: self._natural_step_shape([rows[i] for i in ids], block_size),
+            self._ready_steps,
+        )
+        return all(self.step_shape([rows[i] for i in run], block_size) in self._ready_steps for run in runs)
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
@@ -833,12 +853,16 @@ class ModelEngine(BackgroundWarmup, Engine):
         not the blocks they reserved for their whole output: attention reads `width * block_size`
         positions per row, so a reservation-wide table made the step's cost grow with `max_tokens`.
         """
+        return cast(tuple[int, int, int], self._covering(self._natural_step_shape(rows, block_size), self._ready_steps))
+
+    @staticmethod
+    def _natural_step_shape(rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
+        """`step_shape` before covering: the step's own bucket."""
         longest = max(len(r.token_ids) for r in rows)
         # A one-row one-token step compiles (XLA CPU) to a path ~2x slower than two rows; pad it to two.
         b = bucket(len(rows), 2 if longest == 1 else 1)
         t = 1 if longest == 1 else bucket(longest, MIN_PROMPT_BUCKET)
-        m = bucket(max(filled_blocks(r, block_size) for r in rows))
-        return cast(tuple[int, int, int], self._covering((b, t, m), self._ready_steps))
+        return b, t, bucket(max(filled_blocks(r, block_size) for r in rows))
 
     def _dispatch_step(
         self, rows: Sequence[StepRow], caches: list[PagedKVCache], block_size: int, with_logprobs: bool = False
