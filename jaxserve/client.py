@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -48,6 +48,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "ModelInfo",
+    "RequestParams",
     "ResourceExhaustedError",
     "Timings",
     "UnauthenticatedError",
@@ -159,48 +160,45 @@ def _setup(
     return _Setup(target, metadata, credentials, tuple(options))
 
 
-def _request(
-    prompt: str | None,
-    prompt_ids: Sequence[int] | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: Sequence[str] | str,
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
-    include_stop_str_in_output: bool = False,
-    n: int | None = None,
-    echo: bool = False,
-    messages: Sequence[Mapping[str, str]] | None = None,
-    logprobs: int | None = None,
-    cache_salt: str | None = None,
-) -> pb.GenerateRequest:
-    return wire.request_to_proto(
-        logprobs=logprobs,
-        cache_salt=cache_salt,
-        n=n,
-        echo=echo,
-        messages=[(m["role"], m["content"]) for m in messages or ()],
-        prompt=prompt,
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
-        include_stop_str_in_output=include_stop_str_in_output,
-    )
+class RequestParams(TypedDict, total=False):
+    """What `stream` and `generate` take besides the prompt (keywords; unset ones take the server's defaults).
+
+    `prompt_ids` instead of a text prompt, `messages` (role / content mappings) for a chat request; sampling:
+    `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`; stopping: `stop` (strings), `stop_token_ids`,
+    `ignore_eos`, `include_stop_str_in_output`; `n` samples (`stream` only), `echo` the prompt, `logprobs` (0..20
+    alternatives per token), `cache_salt` (prefix-cache blocks shared only with requests of the same salt)."""
+
+    prompt_ids: Sequence[int] | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str] | str
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    n: int | None
+    echo: bool
+    messages: Sequence[Mapping[str, str]] | None
+    logprobs: int | None
+    cache_salt: str | None
 
 
-def _one(n: int | None) -> int | None:
-    if n not in (None, 1):
+def _request(prompt: str | None, params: RequestParams) -> pb.GenerateRequest:
+    unknown = sorted(set(params) - set(RequestParams.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    fields: dict[str, Any] = dict(params)
+    chat = [(m["role"], m["content"]) for m in fields.pop("messages", None) or ()]
+    return wire.request_to_proto(prompt=prompt, messages=chat, **fields)
+
+
+def _one(params: RequestParams) -> RequestParams:
+    """`generate`'s parameters: one completion."""
+    if params.get("n") not in (None, 1):
         raise ValueError("generate() returns one completion: use stream(n=...) for several samples")
-    return n
+    return params
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,41 +267,10 @@ class Client:
         self,
         prompt: str | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        include_stop_str_in_output: bool = False,
-        n: int | None = None,
-        echo: bool = False,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None,
-        cache_salt: str | None = None,
         timeout_s: float | None = None,
+        **params: Unpack[RequestParams],
     ) -> Stream:
-        request = _request(
-            prompt,
-            prompt_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            ignore_eos,
-            include_stop_str_in_output,
-            n,
-            echo,
-            messages,
-            logprobs,
-            cache_salt,
-        )
+        request = _request(prompt, params)
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         return Stream(call)
 
@@ -311,44 +278,10 @@ class Client:
         self,
         prompt: str | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        include_stop_str_in_output: bool = False,
-        n: int | None = None,
-        echo: bool = False,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None,
-        cache_salt: str | None = None,
         timeout_s: float | None = None,
+        **params: Unpack[RequestParams],
     ) -> Completion:
-        chunks = list(
-            self.stream(
-                prompt,
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed,
-                stop=stop,
-                stop_token_ids=stop_token_ids,
-                ignore_eos=ignore_eos,
-                include_stop_str_in_output=include_stop_str_in_output,
-                n=_one(n),
-                echo=echo,
-                messages=messages,
-                logprobs=logprobs,
-                cache_salt=cache_salt,
-                timeout_s=timeout_s,
-            )
-        )
+        chunks = list(self.stream(prompt, timeout_s=timeout_s, **_one(params)))
         return Completion.from_chunks(chunks)
 
     def model_info(self, timeout_s: float | None = None) -> ModelInfo:
@@ -418,42 +351,11 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        include_stop_str_in_output: bool = False,
-        n: int | None = None,
-        echo: bool = False,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None,
-        cache_salt: str | None = None,
         timeout_s: float | None = None,
+        **params: Unpack[RequestParams],
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
-        request = _request(
-            prompt,
-            prompt_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            ignore_eos,
-            include_stop_str_in_output,
-            n,
-            echo,
-            messages,
-            logprobs,
-            cache_salt,
-        )
+        request = _request(prompt, params)
         call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         num_tokens: dict[int, int] = {}  # per sample index
         try:
@@ -471,45 +373,10 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        include_stop_str_in_output: bool = False,
-        n: int | None = None,
-        echo: bool = False,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None,
-        cache_salt: str | None = None,
         timeout_s: float | None = None,
+        **params: Unpack[RequestParams],
     ) -> Completion:
-        chunks = [
-            c
-            async for c in self.stream(
-                prompt,
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed,
-                stop=stop,
-                stop_token_ids=stop_token_ids,
-                ignore_eos=ignore_eos,
-                include_stop_str_in_output=include_stop_str_in_output,
-                n=_one(n),
-                echo=echo,
-                messages=messages,
-                logprobs=logprobs,
-                cache_salt=cache_salt,
-                timeout_s=timeout_s,
-            )
-        ]
+        chunks = [c async for c in self.stream(prompt, timeout_s=timeout_s, **_one(params))]
         return Completion.from_chunks(chunks)
 
     async def model_info(self, timeout_s: float | None = None) -> ModelInfo:

@@ -144,3 +144,23 @@ def test_invalid_request_names_the_field_and_server_keeps_serving(client):
     assert client.generate(prompt_ids=[5, 6], max_tokens=2, ignore_eos=True).token_ids == tuple(
         expected_tokens([5, 6], 2)
     )
+
+
+def test_client_refuses_a_misspelled_keyword_and_n_on_generate_before_sending(client):
+    with pytest.raises(TypeError, match="max_token"):
+        client.generate(prompt_ids=[5, 6], max_token=2)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="stream"):
+        client.generate(prompt_ids=[5, 6], max_tokens=2, n=2)
+    samples = list(client.stream(prompt_ids=[5, 6], max_tokens=2, n=2, ignore_eos=True))
+    assert {c.index for c in samples} == {0, 1}
+
+
+def test_async_client_takes_the_same_parameters(server):
+    async def main():
+        async with AsyncClient(server.grpc_address, timeout_s=30) as c:
+            result = await c.generate(prompt_ids=[5, 6, 7], max_tokens=4, ignore_eos=True, stop_token_ids=[])
+            with pytest.raises(TypeError, match="max_token"):
+                await c.generate(prompt_ids=[5, 6], max_token=2)  # type: ignore[call-arg]
+            return result
+
+    assert list(asyncio.run(main()).token_ids) == expected_tokens([5, 6, 7], 4)
