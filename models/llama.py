@@ -26,8 +26,8 @@ the embedding is, so both heads are read by the same product.
 
 The forward passes are the shared skeleton's (`models.decoder`) bound to this file's `embed`,
 `layer` and `lm_head`, as in `models.opt`: `prefill`, `decode` (contiguous `KVCache` or
-`DecodeCache`), `extend_paged` (a `PagedKVCache` block pool; T == 1 decode, T > 1 chunked prefill),
-`insert_into_pages`; stage pieces `embed`, `run_layers_prefill`, `run_layers_decode`,
+`DecodeCache`), `extend_paged` (a `PagedKVCache` block pool; T == 1 decode, T > 1 chunked prefill); stage
+pieces `embed`, `run_layers_prefill`, `run_layers_decode`,
 `run_layers_paged`, `lm_head`, `stage_params`.
 """
 
@@ -45,34 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
 from models import decoder
-from models.attention import (
-    DecodeCache,
-    KVCache,
-    PagedKVCache,
-    init_cache,
-    init_paged_cache,
-    insert_into_pages,
-    paged_cache_shape,
-    select_last,
-    stack_layers,
-    unstack_layers,
-)
 from models.config import LlamaConfig
 from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
-
-__all__ = [
-    "DecodeCache",
-    "KVCache",
-    "PagedKVCache",
-    "init_cache",
-    "init_paged_cache",
-    "insert_into_pages",
-    "paged_cache_shape",
-    "select_last",
-    "stack_layers",
-    "unstack_layers",
-]
-
 
 # --------------------------------------------------------------------------------------------
 # Parameters

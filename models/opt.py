@@ -21,9 +21,9 @@ Param tree (shapes for `cfg`; `E = cfg.embed_dim`, `h = cfg.hidden_size`, `f = c
 
 Kernels are `[in, out]` (Hugging Face Linear weights transposed). This file holds OPT's layers only:
 its embedding (tokens + learned positions), its decoder layer body and its tied LM head. The caches,
-attention and the step kinds are the shared KV layer's (`models.attention`), whose names
-(`KVCache`, `DecodeCache`, `PagedKVCache`, `insert_into_pages`, ...) it re-exports; the forward
-passes are the shared skeleton's (`models.decoder`), bound here to OPT's pieces:
+attention and the step kinds are the shared KV layer's (`models.attention`: `KVCache`, `DecodeCache`,
+`PagedKVCache`, `insert_into_pages`, ... are imported from there); the forward passes are the shared
+skeleton's (`models.decoder`), bound here to OPT's pieces:
 
 * `prefill`  — right-padded prompts `[B, T]`, returns a contiguous `KVCache` `[L, B, T, H, D]`;
 * `decode`   — one token per sequence at its own position, over a contiguous `KVCache`;
@@ -36,8 +36,7 @@ leaves run as a `lax.scan` (slices of stacked weights are copies on XLA:CPU, so 
 tests and tools).
 
 Stage pieces for pipeline parallelism: `embed`, `run_layers_prefill`, `run_layers_decode`,
-`run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`; `insert_into_pages` writes a
-contiguous prefill KV into the block pool.
+`run_layers_paged`, `final_hidden`, `lm_head`, `stage_params`.
 """
 
 from __future__ import annotations
@@ -53,34 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from models import attention as kv
 from models import decoder
-from models.attention import (
-    DecodeCache,
-    KVCache,
-    PagedKVCache,
-    init_cache,
-    init_paged_cache,
-    insert_into_pages,
-    paged_cache_shape,
-    select_last,
-    stack_layers,
-    unstack_layers,
-)
 from models.config import OPT_POSITION_OFFSET, OPTConfig
 from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
-
-# The shared KV layer's names, re-exported: the runtime reaches them as `opt.KVCache`, `opt.insert_into_pages`.
-__all__ = [
-    "DecodeCache",
-    "KVCache",
-    "PagedKVCache",
-    "init_cache",
-    "init_paged_cache",
-    "insert_into_pages",
-    "paged_cache_shape",
-    "select_last",
-    "stack_layers",
-    "unstack_layers",
-]
 
 
 def _as_dtype(dtype: Any) -> jnp.dtype:

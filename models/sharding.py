@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import checkpoint, llama, opt
-from models.attention import KVCache, PagedKVCache, stack_layers, unstack_layers
+from models.attention import KVCache, PagedKVCache, paged_cache_shape, stack_layers, unstack_layers
 from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError, kv_heads_split, tp_problems
 from models.decoder import TP_AXIS, Params
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
@@ -447,7 +447,7 @@ class ShardedModel:
         layout = self.block_layout if block_layout is None else block_layout
         caches = []
         for st in self.layout.stages:
-            shape = opt.paged_cache_shape(self.cfg, num_blocks, block_size, layout, st.num_layers)
+            shape = paged_cache_shape(self.cfg, num_blocks, block_size, layout, st.num_layers)
             zeros = jax.jit(partial(jnp.zeros, shape, self.dtype), out_shardings=st.pool_sharding(layout))
             caches.append(PagedKVCache(k=zeros(), v=zeros(), block_layout=layout))
         return caches

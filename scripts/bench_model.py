@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.core.limits import ServingLimits
+from models.attention import DecodeCache, KVCache, init_paged_cache, insert_into_pages, unstack_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -269,7 +270,7 @@ def main() -> int:
         host = jax.tree.map(np.asarray, fam.init_params(cfg, jax.random.key(0), jnp.float32))
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), host)
     # the serving layout of a one-device stage (what ShardedModel runs): one dict per layer, projections fused
-    params["layers"] = [fam.fuse_layer(lp, cfg) for lp in fam.unstack_layers(params["layers"])]
+    params["layers"] = [fam.fuse_layer(lp, cfg) for lp in unstack_layers(params["layers"])]
     del host
     load_before = load_avg()
     print(
@@ -471,7 +472,7 @@ def _jax_decode_contenders(
     bsz, ctx = prompts.shape
     cap = ctx + steps + 1
     _, kv = fam.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
-    state: dict[str, Any] = {"cache": fam.DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
+    state: dict[str, Any] = {"cache": DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
     tok = jnp.asarray(prompts[:, -1])
     positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
 
@@ -495,9 +496,9 @@ def _jax_decode_contenders(
     for name in paged_impls:
         impl, _, layout = name.partition(":")  # "xla:heads": impl "xla" over a pool of head-major blocks
         layout = layout or "tokens"
-        pool = fam.init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
+        pool = init_paged_cache(cfg, bsz * per_seq, block_size, dtype=kv.k.dtype, block_layout=layout)
         filled = jnp.full((bsz,), ctx, jnp.int32)
-        state["pages", name] = fam.insert_into_pages(pool, kv, tables, filled, block_layout=layout)
+        state["pages", name] = insert_into_pages(pool, kv, tables, filled, block_layout=layout)
 
         def run_paged(name: str = name, impl: str = impl, layout: str = layout) -> None:
             cache = state["pages", name]
@@ -633,8 +634,8 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
         cap = ctx + steps + 1
         pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
         state: dict[str, Any] = {
-            "stacked": fam.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad)),
-            "head_major": fam.DecodeCache.from_kv(kv, cap),
+            "stacked": KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad)),
+            "head_major": DecodeCache.from_kv(kv, cap),
         }
         del kv
         tok = jnp.asarray(prompts[:, -1])

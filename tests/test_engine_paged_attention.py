@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from models import paged_attention
+from models.attention import init_paged_cache
 from models.paged_attention import BlockLayout, Impl, paged_decode_attention
 
 
@@ -190,7 +191,7 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
         ("cpu_kernel", "heads"),
     ]  # fmt: skip
     for impl, layout in cases:
-        pool = opt.init_paged_cache(cfg, 8, bs, block_layout=layout)
+        pool = init_paged_cache(cfg, 8, bs, block_layout=layout)
         _, pool = opt.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
         tok = jnp.asarray([[11], [12]], jnp.int32)
         logits, pool = opt.extend_paged(params, cfg, tok, lengths, jnp.ones(b, jnp.int32), pool, tables, attention=impl)

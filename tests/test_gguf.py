@@ -27,6 +27,7 @@ pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
 from jaxserve.testing.hf import randomize_llama  # noqa: E402
 from models import checkpoint, llama  # noqa: E402
+from models.attention import DecodeCache  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError  # noqa: E402
 from models.sharding import ShardedLlama  # noqa: E402
@@ -208,7 +209,7 @@ def _hf_from_gguf(path: Path) -> Any:
 def _greedy_ours(params: Any, cfg: LlamaConfig, prompt: np.ndarray, num_new: int) -> list[int]:
     """Prefill, then cached decode steps (fixed shapes: compiled once)."""
     logits, kv = llama.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
-    cache = llama.DecodeCache.from_kv(kv, len(prompt) + num_new)
+    cache = DecodeCache.from_kv(kv, len(prompt) + num_new)
     out, pos = [], jnp.asarray([len(prompt)], jnp.int32)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     for _ in range(num_new):

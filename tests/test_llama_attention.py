@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from models import attention
+from models.attention import init_paged_cache
 from models.paged_attention import IMPLS, BlockLayout, Impl, paged_decode_attention
 
 B, H, KVH, D, BS, M = 3, 8, 2, 16, 4, 5
@@ -132,7 +133,7 @@ def test_llama_paged_decode_cpu_kernel_equals_xla(heads: int, kv_heads: int, hea
     tables = jnp.asarray(rng.permutation(15)[:12].reshape(b, 4), jnp.int32)  # shuffled, 16 positions a row
     prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 9)), jnp.int32)
     lengths = np.array([9, 4, 7], np.int32)
-    pool = llama.init_paged_cache(cfg, 16, bs, block_layout="heads")
+    pool = init_paged_cache(cfg, 16, bs, block_layout="heads")
     zeros = jnp.zeros(b, jnp.int32)
     first = np.minimum(lengths, 5)  # chunk 1: up to 5 tokens; chunk 2: the rest, attending to chunk 1's pages
     _, pool = llama.extend_paged(params, cfg, prompt[:, :5], zeros, jnp.asarray(first), pool, tables)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from llama_hf import hf_config, make_hf_llama, save_hf_llama  # noqa: E402
 
 from models import checkpoint, llama  # noqa: E402
+from models.attention import init_paged_cache  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError, config_from_hf  # noqa: E402
 from models.sharding import ShardedLlama, ShardedOPT, kv_heads_split, validate_parallelism  # noqa: E402
@@ -227,7 +228,7 @@ def test_hf_dir_loads_into_a_tp_pp_layout_and_runs_like_the_unsharded_model(
     # paged prefill + decode steps through the stages, against the unsharded paged path
     tables = np.arange(2 * 5, dtype=np.int32).reshape(2, 5)[:, ::-1].copy()
     caches = model.init_paged_caches(11, 4)
-    pool = llama.init_paged_cache(cfg, 11, 4)
+    pool = init_paged_cache(cfg, 11, 4)
     zeros, ones = np.zeros(2, np.int32), np.ones(2, np.int32)
     got, caches = model.extend_paged(tokens, zeros, lengths, caches, tables)
     ref, pool = llama.extend_paged(params, cfg, tokens, zeros, lengths, pool, tables)

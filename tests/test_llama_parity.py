@@ -25,6 +25,14 @@ pytest.importorskip("transformers")
 from llama_hf import KINDS, make_hf_llama, save_hf_llama  # noqa: E402
 
 from models import checkpoint, llama  # noqa: E402
+from models.attention import (  # noqa: E402
+    DecodeCache,
+    KVCache,
+    init_cache,
+    init_paged_cache,
+    insert_into_pages,
+    unstack_layers,
+)
 from models.config import LlamaConfig  # noqa: E402
 
 PROMPT_LENS = (5, 13, 9)
@@ -111,7 +119,7 @@ def test_greedy_tokens_match_hf_generate_contiguous_and_paged(setup: tuple[Llama
     tokens, lengths = _right_pad(prompts, width)
     logits, kv = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     assert kv.k.shape == (cfg.num_layers, 3, width, cfg.kv_heads, cfg.head_dim)  # K/V stored at kv_heads
-    cache = llama.DecodeCache.from_kv(kv, width + NUM_NEW)
+    cache = DecodeCache.from_kv(kv, width + NUM_NEW)
     ours = []
     tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(lengths)
     for _ in range(NUM_NEW):
@@ -124,9 +132,9 @@ def test_greedy_tokens_match_hf_generate_contiguous_and_paged(setup: tuple[Llama
     block_size, per_seq = 4, (width + NUM_NEW) // 4 + 1
     tables = jnp.asarray(np.random.default_rng(0).permutation(3 * per_seq).reshape(3, per_seq).astype(np.int32))
     for layout in ("tokens", "heads"):
-        pool = llama.init_paged_cache(cfg, 3 * per_seq + 1, block_size, block_layout=layout)
+        pool = init_paged_cache(cfg, 3 * per_seq + 1, block_size, block_layout=layout)
         logits, kv = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-        pool = llama.insert_into_pages(pool, kv, tables, jnp.asarray(lengths))
+        pool = insert_into_pages(pool, kv, tables, jnp.asarray(lengths))
         tok, pos, paged = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(lengths), []
         for _ in range(NUM_NEW):
             paged.append(np.asarray(tok))
@@ -148,8 +156,8 @@ def test_cached_steps_equal_the_uncached_forward(setup: tuple[LlamaConfig, Any, 
 
     # contiguous: prefill 8 tokens, then 12 single-token steps over a stacked KVCache
     first, kv = llama.prefill(params, cfg, jnp.asarray(seq[:, :8]), jnp.full(2, 8, jnp.int32), all_logits=True)
-    cache = llama.init_cache(cfg, 2, 20)
-    cache = llama.KVCache(k=cache.k.at[:, :, :8].set(kv.k), v=cache.v.at[:, :, :8].set(kv.v))
+    cache = init_cache(cfg, 2, 20)
+    cache = KVCache(k=cache.k.at[:, :, :8].set(kv.k), v=cache.v.at[:, :, :8].set(kv.v))
     steps = [np.asarray(first)]
     for p in range(8, 20):
         logits, cache = llama.decode(params, cfg, jnp.asarray(seq[:, p]), jnp.full(2, p, jnp.int32), cache)
@@ -158,7 +166,7 @@ def test_cached_steps_equal_the_uncached_forward(setup: tuple[LlamaConfig, Any, 
 
     # paged: three chunks of 7 / 7 / 6 tokens appended into scattered blocks (chunked prefill)
     tables = jnp.asarray(np.array([[5, 0, 3, 7, 1], [2, 6, 4, 9, 8]], np.int32))
-    pool = llama.init_paged_cache(cfg, 10, 4)
+    pool = init_paged_cache(cfg, 10, 4)
     chunks = []
     for start, end in ((0, 7), (7, 14), (14, 20)):
         logits, pool = llama.extend_paged(
@@ -173,7 +181,7 @@ def test_stacked_scan_and_per_layer_loop_agree(setup: tuple[LlamaConfig, Any, An
     """The serving layout (one dict per layer, an unrolled loop) gives the stacked scan's logits."""
     cfg, _, params = setup
     tokens, lengths = _right_pad(_prompts(cfg), max(PROMPT_LENS))
-    per_layer = {**params, "layers": llama.unstack_layers(params["layers"])}
+    per_layer = {**params, "layers": unstack_layers(params["layers"])}
     a, kv_a = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     b, kv_b = llama.prefill(per_layer, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from models import opt
+from models.attention import DecodeCache, KVCache, PagedKVCache, init_paged_cache, insert_into_pages
 from models.config import OPTConfig, get_config
 from models.paged_attention import BlockLayout
 
@@ -30,12 +31,12 @@ def _shuffled_tables(num_blocks: int, per_seq: int, seed: int = 0) -> np.ndarray
     return perm[: B * per_seq].reshape(B, per_seq).astype(np.int32)
 
 
-def _decode_cache(kv: opt.KVCache, extra: int, layout: str) -> opt.KVCache | opt.DecodeCache:
+def _decode_cache(kv: KVCache, extra: int, layout: str) -> KVCache | DecodeCache:
     """The prefill's cache grown by `extra` positions, stacked (`KVCache`) or per-layer head-major (`DecodeCache`)."""
     if layout == "head_major":
-        return opt.DecodeCache.from_kv(kv, kv.k.shape[2] + extra)
+        return DecodeCache.from_kv(kv, kv.k.shape[2] + extra)
     pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
-    return opt.KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
+    return KVCache(k=jnp.pad(kv.k, pad), v=jnp.pad(kv.v, pad))
 
 
 @pytest.mark.parametrize("layout", ["stacked", "head_major"])
@@ -74,7 +75,7 @@ def _decode_rest_and_check(
     cfg: OPTConfig,
     tokens: np.ndarray,
     full: np.ndarray,
-    cache: opt.PagedKVCache,
+    cache: PagedKVCache,
     tables: np.ndarray,
     block_layout: BlockLayout,
 ) -> None:
@@ -101,7 +102,7 @@ def test_paged_decode_with_shuffled_blocks(
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(4 * per_seq, per_seq)
-    cache = opt.init_paged_cache(cfg, 4 * per_seq, BLOCK, block_layout=block_layout)
+    cache = init_paged_cache(cfg, 4 * per_seq, BLOCK, block_layout=block_layout)
     # prefill into pages with the paged path, then decode token by token
     logits, cache = opt.extend_paged(
         params,
@@ -126,8 +127,8 @@ def test_insert_contiguous_kv_into_pages(
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(3 * per_seq, per_seq, seed=5)
     _, kv = opt.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
-    cache = opt.insert_into_pages(
-        opt.init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout),
+    cache = insert_into_pages(
+        init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout),
         kv,
         tables,
         np.full(B, N, np.int32),
@@ -144,7 +145,7 @@ def test_chunked_prefill_into_pages(
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(3 * per_seq, per_seq, seed=9)
-    cache = opt.init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout)
+    cache = init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout)
     width = 6
     chunk_plan = [[6, 2, 5], [5, 0, 6], [5, 6, 5], [0, 6, 0], [0, 2, 0]]  # per step, tokens per row
     done = np.zeros(B, np.int32)
@@ -167,7 +168,7 @@ def test_chunked_prefill_into_pages(
 def test_padding_rows_write_nothing(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
     cfg, params, tokens, _ = setup
     tables = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
-    cache = opt.init_paged_cache(cfg, 6, BLOCK)
+    cache = init_paged_cache(cfg, 6, BLOCK)
     lengths = np.array([3, 0, 2], np.int32)
     _, cache = opt.extend_paged(params, cfg, tokens[:, :4], np.zeros(B, np.int32), lengths, cache, tables)
     k = np.asarray(cache.k)
@@ -186,7 +187,7 @@ def test_bfloat16_close_to_float32(setup: tuple[OPTConfig, opt.Params, np.ndarra
     err = np.abs(np.asarray(logits) - full).max()
     assert err < 0.05 * np.abs(full).max(), err
     # bf16 paged decode runs too and agrees with f32 on the argmax of most rows
-    cache = opt.init_paged_cache(cfg, 8, BLOCK, jnp.bfloat16)
+    cache = init_paged_cache(cfg, 8, BLOCK, jnp.bfloat16)
     tables = np.arange(6, dtype=np.int32).reshape(3, 2)
     lg, cache = opt.extend_paged(p16, cfg, tokens[:, :5], np.zeros(B, np.int32), np.full(B, 5, np.int32), cache, tables)
     assert cache.k.dtype == jnp.bfloat16

@@ -27,6 +27,7 @@ from jaxserve.core.model_registry import (
     pull_model,
     resolve_model_source,
 )
+from models.attention import DecodeCache
 
 NAME = "smollm2-135m-instruct"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
@@ -191,7 +192,7 @@ def test_real_pull_of_smollm2_runs_like_transformers(tmp_path: Path, monkeypatch
             )  # fmt: skip
         expected = out[0, len(prompt) :].tolist()
         logits, kv = llama.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
-        decode_cache = llama.DecodeCache.from_kv(kv, len(prompt) + NUM_NEW)
+        decode_cache = DecodeCache.from_kv(kv, len(prompt) + NUM_NEW)
         ours, pos = [], jnp.asarray([len(prompt)], jnp.int32)
         next_tok = jnp.argmax(logits, -1).astype(jnp.int32)
         for _ in range(len(expected)):

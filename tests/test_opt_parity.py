@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model  # noqa: E402
 from models import checkpoint, opt  # noqa: E402
+from models.attention import DecodeCache  # noqa: E402
 from models.config import OPTConfig, get_config  # noqa: E402
 from models.sharding import ShardedOPT  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_greedy_tokens_match_hf_generate(setup: tuple[OPTConfig, Any, Any]) -> N
     width = max(PROMPT_LENS)
     tokens, lengths = _right_pad(prompts, width, cfg.pad_token_id)
     logits, kv = opt.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    cache = opt.DecodeCache.from_kv(kv, width + NUM_NEW)  # the per-layer head-major decode layout
+    cache = DecodeCache.from_kv(kv, width + NUM_NEW)  # the per-layer head-major decode layout
     ours = []
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     pos = jnp.asarray(lengths)
