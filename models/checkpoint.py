@@ -47,8 +47,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import gguf, llama, opt
+from models import gguf
 from models.config import CheckpointError, LlamaConfig, ModelConfig, OPTConfig, config_from_hf, get_model_config
+from models.decoder import HFNaming
+from models.families import family
 from models.opt import Params
 
 if TYPE_CHECKING:
@@ -241,66 +243,9 @@ class ParamTreeReader:
         return np.asarray(_get(self.params, path)[index])
 
 
-_HF_LAYER_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
-    # (our module, our leaf) -> (HF suffix after "layers.N.", transpose)
-    ("q_proj", "kernel"): ("self_attn.q_proj.weight", True),
-    ("q_proj", "bias"): ("self_attn.q_proj.bias", False),
-    ("k_proj", "kernel"): ("self_attn.k_proj.weight", True),
-    ("k_proj", "bias"): ("self_attn.k_proj.bias", False),
-    ("v_proj", "kernel"): ("self_attn.v_proj.weight", True),
-    ("v_proj", "bias"): ("self_attn.v_proj.bias", False),
-    ("out_proj", "kernel"): ("self_attn.out_proj.weight", True),
-    ("out_proj", "bias"): ("self_attn.out_proj.bias", False),
-    ("fc1", "kernel"): ("fc1.weight", True),
-    ("fc1", "bias"): ("fc1.bias", False),
-    ("fc2", "kernel"): ("fc2.weight", True),
-    ("fc2", "bias"): ("fc2.bias", False),
-    ("self_attn_layer_norm", "scale"): ("self_attn_layer_norm.weight", False),
-    ("self_attn_layer_norm", "bias"): ("self_attn_layer_norm.bias", False),
-    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
-    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
-}
-_HF_TOP_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
-    ("embed_tokens",): ("embed_tokens.weight", False),
-    ("embed_positions",): ("embed_positions.weight", False),
-    ("project_in",): ("project_in.weight", True),
-    ("project_out",): ("project_out.weight", True),
-    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
-    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
-}
-
-
-_LLAMA_LAYER_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
-    ("input_layernorm", "scale"): ("input_layernorm.weight", False),
-    ("post_attention_layernorm", "scale"): ("post_attention_layernorm.weight", False),
-    **{(m, "kernel"): (f"self_attn.{m}.weight", True) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{(m, "bias"): (f"self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{(m, "kernel"): (f"mlp.{m}.weight", True) for m in ("gate_proj", "up_proj", "down_proj")},
-}
-_LLAMA_TOP_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
-    ("embed_tokens",): ("embed_tokens.weight", False),
-    ("norm", "scale"): ("norm.weight", False),
-    ("lm_head",): ("lm_head.weight", False),  # [V, h] as our head is: no transpose
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _HFNaming:
-    """How one family's Hugging Face tensor names map onto our param tree."""
-
-    prefixes: tuple[str, ...]  # tried in order; the first holding embed_tokens.weight wins
-    layer_names: Mapping[tuple[str, str], tuple[str, bool]]  # (module, leaf) -> (suffix after "layers.N.", transpose)
-    top_names: Mapping[tuple[str, ...], tuple[str, bool]]
-    unprefixed: frozenset[tuple[str, ...]] = frozenset()  # top-level leaves named without the prefix
-
-
-_OPT_NAMING = _HFNaming(("model.decoder.", "decoder."), _HF_LAYER_NAMES, _HF_TOP_NAMES)
-_LLAMA_NAMING = _HFNaming(("model.", ""), _LLAMA_LAYER_NAMES, _LLAMA_TOP_NAMES, frozenset({("lm_head",)}))
-
-
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The full param tree's leaf shapes for either family."""
-    return llama.param_shapes(cfg) if isinstance(cfg, LlamaConfig) else opt.param_shapes(cfg)
+    return family(cfg).param_shapes(cfg)  # type: ignore[no-any-return]
 
 
 class HFReader:
@@ -309,7 +254,7 @@ class HFReader:
     def __init__(self, tensors: Mapping[str, TensorLike], cfg: ModelConfig, source: str = "checkpoint"):
         self.tensors = tensors
         self.cfg = cfg
-        self.naming = _LLAMA_NAMING if isinstance(cfg, LlamaConfig) else _OPT_NAMING
+        self.naming: HFNaming = family(cfg).HF_NAMING
         prefixes = self.naming.prefixes
         self.prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
         problems = []
@@ -618,7 +563,7 @@ def load_stage_params(
     log.warning("model %r is a preset name, not a checkpoint: using RANDOM weights (seed %d)", str(source), seed)
     with jax.default_device(jax.devices("cpu")[0]):
         key = jax.random.key(seed)
-        params = llama.init_params(cfg, key) if isinstance(cfg, LlamaConfig) else opt.init_params(cfg, key)
+        params = family(cfg).init_params(cfg, key)
     return place_params(ParamTreeReader(params), cfg, layout, cfg.dtype)
 
 

@@ -31,7 +31,7 @@ listed in docs/models.md; `TP_AXIS` and the column / row split specs here are wh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
@@ -50,6 +50,16 @@ TP_AXIS = "tp"
 COLUMN_KERNEL, COLUMN_BIAS, ROW_KERNEL = P(None, None, TP_AXIS), P(None, TP_AXIS), P(None, TP_AXIS, None)
 
 CfgT = TypeVar("CfgT", bound=KVShape)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNaming:
+    """How a family's Hugging Face tensor names map onto its param tree (`models.checkpoint` reads them)."""
+
+    prefixes: tuple[str, ...]  # tried in order; the first holding embed_tokens.weight wins
+    layer_names: Mapping[tuple[str, str], tuple[str, bool]]  # (module, leaf) -> (suffix after "layers.N.", transpose)
+    top_names: Mapping[tuple[str, ...], tuple[str, bool]]
+    unprefixed: frozenset[tuple[str, ...]] = frozenset()  # top-level leaves named without the prefix
 
 
 def prompt_positions(b: int, t: int) -> jax.Array:

@@ -289,3 +289,21 @@ run_layers_prefill = DECODER.run_layers_prefill
 run_layers_decode = DECODER.run_layers_decode
 run_layers_paged = DECODER.run_layers_paged
 prefill, decode, extend_paged = decoder.jit_entry_points(DECODER)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face tensor names (`models.checkpoint` reads a checkpoint through them)
+# --------------------------------------------------------------------------------------------
+_HF_LAYER: dict[tuple[str, str], tuple[str, bool]] = {
+    ("input_layernorm", "scale"): ("input_layernorm.weight", False),
+    ("post_attention_layernorm", "scale"): ("post_attention_layernorm.weight", False),
+    **{(m, "kernel"): (f"self_attn.{m}.weight", True) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{(m, "bias"): (f"self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{(m, "kernel"): (f"mlp.{m}.weight", True) for m in ("gate_proj", "up_proj", "down_proj")},
+}
+_HF_TOP: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("embed_tokens",): ("embed_tokens.weight", False),
+    ("norm", "scale"): ("norm.weight", False),
+    ("lm_head",): ("lm_head.weight", False),  # [V, h] as our head is: no transpose
+}
+HF_NAMING = decoder.HFNaming(("model.", ""), _HF_LAYER, _HF_TOP, frozenset({("lm_head",)}))

@@ -277,3 +277,36 @@ prefill, decode, extend_paged = decoder.jit_entry_points(DECODER)
 
 def num_params(params: Params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face tensor names (`models.checkpoint` reads a checkpoint through them)
+# --------------------------------------------------------------------------------------------
+_HF_LAYER: dict[tuple[str, str], tuple[str, bool]] = {
+    # (our module, our leaf) -> (HF suffix after "layers.N.", transpose)
+    ("q_proj", "kernel"): ("self_attn.q_proj.weight", True),
+    ("q_proj", "bias"): ("self_attn.q_proj.bias", False),
+    ("k_proj", "kernel"): ("self_attn.k_proj.weight", True),
+    ("k_proj", "bias"): ("self_attn.k_proj.bias", False),
+    ("v_proj", "kernel"): ("self_attn.v_proj.weight", True),
+    ("v_proj", "bias"): ("self_attn.v_proj.bias", False),
+    ("out_proj", "kernel"): ("self_attn.out_proj.weight", True),
+    ("out_proj", "bias"): ("self_attn.out_proj.bias", False),
+    ("fc1", "kernel"): ("fc1.weight", True),
+    ("fc1", "bias"): ("fc1.bias", False),
+    ("fc2", "kernel"): ("fc2.weight", True),
+    ("fc2", "bias"): ("fc2.bias", False),
+    ("self_attn_layer_norm", "scale"): ("self_attn_layer_norm.weight", False),
+    ("self_attn_layer_norm", "bias"): ("self_attn_layer_norm.bias", False),
+    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
+    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
+}
+_HF_TOP: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("embed_tokens",): ("embed_tokens.weight", False),
+    ("embed_positions",): ("embed_positions.weight", False),
+    ("project_in",): ("project_in.weight", True),
+    ("project_out",): ("project_out.weight", True),
+    ("final_layer_norm", "scale"): ("final_layer_norm.weight", False),
+    ("final_layer_norm", "bias"): ("final_layer_norm.bias", False),
+}
+HF_NAMING = decoder.HFNaming(("model.decoder.", "decoder."), _HF_LAYER, _HF_TOP)

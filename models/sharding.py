@@ -28,7 +28,6 @@ import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Self
 
 import jax
@@ -37,10 +36,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import checkpoint, llama, opt
+from models import checkpoint
 from models.attention import KVCache, PagedKVCache, paged_cache_shape, stack_layers, unstack_layers
 from models.config import LlamaConfig, ModelConfig, OPTConfig, UnsupportedModelError, kv_heads_split, tp_problems
 from models.decoder import TP_AXIS, Params
+from models.families import FAMILIES, family
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,6 @@ def pool_spec(block_layout: BlockLayout, kv_split: bool = True) -> P:
 
 # Each config type's family module: its layers, params and partition specs, and the shared skeleton
 # (`models.decoder`) bound to them (docs/models.md, "Adding a family").
-FAMILIES: dict[type, ModuleType] = {OPTConfig: opt, LlamaConfig: llama}
-
-
-def family(cfg: ModelConfig) -> ModuleType:
-    """The model module (`models.opt` or `models.llama`) whose functions run `cfg`."""
-    return FAMILIES[type(cfg)]
-
-
 def validate_parallelism(cfg: ModelConfig, tp: int, pp: int, num_devices: int | None = None) -> None:
     """Raise a ValueError that says what is wrong when `cfg` cannot be split `tp` x `pp` ways (the tp rule is
     `models.config.tp_problems`, the planner's too)."""
