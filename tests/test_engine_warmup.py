@@ -12,7 +12,8 @@ import pytest
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes, enable_compilation_cache
+from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes
+from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(temperature=0.0)
