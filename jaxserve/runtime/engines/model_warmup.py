@@ -5,10 +5,11 @@ functions of the limits); this module runs it. Before `warmup` returns it compil
 programs once on padding that writes no KV, every prefill bucket (and its rows' KV cuts), paged step bucket,
 multi-step program, KV insert and sampler; with `background=True` only the buckets that hold all others (and the
 inserts and multi-step programs), handing the rest as `CompileJob`s to the compile thread of `BackgroundWarmup`
-(`background_warmup.py`), which compiles each ahead of time (nothing read or written) and publishes it. The
-ready sets (replaced, never mutated) tell the serving side what runs compiled now: its prefill and step buckets
-(`BackgroundWarmup`), KV copies (`kv_copy_compiled`) and random samplers (`_sampling_rows`: a batch is sampled on
-logits padded up to a compiled one meanwhile).
+(`background_warmup.py`). A job compiles ahead of time in `compile` (nothing read or written) and adds its
+programs to the engine's ready sets in `publish` only. The ready sets (replaced, never mutated) tell the
+serving side what runs compiled now: its prefill and step buckets (`BackgroundWarmup`), KV copies
+(`kv_copy_compiled`) and random samplers (`_sampling_rows`: a batch is sampled on logits padded up to a
+compiled one meanwhile).
 """
 
 from __future__ import annotations
@@ -223,6 +224,8 @@ class ModelWarmup(BackgroundWarmup):
                 compiles += [threads.submit(self._precompile_slice, t, n) for t, n in cuts]
                 for done in compiles:
                     done.result()
+            for b, _ in prefill_now:
+                self._publish_sampler(b, random_rows)
             self._ready_slices = self._ready_slices | frozenset(cuts)
         else:
             for b, t_pad in prefill_now:
@@ -256,6 +259,7 @@ class ModelWarmup(BackgroundWarmup):
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
                 self._warm_sampling(logits, rand, greedy, logprobs, random_rows)
+                self._publish_sampler(b, random_rows)
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
@@ -326,7 +330,7 @@ class ModelWarmup(BackgroundWarmup):
                 CompileJob(
                     f"random sampler ({b} rows)",
                     partial(self._compile_random_sampler, b, rand, greedy, logprobs),
-                    partial(self._publish, "_ready_random", b),
+                    partial(self._publish_sampler, b),
                 )
                 for b in foreground_rows
             ]
@@ -334,7 +338,7 @@ class ModelWarmup(BackgroundWarmup):
                 CompileJob(
                     f"prefill {x}",
                     partial(self._precompile_prefill, *x, rand, greedy, logprobs),
-                    partial(self._publish, "_ready_prefill", x),
+                    partial(self._publish_prefill, *x),
                 )
                 for x in compile_order(later_prefill, self._ready_prefill)
             ]
@@ -342,7 +346,7 @@ class ModelWarmup(BackgroundWarmup):
                 CompileJob(
                     f"step {x}",
                     partial(self._precompile_step, *x, caches_like, rand, greedy, logprobs),
-                    partial(self._publish, "_ready_steps", x),
+                    partial(self._publish_step, *x),
                 )
                 for x in compile_order(later_steps, self._ready_steps)
                 if caches_like is not None
@@ -366,7 +370,7 @@ class ModelWarmup(BackgroundWarmup):
     def _warm_prefill(self, b: int, t_pad: int, rand: SamplingParams, greedy: SamplingParams) -> None:
         """Run the prefill bucket (b rows x t_pad tokens) on padding: each row's KV is cut to its own padded
         length, so the batch holds rows of every shorter bucket too; sampled and greedy both."""
-        shorter = [n for n in prompt_buckets(t_pad, self._cfg.max_position_embeddings) if n < t_pad]
+        shorter = self._cuts(t_pad)
         others = shorter or [t_pad]
         batches = (
             [[t_pad]]
@@ -381,7 +385,7 @@ class ModelWarmup(BackgroundWarmup):
             if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
                 self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
         self._ready_slices = self._ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
-        self._publish("_ready_random", b)  # row 0 sampled at random
+        self._publish_sampler(b)  # row 0 sampled at random
 
     def _precompile_prefill(
         self,
@@ -396,14 +400,20 @@ class ModelWarmup(BackgroundWarmup):
     ) -> None:
         """Compile the prefill bucket (b, t) without running it, and what its result takes apart: each row's
         KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits
-        (`_warm_sampling`: the random one padded up to `random_rows`, if given)."""
+        (`_warm_sampling`: the random one padded up to `random_rows`, if given). Publishes nothing: the caller
+        does (`_publish_prefill`, or `_publish_sampler` for the foreground's)."""
         self.model.precompile_prefill(b, t)
         self._precompile_row_kv(b, t)
         for n in self._cuts(t) if cuts else []:
-            if (t, n) not in self._ready_slices:
-                precompile_slice(self._dense_like(t), n)
-                self._publish("_ready_slices", (t, n))
+            self._precompile_slice(t, n)
         self._warm_sampling(self._logits_like(b), rand, greedy, logprobs, random_rows)
+
+    def _publish_prefill(self, b: int, t: int) -> None:
+        """A background prefill job's programs are in: its rows' cuts and random sampler, then the bucket."""
+        for n in self._cuts(t):
+            self._publish("_ready_slices", (t, n))
+        self._publish_sampler(b)
+        self._publish("_ready_prefill", (b, t))
 
     def _pool_copy_jobs(self, pages: KVPages, max_len: int) -> tuple[list[CompileJob], list[CompileJob]]:
         """A prefix-caching prefill instance's KV copies on a pool shaped like `pages` (shapes only), for every
@@ -464,9 +474,14 @@ class ModelWarmup(BackgroundWarmup):
         logprobs: bool,
     ) -> None:
         """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
-        samplers on placeholder logits."""
+        samplers on placeholder logits (published by `_publish_step`)."""
         self.model.precompile_paged(b, t, m, caches)
         self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
+
+    def _publish_step(self, b: int, t: int, m: int) -> None:
+        """A background step job's programs are in: its random sampler, then the bucket."""
+        self._publish_sampler(b)
+        self._publish("_ready_steps", (b, t, m))
 
     def _logits_like(self, b: int) -> jax.Array:
         """Placeholder logits [b, V] where the model leaves its logits (replicated on the last stage)."""
@@ -483,18 +498,22 @@ class ModelWarmup(BackgroundWarmup):
     ) -> None:
         """Run the samplers of `logits`' row count once: greedy (and its logprobs), and random; with `random_rows`
         (another row count, whose random sampler is compiled beside this one) only the pad of these logits up to
-        it: this row count's own random sampler is left to the background (`_compile_random_sampler`)."""
+        it: this row count's own random sampler is left to the background (`_compile_random_sampler`). Publishes
+        nothing: the caller does (`_publish_sampler`)."""
         b = logits.shape[0]
         greedy_tokens = sample(logits, [greedy] * b, [0] * b, [0] * b)
         out = [token_logprobs(logits, greedy_tokens) if logprobs else greedy_tokens]
-        pad = random_rows is not None and random_rows != b
-        if pad:
+        if random_rows is not None and random_rows != b:
             out.append(pad_rows(logits, random_rows))
         else:
             sampled = sample(logits, [rand] * b, [0] * b, [0] * b)
             out.append(token_logprobs(logits, sampled) if logprobs else sampled)
         jax.block_until_ready(out)
-        if pad:
+
+    def _publish_sampler(self, b: int, random_rows: int | None = None) -> None:
+        """`_warm_sampling` of `b` rows ran: its random sampler is in, or with `random_rows` (another row count)
+        the pad of its logits up to that one."""
+        if random_rows is not None and random_rows != b:
             self._publish("_ready_pads", (b, random_rows))
         else:
             self._publish("_ready_random", b)
