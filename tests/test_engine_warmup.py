@@ -11,8 +11,10 @@ import jax
 import pytest
 
 from jaxserve.core.request import SamplingParams
+from jaxserve.runtime.engines.background_warmup import CompileJob
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes, enable_compilation_cache
+from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes
+from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -215,3 +217,49 @@ def test_a_batch_no_compiled_bucket_holds_runs_as_held_sub_batches_and_compiles_
     assert [s.request_id for s in got] == ["r0", "r1", "r2", "r3"]
     assert [s.first_token for s in got] == [s.first_token for s in want]
     assert [s.kv[0].k.shape for s in got] == [s.kv[0].k.shape for s in want]
+
+
+_READY_SETS = (
+    "_ready_prefill",
+    "_ready_steps",
+    "_ready_random",
+    "_ready_pads",
+    "_ready_slices",
+    "_ready_inserts",
+    "_ready_gathers",
+)
+
+
+@pytest.mark.slow  # 7-20 s on a loaded 2-core box (alone: 20 s): a foreground warm-up, then three background compiles
+def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_once_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every `CompileJob` a `warmup(background=True)` hands to the thread leaves the engine's ready sets as they
+    were while it compiles (the serving side must not take a program before its job is done), and its publish
+    puts its program in: the random sampler's row count, the prefill or step bucket."""
+    eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[7:8]))
+    jobs: list[CompileJob] = []
+    monkeypatch.setattr(eng, "_start_background", jobs.extend)  # the jobs themselves, run here in order
+    eng.warmup(
+        num_blocks=8,
+        block_size=8,
+        max_decode_batch=2,
+        max_batch_tokens=16,
+        max_seq_len=16,
+        max_prefill_rows=4,
+        background=True,
+    )
+    assert [j.what for j in jobs] == ["random sampler (1 rows)", "prefill (4, 16)", "step (2, 1, 1)"]
+    published: list[dict[str, set[object]]] = []
+    for job in jobs:
+        before = {name: getattr(eng, name) for name in _READY_SETS}
+        job.compile()
+        assert {name: getattr(eng, name) for name in _READY_SETS} == before, f"{job.what} published in compile"
+        job.publish()
+        gained = {name: set(getattr(eng, name) - before[name]) for name in _READY_SETS}
+        published.append({name: new for name, new in gained.items() if new})
+    assert published == [
+        {"_ready_random": {1}},
+        {"_ready_random": {4}, "_ready_prefill": {(4, 16)}},  # the bucket with its rows' random sampler
+        {"_ready_steps": {(2, 1, 1)}},  # two rows' random sampler was in before (the foreground's steps)
+    ]

@@ -71,7 +71,7 @@ def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CA
     The directory must be this user's alone (`models.kernels.trust.ensure_private_dir`: created 0700 when
     missing; UntrustedDirectoryError, an OSError, when another user owns it or its group or others may write it):
     the cache holds compiled programs this process runs."""
-    from jaxserve.runtime.engines.model import enable_compilation_cache
+    from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
     from models.kernels.trust import ensure_private_dir
 
     ensure_private_dir(directory, "the XLA compilation cache (--compile-cache)")

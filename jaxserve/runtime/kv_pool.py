@@ -13,6 +13,9 @@ a prefill instance and a decode instance may keep their pools differently.
 shapes and shardings alone (`jax.ShapeDtypeStruct`s: nothing is read or written, so a background thread may
 compile them while the pool serves); a later call with arrays of those shapes and shardings runs the compiled
 program.
+
+`model_caches` / `pool_pages` convert between the pool as engines hand it around (`KVPages`) and as the
+model's paged forward passes take it (`PagedKVCache`s): the same arrays, the same block layout.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runtime.engines.contract import KVPages, SequenceKV, StageKV, StagePages
+from models.attention import PagedKVCache
+
+
+def model_caches(pages: KVPages) -> list[PagedKVCache]:
+    """An engine's pool as the model's block pools (same arrays, same block layout)."""
+    return [PagedKVCache(k=p.k, v=p.v, block_layout=p.block_layout) for p in pages]
+
+
+def pool_pages(caches: Sequence[PagedKVCache]) -> KVPages:
+    """The model's block pools as an engine's pool (same arrays, same block layout)."""
+    return tuple(StagePages(k=c.k, v=c.v, block_layout=c.block_layout) for c in caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -1,8 +1,8 @@
 """The warm-up plan of a model engine: which padded shapes `ModelEngine.warmup` compiles, which of them before it
 returns, and in which order the rest compile on the background thread.
 
-Pure functions of the limits (no JAX, nothing compiled here): `model.py` compiles what the plan names, and
-`background_warmup.py` runs the background part. A shape is a bucket: prefill (rows, tokens), paged step
+Pure functions of the limits (no JAX, nothing compiled here): `model_warmup.py` compiles what the plan names,
+and `background_warmup.py` runs the background part. A shape is a bucket: prefill (rows, tokens), paged step
 (rows, tokens, table width). With a background warm-up, only the buckets that hold all others of at most twice
 the token budget compile first (`frontier`), plus a lone short prompt's and a lone stream's own bucket; work of
 any other bucket runs padded up to a compiled one until its own is in.
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from jaxserve.runtime.engines.contract import bucket
 
 MIN_PROMPT_BUCKET = 16
+MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 SHORT_PROMPT_BUCKET = 128  # background warm-up: a single prompt of up to this many tokens has its own bucket at once
 
 PrefillShape = tuple[int, int]  # (rows, tokens)
