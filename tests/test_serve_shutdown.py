@@ -1,8 +1,11 @@
-"""`jaxserve serve` obeys SIGTERM during its warm-up at once (an orchestrator stopping a pod that is still
-compiling), instead of compiling to the end, printing the ready line and only then stopping.
+"""How a `jaxserve serve` process ends: a signal at any moment stops it (status 0), and no exit finalizes the
+interpreter while a background warm-up compile is inside XLA.
 
-The real server, as a subprocess, on the timed engine with a profile whose every step takes 4 s: the warm-up
-request alone takes 8 s, so a prompt exit can only come from the signal.
+* SIGTERM during the warm-up stops at once (an orchestrator stopping a pod that is still compiling), instead of
+  compiling to the end, printing the ready line and only then stopping: the timed engine with a profile whose
+  every step takes a minute, so a prompt exit can only come from the signal.
+* A process whose background compile outlives the stop's bounded wait: the exit waits for that compile; it used
+  to finalize around it and abort ("terminate called ... FATAL: exception not rethrown").
 """
 
 from __future__ import annotations
@@ -67,3 +70,100 @@ def test_sigterm_during_warmup_stops_at_once_without_serving(tmp_path: Path) -> 
     assert took < SLOW_STEP_S, f"stopped {took:.1f} s after the signal: it waited for the warm-up\n{log}"
     assert "signal during start-up (warm-up): stopping without serving" in log, log
     assert proc.stdout is not None and "ready" not in proc.stdout.read()  # never announced itself ready
+
+
+# A process with one engine's background warm-up: its first job waits (polling a file the test creates) and then
+# compiles a real XLA program; the main thread stops the warm-up with a bound too short for it, as a shutdown does
+# (`Controller.shutdown`: 5 s, less than one compile on a loaded machine), and returns.
+_EXIT_DURING_COMPILE = """
+import logging, sys, time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
+
+logging.basicConfig(level=logging.INFO)
+out = Path(sys.argv[1])
+
+
+class Engine(BackgroundWarmup):
+    def __init__(self) -> None:
+        self._init_background_warmup()
+
+
+def held_compile() -> None:
+    (out / "compiling").touch()
+    while not (out / "release").exists():
+        time.sleep(0.01)
+    x = jnp.ones((64, 64))
+    jax.jit(lambda a: jnp.tanh(a @ a) @ a).lower(x).compile()
+
+
+def touch(name):
+    return lambda: (out / name).touch()
+
+
+engine = Engine()
+engine._start_background([CompileJob("held", held_compile, touch("published")), CompileJob("next", touch("next"), touch("next"))])
+while not (out / "compiling").exists():
+    time.sleep(0.01)
+engine.stop_background_warmup(timeout_s=0.1)
+print("main returns", flush=True)
+"""
+
+
+def _exit_during_compile(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """The `_EXIT_DURING_COMPILE` process, once it says it waits at exit for its held compile."""
+    script = tmp_path / "exit_during_compile.py"
+    script.write_text(_EXIT_DURING_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # a real compile, not a hit
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
+    # The compile is held until the process says it waits for it at exit; a process that does not wait ends
+    # first (it used to: the stop's bounded wait forgot the thread, and the exit finalized around it).
+    deadline = time.monotonic() + 120
+    while "exit: waiting for the background compile in progress (held)" not in stderr_path.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with its compile still running:\n{stderr_path.read_text()}")
+        assert time.monotonic() < deadline, stderr_path.read_text()
+        time.sleep(0.02)
+    return proc, stderr_path
+
+
+def test_exit_waits_for_the_background_compile_in_progress(tmp_path: Path) -> None:
+    proc, stderr_path = _exit_during_compile(tmp_path)
+    try:
+        (tmp_path / "release").touch()
+        assert proc.wait(timeout=120) == 0, stderr_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = stderr_path.read_text()
+    assert (tmp_path / "published").exists(), log  # the compile in progress ran to its end
+    assert not (tmp_path / "next").exists(), log  # and nothing after it: the warm-up was stopped
+    assert "terminate called" not in log and "FATAL" not in log, log
+    assert proc.stdout is not None and proc.stdout.read() == "main returns\n"
+
+
+def test_sigint_while_the_exit_waits_for_a_compile_leaves_at_once(tmp_path: Path) -> None:
+    """Ctrl-C during that wait: out at once with status 130, without finalizing around the thread (no abort)."""
+    proc, stderr_path = _exit_during_compile(tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)  # the compile stays held: only the signal can end the wait
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = stderr_path.read_text()
+    assert status == 130, log
+    assert "interrupted: exiting without waiting for the background compile" in log, log
+    assert not (tmp_path / "published").exists(), log
+    assert "terminate called" not in log and "FATAL" not in log, log
