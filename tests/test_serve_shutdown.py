@@ -4,6 +4,10 @@ interpreter while a background warm-up compile is inside XLA.
 * SIGTERM during the warm-up stops at once (an orchestrator stopping a pod that is still compiling), instead of
   compiling to the end, printing the ready line and only then stopping: the timed engine with a profile whose
   every step takes a minute, so a prompt exit can only come from the signal.
+* SIGINT or SIGTERM while `serve` loads the model and builds its instances, before its event loop handles
+  signals: it used to die of SIGTERM (status -15) and to take SIGINT as a KeyboardInterrupt, which a garbage
+  collector callback could swallow (the server went on to serve).
+* SIGINT right after the ready line, while the background warm-up compiles: a clean stop.
 * A process whose background compile outlives the stop's bounded wait: the exit waits for that compile; it used
   to finalize around it and abort ("terminate called ... FATAL: exception not rethrown").
 """
@@ -17,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 # One warm-up step takes this long: a server that waited for its warm-up would stop a minute late, far apart from
 # a prompt stop on any machine (it was 4 s, which a loaded 2-core machine's process exit alone can approach).
@@ -70,6 +76,71 @@ def test_sigterm_during_warmup_stops_at_once_without_serving(tmp_path: Path) -> 
     assert took < SLOW_STEP_S, f"stopped {took:.1f} s after the signal: it waited for the warm-up\n{log}"
     assert "signal during start-up (warm-up): stopping without serving" in log, log
     assert proc.stdout is not None and "ready" not in proc.stdout.read()  # never announced itself ready
+
+
+def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    """`jaxserve serve` (the embedded tiny model unless `args` say otherwise) on free ports, with caches of its own
+    (a cold compilation cache: the background warm-up has programs to compile after the ready line); stderr
+    goes to a file the test reads as it grows."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+    return proc, stderr_path
+
+
+def _wait_for_log(proc: subprocess.Popen[str], stderr_path: Path, text: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in stderr_path.read_text():
+        assert proc.poll() is None, f"the server exited before logging {text!r}: {stderr_path.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s:.0f} s"
+        time.sleep(0.02)
+
+
+def _assert_exited_cleanly(proc: subprocess.Popen[str], stderr_path: Path) -> str:
+    """The process ends by itself with status 0 (60 s: a stop takes seconds, a missed signal never ends)."""
+    try:
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = stderr_path.read_text()
+    assert status == 0, f"exit status {status}\n{log}"
+    for crash in ("terminate called", "FATAL", "Traceback", "Exception ignored"):
+        assert crash not in log, log
+    return log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_while_loading_stops_at_once_with_status_0(tmp_path: Path, sig: signal.Signals) -> None:
+    # "compilation cache: ..." is logged once JAX is imported, before the weights are loaded and the instances
+    # built: the stretch before `run_until_signal`'s event loop handles signals.
+    proc, stderr_path = _serve(tmp_path)
+    _wait_for_log(proc, stderr_path, "compilation cache:")
+    proc.send_signal(sig)
+    log = _assert_exited_cleanly(proc, stderr_path)
+    assert "during start-up" in log and "stopping without serving" in log, log
+    assert proc.stdout is not None and "ready" not in proc.stdout.read()
+
+
+@pytest.mark.slow  # one `jaxserve serve` process to ready on a cold compilation cache, 12-30 s
+def test_sigint_right_after_ready_stops_cleanly_while_the_background_warmup_compiles(tmp_path: Path) -> None:
+    proc, stderr_path = _serve(tmp_path)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the ready line, or "" if the server died
+    assert line.startswith("ready grpc="), f"{line!r}\n{stderr_path.read_text()}"
+    proc.send_signal(signal.SIGINT)
+    log = _assert_exited_cleanly(proc, stderr_path)
+    assert "compile in the background" in log, log  # there was background work when the signal came
+    assert "stopping: draining in-flight requests" in log, log
 
 
 # A process with one engine's background warm-up: its first job waits (polling a file the test creates) and then
