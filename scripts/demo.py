@@ -159,4 +159,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the server was stopped on the way out (`main`'s finally)
+        sys.exit(130)
