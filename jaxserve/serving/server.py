@@ -231,7 +231,7 @@ def run_until_signal(
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
-                _exit_during_start_up(controller, timeout_s=10.0)
+                _exit_during_start_up(controller, timeout_s=2.0)
             stopping.cancel()
             starting.result()  # a start-up error propagates
             if on_ready is not None:
@@ -253,8 +253,10 @@ def run_until_signal(
 
 def _exit_during_start_up(controller: ServingController, timeout_s: float) -> None:
     """Stop a server that is still starting (warming up): cancel the warm-up's own requests and stop the
-    instances (bounded, in a daemon thread: a compile in progress holds its instance), then leave the
-    process with status 0, as a stop does."""
+    instances (in a daemon thread, for `timeout_s` at most), then leave the process with status 0, as a stop
+    does. A warm-up compile in progress holds its instance's lock until it ends (seconds; minutes for a big
+    model), and it need not be waited for: `os._exit` does not finalize the interpreter, so a thread left
+    inside XLA is no hazard (an exit that finalized would have to join it, `background_warmup.py`)."""
     log.warning("signal during start-up (warm-up): stopping without serving; no request was accepted")
     done = threading.Event()
 
@@ -266,7 +268,7 @@ def _exit_during_start_up(controller: ServingController, timeout_s: float) -> No
 
     threading.Thread(target=shutdown, name="jaxserve-stop", daemon=True).start()
     if not done.wait(timeout_s):
-        log.warning("the controller did not stop within %.0f s (a compile in progress); exiting anyway", timeout_s)
+        log.info("the instances still compile after %.0f s; exiting without waiting for them", timeout_s)
     log.info("stopped")
     logging.shutdown()
     os._exit(0)
