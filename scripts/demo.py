@@ -8,7 +8,8 @@ code prompts instead. `--tiny` picks the embedded model without trying.
 
     python scripts/demo.py [--tiny] [--max-tokens 48] [-- extra `jaxserve serve` arguments]
 
-The server runs as a real subprocess on 127.0.0.1 with free ports; the client talks gRPC to it.
+The server runs as a real subprocess on 127.0.0.1 with free ports, in a session of its own (a Ctrl-C reaches
+the demo alone, which then stops the server with one SIGTERM); the client talks gRPC to it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def main() -> int:
     cmd += args.serve_args
     print("$", " ".join(cmd[2:]))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     output = ServerOutput(proc)
     try:
         grpc_addr, http_addr = wait_ready(proc, output, args.ready_timeout)
@@ -144,10 +147,10 @@ def main() -> int:
                     print(f"  -> finish={final.finish_reason} TTFT={_ms(t.ttft_s)} TPOT={_ms(t.tpot_s)}")
         return 0
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # drains, stops; the exit may wait for a background compile in progress
         try:
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a stuck server, or a second Ctrl-C: no orphan
             proc.kill()
             proc.wait()
         for line in output.rest(timeout_s=10):
@@ -156,4 +159,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the server was stopped on the way out (`main`'s finally)
+        sys.exit(130)

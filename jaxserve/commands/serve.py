@@ -9,8 +9,8 @@ Logs one line per instance (role, tp x pp, devices), warms the deployment up
 the time to ready, then prints `ready grpc=HOST:PORT http=HOST:PORT` on stdout once both
 servers accept requests. JAX's persistent compilation cache (`--compile-cache`, default
 under the user's cache directory) makes a restart's warm-up fast.
-SIGINT/SIGTERM drain in-flight requests and stop; during the warm-up they stop at once (status 0,
-no ready line).
+SIGINT/SIGTERM drain in-flight requests and stop; before the ready line (loading, warm-up) they stop at
+once (status 0, no ready line).
 """
 
 from __future__ import annotations
@@ -366,6 +366,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: --cpus: {e}", file=sys.stderr)
             return 2
+    from jaxserve.serving.start_up_signals import StartUpSignals
+
+    start_up = StartUpSignals.install()  # from here a signal stops at once (status 0); the event loop takes over
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
     ensure_host_devices(max(wanted, highest + 1))
@@ -487,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ready grpc={server.grpc_address} http={server.http_address}", flush=True)  # type: ignore[attr-defined]
 
     try:
-        run_until_signal(controller, server_config, on_ready=ready, admin=loop)
+        run_until_signal(controller, server_config, on_ready=ready, admin=loop, start_up=start_up)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

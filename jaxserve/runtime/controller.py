@@ -398,8 +398,14 @@ class Controller:
             self.cancel(rid)
         for inst in self.instances:
             inst.stop()
+        # Every engine's background compiles are asked to stop first, so their programs in progress end together
+        # (one 5 s wait in all, not one per engine); one still compiling then is joined at interpreter exit
+        # (background_warmup.py: a process must not finalize while a thread is inside XLA).
         for inst in self.instances:
-            inst.engine.stop_background_warmup(timeout_s=5.0)
+            inst.engine.stop_background_warmup(timeout_s=0.0)
+        compiles_deadline = now() + 5.0
+        for inst in self.instances:
+            inst.engine.stop_background_warmup(timeout_s=max(0.0, compiles_deadline - now()))
 
     def __enter__(self) -> Controller:
         self.start()

@@ -10,4 +10,6 @@
   API key) and what the server needs from a replanning loop (`jaxserve/tools/replan_loop.py`): gauges,
   `/debug/workload`, `POST /admin/deployment` and its body parser.
 * `server.py` — one process serving both APIs over one controller.
+* `start_up_signals.py` — SIGINT/SIGTERM stop `serve` at once while it loads, before `server.py`'s event loop
+  handles them.
 """

@@ -15,8 +15,12 @@ metrics); the controller's instances run on their own threads. The life of a ser
 `run_until_signal` is the foreground form (`jaxserve serve`): it installs SIGINT and
 SIGTERM handlers on the main thread and stops cleanly on either (a second signal
 during the drain exits at once; a signal during start-up, while the warm-up compiles,
-exits at once too: nothing has been served). `ServerThread` runs
-the same server on a background thread (tests, notebooks).
+exits at once too: nothing has been served). Before it runs, `serve` holds both signals
+with `start_up_signals.StartUpSignals` (loading, building: exit at once as well), which
+`run_until_signal` takes over from once its own handlers are in place; after the stop, a
+further signal leaves at once too (the exit may still wait for a background compile in
+progress, `background_warmup.py`). `ServerThread` runs the same server on a background
+thread (tests, notebooks).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -43,6 +48,7 @@ from jaxserve.serving.frontend import Frontend
 from jaxserve.serving.grpc_service import build_grpc_server, set_serving
 from jaxserve.serving.http_api import create_app
 from jaxserve.serving.metrics import ServingMetrics, WorkloadCollector
+from jaxserve.serving.start_up_signals import SIGNALS, StartUpSignals
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +208,21 @@ def run_until_signal(
     config: ServerConfig,
     on_ready: Callable[[JaxServeServer], None] | None = None,
     admin: DeploymentAdmin | None = None,
+    start_up: StartUpSignals | None = None,
 ) -> None:
-    """Serve in the foreground until SIGINT or SIGTERM, then drain and stop (main thread only)."""
+    """Serve in the foreground until SIGINT or SIGTERM, then drain and stop (main thread only).
+
+    `start_up`: the guard that held both signals until now (`serve`), handed over once this loop's are in place.
+    Once stopped, a further signal leaves the process at once (status 1), whatever its exit still waits for."""
 
     async def main() -> None:
         server = JaxServeServer(controller, config, admin)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNALS:
             loop.add_signal_handler(sig, stop.set)
+        if start_up is not None:
+            start_up.hand_over()
         try:
             # A signal during start-up (the warm-up compiles for minutes on a big model) is obeyed at once:
             # no client has been served, so there is nothing to drain, and the compiling thread cannot be
@@ -219,7 +231,7 @@ def run_until_signal(
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
-                _exit_during_start_up(controller, timeout_s=10.0)
+                _exit_during_start_up(controller, timeout_s=2.0)
             stopping.cancel()
             starting.result()  # a start-up error propagates
             if on_ready is not None:
@@ -229,20 +241,22 @@ def run_until_signal(
                 "stopping: draining in-flight requests (up to %.0f s; signal again to quit now)",
                 config.drain_timeout_s,
             )
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in SIGNALS:
                 loop.add_signal_handler(sig, _force_exit)
         finally:
-            await server.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            await server.stop()  # the loop's handlers stay until `asyncio.run` closes it: no default meanwhile
 
     asyncio.run(main())
+    for sig in SIGNALS:  # stopped: what is left is the process's exit (it may wait for a compile in progress)
+        signal.signal(sig, _exit_now)
 
 
 def _exit_during_start_up(controller: ServingController, timeout_s: float) -> None:
     """Stop a server that is still starting (warming up): cancel the warm-up's own requests and stop the
-    instances (bounded, in a daemon thread: a compile in progress holds its instance), then leave the
-    process with status 0, as a stop does."""
+    instances (in a daemon thread, for `timeout_s` at most), then leave the process with status 0, as a stop
+    does. A warm-up compile in progress holds its instance's lock until it ends (seconds; minutes for a big
+    model), and it need not be waited for: `os._exit` does not finalize the interpreter, so a thread left
+    inside XLA is no hazard (an exit that finalized would have to join it, `background_warmup.py`)."""
     log.warning("signal during start-up (warm-up): stopping without serving; no request was accepted")
     done = threading.Event()
 
@@ -254,7 +268,7 @@ def _exit_during_start_up(controller: ServingController, timeout_s: float) -> No
 
     threading.Thread(target=shutdown, name="jaxserve-stop", daemon=True).start()
     if not done.wait(timeout_s):
-        log.warning("the controller did not stop within %.0f s (a compile in progress); exiting anyway", timeout_s)
+        log.info("the instances still compile after %.0f s; exiting without waiting for them", timeout_s)
     log.info("stopped")
     logging.shutdown()
     os._exit(0)
@@ -262,6 +276,12 @@ def _exit_during_start_up(controller: ServingController, timeout_s: float) -> No
 
 def _force_exit() -> None:
     log.warning("second signal: exiting without waiting for in-flight requests")
+    os._exit(1)
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    log.warning("signal after the stop: exiting at once (not waiting for a background compile in progress)")
+    logging.shutdown()
     os._exit(1)
 
 

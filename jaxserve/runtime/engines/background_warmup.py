@@ -14,8 +14,13 @@ published its work takes a fallback that compiles nothing:
 * a partial pull moves the whole KV.
 
 Slower for a while, never waiting on XLA (only a lone prompt longer than every compiled bucket compiles its
-own: the thread compiles those first). The thread stops between jobs when asked
-(`stop_background_warmup`, and at interpreter exit for every engine still compiling).
+own: the thread compiles those first). The thread stops between jobs when asked (`stop_background_warmup`);
+a compile in progress cannot be interrupted, so a stop that waited less than it took leaves the thread
+registered, and at interpreter exit every thread still compiling is stopped and joined to its end: a daemon
+thread still inside XLA when the interpreter finalizes aborts the process ("terminate called ... FATAL:
+exception not rethrown": jaxlib takes the GIL every 200 ms while it waits for a compile, and a thread that
+takes it during finalization is unwound through C++ frames that do not allow it). The wait at exit is one
+program's compile at most; a SIGINT during it leaves at once (`os._exit`, status 130), never by finalizing.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,8 +61,7 @@ class BackgroundWarmup:
         self._cover = False
         self._ready_prefill: frozenset[tuple[int, int]] = frozenset()
         self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
-        self._background: threading.Thread | None = None
-        self._stop_background = threading.Event()
+        self._background: _CompileThread | None = None
         self._publishing = threading.Lock()  # `_publish` from several compile threads loses no key
         self._hold = False  # `hold_background_warmup`: the next jobs wait for `start_background_warmup`
         self._deferred: Sequence[CompileJob] = ()
@@ -76,25 +80,7 @@ class BackgroundWarmup:
         if self._hold:
             self._hold, self._deferred = False, jobs
             return
-        self._stop_background.clear()
-
-        def work() -> None:
-            t0, done = time.perf_counter(), 0
-            with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            try:
-                for job in jobs:
-                    if self._stop_background.is_set():
-                        return
-                    job.compile()
-                    job.publish()
-                    done += 1
-                log.info("background warm-up compiled %d more programs in %.1f s", done, time.perf_counter() - t0)
-            except Exception:  # a failed background compile only leaves its work to the fallbacks
-                log.exception("background warm-up stopped after %d programs (at %s)", done, jobs[done].what)
-
-        self._background = threading.Thread(target=work, name="jaxserve-background-warmup", daemon=True)
-        _BACKGROUND.add(self)
+        self._background = _CompileThread(jobs)
         self._background.start()
 
     def hold_background_warmup(self) -> None:
@@ -110,21 +96,22 @@ class BackgroundWarmup:
             self._start_background(jobs)
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop the background warm-up after the program it is compiling (if one runs)."""
+        """Stop the background warm-up after the program it is compiling (if one runs), waiting up to
+        `timeout_s` for that; a thread still compiling then is joined at interpreter exit."""
         self._deferred = ()
-        thread = self._background
-        if thread is not None and thread.is_alive():
-            self._stop_background.set()
-            thread.join(timeout=timeout_s)
-        self._background = None
-        _BACKGROUND.discard(self)
+        compiling = self._background
+        if compiling is not None:
+            compiling.stop.set()
+            compiling.thread.join(timeout=timeout_s)
+            if not compiling.thread.is_alive():
+                self._background = None
 
     def background_warmup_done(self, timeout_s: float | None = None) -> bool:
         """Wait up to `timeout_s` for the background warm-up; whether none is running now."""
-        thread = self._background
-        if thread is not None:
-            thread.join(timeout=timeout_s)
-            return not thread.is_alive()
+        compiling = self._background
+        if compiling is not None:
+            compiling.thread.join(timeout=timeout_s)
+            return not compiling.thread.is_alive()
         return True
 
     def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
@@ -158,11 +145,73 @@ class BackgroundWarmup:
         return runs
 
 
-# Engines whose background warm-up may still compile: stopped (between programs) before the interpreter exits.
-_BACKGROUND: weakref.WeakSet[BackgroundWarmup] = weakref.WeakSet()
+class _CompileThread:
+    """One background warm-up's daemon thread, with its own stop flag (a later warm-up of the same engine never
+    clears it) and the job it is compiling now (for the exit log)."""
+
+    def __init__(self, jobs: Sequence[CompileJob]) -> None:
+        self.jobs = jobs
+        self.stop = threading.Event()
+        self.compiling: str | None = None  # the job in progress
+        self.thread = threading.Thread(target=self._work, name="jaxserve-background-warmup", daemon=True)
+
+    def start(self) -> None:
+        global _exit_hook_registered
+        with _LIVE_LOCK:
+            _LIVE[:] = [t for t in _LIVE if t.thread.is_alive()]
+            _LIVE.append(self)
+            if not _exit_hook_registered:  # after JAX's own exit hooks, so it runs before them (atexit is LIFO)
+                atexit.register(_join_at_exit)
+                _exit_hook_registered = True
+        self.thread.start()
+
+    def _work(self) -> None:
+        t0, done = time.perf_counter(), 0
+        with contextlib.suppress(AttributeError, OSError):  # compiles yield the cores to serving steps (Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            for job in self.jobs:
+                if self.stop.is_set():
+                    return
+                self.compiling = job.what
+                job.compile()
+                job.publish()
+                self.compiling = None
+                done += 1
+            log.info("background warm-up compiled %d more programs in %.1f s", done, time.perf_counter() - t0)
+        except Exception:  # a failed background compile only leaves its work to the fallbacks
+            log.exception("background warm-up stopped after %d programs (at %s)", done, self.jobs[done].what)
 
 
-@atexit.register
-def _stop_background_warmups() -> None:
-    for engine in list(_BACKGROUND):
-        engine.stop_background_warmup(timeout_s=30.0)
+# Every compile thread started and maybe still running: joined before the interpreter finalizes.
+_LIVE: list[_CompileThread] = []
+_LIVE_LOCK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _join_at_exit() -> None:
+    """Stop every background warm-up and wait for the program each is compiling (XLA cannot be interrupted):
+    the interpreter must not finalize while one is inside XLA. A SIGINT during the wait leaves at once
+    (status 130) without finalizing."""
+    with _LIVE_LOCK:
+        live = [t for t in _LIVE if t.thread.is_alive()]
+    for t in live:
+        t.stop.set()
+    for t in live:
+        if not t.thread.is_alive():
+            continue
+        log.info("exit: waiting for the background compile in progress (%s) to end", t.compiling or "?")
+        started = time.perf_counter()
+        try:
+            t.thread.join()
+        except KeyboardInterrupt:
+            log.warning("interrupted: exiting without waiting for the background compile")
+            _flush_and_exit(130)
+        log.info("exit: the background compile ended after %.1f s", time.perf_counter() - started)
+
+
+def _flush_and_exit(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
