@@ -6,7 +6,7 @@ request asks for never compiles a new program); `logprobs_rows` turns them into 
 on the host, cut to what each row asked. They are the log-softmax of the raw logits, before
 temperature / top-k / top-p (vLLM's default "raw logprobs").
 
-Each row draws from its own key, `fold_in(key(seed), sample_index)`, so a
+Each row's noise is a hash of its seed, its sample index and the token id (`_gumbel`), so a
 request's tokens depend only on its seed and position in its output, never on
 which other requests share the batch or where in the batch it sits. That is what
 lets an engine sample a batch on more rows than it has (`pad_rows`: zero logits,
@@ -17,7 +17,7 @@ compiling on a background thread: its rows draw the tokens they would alone.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -33,41 +33,104 @@ def default_seed(request_id: str) -> int:
     return zlib.crc32(request_id.encode())
 
 
+def argmax_rows(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first of equal maxima), in two vectorised passes (a max, then the
+    least index holding it): XLA:CPU's variadic argmax reduction runs ~3x slower over a 49k vocabulary. A row
+    with a NaN (a broken model) gives its last index, never one out of range."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.minimum(jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1), x.shape[-1] - 1)
+
+
 @jax.jit
 def _greedy(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    return argmax_rows(logits)  # [B]
 
 
-def _row_key(seed_hi: jax.Array, seed_lo: jax.Array, index: jax.Array) -> jax.Array:
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed_hi), seed_lo)
-    return jax.random.fold_in(key, index)
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: each input bit flips about half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
-def _sample_row(
-    logits: jax.Array,  # [V]
-    temperature: jax.Array,
+def _gumbel(seed_hi: jax.Array, seed_lo: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise [B, V], a pure function of each row's (seed, sample index) and the token id.
+
+    A counter hash (two 32-bit key words per row, two finaliser rounds per token) rather than a PRNG stream:
+    it lowers to a dozen integer ops, where threefry's draw of V uniforms lowered to hundreds and ran ~5x
+    slower on CPU. 24 bits per uniform, so a token below ~1e-7 probability is never drawn."""
+    k1 = _mix(_mix(seed_lo ^ jnp.uint32(0x9E3779B9)) ^ seed_hi)
+    k2 = _mix(k1 ^ _mix(index + jnp.uint32(0x7F4A7C15)))
+    token = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+    bits = _mix(_mix((token * jnp.uint32(0x9E3779B1)) ^ k1[:, None]) ^ k2[:, None])
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # in (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys that order as the float32 values `x` do (sign bit set for positives, all bits flipped
+    for negatives)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key(enough: Callable[[jax.Array], jax.Array], rows: int) -> jax.Array:
+    """Per row, the largest uint32 `s` for which `enough(s)` ([B, 1] -> [B] bool) holds, built bit by bit from
+    the top (32 passes); `enough` must be monotone (true up to some `s`, false above); 0 where it never holds."""
+
+    def bit(i: jax.Array, s: jax.Array) -> jax.Array:
+        trial = s | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
+        return jnp.where(enough(trial[:, None]), trial, s)
+
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros((rows,), jnp.uint32))
+
+
+def _top_k_cut(keys: jax.Array, top_k: jax.Array) -> jax.Array:
+    """[B] uint32: the key of each row's `top_k`-th largest value (0, keeping all, where top_k is 0)."""
+    kth = _largest_key(lambda s: jnp.sum(keys >= s, axis=-1) >= top_k, keys.shape[0])
+    return jnp.where(top_k > 0, kth, jnp.uint32(0))
+
+
+def _top_p_cut(keys: jax.Array, scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B] uint32: the key of the least likely token of each row's nucleus (the most likely tokens down to the
+    first at which their mass reaches `top_p`, that one included) over the tokens `scaled` still holds
+    (-inf: cut); 0, keeping all, where top_p is 1."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    cut = _largest_key(lambda s: jnp.sum(jnp.where(keys >= s, probs, 0.0), axis=-1) >= top_p, keys.shape[0])
+    return jnp.where(top_p < 1.0, cut, jnp.uint32(0))
+
+
+@jax.jit
+def _sample_batch(
+    logits: jax.Array,  # [B, V]
+    temperature: jax.Array,  # [B]
     top_k: jax.Array,
     top_p: jax.Array,
     seed_hi: jax.Array,
     seed_lo: jax.Array,
     index: jax.Array,
 ) -> jax.Array:
+    """One token per row: the argmax where temperature is 0, else a draw from softmax(logits / temperature) cut
+    to its top-k, then to the top-p of what is left: Gumbel-max over the kept tokens.
+
+    No sort: each cut is a threshold on the values, found by bisection over their bits (32 counting passes),
+    which XLA:CPU runs ~10x faster than it sorts a 49k vocabulary, and a batch in which no row asks for a cut
+    skips it. Tokens tied at a cut are all kept."""
     vocab = logits.shape[-1]
-    logits = logits.astype(jnp.float32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)  # [V] descending
-    sorted_logits = scaled[order]
-    rank = jnp.arange(vocab)
-    keep = jnp.where(top_k > 0, rank < top_k, True)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    before = jnp.cumsum(probs) - probs  # mass strictly above this token
-    keep = keep & ((before < top_p) | (rank == 0))
-    choice = jax.random.categorical(_row_key(seed_hi, seed_lo, index), jnp.where(keep, sorted_logits, -jnp.inf))
-    sampled = order[choice]
-    return jnp.where(temperature == 0.0, jnp.argmax(logits), sampled).astype(jnp.int32)
-
-
-_sample_batch = jax.jit(jax.vmap(_sample_row))
+    greedy = temperature == 0.0
+    scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
+    keys = _order_key(scaled)
+    top_k = jnp.where(greedy, 0, top_k)
+    top_p = jnp.where(greedy, 1.0, top_p)
+    none = jnp.zeros(top_k.shape, jnp.uint32)
+    k_cut = jax.lax.cond(jnp.any(top_k > 0), _top_k_cut, lambda *_: none, keys, top_k)
+    scaled = jnp.where(keys >= k_cut[:, None], scaled, -jnp.inf)
+    p_cut = jax.lax.cond(jnp.any(top_p < 1.0), _top_p_cut, lambda *_: none, keys, scaled, top_p)
+    noise = jnp.where(greedy[:, None], 0.0, _gumbel(seed_hi, seed_lo, index, vocab))
+    return argmax_rows(jnp.where(keys >= p_cut[:, None], scaled + noise, -jnp.inf))
 
 
 @partial(jax.jit, static_argnames=("rows",))

@@ -59,6 +59,7 @@ from jaxserve.runtime.kv_pool import model_caches, pool_pages, slice_sequence, w
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
+    argmax_rows,
     logprobs_rows,
     pad_rows,
     sample,
@@ -475,7 +476,7 @@ def _decode_loop(
         x = fam.embed(params, cfg, tok[:, None], pos[:, None])
         x, c = fam.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables, attention=attention)
         logits = fam.lm_head(params, cfg, x[:, 0])  # [B, V]
-        new = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_traced(logits, inputs, k)
+        new = argmax_rows(logits) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))
         if logprobs:
             step = token_logprobs_traced(logits, new)
