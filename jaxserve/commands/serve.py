@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 ADMIN_KEY_ENV = "JAXSERVE_ADMIN_KEY"  # jaxserve.serving.admin.ADMIN_KEY_ENV (this module imports no server code)
-COMPILE_CACHE_MIN_COMPILE_S = 0.1  # compilations faster than this are not worth a cache file
+# Store every program: a warm start loads a KV insert in ~10 ms where compiling it again took ~60 ms (six of
+# them, and the padding programs, before ready): 0.0 against 0.1 made warm starts ~0.4 s faster (docs/performance.md).
+COMPILE_CACHE_MIN_COMPILE_S = 0.0
 
 
 def default_compile_cache_dir() -> Path:
