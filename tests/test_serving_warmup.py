@@ -18,18 +18,27 @@ from jaxserve.commands.serve import compile_cache_dir, default_compile_cache_dir
 def test_server_calls_controller_warmup_before_ready_and_logs_time_to_ready(caplog):
     controller = fake_controller(first_device=6)
     calls: list[float] = []
-    real_warmup = controller.warmup
+    events: list[str] = []
+    real_warmup, real_start_background = controller.warmup, controller.start_background_compiles
 
-    def recording_warmup() -> float:
-        seconds = real_warmup()
+    def recording_warmup(*, start_background: bool = True) -> float:
+        seconds = real_warmup(start_background=start_background)
         calls.append(seconds)
+        events.append(f"warmup(start_background={start_background})")
         return seconds
 
+    def recording_start_background() -> None:
+        events.append("background compiles")
+        real_start_background()
+
     controller.warmup = recording_warmup  # type: ignore[method-assign]
+    controller.start_background_compiles = recording_start_background  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="jaxserve.serving.server"), running_server(controller, warmup=True) as s:
         assert len(calls) == 1 and calls[0] > 0  # before start() returned, i.e. before health SERVING
         assert httpx.get(f"{s.http_url}/health").status_code == 200
     assert any("ready in" in r.getMessage() and "warm-up" in r.getMessage() for r in caplog.records)
+    # the compiles left to the background start once the server listens, not during its start
+    assert events == ["warmup(start_background=False)", "background compiles"]
 
 
 def test_no_warmup_skips_it():

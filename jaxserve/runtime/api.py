@@ -92,8 +92,13 @@ class ServingController(Protocol):
 
     def start(self) -> None: ...
 
-    def warmup(self) -> float:
-        """Compile/prime every shape the limits allow before `ready`; seconds taken."""
+    def warmup(self, *, start_background: bool = True) -> float:
+        """Compile/prime every shape the limits allow before `ready`; seconds taken. The compiles left to the
+        background start at the end, or with `start_background=False` at `start_background_compiles()`."""
+        ...
+
+    def start_background_compiles(self) -> None:
+        """Start the background compiles `warmup(start_background=False)` left waiting."""
         ...
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None: ...

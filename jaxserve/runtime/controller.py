@@ -96,7 +96,7 @@ from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
 from jaxserve.runtime.switch import InstanceSet, SwitchableController
-from jaxserve.runtime.warmup import handoff_prompt, handoff_warmups, warm_buckets
+from jaxserve.runtime.warmup import handoff_prompt, handoff_warmups, start_background_warmups, warm_buckets
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -345,25 +345,34 @@ class Controller:
         for inst in self.instances:
             inst.start()
 
-    def warmup(self) -> float:
+    def warmup(self, *, start_background: bool = True) -> float:
         """Compile before the first client; seconds taken.
 
         With `warmup.buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
         allow (`warmup.warm_buckets`), so no user waits on XLA. Then one short request goes through every
-        front instance, which also warms the hand-off path.
+        front instance, which also warms the hand-off path. The background compiles (`warmup.background`) start
+        after it, or with `start_background=False` at the caller's `start_background_compiles()` (the server: once
+        it listens, so that neither the warm-up request nor its own start waits on them for the cores and the GIL).
         """
         started = time.monotonic()
+        routed = self.instance_set.routed()
         if self.config.warmup.buckets:
-            self._warm_buckets(self.instance_set.routed())
+            self._warm_buckets(routed, start_background=False)
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
         bos = self.model_config.filler_token_id
         sampling = SamplingParams(max_tokens=2, ignore_eos=True)
         streams = [self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), sampling)) for i in range(len(front))]
         for stream in streams:
             stream.collect(timeout_s=600)
+        if start_background:
+            self.start_background_compiles()
         return time.monotonic() - started
 
-    def _warm_buckets(self, instances: Sequence[Instance]) -> None:
+    def start_background_compiles(self) -> None:
+        """Start the background compiles `warmup(start_background=False)` left waiting (none: nothing)."""
+        start_background_warmups(self.instance_set.routed())
+
+    def _warm_buckets(self, instances: Sequence[Instance], *, start_background: bool = True) -> None:
         """Compile every padded shape of `instances` (the routed ones at start; a live switch: the staged)."""
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         warm_buckets(
@@ -373,6 +382,7 @@ class Controller:
             max_seq_len=max_seq_len,
             logprobs=self.config.warmup.logprobs,
             background=self.config.warmup.background,
+            start_background=start_background,
         )
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:

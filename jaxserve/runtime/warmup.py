@@ -38,11 +38,13 @@ def warm_buckets(
     max_seq_len: int,
     logprobs: bool,
     background: bool = False,
+    start_background: bool = True,
 ) -> None:
     """Compile every padded shape of `instances`; `max_seq_len`: the longest sequence a decode row holds,
     `logprobs`: the logprob programs of those shapes too, `background`: only the buckets that hold all others
     before returning, the rest on each engine's background thread (`ModelEngine.warmup`), started once every
-    engine's foreground part is done.
+    engine's foreground part is done (or, with `start_background=False`, by the caller's
+    `start_background_warmups`).
 
     The instances warm concurrently, one thread each (their engines, pools and locks are their own; XLA
     compiles release the GIL), so the foreground part takes about the longest instance's time on a machine
@@ -61,7 +63,12 @@ def warm_buckets(
                 future.result()  # the first failure is raised, once every warm-up has ended
     elif work:
         work[0]()
-    # Every engine's background compiles start once all foreground warm-ups are done: none slows another's.
+    if start_background:  # once all foreground warm-ups are done: none slows another's
+        start_background_warmups(instances)
+
+
+def start_background_warmups(instances: Sequence[Instance]) -> None:
+    """Start the background compiles `warm_buckets(..., start_background=False)` kept waiting."""
     for engine in [i.engine for i in instances if isinstance(i, (PrefillInstance, DecodeInstance, ColocatedInstance))]:
         engine.start_background_warmup()
 

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -122,7 +123,8 @@ class JaxServeServer:
         warmup_s = 0.0
         if cfg.warmup:
             log.info("warming up: compiling before the first client (a signal now stops without serving)")
-            warmup_s = await asyncio.get_running_loop().run_in_executor(None, self.controller.warmup)
+            warmup = partial(self.controller.warmup, start_background=False)  # started once serving, below
+            warmup_s = await asyncio.get_running_loop().run_in_executor(None, warmup)
         self._grpc, self._health = build_grpc_server(
             self.frontend,
             api_key=cfg.api_key,
@@ -168,6 +170,8 @@ class JaxServeServer:
         self._serving = True
         await set_serving(self._health, True)
         log.info("ready in %.2f s (warm-up %.2f s)", time.monotonic() - started_at, warmup_s)
+        if cfg.warmup:
+            self.controller.start_background_compiles()
         access = cfg.admin_access
         log.info(
             "operator routes (/admin/*, /debug/*): %s",
