@@ -33,6 +33,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
     for seed in range(5):
         assert _draw([SamplingParams(temperature=2.0, top_k=1)] * 6, [seed] * 6) == argmax
         assert _draw([SamplingParams(temperature=2.0, top_p=1e-6)] * 6, [seed] * 6) == argmax
+        assert _draw([SamplingParams(temperature=1e-30)] * 6, [seed] * 6) == argmax  # a tiny temperature: the argmax
 
 
 def test_seeded_sampling_is_independent_of_batch_mates() -> None:
