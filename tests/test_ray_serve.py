@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def test_serve_backend_ray_serves_and_stops(tmp_path) -> None:
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled", XDG_CACHE_HOME=str(tmp_path / "xdg"))  # not ~/.cache
     cmd = [sys.executable, "-m", "jaxserve", "serve", "--backend", "ray", "--engine", "fake", "--model", "opt-tiny"]
     cmd += ["--deployment", "disagg:prefill=tp2,decode=tp1", "--grpc-port", "0", "--http-port", "0", "--no-warmup"]
     with open(tmp_path / "stderr.txt", "w+") as err:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import jax
@@ -108,8 +109,9 @@ def test_http_completion_equals_offline_generate(offline, server):
 
 
 @pytest.mark.slow  # ~35 s: a whole `jaxserve serve` process; the default run stays well under 15 minutes
-def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm():
+def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command must set the device count itself
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # its compilation cache and kernel build, not the home folder's
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve", "serve", "--grpc-port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
