@@ -27,7 +27,7 @@ from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, RequestTimings, SamplingParams
 from jaxserve.llm import LLM
-from jaxserve.runtime.controller import Controller, ControllerConfig, WarmupConfig
+from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.engines.contract import EngineCapabilities, PrefillItem
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
@@ -620,7 +620,10 @@ def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, refe
     actor also re-prefills the sequences it tracked (the warm-up request's, here) into its fresh pool,
     which compiles prefill programs its warm-up does not cover; it ends with at least the launch's
     count, and a second burst compiles nothing in either actor."""
-    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True))
+    # Admission at what the requests need (prompts under 20 tokens, 12 new): the buckets of 48 positions, not of
+    # the model's 512, each compiled twice (launch and restart) in both actors.
+    admission = AdmissionConfig(max_prompt_tokens=32, max_tokens_limit=16)
+    config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True), admission=admission)
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
     controller.start()
     try:

@@ -23,6 +23,11 @@ from jaxserve.testing.hf import make_hf_checkpoint
 from models.config import get_config
 
 CFG = get_config("opt-tiny")
+# Decode batches 1-8 and tables of 1-8 blocks of 8: several buckets in every dimension for `_burst` to span.
+SINGLE_STEP = ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8)
+# Multi-step decoding adds a loop program per row bucket x table width x sampling: batches 1-4 and tables of 1-4
+# blocks of 16 still give several buckets in each dimension, at about half the programs (the CI time it costs).
+MULTI_STEP = ServingLimits(block_size=16, num_kv_blocks=32, max_batch_tokens=64, max_decode_batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +79,11 @@ def _burst(c: Controller, tag: str) -> list[list[int]]:
 def test_after_bucket_warmup_no_request_compiles(
     spec: str, steps: int, caching: bool, background: bool | str, checkpoint: Path
 ) -> None:
-    # decode batches 1-8 and tables of 1-8 blocks of 8: several buckets in every dimension for `_burst` to span
     config = ControllerConfig(
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True, background=bool(background)),
         prefix_policy=PrefixPolicy(enabled=caching),
-        limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
+        limits=MULTI_STEP if steps > 1 else SINGLE_STEP,
         decode_steps_per_call=steps,
     )
     c = Controller.from_plan(str(checkpoint), parse_deployment(spec), config=config)

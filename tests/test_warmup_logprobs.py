@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_runtime_warmup import _Compiles
+from test_runtime_warmup import MULTI_STEP, SINGLE_STEP, _Compiles
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
@@ -48,23 +48,22 @@ def _burst(c: Controller, tag: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("spec", "steps", "caching", "first_device"),
+    ("spec", "steps", "caching", "first_device", "limits"),
     [
         # slow (~45 s): every logprob bucket compiled; the default run keeps test_engine_warmup's no-compile check
-        pytest.param("disagg:prefill=tp1,decode=tp1", 1, False, 6, marks=pytest.mark.slow),
+        pytest.param("disagg:prefill=tp1,decode=tp1", 1, False, 6, SINGLE_STEP, marks=pytest.mark.slow),
         # the multi-step loop's logprob variants (caching off: test_runtime_warmup covers caching's programs)
-        pytest.param("disagg:prefill=tp1,decode=tp1", 4, False, 4, marks=pytest.mark.slow),
+        pytest.param("disagg:prefill=tp1,decode=tp1", 4, False, 4, MULTI_STEP, marks=pytest.mark.slow),
     ],
 )
 def test_after_logprob_warmup_no_logprob_request_compiles(
-    spec: str, steps: int, caching: bool, first_device: int, checkpoint: Path
+    spec: str, steps: int, caching: bool, first_device: int, limits: ServingLimits, checkpoint: Path
 ) -> None:
-    # decode batches 1-8 and tables of 1-8 blocks of 8: several buckets in every dimension for `_burst` to span
     config = ControllerConfig(
         admission=AdmissionConfig(max_prompt_tokens=40, max_tokens_limit=24),
         warmup=WarmupConfig(buckets=True, logprobs=True),
         prefix_policy=PrefixPolicy(enabled=caching),
-        limits=ServingLimits(block_size=8, num_kv_blocks=64, max_batch_tokens=64, max_decode_batch=8),
+        limits=limits,
         decode_steps_per_call=steps,
     )
     devices = jax.devices()[first_device : first_device + 2]
