@@ -187,12 +187,23 @@ class _CompileThread:
 _LIVE: list[_CompileThread] = []
 _LIVE_LOCK = threading.Lock()
 _exit_hook_registered = False
+_JOIN_POLL_S = 0.05
 
 
 def _join_at_exit() -> None:
     """Stop every background warm-up and wait for the program each is compiling (XLA cannot be interrupted):
-    the interpreter must not finalize while one is inside XLA. A SIGINT during the wait leaves at once
-    (status 130) without finalizing."""
+    the interpreter must not finalize while one is inside XLA. A SIGINT at any point of the wait, its log lines
+    included, leaves at once (status 130) without finalizing: a KeyboardInterrupt that escaped this hook would let
+    the interpreter finalize and then wait on the compile thread anyway."""
+    try:
+        _join_live_threads()
+    except KeyboardInterrupt:
+        with contextlib.suppress(BaseException):  # a second Ctrl-C inside this line must not stop the exit
+            log.warning("interrupted: exiting without waiting for the background compile")
+        _flush_and_exit(130)
+
+
+def _join_live_threads() -> None:
     with _LIVE_LOCK:
         live = [t for t in _LIVE if t.thread.is_alive()]
     for t in live:
@@ -202,11 +213,10 @@ def _join_at_exit() -> None:
             continue
         log.info("exit: waiting for the background compile in progress (%s) to end", t.compiling or "?")
         started = time.perf_counter()
-        try:
-            t.thread.join()
-        except KeyboardInterrupt:
-            log.warning("interrupted: exiting without waiting for the background compile")
-            _flush_and_exit(130)
+        # Joined in short waits: a signal the kernel hands to another thread only sets a flag that this thread
+        # reads between waits (an untimed join would sleep through it: a Ctrl-C the process never acts on).
+        while t.thread.is_alive():
+            t.thread.join(timeout=_JOIN_POLL_S)
         log.info("exit: the background compile ended after %.1f s", time.perf_counter() - started)
 
 
