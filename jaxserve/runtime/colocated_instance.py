@@ -256,8 +256,7 @@ class ColocatedInstance(Worker):
                 emits.append((s.live, taken, finish))
                 if finish is not None:
                     del self._seqs[rid]
-                    done_ids = s.live.request.prompt_token_ids + tuple(s.live.output_ids[:-1])
-                    self.cache.commit(rid, done_ids, s.live.names_of(done_ids, self.config.limits.block_size))
+                    self.cache.commit(rid, *s.live.finished_blocks(self.config.limits.block_size))
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)

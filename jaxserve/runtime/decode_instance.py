@@ -601,9 +601,7 @@ class DecodeInstance(Worker):
                 emits.append((r.live, taken, finish))
                 if finish is not None:
                     del self._running[rid]
-                    # Name prompt + answer but the last token (whose KV was never computed), then unpin.
-                    done_ids = r.live.request.prompt_token_ids + tuple(r.live.output_ids[:-1])
-                    self.cache.commit(rid, done_ids, r.live.names_of(done_ids, self.config.limits.block_size))
+                    self.cache.commit(rid, *r.live.finished_blocks(self.config.limits.block_size))  # then unpin
                     self.cache.release(rid)
         for live, chunk, finish in emits:
             self.emitter.emit(live, chunk, finish)

@@ -64,6 +64,11 @@ class LiveRequest:
         """The prefix-cache names of other token ids of this request (e.g. prompt + answer), under its salt."""
         return block_hashes(token_ids, block_size, self.request.cache_salt)
 
+    def finished_blocks(self, block_size: int) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """What a finished request leaves in a pool for later ones (`PrefixCache.commit`): its prompt and answer
+        but the last token, whose KV was never computed, and their names (what a resumed prefill would run)."""
+        return self.prefill_token_ids, self.block_names(block_size)
+
     @property
     def request_id(self) -> str:
         return self.request.request_id
