@@ -14,6 +14,7 @@ from jaxserve.runtime.engines.contract import (
     StepBatch,
     StepRow,
     UnsupportedEngineCall,
+    WarmupSpec,
     start_prefill,
 )
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
@@ -122,7 +123,7 @@ def test_an_unsupported_call_fails_loudly_and_start_prefill_follows_the_capabili
     with pytest.raises(UnsupportedEngineCall, match="decode_steps"):
         engine.decode_steps(StepBatch((row,)), pages, 2)
     with pytest.raises(UnsupportedEngineCall, match="warmup"):
-        engine.warmup(num_blocks=4, block_size=4)
+        engine.warmup(WarmupSpec(num_blocks=4, block_size=4))
     with pytest.raises(UnsupportedEngineCall, match="kv_blocks_for_memory"):
         engine.kv_blocks_for_memory(4)
     # no async prefill: the batch runs at once and its handle is already done

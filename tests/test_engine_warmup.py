@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.background_warmup import CompileJob
-from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow
+from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow, WarmupSpec
 from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes
 from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
 from models.sharding import ShardedOPT
@@ -31,7 +31,7 @@ def _paged_cache_size(engine: ModelEngine) -> int:
 
 def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: ModelEngine) -> None:
     report = engine.warmup(
-        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, chunk_size=16)
     )
     # prefill: 16-token prompts; rows up to 32, since 32 one-token prompts fit the 32-token cap (the
     # smallest batch of each row bucket, rows/2 + 1 prompts, must fit); decode: rows {2, 4} x widths
@@ -51,7 +51,9 @@ def test_warmup_compiles_every_bucket_and_serving_then_compiles_nothing(engine: 
 
 def test_warmup_on_a_pool_returns_it(engine: ModelEngine) -> None:
     pages = engine.init_pages(8, 4)
-    report = engine.warmup(num_blocks=8, block_size=4, max_decode_batch=2, max_seq_len=4, prefill=False, pages=pages)
+    report = engine.warmup(
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=2, max_seq_len=4, prefill=False), pages
+    )
     assert report.step_shapes == ((2, 1, 1),)
     assert report.pages is not None and report.pages[0].k.shape == pages[0].k.shape
 
@@ -92,14 +94,14 @@ def test_enable_compilation_cache_sets_the_directory(tmp_path: Path) -> None:
 
 
 def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_the_step_path() -> None:
-    """`warmup(background=True)`: only the frontier buckets compile before it returns; every other bucket's work
+    """`warmup(WarmupSpec(..., background=True))`: only the frontier buckets compile before it returns; every other bucket's work
     runs padded up to a compiled one (same greedy tokens as its own bucket) while the rest compile aside; once
     they are in, each runs its own bucket. The jitted paged step never compiles on the step path."""
     model = ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[1:2])
     eng = ModelEngine(model)
     plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[2:3]))
     report = eng.warmup(
-        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
     )
     eng.stop_background_warmup()  # covering alone first: whatever the thread had not compiled stays padded up
     # the buckets holding all others of area <= 2 x the budget, and a lone prompt's / a lone stream's own
@@ -119,7 +121,9 @@ def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_th
     assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 4)  # padded to full width
     assert run(eng) == run(plain)
     assert _paged_cache_size(eng) == compiled  # padded up: nothing compiled on the step path
-    eng.warmup(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
+    eng.warmup(
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
+    )
     assert eng.background_warmup_done(timeout_s=300)
     assert (2, 1, 1) in eng._ready_steps and {(1, 16), (32, 16)} <= eng._ready_prefill
     assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 1)  # its own bucket now
@@ -156,7 +160,7 @@ def _compiles() -> Iterator[list[str]]:
 
 @pytest.mark.slow  # ~9 s: every program of the test compiles anew (jax.clear_caches)
 def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_draws_the_same_tokens() -> None:
-    """`warmup(background=True)` compiles the random sampler of one row count only (the most rows of a foreground
+    """`warmup(WarmupSpec(..., background=True))` compiles the random sampler of one row count only (the most rows of a foreground
     bucket); until the background has compiled a lone prompt's and a lone stream's own, their random draws run on
     logits padded up to it: nothing compiles on the request path, and the seeded tokens are those an engine
     sampling on its own row count draws."""
@@ -165,7 +169,7 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
     plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[4:5]))
     eng.hold_background_warmup()  # the background jobs wait: the foreground's programs alone
     report = eng.warmup(
-        num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
     )
     assert report.prefill_shapes == ((4, 16), (1, 16)) and report.step_shapes == ((4, 1, 4), (2, 1, 4))
     assert eng._ready_random == {4}  # the lone prompt's (1 row) and the lone stream's (2 rows) are not compiled
@@ -198,14 +202,16 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
 
 
 def test_a_batch_no_compiled_bucket_holds_runs_as_held_sub_batches_and_compiles_nothing() -> None:
-    """Right after `warmup(background=True)` (the background jobs held: the foreground's programs alone), a prefill
+    """Right after `warmup(WarmupSpec(..., background=True))` (the background jobs held: the foreground's programs alone), a prefill
     batch whose own bucket (4 rows x 32 tokens) no compiled bucket holds (2 x 32 and 4 x 16 are in) runs as
     consecutive sub-batches each held by one, instead of compiling its own: nothing compiles on the request path,
     and every prompt's first token and KV length are those of an engine prefilling the batch in its own bucket."""
     eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[5:6]))
     plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[6:7]))
     eng.hold_background_warmup()
-    report = eng.warmup(num_blocks=8, block_size=4, max_batch_tokens=32, max_seq_len=32, decode=False, background=True)
+    report = eng.warmup(
+        WarmupSpec(num_blocks=8, block_size=4, max_batch_tokens=32, max_seq_len=32, decode=False, background=True)
+    )
     assert set(report.prefill_shapes) == {(4, 16), (2, 32), (1, 32)}
     hot = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
     prompts = [tuple(range(4, 21)), (7, 8, 9), (10, 11, 12), (13, 14, 15)]  # 17 + 3 x 3 tokens: bucket (4, 32)
@@ -234,20 +240,22 @@ _READY_SETS = (
 def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_once_published(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every `CompileJob` a `warmup(background=True)` hands to the thread leaves the engine's ready sets as they
+    """Every `CompileJob` a `warmup(WarmupSpec(..., background=True))` hands to the thread leaves the engine's ready sets as they
     were while it compiles (the serving side must not take a program before its job is done), and its publish
     puts its program in: the random sampler's row count, the prefill or step bucket."""
     eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[7:8]))
     jobs: list[CompileJob] = []
     monkeypatch.setattr(eng, "_start_background", jobs.extend)  # the jobs themselves, run here in order
     eng.warmup(
-        num_blocks=8,
-        block_size=8,
-        max_decode_batch=2,
-        max_batch_tokens=16,
-        max_seq_len=16,
-        max_prefill_rows=4,
-        background=True,
+        WarmupSpec(
+            num_blocks=8,
+            block_size=8,
+            max_decode_batch=2,
+            max_batch_tokens=16,
+            max_seq_len=16,
+            max_prefill_rows=4,
+            background=True,
+        )
     )
     assert [j.what for j in jobs] == ["random sampler (1 rows)", "prefill (4, 16)", "step (2, 1, 1)"]
     published: list[dict[str, set[object]]] = []

@@ -59,7 +59,7 @@ from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
 from jaxserve.runtime.decode_instance import DecodeInstance
-from jaxserve.runtime.engines.contract import KVPages, SequenceKV, StepBatch
+from jaxserve.runtime.engines.contract import KVPages, SequenceKV, StepBatch, WarmupSpec
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.instances import Instance, PlacedInstance, build_engines
 from jaxserve.runtime.prefill_instance import PrefillInstance
@@ -156,7 +156,7 @@ class FaultyEngine(FakeEngine):
         self._call("init_pages")
         return super().init_pages(num_blocks, block_size)
 
-    def warmup(self, *, pages: KVPages | None = None, **_: object) -> _Warmed:  # type: ignore[override]
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> _Warmed:
         self._call("warmup")
         return _Warmed(pages)
 

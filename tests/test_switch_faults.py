@@ -32,7 +32,7 @@ from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig, WarmupConfig
-from jaxserve.runtime.engines.contract import KVPages, StepBatch
+from jaxserve.runtime.engines.contract import KVPages, StepBatch, WarmupSpec
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
 from jaxserve.runtime.instances import build_engines
 from jaxserve.runtime.switch import PlanSwitcher, SwitchAbortedError, SwitchError
@@ -71,7 +71,7 @@ class SlowWarmup(FakeEngine):
     capabilities = dataclasses.replace(FakeEngine.capabilities, bucket_warmup=True)
     gates: Gates
 
-    def warmup(self, *, pages: KVPages | None = None, **_: object) -> _Warmed:  # type: ignore[override]
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> _Warmed:
         self.gates.hold()
         return _Warmed(pages)
 

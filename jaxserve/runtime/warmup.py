@@ -24,6 +24,7 @@ from functools import partial
 
 from jaxserve.runtime.colocated_instance import ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeInstance
+from jaxserve.runtime.engines.contract import WarmupSpec
 from jaxserve.runtime.instances import Instance
 from jaxserve.runtime.prefill_instance import PrefillInstance
 
@@ -80,7 +81,7 @@ def _warm_prefill_instance(p: PrefillInstance, max_prompt_tokens: int, logprobs:
     caching = p.config.prefix_policy.enabled
     p.engine.hold_background_warmup()  # started by `warm_buckets` once every engine's foreground part is done
     with p.cond:  # no request is running yet; the pool is the instance's own
-        warmed = p.engine.warmup(
+        spec = WarmupSpec(
             num_blocks=limits.require_num_kv_blocks() if caching else 1,
             block_size=limits.block_size,
             max_decode_batch=limits.prefill_buffer_slots,
@@ -89,11 +90,11 @@ def _warm_prefill_instance(p: PrefillInstance, max_prompt_tokens: int, logprobs:
             chunk_size=limits.max_batch_tokens if caching else None,
             max_prefill_rows=limits.prefill_buffer_slots,  # a batch never outgrows the buffer's free slots
             decode=False,
-            pages=p.pages if caching else None,
             logprobs=logprobs,
             background=background,
             prefix_prefill=caching,
         )
+        warmed = p.engine.warmup(spec, p.pages if caching else None)
         if caching and warmed.pages is not None:
             p.pages = warmed.pages
 
@@ -106,18 +107,18 @@ def _warm_pooled_instance(
     chunk = (limits.chunk_size or limits.max_batch_tokens) if isinstance(inst, ColocatedInstance) else None
     inst.engine.hold_background_warmup()
     with inst.cond:  # no request is running yet; the pool is the instance's own
-        warmed = inst.engine.warmup(
+        spec = WarmupSpec(
             num_blocks=limits.require_num_kv_blocks(),
             block_size=limits.block_size,
             max_decode_batch=limits.max_decode_batch,
             max_seq_len=max_seq_len,
             chunk_size=chunk,
             prefill=False,
-            pages=inst.pages,
             decode_steps=inst.config.decode_steps_per_call,
             logprobs=logprobs,
             background=background,
         )
+        warmed = inst.engine.warmup(spec, inst.pages)
         if warmed.pages is not None:
             inst.pages = warmed.pages
 

@@ -233,6 +233,28 @@ class PrefillHandle(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupSpec:
+    """What `Engine.warmup` compiles: the serving limits its buckets come from, and which programs.
+
+    One value for every engine, the Ray proxy (which sends it to its actor and repeats it after a restart) and the
+    controller's warm-up (`runtime/warmup.py`), so the limits a warm-up honours are named once."""
+
+    num_blocks: int  # the pool a warm-up without the instance's `pages` makes (and drops)
+    block_size: int
+    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch  # decode row buckets up to this (a prefill's: slots)
+    max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens  # the prefill token cap
+    max_seq_len: int | None = None  # the longest sequence (prompt buckets, table widths); None: the model's
+    chunk_size: int | None = None  # a colocated step's prompt-token budget: its prompt-row buckets
+    prefill: bool = True  # the dense prefill buckets
+    decode: bool = True  # the decode step buckets (and the insert of a pulled KV)
+    max_prefill_rows: int | None = None  # a prefill instance's buffer slots: no batch has more rows
+    decode_steps: int = 1  # > 1: the multi-step loop program of every row bucket x table width too
+    logprobs: bool = False  # the logprob programs too
+    background: bool = False  # the buckets that hold all others now, the rest on a background thread
+    prefix_prefill: bool = False  # a prefix-caching prefill instance's pool programs (insert, gather, slices)
+
+
 class WarmedPages(Protocol):
     """What a warm-up hands back: the pool it was given, after steps that wrote nothing."""
 
@@ -327,27 +349,11 @@ class Engine(Protocol):
 
     # ---- either role ---------------------------------------------------------------------------------------
 
-    def warmup(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
-        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
-        max_seq_len: int | None = None,
-        chunk_size: int | None = None,
-        prefill: bool = True,
-        decode: bool = True,
-        pages: KVPages | None = None,
-        max_prefill_rows: int | None = None,
-        decode_steps: int = 1,
-        logprobs: bool = False,
-        background: bool = False,
-        prefix_prefill: bool = False,
-    ) -> WarmedPages:
-        """`bucket_warmup`: compile every padded shape the serving limits allow before traffic (`background`:
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> WarmedPages:
+        """`bucket_warmup`: compile every padded shape `spec`'s limits allow before traffic (`spec.background`:
         the buckets that hold all others now, the rest on a thread while work runs padded up to compiled ones;
-        `prefix_prefill`: also what a prefix-caching prefill instance runs on its pool)."""
+        `spec.prefix_prefill`: also what a prefix-caching prefill instance runs on its pool). With the instance's
+        `pages` it warms on that pool and returns the pool to keep in its place; otherwise one is made and dropped."""
         raise UnsupportedEngineCall(self, "warmup", "bucket_warmup")
 
     def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
@@ -363,7 +369,7 @@ class Engine(Protocol):
         return True
 
     def hold_background_warmup(self) -> None:
-        """The next `warmup(background=True)` keeps its background compiles until `start_background_warmup()`
+        """The next `warmup(WarmupSpec(..., background=True))` keeps its background compiles until `start_background_warmup()`
         (a caller warming several engines starts them all at the end); an engine without them: no-op."""
         return None
 
@@ -372,7 +378,7 @@ class Engine(Protocol):
         return None
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop a `warmup(background=True)` still compiling (after its current bucket); nothing to stop: no-op."""
+        """Stop a `warmup(WarmupSpec(..., background=True))` still compiling (after its current bucket); nothing to stop: no-op."""
         return None
 
 

@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
-from jaxserve.runtime.engines.contract import KVCopy, KVLayout, KVPages, PrefillItem, SequenceKV, StageKV
+from jaxserve.runtime.engines.contract import KVCopy, KVLayout, KVPages, PrefillItem, SequenceKV, StageKV, WarmupSpec
 from jaxserve.runtime.engines.warmup_plan import (
     MIN_STOP_WIDTH,
     compile_order,
@@ -136,24 +135,7 @@ class ModelWarmup(BackgroundWarmup):
         self._ready_random: frozenset[int] = frozenset()
         self._ready_pads: frozenset[tuple[int, int]] = frozenset()
 
-    def warmup(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
-        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
-        max_seq_len: int | None = None,
-        chunk_size: int | None = None,
-        prefill: bool = True,
-        decode: bool = True,
-        pages: KVPages | None = None,
-        max_prefill_rows: int | None = None,
-        decode_steps: int = 1,
-        logprobs: bool = False,
-        background: bool = False,
-        prefix_prefill: bool = False,
-    ) -> WarmupReport:
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
 
         Prefill: every (rows, tokens) bucket some batch can land in — the smallest batch of the bucket
@@ -200,24 +182,26 @@ class ModelWarmup(BackgroundWarmup):
         """
         t0 = time.perf_counter()
         cfg = self._cfg
-        max_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
-        rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if logprobs else None)
-        # the plan (warmup_plan.py): every bucket the limits allow, and with `background` those compiled first
+        rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if spec.logprobs else None)
+        # the plan (warmup_plan.py): every bucket the limits allow, and with `spec.background` those compiled first
         prefill_shapes = (
-            prefill_buckets(max_len, cfg.max_position_embeddings, max_batch_tokens, max_prefill_rows) if prefill else []
+            prefill_buckets(max_len, cfg.max_position_embeddings, spec.max_batch_tokens, spec.max_prefill_rows)
+            if spec.prefill
+            else []
         )
-        prefill_now = foreground_prefill(prefill_shapes, max_batch_tokens) if background else prefill_shapes
-        # With `background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
+        prefill_now = foreground_prefill(prefill_shapes, spec.max_batch_tokens) if spec.background else prefill_shapes
+        # With `spec.background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
         # count only, the most rows of a foreground bucket; the others' are padded up to it until theirs are in.
         random_rows: int | None = None
-        if background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
+        if spec.background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
             random_rows = max(b for b, _ in prefill_now) if prefill_now else None
             cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
                 compiles = [
                     threads.submit(
-                        self._precompile_prefill, *x, rand, greedy, logprobs, cuts=False, random_rows=random_rows
+                        self._precompile_prefill, *x, rand, greedy, spec.logprobs, cuts=False, random_rows=random_rows
                     )
                     for x in prefill_now
                 ]
@@ -236,39 +220,42 @@ class ModelWarmup(BackgroundWarmup):
         multi_step_shapes: list[tuple[int, int, int]] = []
         later_steps: list[tuple[int, int, int]] = []
         caches_like: list[PagedKVCache] | None = None
-        if decode or chunk_size:
-            caches = model_caches(pages or self.init_pages(num_blocks, block_size))
-            widths = powers_of_two(1, min(num_blocks, -(-max_len // block_size)))
+        if spec.decode or spec.chunk_size:
+            caches = model_caches(pages or self.init_pages(spec.num_blocks, spec.block_size))
+            widths = powers_of_two(1, min(spec.num_blocks, -(-max_len // spec.block_size)))
             shapes = step_buckets(
-                decode=decode,
-                chunk_size=chunk_size,
-                max_decode_batch=max_decode_batch,
+                decode=spec.decode,
+                chunk_size=spec.chunk_size,
+                max_decode_batch=spec.max_decode_batch,
                 widths=widths,
-                prompt_widths=widths[-1:] if prefix_prefill else widths,  # narrower ones run padded up to it
+                prompt_widths=widths[-1:] if spec.prefix_prefill else widths,  # narrower ones run padded up to it
             )
             steps_now = shapes
-            if background:
+            if spec.background:
                 steps_now = foreground_steps(
-                    shapes, chunk_size=chunk_size, max_decode_batch=max_decode_batch, prefix_prefill=prefix_prefill
+                    shapes,
+                    chunk_size=spec.chunk_size,
+                    max_decode_batch=spec.max_decode_batch,
+                    prefix_prefill=spec.prefix_prefill,
                 )
             mark = time.perf_counter()
-            if background and steps_now:
+            if spec.background and steps_now:
                 random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
             for b, t, m in steps_now:
                 tokens = np.full((b, t), self._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
                 logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
-                self._warm_sampling(logits, rand, greedy, logprobs, random_rows)
+                self._warm_sampling(logits, rand, greedy, spec.logprobs, random_rows)
                 self._publish_sampler(b, random_rows)
                 step_shapes.append((b, t, m))
             self._ready_steps = self._ready_steps | frozenset(steps_now)
             later_steps = [x for x in shapes if x not in self._ready_steps]
             phases["steps"] = time.perf_counter() - mark
             mark = time.perf_counter()
-            if decode and decode_steps > 1 and self.model.pp == 1:
-                for b in powers_of_two(2, max_decode_batch):
+            if spec.decode and spec.decode_steps > 1 and self.model.pp == 1:
+                for b in powers_of_two(2, spec.max_decode_batch):
                     for m in widths:
-                        for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + logprobs]):
+                        for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + spec.logprobs]):
                             caches[0] = self._run_loop(
                                 np.full(b, self._pad, np.int32),
                                 np.zeros(b, np.int32),
@@ -278,11 +265,11 @@ class ModelWarmup(BackgroundWarmup):
                                 np.zeros((b, m), np.int32),
                                 sampling_inputs([], [], [], b),
                                 np.full((b, MIN_STOP_WIDTH), -1, np.int32),
-                                decode_steps,
+                                spec.decode_steps,
                                 all_greedy,
                                 with_lp,
                             )[1]
-                        multi_step_shapes.append((b, decode_steps, m))
+                        multi_step_shapes.append((b, spec.decode_steps, m))
                 jax.block_until_ready(caches[0].k)
             warmed = pool_pages(caches)
             caches_like = [  # the pool's shapes and shardings, for compiles that must not touch it
@@ -291,7 +278,7 @@ class ModelWarmup(BackgroundWarmup):
             ]
             phases["multi-step"] = time.perf_counter() - mark
             mark = time.perf_counter()
-            if decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
+            if spec.decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
                 layout = self._layout
                 for t_pad in prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
@@ -308,9 +295,9 @@ class ModelWarmup(BackgroundWarmup):
         # A prefix-caching prefill instance's KV copies on its own pool (`kv_copy_compiled` says which are in)
         copies: list[CompileJob] = []
         slices: list[CompileJob] = []
-        if prefix_prefill and caches_like is not None:
+        if spec.prefix_prefill and caches_like is not None:
             copies, slices = self._pool_copy_jobs(pool_pages(caches_like), max_len)
-            if not background:
+            if not spec.background:
                 mark = time.perf_counter()
                 for job in (*copies, *slices):
                     job.compile()
@@ -320,16 +307,16 @@ class ModelWarmup(BackgroundWarmup):
         seconds = time.perf_counter() - t0
         sampler_jobs: list[CompileJob] = []
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
-        if prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
+        if spec.prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
             self._cover = True
-        if background:
+        if spec.background:
             self._cover = True
             # first the random samplers the foreground padded up: a lone prompt's or stream's bucket has its own then
             foreground_rows = sorted({x[0] for x in (*prefill_now, *step_shapes)} - self._ready_random)
             sampler_jobs = [
                 CompileJob(
                     f"random sampler ({b} rows)",
-                    partial(self._compile_random_sampler, b, rand, greedy, logprobs),
+                    partial(self._compile_random_sampler, b, rand, greedy, spec.logprobs),
                     partial(self._publish_sampler, b),
                 )
                 for b in foreground_rows
@@ -337,7 +324,7 @@ class ModelWarmup(BackgroundWarmup):
             prefill_jobs = [
                 CompileJob(
                     f"prefill {x}",
-                    partial(self._precompile_prefill, *x, rand, greedy, logprobs),
+                    partial(self._precompile_prefill, *x, rand, greedy, spec.logprobs),
                     partial(self._publish_prefill, *x),
                 )
                 for x in compile_order(later_prefill, self._ready_prefill)
@@ -345,7 +332,7 @@ class ModelWarmup(BackgroundWarmup):
             step_jobs = [
                 CompileJob(
                     f"step {x}",
-                    partial(self._precompile_step, *x, caches_like, rand, greedy, logprobs),
+                    partial(self._precompile_step, *x, caches_like, rand, greedy, spec.logprobs),
                     partial(self._publish_step, *x),
                 )
                 for x in compile_order(later_steps, self._ready_steps)
@@ -362,7 +349,7 @@ class ModelWarmup(BackgroundWarmup):
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
             f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs)} more programs "
-            "compile in the background)" if background else "",
+            "compile in the background)" if spec.background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 

@@ -48,7 +48,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, cast
 
 import jax
@@ -61,6 +61,7 @@ from jaxserve.runtime.engines.contract import (
     PrefillItem,
     SequenceKV,
     StepBatch,
+    WarmupSpec,
     bucket,
     step_tokens,
 )
@@ -245,7 +246,6 @@ def build_engine(spec: EngineSpec) -> Engine:
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile
-WarmupOptions = Mapping[str, int | bool | None]  # keyword arguments of `Engine.warmup` (no `pages`)
 
 
 class _CompileCounter:
@@ -298,20 +298,19 @@ class _ActorBase:
         """XLA compilations in this process so far (a restarted actor counts from 0)."""
         return self._compiles.count
 
-    def warmup(self, options: WarmupOptions) -> float:
-        """Compile every padded shape `options` allow (`Engine.warmup`); seconds. An engine that
-        cannot (the fake one) does nothing. `options["on_pool"]`: warm on this actor's paged pool."""
+    def warmup(self, spec: WarmupSpec, on_pool: bool) -> float:
+        """Compile every padded shape `spec` allows (`Engine.warmup`); seconds. An engine that cannot (the fake
+        one) does nothing. `on_pool`: warm on this actor's paged pool."""
         if not self.engine.capabilities.bucket_warmup:
             self.warmed = True
             return 0.0
         started = time.monotonic()
-        options = dict(options)
-        if options.pop("on_pool", False) and self.pages is not None:
-            warmed = self.engine.warmup(**options, pages=self.pages)  # type: ignore[arg-type]
+        if on_pool and self.pages is not None:
+            warmed = self.engine.warmup(spec, self.pages)
             if warmed.pages is not None:
                 self.pages = warmed.pages
         else:
-            self._warm(self.engine, options)
+            self._warm(self.engine, spec)
         self.warmed = True
         return time.monotonic() - started
 
@@ -322,8 +321,8 @@ class _ActorBase:
         if warm and not self.warmed:  # the controller warmed an earlier incarnation: Ray restarted this one
             raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) is cold: restarted, not warmed again")
 
-    def _warm(self, engine: Engine, options: WarmupOptions) -> None:
-        engine.warmup(**options)  # type: ignore[arg-type]
+    def _warm(self, engine: Engine, spec: WarmupSpec) -> None:
+        engine.warmup(spec)
 
     def signature(self) -> ModelSignature:
         return self._signature
@@ -557,8 +556,8 @@ class DecodeActor(_ActorBase):
         self.pages = self.engine.insert(kv, num_tokens, pages, block_table)
         return True
 
-    def _warm(self, engine: Engine, options: WarmupOptions) -> None:
-        warmed = engine.warmup(**options, pages=self._require_pages())  # type: ignore[arg-type]
+    def _warm(self, engine: Engine, spec: WarmupSpec) -> None:
+        warmed = engine.warmup(spec, self._require_pages())
         if warmed.pages is not None:
             self.pages = warmed.pages
 

@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import jax
 
 from jaxserve.core.errors import EngineDeadError
-from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -60,6 +59,7 @@ from jaxserve.runtime.engines.contract import (
     PrefillItem,
     PrefillResult,
     StepBatch,
+    WarmupSpec,
 )
 from jaxserve.runtime.kv_transfer import TransferState
 from jaxserve.runtime.ray_backend.actors import (
@@ -111,6 +111,14 @@ class _Warmed:
     pages: KVPages | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _ActorWarmup:
+    """One warm-up an actor ran: what it compiled, and whether on its own paged pool."""
+
+    spec: WarmupSpec
+    on_pool: bool
+
+
 class _RemoteBase(Engine):
     def __init__(
         self, name: str, actor: ActorHandle, info: ActorInfo, model_config: ModelConfig, restart_timeout_s: float,
@@ -122,7 +130,7 @@ class _RemoteBase(Engine):
         self._model_config = model_config
         self.restart_timeout_s = restart_timeout_s
         self.counters = counters
-        self._warmups: list[dict[str, int | bool | None]] = []  # every warm-up's options (a restart repeats them)
+        self._warmups: list[_ActorWarmup] = []  # every warm-up it ran (a restart repeats them, in order)
         self._pool_shape: tuple[int, int] | None = None  # (blocks, block size) of the actor's paged pool, if any
         # Prefix caching: called after a restart lost the pool (the instance forgets the cached blocks no one pins).
         self.on_pool_lost: Callable[[], None] | None = None
@@ -135,41 +143,17 @@ class _RemoteBase(Engine):
     def devices(self) -> tuple[jax.Device, ...]:
         return ()  # they live in the actor's process
 
-    def warmup(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
-        max_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens,
-        max_seq_len: int | None = None,
-        chunk_size: int | None = None,
-        prefill: bool = True,
-        decode: bool = True,
-        pages: KVPages | None = None,
-        max_prefill_rows: int | None = None,
-        decode_steps: int = 1,
-        logprobs: bool = False,
-        background: bool = False,
-        prefix_prefill: bool = False,
-    ) -> _Warmed:
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> _Warmed:
         """`Engine.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's; an actor
         whose engine cannot warm does nothing). A remote decode engine runs one step per call (no
-        `multi_step_decode`), so `decode_steps` is
-        not passed on: the loop programs would never run. Actors warm every bucket before they take traffic
-        (`background` is not passed on)."""
+        `multi_step_decode`), so its warm-up compiles single steps only: the loop programs would never run.
+        Actors warm every bucket before they take traffic (no background part)."""
         import ray
 
-        del decode_steps, background
-        options = {
-            "num_blocks": num_blocks, "block_size": block_size, "max_decode_batch": max_decode_batch,
-            "max_batch_tokens": max_batch_tokens, "max_seq_len": max_seq_len, "chunk_size": chunk_size,
-            "prefill": prefill, "decode": decode, "max_prefill_rows": max_prefill_rows, "on_pool": pages is not None,
-            "logprobs": logprobs, "prefix_prefill": prefix_prefill,
-        }  # fmt: skip
-        seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(options))))
-        if options not in self._warmups:
-            self._warmups.append(options)
+        warmup = _ActorWarmup(dataclasses.replace(spec, decode_steps=1, background=False), on_pool=pages is not None)
+        seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(warmup.spec, warmup.on_pool))))
+        if warmup not in self._warmups:
+            self._warmups.append(warmup)
         log.info("%s warmed its buckets in %.1f s", self.name, seconds)
         return _Warmed(pages)
 
@@ -184,7 +168,7 @@ class _RemoteBase(Engine):
 
         if not self._warmups:
             return
-        seconds = sum(cast(float, ray.get(self.actor.warmup.remote(options))) for options in self._warmups)
+        seconds = sum(cast(float, ray.get(self.actor.warmup.remote(w.spec, w.on_pool))) for w in self._warmups)
         log.warning("%s restarted: warmed its buckets again in %.1f s", self.name, seconds)
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
