@@ -94,7 +94,7 @@ def test_enable_compilation_cache_sets_the_directory(tmp_path: Path) -> None:
 
 
 def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_the_step_path() -> None:
-    """`warmup(WarmupSpec(..., background=True))`: only the frontier buckets compile before it returns; every other bucket's work
+    """`warmup` with `background`: only the frontier buckets compile before it returns; every other bucket's work
     runs padded up to a compiled one (same greedy tokens as its own bucket) while the rest compile aside; once
     they are in, each runs its own bucket. The jitted paged step never compiles on the step path."""
     model = ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[1:2])
@@ -160,7 +160,7 @@ def _compiles() -> Iterator[list[str]]:
 
 @pytest.mark.slow  # ~9 s: every program of the test compiles anew (jax.clear_caches)
 def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_draws_the_same_tokens() -> None:
-    """`warmup(WarmupSpec(..., background=True))` compiles the random sampler of one row count only (the most rows of a foreground
+    """`warmup` with `background` compiles the random sampler of one row count only (the most rows of a foreground
     bucket); until the background has compiled a lone prompt's and a lone stream's own, their random draws run on
     logits padded up to it: nothing compiles on the request path, and the seeded tokens are those an engine
     sampling on its own row count draws."""
@@ -202,7 +202,7 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
 
 
 def test_a_batch_no_compiled_bucket_holds_runs_as_held_sub_batches_and_compiles_nothing() -> None:
-    """Right after `warmup(WarmupSpec(..., background=True))` (the background jobs held: the foreground's programs alone), a prefill
+    """Right after `warmup` with `background` (the background jobs held: the foreground's programs alone), a prefill
     batch whose own bucket (4 rows x 32 tokens) no compiled bucket holds (2 x 32 and 4 x 16 are in) runs as
     consecutive sub-batches each held by one, instead of compiling its own: nothing compiles on the request path,
     and every prompt's first token and KV length are those of an engine prefilling the batch in its own bucket."""
@@ -240,7 +240,7 @@ _READY_SETS = (
 def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_once_published(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every `CompileJob` a `warmup(WarmupSpec(..., background=True))` hands to the thread leaves the engine's ready sets as they
+    """Every `CompileJob` a `warmup` with `background` hands to the thread leaves the engine's ready sets as they
     were while it compiles (the serving side must not take a program before its job is done), and its publish
     puts its program in: the random sampler's row count, the prefill or step bucket."""
     eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[7:8]))

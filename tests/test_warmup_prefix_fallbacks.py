@@ -1,6 +1,6 @@
 """Prefix caching while the background warm-up still compiles its KV copies: each fallback, counted by hand.
 
-`ModelEngine.warmup(WarmupSpec(..., background=True))` compiles a caching prefill instance's KV copies on its background thread
+`ModelEngine.warmup` with `background` compiles a caching prefill instance's KV copies on its background thread
 (the insert of a densely prefilled prompt, the gather of a prompt's KV out of the pool, the slice a partial pull
 moves); `Engine.kv_copy_compiled` says which are in. Until one is, the instances take a path that compiles
 nothing: the prompt's KV is not kept (insert), the hit batch is prefilled densely (gather), the pull moves the

@@ -153,7 +153,7 @@ class WarmupConfig:
     buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
     logprobs: bool = False  # with buckets: the logprob programs of those shapes too
     # with buckets: compile the buckets that hold all others first, the rest on a background thread while work
-    # runs padded up to compiled buckets (`ModelEngine.warmup(WarmupSpec(..., background=True))`; `serve` turns it on)
+    # runs padded up to compiled buckets (`ModelEngine.warmup` with `background`; `serve` turns it on)
     background: bool = False
 
 

@@ -1,6 +1,6 @@
-"""Background warm-up of an engine: shape covering and the compile thread (`warmup(WarmupSpec(..., background=True))`).
+"""Background warm-up of an engine: shape covering and the compile thread (`warmup` with `background`).
 
-`ModelEngine.warmup(WarmupSpec(..., background=True))` compiles only what must be compiled before serving (the buckets that
+`ModelEngine.warmup` with `background` compiles only what must be compiled before serving (the buckets that
 hold all others, the decode side's inserts) before it returns, and hands the rest to this mixin as an ordered
 list of `CompileJob`s, run on a niced daemon thread. A job compiles one program ahead of time (nothing read or
 written: the serving threads keep their pools) and then publishes it (`publish`: the engine adds its shape to
@@ -55,7 +55,7 @@ class BackgroundWarmup:
     """Shape covering and the background compile thread of an engine (a mixin: the engine builds the jobs)."""
 
     def _init_background_warmup(self) -> None:
-        # Shape covering (`warmup(WarmupSpec(..., background=True))`): once on, a step or prefill batch whose own bucket is not
+        # Shape covering (`warmup` with `background`): once on, a step or prefill batch whose own bucket is not
         # compiled yet runs padded up to the cheapest compiled bucket that holds it, so no request waits on XLA
         # while the remaining buckets compile on a background thread. Sets are replaced, never mutated.
         self._cover = False
@@ -84,7 +84,7 @@ class BackgroundWarmup:
         self._background.start()
 
     def hold_background_warmup(self) -> None:
-        """The next `warmup(WarmupSpec(..., background=True))` keeps its background jobs until `start_background_warmup()`: a
+        """The next `warmup` with `background` keeps its background jobs until `start_background_warmup()`: a
         server warming several engines starts every thread once all foreground warm-ups are done, so no
         engine's background compiles slow another's way to ready."""
         self._hold = True

@@ -369,7 +369,7 @@ class Engine(Protocol):
         return True
 
     def hold_background_warmup(self) -> None:
-        """The next `warmup(WarmupSpec(..., background=True))` keeps its background compiles until `start_background_warmup()`
+        """The next `warmup` with `background` keeps its background compiles until `start_background_warmup()`
         (a caller warming several engines starts them all at the end); an engine without them: no-op."""
         return None
 
@@ -378,7 +378,7 @@ class Engine(Protocol):
         return None
 
     def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
-        """Stop a `warmup(WarmupSpec(..., background=True))` still compiling (after its current bucket); nothing to stop: no-op."""
+        """Stop a `warmup` with `background` still compiling (after its current bucket); nothing to stop: no-op."""
         return None
 
 
