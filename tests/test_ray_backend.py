@@ -621,7 +621,7 @@ def test_a_restarted_actor_is_warmed_again_before_it_takes_traffic(cluster, refe
     which compiles prefill programs its warm-up does not cover; it ends with at least the launch's
     count, and a second burst compiles nothing in either actor."""
     # Admission at what the requests need (prompts under 20 tokens, 12 new): the buckets of 48 positions, not of
-    # the model's 512, each compiled twice (launch and restart) in both actors.
+    # the model's 256, each compiled twice (launch and restart) in both actors.
     admission = AdmissionConfig(max_prompt_tokens=32, max_tokens_limit=16)
     config = dataclasses.replace(CONFIG, warmup=WarmupConfig(buckets=True), admission=admission)
     controller = RayController.launch(MODEL, parse_deployment(PLAN), config, RAY_CONFIG)
