@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench_model import pin_threads  # this script's folder is on sys.path when it runs
+
 
 def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,17 +55,6 @@ def _parse() -> argparse.Namespace:
     if args.heads % args.gqa_group:
         ap.error("--heads must be a multiple of --gqa-group")
     return args
-
-
-def pin_threads(n: int) -> None:
-    """Pin this process to n cores and size XLA's CPU pool to n; call before importing jax."""
-    if n <= 0:
-        return
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:n])
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "intra_op_parallelism_threads" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={n}".strip()
 
 
 def load_avg() -> float:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench_model import pin_threads  # this script's folder is on sys.path when it runs
+
 
 def _jax_run(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], None]:
     def run(a: Any, b: Any) -> None:
@@ -45,12 +47,7 @@ def main() -> int:
     ap.add_argument("--inner", type=int, default=5, help="products per sample")
     ap.add_argument("--threads", type=int, default=0, help="pin both libraries to N cores (0: leave as is)")
     args = ap.parse_args()
-    if args.threads > 0:
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
-        os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=true "
-            f"intra_op_parallelism_threads={args.threads}"
-        ).strip()
+    pin_threads(args.threads)
     import jax
     import jax.numpy as jnp
     import numpy as np

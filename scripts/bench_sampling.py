@@ -20,19 +20,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench_model import pin_threads  # this script's folder is on sys.path when it runs
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default: SmolLM2's 49152)")
     ap.add_argument("--batches", default="1,8,32", help="rows per step, comma-separated")
     ap.add_argument("--reps", type=int, default=7, help="interleaved samples per contender (default 7)")
-    ap.add_argument("--threads", type=int, default=None, help="pin XLA's and torch's threads (default: all cores)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="pin the process to N cores, torch to N threads (default: all cores)"
+    )
     args = ap.parse_args()
     if args.threads:
-        os.environ["XLA_FLAGS"] = (
-            f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={args.threads} "
-            + os.environ.get("XLA_FLAGS", "")
-        )
+        pin_threads(args.threads)  # the process's cores: XLA's CPU pool is sized from them
     import jax
     import jax.numpy as jnp
     import numpy as np
