@@ -28,12 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.paged_attention import BlockLayout, Impl, paged_decode_attention
+from models.pytree import pytree_dataclass, static_field
 
 # Masked attention scores; finite so an all-masked (padding) row gives a uniform softmax, not NaN.
 MASK_VALUE = -1e30
@@ -52,7 +52,7 @@ class KVShape(Protocol):
     def head_dim(self) -> int: ...
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class KVCache:
     """Contiguous per-sequence cache (prefill output; simple decode)."""
 
@@ -60,7 +60,7 @@ class KVCache:
     v: jax.Array  # [L, B, T, KVH, D]
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class DecodeCache:
     """Contiguous decode cache, one head-major buffer per layer: `k[i]`, `v[i]` [B * KVH, T, D] (row b, head h at b * KVH + h).
 
@@ -88,7 +88,7 @@ class DecodeCache:
         return DecodeCache(k=split(kv.k), v=split(kv.v))
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class PagedKVCache:
     """Decode-side block pool: position p of a sequence lives in block `table[p // bs]`, slot `p % bs`."""
 
@@ -97,7 +97,7 @@ class PagedKVCache:
     # How a block holds its positions (static: part of the tree structure, so a jitted step
     # compiles per layout). "heads" stores each block head-major, which the CPU's chunked decode
     # attention reads without a transpose (models.paged_attention).
-    block_layout: BlockLayout = flax.struct.field(pytree_node=False, default="tokens")
+    block_layout: BlockLayout = static_field(default="tokens")
 
     @property
     def num_blocks(self) -> int:

@@ -42,16 +42,16 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import jax
-from flax import struct
 from jax.sharding import NamedSharding
 
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs, finish_reason, stop_token_ids
 from models.config import ModelConfig
 from models.paged_attention import BlockLayout
+from models.pytree import pytree_dataclass, static_field
 
 
-@struct.dataclass
+@pytree_dataclass
 class StageKV:
     """Dense KV of one sequence for one pipeline stage."""
 
@@ -63,7 +63,7 @@ class StageKV:
         return int(self.k.nbytes + self.v.nbytes)
 
 
-@struct.dataclass
+@pytree_dataclass
 class StagePages:
     """One pipeline stage's paged KV pool.
 
@@ -75,7 +75,7 @@ class StagePages:
 
     k: jax.Array  # [L_s, num_blocks, block_size, H, D]; "heads": [L_s, num_blocks, H, block_size, D]
     v: jax.Array
-    block_layout: BlockLayout = struct.field(pytree_node=False, default="tokens")
+    block_layout: BlockLayout = static_field(default="tokens")
 
     @property
     def num_blocks(self) -> int:
