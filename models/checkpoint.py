@@ -471,6 +471,48 @@ def save_checkpoint(path: str | Path, model: PlacedModel) -> Path:
     return path
 
 
+def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A whole model's params (one stage holding every layer, stacked) under the family's Hugging Face names.
+
+    The inverse of `HFReader`: each stacked layer leaf becomes one tensor per layer, transposed where the
+    family's naming says the Hugging Face tensor is stored the other way round.
+    """
+    naming: HFNaming = family(cfg).HF_NAMING
+    prefix = naming.prefixes[0]
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in _leaf_paths(params):
+        a = np.asarray(leaf)
+        if path[0] == "layers":
+            suffix, transpose = naming.layer_names[(path[1], path[2])]
+            for i in range(cfg.num_layers):
+                out[f"{prefix}layers.{i}.{suffix}"] = np.ascontiguousarray(a[i].T if transpose else a[i])
+        else:
+            name, transpose = naming.top_names[path]
+            out[name if path in naming.unprefixed else prefix + name] = np.ascontiguousarray(a.T if transpose else a)
+    return out
+
+
+def save_hf_checkpoint(path: str | Path, params: Params, cfg: ModelConfig) -> Path:
+    """Write `params` (one full-model tree, in the dtype to store) as a Hugging Face directory: `config.json` and
+    `model.safetensors`, which `transformers`' `from_pretrained` and `load_stage_params` both read. Returns `path`.
+
+    Loading it needs no Orbax (whose import costs a server ~0.25 s of start-up): the shipped default model
+    is stored this way.
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors(params, cfg)
+    dtypes = {str(t.dtype) for t in tensors.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"params hold several dtypes ({sorted(dtypes)}); cast them to the one to store first")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict() | {"torch_dtype": dtypes.pop()}
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return path
+
+
 def _has(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
     try:
         _get(tree, path)

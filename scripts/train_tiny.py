@@ -17,8 +17,8 @@ makes them on a laptop-class CPU in about ten minutes:
    under next-token cross-entropy; AdamW with warm-up and cosine decay. Most steps use windows of
    `--seq-len` tokens; the last `--long-frac` of steps use `max_position_embeddings` (512) so every
    position row the server can read has been trained.
-5. Output (`--out`, default `jaxserve/assets/opt-code-tiny/`): the jaxserve Orbax checkpoint written
-   by `models.checkpoint.save_checkpoint` (params in `--save-dtype`, `config.json`), `tokenizer.json`
+5. Output (`--out`, default `jaxserve/assets/opt-code-tiny/`): a Hugging Face directory written by
+   `models.checkpoint.save_hf_checkpoint` (`model.safetensors` in `--save-dtype`, `config.json`), `tokenizer.json`
    and `train_info.json` (corpus split, held-out files, loss curve, wall time, a sample). The script
    then restores the directory through `ShardedOPT.load` and reports the held-out loss again.
 
@@ -282,7 +282,7 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from models import opt
-    from models.checkpoint import load_tokenizer, save_checkpoint
+    from models.checkpoint import load_tokenizer, save_hf_checkpoint
     from models.config import OPTConfig
     from models.sharding import ShardedOPT
 
@@ -364,10 +364,10 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     # Save through the serving checkpoint code, then read it back the way the server will.
     device = jax.devices()[0]
     save_cfg = cfg.with_dtype(s.save_dtype)
-    model = ShardedOPT.from_params(save_cfg, params, tp=1, pp=1, devices=[device], dtype=s.save_dtype)
+    save_params = jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(s.save_dtype)), params)
     if out.exists():
         shutil.rmtree(out)
-    save_checkpoint(out, model)
+    save_hf_checkpoint(out, save_params, save_cfg)
     tok.save(str(out / "tokenizer.json"))
     restored = ShardedOPT.load(out, tp=1, pp=1, devices=[device], dtype="float32")
     tok2 = load_tokenizer(out)

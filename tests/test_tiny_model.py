@@ -1,7 +1,8 @@
 """The shipped default model (`jaxserve/assets/opt-code-tiny`) and the script that trains it.
 
-Everything goes through the serving code: `ShardedOPT.load` restores the Orbax checkpoint and
-`load_tokenizer` reads `tokenizer.json`. Quality is measured, not assumed: the held-out loss is
+Everything goes through the serving code: `ShardedOPT.load` reads the Hugging Face directory
+(`model.safetensors`) and `load_tokenizer` reads `tokenizer.json`; transformers reads the same files
+as an independent check of the weights' names and layout. Quality is measured, not assumed: the held-out loss is
 compared with a unigram model fitted on training files, and greedy completions must lex as Python.
 """
 
@@ -86,7 +87,7 @@ def greedy(model: ShardedOPT, tok, prompt: str, n: int, width: int = 64) -> list
 def test_default_model_path_and_size() -> None:
     path = default_model_path()
     assert path == DEFAULT_MODEL_DIR
-    for name in ("config.json", "jaxserve_checkpoint.json", "tokenizer.json", "train_info.json", "params"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "train_info.json"):
         assert (path / name).exists(), name
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert size <= 20e6, f"shipped model is {size / 1e6:.1f} MB"
@@ -99,8 +100,19 @@ def test_config_matches_tokenizer(model: ShardedOPT, tok) -> None:
     assert cfg.vocab_size == tok.get_vocab_size()
     assert tok.token_to_id("<pad>") == cfg.pad_token_id == 1
     assert tok.token_to_id("</s>") == cfg.bos_token_id == cfg.eos_token_id == 2
-    stored = json.loads((default_model_path() / "jaxserve_checkpoint.json").read_text())
-    assert stored["dtype"] == json.loads((default_model_path() / "config.json").read_text())["torch_dtype"]
+    assert json.loads((default_model_path() / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_transformers_reads_the_shipped_model_as_we_do(model: ShardedOPT, tok) -> None:
+    """The shipped files are a plain Hugging Face checkpoint: transformers' OPT on them gives our logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    ids = np.asarray(tok.encode("import os\n\ndef main(argv):\n    return 0\n").ids, np.int32)[None]
+    ours, _ = model.prefill(ids, np.array([ids.shape[1]], np.int32), all_logits=True)
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_tokenizer_round_trips_python_source(tok, info: dict) -> None:

@@ -1,8 +1,10 @@
 """Files shipped inside the package: the embedded default model.
 
 `opt-code-tiny/` is a small OPT trained on the Python standard library by `scripts/train_tiny.py`:
-a jaxserve Orbax checkpoint (`params/`, `config.json`, `jaxserve_checkpoint.json`), its byte-level
-BPE `tokenizer.json`, and `train_info.json` (corpus split, held-out files, loss curve).
+a Hugging Face directory (`config.json`, `model.safetensors` in bfloat16; `transformers` loads it as it
+is), its byte-level BPE `tokenizer.json`, and `train_info.json` (corpus split, held-out files, loss curve).
+Not an Orbax checkpoint, though jaxserve writes and serves those too: the import of Orbax (with
+tensorstore) alone cost every start of `jaxserve serve` on this model ~0.25 s.
 Load it with `models.sharding.ShardedOPT.load(default_model_path(), ...)` and
 `models.checkpoint.load_tokenizer(default_model_path())`.
 """
