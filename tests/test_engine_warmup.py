@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from jaxserve.core.request import SamplingParams
@@ -223,6 +224,34 @@ def test_a_batch_no_compiled_bucket_holds_runs_as_held_sub_batches_and_compiles_
     assert [s.request_id for s in got] == ["r0", "r1", "r2", "r3"]
     assert [s.first_token for s in got] == [s.first_token for s in want]
     assert [s.kv[0].k.shape for s in got] == [s.kv[0].k.shape for s in want]
+
+
+def test_a_row_is_cut_through_each_shorter_length_until_its_direct_cut_is_in_and_compiles_nothing() -> None:
+    """Right after `warmup` with `background` (the background jobs held), a prefill batch's short row is cut to its
+    own padded length through each shorter length in turn (64 -> 32 -> 16): the foreground compiled one cut per
+    length, not one per pair. Nothing compiles on the request path, and every row's KV is the one an engine
+    prefilling the batch on its own holds. Once the background has compiled the direct cut (64 -> 16), it is in."""
+    eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[5:6]))
+    plain = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[6:7]))
+    eng.hold_background_warmup()
+    eng.warmup(
+        WarmupSpec(num_blocks=8, block_size=4, max_batch_tokens=64, max_seq_len=64, decode=False, background=True)
+    )
+    assert {(64, 32), (32, 16)} <= eng._ready_slices and (64, 16) not in eng._ready_slices
+    prompts = [tuple(range(4, 44)), (7, 8, 9)]  # 40 and 3 tokens: one batch of 64 positions; rows of 64 and 16
+    items = [PrefillItem(f"r{i}", p, GREEDY, 0) for i, p in enumerate(prompts)]
+    with _compiles() as lines:  # first: the reference engine's own cut would compile that program for this one
+        got = eng.prefill(items).sequences
+    assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"
+    want = plain.prefill(items).sequences
+    assert [s.kv[0].k.shape[1] for s in got] == [64, 16]
+    for g, w in zip(got, want, strict=True):
+        assert g.first_token == w.first_token
+        np.testing.assert_array_equal(np.asarray(g.kv[0].k), np.asarray(w.kv[0].k))
+        np.testing.assert_array_equal(np.asarray(g.kv[0].v), np.asarray(w.kv[0].v))
+    eng.start_background_warmup()
+    assert eng.background_warmup_done(timeout_s=300)
+    assert (64, 16) in eng._ready_slices
 
 
 _READY_SETS = (

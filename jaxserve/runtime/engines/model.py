@@ -55,7 +55,7 @@ from jaxserve.runtime.engines.contract import (
 )
 from jaxserve.runtime.engines.model_warmup import ModelWarmup
 from jaxserve.runtime.engines.warmup_plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
-from jaxserve.runtime.kv_pool import model_caches, pool_pages, slice_sequence, write_sequence
+from jaxserve.runtime.kv_pool import model_caches, pool_pages, write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
@@ -187,7 +187,7 @@ class ModelEngine(ModelWarmup, Engine):
             )
         ]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
-        return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings)
+        return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings, self._cut)
 
     def _dispatch_prefill(
         self, items: Sequence[PrefillItem], shape: tuple[int, int] | None = None
@@ -210,7 +210,7 @@ class ModelEngine(ModelWarmup, Engine):
         """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too):
         how the warm-up runs a bucket."""
         dispatched = self._dispatch_prefill(items, shape=(b, t))
-        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings).result()
+        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings, self._cut).result()
 
     def _precompile_row_kv(self, b: int, t: int) -> None:
         """Compile, without running it, `_row_kv` of every stage of a (b, t) prefill batch's KV: taking the
@@ -508,8 +508,10 @@ class ModelPrefill:
         groups: list[list[int]],
         dispatched: list[tuple[jax.Array, StepLogprobs | None, list[KVCache]]],
         shardings: Sequence[NamedSharding],  # each stage's dense-KV sharding (`KVLayout.shardings`)
+        cut: Callable[[SequenceKV, int], SequenceKV],  # a row's KV to its padded length (`ModelWarmup._cut`)
     ) -> None:
         self._items, self._groups, self._dispatched, self._shardings = items, groups, dispatched, shardings
+        self._cut = cut
 
     def wait_first_stage(self) -> None:
         """Stage 0 is free once it has written every micro-batch's KV (its program's outputs)."""
@@ -524,12 +526,12 @@ class ModelPrefill:
             for row, i in enumerate(g):
                 n = len(items[i].token_ids)
                 # [L_s, T, H, D] each, cut to the row's own padded length (programs the warm-up compiled)
-                kv = tuple(
+                kv: SequenceKV = tuple(
                     _row_kv(c.k, c.v, np.int32(row), sharding=sh) for c, sh in zip(caches, self._shardings, strict=True)
                 )
                 padded = bucket(n, MIN_PROMPT_BUCKET)
                 if padded < kv[0].k.shape[1]:
-                    kv = slice_sequence(kv, 0, padded)
+                    kv = self._cut(kv, padded)
                 out.append(PrefilledSequence(items[i].request_id, int(first[row]), n, kv, firsts_lp[row]))
         return PrefillResult(tuple(out))
 

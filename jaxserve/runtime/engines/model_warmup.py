@@ -48,6 +48,7 @@ from jaxserve.runtime.kv_pool import (
     precompile_read,
     precompile_slice,
     precompile_write,
+    slice_sequence,
     write_sequence,
 )
 from jaxserve.runtime.sampling import SamplingInputs, StepLogprobs, pad_rows, sample, sampling_inputs, token_logprobs
@@ -195,9 +196,13 @@ class ModelWarmup(BackgroundWarmup):
         # With `spec.background` the random sampler (~10x a greedy one's compile) compiles before returning for one row
         # count only, the most rows of a foreground bucket; the others' are padded up to it until theirs are in.
         random_rows: int | None = None
+        direct_cuts: list[tuple[int, int]] = []
         if spec.background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
             random_rows = max(b for b, _ in prefill_now) if prefill_now else None
-            cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)})  # each once, not per bucket
+            # each once, not per bucket; only each bucket to the next shorter one (a row is cut through them in
+            # turn, `_cut`), the direct cuts in the background
+            cuts = sorted({pair for _, t in prefill_now for pair in self._chain_cuts(t)})
+            direct_cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)} - set(cuts))
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
                 compiles = [
                     threads.submit(
@@ -296,7 +301,7 @@ class ModelWarmup(BackgroundWarmup):
         copies: list[CompileJob] = []
         slices: list[CompileJob] = []
         if spec.prefix_prefill and caches_like is not None:
-            copies, slices = self._pool_copy_jobs(pool_pages(caches_like), max_len)
+            copies, slices = self._pool_copy_jobs(pool_pages(caches_like), max_len, skip=frozenset(direct_cuts))
             if not spec.background:
                 mark = time.perf_counter()
                 for job in (*copies, *slices):
@@ -338,17 +343,28 @@ class ModelWarmup(BackgroundWarmup):
                 for x in compile_order(later_steps, self._ready_steps)
                 if caches_like is not None
             ]
+            cut_jobs = [
+                CompileJob(
+                    f"slice {t} -> {n}",
+                    partial(self._precompile_slice, t, n),
+                    partial(self._publish, "_ready_slices", (t, n)),
+                )
+                for t, n in direct_cuts
+            ]
             unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
             # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
             # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
-            jobs = [*sampler_jobs, *prefill_jobs[:unheld], *copies, *step_jobs, *prefill_jobs[unheld:], *slices]
+            jobs = [
+                *sampler_jobs, *prefill_jobs[:unheld], *copies, *cut_jobs, *step_jobs, *prefill_jobs[unheld:], *slices
+            ]  # fmt: skip
             if jobs:
                 self._start_background(jobs)
         log.info(
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
-            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs)} more programs "
+            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)}"
+            " more programs "
             "compile in the background)" if spec.background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
@@ -402,11 +418,14 @@ class ModelWarmup(BackgroundWarmup):
         self._publish_sampler(b)
         self._publish("_ready_prefill", (b, t))
 
-    def _pool_copy_jobs(self, pages: KVPages, max_len: int) -> tuple[list[CompileJob], list[CompileJob]]:
+    def _pool_copy_jobs(
+        self, pages: KVPages, max_len: int, skip: frozenset[tuple[int, int]] = frozenset()
+    ) -> tuple[list[CompileJob], list[CompileJob]]:
         """A prefix-caching prefill instance's KV copies on a pool shaped like `pages` (shapes only), for every
         prompt length bucket: the insert of a densely prefilled prompt, the gather of a prompt's KV into a dense
         copy, and (second list) the slice of every shorter bucket out of it (a decode instance holding a prefix
-        pulls only the rest; the rows' cuts of the prefill buckets are among them)."""
+        pulls only the rest; the rows' cuts of the prefill buckets are among them), but those in `skip` (queued
+        already)."""
         buckets = prompt_buckets(max_len, self._cfg.max_position_embeddings)
         copies: list[CompileJob] = []
         for t in buckets:
@@ -429,13 +448,34 @@ class ModelWarmup(BackgroundWarmup):
             )
             for t in buckets
             for n in buckets
-            if n <= t
+            if n <= t and (t, n) not in skip
         ]
         return copies, slices
 
     def _cuts(self, t: int) -> list[int]:
         """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
         return [n for n in prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
+
+    def _chain_cuts(self, t: int) -> list[tuple[int, int]]:
+        """Each padded length up to `t` cut to the next shorter one: (32, 16), (64, 32), ..., (t, t / 2)."""
+        lengths = [*self._cuts(t), t]
+        return list(zip(lengths[1:], lengths[:-1], strict=True))
+
+    def _cut(self, kv: SequenceKV, padded: int) -> SequenceKV:
+        """A prefill row's dense KV cut to its first `padded` positions (its own padded length).
+
+        In one program once that cut is compiled. Until then (a background warm-up still compiling it) through
+        each shorter padded length in turn, a compiled program a step: the request path compiles nothing, and
+        the foreground warm-up compiles one cut per length instead of one per pair. With no warm-up at all, in
+        one program, compiled at first use.
+        """
+        t = kv[0].k.shape[1]
+        while (t, padded) not in self._ready_slices:
+            shorter = self._cuts(t)
+            if not shorter or shorter[-1] < padded or (t, shorter[-1]) not in self._ready_slices:
+                break
+            kv, t = slice_sequence(kv, 0, shorter[-1]), shorter[-1]
+        return kv if t == padded else slice_sequence(kv, 0, padded)
 
     def _precompile_slice(self, t: int, n: int) -> None:
         if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
