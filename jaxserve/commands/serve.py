@@ -394,7 +394,11 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal
 
-    model = resolve_model_source(args.model or plan.model or default_model())
+    try:
+        model = resolve_model_source(args.model or plan.model or default_model())
+    except ValueError as e:  # ModelRegistryError: a registry name not pulled yet (it says what to run)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     limits = serving_limits(args, plan)
     if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (opt engine), else the default
         limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
