@@ -316,7 +316,7 @@ def _leaf_callback(
             start, end = layer_range
             lo, hi, _ = idx[0].indices(end - start)
             idx = (slice(start + lo, start + hi), *idx[1:])
-        return reader.read(path, idx).astype(dtype)
+        return reader.read(path, idx).astype(dtype, copy=False)  # no second copy of a leaf already in dtype
 
     return cb
 

@@ -445,7 +445,7 @@ class GGUFTensor:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self[(slice(None),) * self.ndim]
-        return out if dtype is None else out.astype(dtype)
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def hf_tensors(f: GGUFFile, cfg: LlamaConfig) -> dict[str, GGUFTensor]:
