@@ -363,9 +363,8 @@ class ModelWarmup(BackgroundWarmup):
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
-            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)}"
-            " more programs "
-            "compile in the background)" if spec.background else "",
+            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)} "
+            "more programs compile in the background)" if spec.background else "",
         )  # fmt: skip
         return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
 
