@@ -248,6 +248,16 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     return family(cfg).param_shapes(cfg)  # type: ignore[no-any-return]
 
 
+def hf_names(naming: HFNaming, prefix: str, num_layers: int, path: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """The Hugging Face tensor names of our leaf `path` (one per layer for a stacked layer leaf), each with
+    whether it is stored transposed."""
+    if path[0] == "layers":
+        suffix, transpose = naming.layer_names[(path[1], path[2])]
+        return [(f"{prefix}layers.{i}.{suffix}", transpose) for i in range(num_layers)]
+    name, transpose = naming.top_names[path]
+    return [(name if path in naming.unprefixed else prefix + name, transpose)]
+
+
 class HFReader:
     """Reads slices of our params out of Hugging Face tensors (OPT or Llama-style); validates names and shapes up front."""
 
@@ -272,11 +282,7 @@ class HFReader:
             raise CheckpointError(f"{source}: " + "; ".join(problems))
 
     def _hf_names(self, path: tuple[str, ...]) -> list[tuple[str, bool]]:
-        if path[0] == "layers":
-            suffix, transpose = self.naming.layer_names[(path[1], path[2])]
-            return [(f"{self.prefix}layers.{i}.{suffix}", transpose) for i in range(self.cfg.num_layers)]
-        name, transpose = self.naming.top_names[path]
-        return [(name if path in self.naming.unprefixed else self.prefix + name, transpose)]
+        return hf_names(self.naming, self.prefix, self.cfg.num_layers, path)
 
     def read(self, path: tuple[str, ...], index: Index) -> np.ndarray:
         if path[0] == "layers":
@@ -478,17 +484,14 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     family's naming says the Hugging Face tensor is stored the other way round.
     """
     naming: HFNaming = family(cfg).HF_NAMING
-    prefix = naming.prefixes[0]
     out: dict[str, np.ndarray] = {}
     for path, leaf in _leaf_paths(params):
         a = np.asarray(leaf)
-        if path[0] == "layers":
-            suffix, transpose = naming.layer_names[(path[1], path[2])]
-            for i in range(cfg.num_layers):
-                out[f"{prefix}layers.{i}.{suffix}"] = np.ascontiguousarray(a[i].T if transpose else a[i])
-        else:
-            name, transpose = naming.top_names[path]
-            out[name if path in naming.unprefixed else prefix + name] = np.ascontiguousarray(a.T if transpose else a)
+        slices = list(a) if path[0] == "layers" else [a]  # a stacked layer leaf: one tensor per layer
+        for x, (name, transpose) in zip(
+            slices, hf_names(naming, naming.prefixes[0], cfg.num_layers, path), strict=True
+        ):
+            out[name] = np.ascontiguousarray(x.T if transpose else x)
     return out
 
 

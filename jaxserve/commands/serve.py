@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         log.info("compilation cache: %s", cache_dir)
 
-    from jaxserve.core.model_registry import resolve_model_source
+    from jaxserve.core.model_registry import ModelRegistryError, resolve_model_source
     from jaxserve.core.scheduling import PrefixPolicy
     from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model = resolve_model_source(args.model or plan.model or default_model())
-    except ValueError as e:  # ModelRegistryError: a registry name not pulled yet (it says what to run)
+    except ModelRegistryError as e:  # a registry name not pulled yet (it says what to run)
         print(f"error: {e}", file=sys.stderr)
         return 1
     limits = serving_limits(args, plan)

@@ -343,14 +343,7 @@ class ModelWarmup(BackgroundWarmup):
                 for x in compile_order(later_steps, self._ready_steps)
                 if caches_like is not None
             ]
-            cut_jobs = [
-                CompileJob(
-                    f"slice {t} -> {n}",
-                    partial(self._precompile_slice, t, n),
-                    partial(self._publish, "_ready_slices", (t, n)),
-                )
-                for t, n in direct_cuts
-            ]
+            cut_jobs = [self._slice_job(t, n) for t, n in direct_cuts]
             unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
             # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
             # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
@@ -439,17 +432,14 @@ class ModelWarmup(BackgroundWarmup):
                     f"gather {t}", partial(precompile_read, pages, t), partial(self._publish, "_ready_gathers", t)
                 )
             )
-        slices = [
-            CompileJob(
-                f"slice {t} -> {n}",
-                partial(self._precompile_slice, t, n),
-                partial(self._publish, "_ready_slices", (t, n)),
-            )
-            for t in buckets
-            for n in buckets
-            if n <= t and (t, n) not in skip
-        ]
+        slices = [self._slice_job(t, n) for t in buckets for n in buckets if n <= t and (t, n) not in skip]
         return copies, slices
+
+    def _slice_job(self, t: int, n: int) -> CompileJob:
+        """The background job of the first `n` positions of a `t`-position dense KV (a row's cut, a pull's slice)."""
+        return CompileJob(
+            f"slice {t} -> {n}", partial(self._precompile_slice, t, n), partial(self._publish, "_ready_slices", (t, n))
+        )
 
     def _cuts(self, t: int) -> list[int]:
         """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
