@@ -504,8 +504,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_until_signal(controller, server_config, on_ready=ready, admin=loop, start_up=start_up)
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # ValueError: the model's chat template does not parse
+        print(f"error: {model}: {e}" if isinstance(e, ValueError) else f"error: {e}", file=sys.stderr)
         return 1
     finally:
         loop.stop()

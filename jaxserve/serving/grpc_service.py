@@ -23,6 +23,7 @@ becomes a status code through `status_for` (the same table the HTTP server uses)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -95,7 +96,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         arrival_at = time.monotonic()
         await self._authorize(context)
         try:
-            params = wire.params_from_proto(request, self._frontend.chat_template)
+            if len(request.messages):  # rendering runs the checkpoint's template (untrusted code): off the loop
+                loop = asyncio.get_running_loop()
+                params = await loop.run_in_executor(None, wire.params_from_proto, request, self._frontend.chat_template)
+            else:
+                params = wire.params_from_proto(request, self._frontend.chat_template)
             n = request.n if request.HasField("n") else 1
             choices = await self._frontend.prepare_choices([params], n, request.echo, arrival_at)
             streams = [self._frontend.stream(c.prepared) for c in choices]

@@ -18,7 +18,7 @@ A streaming request waits for the first output of every choice before answering,
 still get their status code; a failure after that arrives as an `error` event. While it
 waits (queued, prefilling) and while a non-streaming request runs, the handler watches the
 connection: a client that disconnects gets its request cancelled at once. Nothing slow runs
-on the event loop: tokenization and `/metrics` rendering run on worker threads. The
+on the event loop: chat template rendering, tokenization and `/metrics` rendering run on worker threads. The
 request path itself is `jaxserve.serving.frontend`, shared with gRPC.
 """
 
@@ -248,7 +248,8 @@ def create_app(
     async def serve(job_of: Callable[[], OpenAIJob], request: Request, chat: bool) -> Response:
         arrival_at = time.monotonic()
         try:
-            job = job_of()
+            # A chat job renders the checkpoint's template: untrusted code that may run long, so off the loop.
+            job = await asyncio.get_running_loop().run_in_executor(None, job_of) if chat else job_of()
             choices = await frontend.prepare_choices(job.prompts, job.n, job.echo, arrival_at)
         except InvalidRequestError as e:
             frontend.metrics.observe_error("invalid_argument")
