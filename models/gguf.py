@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from models.config import CheckpointError, LlamaConfig, RopeScaling, UnsupportedModelError
+from models.stop_ids import GGUF_STOP_KEYS
 
 if TYPE_CHECKING:
     import tokenizers
@@ -302,9 +303,10 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
         value = f.get(f"tokenizer.ggml.{key}")
         return None if value is None else int(value)
 
-    eos = token_id("eos_token_id")
-    eot = token_id("eot_token_id")  # end of turn, for chat models that mark it apart from EOS
-    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    # Every end of generation the file declares (`models.stop_ids`): EOS, end of turn (chat models that
+    # mark it apart from EOS, e.g. Llama 3's <|eot_id|>) and end of message (tool calls).
+    ends = (token_id(key) for key in GGUF_STOP_KEYS)
+    eos_ids = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < vocab))
     try:
         return LlamaConfig(
             name=name or str(f.get("general.name") or f.path.stem),
@@ -429,8 +431,9 @@ class GGUFTensor:
         self.row_map = row_map
 
     def _rows(self, rows: Any) -> np.ndarray:
-        if self.ndim == 1:
-            return dequantize(self.info.data, self.info.type_name, self.shape[0])[0][rows]
+        if self.ndim == 1:  # a bias: llama.cpp permutes q/k biases as it permutes their weights' rows
+            vector = dequantize(self.info.data, self.info.type_name, self.shape[0])[0]
+            return (vector if self.row_map is None else vector[self.row_map])[rows]
         src = np.arange(self.shape[0])[rows]
         if self.row_map is not None:
             src = self.row_map[src]

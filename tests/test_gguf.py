@@ -57,11 +57,11 @@ TOKENS = SPECIALS + _byte_alphabet() + [m.replace(" ", "") for m in MERGES]  # 5
 VOCAB = len(TOKENS)
 
 
-def _hf_model(family: str, seed: int, layers: int = 2) -> Any:
+def _hf_model(family: str, seed: int, layers: int = 2, **extra: Any) -> Any:
     common: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
+        pad_token_id=0, **extra,
     )  # fmt: skip
     if family == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2)
@@ -89,6 +89,7 @@ _GGUF_LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -128,6 +129,7 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     extra: dict[str, tuple[np.ndarray, Any]] | None = None,
     metadata: dict[str, Any] | None = None,
+    end_ids: dict[str, int] | None = None,
 ) -> Path:
     """`model` as llama.cpp would write it; `k_quants[i]` is layer i's ffn_down type (hand-built blocks)."""
     hc = model.config
@@ -164,6 +166,8 @@ def write_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
+    for key, token in (end_ids or {}).items():  # eot_token_id, eom_token_id: more ends of generation
+        w.add_uint32(f"tokenizer.ggml.{key}", token)
     w.add_add_bos_token(family == "llama")
     w.add_chat_template(CHAT_TEMPLATE)
     for hf_name, tensor in model.state_dict().items():
@@ -173,9 +177,9 @@ def write_gguf(
         if name in skip:
             continue
         data = tensor.detach().float().numpy()
-        if family == "llama" and name.endswith("attn_q.weight"):
+        if family == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):  # as convert_hf_to_gguf.py
             data = _permute(data, heads, heads)
-        elif family == "llama" and name.endswith("attn_k.weight"):
+        elif family == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             data = _permute(data, heads, kv_heads)
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if name.endswith("ffn_down.weight") and layer < len(k_quants):
@@ -266,6 +270,31 @@ def test_logits_and_greedy_tokens_match_transformers_reading_the_same_file(
     assert np.abs(ref).max() > 0.1
     np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-4)
     assert _greedy_ours(params, cfg, PROMPT, 8) == _greedy_hf(hf, PROMPT, 8)
+
+
+def test_llama_q_k_biases_are_unpermuted_like_the_weights(tmp_path: Path) -> None:
+    """A llama GGUF with attention biases (as llama.cpp's converter writes one: q/k biases permuted with their
+    rows) gives the logits of the transformers model it was written from. transformers' own GGUF reader drops
+    llama biases, so the reference is the source model itself (F32: nothing lost in the file)."""
+    hf = _hf_model("llama", seed=6, attention_bias=True)
+    path = write_gguf(hf, tmp_path / "bias.gguf", Q.F32)
+    cfg = checkpoint.source_config(path)
+    assert isinstance(cfg, LlamaConfig) and cfg.qkv_bias and cfg.o_bias
+    params = checkpoint.load_gguf_params(path, cfg)
+    ours, _ = llama.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)], jnp.int32),
+                            all_logits=True)  # fmt: skip
+    with torch.inference_mode():
+        ref = hf(torch.from_numpy(PROMPT[None]).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-4)
+    assert _greedy_ours(params, cfg, PROMPT, 6) == _greedy_hf(hf, PROMPT, 6)
+
+
+def test_every_end_of_generation_id_is_a_stop_id(tmp_path: Path) -> None:
+    """eos, eot (end of turn: Llama 3's <|eot_id|>) and eom (end of message) all end generation, eos first."""
+    path = write_gguf(_hf_model("llama", seed=3, layers=1), tmp_path / "ends.gguf", Q.F32,
+                      end_ids={"eot_token_id": 4, "eom_token_id": 3})  # fmt: skip
+    cfg = checkpoint.source_config(path)
+    assert isinstance(cfg, LlamaConfig) and cfg.eos_token_ids == (2, 4, 3) and cfg.eos_token_id == 2
 
 
 def test_k_quant_tensors_dequantize_like_transformers(tmp_path: Path) -> None:
