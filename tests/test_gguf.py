@@ -11,7 +11,10 @@ describes against `AutoTokenizer` on the same file, tp=2 loading, and one clear 
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +298,52 @@ def test_every_end_of_generation_id_is_a_stop_id(tmp_path: Path) -> None:
                       end_ids={"eot_token_id": 4, "eom_token_id": 3})  # fmt: skip
     cfg = checkpoint.source_config(path)
     assert isinstance(cfg, LlamaConfig) and cfg.eos_token_ids == (2, 4, 3) and cfg.eos_token_id == 2
+
+
+def _write_with(path: Path, **overrides: tuple[Any, Any, Any]) -> Path:
+    """A valid llama GGUF whose metadata `key: (value, type, array item type)` entries are then overwritten."""
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def write_header(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for key, (value, vtype, sub_type) in overrides.items():
+            self.kv_data[0][key.replace("__", ".")] = gguf.GGUFValue(value=value, type=vtype, sub_type=sub_type)
+        return original(self, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = write_header
+    try:
+        return write_gguf(_hf_model("llama", seed=3, layers=1), path, Q.F32)
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original
+
+
+U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY
+MALFORMED = {  # file name: (metadata overrides, what the error says)
+    "zero-heads": ({"llama__attention__head_count": (0, U32, None)}, "head_count is 0"),
+    "zero-kv-heads": ({"llama__attention__head_count_kv": (0, U32, None)}, "head_count_kv is 0"),
+    "kv-heads-not-dividing": ({"llama__attention__head_count_kv": (3, U32, None)}, "3 kv heads do not divide 4"),
+    "alignment-array": ({"general__alignment": ([32, 32], ARRAY, U32)}, "general.alignment is [32, 32]"),
+    "bos-out-of-range": ({"tokenizer__ggml__bos_token_id": (99999, U32, None)}, "bos_token_id 99999 is not a token"),
+    "eot-out-of-range": ({"tokenizer__ggml__eot_token_id": (272, U32, None)}, "eot_token_id 272 is not a token"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_file_is_one_clear_error(case: str, tmp_path: Path) -> None:
+    """Once: ZeroDivisionError, TypeError, or (a BOS past the vocabulary) a server without its tokenizer."""
+    overrides, why = MALFORMED[case]
+    path = _write_with(tmp_path / f"{case}.gguf", **overrides)
+    with pytest.raises(CheckpointError, match=re.escape(why)) as e:
+        checkpoint.source_config(path)
+    assert str(path) in str(e.value)
+
+
+def test_serve_ends_on_a_malformed_file_with_one_line(tmp_path: Path) -> None:
+    path = _write_with(tmp_path / "zero-heads.gguf", llama__attention__head_count=(0, U32, None))
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--model", str(path), "--grpc-port", "0", "--http-port", "0",
+           "--no-warmup", "--compile-cache", "off"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: {path}: llama.attention.head_count is 0" in proc.stderr
 
 
 def test_k_quant_tensors_dequantize_like_transformers(tmp_path: Path) -> None:
