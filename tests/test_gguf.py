@@ -398,6 +398,36 @@ def test_tokenizer_and_chat_template_come_from_the_file(llama_q8: Path) -> None:
     assert (template.bos_token, template.eos_token) == ("<s>", "</s>") and "<|im_end|>" in template.special_tokens
 
 
+def test_a_chat_prompt_gets_one_bos_as_transformers_gives_it(tmp_path: Path) -> None:
+    """A Llama-3-style template writes `{{ bos_token }}` and the file's tokenizer adds BOS too
+    (`add_bos_token`): the prompt the server sends has one BOS, as `apply_chat_template(tokenize=True)`."""
+    import asyncio
+    import json
+
+    from serving_helpers import fake_controller
+
+    from jaxserve.serving.frontend import Frontend
+    from jaxserve.serving.openai_protocol import ChatCompletionRequest, chat_job
+
+    template = "{{ bos_token }}" + CHAT_TEMPLATE
+    path = _write_with(tmp_path / "bos.gguf", tokenizer__chat_template=(template, gguf.GGUFValueType.STRING, None))
+    messages = [{"role": "user", "content": "the cat sat"}]
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    controller = fake_controller(tokenizer=checkpoint.load_tokenizer(path))
+    controller.chat_template = checkpoint.load_chat_template(path)
+    try:
+        frontend = Frontend(controller)
+        (params,) = chat_job(
+            ChatCompletionRequest.model_validate_json(json.dumps({"messages": messages})), frontend.chat_template
+        ).prompts
+        ids = list(asyncio.run(frontend.prepare(params)).request.prompt_token_ids)
+    finally:
+        controller.shutdown(drain_timeout_s=0)
+    assert ids == expected and ids.count(1) == 1 and ids[0] == 1
+
+
 # ------------------------------------------------------------------------------------------
 # Bad files: one clear error each, before anything is placed
 # ------------------------------------------------------------------------------------------
