@@ -110,6 +110,8 @@ def test_host_rules() -> None:
     wild = BrowserPolicy("0.0.0.0")
     assert wild.host_ok("10.1.2.3:8000", "10.1.2.3") and not wild.host_ok("evil.example", "10.1.2.3")
     assert BrowserPolicy("0.0.0.0", allowed_hosts=("*",)).host_ok("anything.example", None)
+    proxied = BrowserPolicy("127.0.0.1", allowed_hosts=("API.example.com:443", "[2001:db8::1]"))
+    assert proxied.host_ok("api.example.com", None) and proxied.host_ok("[2001:db8::1]:8000", None)
     with pytest.raises(ValueError, match="empty entry"):
         ServerConfig(allowed_hosts=(" ",))
 

@@ -66,7 +66,7 @@ class BrowserPolicy:
         name = _host_name(host_header)
         if not name:
             return False
-        if name in (h.lower().rstrip(".") for h in self.allowed_hosts):
+        if name in (_host_name(h) for h in self.allowed_hosts):  # an entry may carry a port: names compare
             return True
         if is_loopback(name):
             return True
