@@ -48,6 +48,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "ModelInfo",
+    "PermissionDeniedError",
     "RequestParams",
     "ResourceExhaustedError",
     "Timings",
@@ -94,6 +95,10 @@ class UnauthenticatedError(ClientError):
     """The API key is missing or wrong (UNAUTHENTICATED)."""
 
 
+class PermissionDeniedError(ClientError):
+    """The key is valid but does not grant this call, e.g. `deployment()` needs the admin key (PERMISSION_DENIED)."""
+
+
 class DeadlineExceededError(ClientError):
     """`timeout_s` passed before the call finished (DEADLINE_EXCEEDED)."""
 
@@ -111,6 +116,7 @@ _ERRORS: dict[grpc.StatusCode, type[ClientError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
 }

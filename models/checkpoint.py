@@ -52,6 +52,7 @@ from models.config import CheckpointError, LlamaConfig, ModelConfig, OPTConfig, 
 from models.decoder import HFNaming
 from models.families import family
 from models.opt import Params
+from models.stop_ids import with_checkpoint_stop_ids
 
 if TYPE_CHECKING:
     import tokenizers
@@ -374,7 +375,8 @@ def load_hf_config(directory: str | Path) -> OPTConfig:
 def load_hf_model_config(directory: str | Path) -> ModelConfig:
     """The config of a HF directory: OPT or a Llama-style family (`UnsupportedModelError` for anything else)."""
     directory = Path(directory)
-    return config_from_hf(directory / "config.json", name=directory.name)
+    # config.json's EOS and every other stop id the directory declares (generation config, tokenizer)
+    return with_checkpoint_stop_ids(config_from_hf(directory / "config.json", name=directory.name), directory)
 
 
 def load_hf_params(directory: str | Path, cfg: ModelConfig | None = None, dtype: Any = jnp.float32) -> Params:

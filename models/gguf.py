@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from models.config import CheckpointError, LlamaConfig, RopeScaling, UnsupportedModelError
+from models.stop_ids import GGUF_STOP_KEYS
 
 if TYPE_CHECKING:
     import tokenizers
@@ -174,7 +175,10 @@ def _parse(path: Path, buf: memoryview) -> tuple[dict[str, Any], list[tuple[str,
         p.need(8 * num_dims)
         shape = tuple(p.scalar("<Q") for _ in range(num_dims))
         table.append((name, shape, p.scalar("<I"), p.scalar("<Q")))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT)) or _DEFAULT_ALIGNMENT
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 0:
+        raise ValueError(f"general.alignment is {alignment!r}: it must be a non-negative integer")
+    alignment = alignment or _DEFAULT_ALIGNMENT
     return metadata, table, -(-p.pos // alignment) * alignment
 
 
@@ -256,6 +260,16 @@ def _required(f: GGUFFile, key: str) -> Any:
     return value
 
 
+def _check_heads(f: GGUFFile, hidden: Any, heads: Any, kv_heads: Any) -> None:
+    """Head counts a model can have: positive, kv heads dividing heads (else a CheckpointError naming them)."""
+    counts = {"embedding_length": hidden, "attention.head_count": heads, "attention.head_count_kv": kv_heads}
+    for key, value in counts.items():
+        if not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{f.path}: {f.architecture}.{key} is {value!r}: it must be a positive integer")
+    if heads % kv_heads:
+        raise CheckpointError(f"{f.path}: {kv_heads} kv heads do not divide {heads} attention heads")
+
+
 def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
     """The `LlamaConfig` a GGUF file's metadata and tensor table describe (llama or qwen2 architecture)."""
     arch = f.architecture
@@ -268,6 +282,7 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
     kv_heads = f.arch_key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise UnsupportedModelError(f"{f.path}: {arch}.attention.head_count_kv varies per layer")
+    _check_heads(f, hidden, heads, kv_heads)  # before any division by them
     head_dim = int(f.arch_key("attention.key_length", hidden // heads))
     problems = []
     value_dim = int(f.arch_key("attention.value_length", head_dim))
@@ -300,11 +315,16 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
 
     def token_id(key: str) -> int | None:
         value = f.get(f"tokenizer.ggml.{key}")
-        return None if value is None else int(value)
+        if value is None:
+            return None
+        if not isinstance(value, int) or not 0 <= value < vocab:  # the tokenizer would index past its list
+            raise CheckpointError(f"{f.path}: tokenizer.ggml.{key} {value!r} is not a token id of its {vocab} tokens")
+        return value
 
-    eos = token_id("eos_token_id")
-    eot = token_id("eot_token_id")  # end of turn, for chat models that mark it apart from EOS
-    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    # Every end of generation the file declares (`models.stop_ids`): EOS, end of turn (chat models that
+    # mark it apart from EOS, e.g. Llama 3's <|eot_id|>) and end of message (tool calls).
+    ends = (token_id(key) for key in GGUF_STOP_KEYS)
+    eos_ids = tuple(dict.fromkeys(i for i in ends if i is not None))
     try:
         return LlamaConfig(
             name=name or str(f.get("general.name") or f.path.stem),
@@ -328,7 +348,7 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> LlamaConfig:
             pad_token_id=token_id("padding_token_id"),
         )
     except ValueError as e:
-        if isinstance(e, UnsupportedModelError):
+        if isinstance(e, (UnsupportedModelError, CheckpointError)):
             raise
         raise CheckpointError(f"{f.path}: inconsistent GGUF metadata: {e}") from e
 
@@ -429,8 +449,9 @@ class GGUFTensor:
         self.row_map = row_map
 
     def _rows(self, rows: Any) -> np.ndarray:
-        if self.ndim == 1:
-            return dequantize(self.info.data, self.info.type_name, self.shape[0])[0][rows]
+        if self.ndim == 1:  # a bias: llama.cpp permutes q/k biases as it permutes their weights' rows
+            vector = dequantize(self.info.data, self.info.type_name, self.shape[0])[0]
+            return (vector if self.row_map is None else vector[self.row_map])[rows]
         src = np.arange(self.shape[0])[rows]
         if self.row_map is not None:
             src = self.row_map[src]

@@ -53,6 +53,8 @@ def admin_server(host: str = "127.0.0.1", **keys: str) -> Iterator[str]:
 
 def _call(url: str, method: str, path: str, key: str | None, body: str = "colocated:tp1") -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    if method == "POST":  # the operator routes take JSON only (a bare spec is still read under that type)
+        headers["Content-Type"] = "application/json"
     content = body if method == "POST" else None
     return httpx.request(method, url + path, headers=headers, content=content, timeout=30)
 

@@ -8,15 +8,17 @@ never share blocks; a server without keys salts nothing.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
-from serving_helpers import expected_tokens, fake_controller, running_server
+from serving_helpers import PrefillGate, expected_tokens, fake_controller, running_server
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.prefix_cache import block_hashes
-from jaxserve.core.request import SamplingParams
-from jaxserve.core.scheduling import PrefixPolicy
+from jaxserve.core.request import GenerateRequest, SamplingParams
+from jaxserve.core.scheduling import PrefixPolicy, prompts_to_defer
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.runtime.controller import ControllerConfig
@@ -89,6 +91,43 @@ def test_bad_salts_get_400_naming_the_field(server) -> None:  # type: ignore[no-
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def test_a_repeat_waits_for_its_twin_only_under_the_same_salt() -> None:
+    a, b, short = tuple(range(10, 19)), tuple(range(20, 29)), (1, 2, 3)
+    assert prompts_to_defer([a, a], [], 4) == [False, True]  # unsalted: the twin waits
+    assert prompts_to_defer([a, a, a], [], 4, salts=["x", "y", "x"]) == [False, False, True]
+    assert prompts_to_defer([a, b], [a], 4, salts=["x", None], in_flight_salts=["y"]) == [False, False]
+    assert prompts_to_defer([a], [a], 4, salts=["y"], in_flight_salts=["y"]) == [True]
+    assert prompts_to_defer([short, short], [], 4, salts=["x", "x"]) == [False, False]
+
+
+def test_another_tenants_identical_prompt_does_not_delay_a_request() -> None:
+    """Prefills counted at the engine: a held first prefill, then two requests with one prompt under two salts.
+    Once they were one batch after the other (the second deferred behind the first, and its client could
+    time that); now they are one batch, and the second computes its whole prompt (nothing shared)."""
+    config = ControllerConfig(
+        prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=4, num_kv_blocks=64)
+    )
+    gate = PrefillGate()
+    controller = fake_controller(config=config, first_device=6, prefill_gate=gate)
+    controller.start()
+    try:
+        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+        blocker = controller.submit(GenerateRequest("blocker", tuple(range(60, 70)), sampling))
+        deadline = time.monotonic() + 30
+        while gate.num_prefills < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        streams = [controller.submit(GenerateRequest(f"tenant-{s}", tuple(PROMPT), sampling, s)) for s in "ab"]
+        time.sleep(0.3)  # both queued behind the held prefill
+        gate.opened.set()
+        blocker.collect(timeout_s=30)
+        lasts = [stream.collect(timeout_s=30)[1] for stream in streams]
+        assert [last.timings.cached_prompt_tokens for last in lasts if last.timings] == [0, 0]
+        assert gate.num_prefills == 2  # the blocker's, then both tenants' in one batch
+    finally:
+        gate.opened.set()
+        controller.shutdown(drain_timeout_s=1)
+
+
 def test_two_api_keys_never_share_blocks_and_no_key_salts_nothing() -> None:
     config = ControllerConfig(
         prefix_policy=PrefixPolicy(enabled=True), limits=ServingLimits(block_size=4, num_kv_blocks=64)
@@ -97,9 +136,16 @@ def test_two_api_keys_never_share_blocks_and_no_key_salts_nothing() -> None:
     controller.start()
     try:
         params = CompletionParams(None, tuple(PROMPT), SamplingParams(max_tokens=2, ignore_eos=True))
-        one, two, none = Frontend(controller, api_key="k1"), Frontend(controller, api_key="k2"), Frontend(controller)
+        keys = ("sk-first-secret", "sk-second-secret")
+        one, two, none = (
+            Frontend(controller, api_key=keys[0]),
+            Frontend(controller, api_key=keys[1]),
+            Frontend(controller),
+        )
         assert none.check(params, tuple(PROMPT)).cache_salt is None  # no keys: no salt
-        assert KEY not in (one.check(params, tuple(PROMPT)).cache_salt or "")  # a digest, never the key itself
+        salts = [f.check(params, tuple(PROMPT)).cache_salt for f in (one, two)]
+        assert salts[0] is not None and salts[1] is not None and salts[0] != salts[1]
+        assert not any("secret" in salt for salt in salts)  # a digest, never the configured key itself
 
         def cached(frontend: Frontend) -> int:
             request = frontend.check(params, tuple(PROMPT))

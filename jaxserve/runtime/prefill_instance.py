@@ -427,10 +427,13 @@ class PrefillInstance(Worker):
         kept: list[LiveRequest] = []
         back: list[LiveRequest] = []
         # a prompt identical to one in flight (its blocks not named yet) or to an earlier member waits for it
+        running = self._running
         defer = prompts_to_defer(
             [live.prefill_token_ids for live in batch],
-            (r.prefill_token_ids for r in self._running),
+            [r.prefill_token_ids for r in running],
             self.cache.block_size,
+            salts=[live.request.cache_salt for live in batch],  # a repeat under another salt shares nothing
+            in_flight_salts=[r.request.cache_salt for r in running],
         )
         full = False
         for live, wait in zip(batch, defer, strict=True):

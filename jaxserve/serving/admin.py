@@ -43,13 +43,17 @@ def bearer_ok(header: str | bytes | None, api_key: str | None) -> bool:
 
 def check_key(key: str | None, what: str) -> None:
     """Refuse a key that cannot mean what the operator wants: empty (would switch authentication off or
-    match an empty token), or with whitespace at an edge (a Bearer token is stripped: it could never match)."""
+    match an empty token), with whitespace at an edge (a Bearer token is stripped: it could never match), or
+    with a non-ASCII or control character (no header carries it as such: it could never match either)."""
     if key is None:
         return
     if not key.strip():
         raise ValueError(f"{what} is empty: set a non-empty key, or leave it unset")
     if key != key.strip():
         raise ValueError(f"{what} starts or ends with whitespace, which a Bearer header cannot carry")
+    if not (key.isascii() and key.isprintable()):
+        # HTTP reads header bytes as Latin-1 and gRPC metadata is ASCII: such a key could never match.
+        raise ValueError(f"{what} holds a non-ASCII or control character, which an Authorization header cannot carry")
 
 
 def is_loopback(host: str) -> bool:

@@ -113,8 +113,19 @@ def _render_jinja(template: JinjaChatTemplate, pairs: list[tuple[str, str]]) -> 
             bos_token=template.bos_token or "",
             eos_token=template.eos_token or "",
         )
-    except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or a broken template
+    except jinja2.TemplateError as e:  # the template's own refusal (raise_exception) or a sandbox refusal
         raise InvalidRequestError(f"the model's chat template refused these messages: {e}", field="messages") from e
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # The template's code failed on these messages (e.g. `messages[0]` of a shape it did not expect):
+        # the client's 400, with the message, never the server's 500.
+        raise InvalidRequestError(
+            f"the model's chat template failed on these messages: {type(e).__name__}: {e}", field="messages"
+        ) from e
+
+
+def check_template(template: JinjaChatTemplate) -> None:
+    """Compile a checkpoint's template once, at start-up; a ValueError naming the problem if it does not parse."""
+    _compile(template.template)
 
 
 @functools.lru_cache(maxsize=16)
@@ -156,4 +167,7 @@ def _compile(source: str) -> Any:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the model's chat template does not parse: {e}") from e
+        raise ValueError(
+            f"the model's chat template does not parse (line {e.lineno}): {e.message} (the checkpoint's "
+            "tokenizer_config.json `chat_template`, chat_template.jinja, or a GGUF's `tokenizer.chat_template`)"
+        ) from e

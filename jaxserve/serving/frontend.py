@@ -40,6 +40,7 @@ from typing import Protocol
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.runtime.api import ServingController
+from jaxserve.serving.chat_template import check_template
 from jaxserve.serving.metrics import ServingMetrics
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
@@ -50,7 +51,7 @@ _PROMPT_FIELDS = {"prompt", "prompt_token_ids", "prompt_ids"}
 class TextTokenizer(Protocol):
     """What the frontend needs of a `tokenizers.Tokenizer`."""
 
-    def encode(self, text: str) -> object: ...  # has `.ids`
+    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> object: ...  # has `.ids`
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -109,6 +110,8 @@ class Frontend:
         self.model_name = model_name or controller.model_config.name
         self.tokenizer = controller.tokenizer
         self.chat_template = controller.chat_template  # the checkpoint's (None: the built-in template)
+        if self.chat_template is not None:  # a broken one stops the start, not every chat request (a 500 each)
+            check_template(self.chat_template)
 
     # ---- what the servers report ------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -161,7 +164,10 @@ class Frontend:
                 raise InvalidRequestError(
                     f"the prompt ({len(text)} characters) is longer than the model's context", field=params.prompt_field
                 )
-            ids = tuple(self.tokenizer.encode(text).ids)
+            if params.add_special_tokens:
+                ids = tuple(self.tokenizer.encode(text).ids)
+            else:  # a checkpoint's chat template wrote the special tokens itself (its BOS)
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", field="stop")
         sampling = params.sampling

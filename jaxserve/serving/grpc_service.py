@@ -9,6 +9,10 @@ server would need one thread per open stream (a pool sized to the worst case, or
 streams refused when it runs out) and a separate cancel callback per call. The HTTP
 server (uvicorn) runs on the same event loop, so both protocols share one frontend.
 
+`GetDeployment` (deployment internals) takes the admin credential under HTTP's operator-route rule
+(`jaxserve.serving.admin.AdminAccess`): UNAUTHENTICATED without it, PERMISSION_DENIED for the inference key or
+when the operator routes are off.
+
 A `Generate` call's life: check the API key (metadata `authorization: Bearer KEY`) ->
 `wire.params_from_proto` (shape; unknown fields refused; chat messages rendered) ->
 `Frontend.prepare_choices` (tokenize, controller.check_fits, n samples) -> one
@@ -19,6 +23,7 @@ becomes a status code through `status_for` (the same table the HTTP server uses)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -36,7 +41,7 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.runtime.api import ServingController
 from jaxserve.serving import wire
-from jaxserve.serving.admin import bearer_ok
+from jaxserve.serving.admin import AdminAccess, bearer_ok
 from jaxserve.serving.frontend import Frontend, error_kind, first_chunks, merge_streams
 
 log = logging.getLogger(__name__)
@@ -63,9 +68,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, frontend: Frontend, api_key: str | None):
+    def __init__(self, frontend: Frontend, api_key: str | None, admin_access: AdminAccess | None = None):
+        """`admin_access`: who may call `GetDeployment` (the HTTP operator routes' rule; default: off)."""
         self._frontend = frontend
         self._api_key = api_key
+        self._admin = admin_access if admin_access is not None else AdminAccess(api_key=api_key)
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self._api_key is None:
@@ -89,7 +96,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         arrival_at = time.monotonic()
         await self._authorize(context)
         try:
-            params = wire.params_from_proto(request, self._frontend.chat_template)
+            if len(request.messages):  # rendering runs the checkpoint's template (untrusted code): off the loop
+                loop = asyncio.get_running_loop()
+                params = await loop.run_in_executor(None, wire.params_from_proto, request, self._frontend.chat_template)
+            else:
+                params = wire.params_from_proto(request, self._frontend.chat_template)
             n = request.n if request.HasField("n") else 1
             choices = await self._frontend.prepare_choices([params], n, request.echo, arrival_at)
             streams = [self._frontend.stream(c.prepared) for c in choices]
@@ -117,7 +128,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return wire.model_info_to_proto(self._frontend.model_info())
 
     async def GetDeployment(self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext) -> pb.Deployment:
-        await self._authorize(context)
+        # Deployment internals: the admin credential, as HTTP's /debug/* (never the inference key).
+        md = {k: v for k, v in (context.invocation_metadata() or ())}
+        verdict = self._admin.check(md.get("authorization"))
+        if verdict != "ok":
+            self._frontend.metrics.observe_error("unauthenticated")
+            if verdict == "unauthenticated":
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin key (Bearer ADMIN_KEY)")
+            reason = self._admin.off_reason if verdict == "off" else "the inference API key does not grant admin"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"GetDeployment needs the admin key: {reason}")
         return wire.deployment_to_proto(*current_deployment(self._frontend.controller))
 
 
@@ -136,6 +155,7 @@ def build_grpc_server(
     *,
     api_key: str | None = None,
     max_message_bytes: int = 1 << 20,
+    admin_access: AdminAccess | None = None,
 ) -> tuple[grpc.aio.Server, Any]:
     """An (unstarted) aio server with the service, health and reflection; returns (server, health servicer)."""
     options = [
@@ -144,7 +164,7 @@ def build_grpc_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend, api_key), server)
+    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend, api_key, admin_access), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

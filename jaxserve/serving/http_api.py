@@ -18,7 +18,7 @@ A streaming request waits for the first output of every choice before answering,
 still get their status code; a failure after that arrives as an `error` event. While it
 waits (queued, prefilling) and while a non-streaming request runs, the handler watches the
 connection: a client that disconnects gets its request cancelled at once. Nothing slow runs
-on the event loop: tokenization and `/metrics` rendering run on worker threads. The
+on the event loop: chat template rendering, tokenization and `/metrics` rendering run on worker threads. The
 request path itself is `jaxserve.serving.frontend`, shared with gRPC.
 """
 
@@ -44,6 +44,7 @@ from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchAbortedError, SwitchError, SwitchInProgressError, SwitchUnsupportedError
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
+from jaxserve.serving.browser_guard import BrowserGuard, BrowserPolicy
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
 from jaxserve.serving.openai_protocol import (
     ChatCompletionRequest,
@@ -91,11 +92,13 @@ def create_app(
     is_serving: Callable[[], bool] = lambda: True,
     admin: DeploymentAdmin | None = None,
     admin_access: AdminAccess | None = None,
+    browser: BrowserPolicy | None = None,
 ) -> ASGIApp:
-    """The ASGI app: FastAPI routes wrapped in the request-body size limit.
+    """The ASGI app: FastAPI routes wrapped in the request-body size limit and the browser guard.
 
     `admin_access`: who may use `/admin/*` and `/debug/*` (`JaxServeServer` passes its config's; default: no
-    admin key and a host not known to be loopback, so they are off)."""
+    admin key and a host not known to be loopback, so they are off). `browser`: which `Host` names and
+    origins are served (`jaxserve.serving.browser_guard`; default: a loopback server's, no CORS)."""
     access = admin_access if admin_access is not None else AdminAccess(api_key=api_key)
     app = FastAPI(title="jaxserve", version="0.1.0", docs_url=None, redoc_url=None)
     model_name = frontend.model_name
@@ -191,6 +194,13 @@ def create_app(
         authorize_admin(request)
         if admin is None:
             raise APIError(404, "this server cannot change its deployment", type_="invalid_request_error")
+        # JSON only: a web page can send text/plain or a form anywhere without a preflight, never JSON.
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(
+                415, "send the plan as Content-Type: application/json (a plan, {\"deployment\": SPEC} or a JSON "
+                "string)", type_="invalid_request_error", code="unsupported_media_type",
+            )  # fmt: skip
         body = await request.body()
         loop = asyncio.get_running_loop()
         try:  # off the event loop: the parse is bounded, but a megabyte of JSON is still work
@@ -238,7 +248,8 @@ def create_app(
     async def serve(job_of: Callable[[], OpenAIJob], request: Request, chat: bool) -> Response:
         arrival_at = time.monotonic()
         try:
-            job = job_of()
+            # A chat job renders the checkpoint's template: untrusted code that may run long, so off the loop.
+            job = await asyncio.get_running_loop().run_in_executor(None, job_of) if chat else job_of()
             choices = await frontend.prepare_choices(job.prompts, job.n, job.echo, arrival_at)
         except InvalidRequestError as e:
             frontend.metrics.observe_error("invalid_argument")
@@ -290,7 +301,7 @@ def create_app(
         check_model(body.model)
         return await serve(lambda: chat_job(body, frontend.chat_template), request, chat=True)
 
-    return BodySizeLimit(app, max_request_bytes)
+    return BrowserGuard(BodySizeLimit(app, max_request_bytes), browser or BrowserPolicy())
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -244,5 +244,6 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         include_stop_str_in_output=body.include_stop_str_in_output,
         fill_max_tokens=max_tokens is None,
         cache_salt=_salt(body.cache_salt),
+        add_special_tokens=template is None,
     )
     return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs)

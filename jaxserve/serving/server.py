@@ -45,6 +45,7 @@ import uvicorn
 
 from jaxserve.runtime.api import ServingController
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, check_key, is_loopback
+from jaxserve.serving.browser_guard import BrowserPolicy, check_names
 from jaxserve.serving.frontend import Frontend
 from jaxserve.serving.grpc_service import build_grpc_server, set_serving
 from jaxserve.serving.http_api import create_app
@@ -67,6 +68,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     model_name: str | None = None  # the name clients see; default: the model config's name
     warmup: bool = False  # controller.warmup() before accepting traffic (compiles every shape)
+    allowed_hosts: tuple[str, ...] = ()  # HTTP Host names served besides our own address and loopback ('*': any)
+    allowed_origins: tuple[str, ...] = ()  # origins the inference API answers cross-origin, with CORS ('*': any)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -75,6 +78,12 @@ class ServerConfig:
         check_key(self.admin_key, "the admin key")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise ValueError("the admin key must differ from the API key: an inference key never grants admin")
+        object.__setattr__(self, "allowed_hosts", check_names(self.allowed_hosts, "--allowed-hosts"))
+        object.__setattr__(self, "allowed_origins", check_names(self.allowed_origins, "--allowed-origins"))
+
+    @property
+    def browser_policy(self) -> BrowserPolicy:
+        return BrowserPolicy(self.host, self.allowed_hosts, self.allowed_origins)
 
     @property
     def admin_access(self) -> AdminAccess:
@@ -129,6 +138,7 @@ class JaxServeServer:
             self.frontend,
             api_key=cfg.api_key,
             max_message_bytes=cfg.max_request_bytes,
+            admin_access=cfg.admin_access,
         )
         target = format_address(cfg.host, cfg.grpc_port)
         if cfg.tls_cert is not None and cfg.tls_key is not None:
@@ -150,6 +160,7 @@ class JaxServeServer:
             is_serving=lambda: self._serving,
             admin=self.admin,
             admin_access=cfg.admin_access,
+            browser=cfg.browser_policy,
         )
         uv_config = uvicorn.Config(
             app,

@@ -60,6 +60,9 @@ class CompletionParams:
     include_stop_str_in_output: bool = False
     fill_max_tokens: bool = False  # max_tokens unset (chat): as many as the context and limits allow
     cache_salt: str | None = None  # the client's (vLLM's `cache_salt`); the server adds its API key's salt
+    # False for a prompt a checkpoint's chat template rendered: the template writes its own BOS, and the
+    # tokenizer's post-processor would add a second one (transformers' apply_chat_template encodes it so too).
+    add_special_tokens: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +227,7 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
     if req.HasField("n") and not 1 <= req.n <= MAX_N:
         raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {req.n}", field="n")
     text = req.prompt if has_text else None
+    add_special_tokens = not (has_messages and template is not None)
     if has_messages:
         try:
             text = render_chat(((m.role, m.content) for m in req.messages), template)
@@ -260,6 +264,7 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         prompt_field="prompt" if has_text else "prompt_token_ids" if has_ids else "messages",
         include_stop_str_in_output=req.include_stop_str_in_output,
         cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
+        add_special_tokens=add_special_tokens,
     )
 
 
