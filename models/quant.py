@@ -137,6 +137,8 @@ def checked(
         )
     if not n_in <= in_pad < n_in + max(block, _STEP):
         raise QuantFormatError(f"{scheme}: values hold {in_pad} inputs per row; the logical input is {n_in}")
+    if scales is None:
+        raise QuantFormatError(f"{scheme}: scales are required")
     want_scales = (n_out, in_pad // block)
     for name, part in (("scales", scales), ("mins", mins)):
         if part is None:
@@ -148,8 +150,6 @@ def checked(
             )
     if mins is not None and np.dtype(mins.dtype) != np.dtype(scales.dtype):
         raise QuantFormatError(f"{scheme}: scales ({scales.dtype}) and mins ({mins.dtype}) must share a dtype")
-    if scales is None:
-        raise QuantFormatError(f"{scheme}: scales are required")
     return QuantizedWeight(values, scales, mins, scheme=scheme, bits=bits, block=block, shape=(n_in, n_out))
 
 
@@ -408,6 +408,40 @@ def partition_spec(w: QuantizedWeight, out_axis: str | None = None, in_axis: str
 
     spec = P(out_axis, in_axis)
     return dataclasses.replace(w, values=spec, scales=spec, mins=None if w.mins is None else spec)
+
+
+def sharded_matmul(
+    x: jax.Array,
+    w: QuantizedWeight,
+    mesh: jax.sharding.Mesh,
+    out_axis: str | None = None,
+    in_axis: str | None = None,
+    impl: Impl = "auto",
+) -> jax.Array:
+    """x [B, in] @ W with W split over `mesh` (`partition_spec`): each device multiplies its own rows (and blocks)
+    with `impl` (the C++ kernel is a custom call, which XLA cannot split itself: this is how a tp split uses it).
+    An `out_axis` split gives [B, out] split over it; an `in_axis` split (x split the same way) sums the
+    partial products over that axis (a `psum`). W's arrays must already be laid out as `partition_spec` says."""
+    from jax.sharding import PartitionSpec as P
+
+    if in_axis is not None and (w.shape[0] != w.in_pad or w.num_blocks % mesh.shape[in_axis]):
+        raise QuantFormatError(
+            f"{w.scheme}: an input split needs an unpadded input ({w.shape[0]} vs {w.in_pad}) and a block count "
+            f"({w.num_blocks}) that {in_axis}={mesh.shape[in_axis]} divides"
+        )
+
+    def local(xs: jax.Array, ws: QuantizedWeight) -> jax.Array:
+        part = dataclasses.replace(ws, shape=(int(xs.shape[1]), int(ws.values.shape[0])))  # this device's [in, out]
+        y = quant_matmul(xs, part, impl)
+        return jax.lax.psum(y, in_axis) if in_axis is not None else y
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(None, in_axis), partition_spec(w, out_axis, in_axis)),
+        out_specs=P(None, out_axis),
+        check_vma=False,
+    )(x, w)
 
 
 def concat_outputs(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:

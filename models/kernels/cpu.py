@@ -104,8 +104,10 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False, source_path: Path = SOURCE) -> Path:
-    """The library for this source, compiler, flags (the checked variant's define among them), jaxlib and CPU."""
+def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False, source_path: Path | None = None) -> Path:
+    """The library for this source (default: the paged-attention kernel's), compiler, flags (the checked variant's
+    define among them), jaxlib and CPU."""
+    source_path = SOURCE if source_path is None else source_path
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = source_path.read_bytes()
     last_error = ""

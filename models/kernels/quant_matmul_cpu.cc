@@ -33,11 +33,14 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
+
+// The tile loops must be unrolled whole: their accumulators are registers only if every index is a constant.
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 32")
 
 namespace {
 
@@ -76,6 +79,9 @@ struct V16 {
 inline V16 Zero() { return {_mm512_setzero_ps()}; }
 inline V16 Set1(float x) { return {_mm512_set1_ps(x)}; }
 inline V16 Load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void Store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+// Keeps `a` in a register: without it GCC folds a load into each of its uses, two loads per fma.
+inline void Pin(V16& a) { asm volatile("" : "+v"(a.v)); }
 inline V16 Fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float Sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 Add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -99,6 +105,11 @@ struct V16 {
 inline V16 Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 Set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 Load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void Store(float* p, V16 x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+inline void Pin(V16& x) { asm volatile("" : "+x"(x.a), "+x"(x.b)); }
 inline V16 Fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 inline V16 Add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline float Sum(V16 x) {
@@ -139,6 +150,10 @@ inline V16 Load(const float* p) {
   for (int i = 0; i < 16; ++i) r.v[i] = p[i];
   return r;
 }
+inline void Store(float* p, V16 a) {
+  for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+}
+inline void Pin(V16&) {}
 inline V16 Fma(V16 a, V16 b, V16 c) {
   for (int i = 0; i < 16; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
   return c;
@@ -171,110 +186,204 @@ struct Problem {
   const uint8_t* values;  // [out, in_pad * bits / 8]
   int64_t row_bytes;
   float* y;  // [batch, out]
+  int64_t blocks() const { return in_pad / block; }
 };
 
-// Per-row scales and mins spread to one (scale, min) per 16 inputs: sm[2 c] = scale, sm[2 c + 1] = min for
-// inputs [16 c, 16 c + 16). A row's 18-200 blocks become ~2 in_pad / 16 floats, read from L1 by every step.
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(uint16_t v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v);
+#else
+  return HalfToFloat(v);
+#endif
+}
+
+inline void ToFloats(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void ToFloats(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+
+// A row's scales and mins as float32 (mins made explicit: 0 for 8-bit without mins, -8 s for 4-bit).
 template <typename S>
-void SpreadScales(const Problem& p, int64_t row, const S* scales, const S* mins, bool has_mins, float* sm) {
-  const int64_t nb = p.in_pad / p.block, per = p.block / 16;
-  auto f = [](S v) {
-    if constexpr (sizeof(S) == 2) {
-      return HalfToFloat(v);
-    } else {
-      return v;
-    }
-  };
-  for (int64_t k = 0; k < nb; ++k) {
-    const float s = f(scales[row * nb + k]);
-    const float m = has_mins ? f(mins[row * nb + k]) : (p.bits == 4 ? -8.f * s : 0.f);
-    for (int64_t c = 0; c < per; ++c) {
-      sm[2 * (k * per + c)] = s;
-      sm[2 * (k * per + c) + 1] = m;
-    }
+void RowScales(const Problem& p, int64_t row, const S* scales, const S* mins, bool has_mins, float* sc, float* mn) {
+  const int64_t nb = p.blocks();
+  ToFloats(scales + row * nb, nb, sc);
+  if (has_mins) {
+    ToFloats(mins + row * nb, nb, mn);
+  } else {
+    const float f = p.bits == 4 ? -8.f : 0.f;
+    for (int64_t k = 0; k < nb; ++k) mn[k] = f * sc[k];
   }
 }
 
-// R output rows x BT batch rows, all steps; S accumulators per (row, batch row) (2 at BT = 1, to have 8
-// independent fma chains). `rows[r]` are the output rows (the last group's may repeat its last row; only the
-// first `live` are stored), `sm` their spread scales (R lines of 2 in_pad / 16).
+// Calls `fn(k, i0, i1)` for every 32-input step k of a row: i0 the block of its first 16 inputs, i1 of its
+// last 16 (they differ only for 16-input blocks). No division per step: blocks outside, steps inside.
+template <typename F>
+inline void ForSteps(const Problem& p, F fn) {
+  if (p.block == 16) {
+    for (int64_t k = 0; k < p.in_pad / kStep; ++k) fn(k, 2 * k, 2 * k + 1);
+    return;
+  }
+  const int64_t per = p.block / kStep;
+  for (int64_t kb = 0; kb < p.blocks(); ++kb)
+    for (int64_t k = kb * per; k < (kb + 1) * per; ++k) fn(k, kb, kb);
+}
+
+// Step k (32 inputs) of a quantized row, dequantized into two registers.
+template <int BITS>
+inline void DequantStep(const uint8_t* row, int64_t k, float s0, float m0, float s1, float m1, V16* lo, V16* hi) {
+  if constexpr (BITS == 4) {  // a 4-bit block is >= 32 inputs: s0 == s1
+    DequantNibbles(row + 16 * k, Set1(s0), Set1(m0), lo, hi);
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row) + kStep * k;
+    *lo = DequantI8(q, Set1(s0), Set1(m0));
+    *hi = DequantI8(q + 16, Set1(s1), Set1(m1));
+  }
+}
+
+// R output rows x BT batch rows over all inputs, the rows `rows[r]` dequantized step by step in registers
+// (scales `sc`, mins `mn`: R lines of `blocks()`); S accumulators per (row, batch row) (2 at BT = 1, for 8
+// independent fma chains). The last group's rows may repeat its last row; only the first `live` are stored.
 template <int BITS, int R, int BT, int S>
-void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const float* sm) {
+void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const float* sc, const float* mn) {
   V16 acc[R][BT][S];
+  JAXSERVE_UNROLL
   for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
     for (int b = 0; b < BT; ++b)
+      JAXSERVE_UNROLL
       for (int h = 0; h < S; ++h) acc[r][b][h] = Zero();
-  const int64_t line = 2 * p.in_pad / 16;
-  const int64_t steps = p.in_pad / kStep;
-  for (int64_t k = 0; k < steps; ++k) {
-    V16 w[R][2];
-    for (int r = 0; r < R; ++r) {
-      const float* smr = sm + r * line + 4 * k;  // chunks 2k, 2k + 1: (s, m), (s, m)
-      const uint8_t* row = p.values + rows[r] * p.row_bytes;
-      if constexpr (BITS == 4) {  // a 4-bit block is >= 32 inputs: one scale for the step
-        DequantNibbles(row + 16 * k, Set1(smr[0]), Set1(smr[1]), &w[r][0], &w[r][1]);
-      } else {
-        const int8_t* q = reinterpret_cast<const int8_t*>(row) + kStep * k;
-        w[r][0] = DequantI8(q, Set1(smr[0]), Set1(smr[1]));
-        w[r][1] = DequantI8(q + 16, Set1(smr[2]), Set1(smr[3]));
-      }
-    }
+  const float* xs[BT];
+  JAXSERVE_UNROLL
+  for (int b = 0; b < BT; ++b) xs[b] = p.x + (b0 + b) * p.in_pad;
+  auto multiply = [&](int64_t k, V16 (&w)[R][2]) {
+    JAXSERVE_UNROLL
     for (int b = 0; b < BT; ++b) {
-      const float* xb = p.x + (b0 + b) * p.in_pad + kStep * k;
-      const V16 x0 = Load(xb), x1 = Load(xb + 16);
+      V16 x0 = Load(xs[b] + kStep * k), x1 = Load(xs[b] + kStep * k + 16);
+      Pin(x0);
+      Pin(x1);
+      JAXSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         acc[r][b][0] = Fma(w[r][0], x0, acc[r][b][0]);
         acc[r][b][S - 1] = Fma(w[r][1], x1, acc[r][b][S - 1]);
       }
     }
+  };
+  {
+    // All R rows share the block structure: walk it once, read each row's scale per block.
+    const int64_t nb = p.blocks();
+    const uint8_t* rp[R];
+    JAXSERVE_UNROLL
+    for (int r = 0; r < R; ++r) rp[r] = p.values + rows[r] * p.row_bytes;
+    ForSteps(p, [&](int64_t k, int64_t k0, int64_t k1) {
+      V16 w[R][2];
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r)
+        DequantStep<BITS>(rp[r], k, sc[r * nb + k0], mn[r * nb + k0], sc[r * nb + k1], mn[r * nb + k1], &w[r][0],
+                          &w[r][1]);
+      multiply(k, w);
+    });
   }
-  for (int r = 0; r < live && r < R; ++r)
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    if (r >= live) break;
+    JAXSERVE_UNROLL
     for (int b = 0; b < BT; ++b) {
       V16 a = acc[r][b][0];
       if constexpr (S == 2) a = Add(a, acc[r][b][1]);
       p.y[(b0 + b) * p.out + rows[r]] = Sum(a);
     }
+  }
 }
 
-// One group of up to kGroup output rows against the whole batch, in batch tiles.
+// kGroup float rows (`w`: kGroup lines of `wline` floats, steps [0, steps) of this chunk) x BT batch rows from
+// input `k0 * kStep` on, added to the partial sums `part` (kGroup x BT vectors, kept between chunks).
+template <int BT>
+void FloatTile(const Problem& p, const float* w, int64_t wline, int64_t steps, int64_t k0, int64_t b0, V16* part) {
+  constexpr int R = kGroup;
+  V16 acc[R][BT];
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) acc[r][b] = part[r * BT + b];
+  for (int64_t k = 0; k < steps; ++k) {
+    JAXSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      V16 wr[R];
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        wr[r] = Load(w + r * wline + kStep * k + 16 * h);
+        Pin(wr[r]);
+      }
+      JAXSERVE_UNROLL
+      for (int b = 0; b < BT; ++b) {
+        V16 x = Load(p.x + (b0 + b) * p.in_pad + kStep * (k0 + k) + 16 * h);
+        Pin(x);
+        JAXSERVE_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][b] = Fma(wr[r], x, acc[r][b]);
+      }
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) part[r * BT + b] = acc[r][b];
+}
+
+constexpr int64_t kChunkSteps = 8;  // 256 inputs: the chunk's float rows (4 KiB) and 16 batch rows of x in L1
+
+// One group of kGroup output rows against the whole batch. Up to 4 batch rows: one tile, dequantizing in
+// registers. More: chunk by chunk of the input, the group's rows are dequantized once into `wbuf` (float32)
+// and float tiles of 4 batch rows read them (x's chunk and the rows stay in L1), so no weight is dequantized
+// twice and no load is wasted; the partial sums (`part`, 4 rows x batch vectors) wait in memory between chunks.
 template <int BITS>
-void Group(const Problem& p, int64_t group, const float* sm_group) {
+void Group(const Problem& p, int64_t group, const float* sc, const float* mn, float* wbuf, V16* part) {
   const int64_t first = group * kGroup;
   const int live = static_cast<int>(std::min<int64_t>(kGroup, p.out - first));
   int64_t rows[kGroup];
   for (int r = 0; r < kGroup; ++r) rows[r] = std::min<int64_t>(first + r, p.out - 1);
-  const int64_t line = 2 * p.in_pad / 16;
-  int64_t b = 0;
-  while (b < p.batch) {
-    const int64_t left = p.batch - b;
-    if (left >= 16) {  // one row at a time against 16 batch rows: 16 accumulators
-      for (int r = 0; r < live; ++r) Tile<BITS, 1, 16, 1>(p, rows + r, 1, b, sm_group + r * line);
-      b += 16;
-      continue;
-    }
-    if (left >= 5) {  // two rows x up to 8 batch rows
-      const int bt = static_cast<int>(std::min<int64_t>(left, 8));
-      for (int r = 0; r < live; r += 2) {
-        const int n = std::min(2, live - r);
-        const int64_t* rr = rows + r;
-        const float* sm = sm_group + r * line;
-        switch (bt) {
-          case 5: Tile<BITS, 2, 5, 1>(p, rr, n, b, sm); break;
-          case 6: Tile<BITS, 2, 6, 1>(p, rr, n, b, sm); break;
-          case 7: Tile<BITS, 2, 7, 1>(p, rr, n, b, sm); break;
-          default: Tile<BITS, 2, 8, 1>(p, rr, n, b, sm); break;
-        }
+  switch (p.batch) {
+    case 1: return Tile<BITS, kGroup, 1, 2>(p, rows, live, 0, sc, mn);
+    case 2: return Tile<BITS, kGroup, 2, 1>(p, rows, live, 0, sc, mn);
+    case 3: return Tile<BITS, kGroup, 3, 1>(p, rows, live, 0, sc, mn);
+    case 4: return Tile<BITS, kGroup, 4, 1>(p, rows, live, 0, sc, mn);
+    default: break;
+  }
+  const int64_t nb = p.blocks(), steps = p.in_pad / kStep, wline = kChunkSteps * kStep;
+  for (int64_t i = 0; i < kGroup * p.batch; ++i) part[i] = Zero();
+  const uint8_t* rp[kGroup];
+  for (int r = 0; r < kGroup; ++r) rp[r] = p.values + rows[r] * p.row_bytes;
+  for (int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
+    const int64_t n = std::min(kChunkSteps, steps - k0);
+    const int64_t per = p.block == 16 ? 0 : p.block / kStep;  // steps per block (a 16-input block: two a step)
+    for (int64_t k = k0; k < k0 + n; ++k) {
+      const int64_t i0 = per ? k / per : 2 * k, i1 = per ? i0 : 2 * k + 1;  // once per step and group
+      for (int r = 0; r < kGroup; ++r) {
+        V16 lo, hi;
+        DequantStep<BITS>(rp[r], k, sc[r * nb + i0], mn[r * nb + i0], sc[r * nb + i1], mn[r * nb + i1], &lo, &hi);
+        Store(wbuf + r * wline + kStep * (k - k0), lo);
+        Store(wbuf + r * wline + kStep * (k - k0) + 16, hi);
       }
-      b += bt;
-      continue;
     }
-    switch (left) {  // four rows x 1..4 batch rows
-      case 1: Tile<BITS, 4, 1, 2>(p, rows, live, b, sm_group); break;
-      case 2: Tile<BITS, 4, 2, 1>(p, rows, live, b, sm_group); break;
-      case 3: Tile<BITS, 4, 3, 1>(p, rows, live, b, sm_group); break;
-      default: Tile<BITS, 4, 4, 1>(p, rows, live, b, sm_group); break;
+    for (int64_t b = 0; b < p.batch; b += 4) {
+      V16* pb = part + kGroup * b;
+      switch (std::min<int64_t>(p.batch - b, 4)) {
+        case 1: FloatTile<1>(p, wbuf, wline, n, k0, b, pb); break;
+        case 2: FloatTile<2>(p, wbuf, wline, n, k0, b, pb); break;
+        case 3: FloatTile<3>(p, wbuf, wline, n, k0, b, pb); break;
+        default: FloatTile<4>(p, wbuf, wline, n, k0, b, pb); break;
+      }
     }
-    b += left;
+  }
+  for (int64_t b = 0; b < p.batch; b += 4) {
+    const int64_t bt = std::min<int64_t>(p.batch - b, 4);
+    for (int r = 0; r < live; ++r)
+      for (int64_t j = 0; j < bt; ++j) p.y[(b + j) * p.out + rows[r]] = Sum(part[kGroup * b + r * bt + j]);
   }
 }
 
@@ -308,14 +417,19 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t items, int64_t threads, F fn)
 template <int BITS, typename S>
 void Run(ffi::ThreadPool& pool, const Problem& p, const S* scales, const S* mins, bool has_mins) {
   const int64_t groups = (p.out + kGroup - 1) / kGroup;
-  const int64_t line = 2 * p.in_pad / 16;
+  const int64_t nb = p.blocks();
   auto range = [&](int64_t g0, int64_t g1) {
-    thread_local std::vector<float> sm;
-    sm.resize(static_cast<size_t>(kGroup * line));
+    // the group's scales and mins; batch > 4: a chunk of its rows dequantized, and the partial sums
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<V16> part;
+    buffer.resize(static_cast<size_t>(2 * kGroup * nb + kGroup * kChunkSteps * kStep));
+    part.resize(static_cast<size_t>(kGroup * p.batch));
+    float* sc = buffer.data();
+    float* mn = sc + kGroup * nb;
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t r = 0; r < kGroup; ++r)
-        SpreadScales(p, std::min(g * kGroup + r, p.out - 1), scales, mins, has_mins, sm.data() + r * line);
-      Group<BITS>(p, g, sm.data());
+        RowScales(p, std::min(g * kGroup + r, p.out - 1), scales, mins, has_mins, sc + r * nb, mn + r * nb);
+      Group<BITS>(p, g, sc, mn, mn + kGroup * nb, part.data());
     }
   };
   const int64_t weight_bytes = p.out * p.row_bytes;
