@@ -312,11 +312,38 @@ def dequantize_rows(w: QuantizedWeight) -> jax.Array:
     return out.reshape(n_out, w.in_pad)
 
 
+_ROWS = (((1,), (1,)), ((), ()))  # dot_general: contract x's inputs with a row-major weight's (no transpose)
+
+
 def matmul_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [B, in] f32 @ W -> [B, out] f32, dequantizing in the graph (contracting the row-major weight's input
-    axis directly: no transposed copy)."""
-    rows = dequantize_rows(w)[:, : w.shape[0]]  # [out, in]
-    return jax.lax.dot_general(x, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    """x [B, in] f32 @ W -> [B, out] f32, dequantizing in the graph.
+
+    4-bit: the low and the high nibbles are dequantized as two weights (`[out, in_pad / 2]` each, a plain
+    elementwise fusion) against x's matching halves of each 32 inputs, and the two products added: putting
+    the nibbles back in input order is an interleave XLA:CPU runs ~6x slower than the dequantization itself
+    (1.05 ms against 0.18 ms for 768 x 3072, one thread)."""
+    if w.bits == 8:
+        rows = dequantize_rows(w)[:, : w.shape[0]]  # [out, in]
+        return jax.lax.dot_general(x, rows, _ROWS, preferred_element_type=jnp.float32)
+    n_out, steps = w.shape[1], w.in_pad // _STEP
+    packed = jnp.asarray(w.values).reshape(n_out, steps, 16)
+    scale = jnp.repeat(jnp.asarray(w.scales).astype(jnp.float32), w.block // _STEP, axis=1)[
+        ..., None
+    ]  # [out, steps, 1]
+    low, high = (packed & 0x0F).astype(jnp.float32), (packed >> 4).astype(jnp.float32)  # [out, steps, 16]
+    if w.mins is None:
+        low, high = low - 8.0, high - 8.0
+    low, high = low * scale, high * scale
+    if w.mins is not None:
+        mins = jnp.repeat(jnp.asarray(w.mins).astype(jnp.float32), w.block // _STEP, axis=1)[..., None]
+        low, high = low + mins, high + mins
+    halves = jnp.pad(x, ((0, 0), (0, w.in_pad - w.shape[0]))).reshape(x.shape[0], steps, 2, 16)  # [B, steps, 2, 16]
+    out = jax.lax.dot_general(
+        halves[:, :, 0].reshape(x.shape[0], -1), low.reshape(n_out, -1), _ROWS, preferred_element_type=jnp.float32
+    )
+    return out + jax.lax.dot_general(
+        halves[:, :, 1].reshape(x.shape[0], -1), high.reshape(n_out, -1), _ROWS, preferred_element_type=jnp.float32
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -349,7 +376,7 @@ def _pallas_kernel(x_ref: Any, v_ref: Any, s_ref: Any, *rest: Any, w: QuantizedW
         w, values=v_ref[...], scales=s_ref[...], mins=None if m_ref is None else m_ref[...], shape=w.shape
     )
     rows = dequantize_rows(tile)  # [tile_out, in_pad] f32, in registers / shared memory
-    o_ref[...] = jax.lax.dot_general(x_ref[...], rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    o_ref[...] = jax.lax.dot_general(x_ref[...], rows, _ROWS, preferred_element_type=jnp.float32)
 
 
 def matmul_pallas(x: jax.Array, w: QuantizedWeight, tile_out: int = 128, interpret: bool = False) -> jax.Array:
