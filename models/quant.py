@@ -62,7 +62,6 @@ Impl = Literal["auto", "xla", "cpu_kernel", "pallas"]
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SCHEMES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "int4")
 _STEP = 32  # the kernel's unit along the input: in_pad is a multiple of it
-_QK_K = 256  # a K-quant super-block
 
 
 class QuantFormatError(ValueError):
@@ -356,6 +355,11 @@ def matmul_cpu_kernel(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     target = cpu_kernel.quant_matmul_target()
     if target is None:
         raise RuntimeError(f"the CPU quantized-matmul kernel is unavailable: {cpu_kernel.quant_build_error()}")
+    return _kernel_call(target, x, w)
+
+
+def _kernel_call(target: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """The FFI call of a registered build of the kernel (`target`: the default one, or a test's AVX2 build)."""
     # No mins: a one-element placeholder (an FFI buffer cannot be absent); the kernel reads `has_mins`.
     mins = w.mins if w.mins is not None else jnp.zeros((1,), w.scales.dtype)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))

@@ -213,3 +213,37 @@ def test_bad_parts_raise_one_clear_error() -> None:
         quant.from_gguf(np.zeros((2, 30), np.uint8), "Q4_1", 64)  # rows one block short
     with pytest.raises(quant.QuantFormatError, match="x has 63 inputs"):
         quant.quant_matmul(jnp.zeros((1, 63)), good)
+
+
+def test_without_the_kernel_the_xla_form_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel switched off (or no compiler): "auto" picks the XLA form, and the reason is there to read."""
+    monkeypatch.setattr(cpu_kernel, "_quant_state", [])
+    monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "0")
+    assert cpu_kernel.quant_matmul_target() is None and "JAXSERVE_CPU_KERNEL" in cpu_kernel.quant_build_error()
+    assert quant.default_impl() == "xla"
+    rng = np.random.default_rng(9)
+    w = quant.quantize_int8(rng.standard_normal((64, 9)).astype(np.float32))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    _check(np.asarray(quant.quant_matmul(jnp.asarray(x), w)), x, w)
+    with pytest.raises(RuntimeError, match="JAXSERVE_CPU_KERNEL"):
+        quant.matmul_cpu_kernel(jnp.asarray(x), w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", [("-mavx2", "-mfma", "-mf16c", "-mno-avx512f"), ("-mno-avx", "-mno-avx2")])
+def test_avx2_and_plain_builds_compute_the_same(isa: tuple[str, ...]) -> None:
+    """The kernel's AVX2 (+ FMA, F16C) and plain-loop code paths, built here with those flags instead of
+    -march=native and registered as targets of their own, on every scheme and the batch tiles (1-4, > 4)."""
+    cxx = cpu_kernel.compiler()
+    if cxx is None or not cpu_kernel.enabled():
+        pytest.skip("no C++ compiler here")
+    lib = cpu_kernel._build(cxx, *cpu_kernel._jaxlib(), source_path=cpu_kernel.QUANT_SOURCE, isa=isa)
+    target = f"jaxserve_quant_matmul_test_{'avx2' if '-mavx2' in isa else 'plain'}"
+    if target not in cpu_kernel._registered:
+        cpu_kernel._register(target, lib, cpu_kernel._QUANT_SYMBOL)
+    rng = np.random.default_rng(11)
+    for w in _weights(rng):
+        for batch in (1, 3, 6):
+            x = rng.standard_normal((batch, w.shape[0])).astype(np.float32)
+            y = np.asarray(jax.jit(quant._kernel_call, static_argnums=0)(target, jnp.asarray(x), w))
+            _check(y, x, w)

@@ -104,14 +104,22 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False, source_path: Path | None = None) -> Path:
+def _build(
+    cxx: str,
+    include: str,
+    jaxlib_version: str,
+    checked: bool = False,
+    source_path: Path | None = None,
+    isa: tuple[str, ...] | None = None,
+) -> Path:
     """The library for this source (default: the paged-attention kernel's), compiler, flags (the checked variant's
-    define among them), jaxlib and CPU."""
+    define among them), jaxlib and CPU. `isa`: instruction-set flags in place of -march=native (a test builds
+    the AVX2 and plain variants of a kernel this way)."""
     source_path = SOURCE if source_path is None else source_path
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = source_path.read_bytes()
     last_error = ""
-    for extra in (_NATIVE, ()):  # -march=native where the compiler knows it, the baseline otherwise
+    for extra in (_NATIVE, ()) if isa is None else (isa,):  # -march=native where the compiler knows it, else baseline
         flags = (*_FLAGS, *(_CHECKS if checked else ()), *extra)
         key = hashlib.sha256(
             b"\0".join(
@@ -190,6 +198,25 @@ def only_cpu_expected() -> bool:
     return not any(importlib.util.find_spec(name) is not None for name in plugins)
 
 
+def _compiler_or_why_not() -> tuple[str | None, str]:
+    """(the C++ compiler, '') when a kernel may be built here, else (None, why not)."""
+    if not enabled():
+        return None, "disabled by JAXSERVE_CPU_KERNEL"
+    if (cxx := compiler()) is None:
+        return None, "no C++ compiler found (set CXX, or install g++)"
+    return cxx, ""
+
+
+def _register(name: str, lib_path: Path, symbol: str) -> None:
+    """Load the library (kept for the process's life) and register its handler `symbol` as XLA:CPU target `name`."""
+    import jax
+
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    _libs.append(lib)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _registered.add(name)
+
+
 def paged_attention_target(checked: bool | None = None) -> str | None:
     """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable.
 
@@ -203,13 +230,8 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
         target: str | None = None
         error = ""
         try:
-            import jax
-
-            if not enabled():
-                error = "disabled by JAXSERVE_CPU_KERNEL"
-            elif (cxx := compiler()) is None:
-                error = "no C++ compiler found (set CXX, or install g++)"
-            else:
+            cxx, error = _compiler_or_why_not()
+            if cxx is not None:
                 if name not in _registered:
                     with _pending_lock:
                         started = _pending.get(checked)  # dropped once `_state` has the outcome
@@ -217,10 +239,7 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
                         lib_path = started[1].result()
                     else:
                         lib_path = _build(cxx, *_jaxlib(), checked)
-                    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-                    _libs.append(lib)
-                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-                    _registered.add(name)
+                    _register(name, lib_path, _SYMBOL)
                 target = name
         except Exception as e:  # a speed-up that failed to build: serve with the XLA forms, say why once
             error = f"{type(e).__name__}: {e}"
@@ -247,19 +266,10 @@ def quant_matmul_target() -> str | None:
         target: str | None = None
         error = ""
         try:
-            import jax
-
-            if not enabled():
-                error = "disabled by JAXSERVE_CPU_KERNEL"
-            elif (cxx := compiler()) is None:
-                error = "no C++ compiler found (set CXX, or install g++)"
-            else:
-                lib = ctypes.cdll.LoadLibrary(str(_build(cxx, *_jaxlib(), source_path=QUANT_SOURCE)))
-                _libs.append(lib)
+            cxx, error = _compiler_or_why_not()
+            if cxx is not None:
                 if QUANT_TARGET not in _registered:
-                    capsule = jax.ffi.pycapsule(getattr(lib, _QUANT_SYMBOL))
-                    jax.ffi.register_ffi_target(QUANT_TARGET, capsule, platform="cpu")
-                    _registered.add(QUANT_TARGET)
+                    _register(QUANT_TARGET, _build(cxx, *_jaxlib(), source_path=QUANT_SOURCE), _QUANT_SYMBOL)
                 target = QUANT_TARGET
         except Exception as e:  # a speed-up that failed to build: the XLA form serves
             error = f"{type(e).__name__}: {e}"
