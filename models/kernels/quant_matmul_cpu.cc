@@ -9,9 +9,9 @@
 // Decode is bandwidth-bound, so the design is: every weight byte is read from memory once per call for the
 // whole batch. Output rows go in groups of 4; a group's rows are walked 32 inputs at a time, each step's
 // values dequantized in registers (the product s q is exact in float32, so w = fma(s, q, m) is the same float
-// the XLA form computes) and multiplied into register accumulators for a tile of batch rows (1..8, or 16); the
-// group's bytes (a few KiB) stay in L1/L2 while further batch tiles re-read them. Only the order of the sums
-// differs from the XLA form's dot: results agree within float32 summation rounding.
+// the XLA form computes) and multiplied into register accumulators for all batch rows (batch 1-4). A larger
+// batch dequantizes the group once per 256 inputs into an L1 buffer that float tiles of 4 x 4 read (`Group`).
+// Only the order of the sums differs from the XLA form's dot: results agree within float32 summation rounding.
 //
 // 4-bit on AVX-512: the 16 possible values of a block are one register (table = s * [0..15] + m), and
 // vpermps looks each nibble up in it (it reads the low 4 bits of each lane, so the low nibbles need no mask):
