@@ -14,6 +14,7 @@ in >= 64), and what the forms show is ~2^-23.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import gguf
@@ -247,3 +248,26 @@ def test_avx2_and_plain_builds_compute_the_same(isa: tuple[str, ...]) -> None:
             x = rng.standard_normal((batch, w.shape[0])).astype(np.float32)
             y = np.asarray(jax.jit(quant._kernel_call, static_argnums=0)(target, jnp.asarray(x), w))
             _check(y, x, w)
+
+
+def test_stacked_layers_scan_and_pickle(kernel: str) -> None:
+    """Per-layer weights stacked into [L, ...] leaves (checkpoints, a pipeline stage's scan) slice back into
+    weights the kernel takes; a weight crosses a process boundary (Ray) by pickle unchanged."""
+    rng = np.random.default_rng(12)
+    layers = [quant.from_gguf(_random_blocks(rng, "Q4_1", 24, 64), "Q4_1", 64) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    assert stacked.values.shape == (3, 24, 32) and stacked.shape == (64, 24)
+    x0 = rng.standard_normal((2, 24)).astype(np.float32)
+    proj = quant.quantize_int8(rng.standard_normal((24, 64)).astype(np.float32))  # back to 64 inputs
+
+    def body(x: jax.Array, w: quant.QuantizedWeight) -> tuple[jax.Array, None]:
+        return quant.matmul_cpu_kernel(quant.matmul_cpu_kernel(x, proj), w), None
+
+    got, _ = jax.jit(lambda x, ws: jax.lax.scan(body, x, ws))(jnp.asarray(x0), stacked)
+    want = jnp.asarray(x0)
+    for w in layers:
+        want = quant.matmul_cpu_kernel(quant.matmul_cpu_kernel(want, proj), w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    back = pickle.loads(pickle.dumps(layers[0]))
+    assert (back.scheme, back.bits, back.block, back.shape) == ("q4_1", 4, 32, (64, 24))
+    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(layers[0].dequantize()))
