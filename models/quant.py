@@ -12,8 +12,8 @@ OUTPUT-MAJOR, the way a GGUF file stores it (one row per output, blocks along th
 
 A 4-bit block's 32 values sit in 16 bytes as GGUF's Q4_0/Q4_1 hold them: byte j's low nibble is element j,
 its high nibble element 16 + j (so a SIMD kernel gets 16 consecutive values from each half of a byte vector).
-`in_pad` rounds `in` up to whole blocks (and to 32): padding values are 0, and the matmul never reads them
-against anything but zeros. Every leaf has the output dimension first, so splitting OUTPUT over a tp axis
+`in_pad` rounds `in` up to whole blocks (and to 32); every form multiplies the padding inputs by zeros of x
+(it pads x, or slices the weight), so whatever they hold never counts. Every leaf has the output dimension first, so splitting OUTPUT over a tp axis
 (`PartitionSpec("tp", None)` on every leaf: `partition_spec`) keeps each output row's scales and mins on the
 device that holds its values; splitting INPUT at block boundaries (`PartitionSpec(None, "tp")`) works when
 the tp size divides the number of blocks.
