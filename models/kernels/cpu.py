@@ -1,4 +1,5 @@
-"""Build, cache and register the CPU paged-attention kernel (`paged_attention_cpu.cc`) as an XLA FFI target.
+"""Build, cache and register the CPU kernels (`paged_attention_cpu.cc`; `quant_matmul_cpu.cc`, see
+`quant_matmul_target`) as XLA FFI targets.
 
 The kernel is C++ against the XLA FFI headers that jaxlib ships (`jax.ffi.include_dir()`), compiled
 once per machine with the system's C++ compiler (`$CXX`, else `c++` / `g++`) and `-march=native`, into
@@ -47,6 +48,9 @@ SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
 TARGET = "jaxserve_paged_attention_cpu"
 CHECKED_TARGET = "jaxserve_paged_attention_cpu_checked"
 _SYMBOL = "JaxservePagedAttention"
+QUANT_SOURCE = Path(__file__).with_name("quant_matmul_cpu.cc")
+QUANT_TARGET = "jaxserve_quant_matmul_cpu"
+_QUANT_SYMBOL = "JaxserveQuantMatmul"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 _NATIVE = ("-march=native",)
 _CHECKS = ("-DJAXSERVE_KERNEL_CHECKS=1",)
@@ -56,6 +60,7 @@ _lock = threading.Lock()
 _state: dict[bool, tuple[str | None, str]] = {}  # checked -> (target or None, error) once tried
 _libs: list[ctypes.CDLL] = []  # loaded libraries stay referenced for the process's life
 _registered: set[str] = set()  # targets registered with XLA in this process (a name registers once)
+_quant_state: list[tuple[str | None, str]] = []  # the quantized-matmul kernel's (target or None, error) once tried
 # checked -> (compiler, the library it is building): started by `start_build`, taken by `paged_attention_target`
 _pending: dict[bool, tuple[str, Future[Path]]] = {}
 _pending_lock = threading.Lock()  # not `_lock`, which a caller holds while it waits for the build
@@ -99,12 +104,22 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False) -> Path:
-    """The library for this source, compiler, flags (the checked variant's define among them), jaxlib and CPU."""
+def _build(
+    cxx: str,
+    include: str,
+    jaxlib_version: str,
+    checked: bool = False,
+    source_path: Path | None = None,
+    isa: tuple[str, ...] | None = None,
+) -> Path:
+    """The library for this source (default: the paged-attention kernel's), compiler, flags (the checked variant's
+    define among them), jaxlib and CPU. `isa`: instruction-set flags in place of -march=native (a test builds
+    the AVX2 and plain variants of a kernel this way)."""
+    source_path = SOURCE if source_path is None else source_path
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     last_error = ""
-    for extra in (_NATIVE, ()):  # -march=native where the compiler knows it, the baseline otherwise
+    for extra in (_NATIVE, ()) if isa is None else (isa,):  # -march=native where the compiler knows it, else baseline
         flags = (*_FLAGS, *(_CHECKS if checked else ()), *extra)
         key = hashlib.sha256(
             b"\0".join(
@@ -113,17 +128,17 @@ def _build(cxx: str, include: str, jaxlib_version: str, checked: bool = False) -
             )
         ).hexdigest()[:20]
         folder = ensure_private_dir(cache_dir(), "the CPU kernel cache ($JAXSERVE_KERNEL_CACHE)")
-        lib = folder / f"paged_attention_cpu{'-checked' if checked else ''}-{key}.so"
+        lib = folder / f"{source_path.stem}{'-checked' if checked else ''}-{key}.so"
         if lib.exists():
             return lib
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=folder)
         os.close(fd)
-        cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
+        cmd = [cxx, *flags, f"-I{include}", str(source_path), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode == 0:
             os.replace(tmp, lib)
-            log.info("built the CPU paged-attention kernel: %s", lib)
+            log.info("built the CPU kernel %s: %s", source_path.name, lib)
             return lib
         Path(tmp).unlink(missing_ok=True)
         last_error = f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}"
@@ -183,6 +198,25 @@ def only_cpu_expected() -> bool:
     return not any(importlib.util.find_spec(name) is not None for name in plugins)
 
 
+def _compiler_or_why_not() -> tuple[str | None, str]:
+    """(the C++ compiler, '') when a kernel may be built here, else (None, why not)."""
+    if not enabled():
+        return None, "disabled by JAXSERVE_CPU_KERNEL"
+    if (cxx := compiler()) is None:
+        return None, "no C++ compiler found (set CXX, or install g++)"
+    return cxx, ""
+
+
+def _register(name: str, lib_path: Path, symbol: str) -> None:
+    """Load the library (kept for the process's life) and register its handler `symbol` as XLA:CPU target `name`."""
+    import jax
+
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    _libs.append(lib)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _registered.add(name)
+
+
 def paged_attention_target(checked: bool | None = None) -> str | None:
     """The FFI target name of the CPU kernel, building and registering it on first use; None if unavailable.
 
@@ -196,13 +230,8 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
         target: str | None = None
         error = ""
         try:
-            import jax
-
-            if not enabled():
-                error = "disabled by JAXSERVE_CPU_KERNEL"
-            elif (cxx := compiler()) is None:
-                error = "no C++ compiler found (set CXX, or install g++)"
-            else:
+            cxx, error = _compiler_or_why_not()
+            if cxx is not None:
                 if name not in _registered:
                     with _pending_lock:
                         started = _pending.get(checked)  # dropped once `_state` has the outcome
@@ -210,10 +239,7 @@ def paged_attention_target(checked: bool | None = None) -> str | None:
                         lib_path = started[1].result()
                     else:
                         lib_path = _build(cxx, *_jaxlib(), checked)
-                    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-                    _libs.append(lib)
-                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-                    _registered.add(name)
+                    _register(name, lib_path, _SYMBOL)
                 target = name
         except Exception as e:  # a speed-up that failed to build: serve with the XLA forms, say why once
             error = f"{type(e).__name__}: {e}"
@@ -231,9 +257,37 @@ def build_error(checked: bool | None = None) -> str:
     return tried[1] if tried else ""
 
 
+def quant_matmul_target() -> str | None:
+    """The FFI target of the quantized-matmul kernel (`quant_matmul_cpu.cc`, `models.quant`), built and registered
+    on first use (no checked variant: it reads no indices); None if unavailable, `quant_build_error()` says why."""
+    with _lock:
+        if _quant_state:
+            return _quant_state[0][0]
+        target: str | None = None
+        error = ""
+        try:
+            cxx, error = _compiler_or_why_not()
+            if cxx is not None:
+                if QUANT_TARGET not in _registered:
+                    _register(QUANT_TARGET, _build(cxx, *_jaxlib(), source_path=QUANT_SOURCE), _QUANT_SYMBOL)
+                target = QUANT_TARGET
+        except Exception as e:  # a speed-up that failed to build: the XLA form serves
+            error = f"{type(e).__name__}: {e}"
+        if target is None:
+            log.warning("CPU quantized-matmul kernel unavailable, using the XLA form: %s", error)
+        _quant_state.append((target, error))
+        return target
+
+
+def quant_build_error() -> str:
+    """Why `quant_matmul_target()` returned None ('' before it ran or when it succeeded)."""
+    return _quant_state[0][1] if _quant_state else ""
+
+
 def _reset_for_tests() -> None:
     """Forget the last attempt, so the next call tries again (the registered target stays registered)."""
     with _lock:
         _state.clear()
+        _quant_state.clear()
         with _pending_lock:
             _pending.clear()

@@ -1,0 +1,530 @@
+// x [B, in] float32 @ W -> [B, out] float32 with W block-quantized, for XLA:CPU (an XLA FFI handler).
+//
+// What `models.quant.quant_matmul(impl="cpu_kernel")` runs. W is a `models.quant.QuantizedWeight`: output-major
+// rows of packed integers (int8 [out, in_pad], or uint8 [out, in_pad / 2] with two 4-bit values a byte, per 32
+// values byte j holding value j low and 16 + j high), float16 or float32 scales and mins [out, in_pad / block]:
+//     w[o, i] = scale[o, i / block] * q[o, i] + min[o, i / block]
+// (no mins: min = 0 for 8-bit, min = -8 scale for 4-bit, llama.cpp's Q4_0: s (q - 8) = s q - 8 s exactly).
+//
+// Decode is bandwidth-bound, so the design is: every weight byte is read from memory once per call for the
+// whole batch. Output rows go in groups of 4; a group's rows are walked 32 inputs at a time, each step's
+// values dequantized in registers (the product s q is exact in float32, so w = fma(s, q, m) is the same float
+// the XLA form computes) and multiplied into register accumulators for all batch rows (batch 1-4). A larger
+// batch dequantizes the group once per 256 inputs into an L1 buffer that float tiles of 4 x 4 read (`Group`).
+// Only the order of the sums differs from the XLA form's dot: results agree within float32 summation rounding.
+//
+// 4-bit on AVX-512: the 16 possible values of a block are one register (table = s * [0..15] + m), and
+// vpermps looks each nibble up in it (it reads the low 4 bits of each lane, so the low nibbles need no mask):
+// per 32 weights one widening load, one shift, two permutes and one fma build the floats.
+// Threads: XLA:CPU runs a custom call on the caller's thread; with work enough (kMinParallelBytes of
+// weights) the row groups are shared with XLA's intra-op pool (`ffi::ThreadPool`) in chunks.
+// Built by `models.kernels.cpu` with the machine's C++ compiler and -march=native: AVX-512, else AVX2 + FMA,
+// else plain loops.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+// The tile loops must be unrolled whole: their accumulators are registers only if every index is a constant.
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 32")
+
+namespace {
+
+constexpr int64_t kStep = 32;                 // inputs per step (the padded input is a multiple of it)
+constexpr int64_t kGroup = 4;                 // output rows per work item
+constexpr int64_t kMinParallelBytes = 96 << 10;  // below this, a call runs on the caller's thread alone
+constexpr int64_t kItemsPerChunk = 8;         // row groups per claim from the shared counter
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 16 float lanes: one zmm on AVX-512, two ymm on AVX2, an array the compiler vectorises otherwise.
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+};
+inline V16 Zero() { return {_mm512_setzero_ps()}; }
+inline V16 Set1(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 Load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void Store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+// Keeps `a` in a register: without it GCC folds a load into each of its uses, two loads per fma.
+inline void Pin(V16& a) { asm volatile("" : "+v"(a.v)); }
+inline V16 Fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float Sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 Add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+// 16 int8 -> floats, times s plus m
+inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s.v, m.v)};
+}
+// 16 bytes of nibbles -> values 0..15 (low nibbles) and 16..31 (high nibbles) of a block, s q + m
+inline void DequantNibbles(const uint8_t* p, V16 s, V16 m, V16* lo, V16* hi) {
+  const __m512 table = _mm512_fmadd_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s.v, m.v);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo->v = _mm512_permutexvar_ps(bytes, table);  // vpermps reads each lane's low 4 bits
+  hi->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+  __m256 a, b;
+};
+inline V16 Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 Set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 Load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void Store(float* p, V16 x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+inline void Pin(V16& x) { asm volatile("" : "+x"(x.a), "+x"(x.b)); }
+inline V16 Fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline V16 Add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline float Sum(V16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 qa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  const __m256 qb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+  return {_mm256_fmadd_ps(qa, s.a, m.a), _mm256_fmadd_ps(qb, s.b, m.b)};
+}
+inline void DequantNibbles(const uint8_t* p, V16 s, V16 m, V16* lo, V16* hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i a = _mm256_cvtepu8_epi32(raw), b = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+  auto f = [&](__m256i q, __m256 sc, __m256 mn) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sc, mn); };
+  lo->a = f(_mm256_and_si256(a, mask), s.a, m.a);
+  lo->b = f(_mm256_and_si256(b, mask), s.b, m.b);
+  hi->a = f(_mm256_srli_epi32(a, 4), s.a, m.a);
+  hi->b = f(_mm256_srli_epi32(b, 4), s.b, m.b);
+}
+#else
+struct V16 {
+  float v[16];
+};
+inline V16 Set1(float x) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline V16 Zero() { return Set1(0.f); }
+inline V16 Load(const float* p) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void Store(float* p, V16 a) {
+  for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+}
+inline void Pin(V16&) {}
+inline V16 Fma(V16 a, V16 b, V16 c) {
+  for (int i = 0; i < 16; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline V16 Add(V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline float Sum(V16 a) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += a.v[i];
+  return s;
+}
+inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = __builtin_fmaf(static_cast<float>(p[i]), s.v[i], m.v[i]);
+  return r;
+}
+inline void DequantNibbles(const uint8_t* p, V16 s, V16 m, V16* lo, V16* hi) {
+  for (int i = 0; i < 16; ++i) {
+    lo->v[i] = __builtin_fmaf(static_cast<float>(p[i] & 0x0F), s.v[i], m.v[i]);
+    hi->v[i] = __builtin_fmaf(static_cast<float>(p[i] >> 4), s.v[i], m.v[i]);
+  }
+}
+#endif
+
+struct Problem {
+  int64_t batch, in, in_pad, out, bits, block;
+  const float* x;        // [batch, in_pad], zero-padded (the handler's copy)
+  const uint8_t* values;  // [out, in_pad * bits / 8]
+  int64_t row_bytes;
+  float* y;  // [batch, out]
+  int64_t blocks() const { return in_pad / block; }
+};
+
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(uint16_t v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v);
+#else
+  return HalfToFloat(v);
+#endif
+}
+
+inline void ToFloats(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void ToFloats(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+
+// A row's scales and mins as float32 (mins made explicit: 0 for 8-bit without mins, -8 s for 4-bit).
+template <typename S>
+void RowScales(const Problem& p, int64_t row, const S* scales, const S* mins, bool has_mins, float* sc, float* mn) {
+  const int64_t nb = p.blocks();
+  ToFloats(scales + row * nb, nb, sc);
+  if (has_mins) {
+    ToFloats(mins + row * nb, nb, mn);
+  } else {
+    const float f = p.bits == 4 ? -8.f : 0.f;
+    for (int64_t k = 0; k < nb; ++k) mn[k] = f * sc[k];
+  }
+}
+
+// Calls `fn(k, i0, i1)` for every 32-input step k of a row: i0 the block of its first 16 inputs, i1 of its
+// last 16 (they differ only for 16-input blocks). No division per step: blocks outside, steps inside.
+template <typename F>
+inline void ForSteps(const Problem& p, F fn) {
+  if (p.block == 16) {
+    for (int64_t k = 0; k < p.in_pad / kStep; ++k) fn(k, 2 * k, 2 * k + 1);
+    return;
+  }
+  const int64_t per = p.block / kStep;
+  for (int64_t kb = 0; kb < p.blocks(); ++kb)
+    for (int64_t k = kb * per; k < (kb + 1) * per; ++k) fn(k, kb, kb);
+}
+
+// Step k (32 inputs) of a quantized row, dequantized into two registers.
+template <int BITS>
+inline void DequantStep(const uint8_t* row, int64_t k, float s0, float m0, float s1, float m1, V16* lo, V16* hi) {
+  if constexpr (BITS == 4) {  // a 4-bit block is >= 32 inputs: s0 == s1
+    DequantNibbles(row + 16 * k, Set1(s0), Set1(m0), lo, hi);
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row) + kStep * k;
+    *lo = DequantI8(q, Set1(s0), Set1(m0));
+    *hi = DequantI8(q + 16, Set1(s1), Set1(m1));
+  }
+}
+
+// The weights stream from memory once per call, four rows at a time: four short interleaved streams (a row of
+// SmolLM2's 576 4-bit inputs is 4.5 cache lines) that the hardware prefetcher follows poorly. Streaming 75 MB
+// of int8 rows (in 768, one thread, loaded machine) ran at 2.6 GB/s against 7 GB/s for the same rows from
+// L3; with this, 12.3 GB/s (prefetcht1, into L2 only: 4.2). So each 8-bit group asks for the group
+// kPrefetchGroups ahead, step by step: at step k it prefetches its share of that group's bytes. 4-bit rows
+// stream well without (75 MB of in-768 rows: 14.0 Gweights/s without, 7.8 with): they have none.
+constexpr int64_t kPrefetchGroups = 2;
+
+// A group of rows is kGroup * in_pad * BITS / 8 bytes, contiguous; a step's share is kGroup * 4 * BITS bytes.
+template <int BITS>
+inline void PrefetchShare(const uint8_t* ahead, int64_t k) {
+  if constexpr (BITS == 4) return;
+  constexpr int64_t share = kGroup * 4 * BITS;  // bytes: 128 (8-bit)
+  JAXSERVE_UNROLL
+  for (int64_t off = 0; off < share; off += 64)  // not _mm_prefetch: GCC may drop those in loops
+    asm volatile("prefetcht0 %0" : : "m"(ahead[k * share + off]));
+}
+
+// R output rows x BT batch rows over all inputs, the rows `rows[r]` dequantized step by step in registers
+// (scales `sc`, mins `mn`: R lines of `blocks()`); S accumulators per (row, batch row) (2 at BT = 1, for 8
+// independent fma chains). The last group's rows may repeat its last row; only the first `live` are stored.
+template <int BITS, int R, int BT, int S>
+void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const float* sc, const float* mn,
+          const uint8_t* ahead) {
+  V16 acc[R][BT][S];
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b)
+      JAXSERVE_UNROLL
+      for (int h = 0; h < S; ++h) acc[r][b][h] = Zero();
+  const float* xs[BT];
+  JAXSERVE_UNROLL
+  for (int b = 0; b < BT; ++b) xs[b] = p.x + (b0 + b) * p.in_pad;
+  auto multiply = [&](int64_t k, V16 (&w)[R][2]) {
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) {
+      V16 x0 = Load(xs[b] + kStep * k), x1 = Load(xs[b] + kStep * k + 16);
+      Pin(x0);
+      Pin(x1);
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        acc[r][b][0] = Fma(w[r][0], x0, acc[r][b][0]);
+        acc[r][b][S - 1] = Fma(w[r][1], x1, acc[r][b][S - 1]);
+      }
+    }
+  };
+  {
+    // All R rows share the block structure: walk it once, read each row's scale per block.
+    const int64_t nb = p.blocks();
+    const uint8_t* rp[R];
+    JAXSERVE_UNROLL
+    for (int r = 0; r < R; ++r) rp[r] = p.values + rows[r] * p.row_bytes;
+    ForSteps(p, [&](int64_t k, int64_t k0, int64_t k1) {
+      PrefetchShare<BITS>(ahead, k);
+      V16 w[R][2];
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r)
+        DequantStep<BITS>(rp[r], k, sc[r * nb + k0], mn[r * nb + k0], sc[r * nb + k1], mn[r * nb + k1], &w[r][0],
+                          &w[r][1]);
+      multiply(k, w);
+    });
+  }
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    if (r >= live) break;
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) {
+      V16 a = acc[r][b][0];
+      if constexpr (S == 2) a = Add(a, acc[r][b][1]);
+      p.y[(b0 + b) * p.out + rows[r]] = Sum(a);
+    }
+  }
+}
+
+// kGroup float rows (`w`: kGroup lines of `wline` floats, steps [0, steps) of this chunk) x BT batch rows from
+// input `k0 * kStep` on, added to the partial sums `part` (kGroup x BT vectors, kept between chunks).
+template <int BT>
+void FloatTile(const Problem& p, const float* w, int64_t wline, int64_t steps, int64_t k0, int64_t b0, V16* part) {
+  constexpr int R = kGroup;
+  V16 acc[R][BT];
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) acc[r][b] = part[r * BT + b];
+  for (int64_t k = 0; k < steps; ++k) {
+    JAXSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      V16 wr[R];
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        wr[r] = Load(w + r * wline + kStep * k + 16 * h);
+        Pin(wr[r]);
+      }
+      JAXSERVE_UNROLL
+      for (int b = 0; b < BT; ++b) {
+        V16 x = Load(p.x + (b0 + b) * p.in_pad + kStep * (k0 + k) + 16 * h);
+        Pin(x);
+        JAXSERVE_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][b] = Fma(wr[r], x, acc[r][b]);
+      }
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) part[r * BT + b] = acc[r][b];
+}
+
+constexpr int64_t kChunkSteps = 8;  // 256 inputs: the chunk's float rows (4 KiB) and 16 batch rows of x in L1
+
+// One group of kGroup output rows against the whole batch. Up to 4 batch rows: one tile, dequantizing in
+// registers. More: chunk by chunk of the input, the group's rows are dequantized once into `wbuf` (float32)
+// and float tiles of 4 batch rows read them (x's chunk and the rows stay in L1), so no weight is dequantized
+// twice and no load is wasted; the partial sums (`part`, 4 rows x batch vectors) wait in memory between chunks.
+template <int BITS>
+void Group(const Problem& p, int64_t group, const float* sc, const float* mn, float* wbuf, V16* part) {
+  const int64_t first = group * kGroup;
+  const int live = static_cast<int>(std::min<int64_t>(kGroup, p.out - first));
+  int64_t rows[kGroup];
+  for (int r = 0; r < kGroup; ++r) rows[r] = std::min<int64_t>(first + r, p.out - 1);
+  // the group to prefetch; near the end, the last whole group again (cheaper than a test per step)
+  const int64_t later = std::max<int64_t>(std::min(first + kPrefetchGroups * kGroup, p.out - kGroup), 0);
+  const uint8_t* ahead = p.values + (p.out >= kGroup ? later : 0) * p.row_bytes;
+  switch (p.batch) {
+    case 1: return Tile<BITS, kGroup, 1, 2>(p, rows, live, 0, sc, mn, ahead);
+    case 2: return Tile<BITS, kGroup, 2, 1>(p, rows, live, 0, sc, mn, ahead);
+    case 3: return Tile<BITS, kGroup, 3, 1>(p, rows, live, 0, sc, mn, ahead);
+    case 4: return Tile<BITS, kGroup, 4, 1>(p, rows, live, 0, sc, mn, ahead);
+    default: break;
+  }
+  const int64_t nb = p.blocks(), steps = p.in_pad / kStep, wline = kChunkSteps * kStep;
+  for (int64_t i = 0; i < kGroup * p.batch; ++i) part[i] = Zero();
+  const uint8_t* rp[kGroup];
+  for (int r = 0; r < kGroup; ++r) rp[r] = p.values + rows[r] * p.row_bytes;
+  for (int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
+    const int64_t n = std::min(kChunkSteps, steps - k0);
+    const int64_t per = p.block == 16 ? 0 : p.block / kStep;  // steps per block (a 16-input block: two a step)
+    for (int64_t k = k0; k < k0 + n; ++k) {
+      PrefetchShare<BITS>(ahead, k);
+      const int64_t i0 = per ? k / per : 2 * k, i1 = per ? i0 : 2 * k + 1;  // once per step and group
+      for (int r = 0; r < kGroup; ++r) {
+        V16 lo, hi;
+        DequantStep<BITS>(rp[r], k, sc[r * nb + i0], mn[r * nb + i0], sc[r * nb + i1], mn[r * nb + i1], &lo, &hi);
+        Store(wbuf + r * wline + kStep * (k - k0), lo);
+        Store(wbuf + r * wline + kStep * (k - k0) + 16, hi);
+      }
+    }
+    for (int64_t b = 0; b < p.batch; b += 4) {
+      V16* pb = part + kGroup * b;
+      switch (std::min<int64_t>(p.batch - b, 4)) {
+        case 1: FloatTile<1>(p, wbuf, wline, n, k0, b, pb); break;
+        case 2: FloatTile<2>(p, wbuf, wline, n, k0, b, pb); break;
+        case 3: FloatTile<3>(p, wbuf, wline, n, k0, b, pb); break;
+        default: FloatTile<4>(p, wbuf, wline, n, k0, b, pb); break;
+      }
+    }
+  }
+  for (int64_t b = 0; b < p.batch; b += 4) {
+    const int64_t bt = std::min<int64_t>(p.batch - b, 4);
+    for (int r = 0; r < live; ++r)
+      for (int64_t j = 0; j < bt; ++j) p.y[(b + j) * p.out + rows[r]] = Sum(part[kGroup * b + r * bt + j]);
+  }
+}
+
+// Runs `fn(first, end)` over chunks of [0, items) on the caller and on the pool's threads; returns when all
+// chunks are done. Each thread's chunks come from a shared counter, so a slow thread takes fewer.
+template <typename F>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t items, int64_t threads, F fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t chunks = (items + kItemsPerChunk - 1) / kItemsPerChunk;
+  auto work = [shared, items, chunks, &fn]() {
+    int64_t finished = 0;
+    for (int64_t c; (c = shared->next.fetch_add(1)) < chunks; ++finished)
+      fn(c * kItemsPerChunk, std::min(items, (c + 1) * kItemsPerChunk));
+    if (finished && shared->done.fetch_add(finished) + finished == chunks) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->cv.notify_all();
+    }
+  };
+  // A helper that starts after the caller finished every chunk claims none and touches only `shared`.
+  for (int64_t t = 0; t < std::min(threads, chunks) - 1; ++t) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == chunks; });
+}
+
+template <int BITS, typename S>
+void Run(ffi::ThreadPool& pool, const Problem& p, const S* scales, const S* mins, bool has_mins) {
+  const int64_t groups = (p.out + kGroup - 1) / kGroup;
+  const int64_t nb = p.blocks();
+  auto range = [&](int64_t g0, int64_t g1) {
+    // the group's scales and mins; batch > 4: a chunk of its rows dequantized, and the partial sums
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<V16> part;
+    buffer.resize(static_cast<size_t>(2 * kGroup * nb + kGroup * kChunkSteps * kStep));
+    part.resize(static_cast<size_t>(kGroup * p.batch));
+    float* sc = buffer.data();
+    float* mn = sc + kGroup * nb;
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t r = 0; r < kGroup; ++r)
+        RowScales(p, std::min(g * kGroup + r, p.out - 1), scales, mins, has_mins, sc + r * nb, mn + r * nb);
+      Group<BITS>(p, g, sc, mn, mn + kGroup * nb, part.data());
+    }
+  };
+  const int64_t weight_bytes = p.out * p.row_bytes;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (threads == 1 || weight_bytes * std::min<int64_t>(p.batch, 4) < kMinParallelBytes) {
+    range(0, groups);
+  } else {
+    ParallelChunks(pool, groups, threads, range);
+  }
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer mins, int64_t bits, int64_t block, bool has_mins,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  const std::string where = "quantized matmul: ";
+  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(where + "x [B, in], values [out, packed], scales [out, blocks] expected");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument(where + "bits must be 4 or 8");
+  const auto vt = values.element_type(), st = scales.element_type();
+  if ((bits == 8 && vt != ffi::S8) || (bits == 4 && vt != ffi::U8))
+    return ffi::Error::InvalidArgument(where + "8-bit values must be int8, 4-bit values uint8");
+  if (st != ffi::F16 && st != ffi::F32) return ffi::Error::InvalidArgument(where + "scales must be f16 or f32");
+  Problem p{};
+  p.batch = xd[0];
+  p.in = xd[1];
+  p.out = vd[0];
+  p.row_bytes = vd[1];
+  p.in_pad = vd[1] * 8 / bits;
+  p.bits = bits;
+  p.block = block;
+  if (block < 16 || block % (bits == 4 ? 32 : 16) || p.in_pad % block || p.in_pad % kStep || p.in > p.in_pad)
+    return ffi::Error::InvalidArgument(where + "block " + std::to_string(block) + " does not tile the padded input " +
+                                       std::to_string(p.in_pad) + " (in " + std::to_string(p.in) + ")");
+  if (sd[0] != p.out || sd[1] != p.in_pad / block || yd[0] != p.batch || yd[1] != p.out)
+    return ffi::Error::InvalidArgument(where + "values, scales and the output disagree");
+  if (has_mins && (mins.element_type() != st || mins.dimensions().size() != 2 || mins.dimensions()[0] != sd[0] ||
+                   mins.dimensions()[1] != sd[1]))
+    return ffi::Error::InvalidArgument(where + "mins must match the scales' shape and dtype");
+  if (p.batch == 0 || p.out == 0) return ffi::Error::Success();
+  // x zero-padded to whole steps: padding values meet zeros, never data
+  thread_local std::vector<float> xpad;
+  xpad.assign(static_cast<size_t>(p.batch * p.in_pad), 0.f);
+  for (int64_t b = 0; b < p.batch; ++b)
+    std::memcpy(xpad.data() + b * p.in_pad, x.typed_data() + b * p.in, sizeof(float) * p.in);
+  p.x = xpad.data();
+  p.values = static_cast<const uint8_t*>(values.untyped_data());
+  p.y = y->typed_data();
+  if (st == ffi::F16) {
+    const auto* s = static_cast<const uint16_t*>(scales.untyped_data());
+    const auto* m = static_cast<const uint16_t*>(mins.untyped_data());
+    bits == 4 ? Run<4>(pool, p, s, m, has_mins) : Run<8>(pool, p, s, m, has_mins);
+  } else {
+    const auto* s = static_cast<const float*>(scales.untyped_data());
+    const auto* m = static_cast<const float*>(mins.untyped_data());
+    bits == 4 ? Run<4>(pool, p, s, m, has_mins) : Run<8>(pool, p, s, m, has_mins);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [B, in]
+                                  .Arg<ffi::AnyBuffer>()         // values [out, in_pad * bits / 8]
+                                  .Arg<ffi::AnyBuffer>()         // scales [out, in_pad / block]
+                                  .Arg<ffi::AnyBuffer>()         // mins, like scales (or a placeholder)
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("has_mins")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [B, out]
+);
