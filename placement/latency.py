@@ -57,7 +57,7 @@ JSON, one object::
         {"engine": "any", "model": "opt-13b", "tp": 2,
          "C1": s_per_mac, "C2": s_per_elem, "C3": s, "C4": s_per_elem, "C5": s_per_elem,
          "C6": s,                             # optional, decode overhead (default C3)
-         "block_size": 16,                    # optional, FlashAttention block b (default 16)
+         "attention_tile": 16,                # optional, FlashAttention tile b (default 16; older files: "block_size")
          "allreduce_s_per_byte": x,           # optional; default from the device link bandwidth
          "L_m": 512,                          # optional, prefill token budget that saturates the device
          "engine_padding": {...},             # optional: fitted in the engine's padded shapes (padding.py)
@@ -105,9 +105,8 @@ from placement.stage_latency import StageLatency
 
 DeploymentKind = Literal["disagg", "colocated"]  # the plan's kinds (`DeploymentPlan.kind`)
 _KIND_ALIASES = {"dist": "disagg", "coloc": "colocated"}  # profile files written before the rename
-DEFAULT_BLOCK_SIZE = 16  # FlashAttention block b
+DEFAULT_ATTENTION_TILE = 16  # FlashAttention tile b (tokens): a kernel constant of the formula, not the KV page
 DEFAULT_PREFILL_TOKENS = 512  # L_m: the paper's saturation point for a 13B model on an A100
-DEFAULT_KV_BLOCK_TOKENS = 16  # paged KV block size used for capacity in blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +253,7 @@ class AppendixCoefficients:
     C4: float
     C5: float
     C6: float | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
+    attention_tile: int = DEFAULT_ATTENTION_TILE  # FlashAttention tile b of the C2/C5 terms
     allreduce_s_per_byte: float | None = None
     prefill_tokens: int | None = None  # L_m
     max_batch_tokens: int | None = None  # the engine's token cap per prefill step
@@ -304,7 +303,7 @@ class AppendixModel:
         object.__setattr__(self, "_ar_per_token", ar_per_token)
         object.__setattr__(self, "_ar_fixed", ar_fixed)
         factor, q_width = attention_factor(cfg, tp), cfg.num_heads * cfg.head_dim / tp  # OPT: 3, h/tp
-        object.__setattr__(self, "_attn_prefill", c.C2 * factor * q_width / c.block_size)
+        object.__setattr__(self, "_attn_prefill", c.C2 * factor * q_width / c.attention_tile)
         object.__setattr__(self, "_attn_decode", layers * c.C5 * factor * q_width)
         object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
         object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
@@ -468,7 +467,10 @@ class Profile:
                         C4=float(entry["C4"]),
                         C5=float(entry["C5"]),
                         C6=float(entry["C6"]) if entry.get("C6") is not None else None,
-                        block_size=int(entry.get("block_size", DEFAULT_BLOCK_SIZE)),
+                        # "block_size": the key profiles written before the tile got its own name used
+                        attention_tile=int(
+                            entry.get("attention_tile", entry.get("block_size", DEFAULT_ATTENTION_TILE))
+                        ),
                         allreduce_s_per_byte=(
                             float(entry["allreduce_s_per_byte"])
                             if entry.get("allreduce_s_per_byte") is not None
@@ -582,7 +584,7 @@ class LatencyProvider:
                 b = coeffs.buckets
                 cfg = self.cfg  # L·3(h/tp) for OPT, as the Appendix form
                 width = attention_factor(cfg, tp) * cfg.num_layers * (cfg.num_heads * cfg.head_dim) / tp
-                base = BucketModel(b, b.C2 * width / coeffs.block_size, b.C5 * width, base.send_s, pp)
+                base = BucketModel(b, b.C2 * width / coeffs.attention_tile, b.C5 * width, base.send_s, pp)
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base

@@ -49,7 +49,7 @@ from placement.goodput import GoodputSearch, max_rate
 from placement.latency import NO_OVERHEAD, DeploymentKind, LatencyProvider, StageLatency, StepOverhead
 from placement.planner import PlanKind, choose_plan
 from placement.search import SearchContext
-from placement.step_cost import decode_step_s, prefill_step_s
+from placement.step_time import decode_step_s, prefill_step_s
 from placement.workload import Workload, arrival_times
 
 
@@ -78,7 +78,7 @@ def predicted_step_s(
 
     `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
     rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it, by the formula the
-    simulator and the timed engine share (`placement/step_cost.py`), the profile's per-step `overhead`
+    simulator and the timed engine share (`placement/step_time.py`), the profile's per-step `overhead`
     included (a measured profile keeps its per-step constants there).
     """
     if kind == "prefill":

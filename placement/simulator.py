@@ -73,7 +73,7 @@ from placement.latency import (
     kv_capacity_tokens,
 )
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
-from placement.step_cost import decode_round_fn, decode_step_s, mixed_step_s
+from placement.step_time import decode_round_fn, decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker

@@ -64,7 +64,7 @@ from placement.latency import (  # noqa: E402
 )
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
-from placement.step_cost import decode_step_s, prefill_step_s  # noqa: E402
+from placement.step_time import decode_step_s, prefill_step_s  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
 
 DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")

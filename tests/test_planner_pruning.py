@@ -50,11 +50,11 @@ def test_pruning_keeps_the_plan_and_every_simulated_candidate(workers: int) -> N
 
 def test_bound_is_never_beaten() -> None:
     """What pruning rests on: no candidate's goodput exceeds its throughput bound."""
-    from placement.search import _eval, algorithm1_jobs
+    from placement.search import algorithm1_jobs, evaluate_job
 
     ctx = _ctx("opt-13b", "a100-80gb-distserve", 1, 4, "fixed:512:64", 80, 0.4, 0.04)
     for job in algorithm1_jobs(ctx):
-        cand = _eval(job)
+        cand = evaluate_job(job)
         assert cand.per_device <= job_bound_per_device(job) * (1 + 1e-12)
 
 

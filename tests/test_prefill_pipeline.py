@@ -32,7 +32,7 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, Profile, StepOverhead
 from placement.sim_types import SimOptions
 from placement.simulator import simulate
-from placement.step_cost import ModelStepCost
+from placement.step_time import ModelStepCost
 from placement.workload import Workload
 
 CFG = get_config("opt-13b", "float16")

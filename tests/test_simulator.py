@@ -89,7 +89,7 @@ def test_pipelined_prefill_overlaps_batches() -> None:
 def test_pipelined_prefill_charges_the_step_overhead_to_the_batch() -> None:
     """With a step overhead, the first stage does each batch's host work before its kernels: a batch alone
     is done after `prefill_step_s` (what the timed engine sleeps), the next enters when stage 0 frees."""
-    from placement.step_cost import prefill_step_s
+    from placement.step_time import prefill_step_s
 
     lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"), prefill_tokens=512)
     cluster = ClusterSpec(A100, 1, 8)
