@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from models.config import get_model_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
@@ -106,10 +106,11 @@ def build_options(
     ):
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be >= 1")
-    return SimOptions(
+    limits = ServingLimits(
         block_size=block_size,
         max_decode_batch=max_decode_batch,
-        max_batch_tokens=max_batch_tokens,
+        max_batch_tokens=max_batch_tokens or DEFAULT_LIMITS.max_batch_tokens,
         num_kv_blocks=num_kv_blocks,
         prefill_buffer_slots=prefill_buffer_slots,
     )
+    return SimOptions(limits, profile_token_cap=max_batch_tokens is None)

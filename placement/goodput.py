@@ -103,16 +103,12 @@ class GoodputSearch:
             model = self.latency.instance(engine, inst.tp, inst.pp)
             overhead = self.latency.step_overhead(engine, inst.tp)
             budget = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
-            cap = (
-                opts.max_batch_tokens
-                if opts.max_batch_tokens is not None
-                else self.latency.engine_token_cap(engine, inst.tp)
-            )
+            cap = opts.token_cap(self.latency.profile_token_cap(engine, inst.tp))
             capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step
             prefill_s = min(prefill_stage0_s(model, overhead, b, mean_in) for b in (budget, capped))
-            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.block_size
-            per_request_blocks = math.ceil((mean_in + mean_out) / opts.block_size)
-            max_batch = max(1, min(opts.max_decode_batch, int(blocks // per_request_blocks)))
+            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.limits.block_size
+            per_request_blocks = math.ceil((mean_in + mean_out) / opts.limits.block_size)
+            max_batch = max(1, min(opts.limits.max_decode_batch, int(blocks // per_request_blocks)))
             # Best decode throughput over batch sizes (a larger batch is not always faster per token).
             sizes = (
                 {int(b) for b in np.geomspace(1, max_batch, 24)} | {max_batch} | {b for b in (94, 95) if b <= max_batch}

@@ -592,11 +592,16 @@ class LatencyProvider:
 
     def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
         """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""
+        cap = self.profile_token_cap(engine, tp)
+        return cap if cap is not None else DEFAULT_LIMITS.max_batch_tokens
+
+    def profile_token_cap(self, engine: DeploymentKind, tp: int) -> int | None:
+        """The token cap of a prefill step the profile measured its engine with (None: it says none)."""
         if self.profile is not None:
             coeffs = self.profile.lookup(engine, self.model_name, tp)
             if coeffs is not None and coeffs.max_batch_tokens is not None:
                 return coeffs.max_batch_tokens
-        return DEFAULT_LIMITS.max_batch_tokens
+        return None
 
     def step_overhead(self, engine: DeploymentKind, tp: int) -> StepOverhead:
         """Host time per step (the profile's `step_overhead`; none without one)."""

@@ -97,11 +97,11 @@ def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
     """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
     instance's memory holds when the options left them to the device (the server applies one number to all)."""
     opts = ctx.options
-    caps = {ctx.latency.engine_token_cap(plan.kind, i.tp) for i in plan.instances}
-    limits = opts.limits(default_batch_tokens=min(caps))
+    caps = {opts.token_cap(ctx.latency.profile_token_cap(plan.kind, i.tp)) for i in plan.instances}
+    limits = opts.served_limits(token_cap=min(caps))
     if limits.num_kv_blocks is None:
         blocks = min(
-            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // opts.block_size
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // limits.block_size
             for i in plan.instances
             if i.role != "prefill"
         )

@@ -294,15 +294,14 @@ class Simulator:
 
     def _kv_blocks(self, inst: InstanceSpec) -> int:
         """KV blocks of a decode / colocated instance: the limit when set, else what its memory holds."""
-        if self.options.num_kv_blocks is not None:
-            return self.options.num_kv_blocks
-        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // self.options.block_size
+        limits = self.options.limits
+        if limits.num_kv_blocks is not None:
+            return limits.num_kv_blocks
+        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // limits.block_size
 
     def _token_cap(self, kind: DeploymentKind, tp: int) -> int:
-        """Most prompt tokens one prefill step batches: the limit when set, else the profile's engine cap."""
-        if self.options.max_batch_tokens is not None:
-            return self.options.max_batch_tokens
-        return self.latency.engine_token_cap(kind, tp)
+        """Most prompt tokens one prefill step batches: the profile's engine cap or the limit (`SimOptions.token_cap`)."""
+        return self.options.token_cap(self.latency.profile_token_cap(kind, tp))
 
     # ---- events ------------------------------------------------------------------------------
     def _push(self, at: float, kind: int, inst: int, payload: object = None) -> None:
@@ -408,7 +407,7 @@ class Simulator:
             return
         # Backpressure: the batch must fit in what is left of the KV buffer, in memory and in slots.
         room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
-        slots = self.options.prefill_buffer_slots
+        slots = self.options.limits.prefill_buffer_slots if self.options.bounded_prefill_buffer else None
         free = len(p.queue)
         if slots is not None and self.options.mode != "prefill":  # prefill-only runs never buffer
             free = prefill_buffer_free_slots(slots, p.buffer_requests, p.inflight_requests)
@@ -496,7 +495,7 @@ class Simulator:
         if not d.pending:
             return
         num_running = d.num_running + len(d.joining) + d.num_transferring
-        room = self.options.max_decode_batch - num_running
+        room = self.options.limits.max_decode_batch - num_running
         if room <= 0:
             return
         head = [d.pending[j][0] for j in range(min(room, len(d.pending)))]
@@ -504,8 +503,8 @@ class Simulator:
             head,
             num_free_blocks=d.free_blocks,
             num_running=num_running,
-            max_batch_size=self.options.max_decode_batch,
-            block_size=self.options.block_size,
+            max_batch_size=self.options.limits.max_decode_batch,
+            block_size=self.options.limits.block_size,
         )
         for reservation in admission.admitted:
             req, i, src = d.pending.popleft()
@@ -673,7 +672,7 @@ class Simulator:
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
         n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
-        return blocks_for(n_tokens, self.options.block_size)
+        return blocks_for(n_tokens, self.options.limits.block_size)
 
     def _admit_without_transfer(self, k: int, i: int, src: int) -> bool:
         return False
@@ -700,7 +699,7 @@ class Simulator:
 
     def _release_colocated_blocks(self, k: int, i: int) -> int:
         n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
-        return blocks_for(n_tokens, self.options.block_size)
+        return blocks_for(n_tokens, self.options.limits.block_size)
 
     # <<< prefix-cache hooks ----------------------------------------------------------------------
 
@@ -728,14 +727,14 @@ class Simulator:
             return
         opts = self.options
         budget = max(c.max_batch_tokens, c.chunk_size or 0)
-        head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
+        head = list(itertools.islice(c.waiting, min(budget, opts.limits.max_decode_batch)))
         records = c.records
         reqs = [records[i] for i in c.admitted] + [records[i] for i in head]
         step = schedule_colocated(
             reqs,
             num_free_blocks=c.free_blocks,
-            block_size=opts.block_size,
-            max_batch_size=opts.max_decode_batch,
+            block_size=opts.limits.block_size,
+            max_batch_size=opts.limits.max_decode_batch,
             max_batch_tokens=c.max_batch_tokens,
             chunk_size=c.chunk_size,
         )

@@ -231,10 +231,10 @@ def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
 
 def sim_options(cfg: CheckConfig, latency: LatencyProvider, plan: DeploymentPlan) -> SimOptions:
     engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
-    return SimOptions(
+    return SimOptions.planning(
         block_size=cfg.block_size,
         max_decode_batch=cfg.max_decode_batch,
-        colocated_batch_tokens=latency.prefill_token_budget(engine, plan.instances[0].tp),
+        max_batch_tokens=latency.prefill_token_budget(engine, plan.instances[0].tp),
         stop_early=False,
     )
 

@@ -24,18 +24,17 @@ def test_server_and_simulator_defaults_are_the_limits() -> None:
     # "What the memory holds" (None) is a planner value: a running server needs a number of blocks.
     with pytest.raises(ValueError, match="num_kv_blocks"):
         ControllerConfig(limits=ServingLimits(num_kv_blocks=None))
+    # The simulator composes the limits too: the serving defaults, the KV left to the device's memory.
     o = SimOptions()
-    assert (o.block_size, o.max_decode_batch, o.prefill_buffer_slots) == (
-        DEFAULT_LIMITS.block_size,
-        DEFAULT_LIMITS.max_decode_batch,
-        DEFAULT_LIMITS.prefill_buffer_slots,
-    )
-    # The token cap left to the profile resolves to the default without one; the KV to the device's memory.
+    assert o.limits == dataclasses.replace(DEFAULT_LIMITS, num_kv_blocks=None)
+    # The token cap left to the profile resolves to the default without one.
     lp = LatencyProvider(get_config("opt-13b"), get_device("a100-80gb"))
-    assert o.max_batch_tokens is None and lp.engine_token_cap("disagg", 1) == DEFAULT_LIMITS.max_batch_tokens
-    assert o.num_kv_blocks is None
+    assert o.profile_token_cap and lp.profile_token_cap("disagg", 1) is None
+    assert o.token_cap(lp.profile_token_cap("disagg", 1)) == DEFAULT_LIMITS.max_batch_tokens
+    assert o.token_cap(4096) == 4096  # a profile's cap replaces the default ...
+    assert SimOptions.planning(max_batch_tokens=100).token_cap(4096) == 100  # ... unless one is given
     # The same options from the limits, and back.
-    assert SimOptions.from_limits(DEFAULT_LIMITS).limits() == DEFAULT_LIMITS
+    assert SimOptions.from_limits(DEFAULT_LIMITS).served_limits(DEFAULT_LIMITS.max_batch_tokens) == DEFAULT_LIMITS
 
 
 @pytest.mark.parametrize("command", ["plan", "simulate"])

@@ -78,7 +78,7 @@ def test_the_hand_numbers_are_the_models() -> None:
 def test_simulator_pipelines_prefill_batches() -> None:
     plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
     w = Workload(np.zeros(3), np.full(3, PROMPT), np.ones(3, dtype=np.int64), rate=1.0)
-    r = simulate(plan, LATENCY, CLUSTER, w, None, SimOptions(mode="prefill", max_batch_tokens=PROMPT))
+    r = simulate(plan, LATENCY, CLUSTER, w, None, SimOptions.planning(mode="prefill", max_batch_tokens=PROMPT))
     starts, firsts = _expected()
     np.testing.assert_allclose(r.prefill_start_at, starts, rtol=1e-9)
     np.testing.assert_allclose(r.first_token_at, firsts, rtol=1e-9)
