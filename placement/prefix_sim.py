@@ -414,10 +414,13 @@ class PrefixSimulator(Simulator):
         super()._on_round_done(k)
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
-        cache = self.decode_caches[k]
+        return self._release_finished(self.decode_caches[k], i)
+
+    def _release_finished(self, cache: PrefixCache, i: int) -> int:
+        """Blocks freed when request i finishes: its prompt and answer stay cached (the last token has no KV)."""
         before = cache.num_available
         answer = self.requests.answers[i]
-        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
+        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))
         cache.release(str(i))
         self._finished(i)
         return cache.num_available - before
@@ -450,13 +453,7 @@ class PrefixSimulator(Simulator):
         self.colocated_caches[k].commit(str(i), self._prompt(i), self._prompt_names(i))
 
     def _release_colocated_blocks(self, k: int, i: int) -> int:
-        cache = self.colocated_caches[k]
-        before = cache.num_available
-        answer = self.requests.answers[i]
-        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
-        cache.release(str(i))
-        self._finished(i)
-        return cache.num_available - before
+        return self._release_finished(self.colocated_caches[k], i)
 
 
 def simulate_prefix(
