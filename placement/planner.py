@@ -19,6 +19,7 @@ from jaxserve.core.plan import DeploymentPlan, PlanError
 from placement.latency import kv_capacity_tokens
 from placement.search import (
     Candidate,
+    Evaluated,
     Job,
     Key,
     SearchContext,
@@ -124,11 +125,13 @@ def choose_plan(
     seeds: int = 2,
     interval_top: int = 3,
     prune: bool = True,
+    cache: Evaluated | None = None,
 ) -> PlanReport:
     """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them.
 
     With `prune` candidates that provably cannot be picked (nor be among the `interval_top` leaders) are
-    not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`."""
+    not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`. `cache` carries
+    simulated candidates between calls on the same workload, SLOs and options (`evaluate_all`)."""
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive")
     cluster, latency = ctx.cluster, ctx.latency
@@ -160,7 +163,7 @@ def choose_plan(
             first += coloc
             prunable.update(_competing(coloc))
     keep = max(1, interval_top)
-    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster)
+    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster, cache)
     if kind != "colocated" and affinity == "high":
         try:
             disagg = algorithm1(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
@@ -180,7 +183,7 @@ def choose_plan(
         disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=False)
         if verify:  # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
             second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
-    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep))
+    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep, cache=cache))
     if kind != "colocated" and affinity == "low":
         try:
             disagg = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)

@@ -97,6 +97,7 @@ def evaluate_all(
     prunable: Mapping[Key, frozenset[Key]] | None = None,
     keep: int = 1,
     cluster: ClusterSpec | None = None,
+    cache: Evaluated | None = None,
 ) -> Evaluated:
     """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
     pool); the searches then take their candidates from the result (their `evaluated` argument).
@@ -114,8 +115,14 @@ def evaluate_all(
     for the same inputs and `workers` the same candidates are skipped on every run; a skipped one could
     not have been picked, so the searches choose what they would have chosen without pruning. Skipped
     candidates carry their bound (`Candidate.pruned`).
+
+    `cache`, shared by several calls over the same workload, SLOs and simulator options (the unit searches of
+    `placement.cluster_plan`), holds what earlier calls simulated: a job found there is not run again (its
+    result also counts as a rival for pruning), and this call's simulated candidates are added to it.
     """
-    unique = list({job_key(j): j for j in jobs}.values())
+    every = list({job_key(j): j for j in jobs}.values())
+    known = {job_key(j): cache[job_key(j)] for j in every if cache is not None and job_key(j) in cache}
+    unique = [j for j in every if job_key(j) not in known]
     prunable = prunable or {}
     bounds = {job_key(j): job_bound_per_device(j) for j in unique if job_key(j) in prunable}
     by_kind: dict[str, list[Job]] = {}
@@ -142,7 +149,7 @@ def evaluate_all(
 
     def skip(i: int) -> bool:  # sees the jobs at least `lag` places before job i (all yielded by now)
         key = job_key(sequence[i])
-        seen = {job_key(sequence[n]): results[n] for n in range(i - lag + 1)}
+        seen = {**known, **{job_key(sequence[n]): results[n] for n in range(i - lag + 1)}}
         return bounds[key] * (1 + 1e-6) < _prune_threshold(sequence[i][1], seen, prunable[key], keep, cluster)
 
     with WorkerPool(workers) as pool:
@@ -151,7 +158,10 @@ def evaluate_all(
             if progress:
                 progress(len(results), len(sequence))
     evaluated = {job_key(sequence[i]): c for i, c in results.items()}
-    return {job_key(j): evaluated[job_key(j)] for j in unique}
+    if cache is not None:  # a pruned candidate was skipped for rivals of this call only: never reuse it
+        cache.update((k, c) for k, c in evaluated.items() if not c.pruned)
+    evaluated.update(known)
+    return {job_key(j): evaluated[job_key(j)] for j in every}
 
 
 def _pruned(job: Job, bound_per_device: float) -> Candidate:
