@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -162,8 +162,12 @@ def plan_cluster(
                     f"rate {rate:g} rps needs more than the {slots} unit(s) of {nodes} node(s) the cluster holds "
                     f"({g_unit:.3g} rps each)"
                 )
-            rest = search(nodes, unit.plan.kind, remaining, samples=False)
-            why += f"; the {remaining:.3g} rps left: {rest.plan.describe()} ({rest.goodput_rps:.3g} rps)"
+            try:
+                rest = search(nodes, unit.plan.kind, remaining, samples=False)
+                why += f"; the {remaining:.3g} rps left: {rest.plan.describe()} ({rest.goodput_rps:.3g} rps)"
+            except PlanError as e:  # nothing smaller fits one unit's nodes: a whole unit carries the rest
+                copies += 1
+                why += f"; one more whole unit for the {remaining:.3g} rps left (no smaller plan: {e})"
     instances: list[InstanceSpec] = []
     for k in range(copies):
         instances += shift_plan(unit.plan, k * nodes, cluster.devices_per_node)
@@ -214,19 +218,19 @@ def bounded_check(ctx: SearchContext, unit: DeploymentPlan, unit_nodes: int, uni
     return max_rate(search, ctx.rel_tol) / plan.num_devices
 
 
-def plan_unit(plan: DeploymentPlan) -> tuple[DeploymentPlan, int]:
-    """(unit, k): the largest k such that the plan is k copies of one set of instances (the same count of
-    every role and shape in each), and that set — the first count/k instances of each role and shape in plan
-    order, their placement kept. k = 1 when the plan has no such structure."""
+def plan_unit(plan: DeploymentPlan, units: int = 1) -> tuple[DeploymentPlan, int]:
+    """(part, k): k is the largest count such that the plan is k copies of one set of instances (the same
+    count of every role and shape in each); `part` is `units` of those sets — the first units·count/k
+    instances of each role and shape in plan order, their placement kept. k = 1 when the plan has no such
+    structure (then `part` is the plan)."""
     shapes: dict[tuple[str, str], list[InstanceSpec]] = {}
     for inst in plan.instances:
         shapes.setdefault((inst.role, inst.shape), []).append(inst)
     k = math.gcd(*(len(v) for v in shapes.values()))
-    if k <= 1:
-        return plan, 1
-    keep: Sequence[InstanceSpec] = [i for group in shapes.values() for i in group[: len(group) // k]]
-    unit = DeploymentPlan(tuple(keep), model=plan.model, limits=plan.limits)
-    return unit, k
+    if k <= 1 or units >= k:
+        return plan, k
+    keep = [i for group in shapes.values() for i in group[: units * len(group) // k]]
+    return DeploymentPlan(tuple(keep), model=plan.model, limits=plan.limits), k
 
 
 def replicated_workload(workload: Workload, copies: int, seed: int) -> Workload:
