@@ -195,8 +195,9 @@ def scale(args: argparse.Namespace) -> None:
             expected = plan["expected"]
             assert isinstance(expected, dict)
             pd = float(expected["goodput_rps_per_device"])
-            alone = float(expected.get("search_goodput_rps", expected["goodput_rps"])) / (
-                float(expected["goodput_rps"]) / pd
+            devices = float(expected["goodput_rps"]) / pd
+            alone = (
+                float(expected["search_goodput_rps"] if "search_goodput_rps" in expected else pd * devices) / devices
             )
             if name == "units":
                 per_device[nodes], plans[nodes] = alone, plan
