@@ -108,7 +108,8 @@ class GoodputSearch:
             prefill_s = min(prefill_stage0_s(model, overhead, b, mean_in) for b in (budget, capped))
             blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.limits.block_size
             per_request_blocks = math.ceil((mean_in + mean_out) / opts.limits.block_size)
-            max_batch = max(1, min(opts.limits.max_decode_batch, int(blocks // per_request_blocks)))
+            decode_cap = opts.decode_batch_cap(self.latency.profile_decode_batch(engine))
+            max_batch = max(1, min(decode_cap, int(blocks // per_request_blocks)))
             # Best decode throughput over batch sizes (a larger batch is not always faster per token).
             sizes = (
                 {int(b) for b in np.geomspace(1, max_batch, 24)} | {max_batch} | {b for b in (94, 95) if b <= max_batch}

@@ -408,6 +408,14 @@ class Profile:
     # Entries fitted in the engine's padded shapes (`engine_padding`, see placement/padding.py): the
     # coefficients are per padded element, so instances built from them charge the padded batch.
     padding: dict[tuple[str, str, int], EnginePadding] = dataclasses.field(default_factory=dict)
+    # The limits the profiled engines ran with, by engine kind (`engine_limits`): running sequences a decode /
+    # colocated instance holds (`max_decode_batch`); what the measurements and the planning assume of them.
+    decode_batch: dict[str, int] = dataclasses.field(default_factory=dict)
+    limits_source: str | None = None  # where those limits come from (a script, a command line)
+
+    def max_decode_batch(self, engine: DeploymentKind) -> int | None:
+        """The decode batch cap the profiled `engine` ran with (None: the profile does not say)."""
+        return self.decode_batch.get(engine)
 
     def padding_of(self, engine: DeploymentKind, model: str, tp: int) -> EnginePadding | None:
         for key in ((engine, model, tp), ("any", model, tp)):
@@ -499,13 +507,40 @@ class Profile:
                 if isinstance(e, ProfileError):
                     raise
                 raise ProfileError(f"profile entry {i} is malformed: {e}") from None
+        decode_batch, limits_source = _engine_limits(raw.get("engine_limits"))
         return cls(
             name=str(raw.get("name", "profile")),
             device=raw.get("device"),
             folded=folded,
             appendix=appendix,
             padding=padding,
+            decode_batch=decode_batch,
+            limits_source=limits_source,
         )
+
+
+def _engine_limits(raw: object) -> tuple[dict[str, int], str | None]:
+    """`engine_limits`: {"disagg": {"max_decode_batch": N}, "colocated": {...}, "source": "..."} (all optional)."""
+    if raw is None:
+        return {}, None
+    if not isinstance(raw, dict):
+        raise ProfileError("engine_limits must be an object of engine kinds")
+    caps: dict[str, int] = {}
+    for engine, limits in raw.items():
+        if engine == "source":
+            continue
+        kind = _KIND_ALIASES.get(engine, engine)
+        if kind not in ("disagg", "colocated") or not isinstance(limits, dict) or set(limits) - {"max_decode_batch"}:
+            raise ProfileError(
+                f"engine_limits.{engine}: engine kinds are disagg and colocated, each with only max_decode_batch"
+            )
+        value = limits.get("max_decode_batch")
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProfileError(f"engine_limits.{engine}.max_decode_batch must be an integer >= 1, got {value!r}")
+            caps[kind] = value
+    source = raw.get("source")
+    return caps, str(source) if source is not None else None
 
 
 def _triple(value: Sequence[float]) -> tuple[float, float, float]:
@@ -594,6 +629,10 @@ class LatencyProvider:
         """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""
         cap = self.profile_token_cap(engine, tp)
         return cap if cap is not None else DEFAULT_LIMITS.max_batch_tokens
+
+    def profile_decode_batch(self, engine: DeploymentKind) -> int | None:
+        """The decode batch cap the profile's `engine` ran with (None: no profile, or it does not say)."""
+        return self.profile.max_decode_batch(engine) if self.profile is not None else None
 
     def profile_token_cap(self, engine: DeploymentKind, tp: int) -> int | None:
         """The token cap of a prefill step the profile measured its engine with (None: it says none)."""

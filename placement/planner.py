@@ -96,10 +96,12 @@ class PlanReport:
 
 def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
     """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
-    instance's memory holds when the options left them to the device (the server applies one number to all)."""
+    instance's memory holds when the options left them to the device (the server applies one number to all);
+    the token and decode batch caps the profile's engines ran with where the options took them from it."""
     opts = ctx.options
     caps = {opts.token_cap(ctx.latency.profile_token_cap(plan.kind, i.tp)) for i in plan.instances}
-    limits = opts.served_limits(token_cap=min(caps))
+    decode_batch = opts.decode_batch_cap(ctx.latency.profile_decode_batch(plan.kind))
+    limits = opts.served_limits(token_cap=min(caps), decode_batch=decode_batch)
     if limits.num_kv_blocks is None:
         blocks = min(
             kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // limits.block_size

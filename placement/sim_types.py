@@ -27,14 +27,20 @@ class SimOptions:
     """The simulated engine: the serving limits it runs with (`jaxserve/core/limits.py`, the runtime's own
     knobs, composed whole) and how the simulation runs.
 
-    Two limits may be left to the hardware model: `limits.num_kv_blocks=None` gives each instance the KV its
-    device memory holds, and `profile_token_cap` takes the engine token cap of a prefill step from the profile
-    (its cap for the instance's engine and tp, when it has one) instead of `limits.max_batch_tokens`.
+    Three limits may be left to the hardware model and the profile: `limits.num_kv_blocks=None` gives each
+    instance the KV its device memory holds, `profile_token_cap` takes the engine token cap of a prefill step
+    from the profile (its cap for the instance's engine and tp, when it has one) instead of
+    `limits.max_batch_tokens`, and `profile_decode_batch` the running-sequence cap of a decode / colocated
+    instance from the profile's engine limits instead of `limits.max_decode_batch`.
     """
 
     limits: ServingLimits = PLANNER_LIMITS
     # a prefill step's token cap from the profile when it has one (the planner's default); False: the limits'
     profile_token_cap: bool = True
+    # a decode / colocated instance's running-sequence cap from the profile's engine limits when it has them
+    # (what `jaxserve plan` / `simulate` do without --max-decode-batch: plan for the engines the profile
+    # measured); False, the library's default: `limits.max_decode_batch`, the serving engine's cap
+    profile_decode_batch: bool = False
     # False: a prefill instance holds prefilled sequences until its KV memory is full, whatever
     # `limits.prefill_buffer_slots` says (a bound the simulator tests take away)
     bounded_prefill_buffer: bool = True
@@ -46,12 +52,17 @@ class SimOptions:
         """The planner's engine (`PLANNER_LIMITS`) with some limits changed; a `max_batch_tokens` given
         replaces the profile's token cap."""
         limits = dataclasses.replace(PLANNER_LIMITS, **changes)  # type: ignore[arg-type]
-        return cls(limits, profile_token_cap="max_batch_tokens" not in changes, mode=mode, stop_early=stop_early)
+        return cls(
+            limits,
+            profile_token_cap="max_batch_tokens" not in changes,
+            mode=mode,
+            stop_early=stop_early,
+        )
 
     @classmethod
     def from_limits(cls, limits: ServingLimits, mode: SimMode = "full", stop_early: bool = True) -> SimOptions:
-        """The simulated engine of a server run with `limits` (its token cap as given, never the profile's)."""
-        return cls(limits, profile_token_cap=False, mode=mode, stop_early=stop_early)
+        """The simulated engine of a server run with `limits` (its caps as given, never the profile's)."""
+        return cls(limits, profile_token_cap=False, profile_decode_batch=False, mode=mode, stop_early=stop_early)
 
     def token_cap(self, profile_cap: int | None) -> int:
         """A prefill step's token cap on an instance whose profile says `profile_cap` (None: it says none)."""
@@ -59,9 +70,18 @@ class SimOptions:
             return profile_cap
         return self.limits.max_batch_tokens
 
-    def served_limits(self, token_cap: int) -> ServingLimits:
-        """The serving limits this simulation assumed, with the token cap it charged (`token_cap`)."""
-        return dataclasses.replace(self.limits, max_batch_tokens=token_cap)
+    def decode_batch_cap(self, profile_cap: int | None) -> int:
+        """Running sequences per decode / colocated instance when the profile's engine ran with `profile_cap`."""
+        if self.profile_decode_batch and profile_cap is not None:
+            return profile_cap
+        return self.limits.max_decode_batch
+
+    def served_limits(self, token_cap: int, decode_batch: int | None = None) -> ServingLimits:
+        """The serving limits this simulation assumed, with the token cap it charged (`token_cap`) and the decode
+        batch cap it applied (`decode_batch`; None: the limits')."""
+        return dataclasses.replace(
+            self.limits, max_batch_tokens=token_cap, max_decode_batch=decode_batch or self.limits.max_decode_batch
+        )
 
 
 @dataclasses.dataclass

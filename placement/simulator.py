@@ -246,6 +246,9 @@ class Simulator:
             getattr(cls, name) is getattr(Simulator, name)
             for name in ("_decode_round_s", "_on_round_done", "_start_round")
         )
+        engine: DeploymentKind = "colocated" if self.plan.kind == "colocated" else "disagg"
+        # running sequences per decode / colocated instance: the profile's engine's cap, else the limit
+        self.max_decode_batch = self.options.decode_batch_cap(latency.profile_decode_batch(engine))
         if self.plan.kind == "colocated":
             self.colocated = [
                 _Colocated(
@@ -495,7 +498,7 @@ class Simulator:
         if not d.pending:
             return
         num_running = d.num_running + len(d.joining) + d.num_transferring
-        room = self.options.limits.max_decode_batch - num_running
+        room = self.max_decode_batch - num_running
         if room <= 0:
             return
         head = [d.pending[j][0] for j in range(min(room, len(d.pending)))]
@@ -503,7 +506,7 @@ class Simulator:
             head,
             num_free_blocks=d.free_blocks,
             num_running=num_running,
-            max_batch_size=self.options.limits.max_decode_batch,
+            max_batch_size=self.max_decode_batch,
             block_size=self.options.limits.block_size,
         )
         for reservation in admission.admitted:
@@ -727,14 +730,14 @@ class Simulator:
             return
         opts = self.options
         budget = max(c.max_batch_tokens, c.chunk_size or 0)
-        head = list(itertools.islice(c.waiting, min(budget, opts.limits.max_decode_batch)))
+        head = list(itertools.islice(c.waiting, min(budget, self.max_decode_batch)))
         records = c.records
         reqs = [records[i] for i in c.admitted] + [records[i] for i in head]
         step = schedule_colocated(
             reqs,
             num_free_blocks=c.free_blocks,
             block_size=opts.limits.block_size,
-            max_batch_size=opts.limits.max_decode_batch,
+            max_batch_size=self.max_decode_batch,
             max_batch_tokens=c.max_batch_tokens,
             chunk_size=c.chunk_size,
         )

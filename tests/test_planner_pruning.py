@@ -16,7 +16,13 @@ def _ctx(model: str, profile: str | None, nodes: int, per_node: int, workload: s
     latency = build_latency(model, "a100-80gb", profile)
     cluster = build_cluster(latency, nodes, per_node)
     return SearchContext(
-        latency, cluster, build_base_workload(workload, latency, n), SloSpec(ttft, tpot), build_options()
+        latency,
+        cluster,
+        build_base_workload(workload, latency, n),
+        SloSpec(ttft, tpot),
+        # the serving default decode cap, which the recorded plans below were made with (the profile's 1024 lets
+        # nearly every candidate's bound stay above the leaders, so little is pruned)
+        build_options(max_decode_batch=32),
     )
 
 

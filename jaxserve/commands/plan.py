@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxserve.core.plan import DeploymentPlan
+    from placement.latency import LatencyProvider
     from placement.search import SearchContext
 
 
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
     print(f"why: {report.why}; {report.result.reason}")
+    print(_assumed_limits(plan, latency, flagged=args.max_decode_batch is not None))
     if scaled.replicated:
         print(f"over the cluster: {scaled.why}")
     lead = report.lead()
@@ -228,6 +230,23 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         print(f"plan written to {args.output}")
     return 0
+
+
+def _assumed_limits(plan: DeploymentPlan, latency: LatencyProvider, flagged: bool) -> str:
+    """Which engine caps the plan assumed, and where the decode batch cap came from."""
+    limits, profile = plan.limits, latency.profile
+    assert limits is not None
+    role = "colocated" if plan.kind == "colocated" else "decode"
+    if flagged:
+        source = "--max-decode-batch"
+    elif profile is not None and latency.profile_decode_batch(plan.kind) is not None:
+        source = f"the {plan.kind} engines of profile {profile.name} ({profile.limits_source or 'no source given'})"
+    else:
+        source = "the serving default (no profile limits)"
+    return (
+        f"assumed: at most {limits.max_decode_batch} running sequences per {role} instance, from {source}; "
+        f"{limits.max_batch_tokens} tokens per prefill step; {limits.num_kv_blocks} KV blocks"
+    )
 
 
 def _emit_json(args: argparse.Namespace, plan: DeploymentPlan) -> bool:
