@@ -32,6 +32,7 @@ from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from placement.candidates import Evaluated, SearchContext
 from placement.goodput import GoodputSearch, max_rate
 from placement.planner import Affinity, PlanKind, PlanReport, choose_plan, planned_limits
+from placement.search import instance_shapes
 from placement.workload import Workload, arrival_times
 
 DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~2 s on 2 cores
@@ -130,7 +131,8 @@ def plan_cluster(
             unit = search(nodes, kind, None if nodes < cluster.num_nodes else rate, samples=True)
             break
         except PlanError:
-            if nodes >= cluster.num_nodes:
+            # a larger unit helps only a model that fits no instance on this one; an SLO no shape meets is final
+            if nodes >= cluster.num_nodes or _fits_unit(ctx, nodes):
                 raise
             nodes = min(2 * nodes, cluster.num_nodes)
     if nodes == cluster.num_nodes:  # the cluster is one unit: the search's own plan
@@ -216,6 +218,14 @@ def bounded_check(ctx: SearchContext, unit: DeploymentPlan, unit_nodes: int, uni
     workload = replicated_workload(ctx.workload, units, seed)
     search = GoodputSearch(plan, ctx.latency, slice_ctx.cluster, workload, ctx.slo, ctx.options)
     return max_rate(search, ctx.rel_tol) / plan.num_devices
+
+
+def _fits_unit(ctx: SearchContext, nodes: int) -> bool:
+    """Whether a colocated instance or a prefill + decode pair of the model fits on `nodes` nodes."""
+    unit = unit_context(ctx, nodes)
+    devices = unit.cluster.num_devices
+    smallest = min((tp * pp for tp, pp in instance_shapes(unit, "disagg", devices)), default=devices + 1)
+    return 2 * smallest <= devices or bool(instance_shapes(unit, "colocated", ctx.cluster.devices_per_node))
 
 
 def plan_unit(plan: DeploymentPlan, units: int = 1) -> tuple[DeploymentPlan, int]:

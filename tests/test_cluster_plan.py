@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,13 @@ def test_plan_unit_finds_the_repeated_set() -> None:
     assert k == 3 and [i.role for i in unit.instances] == ["prefill", "decode", "decode"]
     same, one = plan_unit(DeploymentPlan((p, p, d)))
     assert one == 1 and same.instances == (p, p, d)
+
+
+def test_slos_no_unit_meets_fail_at_once_and_a_model_too_large_for_a_unit_gets_a_larger_one() -> None:
+    ctx = dataclasses.replace(_ctx(64), slo=SloSpec(0.001, 0.001))
+    with pytest.raises(PlanError):  # no search of the whole 64 nodes: the unit's answer is final
+        plan_cluster(ctx, kind="colocated", check_units=0)
+    # OPT-175B needs more than one A100 per instance: on nodes of 2 devices a unit of 1 node fits nothing
+    small = SearchContext(OPT175, ClusterSpec(A100, 8, 2), base_workload("sharegpt", 100, 0), SloSpec(8, 0.4))
+    report = plan_cluster(small, kind="disagg", unit_nodes=1, check_units=0)
+    assert report.unit_nodes > 1 and report.plan.num_devices <= 16
