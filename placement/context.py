@@ -114,6 +114,4 @@ def build_options(
         num_kv_blocks=num_kv_blocks,
         prefill_buffer_slots=prefill_buffer_slots,
     )
-    return SimOptions(
-        limits, profile_token_cap=max_batch_tokens is None, profile_decode_batch=max_decode_batch is None
-    )
+    return SimOptions(limits, profile_token_cap=max_batch_tokens is None, profile_decode_batch=max_decode_batch is None)
