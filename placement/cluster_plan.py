@@ -201,6 +201,8 @@ def plan_cluster(
         "rest_devices": float(rest.plan.num_devices if rest is not None else 0),
         "idle_devices": float(idle),
     }
+    if rate is not None:
+        expected["target_rate_rps"] = rate
     plan = dataclasses.replace(plan, expected=expected, limits=planned_limits(plan, ctx))
     why += f"; {idle} of {cluster.num_devices} devices idle"
     return ClusterPlanReport(plan, unit, nodes, copies, rest, idle, goodput, why, replicated, checked)
