@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from models.config import get_model_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
@@ -90,13 +90,14 @@ def build_base_workload(
 
 
 def build_options(
-    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch,
+    max_decode_batch: int | None = None,
     block_size: int = DEFAULT_LIMITS.block_size,
     prefill_buffer_slots: int = DEFAULT_LIMITS.prefill_buffer_slots,
     max_batch_tokens: int | None = None,
     num_kv_blocks: int | None = None,
 ) -> SimOptions:
-    """The simulated engine's limits (None: the profile's token cap, the device memory's KV)."""
+    """The simulated engine's limits (None: the profile's engine caps, else the serving defaults; the device
+    memory's KV)."""
     for name, value in (
         ("max-decode-batch", max_decode_batch),
         ("block-size", block_size),
@@ -106,10 +107,11 @@ def build_options(
     ):
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be >= 1")
-    return SimOptions(
+    limits = ServingLimits(
         block_size=block_size,
-        max_decode_batch=max_decode_batch,
-        max_batch_tokens=max_batch_tokens,
+        max_decode_batch=max_decode_batch or DEFAULT_LIMITS.max_decode_batch,
+        max_batch_tokens=max_batch_tokens or DEFAULT_LIMITS.max_batch_tokens,
         num_kv_blocks=num_kv_blocks,
         prefill_buffer_slots=prefill_buffer_slots,
     )
+    return SimOptions(limits, profile_token_cap=max_batch_tokens is None, profile_decode_batch=max_decode_batch is None)

@@ -22,7 +22,7 @@ from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider, StageLatency, StepOverhead, kv_capacity_tokens
 from placement.simulator import SimOptions, simulate
 from placement.slo import SloSpec
-from placement.step_cost import decode_step_s, mixed_step_s, prefill_step_s
+from placement.step_time import decode_step_s, mixed_step_s, prefill_step_s
 from placement.workload import Workload, generate, get_length_distribution
 
 MIN_RATE = 1e-3  # rps; below this a deployment is reported as having no goodput
@@ -56,7 +56,7 @@ class GoodputSearch:
 
         Each prompt is prefilled alone on the fastest prefill-capable instance and each request decodes
         alone (batch 1) on the fastest decode-capable one, each step charged as the simulator charges it
-        (`placement/step_cost.py`: the kernels and the profile's step overhead); transfers and queues are
+        (`placement/step_time.py`: the kernels and the profile's step overhead); transfers and queues are
         taken as free.
         """
         from placement.slo import attainment
@@ -90,7 +90,7 @@ class GoodputSearch:
         does the step's host work (the profile's step overhead). Decode: the best tokens per second over
         batch sizes that memory and `max_decode_batch` allow, each round charged with its step overhead.
         Colocated: each request costs its prompt step's share plus its share of decode rounds at that
-        batch. Every step is charged what the simulator charges it (`placement/step_cost.py`). A finite
+        batch. Every step is charged what the simulator charges it (`placement/step_time.py`). A finite
         trace can pass at any rate once the rate is high enough that it arrives as one burst, so
         `max_rate` never searches above this bound.
         """
@@ -103,16 +103,13 @@ class GoodputSearch:
             model = self.latency.instance(engine, inst.tp, inst.pp)
             overhead = self.latency.step_overhead(engine, inst.tp)
             budget = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
-            cap = (
-                opts.max_batch_tokens
-                if opts.max_batch_tokens is not None
-                else self.latency.engine_token_cap(engine, inst.tp)
-            )
+            cap = opts.token_cap(self.latency.profile_token_cap(engine, inst.tp))
             capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step
             prefill_s = min(prefill_stage0_s(model, overhead, b, mean_in) for b in (budget, capped))
-            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.block_size
-            per_request_blocks = math.ceil((mean_in + mean_out) / opts.block_size)
-            max_batch = max(1, min(opts.max_decode_batch, int(blocks // per_request_blocks)))
+            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.limits.block_size
+            per_request_blocks = math.ceil((mean_in + mean_out) / opts.limits.block_size)
+            decode_cap = opts.decode_batch_cap(self.latency.profile_decode_batch(engine))
+            max_batch = max(1, min(decode_cap, int(blocks // per_request_blocks)))
             # Best decode throughput over batch sizes (a larger batch is not always faster per token).
             sizes = (
                 {int(b) for b in np.geomspace(1, max_batch, 24)} | {max_batch} | {b for b in (94, 95) if b <= max_batch}

@@ -57,7 +57,7 @@ JSON, one object::
         {"engine": "any", "model": "opt-13b", "tp": 2,
          "C1": s_per_mac, "C2": s_per_elem, "C3": s, "C4": s_per_elem, "C5": s_per_elem,
          "C6": s,                             # optional, decode overhead (default C3)
-         "block_size": 16,                    # optional, FlashAttention block b (default 16)
+         "attention_tile": 16,                # optional, FlashAttention tile b (default 16; older files: "block_size")
          "allreduce_s_per_byte": x,           # optional; default from the device link bandwidth
          "L_m": 512,                          # optional, prefill token budget that saturates the device
          "engine_padding": {...},             # optional: fitted in the engine's padded shapes (padding.py)
@@ -105,9 +105,8 @@ from placement.stage_latency import StageLatency
 
 DeploymentKind = Literal["disagg", "colocated"]  # the plan's kinds (`DeploymentPlan.kind`)
 _KIND_ALIASES = {"dist": "disagg", "coloc": "colocated"}  # profile files written before the rename
-DEFAULT_BLOCK_SIZE = 16  # FlashAttention block b
+DEFAULT_ATTENTION_TILE = 16  # FlashAttention tile b (tokens): a kernel constant of the formula, not the KV page
 DEFAULT_PREFILL_TOKENS = 512  # L_m: the paper's saturation point for a 13B model on an A100
-DEFAULT_KV_BLOCK_TOKENS = 16  # paged KV block size used for capacity in blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +253,7 @@ class AppendixCoefficients:
     C4: float
     C5: float
     C6: float | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
+    attention_tile: int = DEFAULT_ATTENTION_TILE  # FlashAttention tile b of the C2/C5 terms
     allreduce_s_per_byte: float | None = None
     prefill_tokens: int | None = None  # L_m
     max_batch_tokens: int | None = None  # the engine's token cap per prefill step
@@ -304,7 +303,7 @@ class AppendixModel:
         object.__setattr__(self, "_ar_per_token", ar_per_token)
         object.__setattr__(self, "_ar_fixed", ar_fixed)
         factor, q_width = attention_factor(cfg, tp), cfg.num_heads * cfg.head_dim / tp  # OPT: 3, h/tp
-        object.__setattr__(self, "_attn_prefill", c.C2 * factor * q_width / c.block_size)
+        object.__setattr__(self, "_attn_prefill", c.C2 * factor * q_width / c.attention_tile)
         object.__setattr__(self, "_attn_decode", layers * c.C5 * factor * q_width)
         object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
         object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
@@ -409,6 +408,14 @@ class Profile:
     # Entries fitted in the engine's padded shapes (`engine_padding`, see placement/padding.py): the
     # coefficients are per padded element, so instances built from them charge the padded batch.
     padding: dict[tuple[str, str, int], EnginePadding] = dataclasses.field(default_factory=dict)
+    # The limits the profiled engines ran with, by engine kind (`engine_limits`): running sequences a decode /
+    # colocated instance holds (`max_decode_batch`); what the measurements and the planning assume of them.
+    decode_batch: dict[str, int] = dataclasses.field(default_factory=dict)
+    limits_source: str | None = None  # where those limits come from (a script, a command line)
+
+    def max_decode_batch(self, engine: DeploymentKind) -> int | None:
+        """The decode batch cap the profiled `engine` ran with (None: the profile does not say)."""
+        return self.decode_batch.get(engine)
 
     def padding_of(self, engine: DeploymentKind, model: str, tp: int) -> EnginePadding | None:
         for key in ((engine, model, tp), ("any", model, tp)):
@@ -468,7 +475,10 @@ class Profile:
                         C4=float(entry["C4"]),
                         C5=float(entry["C5"]),
                         C6=float(entry["C6"]) if entry.get("C6") is not None else None,
-                        block_size=int(entry.get("block_size", DEFAULT_BLOCK_SIZE)),
+                        # "block_size": the key profiles written before the tile got its own name used
+                        attention_tile=int(
+                            entry.get("attention_tile", entry.get("block_size", DEFAULT_ATTENTION_TILE))
+                        ),
                         allreduce_s_per_byte=(
                             float(entry["allreduce_s_per_byte"])
                             if entry.get("allreduce_s_per_byte") is not None
@@ -497,13 +507,40 @@ class Profile:
                 if isinstance(e, ProfileError):
                     raise
                 raise ProfileError(f"profile entry {i} is malformed: {e}") from None
+        decode_batch, limits_source = _engine_limits(raw.get("engine_limits"))
         return cls(
             name=str(raw.get("name", "profile")),
             device=raw.get("device"),
             folded=folded,
             appendix=appendix,
             padding=padding,
+            decode_batch=decode_batch,
+            limits_source=limits_source,
         )
+
+
+def _engine_limits(raw: object) -> tuple[dict[str, int], str | None]:
+    """`engine_limits`: {"disagg": {"max_decode_batch": N}, "colocated": {...}, "source": "..."} (all optional)."""
+    if raw is None:
+        return {}, None
+    if not isinstance(raw, dict):
+        raise ProfileError("engine_limits must be an object of engine kinds")
+    caps: dict[str, int] = {}
+    for engine, limits in raw.items():
+        if engine == "source":
+            continue
+        kind = _KIND_ALIASES.get(engine, engine)
+        if kind not in ("disagg", "colocated") or not isinstance(limits, dict) or set(limits) - {"max_decode_batch"}:
+            raise ProfileError(
+                f"engine_limits.{engine}: engine kinds are disagg and colocated, each with only max_decode_batch"
+            )
+        value = limits.get("max_decode_batch")
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProfileError(f"engine_limits.{engine}.max_decode_batch must be an integer >= 1, got {value!r}")
+            caps[kind] = value
+    source = raw.get("source")
+    return caps, str(source) if source is not None else None
 
 
 def _triple(value: Sequence[float]) -> tuple[float, float, float]:
@@ -582,7 +619,7 @@ class LatencyProvider:
                 b = coeffs.buckets
                 cfg = self.cfg  # L·3(h/tp) for OPT, as the Appendix form
                 width = attention_factor(cfg, tp) * cfg.num_layers * (cfg.num_heads * cfg.head_dim) / tp
-                base = BucketModel(b, b.C2 * width / coeffs.block_size, b.C5 * width, base.send_s, pp)
+                base = BucketModel(b, b.C2 * width / coeffs.attention_tile, b.C5 * width, base.send_s, pp)
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base
@@ -590,11 +627,20 @@ class LatencyProvider:
 
     def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
         """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""
+        cap = self.profile_token_cap(engine, tp)
+        return cap if cap is not None else DEFAULT_LIMITS.max_batch_tokens
+
+    def profile_decode_batch(self, engine: DeploymentKind) -> int | None:
+        """The decode batch cap the profile's `engine` ran with (None: no profile, or it does not say)."""
+        return self.profile.max_decode_batch(engine) if self.profile is not None else None
+
+    def profile_token_cap(self, engine: DeploymentKind, tp: int) -> int | None:
+        """The token cap of a prefill step the profile measured its engine with (None: it says none)."""
         if self.profile is not None:
             coeffs = self.profile.lookup(engine, self.model_name, tp)
             if coeffs is not None and coeffs.max_batch_tokens is not None:
                 return coeffs.max_batch_tokens
-        return DEFAULT_LIMITS.max_batch_tokens
+        return None
 
     def step_overhead(self, engine: DeploymentKind, tp: int) -> StepOverhead:
         """Host time per step (the profile's `step_overhead`; none without one)."""

@@ -31,7 +31,7 @@ PUBLIC_SIMULATOR_FIGURE1 = {"colocated": 1.67, "prefill_only": 11.56, "2p1d": 13
 PUBLIC_SIMULATOR_QUICKSTART_PER_GPU = 5.375 / 3
 # The engines of the paper's evaluation: batches bounded by KV memory, not by a sequence count (the public
 # simulator's decode batch is unbounded; vLLM's default max_num_seqs is 256); the KV from device memory.
-PAPER_OPTIONS = SimOptions(max_decode_batch=256)
+PAPER_OPTIONS = SimOptions.planning(max_decode_batch=256)
 
 
 def a100_opt13b() -> LatencyProvider:

@@ -19,6 +19,7 @@ from jaxserve.core.plan import DeploymentPlan, PlanError
 from placement.latency import kv_capacity_tokens
 from placement.search import (
     Candidate,
+    Evaluated,
     Job,
     Key,
     SearchContext,
@@ -95,13 +96,15 @@ class PlanReport:
 
 def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
     """The limits the plan was simulated with, the KV blocks made concrete: what the smallest decode / colocated
-    instance's memory holds when the options left them to the device (the server applies one number to all)."""
+    instance's memory holds when the options left them to the device (the server applies one number to all);
+    the token and decode batch caps the profile's engines ran with where the options took them from it."""
     opts = ctx.options
-    caps = {ctx.latency.engine_token_cap(plan.kind, i.tp) for i in plan.instances}
-    limits = opts.limits(default_batch_tokens=min(caps))
+    caps = {opts.token_cap(ctx.latency.profile_token_cap(plan.kind, i.tp)) for i in plan.instances}
+    decode_batch = opts.decode_batch_cap(ctx.latency.profile_decode_batch(plan.kind))
+    limits = opts.served_limits(token_cap=min(caps), decode_batch=decode_batch)
     if limits.num_kv_blocks is None:
         blocks = min(
-            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // opts.block_size
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // limits.block_size
             for i in plan.instances
             if i.role != "prefill"
         )
@@ -124,11 +127,13 @@ def choose_plan(
     seeds: int = 2,
     interval_top: int = 3,
     prune: bool = True,
+    cache: Evaluated | None = None,
 ) -> PlanReport:
     """The deployment to serve `ctx`'s workload under its SLOs; raises PlanError when none meets them.
 
     With `prune` candidates that provably cannot be picked (nor be among the `interval_top` leaders) are
-    not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`."""
+    not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`. `cache` carries
+    simulated candidates between calls on the same workload, SLOs and options (`evaluate_all`)."""
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive")
     cluster, latency = ctx.cluster, ctx.latency
@@ -140,27 +145,10 @@ def choose_plan(
     # or needs them (the joint check of Algorithm 1's plan).
     # A search needs its best few candidates exactly (its pick, the leaders given a range over seeds); the
     # others may be skipped once their throughput bound shows they cannot be among them (`evaluate_all`).
-    first: list[Job] = []
-    prunable: dict[Key, frozenset[Key]] = {}
     local_search = kind != "colocated" and (affinity == "low" or verify)  # Algorithm 2 runs
-    alg2_phases: list[Job] = []
-    if local_search:
-        with contextlib.suppress(PlanError):
-            alg2_phases = algorithm2_phase_jobs(ctx)
-    if kind != "colocated" and affinity == "high":
-        with contextlib.suppress(PlanError):  # that search raises it again below, where it is handled
-            alg1 = algorithm1_jobs(ctx)
-            first += alg1
-            # Algorithm 2's pairs start from their phases' goodputs: those are needed whatever they are
-            prunable.update(_competing(alg1, exclude=alg2_phases))
-    first += alg2_phases
-    if kind != "disagg" or compare_colocated:
-        with contextlib.suppress(PlanError):
-            coloc = colocated_jobs(ctx)
-            first += coloc
-            prunable.update(_competing(coloc))
+    first, prunable = _first_jobs(ctx, kind, affinity, local_search, compare_colocated)
     keep = max(1, interval_top)
-    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster)
+    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster, cache)
     if kind != "colocated" and affinity == "high":
         try:
             disagg = algorithm1(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
@@ -180,7 +168,7 @@ def choose_plan(
         disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=False)
         if verify:  # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
             second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
-    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep))
+    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep, cache=cache))
     if kind != "colocated" and affinity == "low":
         try:
             disagg = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
@@ -201,24 +189,12 @@ def choose_plan(
     disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
     disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
     if kind != "colocated" and affinity == "high" and verify:
-        # Algorithm 1 pairs phases judged alone, blind to the KV each pair must move. Every placement of
-        # Algorithm 2 (both phases' stages on one node, KV over NVLink) is allowed under high affinity too,
-        # and its pairs are judged jointly: take it when it serves more per device, so high affinity never
-        # returns less than low affinity on the same cluster.
-        try:
-            local = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
-            # with a target rate Algorithm 2 replicates pairs without counting nodes: more than fit is no plan
-            local_plan = assign_nodes(local.plan, cluster, pair_stages=True)
-        except PlanError:
-            local = None
-        if local is not None:
-            local_pd = local.goodput_rps / local_plan.num_devices
-            if disagg_plan is None or local_pd > disagg_pd * (1 + 1e-9):
-                prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
-                reason = f"{local.reason}; beats Algorithm 1's phase-wise pairing ({prior}) once KV transfers count"
-                disagg = dataclasses.replace(local, reason=reason)
-                disagg_plan, joint, disagg_rps, disagg_pd = local_plan, local.goodput_rps, local.goodput_rps, local_pd
-                failures = [f for f in failures if not f.startswith("disaggregated")]
+        better = _node_local_beats(ctx, rate, workers, progress, evaluated, disagg_plan, disagg_pd)
+        if better is not None:
+            disagg, disagg_plan = better
+            joint = disagg_rps = disagg.goodput_rps
+            disagg_pd = disagg_rps / disagg_plan.num_devices
+            failures = [f for f in failures if not f.startswith("disaggregated")]
     chosen, why = choose_deployment(disagg, disagg_pd, colocated if kind != "disagg" else None)
     if chosen == "disagg":
         assert disagg is not None and disagg_plan is not None
@@ -231,14 +207,13 @@ def choose_plan(
         result = replicate_colocated(ctx, colocated, rate)
         plan = assign_nodes(result.plan, cluster)
         goodput_rps = result.goodput_rps
-    slo = ctx.slo
     expected = {
         "goodput_rps": goodput_rps,
         "goodput_rps_per_device": goodput_rps / plan.num_devices,
         "search_goodput_rps": result.goodput_rps,
-        "ttft_slo_s": slo.ttft_s,
-        "tpot_slo_s": slo.tpot_s,
-        "attainment": slo.attainment,
+        "ttft_slo_s": ctx.slo.ttft_s,
+        "tpot_slo_s": ctx.slo.tpot_s,
+        "attainment": ctx.slo.attainment,
     }
     if disagg is not None and colocated is not None and kind == "auto":
         expected["disagg_goodput_rps_per_device"] = disagg_pd
@@ -257,12 +232,10 @@ def choose_plan(
     runner_samples: tuple[float, ...] = ()
     intervals: tuple[tuple[Candidate, tuple[float, ...]], ...] = ()
     if reseed is not None and seeds > 0:
-        extra = [reseed(1000 + i) for i in range(seeds)]
         leaders = _leaders([r for r in (disagg, colocated) if r is not None], interval_top)
         # with a runner-up, the chosen plan and it are re-simulated whole, on the search's workload too
         pair = ((plan, goodput_rps), (runner_up, runner_rps)) if runner_up is not None else ()
-        resampled, whole = candidate_samples(ctx, leaders, extra, workers, plans=pair)
-        intervals = tuple((c, (c.per_device, *more)) for c, more in zip(leaders, resampled, strict=True))
+        intervals, whole = _resampled(ctx, leaders, pair, [reseed(1000 + i) for i in range(seeds)], workers)
         if whole:
             chosen_samples, runner_samples = whole
     return PlanReport(
@@ -281,6 +254,76 @@ def choose_plan(
         runner_up_samples=runner_samples,
         candidate_intervals=intervals,
     )
+
+
+def _first_jobs(
+    ctx: SearchContext, kind: PlanKind, affinity: Affinity, local_search: bool, compare_colocated: bool
+) -> tuple[list[Job], dict[Key, frozenset[Key]]]:
+    """The first map's jobs — every phase alone (Algorithm 1's shapes, Algorithm 2's segments) and every
+    colocated shape — and which of them may be pruned (`evaluate_all`). A search that finds no job here raises
+    its PlanError again when it runs, where it is handled."""
+    first: list[Job] = []
+    prunable: dict[Key, frozenset[Key]] = {}
+    alg2_phases: list[Job] = []
+    if local_search:
+        with contextlib.suppress(PlanError):
+            alg2_phases = algorithm2_phase_jobs(ctx)
+    if kind != "colocated" and affinity == "high":
+        with contextlib.suppress(PlanError):
+            alg1 = algorithm1_jobs(ctx)
+            first += alg1
+            # Algorithm 2's pairs start from their phases' goodputs: those are needed whatever they are
+            prunable.update(_competing(alg1, exclude=alg2_phases))
+    first += alg2_phases
+    if kind != "disagg" or compare_colocated:
+        with contextlib.suppress(PlanError):
+            coloc = colocated_jobs(ctx)
+            first += coloc
+            prunable.update(_competing(coloc))
+    return first, prunable
+
+
+def _node_local_beats(
+    ctx: SearchContext,
+    rate: float | None,
+    workers: int,
+    progress: Callable[[int, int], None] | None,
+    evaluated: Evaluated,
+    disagg_plan: DeploymentPlan | None,
+    disagg_pd: float,
+) -> tuple[SearchResult, DeploymentPlan] | None:
+    """Algorithm 2's best node-local placement when it serves more per device than Algorithm 1's plan.
+
+    Algorithm 1 pairs phases judged alone, blind to the KV each pair must move. Every placement of Algorithm 2
+    (both phases' stages on one node, KV over NVLink) is allowed under high affinity too, and its pairs are
+    judged jointly: taking it when it serves more per device means high affinity never returns less than low
+    affinity on the same cluster."""
+    try:
+        local = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
+        # with a target rate Algorithm 2 replicates pairs without counting nodes: more than fit is no plan
+        local_plan = assign_nodes(local.plan, ctx.cluster, pair_stages=True)
+    except PlanError:
+        return None
+    local_pd = local.goodput_rps / local_plan.num_devices
+    if disagg_plan is not None and local_pd <= disagg_pd * (1 + 1e-9):
+        return None
+    prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
+    reason = f"{local.reason}; beats Algorithm 1's phase-wise pairing ({prior}) once KV transfers count"
+    return dataclasses.replace(local, reason=reason), local_plan
+
+
+def _resampled(
+    ctx: SearchContext,
+    leaders: list[Candidate],
+    plans: Sequence[tuple[DeploymentPlan, float | None]],
+    workloads: list[Workload],
+    workers: int,
+) -> tuple[tuple[tuple[Candidate, tuple[float, ...]], ...], list[tuple[float, ...]]]:
+    """Each leader's goodput per device on the search's workload and on `workloads` (common random numbers),
+    and each whole plan's on all of them (`candidate_samples`)."""
+    resampled, whole = candidate_samples(ctx, leaders, workloads, workers, plans=plans)
+    intervals = tuple((c, (c.per_device, *more)) for c, more in zip(leaders, resampled, strict=True))
+    return intervals, whole
 
 
 def _competing(jobs: Sequence[Job], exclude: Sequence[Job] = ()) -> dict[Key, frozenset[Key]]:

@@ -126,7 +126,7 @@ def plan_for_conversations(
         raise ValueError("local_thresholds: one or more thresholds >= 0 (0: always disaggregate)")
     if not kinds or any(k not in ("disagg", "colocated") for k in kinds):
         raise ValueError(f"kinds: one or more of 'disagg', 'colocated'; got {tuple(kinds)}")
-    bs = ctx.options.block_size
+    bs = ctx.options.limits.block_size
     rng = np.random.default_rng(seed)
     cached_ctx = dataclasses.replace(ctx, workload=screen_workload(conversations, bs, rng, cached=True))
     plain_ctx = dataclasses.replace(ctx, workload=screen_workload(conversations, bs, rng, cached=False))

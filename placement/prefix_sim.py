@@ -162,7 +162,7 @@ class PrefixSimulator(Simulator):
             raise ValueError("PrefixSimulator models whole deployments (full mode) only")
         self.policy = policy or PrefixPolicy()
         self.requests = requests
-        bs = self.options.block_size
+        bs = self.options.limits.block_size
         on = self.policy.enabled
         if decode_pool_blocks is not None:  # a runtime's configured pool instead of the device's KV capacity
             for d in self.decodes:
@@ -231,11 +231,11 @@ class PrefixSimulator(Simulator):
     def _prompt_names(self, i: int) -> tuple[BlockHash, ...]:
         names = self._names.get(i)
         if names is None:
-            names = self._names[i] = block_hashes(self._prompt(i), self.options.block_size)
+            names = self._names[i] = block_hashes(self._prompt(i), self.options.limits.block_size)
         return names
 
     def _decode_choice(self, i: int, loads: list[DecodeLoad]) -> int:
-        bs, names = self.options.block_size, self._prompt_names(i)
+        bs, names = self.options.limits.block_size, self._prompt_names(i)
         cands = [
             CachedDecodeLoad(
                 c.num_cached_tokens(self._prompt(i), 0, names) // bs, ld.num_running, ld.num_waiting, ld.num_free_blocks
@@ -265,7 +265,7 @@ class PrefixSimulator(Simulator):
 
     # ---- prefill side ------------------------------------------------------------------------
     def _route_prefill(self, i: int, loads: list[PrefillLoad]) -> int:
-        bs, n = self.options.block_size, int(self.input_lens[i])
+        bs, n = self.options.limits.block_size, int(self.input_lens[i])
         prompt, names = self._prompt(i), self._prompt_names(i)
         threshold = self.policy.local_prefill_tokens if self.policy.enabled else 0
         if threshold > 0:
@@ -292,7 +292,7 @@ class PrefixSimulator(Simulator):
         if not self.policy.enabled:
             return batch
         keys = [tuple(self._prompt(i).tolist()) for i in batch]
-        defer = prompts_to_defer(keys, self._in_flight[k].values(), self.options.block_size)
+        defer = prompts_to_defer(keys, self._in_flight[k].values(), self.options.limits.block_size)
         if any(defer):
             q = self.prefills[k].queue
             for i, wait in reversed(list(zip(batch, defer, strict=True))):
@@ -414,10 +414,13 @@ class PrefixSimulator(Simulator):
         super()._on_round_done(k)
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
-        cache = self.decode_caches[k]
+        return self._release_finished(self.decode_caches[k], i)
+
+    def _release_finished(self, cache: PrefixCache, i: int) -> int:
+        """Blocks freed when request i finishes: its prompt and answer stay cached (the last token has no KV)."""
         before = cache.num_available
         answer = self.requests.answers[i]
-        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
+        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))
         cache.release(str(i))
         self._finished(i)
         return cache.num_available - before
@@ -425,7 +428,7 @@ class PrefixSimulator(Simulator):
     # ---- colocated ---------------------------------------------------------------------------
     def _route_colocated(self, i: int, loads: list[PrefillLoad]) -> int:
         # The runtime's controller: cached blocks of this prompt against waiting prompt tokens.
-        bs, prompt, names = self.options.block_size, self._prompt(i), self._prompt_names(i)
+        bs, prompt, names = self.options.limits.block_size, self._prompt(i), self._prompt_names(i)
         cands = [
             CachedPrefillLoad(
                 cache.num_cached_tokens(prompt, 1, names) // bs, ld.num_queued_tokens, ld.num_queued_requests
@@ -439,7 +442,9 @@ class PrefixSimulator(Simulator):
         # and the prompt's chunks start after it (`Simulator._coloc_step` cuts them).
         cache = self.colocated_caches[k]
         before = cache.num_available
-        hit = cache.acquire(str(i), self._prompt(i), num_blocks * self.options.block_size, names=self._prompt_names(i))
+        hit = cache.acquire(
+            str(i), self._prompt(i), num_blocks * self.options.limits.block_size, names=self._prompt_names(i)
+        )
         self._prefilled[i] = self._prior[i] = hit.num_cached_tokens
         self._computed[i] = int(self.input_lens[i]) - hit.num_cached_tokens
         return before - cache.num_available
@@ -448,13 +453,7 @@ class PrefixSimulator(Simulator):
         self.colocated_caches[k].commit(str(i), self._prompt(i), self._prompt_names(i))
 
     def _release_colocated_blocks(self, k: int, i: int) -> int:
-        cache = self.colocated_caches[k]
-        before = cache.num_available
-        answer = self.requests.answers[i]
-        cache.commit(str(i), np.concatenate([self._prompt(i), answer[:-1]]))  # the last token has no KV
-        cache.release(str(i))
-        self._finished(i)
-        return cache.num_available - before
+        return self._release_finished(self.colocated_caches[k], i)
 
 
 def simulate_prefix(
@@ -497,7 +496,7 @@ class PrefixGoodputSearch(GoodputSearch):
         if not self.policy.enabled or self.conversations is None:
             return self
         shared = self.conversations.at_rate(1.0)
-        hits = shared.ideal_hits(self.options.block_size)
+        hits = shared.ideal_hits(self.options.limits.block_size)
         uncached = np.maximum(shared.workload.input_lens - hits, 1)
         workload = dataclasses.replace(shared.workload, input_lens=uncached)
         return GoodputSearch(self.plan, self.latency, self.cluster, workload, self.slo, self.options)

@@ -2,7 +2,7 @@
 
 `jaxserve profile` (the JAX side is `jaxserve/runtime/profiling.py`) times the real engine at a grid of
 batch shapes; this module turns those times into a profile entry `placement/latency.py` reads, in exactly
-the terms the simulator's step formulas (`placement/step_cost.py`) charge at pp = 1:
+the terms the simulator's step formulas (`placement/step_time.py`) charge at pp = 1:
 
 * prefill step of prompts `l` (padded to the engine's buckets when `padding` is given):
   `C1·(L·W·Σl + head·B) + C2·3L(h/tp)·Σl²/b + overhead(Σl, prefill)`;
@@ -49,7 +49,7 @@ from jaxserve.core.step_samples import DecodeSample, PrefillSample
 from models.config import ModelConfig
 from placement.bucket_latency import BucketCosts
 from placement.latency import (
-    DEFAULT_BLOCK_SIZE,
+    DEFAULT_ATTENTION_TILE,
     StepOverhead,
     allreduce_bytes_per_device,
     attention_factor,
@@ -123,7 +123,7 @@ _C1, _C2, _C4, _C5, _PREFILL_CONST, _DECODE_CONST, _PER_CTX, _ALLREDUCE = range(
 
 
 def _prefill_row(
-    cfg: ModelConfig, tp: int, lengths: Sequence[int], padded: Sequence[int], block_size: int
+    cfg: ModelConfig, tp: int, lengths: Sequence[int], padded: Sequence[int], attention_tile: int
 ) -> list[float]:
     """Features of one prefill step: kernel terms on the `padded` batch, overhead on the actual `lengths`."""
     t = float(sum(padded))
@@ -131,7 +131,7 @@ def _prefill_row(
     L, q = cfg.num_layers, cfg.num_heads * cfg.head_dim  # q: the query width (OPT: h)
     row = [0.0] * 8
     row[_C1] = L * _layer_elems(cfg, tp) * t + _lm_head_macs(cfg, tp, len(padded))
-    row[_C2] = L * attention_factor(cfg, tp) * (q / tp) * t2 / block_size  # OPT: L·3(h/tp)
+    row[_C2] = L * attention_factor(cfg, tp) * (q / tp) * t2 / attention_tile  # OPT: L·3(h/tp)
     row[_PREFILL_CONST] = 1.0
     row[_PER_CTX] = float(sum(lengths))
     row[_ALLREDUCE] = 2 * L * allreduce_bytes_per_device(cfg, tp, int(t))
@@ -183,20 +183,20 @@ def fit_instance(
     tp: int,
     prefill: Sequence[PrefillSample],
     decode: Sequence[DecodeSample],
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    attention_tile: int = DEFAULT_ATTENTION_TILE,
     link_latency_s: float = 10e-6,
     padding: EnginePadding | None = None,
 ) -> InstanceFit:
     """Fit one instance's latency model to its prefill and decode step times (the formulas in the module doc).
 
     With `padding`, the kernel features are those of the padded batch the engine really computes; the
-    overhead's per-token term stays on the actual tokens, as `placement/step_cost.py` charges it.
+    overhead's per-token term stays on the actual tokens, as `placement/step_time.py` charges it.
     """
     if len(prefill) < 3 or len(decode) < 3:
         raise ValueError("need at least 3 prefill and 3 decode samples")
     cols = [_C1, _C2, _C4, _C5, _PREFILL_CONST, _DECODE_CONST, _PER_CTX] + ([_ALLREDUCE] if tp > 1 else [])
     fixed = 0.0 if tp == 1 else 2 * cfg.num_layers * 2 * (tp - 1) * link_latency_s  # all-reduce latency
-    pre_rows = [_prefill_row(cfg, tp, s.lengths, _padded_lengths(s.lengths, padding), block_size) for s in prefill]
+    pre_rows = [_prefill_row(cfg, tp, s.lengths, _padded_lengths(s.lengths, padding), attention_tile) for s in prefill]
     shapes = [(s.ctx_sum, *(padding.decode(s.batch, s.ctx_sum) if padding else (s.batch, s.ctx_sum))) for s in decode]
     y = np.array([s.seconds for s in prefill] + [s.seconds for s in decode])
     w = 1.0 / y
@@ -275,7 +275,7 @@ def fit_bucket_costs(
     decode: Sequence[DecodeSample],
     overhead: StepOverhead,
     padding: EnginePadding,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    attention_tile: int = DEFAULT_ATTENTION_TILE,
 ) -> tuple[BucketCosts, StepOverhead, FitError, FitError]:
     """`BucketCosts` of a bucketed engine (`placement/bucket_latency.py`), the step overhead they go with, and
     their fit error per phase.
@@ -294,7 +294,7 @@ def fit_bucket_costs(
     dec = [padding.decode(s.batch, float(s.ctx_sum)) for s in decode]
     pre_host = [overhead.step_s(float(sum(s.lengths)), 1, True) for s in prefill]
     dec_host = [overhead.step_s(float(s.ctx_sum), 1, False) for s in decode]
-    pre_x = [width * t2 / block_size for _, t2, _ in pre]  # in the Appendix units: the slopes are C2 and C5
+    pre_x = [width * t2 / attention_tile for _, t2, _ in pre]  # in the Appendix units: the slopes are C2 and C5
     dec_x = [width * ctx for _, ctx in dec]
     pre_b = [round(t) for t, _, _ in pre]
     dec_b = [rows for rows, _ in dec]
@@ -348,7 +348,7 @@ def profile_entry(
     prefill: Sequence[PrefillSample],
     decode: Sequence[DecodeSample],
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    attention_tile: int = DEFAULT_ATTENTION_TILE,
     l_m: int | None = None,
     saturation: float = 0.9,
     padding: EnginePadding | None = None,
@@ -359,11 +359,11 @@ def profile_entry(
     With `padding` the coefficients are per padded element; the entry says so under `engine_padding`
     and `LatencyProvider.instance` then charges padded shapes, from the `bucket_costs` fitted with them.
     """
-    fit = fit_instance(cfg, tp, prefill, decode, block_size, padding=padding)
+    fit = fit_instance(cfg, tp, prefill, decode, attention_tile, padding=padding)
     errors = {"prefill": fit.prefill_error.to_dict(), "decode": fit.decode_error.to_dict()}
     coefficients, overhead, buckets = dict(fit.coefficients), StepOverhead(*fit.overhead), None
     if padding is not None:  # a bucketed engine: its buckets' measured costs are what the entry charges
-        buckets, kept, pre_err, dec_err = fit_bucket_costs(cfg, tp, prefill, decode, overhead, padding, block_size)
+        buckets, kept, pre_err, dec_err = fit_bucket_costs(cfg, tp, prefill, decode, overhead, padding, attention_tile)
         appendix_errors, errors = errors, {"prefill": pre_err.to_dict(), "decode": dec_err.to_dict()}
         # what moved out of the step overhead into the buckets joins the Appendix form's own constants (C3 on a
         # prefill stage, C6 on a decode one), so its predictions stay what they were fitted to
@@ -376,7 +376,7 @@ def profile_entry(
         "tp": tp,
         **coefficients,
         "step_overhead": [overhead.fixed_s, overhead.per_ctx_token_s, overhead.prefill_s],
-        "block_size": block_size,
+        "attention_tile": attention_tile,
         "L_m": l_m if l_m is not None else detect_lm(prefill, saturation),
         "fit": errors,
     }

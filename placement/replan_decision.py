@@ -45,11 +45,18 @@ import numpy as np
 
 from jaxserve.core.plan import DeploymentPlan, PlanError
 from jaxserve.core.workload_monitor import WindowStats
+from placement.cluster_plan import (
+    DEFAULT_CHECK_UNITS,
+    DEFAULT_UNIT_NODES,
+    plan_cluster,
+    plan_unit,
+    replicated_workload,
+)
 from placement.goodput import GoodputSearch, max_rate
 from placement.latency import NO_OVERHEAD, DeploymentKind, LatencyProvider, StageLatency, StepOverhead
-from placement.planner import PlanKind, choose_plan
+from placement.planner import PlanKind
 from placement.search import SearchContext
-from placement.step_cost import decode_step_s, prefill_step_s
+from placement.step_time import decode_step_s, prefill_step_s
 from placement.workload import Workload, arrival_times
 
 
@@ -78,7 +85,7 @@ def predicted_step_s(
 
     `kind` is a runtime `StepRecord`'s: "prefill" (a batch of `prompt_lengths`) or "decode" (`batch`
     rows over `ctx_sum` context tokens); a whole-pipe time, as the runtime measures it, by the formula the
-    simulator and the timed engine share (`placement/step_cost.py`), the profile's per-step `overhead`
+    simulator and the timed engine share (`placement/step_time.py`), the profile's per-step `overhead`
     included (a measured profile keeps its per-step constants there).
     """
     if kind == "prefill":
@@ -164,22 +171,39 @@ class PlanEstimate:
         return {"plan": self.plan.describe(), "num_devices": self.num_devices, "goodput_rps": self.goodput_rps}
 
 
-def estimate(ctx: SearchContext, plan: DeploymentPlan) -> PlanEstimate:
-    """The plan's joint goodput on the context's workload (both SLOs, transfers included)."""
-    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, ctx.slo, ctx.options)
-    return PlanEstimate(plan, max_rate(search, ctx.rel_tol))
+def estimate(ctx: SearchContext, plan: DeploymentPlan, check_units: int = DEFAULT_CHECK_UNITS) -> PlanEstimate:
+    """The plan's joint goodput on the context's workload (both SLOs, transfers included).
+
+    On a cluster of more than one unit, a plan made of k > 1 copies of one set of instances (`plan_unit`; what
+    the planner builds at cluster scale) is judged as the planner judged its candidate: the copies that
+    `check_units` planner units hold simulated together, each unit with the workload's requests
+    (`replicated_workload`), their goodput per device times the plan's devices. The cost of a decision then
+    stays that of a unit or two, whatever the deployment's size."""
+    k = plan_unit(plan)[1]
+    if k <= 1 or check_units <= 0 or ctx.cluster.num_nodes <= DEFAULT_UNIT_NODES:  # one unit: as the planner
+        search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, ctx.slo, ctx.options)
+        return PlanEstimate(plan, max_rate(search, ctx.rel_tol))
+    # as many copies as `check_units` planner units hold (a unit: DEFAULT_UNIT_NODES of the nodes the plan uses)
+    nodes_used = len({n for i in plan.instances for n in (i.nodes or ())}) or ctx.cluster.num_nodes
+    units = min(check_units, max(1, nodes_used // DEFAULT_UNIT_NODES))
+    copies = min(k, max(1, round(k * units * DEFAULT_UNIT_NODES / nodes_used)))
+    part = plan_unit(plan, copies)[0]
+    workload = replicated_workload(ctx.workload, units, seed=1)
+    search = GoodputSearch(part, ctx.latency, ctx.cluster, workload, ctx.slo, ctx.options)
+    return PlanEstimate(plan, max_rate(search, ctx.rel_tol) / part.num_devices * plan.num_devices)
 
 
 def plan_for_rate(ctx: SearchContext, rate: float, kind: PlanKind = "disagg", workers: int = 1) -> PlanEstimate:
     """The deployment `jaxserve plan --rate rate --kind kind` chooses for the context's workload.
 
-    The planner's own entry point with its defaults (high node affinity, joint verification), so the
+    The planner's own entry point with its defaults (high node affinity, joint verification, a cluster of
+    more than one unit planned by units: `placement.cluster_plan.plan_cluster`), so the
     replanner never plans with another search than the `plan` command. The goodput is the one the
     planner reports for its choice. It may fall short of `rate` (Algorithm 1 sizes each phase alone
     and the joint simulation can find less); `decide` then refuses a candidate that does not cover the
     rate while the current plan does.
     """
-    report = choose_plan(ctx, kind=kind, rate=rate, workers=workers)
+    report = plan_cluster(ctx, kind=kind, rate=rate, workers=workers)
     return PlanEstimate(report.plan, report.goodput_rps)
 
 
@@ -354,7 +378,9 @@ def replan(job: ReplanJob) -> ReplanOutcome:
     """Search a plan for the window's workload and decide whether to switch to it."""
     cfg, window = job.config, job.window
     required = cfg.required_rate(window.num_arrivals, window.span_s)
-    n = cfg.sample_size(required)
+    # a cluster of several units is planned (and judged) unit by unit: a probe needs a unit's share of traffic
+    units = max(1, job.context.cluster.num_nodes // DEFAULT_UNIT_NODES)
+    n = cfg.sample_size(required / units)
     try:
         workload = empirical_workload(window, n, cfg.seed, job.context.cfg.max_position_embeddings)
         ctx = dataclasses.replace(

@@ -15,104 +15,57 @@
 * `ratio_search` (xPyD): for given prefill and decode shapes, the replica counts x:y that maximise
   joint per-device goodput — the coupling Algorithm 1 ignores.
 
-Candidates are evaluated in worker processes (`concurrent.futures.ProcessPoolExecutor`); results are
-collected by candidate index and ties broken by enumeration order, so the answer depends only on the
-inputs and the seed, not on scheduling. `evaluate_all` runs the jobs of several searches in one map
-(`placement.planner.choose_plan` does); each search then takes its candidates from that map.
+Candidates are evaluated in worker processes (`placement/worker_pool.py`; what a job and a candidate are:
+`placement/candidates.py`); results are collected by candidate index and ties broken by enumeration order,
+so the answer depends only on the inputs and the seed, not on scheduling. `evaluate_all` runs the jobs of
+several searches in one map (`placement.planner.choose_plan` does); each search then takes its candidates
+from that map.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from typing import Literal, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from models.config import ModelConfig, supports_tp
-from placement.goodput import GoodputSearch, max_rate
+from placement.candidates import (
+    Candidate,
+    Evaluated,
+    Job,
+    Key,
+    SearchContext,
+    SearchResult,
+    best_candidate,
+    candidate_job,
+    candidate_samples,
+    evaluate_job,
+    job_bound_per_device,
+    job_devices,
+    job_key,
+    make_job,
+    plan_job,
+)
 from placement.hardware import ClusterSpec
-from placement.latency import DeploymentKind, LatencyProvider, fits
-from placement.simulator import SimOptions
-from placement.slo import SloSpec
-from placement.workload import Workload
+from placement.latency import DeploymentKind, fits
+from placement.worker_pool import WorkerPool, pool_map
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchContext:
-    """The fixed inputs of a search (picklable)."""
-
-    latency: LatencyProvider
-    cluster: ClusterSpec
-    workload: Workload
-    slo: SloSpec
-    options: SimOptions = dataclasses.field(default_factory=SimOptions)
-    rel_tol: float = 0.03
-    max_pp: int | None = None  # limit pipeline stages per instance (None: as many as devices allow)
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.latency.cfg
-
-
-# One evaluation: the context, the candidate's kind, its plan, the SLO and simulator options it is judged
-# under, and a rate its goodput is expected near (None: search from the throughput bound).
-Job = tuple[SearchContext, str, DeploymentPlan, SloSpec, SimOptions, float | None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One evaluated configuration."""
-
-    kind: str  # prefill | decode (one phase alone) | disagg | colocated
-    plan: DeploymentPlan
-    goodput_rps: float
-    num_devices: int
-    # The SLOs still held at the deployment's throughput bound: a finite trace cannot show the queue
-    # that builds there, so the true goodput is at most this (and candidates at the bound tie).
-    at_bound: bool = False
-    # Not simulated (`evaluate_all` with `prunable`): its throughput bound, which its goodput cannot exceed,
-    # was already below what the search needs to beat. `goodput_rps` is then 0 (it is no search's pick).
-    pruned_bound_rps: float | None = None
-
-    @property
-    def pruned(self) -> bool:
-        return self.pruned_bound_rps is not None
-
-    @property
-    def per_device(self) -> float:
-        return self.goodput_rps / self.num_devices
-
-    @property
-    def instance(self) -> InstanceSpec:
-        """The instance a phase probe measured (prefill or decode kinds)."""
-        return next(i for i in self.plan.instances if i.role == self.kind)
-
-    @property
-    def label(self) -> str:
-        if self.kind in ("prefill", "decode"):
-            return f"{self.kind} {self.instance.shape}"
-        return self.plan.describe()
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchResult:
-    """The chosen plan, what it is expected to deliver, and every candidate considered."""
-
-    plan: DeploymentPlan
-    goodput_rps: float
-    candidates: tuple[Candidate, ...]
-    reason: str
-
-    @property
-    def goodput_per_device(self) -> float:
-        return self.goodput_rps / self.plan.num_devices
+# the names the searches' callers import from here (the candidates' module holds them)
+__all__ = [
+    "Candidate",
+    "Evaluated",
+    "Job",
+    "Key",
+    "SearchContext",
+    "SearchResult",
+    "candidate_job",
+    "candidate_samples",
+    "evaluate_job",
+    "job_bound_per_device",
+    "job_key",
+    "plan_job",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,112 +90,6 @@ def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int
     return out
 
 
-def _map(
-    fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Callable[[int, int], None] | None
-) -> list[R]:
-    """fn over items, in worker processes when workers > 1; results in item order."""
-    with _Pool(workers) as pool:
-        return pool.map(fn, items, progress)
-
-
-class _Pool:
-    """Worker processes kept across several maps (`evaluate_all`'s rounds); in-process when workers <= 1."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def __enter__(self) -> _Pool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-
-    def map(
-        self,
-        fn: Callable[[T], R],
-        items: Sequence[T],
-        progress: Callable[[int, int], None] | None,
-        done: int = 0,
-        total: int | None = None,
-    ) -> list[R]:
-        total = len(items) if total is None else total
-        results: list[R] = []
-        if self.workers <= 1 or len(items) <= 1:
-            for item in items:
-                results.append(fn(item))
-                if progress:
-                    progress(done + len(results), total)
-            return results
-        for r in self._executor().map(fn, items):
-            results.append(r)
-            if progress:
-                progress(done + len(results), total)
-        return results
-
-    def stream(
-        self,
-        fn: Callable[[T], R],
-        items: Sequence[T],
-        skip: Callable[[int], bool] | None,
-        gated: Callable[[int], bool],
-        lag: int,
-    ) -> Iterator[tuple[int, R | None]]:
-        """(index, fn(item)) as they finish, or (index, None) for an item `skip` rules out.
-
-        An item that is `gated` starts (or is skipped) only once every item at least `lag` places before it
-        has been yielded; `skip(i)` is asked then, and reads only those (so its answer does not depend on the
-        workers' timing). Other items start as soon as a worker is free."""
-        yielded: set[int] = set()
-        upto = 0  # every item before this index has been yielded
-
-        def ready(i: int) -> bool:
-            return not gated(i) or i - lag < upto
-
-        def ruled_out(i: int) -> bool:
-            return gated(i) and skip is not None and skip(i)
-
-        if self.workers <= 1:
-            for i, item in enumerate(items):
-                yield (i, None) if ruled_out(i) else (i, fn(item))
-            return
-        pool = self._executor()
-        running: dict[Future[R], int] = {}
-        nxt = 0
-        while nxt < len(items) or running:
-            while nxt < len(items) and len(running) < self.workers and ready(nxt):
-                if ruled_out(nxt):
-                    yielded.add(nxt)
-                    yield nxt, None
-                else:
-                    running[pool.submit(fn, items[nxt])] = nxt
-                nxt += 1
-                while upto in yielded:
-                    upto += 1
-            if not running:
-                continue  # the next item waits for nothing now (all before it were skipped)
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                i = running.pop(future)
-                yielded.add(i)
-                yield i, future.result()
-            while upto in yielded:
-                upto += 1
-
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # Forking a process that already runs JAX (the server replanning) can deadlock its threads: spawn then.
-            context = multiprocessing.get_context("spawn") if "jax" in sys.modules else None
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
-        return self._pool
-
-
-# Candidates by (kind, the plan's instances): what `evaluate_all` returns and the searches look up.
-Key = tuple[str, tuple[InstanceSpec, ...]]
-Evaluated = dict[Key, Candidate]
-
-
 def evaluate_all(
     jobs: Sequence[Job],
     workers: int = 2,
@@ -250,6 +97,7 @@ def evaluate_all(
     prunable: Mapping[Key, frozenset[Key]] | None = None,
     keep: int = 1,
     cluster: ClusterSpec | None = None,
+    cache: Evaluated | None = None,
 ) -> Evaluated:
     """Evaluate the jobs of several searches in one parallel map (better balanced than one map each, one
     pool); the searches then take their candidates from the result (their `evaluated` argument).
@@ -267,16 +115,22 @@ def evaluate_all(
     for the same inputs and `workers` the same candidates are skipped on every run; a skipped one could
     not have been picked, so the searches choose what they would have chosen without pruning. Skipped
     candidates carry their bound (`Candidate.pruned`).
+
+    `cache`, shared by several calls over the same workload, SLOs and simulator options (the unit searches of
+    `placement.cluster_plan`), holds what earlier calls simulated: a job found there is not run again (its
+    result also counts as a rival for pruning), and this call's simulated candidates are added to it.
     """
-    unique = list({_key(j): j for j in jobs}.values())
+    every = list({job_key(j): j for j in jobs}.values())
+    known = {job_key(j): cache[job_key(j)] for j in every if cache is not None and job_key(j) in cache}
+    unique = [j for j in every if job_key(j) not in known]
     prunable = prunable or {}
-    bounds = {_key(j): job_bound_per_device(j) for j in unique if _key(j) in prunable}
+    bounds = {job_key(j): job_bound_per_device(j) for j in unique if job_key(j) in prunable}
     by_kind: dict[str, list[Job]] = {}
     for j in unique:  # each kind's prunable jobs, highest bound first (ties: enumeration order)
-        if _key(j) in bounds:
+        if job_key(j) in bounds:
             by_kind.setdefault(j[1], []).append(j)
     for queue in by_kind.values():
-        queue.sort(key=lambda j: -bounds[_key(j)])
+        queue.sort(key=lambda j: -bounds[job_key(j)])
     keep = max(1, keep)
     # Whole deployments first, phases alone last: the long jobs start early and the short ones fill the
     # workers at the end (a long one last would leave the other worker idle while it runs).
@@ -284,44 +138,34 @@ def evaluate_all(
     kinds = sorted(by_kind, key=lambda k: cost(k, 0))
     sequence = [j for k in kinds for j in by_kind[k][:keep]]  # never skipped: fewer than `keep` rivals before them
     leading = len(sequence)
-    sequence += sorted((j for j in unique if _key(j) not in bounds), key=lambda j: cost(j[1], 0))
+    sequence += sorted((j for j in unique if job_key(j) not in bounds), key=lambda j: cost(j[1], 0))
     sequence += [j for k in kinds for j in by_kind[k][keep:]]
     lag = max(1, workers)
 
     results: dict[int, Candidate] = {}
 
     def gated(i: int) -> bool:
-        return i >= leading and _key(sequence[i]) in bounds
+        return i >= leading and job_key(sequence[i]) in bounds
 
     def skip(i: int) -> bool:  # sees the jobs at least `lag` places before job i (all yielded by now)
-        key = _key(sequence[i])
-        seen = {_key(sequence[n]): results[n] for n in range(i - lag + 1)}
+        key = job_key(sequence[i])
+        seen = {**known, **{job_key(sequence[n]): results[n] for n in range(i - lag + 1)}}
         return bounds[key] * (1 + 1e-6) < _prune_threshold(sequence[i][1], seen, prunable[key], keep, cluster)
 
-    with _Pool(workers) as pool:
-        for i, cand in pool.stream(_eval, sequence, skip, gated, lag):
-            results[i] = cand if cand is not None else _pruned(sequence[i], bounds[_key(sequence[i])])
+    with WorkerPool(workers) as pool:
+        for i, cand in pool.stream(evaluate_job, sequence, skip, gated, lag):
+            results[i] = cand if cand is not None else _pruned(sequence[i], bounds[job_key(sequence[i])])
             if progress:
                 progress(len(results), len(sequence))
-    evaluated = {_key(sequence[i]): c for i, c in results.items()}
-    return {_key(j): evaluated[_key(j)] for j in unique}
-
-
-def job_bound_per_device(job: Job) -> float:
-    """The throughput bound of a job's deployment per device (its goodput per device cannot exceed it)."""
-    ctx, kind, plan, slo, options, _ = job
-    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
-    return search.throughput_bound() / _job_devices(kind, plan)
-
-
-def _job_devices(kind: str, plan: DeploymentPlan) -> int:
-    if kind in ("prefill", "decode"):
-        return next(i for i in plan.instances if i.role == kind).num_devices
-    return plan.num_devices
+    evaluated = {job_key(sequence[i]): c for i, c in results.items()}
+    if cache is not None:  # a pruned candidate was skipped for rivals of this call only: never reuse it
+        cache.update((k, c) for k, c in evaluated.items() if not c.pruned)
+    evaluated.update(known)
+    return {job_key(j): evaluated[job_key(j)] for j in every}
 
 
 def _pruned(job: Job, bound_per_device: float) -> Candidate:
-    devices = _job_devices(job[1], job[2])
+    devices = job_devices(job[1], job[2])
     return Candidate(job[1], job[2], 0.0, devices, pruned_bound_rps=bound_per_device * devices)
 
 
@@ -346,83 +190,12 @@ def _prune_threshold(
 _COST_ORDER = {"colocated": 0, "disagg": 0, "decode": 1, "prefill": 2}
 
 
-def job_key(job: Job) -> Key:
-    """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
-    return job[1], job[2].instances
-
-
-def _key(job: Job) -> Key:
-    """What `Evaluated` files a job's candidate under: its kind and its plan's instances."""
-    return job[1], job[2].instances
-
-
 def _evaluate(
     jobs: Sequence[Job], workers: int, progress: Callable[[int, int], None] | None, evaluated: Evaluated | None
 ) -> tuple[Candidate, ...]:
-    if evaluated is not None and all(_key(j) in evaluated for j in jobs):
-        return tuple(evaluated[_key(j)] for j in jobs)
-    return tuple(_map(_eval, jobs, workers, progress))
-
-
-def _eval(job: Job) -> Candidate:
-    ctx, kind, plan, slo, options, hint = job
-    search = GoodputSearch(plan, ctx.latency, ctx.cluster, ctx.workload, slo, options)
-    devices = _job_devices(kind, plan)
-    rate = max_rate(search, ctx.rel_tol, hint=hint)
-    return Candidate(kind, plan, rate, devices, at_bound=rate > 0 and rate >= search.throughput_bound() * (1 - 1e-9))
-
-
-def _job(ctx: SearchContext, kind: str, plan: DeploymentPlan, hint: float | None = None) -> Job:
-    """How a candidate of `kind` is judged: a phase alone under its own SLO and simulator mode, a whole
-    deployment under both SLOs; `hint` starts its goodput search near a rate it is expected at."""
-    if kind == "prefill":
-        return ctx, kind, plan, dataclasses.replace(ctx.slo, tpot_s=math.inf), _mode(ctx, "prefill"), hint
-    if kind == "decode":
-        return ctx, kind, plan, dataclasses.replace(ctx.slo, ttft_s=math.inf), _mode(ctx, "decode"), hint
-    return ctx, kind, plan, ctx.slo, ctx.options, hint
-
-
-def plan_job(ctx: SearchContext, plan: DeploymentPlan, hint: float | None = None) -> Job:
-    """A whole deployment judged under both SLOs (what `evaluate_all` keys as ("disagg" | "colocated", instances))."""
-    return _job(ctx, plan.kind, plan, hint)
-
-
-def candidate_job(ctx: SearchContext, cand: Candidate, workload: Workload | None = None) -> Job:
-    """The evaluation that produced `cand` (the same SLO and simulator mode), on `workload` if given:
-    then its goodput search starts at `cand`'s goodput (another sample lands near it)."""
-    if workload is None:
-        return _job(ctx, cand.kind, cand.plan)
-    hint = cand.goodput_rps if cand.goodput_rps > 0 else None
-    return _job(dataclasses.replace(ctx, workload=workload), cand.kind, cand.plan, hint)
-
-
-def _mode(ctx: SearchContext, mode: Literal["prefill", "decode"]) -> SimOptions:
-    return dataclasses.replace(ctx.options, mode=mode)
-
-
-def candidate_samples(
-    ctx: SearchContext,
-    cands: Sequence[Candidate],
-    workloads: Sequence[Workload],
-    workers: int = 1,
-    plans: Sequence[tuple[DeploymentPlan, float | None]] = (),
-) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
-    """Each candidate's goodput per device on each of `workloads` (common random numbers: every
-    candidate sees the same samples), evaluated as the search evaluated it (its goodput search starting
-    at the candidate's goodput); and each whole deployment of `plans` (under both SLOs, its search
-    starting at the rate given with it) on the search's workload and then each of `workloads`.
-    One parallel map runs them all."""
-    # the whole deployments (the longest jobs) first, as `evaluate_all` orders them
-    jobs = [
-        plan_job(dataclasses.replace(ctx, workload=w), p, hint) for p, hint in plans for w in (ctx.workload, *workloads)
-    ]
-    jobs += [candidate_job(ctx, c, w) for c in cands for w in workloads]
-    rates = [r.per_device for r in _map(_eval, jobs, workers, None)]
-    n, m = len(workloads), len(workloads) + 1
-    split = len(plans) * m
-    by_plan = [tuple(rates[k * m : (k + 1) * m]) for k in range(len(plans))]
-    by_cand = [tuple(rates[split + k * n : split + (k + 1) * n]) for k in range(len(cands))]
-    return by_cand, by_plan
+    if evaluated is not None and all(job_key(j) in evaluated for j in jobs):
+        return tuple(evaluated[job_key(j)] for j in jobs)
+    return tuple(pool_map(evaluate_job, jobs, workers, progress))
 
 
 def _phase_plan(ctx: SearchContext, tp: int, pp: int) -> DeploymentPlan:
@@ -434,17 +207,9 @@ def _phase_jobs(ctx: SearchContext, shapes: Iterable[tuple[int, int]]) -> list[J
     jobs = []
     for tp, pp in shapes:
         plan = _phase_plan(ctx, tp, pp)
-        jobs.append(_job(ctx, "prefill", plan))
-        jobs.append(_job(ctx, "decode", plan))
+        jobs.append(make_job(ctx, "prefill", plan))
+        jobs.append(make_job(ctx, "decode", plan))
     return jobs
-
-
-def _best(cands: Iterable[Candidate]) -> Candidate | None:
-    best = None
-    for c in cands:  # strict > keeps the first in enumeration order on ties
-        if c.goodput_rps > 0 and (best is None or c.per_device > best.per_device * (1 + 1e-9)):
-            best = c
-    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,8 +235,8 @@ def algorithm1(
 ) -> SearchResult:
     cluster = ctx.cluster
     cands = _evaluate(algorithm1_jobs(ctx, max_nodes_per_instance), workers, progress, evaluated)
-    best_p = _best(c for c in cands if c.kind == "prefill")
-    best_d = _best(c for c in cands if c.kind == "decode")
+    best_p = best_candidate(c for c in cands if c.kind == "prefill")
+    best_d = best_candidate(c for c in cands if c.kind == "decode")
     if best_p is None or best_d is None:
         raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
     if rate is not None:
@@ -609,7 +374,7 @@ def algorithm2_jobs(ctx: SearchContext, phases: Evaluated) -> list[Job]:
             phases[("decode", _phase_plan(ctx, d.tp, d.pp).instances)],
         ]
         hint = min(c.goodput_rps for c in alone)
-        jobs.append(_job(ctx, "disagg", pair, hint if hint > 0 else None))
+        jobs.append(make_job(ctx, "disagg", pair, hint if hint > 0 else None))
     return jobs
 
 
@@ -624,10 +389,10 @@ def algorithm2(
     m_per_node = cluster.devices_per_node
     phase_jobs = algorithm2_phase_jobs(ctx)
     phases = evaluated if evaluated is not None else {}
-    if any(_key(j) not in phases for j in phase_jobs):
+    if any(job_key(j) not in phases for j in phase_jobs):
         phases = evaluate_all(phase_jobs, workers, progress)
     cands = _evaluate(algorithm2_jobs(ctx, phases), workers, progress, evaluated)
-    best = _best(cands)
+    best = best_candidate(cands)
     if best is None:
         raise PlanError("no configuration meets the SLOs even at the lowest rate; relax --ttft/--tpot or --attainment")
     pp = best.plan.instances[0].pp
@@ -655,7 +420,7 @@ def colocated_jobs(ctx: SearchContext, max_devices: int | None = None, chunk_siz
     """Every feasible colocated (tp, pp) within `max_devices` (default: one node)."""
     limit = max_devices or ctx.cluster.devices_per_node
     jobs = [
-        _job(
+        make_job(
             ctx,
             "colocated",
             DeploymentPlan((InstanceSpec("colocated", tp, pp, chunk_size=chunk_size),), model=ctx.cfg.name),
@@ -676,7 +441,7 @@ def colocated_search(
     evaluated: Evaluated | None = None,
 ) -> SearchResult:
     cands = _evaluate(colocated_jobs(ctx, max_devices, chunk_size), workers, progress, evaluated)
-    best = _best(cands)
+    best = best_candidate(cands)
     if best is None:
         raise PlanError("no colocated configuration meets the SLOs even at the lowest rate")
     return SearchResult(
@@ -746,11 +511,11 @@ def ratio_search(
     for x in range(1, max_devices // prefill.num_devices + 1):
         for y in range(1, (max_devices - x * prefill.num_devices) // decode.num_devices + 1):
             plan = DeploymentPlan(tuple([prefill] * x + [decode] * y), model=ctx.cfg.name)
-            jobs.append(_job(ctx, "disagg", plan))
+            jobs.append(make_job(ctx, "disagg", plan))
     if not jobs:
         raise PlanError(f"{prefill.shape} + {decode.shape} need more than {max_devices} devices")
-    cands = tuple(_map(_eval, jobs, workers, progress))
-    best = _best(cands)
+    cands = tuple(pool_map(evaluate_job, jobs, workers, progress))
+    best = best_candidate(cands)
     if best is None:
         raise PlanError("no prefill:decode ratio meets the SLOs even at the lowest rate")
     x = len(best.plan.of_role("prefill"))

@@ -18,48 +18,69 @@ SimMode = Literal["full", "prefill", "decode"]
 PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
 
 
+# The planner's engine: the serving defaults, but with the KV blocks left to the modelled device's memory.
+PLANNER_LIMITS = dataclasses.replace(DEFAULT_LIMITS, num_kv_blocks=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class SimOptions:
-    """Knobs of the simulated engine: the serving limits (`jaxserve/core/limits.py`, the runtime's defaults) and the mode.
+    """The simulated engine: the serving limits it runs with (`jaxserve/core/limits.py`, the runtime's own
+    knobs, composed whole) and how the simulation runs.
 
-    Two limits may be left to the hardware model: `num_kv_blocks=None` gives each instance the KV its device
-    memory holds, and `max_batch_tokens=None` takes the engine token cap from the profile (else the default).
+    Three limits may be left to the hardware model and the profile: `limits.num_kv_blocks=None` gives each
+    instance the KV its device memory holds, `profile_token_cap` takes the engine token cap of a prefill step
+    from the profile (its cap for the instance's engine and tp, when it has one) instead of
+    `limits.max_batch_tokens`, and `profile_decode_batch` the running-sequence cap of a decode / colocated
+    instance from the profile's engine limits instead of `limits.max_decode_batch`.
     """
 
-    block_size: int = DEFAULT_LIMITS.block_size  # paged KV block, tokens
-    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch  # running sequences per decode / colocated instance
-    # the engine token cap of a prefill step (prefill instances and colocated prefill priority); None: the
-    # profile's cap for the instance, else DEFAULT_LIMITS.max_batch_tokens
-    max_batch_tokens: int | None = None
-    # KV blocks per decode / colocated instance; None: what the device memory holds (the simulator models a
-    # device; the server, which does not, defaults to DEFAULT_LIMITS.num_kv_blocks — a plan file records the
-    # number its simulation used and `serve --plan` applies it)
-    num_kv_blocks: int | None = None
-    # prefilled sequences a prefill instance holds until pulled (None: only the KV memory bounds it)
-    prefill_buffer_slots: int | None = DEFAULT_LIMITS.prefill_buffer_slots
+    limits: ServingLimits = PLANNER_LIMITS
+    # a prefill step's token cap from the profile when it has one (the planner's default); False: the limits'
+    profile_token_cap: bool = True
+    # a decode / colocated instance's running-sequence cap from the profile's engine limits when it has them
+    # (what `jaxserve plan` / `simulate` do without --max-decode-batch: plan for the engines the profile
+    # measured); False, the library's default: `limits.max_decode_batch`, the serving engine's cap
+    profile_decode_batch: bool = False
+    # False: a prefill instance holds prefilled sequences until its KV memory is full, whatever
+    # `limits.prefill_buffer_slots` says (a bound the simulator tests take away)
+    bounded_prefill_buffer: bool = True
     mode: SimMode = "full"
     stop_early: bool = True  # only with an SloSpec
 
     @classmethod
-    def from_limits(cls, limits: ServingLimits, **kwargs: object) -> SimOptions:
-        """The simulated engine of a server run with `limits`."""
+    def planning(cls, mode: SimMode = "full", stop_early: bool = True, **changes: int | None) -> SimOptions:
+        """The planner's engine (`PLANNER_LIMITS`) with some limits changed; a `max_batch_tokens` given
+        replaces the profile's token cap."""
+        limits = dataclasses.replace(PLANNER_LIMITS, **changes)  # type: ignore[arg-type]
         return cls(
-            block_size=limits.block_size,
-            max_decode_batch=limits.max_decode_batch,
-            max_batch_tokens=limits.max_batch_tokens,
-            num_kv_blocks=limits.num_kv_blocks,
-            prefill_buffer_slots=limits.prefill_buffer_slots,
-            **kwargs,  # type: ignore[arg-type]
+            limits,
+            profile_token_cap="max_batch_tokens" not in changes,
+            mode=mode,
+            stop_early=stop_early,
         )
 
-    def limits(self, default_batch_tokens: int = DEFAULT_LIMITS.max_batch_tokens) -> ServingLimits:
-        """The serving limits this simulation assumed (the token cap as given, else `default_batch_tokens`)."""
-        return ServingLimits(
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_decode_batch=self.max_decode_batch,
-            max_batch_tokens=self.max_batch_tokens or default_batch_tokens,
-            prefill_buffer_slots=self.prefill_buffer_slots or DEFAULT_LIMITS.prefill_buffer_slots,
+    @classmethod
+    def from_limits(cls, limits: ServingLimits, mode: SimMode = "full", stop_early: bool = True) -> SimOptions:
+        """The simulated engine of a server run with `limits` (its caps as given, never the profile's)."""
+        return cls(limits, profile_token_cap=False, profile_decode_batch=False, mode=mode, stop_early=stop_early)
+
+    def token_cap(self, profile_cap: int | None) -> int:
+        """A prefill step's token cap on an instance whose profile says `profile_cap` (None: it says none)."""
+        if self.profile_token_cap and profile_cap is not None:
+            return profile_cap
+        return self.limits.max_batch_tokens
+
+    def decode_batch_cap(self, profile_cap: int | None) -> int:
+        """Running sequences per decode / colocated instance when the profile's engine ran with `profile_cap`."""
+        if self.profile_decode_batch and profile_cap is not None:
+            return profile_cap
+        return self.limits.max_decode_batch
+
+    def served_limits(self, token_cap: int, decode_batch: int | None = None) -> ServingLimits:
+        """The serving limits this simulation assumed, with the token cap it charged (`token_cap`) and the decode
+        batch cap it applied (`decode_batch`; None: the limits')."""
+        return dataclasses.replace(
+            self.limits, max_batch_tokens=token_cap, max_decode_batch=decode_batch or self.limits.max_decode_batch
         )
 
 

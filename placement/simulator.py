@@ -37,12 +37,9 @@ longer change; unfinished requests then have NaN latencies.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -72,8 +69,9 @@ from placement.latency import (
     StepOverhead,
     kv_capacity_tokens,
 )
+from placement.sim_instances import ColocatedState, DecodeState, PrefillState, cut_after, instance_nodes, stage_link
 from placement.sim_types import PHASES, SimMode, SimOptions, SimResult
-from placement.step_cost import decode_round_fn, decode_step_s, mixed_step_s
+from placement.step_time import decode_round_fn, decode_step_s, mixed_step_s
 
 __all__ = ["PHASES", "SimMode", "SimOptions", "SimResult", "Simulator", "simulate"]
 from placement.slo import SloSpec, VerdictTracker
@@ -89,97 +87,6 @@ _COLOC_STEP_DONE = 4
 # Most decode rounds (or colocated decode-only steps) scheduled as one event: a join or an arrival cuts
 # them, and beyond a few dozen the saving is spent.
 _MAX_BATCHED_ROUNDS = 64
-
-
-# ---------------------------------------------------------------------------------------------
-# Instance state
-# ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Prefill:
-    model: StageLatency
-    overhead: StepOverhead
-    max_batch_tokens: int
-    capacity_tokens: int
-    nodes: tuple[int, ...]
-    stage_free_at: list[float]
-    queue: deque[WaitingPrompt] = dataclasses.field(default_factory=deque)
-    queued_tokens: int = 0
-    inflight_tokens: int = 0
-    inflight_requests: int = 0
-    buffer_tokens: int = 0
-    buffer_requests: int = 0
-
-
-@dataclasses.dataclass
-class _Decode:
-    model: StageLatency
-    overhead: StepOverhead
-    free_blocks: int
-    nodes: tuple[int, ...]
-    pending: deque[tuple[PendingDecode, int, int]] = dataclasses.field(default_factory=deque)  # (req, idx, src)
-    num_transferring: int = 0
-    joining: list[int] = dataclasses.field(default_factory=list)
-    # The running batch as aggregates: a round's time depends only on its size and total context, and
-    # every running request gains one context token per round, so a round costs O(1) plus O(finished).
-    num_running: int = 0
-    ctx_sum: int = 0
-    rounds_done: int = 0
-    finish_heap: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (last round, request)
-    busy: bool = False
-    # Rounds run as one event (`Simulator._start_round`): when each of the scheduled rounds ends, and the
-    # generation of the one event that ends them (a cut reschedules it; the old one is then stale).
-    round_ends: list[float] = dataclasses.field(default_factory=list)
-    generation: int = 0
-
-
-@dataclasses.dataclass
-class _Colocated:
-    model: StageLatency
-    overhead: StepOverhead
-    free_blocks: int
-    chunk_size: int | None
-    max_batch_tokens: int  # prefill-priority step budget: SimOptions' if set, else the profile's L_m
-    admitted: list[int] = dataclasses.field(default_factory=list)  # arrival order
-    # The policy's view of each request, rebuilt only when it changes (admission, prefill progress).
-    records: dict[int, ColocatedRequest] = dataclasses.field(default_factory=dict)
-    waiting: deque[int] = dataclasses.field(default_factory=deque)
-    waiting_tokens: int = 0
-    busy: bool = False
-    # The policy is a pure function of the records, the waiting head and the free blocks, none of which a
-    # decode-only step changes (the records carry no generated-token count). So after a decode-only step
-    # the next step is the same decode until an arrival, an admission or a completion: remember it as
-    # (requests, their total context) and skip the policy until then. Exact, and most steps of a loaded
-    # instance are such steps.
-    steady: tuple[np.ndarray, int] | None = None
-    # Steady steps run as one event until the next finish or arrival (as a decode instance's rounds):
-    # when each scheduled step ends, the requests they decode, and the generation of the event.
-    step_ends: list[float] = dataclasses.field(default_factory=list)
-    step_decodes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    generation: int = 0
-
-
-def _cut_after(ends: list[float], now: float) -> float | None:
-    """Steps scheduled as one event, ending at `ends`: keep them up to the one running at `now` and return
-    its end, where the event must now fire; None when that is the last one anyway (nothing to move)."""
-    j = bisect.bisect_right(ends, now)  # the step in progress ends at ends[j]
-    if j >= len(ends) - 1:
-        return None
-    del ends[j + 1 :]
-    return ends[j]
-
-
-def _instance_nodes(inst: InstanceSpec, cluster: ClusterSpec) -> tuple[int, ...]:
-    if inst.nodes is not None:
-        return inst.nodes
-    assert inst.devices is not None
-    return tuple(cluster.node_of(inst.stage_devices(s)[0]) for s in range(inst.pp))
-
-
-def _stage_link(nodes: tuple[int, ...], cluster: ClusterSpec) -> float:
-    """The slowest link between adjacent stages."""
-    if len(nodes) < 2:
-        return cluster.nvlink_bandwidth
-    return min(cluster.bandwidth_between_nodes(a, b) for a, b in itertools.pairwise(nodes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,10 +153,13 @@ class Simulator:
             getattr(cls, name) is getattr(Simulator, name)
             for name in ("_decode_round_s", "_on_round_done", "_start_round")
         )
+        engine: DeploymentKind = "colocated" if self.plan.kind == "colocated" else "disagg"
+        # running sequences per decode / colocated instance: the profile's engine's cap, else the limit
+        self.max_decode_batch = self.options.decode_batch_cap(latency.profile_decode_batch(engine))
         if self.plan.kind == "colocated":
             self.colocated = [
-                _Colocated(
-                    model=latency.instance("colocated", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                ColocatedState(
+                    model=latency.instance("colocated", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
                     overhead=latency.step_overhead("colocated", i.tp),
                     free_blocks=self._kv_blocks(i),
                     chunk_size=i.chunk_size,
@@ -257,27 +167,27 @@ class Simulator:
                 )
                 for i in self.plan.instances
             ]
-            self.prefills: list[_Prefill] = []
-            self.decodes: list[_Decode] = []
+            self.prefills: list[PrefillState] = []
+            self.decodes: list[DecodeState] = []
         else:
             self.colocated = []
             self.prefills = [
-                _Prefill(
-                    model=latency.instance("disagg", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                PrefillState(
+                    model=latency.instance("disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
                     overhead=latency.step_overhead("disagg", i.tp),
                     max_batch_tokens=self._token_cap("disagg", i.tp),
                     capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
-                    nodes=_instance_nodes(i, cluster),
+                    nodes=instance_nodes(i, cluster),
                     stage_free_at=[0.0] * i.pp,
                 )
                 for i in self.plan.of_role("prefill")
             ]
             self.decodes = [
-                _Decode(
-                    model=latency.instance("disagg", i.tp, i.pp, _stage_link(_instance_nodes(i, cluster), cluster)),
+                DecodeState(
+                    model=latency.instance("disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
                     overhead=latency.step_overhead("disagg", i.tp),
                     free_blocks=self._kv_blocks(i),
-                    nodes=_instance_nodes(i, cluster),
+                    nodes=instance_nodes(i, cluster),
                 )
                 for i in self.plan.of_role("decode")
             ]
@@ -294,15 +204,14 @@ class Simulator:
 
     def _kv_blocks(self, inst: InstanceSpec) -> int:
         """KV blocks of a decode / colocated instance: the limit when set, else what its memory holds."""
-        if self.options.num_kv_blocks is not None:
-            return self.options.num_kv_blocks
-        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // self.options.block_size
+        limits = self.options.limits
+        if limits.num_kv_blocks is not None:
+            return limits.num_kv_blocks
+        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // limits.block_size
 
     def _token_cap(self, kind: DeploymentKind, tp: int) -> int:
-        """Most prompt tokens one prefill step batches: the limit when set, else the profile's engine cap."""
-        if self.options.max_batch_tokens is not None:
-            return self.options.max_batch_tokens
-        return self.latency.engine_token_cap(kind, tp)
+        """Most prompt tokens one prefill step batches: the profile's engine cap or the limit (`SimOptions.token_cap`)."""
+        return self.options.token_cap(self.latency.profile_token_cap(kind, tp))
 
     # ---- events ------------------------------------------------------------------------------
     def _push(self, at: float, kind: int, inst: int, payload: object = None) -> None:
@@ -408,7 +317,7 @@ class Simulator:
             return
         # Backpressure: the batch must fit in what is left of the KV buffer, in memory and in slots.
         room = p.capacity_tokens - p.buffer_tokens - p.inflight_tokens
-        slots = self.options.prefill_buffer_slots
+        slots = self.options.limits.prefill_buffer_slots if self.options.bounded_prefill_buffer else None
         free = len(p.queue)
         if slots is not None and self.options.mode != "prefill":  # prefill-only runs never buffer
             free = prefill_buffer_free_slots(slots, p.buffer_requests, p.inflight_requests)
@@ -496,7 +405,7 @@ class Simulator:
         if not d.pending:
             return
         num_running = d.num_running + len(d.joining) + d.num_transferring
-        room = self.options.max_decode_batch - num_running
+        room = self.max_decode_batch - num_running
         if room <= 0:
             return
         head = [d.pending[j][0] for j in range(min(room, len(d.pending)))]
@@ -504,8 +413,8 @@ class Simulator:
             head,
             num_free_blocks=d.free_blocks,
             num_running=num_running,
-            max_batch_size=self.options.max_decode_batch,
-            block_size=self.options.block_size,
+            max_batch_size=self.max_decode_batch,
+            block_size=self.options.limits.block_size,
         )
         for reservation in admission.admitted:
             req, i, src = d.pending.popleft()
@@ -572,7 +481,7 @@ class Simulator:
         """A request joins decode instance `k`: it enters at the end of the round now running, so the
         rounds scheduled as one event stop there."""
         d = self.decodes[k]
-        end = _cut_after(d.round_ends, self.now)
+        end = cut_after(d.round_ends, self.now)
         if end is not None:
             d.generation += 1
             self._push(end, _DECODE_ROUND_DONE, k, d.generation)
@@ -673,7 +582,7 @@ class Simulator:
 
     def _release_decode_blocks(self, k: int, i: int) -> int:
         n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
-        return blocks_for(n_tokens, self.options.block_size)
+        return blocks_for(n_tokens, self.options.limits.block_size)
 
     def _admit_without_transfer(self, k: int, i: int, src: int) -> bool:
         return False
@@ -700,7 +609,7 @@ class Simulator:
 
     def _release_colocated_blocks(self, k: int, i: int) -> int:
         n_tokens = kv_tokens_reserved(self._input_list[i], self._output_list[i])
-        return blocks_for(n_tokens, self.options.block_size)
+        return blocks_for(n_tokens, self.options.limits.block_size)
 
     # <<< prefix-cache hooks ----------------------------------------------------------------------
 
@@ -728,14 +637,14 @@ class Simulator:
             return
         opts = self.options
         budget = max(c.max_batch_tokens, c.chunk_size or 0)
-        head = list(itertools.islice(c.waiting, min(budget, opts.max_decode_batch)))
+        head = list(itertools.islice(c.waiting, min(budget, self.max_decode_batch)))
         records = c.records
         reqs = [records[i] for i in c.admitted] + [records[i] for i in head]
         step = schedule_colocated(
             reqs,
             num_free_blocks=c.free_blocks,
-            block_size=opts.block_size,
-            max_batch_size=opts.max_decode_batch,
+            block_size=opts.limits.block_size,
+            max_batch_size=self.max_decode_batch,
             max_batch_tokens=c.max_batch_tokens,
             chunk_size=c.chunk_size,
         )
@@ -783,7 +692,7 @@ class Simulator:
         """A request arrives at colocated instance `k`: the policy decides again after the step now
         running, so steady steps scheduled as one event stop there."""
         c = self.colocated[k]
-        end = _cut_after(c.step_ends, self.now)
+        end = cut_after(c.step_ends, self.now)
         if end is not None:
             c.generation += 1
             self._push(end, _COLOC_STEP_DONE, k, ((), c.step_decodes, c.generation))

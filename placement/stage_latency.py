@@ -2,7 +2,7 @@
 
 Every latency form implements it: the Appendix-A and folded forms (`placement/latency.py`), the bucketed
 engine's measured costs (`placement/bucket_latency.py`) and the padding wrapper (`placement/padding.py`);
-the simulator and `placement/step_cost.py` read only this."""
+the simulator and `placement/step_time.py` read only this."""
 
 from __future__ import annotations
 

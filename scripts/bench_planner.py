@@ -14,6 +14,14 @@
 2. Algorithm 2 (low affinity) for the same. Target: <= 30 s.
 3. One simulation of 10,000 ShareGPT requests through OPT-13B 2 prefill (tp1) + 1 decode (tp1) on the
    A100 profile, at 5 rps, run to completion (no early stop). Target: <= 2 s.
+
+With `--scale` (issue 43) instead: the same `jaxserve plan` command at 4, 8, 16, 64 and 256 nodes of 8
+(`--scale-nodes` to change them), each a subprocess timed for wall time and peak memory (the largest
+resident set of the command and its worker processes), by units (the default) and, up to
+`--whole-up-to` nodes, searching the whole cluster at once (`--unit-nodes 0`, the planner before units);
+then one replan decision (`placement.replan_decision.replan`) on the 64 x 8 plan. Targets: 64 x 8 <= 5 s,
+256 x 8 <= 10 s, memory <= 1 GB at 256 x 8, per-device goodput within 5 % of the 4 x 8 plan's, a replan
+decision at 64 x 8 <= 5 s.
 """
 
 from __future__ import annotations
@@ -52,7 +60,13 @@ def main() -> None:
     parser.add_argument("--plan-reps", type=int, default=5, help="times to run the whole `jaxserve plan` (0: skip)")
     parser.add_argument("--baseline", default=None, help="a checkout of another revision to time against (A B A B)")
     parser.add_argument("--only-plan", action="store_true", help="only the whole `jaxserve plan` command (0.)")
+    parser.add_argument("--scale", action="store_true", help="plan time and memory against cluster size (issue 43)")
+    parser.add_argument("--scale-nodes", default="4,8,16,64,256", help="with --scale: node counts, comma-separated")
+    parser.add_argument("--whole-up-to", type=int, default=16, help="with --scale: also --unit-nodes 0 up to N nodes")
     args = parser.parse_args()
+    if args.scale:
+        scale(args)
+        return
 
     if args.plan_reps:
         trees = {"this tree": ROOT} if not args.baseline else {"baseline": Path(args.baseline), "this tree": ROOT}
@@ -132,6 +146,103 @@ def main() -> None:
         f"Simulate 10,000 ShareGPT requests, OPT-13B 2P1D at 5 rps: {t3:6.2f} s (target 2 s), {result.num_events} events, "
         f"attainment {s['attainment']:.1%}"
     )
+
+
+def _timed_plan(nodes: int, extra: list[str], workers: int) -> tuple[float, float, dict[str, object]]:
+    """(wall s, peak MiB, plan JSON) of one `jaxserve plan` at `nodes` x 8, as a user runs it."""
+    plan_path = os.path.join(tempfile.mkdtemp(), "plan.json")
+    argv = PLAN_ARGS.replace("--nodes 4", f"--nodes {nodes}").split()
+    cmd = [sys.executable, "-m", "jaxserve.cli", "plan", *argv, "--no-progress", "--workers", str(workers)]
+    # the command measures its own peak: the larger of its process's and its (waited-for) workers'
+    probe = (
+        "import resource, sys\n"
+        "from jaxserve.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "usage = [resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]\n"
+        "print('MAXRSS', max(usage), file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *cmd[3:], *extra, "-o", plan_path],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wall = time.perf_counter() - start
+    rss_kib = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("MAXRSS")))
+    return wall, rss_kib / 1024, json.loads(Path(plan_path).read_text())
+
+
+def scale(args: argparse.Namespace) -> None:
+    """Plan time and memory against cluster size, by units and (small clusters) whole; a replan at 64 x 8."""
+    nodes_list = [int(n) for n in args.scale_nodes.split(",")]
+    command = PLAN_ARGS.replace("--nodes 4", "--nodes N")
+    print(f"jaxserve plan {command} --workers {args.workers}; load average {os.getloadavg()[0]:.2f}")
+    print("rps/device: the plan's prediction (a replicated plan: two units simulated together); units alone: the")
+    print("unit search's goodput times the copies (no pooling across units)")
+    print(f"{'nodes x 8':>9} {'search':>7} {'wall s':>7} {'peak MiB':>9} {'rps/device':>11} {'units alone':>12}  plan")
+    per_device: dict[int, float] = {}
+    plans: dict[int, dict[str, object]] = {}
+    for nodes in nodes_list:
+        modes: list[tuple[str, list[str]]] = [("units", [])] + (
+            [("whole", ["--unit-nodes", "0"])] if nodes <= args.whole_up_to else []
+        )
+        for name, extra in modes:
+            wall, mib, plan = _timed_plan(nodes, extra, args.workers)
+            expected = plan["expected"]
+            assert isinstance(expected, dict)
+            pd = float(expected["goodput_rps_per_device"])
+            devices = float(expected["goodput_rps"]) / pd
+            alone = (
+                float(expected["search_goodput_rps"] if "search_goodput_rps" in expected else pd * devices) / devices
+            )
+            if name == "units":
+                per_device[nodes], plans[nodes] = alone, plan
+            described = _chosen(json.dumps(plan)).split(" ")[0]
+            counts: dict[str, int] = {}
+            for inst in described.split(","):
+                counts[inst] = counts.get(inst, 0) + 1
+            short = ", ".join(f"{n} x {k}" for k, n in counts.items())
+            print(f"{nodes:>9} {name:>7} {wall:>7.2f} {mib:>9.0f} {pd:>11.4f} {alone:>12.4f}  {short}", flush=True)
+    if nodes_list and 4 in per_device:
+        base = per_device[4]
+        print("units alone, per device, against the 4 x 8 plan's: " + ", ".join(
+            f"{n} x 8 {100 * (pd / base - 1):+.1f} %" for n, pd in per_device.items()
+        ))  # fmt: skip
+    if 64 in plans:
+        print(f"replan decision on the 64 x 8 plan: {_timed_replan(plans[64]):.2f} s")
+    print(f"load average now {os.getloadavg()[0]:.2f}")
+
+
+def _timed_replan(plan_json: dict[str, object]) -> float:
+    """Seconds of one replan round (search a candidate, estimate the current plan, decide) on the 64 x 8 plan,
+    the window a minute of ShareGPT at 60 % of the plan's goodput."""
+    from jaxserve.core.plan import DeploymentPlan
+    from jaxserve.core.workload_monitor import MonitorConfig, WorkloadMonitor
+    from placement.replan_decision import ReplanConfig, ReplanJob, replan
+    from placement.workload import get_length_distribution
+
+    current = DeploymentPlan.from_json(json.dumps(plan_json))
+    a100 = get_device("a100-80gb")
+    latency = LatencyProvider(get_config("opt-175b", "float16"), a100)
+    ctx = SearchContext(latency, ClusterSpec(a100, 64, 8), base_workload("sharegpt", 400, 0), SloSpec(4.0, 0.2))
+    rate, seconds = 0.6 * current.expected["goodput_rps"], 60
+    w = generate(get_length_distribution("sharegpt"), rate, int(rate * seconds), np.random.default_rng(1))
+    monitor = WorkloadMonitor(MonitorConfig(window_s=seconds, slice_s=seconds / 4))
+    for at, n_in, n_out in zip(w.arrival_at, w.input_lens, w.output_lens, strict=True):
+        monitor.record_arrival(float(at), int(n_in))
+        monitor.record_finish(float(at), int(n_out), None, None)
+    job = ReplanJob(current, monitor.window(float(seconds)), ctx, ReplanConfig(), requested_at=float(seconds))
+    start = time.perf_counter()
+    out = replan(job)
+    took = time.perf_counter() - start
+    if out.decision is None:
+        raise RuntimeError(f"the replan round failed: {out.error}")
+    print(f"  {'; '.join(out.decision.reasons)}")
+    return took
 
 
 def _chosen(plan_json: str) -> str:

@@ -144,7 +144,7 @@ def simulate(
         LatencyProvider(cfg, device),
         ClusterSpec(device, 1, 8),
         trace,
-        options=SimOptions(block_size=args.block_size, max_decode_batch=args.max_decode_batch),
+        options=SimOptions.planning(block_size=args.block_size, max_decode_batch=args.max_decode_batch),
         policy=policy,
         prefill_pool_blocks=args.num_kv_blocks,
         decode_pool_blocks=args.num_kv_blocks,

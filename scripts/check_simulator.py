@@ -64,7 +64,7 @@ from placement.latency import (  # noqa: E402
 )
 from placement.simulator import SimOptions, simulate  # noqa: E402
 from placement.slo import SloSpec  # noqa: E402
-from placement.step_cost import decode_step_s, prefill_step_s  # noqa: E402
+from placement.step_time import decode_step_s, prefill_step_s  # noqa: E402
 from placement.workload import Workload, generate, get_length_distribution  # noqa: E402
 
 DEFAULT_DEPLOYMENTS = ("disagg:prefill=tp1,decode=tp1", "colocated:tp1")
@@ -231,10 +231,10 @@ def default_slo(cfg: CheckConfig, latency: LatencyProvider) -> SloSpec:
 
 def sim_options(cfg: CheckConfig, latency: LatencyProvider, plan: DeploymentPlan) -> SimOptions:
     engine: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
-    return SimOptions(
+    return SimOptions.planning(
         block_size=cfg.block_size,
         max_decode_batch=cfg.max_decode_batch,
-        colocated_batch_tokens=latency.prefill_token_budget(engine, plan.instances[0].tp),
+        max_batch_tokens=latency.prefill_token_budget(engine, plan.instances[0].tp),
         stop_early=False,
     )
 

@@ -12,7 +12,7 @@ intra-op work single-threaded, one virtual device):
 2. fits the profile entries exactly as `jaxserve profile` does (`placement/profile_fit.py`, padded
    shapes: `step_overhead`, C1..C6, and the bucket costs that charge instead of them);
 3. times shapes *off* the grid (other batch sizes, prompt lengths, contexts, some beyond the grid)
-   and predicts each with what the simulator charges: `placement/step_cost.py` on the
+   and predicts each with what the simulator charges: `placement/step_time.py` on the
    `LatencyProvider` model and step overhead of the fitted profile;
 4. prints predicted vs measured per shape, the median and P90 relative error, and the load average.
 
@@ -171,7 +171,7 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     from placement.hardware import get_device
     from placement.latency import DeploymentKind, LatencyProvider, Profile
     from placement.profile_fit import profile_entry
-    from placement.step_cost import decode_step_s, prefill_step_s
+    from placement.step_time import decode_step_s, prefill_step_s
 
     path = Path(doc["model"])
     cfg = load_hf_config(path) if path.is_dir() and is_hf_dir(path) else get_config(doc["model"])

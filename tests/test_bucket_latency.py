@@ -19,7 +19,7 @@ from placement.hardware import get_device
 from placement.latency import LatencyProvider, Profile, ProfileError, StepOverhead
 from placement.padding import EnginePadding
 from placement.profile_fit import DecodeSample, PrefillSample, profile_entry
-from placement.step_cost import decode_step_s, mixed_step_s, prefill_step_s
+from placement.step_time import decode_step_s, mixed_step_s, prefill_step_s
 
 CFG = get_config("opt-mini")
 PAD = EnginePadding(attention_exact=True)  # the CPU kernel's padding: attention reads the filled positions only

@@ -128,7 +128,7 @@ def test_bounds_charge_the_step_overhead() -> None:
         get_config("opt-13b", "float16"), A100, Profile.from_dict({"name": "hand", "entries": [entry]})
     )
     w = base_workload("fixed:100:11", 50, seed=0)
-    options = SimOptions(max_decode_batch=32, max_batch_tokens=100)
+    options = SimOptions.planning(max_decode_batch=32, max_batch_tokens=100)
     disagg = parse_deployment("disagg:prefill=tp1,decode=tp1")
 
     def search(plan: str, ttft: float, tpot: float) -> GoodputSearch:

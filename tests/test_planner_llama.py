@@ -143,7 +143,7 @@ def _one_request_transfer_s(decode_tp: int) -> float:
     latency = LatencyProvider(cfg, A100)
     plan = DeploymentPlan((InstanceSpec("prefill", 1), InstanceSpec("decode", decode_tp))).assign_devices(8)
     one = Workload(np.array([0.0]), np.array([100]), np.array([4]), rate=1.0)
-    result = simulate(plan, latency, cluster, one, None, SimOptions(num_kv_blocks=64))
+    result = simulate(plan, latency, cluster, one, None, SimOptions.planning(num_kv_blocks=64))
     return float(result.transfer_end_at[0] - result.transfer_start_at[0])
 
 

@@ -32,7 +32,7 @@ from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, Profile, StepOverhead
 from placement.sim_types import SimOptions
 from placement.simulator import simulate
-from placement.step_cost import ModelStepCost
+from placement.step_time import ModelStepCost
 from placement.workload import Workload
 
 CFG = get_config("opt-13b", "float16")
@@ -78,7 +78,7 @@ def test_the_hand_numbers_are_the_models() -> None:
 def test_simulator_pipelines_prefill_batches() -> None:
     plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
     w = Workload(np.zeros(3), np.full(3, PROMPT), np.ones(3, dtype=np.int64), rate=1.0)
-    r = simulate(plan, LATENCY, CLUSTER, w, None, SimOptions(mode="prefill", max_batch_tokens=PROMPT))
+    r = simulate(plan, LATENCY, CLUSTER, w, None, SimOptions.planning(mode="prefill", max_batch_tokens=PROMPT))
     starts, firsts = _expected()
     np.testing.assert_allclose(r.prefill_start_at, starts, rtol=1e-9)
     np.testing.assert_allclose(r.first_token_at, firsts, rtol=1e-9)

@@ -135,7 +135,7 @@ def test_runtime_and_simulator_evict_the_same_blocks_in_the_same_order() -> None
         LatencyProvider(CFG, device),
         ClusterSpec(device, 1, 8),
         shared,
-        options=SimOptions(block_size=BS),
+        options=SimOptions.planning(block_size=BS),
         prefill_pool_blocks=PREFILL_BLOCKS,
         decode_pool_blocks=DECODE_BLOCKS,
         sent_at=np.asarray([0.0, 10.0, 20.0, 30.0]),

@@ -82,7 +82,7 @@ def _tiny_run(a100: tuple[LatencyProvider, ClusterSpec], policy: PrefixPolicy) -
     latency, cluster = a100
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
     shared = generate_conversations(TINY, 1, np.random.default_rng(5)).at_rate(1.0)
-    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions(block_size=4), policy=policy)
+    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions.planning(block_size=4), policy=policy)
     sim.run()
     return sim
 
@@ -161,7 +161,7 @@ def test_colocated_second_turn_starts_after_its_cached_prefix(
     latency, cluster = a100
     plan = parse_deployment(spec).assign_devices(8)
     shared = generate_conversations(TINY, 1, np.random.default_rng(5)).at_rate(1.0)
-    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions(block_size=4))
+    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions.planning(block_size=4))
     sim.run()
     stats = sim.stats()
     assert (stats.prompt_tokens, stats.computed_tokens, stats.transferred_tokens) == (30, 11 + 7, 0)
@@ -242,7 +242,7 @@ def test_local_prefills_take_batch_room(a100: tuple[LatencyProvider, ClusterSpec
     latency, cluster = a100
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
     shared = generate_conversations(TINY, 4, np.random.default_rng(0)).at_rate(100.0)
-    opts = SimOptions(block_size=4, max_decode_batch=1)
+    opts = SimOptions.planning(block_size=4, max_decode_batch=1)
     sim = PrefixSimulator(plan, latency, cluster, shared, options=opts, policy=PrefixPolicy(local_prefill_tokens=100))
     result = sim.run()
     assert sim.stats().num_local_prefills == len(shared) == result.num_finished
@@ -257,7 +257,13 @@ def test_small_decode_pool_evicts_the_previous_turn(a100: tuple[LatencyProvider,
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1").assign_devices(8)
     shared = generate_conversations(TINY, 1, np.random.default_rng(5)).at_rate(1.0)
     sim = PrefixSimulator(
-        plan, latency, cluster, shared, options=SimOptions(block_size=4), decode_pool_blocks=6, prefill_pool_blocks=3
+        plan,
+        latency,
+        cluster,
+        shared,
+        options=SimOptions.planning(block_size=4),
+        decode_pool_blocks=6,
+        prefill_pool_blocks=3,
     )
     sim.run()
     stats = sim.stats()
@@ -287,7 +293,9 @@ def test_identical_prompts_sent_together_wait_for_the_first(a100: tuple[LatencyP
         next_turn=np.full(n, -1),
         num_first=n,
     )
-    sim = PrefixSimulator(plan, latency, cluster, shared, options=SimOptions(block_size=4), policy=PrefixPolicy())
+    sim = PrefixSimulator(
+        plan, latency, cluster, shared, options=SimOptions.planning(block_size=4), policy=PrefixPolicy()
+    )
     sim.run()
     stats = sim.stats()
     assert np.isfinite(sim.finish_at).all()

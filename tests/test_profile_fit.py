@@ -18,7 +18,7 @@ from placement.profile_fit import (
     nnls,
     profile_entry,
 )
-from placement.step_cost import decode_step_s, prefill_step_s
+from placement.step_time import decode_step_s, prefill_step_s
 
 CFG = get_config("opt-mini")
 TRUE = AppendixCoefficients(C1=2.0e-11, C2=3.0e-10, C3=1.5e-3, C4=4.0e-10, C5=6.0e-10, C6=8.0e-4)
@@ -72,7 +72,7 @@ def test_fit_recovers_exact_coefficients() -> None:
 
 
 def test_fit_yields_the_step_overhead_the_simulator_charges() -> None:
-    """Step times from `placement/step_cost.py` itself (padded kernels + a StepOverhead with every term,
+    """Step times from `placement/step_time.py` itself (padded kernels + a StepOverhead with every term,
     the per-token one on actual tokens): the fit returns that overhead, and the profile entry, loaded by
     the planner, predicts every step exactly."""
     kernel = AppendixCoefficients(C1=TRUE.C1, C2=TRUE.C2, C3=0.0, C4=TRUE.C4, C5=TRUE.C5, C6=0.0)

@@ -245,6 +245,7 @@ def test_plan_for_rate_chooses_what_jaxserve_plan_chooses(capsys: pytest.Capture
     argv = ["plan", "--model", "opt-13b", "--device", "a100-80gb", "--profile", "a100-80gb-distserve"]
     argv += ["--nodes", "1", "--inter-node-gbps", "800", "--workload", "sharegpt", "--num-requests", "200"]
     argv += ["--ttft", "0.25", "--tpot", "0.1", "--rate", "4", "--kind", "disagg", "--max-pp", "1"]
+    argv += ["--max-decode-batch", "32"]  # the experiment's engine (SimOptions()), not the profile's 1024
     argv += ["--workers", "1", "--no-progress", "--json"]
     assert main(argv) == 0
     cli = capsys.readouterr().out.strip()

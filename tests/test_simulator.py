@@ -89,12 +89,12 @@ def test_pipelined_prefill_overlaps_batches() -> None:
 def test_pipelined_prefill_charges_the_step_overhead_to_the_batch() -> None:
     """With a step overhead, the first stage does each batch's host work before its kernels: a batch alone
     is done after `prefill_step_s` (what the timed engine sleeps), the next enters when stage 0 frees."""
-    from placement.step_cost import prefill_step_s
+    from placement.step_time import prefill_step_s
 
     lp = LatencyProvider(OPT13B, A100, load_profile("a100-80gb-distserve"), prefill_tokens=512)
     cluster = ClusterSpec(A100, 1, 8)
     plan = DeploymentPlan((InstanceSpec("prefill", 1, 2), InstanceSpec("decode", 1, 1)))
-    options = SimOptions(mode="prefill", max_batch_tokens=512)  # one prompt a batch
+    options = SimOptions.planning(mode="prefill", max_batch_tokens=512)  # one prompt a batch
     r = simulate(plan, lp, cluster, _workload([0, 0, 0], [512] * 3, [1] * 3), None, options)
     model, overhead = lp.instance("disagg", 1, 2, cluster.nvlink_bandwidth), lp.step_overhead("disagg", 1)
     stage, send = model.prefill_stage_s(512, 512**2, 1), model.send_s(512)
@@ -144,7 +144,7 @@ def test_decode_batch_room_limits_admission() -> None:
         ClusterSpec(A100, 1, 2),
         _workload([0, 0], [100, 100], [5, 5]),
         None,
-        SimOptions(max_decode_batch=1),
+        SimOptions.planning(max_decode_batch=1),
     )
     assert r.transfer_start_at[1] == pytest.approx(r.finish_at[0])
 
@@ -156,8 +156,8 @@ def test_full_prefill_buffer_stops_prefill_as_in_the_runtime() -> None:
     # bound only KV memory limits the buffer.
     w = _workload([0, 0, 0], [100, 100, 100], [200, 200, 200])
     plan, cluster = parse_deployment("disagg:prefill=tp1,decode=tp1"), ClusterSpec(A100, 1, 2)
-    opts = SimOptions(max_decode_batch=1, prefill_buffer_slots=1)
-    free = simulate(plan, LP, cluster, w, None, dataclasses.replace(opts, prefill_buffer_slots=None))
+    opts = SimOptions.planning(max_decode_batch=1, prefill_buffer_slots=1)
+    free = simulate(plan, LP, cluster, w, None, dataclasses.replace(opts, bounded_prefill_buffer=False))
     # the first arrival starts alone on the idle instance; the other two form the next batch
     assert free.prefill_start_at[0] == 0.0 and free.prefill_start_at[1] == free.prefill_start_at[2] > 0
     r = simulate(plan, LP, cluster, w, None, opts)
@@ -261,7 +261,14 @@ def test_prefill_batches_up_to_the_engine_token_cap_not_l_m() -> None:
     one = (a + b * 512 + c * 512**2) / 1000
     three = (a + b * 1536 + c * 3 * 512**2) / 1000
     plan = parse_deployment("disagg:prefill=tp1,decode=tp1")
-    r = simulate(plan, lp, cluster, w, None, SimOptions(prefill_buffer_slots=None))
+    r = simulate(plan, lp, cluster, w, None, SimOptions(bounded_prefill_buffer=False))
     assert r.first_token_at == pytest.approx([one] + [one + three] * 3, rel=1e-12)
-    r = simulate(plan, lp, cluster, w, None, SimOptions(max_batch_tokens=512, prefill_buffer_slots=None))
+    r = simulate(
+        plan,
+        lp,
+        cluster,
+        w,
+        None,
+        dataclasses.replace(SimOptions.planning(max_batch_tokens=512), bounded_prefill_buffer=False),
+    )
     assert r.first_token_at == pytest.approx([one, 2 * one, 3 * one, 4 * one], rel=1e-12)

@@ -16,7 +16,7 @@ from placement.latency import LatencyProvider, StepOverhead, load_profile
 from placement.padding import EnginePadding, PaddedModel
 from placement.simulator import SimOptions, Simulator
 from placement.slo import SloSpec
-from placement.step_cost import decode_round_fn, decode_step_s
+from placement.step_time import decode_round_fn, decode_step_s
 from placement.workload import generate
 
 OPT13B = get_config("opt-13b", "float16")

@@ -26,7 +26,7 @@ from jaxserve.runtime.engines.contract import StepRow
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, load_profile
-from placement.step_cost import decode_step_s, prefill_step_s
+from placement.step_time import decode_step_s, prefill_step_s
 
 PREFILL_S, DECODE_S = 0.030, 0.010
 PROMPT_LEN, MAX_TOKENS = 20, 6

@@ -13,7 +13,7 @@ from jaxserve.runtime.kv_transfer import TransferState
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile
-from placement.step_cost import ModelStepCost
+from placement.step_time import ModelStepCost
 
 CFG = get_config("opt-13b", "float16")
 LP = LatencyProvider(CFG, get_device("a100-80gb"), load_profile("a100-80gb-distserve"))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxserve.core.plan import DeploymentPlan
+    from placement.latency import LatencyProvider
     from placement.search import SearchContext
 
 
@@ -78,6 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0,256",
         help="conditional-disaggregation thresholds to judge, comma-separated (0: always disaggregate)",
     )
+    parser.add_argument(
+        "--unit-nodes",
+        type=int,
+        default=None,
+        help="search a unit of this many nodes and replicate it over the cluster (default: 4; 0: search the "
+        "whole cluster at once, slow beyond 8 nodes)",
+    )
+    parser.add_argument(
+        "--check-units",
+        type=int,
+        default=None,
+        help="a replicated plan's goodput: this many units simulated together (default: 2; 0: the units' sum)",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -85,9 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.core.plan import PlanError
+    from placement.cluster_plan import DEFAULT_CHECK_UNITS, DEFAULT_UNIT_NODES, plan_cluster
     from placement.context import UsageError, build_base_workload
     from placement.latency import ProfileError
-    from placement.planner import choose_plan
     from placement.search import SearchContext
     from placement.workload import Workload
 
@@ -104,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--max-pp must be >= 1")
         if args.seeds < 0 or args.interval_top < 0:
             raise UsageError("--seeds and --interval-top must be >= 0")
+        if (args.unit_nodes or 0) < 0 or (args.check_units or 0) < 0:
+            raise UsageError("--unit-nodes and --check-units must be >= 0")
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
@@ -117,11 +133,12 @@ def run(args: argparse.Namespace) -> int:
 
     progress = None if args.no_progress else _progress_bar()
     try:
-        report = choose_plan(
+        scaled = plan_cluster(
             ctx,
             kind=args.kind,
             affinity=args.affinity,
             rate=args.rate,
+            unit_nodes=DEFAULT_UNIT_NODES if args.unit_nodes is None else args.unit_nodes,
             workers=args.workers,
             verify=not args.no_verify,
             compare_colocated=args.compare_colocated,
@@ -130,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             reseed=None if args.json else reseed,
             seeds=args.seeds,
             interval_top=args.interval_top,
+            check_units=DEFAULT_CHECK_UNITS if args.check_units is None else args.check_units,
         )
     except (PlanError, ProfileError) as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
@@ -137,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
-    plan, disagg, colocated, ratio = report.plan, report.disagg, report.colocated, report.ratio
-    simulated, disagg_pd, goodput_rps = report.joint_rps, report.disagg_per_device, report.goodput_rps
+    report = scaled.unit  # the search: its candidates, choice and reasons (the whole cluster when one unit)
+    plan, disagg, colocated, ratio = scaled.plan, report.disagg, report.colocated, report.ratio
+    simulated, disagg_pd, goodput_rps = report.joint_rps, report.disagg_per_device, scaled.goodput_rps
     if _emit_json(args, plan):
         return 0
 
@@ -147,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
         f"{latency.cfg.name} on {cluster.num_nodes} x {cluster.devices_per_node} {cluster.device.name}, workload {args.workload}, "
         f"TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s at {slo.attainment:.0%} ({slo.mode}); latency from {source}"
     )
+    if scaled.replicated:
+        print(
+            f"searched one unit of {scaled.unit_nodes} node(s) at the rate it serves, then replicated it "
+            f"(placement/cluster_plan.py); the candidates below are the unit's"
+        )
     print(f"\n{'candidate':<34} {'devices':>7} {'goodput rps':>12} {'rps/device':>11}  {'range over seeds':>17}")
     rows = (list(disagg.candidates) if disagg else []) + (list(colocated.candidates) if colocated else [])
     for c in rows:
@@ -185,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
         f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
     print(f"why: {report.why}; {report.result.reason}")
+    print(_assumed_limits(plan, latency, flagged=args.max_decode_batch is not None))
+    if scaled.replicated:
+        print(f"over the cluster: {scaled.why}")
     lead = report.lead()
     if lead is not None:
         print(f"sure of it? {lead}")
@@ -195,11 +222,31 @@ def run(args: argparse.Namespace) -> int:
         for c in ratio.candidates:
             print(f"  {c.label:<40} {c.num_devices:>3} devices {c.goodput_rps:8.3f} rps {c.per_device:8.3f} rps/device")
         print(f"  best: {ratio.reason}")
-    for inst in plan.instances:
+    shown = report.plan.instances if scaled.replicated else plan.instances  # a unit stands for its copies
+    if scaled.replicated:
+        print(f"the unit's instances (copy k on nodes + {scaled.unit_nodes}·k; -o / --json hold every instance):")
+    for inst in shown:
         print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:
         print(f"plan written to {args.output}")
     return 0
+
+
+def _assumed_limits(plan: DeploymentPlan, latency: LatencyProvider, flagged: bool) -> str:
+    """Which engine caps the plan assumed, and where the decode batch cap came from."""
+    limits, profile = plan.limits, latency.profile
+    assert limits is not None
+    role = "colocated" if plan.kind == "colocated" else "decode"
+    if flagged:
+        source = "--max-decode-batch"
+    elif profile is not None and latency.profile_decode_batch(plan.kind) is not None:
+        source = f"the {plan.kind} engines of profile {profile.name} ({profile.limits_source or 'no source given'})"
+    else:
+        source = "the serving default (no profile limits)"
+    return (
+        f"assumed: at most {limits.max_decode_batch} running sequences per {role} instance, from {source}; "
+        f"{limits.max_batch_tokens} tokens per prefill step; {limits.num_kv_blocks} KV blocks"
+    )
 
 
 def _emit_json(args: argparse.Namespace, plan: DeploymentPlan) -> bool:

@@ -44,8 +44,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-decode-batch",
         type=int,
-        default=DEFAULT_LIMITS.max_decode_batch,
-        help="running sequences per decode / colocated instance (the same flag on serve)",
+        default=None,
+        help="running sequences per decode / colocated instance (the same flag on serve; default: the cap the "
+        f"profile's engines ran with, else {DEFAULT_LIMITS.max_decode_batch})",
     )
     limits.add_argument(
         "--max-batch-tokens",

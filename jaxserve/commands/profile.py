@@ -10,7 +10,7 @@ on that many devices, times prefill batches, decode steps and colocated prefill 
 shapes (`jaxserve/runtime/profiling.py`; per shape the fastest of `--repeats` runs in each of `--passes`
 passes over the grid, compile excluded),
 fits C1..C6 and the per-step overhead (`step_overhead`: a constant per step, a term per context token, an
-extra constant per prompt step — what `placement/step_cost.py` charges) by one least squares
+extra constant per prompt step — what `placement/step_time.py` charges) by one least squares
 (`placement/profile_fit.py`), finds L_m, prints the fit error, and writes a profile that `jaxserve plan/simulate --profile` read (the
 schema in `placement/latency.py`; each entry also carries its fit errors under `fit`). The engine pads
 every step to a power-of-two bucket, so by default the fit is in padded shapes and the entry records
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 engine,
                 prefill,
                 m.decode if engine == "disagg" else m.coloc_decode,
-                block_size=16,  # the latency formula's attention block b, not the KV page size
+                attention_tile=16,  # the latency formula's attention tile b, not the KV page size
                 l_m=args.prefill_tokens,
                 saturation=args.saturation,
                 # the engine pads every step to a bucket; fit (and later charge) what it computes

@@ -2,7 +2,7 @@
 
 The simulator charges every step through it, and the timed engine (`jaxserve.runtime.engines.timed`) sleeps
 exactly what it says, so a server on the timed engine runs the simulator's timeline. The planner implements it
-(`placement.step_cost.ModelStepCost`: the latency model's kernels plus the profile's per-step host overhead);
+(`placement.step_time.ModelStepCost`: the latency model's kernels plus the profile's per-step host overhead);
 the runtime only reads it, so the engine needs no planner import. One formula, two users.
 
 Shapes are plain numbers: prompt `lengths` of a prefill batch; a decode round of `batch` rows attending over

@@ -1,7 +1,7 @@
 """The timed engine bound to the planner's latency model: the one place that joins the two.
 
 `jaxserve.runtime.engines.timed.TimedEngine` sleeps what a step-cost contract says; here each instance gets
-the simulator's own (`placement.step_cost.ModelStepCost` of its latency model and step overhead) and the link
+the simulator's own (`placement.step_time.ModelStepCost` of its latency model and step overhead) and the link
 the simulator charges a same-node pull, so `serve --engine timed --profile P` runs the simulator's timeline.
 """
 
@@ -17,7 +17,7 @@ from jaxserve.runtime.engines.timed import TimedEngine
 from models.config import ModelConfig
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, LatencyProvider
-from placement.step_cost import ModelStepCost
+from placement.step_time import ModelStepCost
 
 
 def timed_engine_factory(
