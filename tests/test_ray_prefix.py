@@ -40,9 +40,9 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
+from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController  # noqa: E402
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

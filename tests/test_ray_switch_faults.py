@@ -65,9 +65,9 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
+from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController  # noqa: E402
 from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 

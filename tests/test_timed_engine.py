@@ -8,8 +8,9 @@ import pytest
 from jaxserve.core.request import SamplingParams
 from jaxserve.core.step_cost import LinkCost
 from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.timed import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
-from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.runtime.engines.timed import MIN_TOKEN, TimedEngine, random_token
+from jaxserve.runtime.kv_connectors.base import TransferState
+from jaxserve.runtime.kv_connectors.timed import TimedTransfer
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile

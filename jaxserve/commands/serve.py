@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from jaxserve.core.plan import DeploymentPlan
     from jaxserve.runtime.instances import EngineFactory
-    from jaxserve.runtime.kv_transfer import TransferFactory
+    from jaxserve.runtime.kv_connectors.base import TransferFactory
 
 if TYPE_CHECKING:
     from jaxserve.tools.replan_loop import ReplanLoop
@@ -274,7 +274,7 @@ def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:
 def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
     """The timed engine on `--profile`'s latency model; each pull's link time runs from its start, as the
     simulator charges it (`TimedTransfer`)."""
-    from jaxserve.runtime.engines.timed import TimedTransfer
+    from jaxserve.runtime.kv_connectors.timed import TimedTransfer
     from jaxserve.tools.timed_engine import timed_engine_factory
     from models.checkpoint import source_config
     from placement.hardware import get_device

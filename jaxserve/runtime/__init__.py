@@ -1,12 +1,13 @@
 """The runtime layer: request in, tokens out, on devices.
 
 * `engines/` — the engine contract the instance loops drive (`contract.py`: one `Engine`, its abilities as
-  `EngineCapabilities`) and its backends side by side: `opt.py` (JAX/Flax OPT), `fake.py` (hand-computable),
+  `EngineCapabilities`) and its backends side by side: `model.py` (any `models` family), `fake.py` (hand-computable),
   `timed.py` (sleeps a step-cost model); `kv_pool.py` the paged KV pool; `sampling.py` sampling.
 * `prefill_instance.py`, `decode_instance.py`, `colocated_instance.py` — one role each,
   each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/core/scheduling.py`.
-* `kv_transfer.py` — the in-process KV pull; `ray_backend/` the cross-process one and the
-  Ray deployment of a plan.
+* `kv_connectors/` — the KV connectors side by side behind one contract (`base.py`): in-process
+  (`in_process.py`), across Ray actors (`ray.py`, its mechanics `ray_pull.py`), timed (`timed.py`);
+  `ray_backend/` the Ray deployment of a plan.
 * `controller.py` — coordinates a deployment: the request table, admission, hand-off from prefill to
   decode; it calls `routing.py` (which instance takes a request), `recovery.py` (where a request goes
   when its instance or KV is lost), `warmup.py` (compiling before traffic) and `streams.py`

@@ -81,7 +81,7 @@ from jaxserve.core.request import (
 from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
 from jaxserve.runtime.instances import (
     EngineFactory,
     Instance,
@@ -89,7 +89,8 @@ from jaxserve.runtime.instances import (
     build_engines,
     checkpoint_text_tools,
 )
-from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
+from jaxserve.runtime.kv_connectors.base import PullFailureConfig, TransferFactory
+from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.recovery import move_error, needs_moving
 from jaxserve.runtime.routing import Router, enqueue, live_fronts
@@ -175,8 +176,8 @@ class ControllerConfig:
     prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
     decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
     drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
-    # The default (in-process) KV transfer also checks a checksum of each pulled KV's contents (one extra read of
-    # the KV per side); off by default. Shape, dtype and length are always checked (`kv_transfer.check_pulled_kv`).
+    # Every KV connector (in-process, Ray) also checks a checksum of each pulled KV's contents (one extra read of
+    # the KV per side); off by default. Shape, dtype and length are always checked (`base.check_pulled_kv`).
     kv_checksum: bool = False
 
     def __post_init__(self) -> None:

@@ -27,9 +27,9 @@ nothing. A restarted incarnation is cold: a call that expects a warmed actor (`p
 warm=True)`) raises `ActorRestartedError` there, so the controller warms it again first.
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
-the order (retries, then recompute or fail per `TransferConfig`), checks the
+the order (retries, then recompute or fail per the controller's `PullFailureConfig`), checks the
 peer's model signature at first contact, checks what arrived (the sender's
-manifest and, with `TransferConfig.checksum`, fingerprint; the positions the
+manifest and, with the checksum on (`ControllerConfig.kv_checksum`), fingerprint; the positions the
 request needs; the pool's shapes: a KV that fails is recomputed here, whatever
 the policy), and stages the KV in this actor's layout; `insert` writes a staged
 KV into the paged pool (checked against it once more); `decode_step` runs one
@@ -65,10 +65,8 @@ from jaxserve.runtime.engines.contract import (
     bucket,
     step_tokens,
 )
-from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
-from jaxserve.runtime.kv_transfer import KVIntegrityError, check_pulled_kv
-from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
-from jaxserve.runtime.ray_backend.transfer import (
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, PullFailureConfig, check_pulled_kv, move_kv
+from jaxserve.runtime.kv_connectors.ray_pull import (
     ArraySpec,
     HostKV,
     HostShipment,
@@ -88,8 +86,9 @@ from jaxserve.runtime.ray_backend.transfer import (
     stage_for_pull,
     start_transfer_server,
     to_host,
-    to_layout,
 )
+from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
+from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -261,11 +260,23 @@ class _CompileCounter:
 
 
 class _ActorBase:
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+    """`transfer`: the Ray connector's knobs; `pull_failure` and `checksum`: the controller's (one knob each for
+    both backends, `ControllerConfig.pull_failure` / `.kv_checksum`)."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: EngineSpec,
+        transfer: TransferConfig,
+        pull_failure: PullFailureConfig,
+        checksum: bool,
+    ) -> None:
         self._compiles = _CompileCounter()
         self.name = name
         self.spec = spec
         self.transfer = transfer
+        self.pull_failure = pull_failure
+        self.checksum = checksum
         self.engine = build_engine(spec)
         self._signature = ModelSignature.of(self.engine.model_config, spec.dtype, spec.block_size)
         self._stage_layers = self.engine.kv_layout().stage_layers
@@ -329,8 +340,15 @@ class _ActorBase:
 
 
 class PrefillActor(_ActorBase):
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
-        super().__init__(name, spec, transfer)
+    def __init__(
+        self,
+        name: str,
+        spec: EngineSpec,
+        transfer: TransferConfig,
+        pull_failure: PullFailureConfig,
+        checksum: bool,
+    ) -> None:
+        super().__init__(name, spec, transfer, pull_failure, checksum)
         self.buffer = LeasedKVBuffer(transfer.lease_s)
         self._uuids = itertools.count((os.getpid() << 20) + 1)
         reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
@@ -386,7 +404,7 @@ class PrefillActor(_ActorBase):
         return None if kv is None else suffix(kv, start, num_tokens)
 
     def _fingerprint(self, kv: SequenceKV) -> int | None:
-        return fingerprint_of(kv) if self.transfer.checksum else None
+        return fingerprint_of(kv) if self.checksum else None
 
     def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0) -> HostShipment | None:
         """Object-store pull: the KV (positions `start` .. `start + num_tokens` when `start` > 0) as host arrays,
@@ -415,8 +433,15 @@ class PrefillActor(_ActorBase):
 
 
 class DecodeActor(_ActorBase):
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
-        super().__init__(name, spec, transfer)
+    def __init__(
+        self,
+        name: str,
+        spec: EngineSpec,
+        transfer: TransferConfig,
+        pull_failure: PullFailureConfig,
+        checksum: bool,
+    ) -> None:
+        super().__init__(name, spec, transfer, pull_failure, checksum)
         self.layout = self.engine.kv_layout()
         self._staged: dict[str, SequenceKV] = {}
         self._discarded: set[str] = set()  # pulls whose request ended while they ran: dropped when they land
@@ -454,7 +479,7 @@ class DecodeActor(_ActorBase):
             server = self._server
             kv = run_with_watchdog(lambda: pull_staged(server, ticket, timeout), timeout + 1.0, f"pull {rid!r}")
             self._check_arrival(order, kv, ticket.specs, ticket.fingerprint)
-            return to_layout(kv, self.layout), ticket.num_bytes
+            return move_kv(kv, self.layout), ticket.num_bytes
         shipment = cast(
             HostShipment | None, fetch(order.source.take_host.remote(rid, order.start, order.num_tokens), timeout)
         )
@@ -462,7 +487,7 @@ class DecodeActor(_ActorBase):
             raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
         kv = from_host(shipment.kv)
         self._check_arrival(order, kv, shipment.specs, shipment.fingerprint)
-        return to_layout(kv, self.layout), shipment.num_bytes
+        return move_kv(kv, self.layout), shipment.num_bytes
 
     def _check_arrival(
         self, order: PullOrder, kv: SequenceKV, specs: Sequence[ArraySpec], fingerprint: int | None
@@ -482,7 +507,7 @@ class DecodeActor(_ActorBase):
         started_at = time.monotonic()
         failures: list[str] = []
         damaged = False
-        for _ in range(1 + self.transfer.num_retries):
+        for _ in range(1 + self.pull_failure.num_retries):
             try:
                 kv, num_bytes = self._fetch(order)
                 if self.pages is not None:  # a pool to write it into: the KV must fit it
@@ -504,7 +529,7 @@ class DecodeActor(_ActorBase):
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
             return PullReport(order.request_id, num_bytes, seconds, len(failures), False)
-        if self.transfer.on_failure == "fail" and not damaged:
+        if self.pull_failure.on_failure == "fail" and not damaged:
             raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
         kv = self.engine.prefill([order.item]).sequences[0].dense_kv  # the prompt again, on this actor's devices
         kv = suffix(kv, order.start, order.num_tokens)

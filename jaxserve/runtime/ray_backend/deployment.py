@@ -42,6 +42,9 @@ from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.instances import Instance, PlacedInstance, checkpoint_text_tools, instance_names
+from jaxserve.runtime.kv_connectors.base import PullFailureConfig
+from jaxserve.runtime.kv_connectors.ray import RayKVTransfer
+from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig, fetch
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -54,13 +57,7 @@ from jaxserve.runtime.ray_backend.actors import (
     check_compatible,
 )
 from jaxserve.runtime.ray_backend.placement_groups import Placement, PlacementConfig, place_on_cluster
-from jaxserve.runtime.ray_backend.remote_engine import (
-    FaultCounters,
-    RayKVTransfer,
-    RemoteDecodeEngine,
-    RemotePrefillEngine,
-)
-from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemoteDecodeEngine, RemotePrefillEngine
 from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
 from models.config import ModelConfig
 
@@ -81,14 +78,6 @@ class RayConfig:
     start_timeout_s: float = 300.0
     engine: EngineKind = "opt"
     fake_config: ModelConfig | None = None  # engine "fake": the hand-computable test engine
-
-
-def with_kv_checksum(rc: RayConfig, config: ControllerConfig) -> RayConfig:
-    """`rc`, with the actors' pull checksum on when the controller's is (`ControllerConfig.kv_checksum`, serve's
-    `--kv-checksum`): one knob for both backends."""
-    if config.kv_checksum and not rc.transfer.checksum:
-        return dataclasses.replace(rc, transfer=dataclasses.replace(rc.transfer, checksum=True))
-    return rc
 
 
 def loopback_only() -> None:
@@ -147,7 +136,7 @@ class RayController(Controller):
         counters: FaultCounters,
         observer: Observer | None = None,
         tokenizer: Tokenizer | None = None,
-        launch: _LaunchInputs | None = None,
+        launch: LaunchInputs | None = None,
     ) -> None:
         # Every decode instance's transfer looks prefill actors up here: a live switch adds to it.
         self._holders: dict[str, ActorHandle] = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
@@ -188,11 +177,11 @@ class RayController(Controller):
     ) -> RayController:
 
         config = config or ControllerConfig()
-        rc = with_kv_checksum(ray_config or RayConfig(), config)
+        rc = ray_config or RayConfig()
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
-        inputs = _LaunchInputs(model_source, dtype, rc, config.limits.block_size)
+        inputs = LaunchInputs.of(model_source, dtype, rc, config)
         placement = place_on_cluster(plan, rc.placement)
         names = instance_names(plan)
         try:
@@ -401,13 +390,20 @@ def _forget_pool_on_restart(inst: PrefillInstance | DecodeInstance) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchInputs:
+class LaunchInputs:
     """What a deployment's actors are started from (kept for the actors a live switch adds)."""
 
     model_source: str
     dtype: str
     ray: RayConfig
     block_size: int
+    # the controller's knobs the actors read too: one name each for both backends
+    pull_failure: PullFailureConfig
+    kv_checksum: bool
+
+    @classmethod
+    def of(cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig) -> LaunchInputs:
+        return cls(model_source, dtype, rc, config.limits.block_size, config.pull_failure, config.kv_checksum)
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
@@ -418,7 +414,7 @@ def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
 
 
 def _start_actors(
-    inputs: _LaunchInputs,
+    inputs: LaunchInputs,
     names: Sequence[str],
     specs: Sequence[InstanceSpec],
     options: Sequence[dict[str, object]],
@@ -442,7 +438,7 @@ def _start_actors(
                 max_concurrency=4,  # decode: a step and pulls in flight at once
                 runtime_env=actor_env(spec, rc.placement.use_gpus),
                 **opts,
-            ).remote(name, spec, rc.transfer)
+            ).remote(name, spec, rc.transfer, inputs.pull_failure, inputs.kv_checksum)
         refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
         infos: dict[str, ActorInfo] = {}
         for name, ref in refs.items():
@@ -458,7 +454,7 @@ def _start_actors(
 
 
 def _placed(
-    inputs: _LaunchInputs,
+    inputs: LaunchInputs,
     name: str,
     inst: InstanceSpec,
     actor: ActorHandle,
@@ -488,8 +484,6 @@ def launch_from_args(
     model: str, plan: DeploymentPlan, config: ControllerConfig, args: argparse.Namespace
 ) -> Controller:
     """`jaxserve serve --backend ray`: the Ray deployment the command-line flags describe."""
-    from jaxserve.runtime.ray_backend.transfer import TransferConfig
-
     fake_config = None
     if args.engine == "fake":
         from models.checkpoint import source_config
