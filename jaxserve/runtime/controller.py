@@ -378,7 +378,6 @@ class Controller:
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         warm_buckets(
             instances,
-            block_size=self.config.limits.block_size,
             max_prompt_tokens=self.max_prompt_tokens,
             max_seq_len=max_seq_len,
             logprobs=self.config.warmup.logprobs,

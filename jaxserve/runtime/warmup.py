@@ -34,7 +34,6 @@ HandOff = tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None, int]
 def warm_buckets(
     instances: Sequence[Instance],
     *,
-    block_size: int,
     max_prompt_tokens: int,
     max_seq_len: int,
     logprobs: bool,
