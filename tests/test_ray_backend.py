@@ -51,7 +51,7 @@ from jaxserve.runtime.ray_backend.deployment import (  # noqa: E402
     RayController,
     actor_env,
 )
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
 from jaxserve.runtime.switch import PlanSwitcher  # noqa: E402
 from jaxserve.runtime.worker import FaultCounters, LiveRequest  # noqa: E402
@@ -90,7 +90,7 @@ def cluster():
 
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=LEASE_S, pull_timeout_s=20.0),
-    placement=PlacementConfig(num_cpus_per_actor=0.5),
+    resources=ResourceConfig(num_cpus_per_actor=0.5),
 )
 
 
@@ -390,7 +390,7 @@ def test_low_affinity_plan_pairs_stages_on_one_node(cluster) -> None:
     )
     rc = RayConfig(
         transfer=TransferConfig(lease_s=LEASE_S),
-        placement=PlacementConfig(num_cpus_per_actor=0.5, node_resource_prefix="node"),
+        resources=ResourceConfig(num_cpus_per_actor=0.5, node_resource_prefix="node"),
         engine="fake",
         fake_config=FAKE,
     )

@@ -26,7 +26,7 @@ from jaxserve.runtime.kv_connectors.ray_pull import (
 )
 from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
 from jaxserve.runtime.ray_backend.deployment import LaunchInputs, RayConfig
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig, bundle, group_by_node
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig, bundle, group_by_node
 from models.config import get_config
 
 
@@ -79,7 +79,7 @@ def test_low_affinity_plan_groups_pairs_by_node() -> None:
         )
     )
     assert group_by_node(plan) == {0: [0, 2], 1: [1, 3]}
-    cfg = PlacementConfig(num_cpus_per_actor=0.5, use_gpus=True, node_resource_prefix="node")
+    cfg = ResourceConfig(num_cpus_per_actor=0.5, use_gpus=True, node_resource_prefix="node")
     assert bundle(plan.instances[1], cfg) == {"CPU": 0.5, "GPU": 2.0, "node1": 0.001}
     assert group_by_node(DeploymentPlan(instances=(InstanceSpec("prefill"), InstanceSpec("decode")))) == {}
 

@@ -115,9 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
     parser.add_argument(
         "--engine",
+        type=engine_name,
         choices=sorted(ENGINE_BACKENDS),
-        default="opt",
-        help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
+        default="model",
+        help="model: the real engine (any supported model family); fake: the hand-computable test engine (no model); "
+        "timed: sleeps --profile's step times (no model). `opt`, the old spelling of `model`, is still accepted",
     )
     parser.add_argument(
         "--profile",
@@ -258,7 +260,7 @@ class EngineBackend:
     pool_from_memory: bool = False
 
 
-def _opt_backend(model: str, args: argparse.Namespace) -> EngineBackend:
+def _model_backend(model: str, args: argparse.Namespace) -> EngineBackend:
     from jaxserve.runtime.engines.model import model_engine_factory
 
     return EngineBackend(model_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
@@ -289,10 +291,18 @@ def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
 
 
 ENGINE_BACKENDS: dict[str, Callable[[str, argparse.Namespace], EngineBackend]] = {
-    "opt": _opt_backend,
+    "model": _model_backend,
     "fake": _fake_backend,
     "timed": _timed_backend,
 }
+
+
+def engine_name(value: str) -> str:
+    """`--engine`'s value; `opt` (the family-blind engine's old name) is read as `model`."""
+    if value == "opt":
+        print("warning: --engine opt is deprecated; it is --engine model", file=sys.stderr)
+        return "model"
+    return value
 
 
 def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
@@ -374,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
     ensure_host_devices(max(wanted, highest + 1))
-    if args.engine == "opt" and args.backend != "ray":
+    if args.engine == "model" and args.backend != "ray":
         from models.kernels import cpu as cpu_kernel
 
         if cpu_kernel.only_cpu_expected():  # a fresh machine's build runs beside the imports and weight loading
@@ -388,8 +398,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         log.info("compilation cache: %s", cache_dir)
 
-    from jaxserve.core.model_registry import ModelRegistryError, resolve_model_source
     from jaxserve.core.scheduling import PrefixPolicy
+    from jaxserve.model_registry import ModelRegistryError, resolve_model_source
     from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal

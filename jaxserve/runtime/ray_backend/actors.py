@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EngineKind = Literal["opt", "fake"]
+EngineKind = Literal["model", "fake"]  # the real engine (any family), or the hand-computable one
 
 
 class ActorRestartedError(RuntimeError):
@@ -118,7 +118,7 @@ class EngineSpec:
     model_source: str
     dtype: str = "float32"
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
-    engine: EngineKind = "opt"
+    engine: EngineKind = "model"
     fake_config: ModelConfig | None = None
 
     @property

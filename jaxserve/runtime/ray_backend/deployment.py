@@ -3,7 +3,7 @@
 `RayController.launch(model, plan, ...)`:
 
 1. joins the cluster at `RayConfig.address`, or starts a local one on loopback;
-2. places the plan (`placement.py`: placement groups per plan node);
+2. reserves the plan's room (`placement_groups.py`: Ray placement groups per plan node);
 3. starts a `PrefillActor` / `DecodeActor` per instance, each with its own
    JAX runtime (`runtime_env` gives a CPU actor `tp * pp` virtual devices) and
    `max_restarts`, and waits for each to report its `ActorInfo`;
@@ -56,7 +56,7 @@ from jaxserve.runtime.ray_backend.actors import (
     PrefillActor,
     check_compatible,
 )
-from jaxserve.runtime.ray_backend.placement_groups import Placement, PlacementConfig, place_on_cluster
+from jaxserve.runtime.ray_backend.placement_groups import ReservedGroups, ResourceConfig, reserve_groups
 from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemoteDecodeEngine, RemotePrefillEngine
 from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
 from models.config import ModelConfig
@@ -72,11 +72,11 @@ log = logging.getLogger(__name__)
 class RayConfig:
     address: str | None = None  # join this cluster; None: start a local one on 127.0.0.1
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
-    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    resources: ResourceConfig = dataclasses.field(default_factory=ResourceConfig)
     max_restarts: int = 4  # per actor; a dead actor comes back this many times and rejoins
     restart_timeout_s: float = 180.0
     start_timeout_s: float = 300.0
-    engine: EngineKind = "opt"
+    engine: EngineKind = "model"
     fake_config: ModelConfig | None = None  # engine "fake": the hand-computable test engine
 
 
@@ -132,7 +132,7 @@ class RayController(Controller):
         *,
         actors: dict[str, ActorHandle],
         infos: dict[str, ActorInfo],
-        placement: Placement,
+        groups: ReservedGroups,
         counters: FaultCounters,
         observer: Observer | None = None,
         tokenizer: Tokenizer | None = None,
@@ -149,13 +149,13 @@ class RayController(Controller):
         )
         self.actors = actors
         self.actor_infos = infos
-        self.placement = placement
+        self.groups = groups
         self.launch_inputs = launch
         self.counters = counters
         # Instances whose bundle sits in a placement group shared with others (the launch's, per plan
         # node): retiring one frees nothing until shutdown. Instances a switch adds get their own group.
-        self._shared_group = {p.name for p in placed} if placement.groups else set()
-        self._own_placement: dict[str, Placement] = {}
+        self._shared_group = {p.name for p in placed} if groups.groups else set()
+        self._own_groups: dict[str, ReservedGroups] = {}
         for inst in self.prefill_instances:
             engine = inst.engine
             assert isinstance(engine, RemotePrefillEngine)
@@ -182,12 +182,12 @@ class RayController(Controller):
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
         inputs = LaunchInputs.of(model_source, dtype, rc, config)
-        placement = place_on_cluster(plan, rc.placement)
+        groups = reserve_groups(plan, rc.resources)
         names = instance_names(plan)
         try:
-            actors, infos = _start_actors(inputs, names, plan.instances, placement.options)
+            actors, infos = _start_actors(inputs, names, plan.instances, groups.options)
         except BaseException:
-            placement.remove()
+            groups.remove()
             raise
         counters = FaultCounters()
         model_config = infos[names[0]].model_config
@@ -197,7 +197,7 @@ class RayController(Controller):
         ]
         tokenizer, chat_template = checkpoint_text_tools(model_source)
         controller = cls(
-            placed, plan, config, actors=actors, infos=infos, placement=placement, counters=counters,
+            placed, plan, config, actors=actors, infos=infos, groups=groups, counters=counters,
             observer=observer, tokenizer=tokenizer, launch=inputs,
         )  # fmt: skip
         controller.chat_template = chat_template
@@ -213,10 +213,10 @@ class RayController(Controller):
         started: list[str] = []
         try:
             for name, spec in zip(names, specs, strict=True):
-                placement = place_on_cluster([spec], inputs.ray.placement)
-                self._own_placement[name] = placement
+                groups = reserve_groups([spec], inputs.ray.resources)
+                self._own_groups[name] = groups
                 started.append(name)
-                actors, infos = _start_actors(inputs, [name], [spec], placement.options)
+                actors, infos = _start_actors(inputs, [name], [spec], groups.options)
                 reference = next(iter(self.actor_infos))
                 reference_info = self.actor_infos[reference]
                 self.actors.update(actors)  # before the check: one that fails it is killed with the others below
@@ -275,9 +275,9 @@ class RayController(Controller):
             if actor is not None:
                 with contextlib.suppress(Exception):  # already gone
                     ray.kill(actor, no_restart=True)
-            placement = self._own_placement.pop(name, None)
-            if placement is not None:
-                placement.remove()
+            groups = self._own_groups.pop(name, None)
+            if groups is not None:
+                groups.remove()
 
     def freed_resources(self, names: Sequence[str]) -> dict[str, float]:
         """The Ray resources killing these instances' actors gives back (none for a shared launch group)."""
@@ -313,10 +313,10 @@ class RayController(Controller):
         for a in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
-        self.placement.remove()
-        for placement in list(self._own_placement.values()):
-            placement.remove()
-        self._own_placement.clear()
+        self.groups.remove()
+        for groups in list(self._own_groups.values()):
+            groups.remove()
+        self._own_groups.clear()
 
 
 class RayActors:
@@ -407,8 +407,8 @@ class LaunchInputs:
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
-    out = {"CPU": rc.placement.num_cpus_per_actor}
-    if rc.placement.use_gpus:
+    out = {"CPU": rc.resources.num_cpus_per_actor}
+    if rc.resources.use_gpus:
         out["GPU"] = float(spec.num_devices)
     return out
 
@@ -436,7 +436,7 @@ def _start_actors(
             actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
                 max_restarts=rc.max_restarts,
                 max_concurrency=4,  # decode: a step and pulls in flight at once
-                runtime_env=actor_env(spec, rc.placement.use_gpus),
+                runtime_env=actor_env(spec, rc.resources.use_gpus),
                 **opts,
             ).remote(name, spec, rc.transfer, inputs.pull_failure, inputs.kv_checksum)
         refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
