@@ -37,7 +37,7 @@ ray = pytest.importorskip("ray")
 
 from jaxserve.runtime.kv_connectors.base import PullFailureConfig  # noqa: E402
 from jaxserve.runtime.kv_connectors.ray import ObjectStoreTransfer  # noqa: E402
-from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig  # noqa: E402
+from jaxserve.runtime.kv_connectors.ray_pull import ActorPulls, TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
     DecodeActor,
     EngineSpec,
@@ -433,7 +433,8 @@ def transfer_pair(cluster):
     dspec = EngineSpec(role="decode", tp=1, pp=2, model_source="fake", engine="fake", fake_config=FAKE)
     p = ray.remote(PrefillActor).options(runtime_env=actor_env(pspec, False), num_cpus=0.5, max_concurrency=4)
     d = ray.remote(DecodeActor).options(runtime_env=actor_env(dspec, False), num_cpus=0.5, max_concurrency=2)
-    pa, da = p.remote("prefill-t", pspec, tc, fail, False), d.remote("decode-t", dspec, tc, fail, False)
+    pulls = ActorPulls(tc, fail)
+    pa, da = p.remote("prefill-t", pspec, pulls), d.remote("decode-t", dspec, pulls)
     yield pa, da
     ray.kill(pa)
     ray.kill(da)
@@ -527,7 +528,7 @@ def faulty_prefill(transfer_pair):
     spec = EngineSpec(role="prefill", tp=1, pp=1, model_source="fake", engine="fake", fake_config=FAKE)
     cls = ray.remote(_faulty_prefill_actor_class())
     actor = cls.options(runtime_env=actor_env(spec, False), num_cpus=0.5, max_concurrency=4).remote(
-        "faulty", spec, tc, PullFailureConfig(), True
+        "faulty", spec, ActorPulls(tc, checksum=True)
     )
     yield actor
     ray.kill(actor)

@@ -155,8 +155,8 @@ def test_a_pulled_kv_is_checked_against_what_was_sent() -> None:
 
 def test_the_actors_read_the_controllers_pull_knobs() -> None:
     """One knob for both backends: the actors get the controller's checksum and pull-failure policy."""
-    default = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig())
-    assert (default.kv_checksum, default.pull_failure) == (False, PullFailureConfig(1, "recompute"))
+    default = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig()).pulls
+    assert (default.checksum, default.failure) == (False, PullFailureConfig(1, "recompute"))
     policy = PullFailureConfig(num_retries=0, on_failure="fail")
-    inputs = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig(kv_checksum=True, pull_failure=policy))
-    assert (inputs.kv_checksum, inputs.pull_failure) == (True, policy)
+    pulls = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig(kv_checksum=True, pull_failure=policy)).pulls
+    assert (pulls.checksum, pulls.failure) == (True, policy)

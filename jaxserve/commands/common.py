@@ -116,3 +116,20 @@ def pin_to_cpus(cpus: set[int]) -> None:
         os.sched_setaffinity(0, cpus)
     except OSError as e:  # e.g. outside this container's cpuset
         raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {e.strerror}") from None
+
+
+def configure_logging(level_name: str) -> None:
+    """jaxserve's loggers (`jaxserve`, `models`, `placement`) at `level_name`; everything else (absl's Orbax chatter, JAX's backend probes, Ray) at
+    WARNING unless `level_name` is debug. The handler sits on the root logger, so both reach stderr."""
+    import logging
+
+    level = getattr(logging, level_name.upper())
+    logging.basicConfig(
+        level=logging.DEBUG if level <= logging.DEBUG else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for ours in ("jaxserve", "models", "placement"):
+        logging.getLogger(ours).setLevel(level)
+    if level > logging.DEBUG:
+        for name in ("absl", "jax", "orbax", "ray"):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -10,7 +10,8 @@
   `ray_backend/` the Ray deployment of a plan.
 * `controller.py` — coordinates a deployment: the request table, admission, hand-off from prefill to
   decode; it calls `routing.py` (which instance takes a request), `recovery.py` (where a request goes
-  when its instance or KV is lost), `warmup.py` (compiling before traffic) and `streams.py`
+  when its instance or KV is lost), `compilation/` (what is compiled before traffic, when, and the fallbacks
+  until a program is in) and `streams.py`
   (`RequestStream`, a request's tokens to its reader). `api.py` is the serving boundary's types.
 * `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain);
   `InstanceSet` holds the controller's routed, staged and retiring instances.

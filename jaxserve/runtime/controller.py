@@ -46,7 +46,7 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
 * `stats().faults` counts these events as they happen (`FaultCounters`).
 
 Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
-bucket and hand-off warm-up in `warmup.py`, the routed / staged / retiring instance set of the live
+bucket and hand-off warm-up in `compilation/deployment.py`, the routed / staged / retiring instance set of the live
 switch in `switch.py` (`InstanceSet`). This file owns the request table (`_live`) and the one lock
 that guards it with the instance set, and calls them.
 
@@ -81,6 +81,14 @@ from jaxserve.core.request import (
 from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
+from jaxserve.runtime.compilation.deployment import (
+    BucketWarmup,
+    WarmupConfig,
+    handoff_prompt,
+    handoff_warmups,
+    start_background_warmups,
+    warm_up_deployment,
+)
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
 from jaxserve.runtime.instances import (
     EngineFactory,
@@ -97,7 +105,6 @@ from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
 from jaxserve.runtime.switch import InstanceSet, SwitchableController
-from jaxserve.runtime.warmup import handoff_prompt, handoff_warmups, start_background_warmups, warm_buckets
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -145,17 +152,6 @@ class AdmissionConfig:
     retry_after_s: float = 1.0  # the Retry-After an OverloadedError carries
     max_tokens_limit: int | None = None  # largest max_tokens (default: the model's positions)
     max_prompt_tokens: int | None = None  # longest prompt (default: the model's positions - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmupConfig:
-    """What `Controller.warmup()` compiles before the first client (and a live switch before routing)."""
-
-    buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
-    logprobs: bool = False  # with buckets: the logprob programs of those shapes too
-    # with buckets: compile the buckets that hold all others first, the rest on a background thread while work
-    # runs padded up to compiled buckets (`ModelEngine.warmup` with `background`; `serve` turns it on)
-    background: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,43 +343,27 @@ class Controller:
             inst.start()
 
     def warmup(self, *, start_background: bool = True) -> float:
-        """Compile before the first client; seconds taken.
-
-        With `warmup.buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
-        allow (`warmup.warm_buckets`), so no user waits on XLA. Then one short request goes through every
-        front instance, which also warms the hand-off path. The background compiles (`warmup.background`) start
-        after it, or with `start_background=False` at the caller's `start_background_compiles()` (the server: once
-        it listens, so that neither the warm-up request nor its own start waits on them for the cores and the GIL).
-        """
-        started = time.monotonic()
-        routed = self.instance_set.routed()
-        if self.config.warmup.buckets:
-            self._warm_buckets(routed, start_background=False)
+        """Compile before the first client; seconds taken. What and when: `compilation.deployment.warm_up_deployment`
+        (the bucket warm-up, one short request through every front instance, then the background compiles, or with
+        `start_background=False` at the caller's `start_background_compiles()`)."""
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-        bos = self.model_config.filler_token_id
-        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
-        streams = [self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), sampling)) for i in range(len(front))]
-        for stream in streams:
-            stream.collect(timeout_s=600)
-        if start_background:
-            self.start_background_compiles()
-        return time.monotonic() - started
+        return warm_up_deployment(
+            self.instance_set.routed(),
+            front,
+            self.submit,
+            self._bucket_warmup(),
+            self.model_config.filler_token_id,
+            start_background=start_background,
+        )
 
     def start_background_compiles(self) -> None:
         """Start the background compiles `warmup(start_background=False)` left waiting (none: nothing)."""
         start_background_warmups(self.instance_set.routed())
 
-    def _warm_buckets(self, instances: Sequence[Instance], *, start_background: bool = True) -> None:
-        """Compile every padded shape of `instances` (the routed ones at start; a live switch: the staged)."""
+    def _bucket_warmup(self) -> BucketWarmup:
+        """This deployment's bucket warm-up (the routed instances at start; a live switch: the staged)."""
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
-        warm_buckets(
-            instances,
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_seq_len=max_seq_len,
-            logprobs=self.config.warmup.logprobs,
-            background=self.config.warmup.background,
-            start_background=start_background,
-        )
+        return BucketWarmup(self.config.warmup, self.max_prompt_tokens, max_seq_len)
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop.
@@ -410,7 +390,7 @@ class Controller:
             inst.stop()
         # Every engine's background compiles are asked to stop first, so their programs in progress end together
         # (one 5 s wait in all, not one per engine); one still compiling then is joined at interpreter exit
-        # (background_warmup.py: a process must not finalize while a thread is inside XLA).
+        # (compilation/background.py: a process must not finalize while a thread is inside XLA).
         for inst in self.instances:
             inst.engine.stop_background_warmup(timeout_s=0.0)
         compiles_deadline = now() + 5.0
@@ -625,7 +605,7 @@ class Controller:
             routed_prefills = [p for p in self.prefill_instances if p.error is None]
             routed_decodes = [d for d in self.decode_instances if d.error is None]
         if self.config.warmup.buckets:
-            self._warm_buckets(staged)
+            self._bucket_warmup().run(staged)
         self._check_still_staged(staged)
         longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
         warmups = handoff_warmups(

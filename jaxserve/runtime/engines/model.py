@@ -36,6 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.compilation.model_engine import ModelWarmup
+from jaxserve.runtime.compilation.plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -53,8 +55,6 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.engines.model_warmup import ModelWarmup
-from jaxserve.runtime.engines.warmup_plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
 from jaxserve.runtime.kv_pool import model_caches, pool_pages, write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,

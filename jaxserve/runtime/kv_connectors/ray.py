@@ -18,10 +18,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import jax
-
-from jaxserve.runtime.engines.contract import Engine, HeldKV, KVPages, PrefilledSequence, SequenceKV
+from jaxserve.runtime.engines.contract import Engine, HeldKV, KVPages, PrefilledSequence
 from jaxserve.runtime.kv_connectors.base import TransferState, move_kv
+from jaxserve.runtime.kv_connectors.in_process import InProcessHandle
 from jaxserve.runtime.kv_connectors.ray_pull import HostKV, from_host, host_num_bytes, to_host
 from jaxserve.runtime.ray_backend.actors import PullOrder, PullReport
 from jaxserve.runtime.ray_backend.remote_engine import RemoteDecodeEngine
@@ -115,38 +114,6 @@ class RayKVTransfer:
         return RemoteHandle(order, self.target, held.prefix_blocks)
 
 
-class ObjectStoreHandle:
-    target: Engine
-
-    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, seconds: float) -> None:
-        self._request_id, self._arrays, self._num_bytes, self._seconds = request_id, arrays, num_bytes, seconds
-
-    @property
-    def request_id(self) -> str:
-        return self._request_id
-
-    @property
-    def num_bytes(self) -> int:
-        return self._num_bytes
-
-    @property
-    def seconds(self) -> float | None:
-        return self._seconds
-
-    def poll(self) -> TransferState:
-        return TransferState.DONE
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        del timeout_s
-        return TransferState.DONE
-
-    def result(self) -> SequenceKV:
-        return self._arrays
-
-    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        return self.target.insert(self._arrays, num_tokens, pages, block_table)
-
-
 class ObjectStoreTransfer:
     """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target's layout (needs `ray.init`)."""
 
@@ -156,14 +123,13 @@ class ObjectStoreTransfer:
         self.target = target
         self.layout = target.kv_layout()
 
-    def start(self, seq: PrefilledSequence) -> ObjectStoreHandle:
+    def start(self, seq: PrefilledSequence) -> InProcessHandle:
+        """The round trip runs here, blocking; the handle then holds arrays on the target's devices, as an
+        in-process pull's (its `insert` checks them the same way)."""
         import ray
 
         started_at = time.monotonic()
         host = to_host(seq.dense_kv)
         fetched: HostKV = ray.get(ray.put(host))
         arrays = move_kv(from_host(fetched), self.layout)
-        jax.block_until_ready(arrays)
-        handle = ObjectStoreHandle(seq.request_id, arrays, host_num_bytes(host), time.monotonic() - started_at)
-        handle.target = self.target
-        return handle
+        return InProcessHandle(seq.request_id, arrays, host_num_bytes(host), started_at, self.target)

@@ -54,7 +54,7 @@ import jax
 import numpy as np
 
 from jaxserve.runtime.engines.contract import SequenceKV, StageKV
-from jaxserve.runtime.kv_connectors.base import KVIntegrityError, kv_fingerprint
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, PullFailureConfig, kv_fingerprint
 
 Mechanism = Literal["object_store", "jax"]
 T = TypeVar("T")
@@ -68,6 +68,16 @@ class TransferConfig:
     mechanism: Mechanism = "object_store"
     lease_s: float = 5.0  # a prefilled KV nobody renews is freed after this long
     pull_timeout_s: float = 30.0  # one pull attempt; the watchdog fires after this
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorPulls:
+    """What every actor of a deployment reads of pulls: the Ray connector's knobs (`transfer`) and the controller's
+    (`failure`, `checksum`: `ControllerConfig.pull_failure` / `.kv_checksum`, one knob each for both backends)."""
+
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
+    checksum: bool = False
 
 
 class PullError(RuntimeError):

@@ -65,8 +65,9 @@ from jaxserve.runtime.engines.contract import (
     bucket,
     step_tokens,
 )
-from jaxserve.runtime.kv_connectors.base import KVIntegrityError, PullFailureConfig, check_pulled_kv, move_kv
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, check_pulled_kv, move_kv
 from jaxserve.runtime.kv_connectors.ray_pull import (
+    ActorPulls,
     ArraySpec,
     HostKV,
     HostShipment,
@@ -74,7 +75,6 @@ from jaxserve.runtime.kv_connectors.ray_pull import (
     LeasedKVBuffer,
     Mechanism,
     PullError,
-    TransferConfig,
     check_arrival,
     check_positions,
     fetch,
@@ -260,27 +260,17 @@ class _CompileCounter:
 
 
 class _ActorBase:
-    """`transfer`: the Ray connector's knobs; `pull_failure` and `checksum`: the controller's (one knob each for
-    both backends, `ControllerConfig.pull_failure` / `.kv_checksum`)."""
-
-    def __init__(
-        self,
-        name: str,
-        spec: EngineSpec,
-        transfer: TransferConfig,
-        pull_failure: PullFailureConfig,
-        checksum: bool,
-    ) -> None:
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
         self._compiles = _CompileCounter()
         self.name = name
         self.spec = spec
-        self.transfer = transfer
-        self.pull_failure = pull_failure
-        self.checksum = checksum
+        self.transfer = pulls.transfer
+        self.pull_failure = pulls.failure
+        self.checksum = pulls.checksum
         self.engine = build_engine(spec)
         self._signature = ModelSignature.of(self.engine.model_config, spec.dtype, spec.block_size)
         self._stage_layers = self.engine.kv_layout().stage_layers
-        self._server = start_transfer_server() if transfer.mechanism == "jax" else None
+        self._server = start_transfer_server() if self.transfer.mechanism == "jax" else None
         self.warmed = False  # this incarnation ran `warmup` (a restart starts cold again)
         self.pages: KVPages | None = None  # the paged pool (decode; prefill with prefix caching)
 
@@ -340,16 +330,9 @@ class _ActorBase:
 
 
 class PrefillActor(_ActorBase):
-    def __init__(
-        self,
-        name: str,
-        spec: EngineSpec,
-        transfer: TransferConfig,
-        pull_failure: PullFailureConfig,
-        checksum: bool,
-    ) -> None:
-        super().__init__(name, spec, transfer, pull_failure, checksum)
-        self.buffer = LeasedKVBuffer(transfer.lease_s)
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
+        super().__init__(name, spec, pulls)
+        self.buffer = LeasedKVBuffer(self.transfer.lease_s)
         self._uuids = itertools.count((os.getpid() << 20) + 1)
         reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         reaper.start()
@@ -433,15 +416,8 @@ class PrefillActor(_ActorBase):
 
 
 class DecodeActor(_ActorBase):
-    def __init__(
-        self,
-        name: str,
-        spec: EngineSpec,
-        transfer: TransferConfig,
-        pull_failure: PullFailureConfig,
-        checksum: bool,
-    ) -> None:
-        super().__init__(name, spec, transfer, pull_failure, checksum)
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
+        super().__init__(name, spec, pulls)
         self.layout = self.engine.kv_layout()
         self._staged: dict[str, SequenceKV] = {}
         self._discarded: set[str] = set()  # pulls whose request ended while they ran: dropped when they land

@@ -42,9 +42,8 @@ from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.instances import Instance, PlacedInstance, checkpoint_text_tools, instance_names
-from jaxserve.runtime.kv_connectors.base import PullFailureConfig
 from jaxserve.runtime.kv_connectors.ray import RayKVTransfer
-from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig, fetch
+from jaxserve.runtime.kv_connectors.ray_pull import ActorPulls, TransferConfig, fetch
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -397,13 +396,12 @@ class LaunchInputs:
     dtype: str
     ray: RayConfig
     block_size: int
-    # the controller's knobs the actors read too: one name each for both backends
-    pull_failure: PullFailureConfig
-    kv_checksum: bool
+    pulls: ActorPulls  # the Ray connector's knobs and the controller's (one name each for both backends)
 
     @classmethod
     def of(cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig) -> LaunchInputs:
-        return cls(model_source, dtype, rc, config.limits.block_size, config.pull_failure, config.kv_checksum)
+        pulls = ActorPulls(rc.transfer, config.pull_failure, config.kv_checksum)
+        return cls(model_source, dtype, rc, config.limits.block_size, pulls)
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
@@ -438,7 +436,7 @@ def _start_actors(
                 max_concurrency=4,  # decode: a step and pulls in flight at once
                 runtime_env=actor_env(spec, rc.resources.use_gpus),
                 **opts,
-            ).remote(name, spec, rc.transfer, inputs.pull_failure, inputs.kv_checksum)
+            ).remote(name, spec, inputs.pulls)
         refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
         infos: dict[str, ActorInfo] = {}
         for name, ref in refs.items():

@@ -1,7 +1,11 @@
-"""Warm-up: compile what instances will run before a client (or a switch's traffic) waits on XLA.
+"""A deployment's warm-up: compile what instances will run before a client (or a switch's traffic) waits on XLA.
 
-Two parts, both called by the controller before the instances take traffic (its `warmup()` at start,
-its `warm_up_staged()` during a live switch):
+When: `warm_up_deployment` is the controller's `warmup()` at start (the bucket warm-up, then one short request
+through every front instance, which also warms the hand-off path, then the engines' background compiles);
+`BucketWarmup.run` is also what a live switch's `warm_up_staged()` runs on the staged instances. What each
+engine compiles is its own (`model_engine.py`, from `plan.py`); `WarmupConfig` is the knob.
+
+The parts:
 
 * `warm_buckets(instances, ...)`: every engine that can (its `bucket_warmup` capability) runs each padded shape its
   instance's limits allow (prefill rows x tokens up to the token cap; decode rows x block-table widths
@@ -17,18 +21,84 @@ its `warm_up_staged()` during a live switch):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.colocated_instance import ColocatedInstance
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import WarmupSpec
 from jaxserve.runtime.instances import Instance
 from jaxserve.runtime.prefill_instance import PrefillInstance
+from jaxserve.runtime.streams import RequestStream
 
 HandOff = tuple[PrefillInstance | ColocatedInstance, DecodeInstance | None, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """What `Controller.warmup()` compiles before the first client (and a live switch before routing)."""
+
+    buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
+    logprobs: bool = False  # with buckets: the logprob programs of those shapes too
+    # with buckets: compile the buckets that hold all others first, the rest on a background thread while work
+    # runs padded up to compiled buckets (`ModelEngine.warmup` with `background`; `serve` turns it on)
+    background: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketWarmup:
+    """A deployment's bucket warm-up: the knob and the limits the controller resolved (`max_seq_len`: the longest
+    sequence a decode row holds)."""
+
+    config: WarmupConfig
+    max_prompt_tokens: int
+    max_seq_len: int
+
+    def run(self, instances: Sequence[Instance], *, start_background: bool = True) -> None:
+        warm_buckets(
+            instances,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_seq_len=self.max_seq_len,
+            logprobs=self.config.logprobs,
+            background=self.config.background,
+            start_background=start_background,
+        )
+
+
+def warm_up_deployment(
+    routed: Sequence[Instance],
+    fronts: Sequence[PrefillInstance | ColocatedInstance],
+    submit: Callable[[GenerateRequest], RequestStream],
+    buckets: BucketWarmup,
+    filler_token_id: int,
+    *,
+    start_background: bool = True,
+) -> float:
+    """Compile before the first client; seconds taken.
+
+    With `buckets.config.buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its
+    instance's limits allow (`warm_buckets`), so no user waits on XLA. Then one short request goes through every
+    front instance (`submit`: the controller's), which also warms the hand-off path. The background compiles
+    (`WarmupConfig.background`) start after it, or with `start_background=False` at the caller's
+    `start_background_warmups(routed)` (the server: once it listens, so that neither the warm-up request nor its
+    own start waits on them for the cores and the GIL).
+    """
+    started = time.monotonic()
+    if buckets.config.buckets:
+        buckets.run(routed, start_background=False)
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    fill = (filler_token_id, filler_token_id)
+    streams = [submit(GenerateRequest(f"warmup-{i}", fill, sampling)) for i in range(len(fronts))]
+    for stream in streams:
+        stream.collect(timeout_s=600)
+    if start_background:
+        start_background_warmups(routed)
+    return time.monotonic() - started
 
 
 def warm_buckets(
