@@ -70,7 +70,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from jaxserve.core.blocks import BlockAllocator
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
-from jaxserve.core.prefix_cache import PrefixCache, cache_stats
+from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import NO_PREFIX_CACHING, DecodeLoad, PendingDecode, PrefixPolicy, admit_decodes
 from jaxserve.runtime.api import InstanceStats
@@ -95,7 +95,7 @@ from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
-from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now, pooled_stats
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +232,8 @@ class DecodeInstance(Worker):
 
     def stats(self) -> InstanceStats:
         with self.cond:
-            return InstanceStats(
-                "decode", self.name, self.error is None, len(self._pending), len(self._running) + len(self._pulling),
-                num_kv_blocks_used=self.cache.num_blocks - self.cache.num_available,
-                num_kv_blocks_free=self.cache.num_available,
-                **cache_stats(self.cache),
-            )  # fmt: skip
+            running = len(self._running) + len(self._pulling)
+            return pooled_stats("decode", self.name, self.error is None, len(self._pending), running, self.cache)
 
     @property
     def num_waiting(self) -> int:
