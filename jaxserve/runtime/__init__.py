@@ -14,7 +14,7 @@
   until a program is in) and `streams.py`
   (`RequestStream`, a request's tokens to its reader). `api.py` is the serving boundary's types.
 * `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain);
-  `InstanceSet` holds the controller's routed, staged and retiring instances.
+  `instance_set.py` (`InstanceSet`) holds the controller's routed, staged and retiring instances.
 * `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets; `Instance`, the three roles.
 * `profiling.py` — times the real engine at a grid of shapes for `jaxserve profile` (the samples it hands
   to the planner's fit are `jaxserve/core/step_samples.py`).

@@ -46,8 +46,8 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
 * `stats().faults` counts these events as they happen (`FaultCounters`).
 
 Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
-bucket and hand-off warm-up in `compilation/deployment.py`, the routed / staged / retiring instance set of the live
-switch in `switch.py` (`InstanceSet`). This file owns the request table (`_live`) and the one lock
+bucket and hand-off warm-up in `compilation/deployment.py`, the steps of a live switch in `switch.py`, the routed /
+staged / retiring instances in `instance_set.py`. This file owns the request table (`_live`) and the one lock
 that guards it with the instance set, and calls them.
 
 `shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
@@ -90,6 +90,7 @@ from jaxserve.runtime.compilation.deployment import (
     warm_up_deployment,
 )
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.runtime.instance_set import InstanceSet
 from jaxserve.runtime.instances import (
     EngineFactory,
     Instance,
@@ -104,7 +105,7 @@ from jaxserve.runtime.recovery import move_error, needs_moving
 from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
-from jaxserve.runtime.switch import InstanceSet, SwitchableController
+from jaxserve.runtime.switch import SwitchableController
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -192,7 +193,7 @@ class ControllerConfig:
 class Controller:
     """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
 
-    The choices are made elsewhere (`routing.Router`, `recovery`, `warmup`, `switch.InstanceSet`); this
+    The choices are made elsewhere (`routing.Router`, `recovery`, `warmup`, `instance_set.InstanceSet`); this
     class owns the request table (`_live`: request id -> (LiveRequest, RequestStream)) and the lock that
     guards it together with the instance set.
     """
