@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.request import finish_reason
 from jaxserve.core.step_cost import LinkCost, StepCost
@@ -56,6 +55,7 @@ from jaxserve.runtime.engines.contract import (
     StepBatch,
     bucket,
 )
+from jaxserve.runtime.engines.stage_grid import StageGrid
 from models.config import ModelConfig
 
 MIN_TOKEN = 4  # OPT's special tokens are 0..3
@@ -88,8 +88,7 @@ class TimedEngine(Engine):
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if len(devices) != tp * pp:
-            raise ValueError(f"tp{tp}pp{pp} needs {tp * pp} devices, got {len(devices)}")
+        grid = StageGrid.of(devices, config.num_layers, tp, pp)
         if cost.pp != pp:
             raise ValueError(f"a step cost of pp={cost.pp} for an engine of pp={pp}")
         self._config = config
@@ -100,8 +99,8 @@ class TimedEngine(Engine):
         self.host_slack_s = host_slack_s
         self._device_free_at: float | None = None
         self._stage_free_at = [-math.inf] * pp  # prefill: when each stage finishes its last batch
-        self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
-        self._stage_layers = tuple(len(a) for a in np.array_split(np.arange(config.num_layers), pp))
+        self._grid = grid
+        self.meshes, self._stage_layers = grid.meshes, grid.stage_layers
         self.charged_s: list[tuple[str, float]] = []  # (kind, seconds) of every call, for tests
 
     @property
@@ -113,10 +112,7 @@ class TimedEngine(Engine):
         return self._devices
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(
-            stage_layers=self._stage_layers,
-            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, "tp", None)) for m in self.meshes),
-        )
+        return self._grid.kv_layout()
 
     def _wait(self, kind: str, started: float, seconds: float) -> None:
         """Sleep until the step's end. Back-to-back steps run back to back on the device: a call that comes
@@ -171,8 +167,8 @@ class TimedEngine(Engine):
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         pages = []
-        for layers, mesh in zip(self._stage_layers, self.meshes, strict=True):
-            sharding = NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None))
+        for s, layers in enumerate(self._stage_layers):
+            sharding = self._grid.page_sharding(s)
             shape = (layers, num_blocks, block_size, self.tp, 1)
             zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
             pages.append(StagePages(k=zeros, v=zeros))
