@@ -8,6 +8,7 @@
 * `kv_connectors/` — the KV connectors side by side behind one contract (`base.py`): in-process
   (`in_process.py`), across Ray actors (`ray.py`, its mechanics `ray_pull.py`), timed (`timed.py`);
   `ray_backend/` the Ray deployment of a plan.
+* `config.py` — `ControllerConfig`, a deployment's knobs (one small config per concern).
 * `controller.py` — coordinates a deployment: the request table, admission, hand-off from prefill to
   decode; it calls `routing.py` (which instance takes a request), `recovery.py` (where a request goes
   when its instance or KV is lost), `compilation/` (what is compiled before traffic, when, and the fallbacks

@@ -62,12 +62,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import jax
 
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import (
     FinishReason,
@@ -78,7 +77,6 @@ from jaxserve.core.request import (
     TokenChunk,
     validate_request,
 )
-from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.compilation.deployment import (
@@ -89,6 +87,7 @@ from jaxserve.runtime.compilation.deployment import (
     start_background_warmups,
     warm_up_deployment,
 )
+from jaxserve.runtime.config import AdmissionConfig, ControllerConfig, Observer, WorkloadHook
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
 from jaxserve.runtime.instance_set import InstanceSet
 from jaxserve.runtime.instances import (
@@ -98,7 +97,7 @@ from jaxserve.runtime.instances import (
     build_engines,
     checkpoint_text_tools,
 )
-from jaxserve.runtime.kv_connectors.base import PullFailureConfig, TransferFactory
+from jaxserve.runtime.kv_connectors.base import TransferFactory
 from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.recovery import move_error, needs_moving
@@ -114,80 +113,21 @@ if TYPE_CHECKING:
 
     from models.checkpoint import CheckpointChatTemplate
 
-__all__ = [
+__all__ = [  # the config types are `config.py`'s, named here too (where callers have always found them)
+    "AdmissionConfig",
     "Controller",
     "ControllerConfig",
     "ControllerStats",
     "FaultStats",
     "Instance",
     "InstanceStats",
+    "Observer",
     "RequestStream",
+    "WarmupConfig",
+    "WorkloadHook",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class Observer(Protocol):
-    """Metrics hook: called from worker threads; keep it quick."""
-
-    def on_request_finished(
-        self, timings: RequestTimings, num_prompt_tokens: int, num_output_tokens: int, finish_reason: FinishReason
-    ) -> None: ...
-
-    def on_kv_transfer(self, num_bytes: int, seconds: float) -> None: ...
-
-
-class WorkloadHook(Protocol):
-    """What the workload monitor hears (`jaxserve/tools/replan_loop.py`): admissions and finishes; keep it quick."""
-
-    def on_arrival(self, arrival_at: float, num_prompt_tokens: int) -> None: ...
-
-    def on_finish(self, timings: RequestTimings, num_output_tokens: int, finish_reason: FinishReason) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionConfig:
-    """What the front door accepts: request sizes (`Controller.check_fits`) and queue depth (`submit`)."""
-
-    max_queued_requests: int = 256  # over all prefill (or colocated) queues; beyond: OverloadedError
-    retry_after_s: float = 1.0  # the Retry-After an OverloadedError carries
-    max_tokens_limit: int | None = None  # largest max_tokens (default: the model's positions)
-    max_prompt_tokens: int | None = None  # longest prompt (default: the model's positions - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerConfig:
-    """A deployment's knobs, one small config per concern (the knob table: docs/architecture.md): the serving
-    limits (block_size, num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots;
-    jaxserve/core/limits.py, which the simulator and plan files share), what a failed KV pull does, admission,
-    warm-up, prefix caching."""
-
-    limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
-    pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
-    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
-    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
-    # Prefix caching (docs/prefix_caching.md): `enabled` turns on content-addressed KV blocks on every instance and
-    # cache-aware routing (on by default; `NO_PREFIX_CACHING` turns it off); the routing weights and the
-    # local-prefill threshold. The simulator's too.
-    prefix_policy: PrefixPolicy = DEFAULT_PREFIX_CACHING
-    prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
-    decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
-    drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
-    # Every KV connector (in-process, Ray) also checks a checksum of each pulled KV's contents (one extra read of
-    # the KV per side); off by default. Shape, dtype and length are always checked (`base.check_pulled_kv`).
-    kv_checksum: bool = False
-
-    def __post_init__(self) -> None:
-        self.limits.require_num_kv_blocks()
-        if self.decode_steps_per_call < 1:
-            raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
-
-    @property
-    def prefill_pool_blocks(self) -> int:
-        """A caching prefill instance's pool: `prefill_num_kv_blocks`, else the limits' `num_kv_blocks`."""
-        if self.prefill_num_kv_blocks is not None:
-            return self.prefill_num_kv_blocks
-        return self.limits.require_num_kv_blocks()
 
 
 class Controller:
