@@ -9,7 +9,7 @@ request: prefill batches to (next power of two rows) x (next power of two >= 16
 tokens); paged steps to (power-of-two rows) x (1 token for pure decode steps, a
 power of two >= 16 with prompt chunks) x (power-of-two block-table width).
 Padding rows have length 0, so they write no KV. Compiling those programs before traffic (`warmup`) is
-`ModelWarmup` (model_warmup.py), a mixin this engine inherits (with `BackgroundWarmup`'s covering of the
+`ModelWarmup` (compilation/model_engine.py), a mixin this engine inherits (with `BackgroundWarmup`'s covering of the
 buckets still compiling); this file is the engine's steps.
 
 Pipeline parallelism: `ShardedModel` dispatches stage by stage without waiting,
@@ -100,7 +100,7 @@ class ModelEngine(ModelWarmup, Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
-        self._init_model_warmup()  # the ready sets of what `warmup` compiled (model_warmup.py)
+        self._init_model_warmup()  # the ready sets of what `warmup` compiled (compilation/model_engine.py)
 
     @classmethod
     def load(
