@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import (
     FinishReason,
@@ -82,10 +82,9 @@ from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstan
 from jaxserve.runtime.compilation.deployment import (
     BucketWarmup,
     WarmupConfig,
-    handoff_prompt,
-    handoff_warmups,
     start_background_warmups,
     warm_up_deployment,
+    warm_up_staged,
 )
 from jaxserve.runtime.config import AdmissionConfig, ControllerConfig, Observer, WorkloadHook
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
@@ -530,72 +529,56 @@ class Controller:
         return new
 
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
-        """Warm every staged instance before it is routed; seconds.
+        """Warm every staged instance before it is routed; seconds. What and in which order:
+        `compilation.deployment.warm_up_staged` (the bucket warm-up, then pinned hand-off requests), through the
+        controller's switch primitives below (`staged_and_routed`, `submit_pinned`, `end_pinned`,
+        `check_still_staged`)."""
+        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
+        return warm_up_staged(self, self._bucket_warmup(), longest, timeout_s)
 
-        With `warmup.buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
-        instances (every padded shape their limits allow); then the hand-off path of every prefill ->
-        decode pair a staged instance is part of, for every padded prompt length (`warmup.handoff_warmups`):
-        requests pinned to the pair. Without it: one short request pinned through each staged instance.
-        A warm-up request lost with a routed instance that died (a retiring one the switch replaces anyway:
-        nothing routed was left to continue it) does not fail the switch; a staged instance that died, a
-        timeout or any other error does.
-        """
-        started = time.monotonic()
+    def staged_and_routed(self) -> tuple[list[Instance], list[PrefillInstance], list[DecodeInstance]]:
+        """The staged instances, and the live routed prefill and decode instances (one consistent view)."""
         with self._lock:
             staged = list(self.instance_set.staged)
             routed_prefills = [p for p in self.prefill_instances if p.error is None]
             routed_decodes = [d for d in self.decode_instances if d.error is None]
-        if self.config.warmup.buckets:
-            self._bucket_warmup().run(staged)
-        self._check_still_staged(staged)
-        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
-        warmups = handoff_warmups(
-            staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
-        )
-        bos = self.model_config.filler_token_id
-        streams: list[RequestStream] = []
-        routes: list[tuple[Instance, ...]] = []  # the instances each warm-up request goes through
-        for k, (front, decode, n) in enumerate(warmups):
-            rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
-            prompt = handoff_prompt(k, n, bos, self.model_config.vocab_size)  # no warm-up hits another's prefix
-            request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-            live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(rid, self.cancel)
-            with self._lock:
-                if self._shutting_down:
-                    raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
-                self._live[rid] = (live, stream)
-                self._internal.add(rid)
-                if decode is not None:
-                    self._pinned[rid] = decode
-                error = enqueue(front, live)
-            if error is not None:
-                self.fail(live, error)
-            streams.append(stream)
-            routes.append((front,) if decode is None else (front, decode))
-        deadline = time.monotonic() + timeout_s
-        lost: list[str] = []
-        for stream, route in zip(streams, routes, strict=True):  # an error leaves them to `discard_staged`
-            try:
-                stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError as e:
-                raise TimeoutError(_warmup_timeout_message(stream.request_id, route, staged, timeout_s)) from e
-            except EngineDeadError as e:
-                # An instance it went through died and nothing could continue it: a routed one (e.g. a retiring
-                # instance that the switch would replace anyway) costs the switch nothing; a staged one fails it
-                # just below.
-                lost.append(f"{stream.request_id}: {e}")
-        self._check_still_staged(staged)
-        if lost:
-            log.warning("switch warm-up: %d of %d warm-up requests lost with a routed instance (%s)",
-                        len(lost), len(streams), lost[0])  # fmt: skip
-        with self._lock:
-            for s in streams:  # one that failed before its hand-off never reached `_on_prefilled`: its pin goes too
-                self._internal.discard(s.request_id)
-                self._pinned.pop(s.request_id, None)
-        return time.monotonic() - started
+        return staged, routed_prefills, routed_decodes
 
-    def _check_still_staged(self, staged: Sequence[Instance]) -> None:
+    def submit_pinned(
+        self,
+        index: int,
+        prompt: tuple[int, ...],
+        front: PrefillInstance | ColocatedInstance,
+        decode: DecodeInstance | None,
+    ) -> RequestStream:
+        """A switch's own request (a warm-up): 2 tokens of `prompt` through `front` and, after its hand-off,
+        exactly `decode`; internal (not the workload's, invisible to the monitor; a staged instance may take it).
+        ShuttingDownError once `shutdown()` has begun."""
+        rid = f"switch-warmup-{front.name}-{index}-{time.monotonic_ns()}"
+        request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
+        stream = RequestStream(rid, self.cancel)
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
+            self._live[rid] = (live, stream)
+            self._internal.add(rid)
+            if decode is not None:
+                self._pinned[rid] = decode
+            error = enqueue(front, live)
+        if error is not None:
+            self.fail(live, error)
+        return stream
+
+    def end_pinned(self, request_ids: Sequence[str]) -> None:
+        """The switch is done with these requests: one that failed before its hand-off never reached
+        `_on_prefilled`, so its pin goes here too."""
+        with self._lock:
+            for rid in request_ids:
+                self._internal.discard(rid)
+                self._pinned.pop(rid, None)
+
+    def check_still_staged(self, staged: Sequence[Instance]) -> None:
         """Raise when the warm-up of `staged` cannot lead to routing them: one died (its warm-up requests
         were moved on and may have finished, but it cannot serve), or shutdown discarded them."""
         dead = [i for i in staged if i.error is not None]
@@ -712,20 +695,6 @@ class Controller:
     def fault_stats(self) -> FaultStats:
         """The fault counters alone (what `stats().faults` holds)."""
         return self.faults.snapshot()
-
-
-def _warmup_timeout_message(
-    request_id: str, route: Sequence[Instance], staged: Sequence[Instance], timeout_s: float
-) -> str:
-    """What a switch's warm-up timeout tells the operator: which new instance did not answer, and what to do."""
-    new = [i.name for i in route if i in staged] or [i.name for i in route]
-    through = " -> ".join(i.name for i in route)
-    return (
-        f"the new instance {' / '.join(new)} gave no token for its warm-up request ({through}, {request_id!r}) within "
-        f"the switch's warm-up timeout of {timeout_s:g} s: it may still be compiling or it hangs. If its compile is "
-        f"slow (a large model, bucket warm-up), raise the warm-up timeout (`PlanSwitcher(warmup_timeout_s=...)`); "
-        f"otherwise check {' / '.join(new)}'s log (and its device) for a stuck step"
-    )
 
 
 def _is_a_serving_controller(controller: Controller) -> ServingController:

@@ -16,7 +16,8 @@
 3. build: `InstanceBuilder.build` loads each added instance's weights straight into its own
    sharding (embedded: `engine_factory(spec, devices)` on consecutive free devices; Ray: an actor);
    `Controller.add_instances` starts them *staged* (no traffic), and
-   `Controller.warm_up_staged` warms them before they are routed: with the controller's
+   `Controller.warm_up_staged` warms them before they are routed (`compilation/deployment.py`'s
+   `warm_up_staged`, through the controller's switch primitives): with the controller's
    `warmup_buckets` (serve's default) the bucket warm-up `serve` runs (every padded shape the
    instance's limits allow) and every new prefill -> decode pair's hand-off at every padded prompt
    length; otherwise one pinned request through each. `SwitchReport.warmup_s` is what it took.
