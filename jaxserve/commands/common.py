@@ -118,6 +118,19 @@ def pin_to_cpus(cpus: set[int]) -> None:
         raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {e.strerror}") from None
 
 
+def pin_to_cpus_flag(cpus: str | None, error_prefix: str = "") -> bool:
+    """`--cpus` (serve, profile): pin to those CPUs when given; False when the list is bad, with the error printed
+    as `{error_prefix}error: --cpus: ...`."""
+    if cpus is None:
+        return True
+    try:
+        pin_to_cpus(parse_cpus(cpus))
+    except ValueError as e:
+        print(f"{error_prefix}error: --cpus: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def configure_logging(level_name: str) -> None:
     """jaxserve's loggers (`jaxserve`, `models`, `placement`) at `level_name`; everything else (absl's Orbax chatter, JAX's backend probes, Ray) at
     WARNING unless `level_name` is debug. The handler sits on the root logger, so both reach stderr."""

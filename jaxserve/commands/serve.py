@@ -28,8 +28,7 @@ from jaxserve.commands.common import (
     default_model,
     ensure_host_devices,
     limits_from_args,
-    parse_cpus,
-    pin_to_cpus,
+    pin_to_cpus_flag,
 )
 from jaxserve.commands.engine_backends import ENGINE_BACKENDS, engine_name
 from jaxserve.commands.server_keys import ADMIN_KEY_ENV, API_KEY_ENV, server_keys
@@ -259,12 +258,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    if args.cpus is not None:
-        try:
-            pin_to_cpus(parse_cpus(args.cpus))
-        except ValueError as e:
-            print(f"error: --cpus: {e}", file=sys.stderr)
-            return 2
+    if not pin_to_cpus_flag(args.cpus):
+        return 2
     from jaxserve.serving.start_up_signals import StartUpSignals
 
     start_up = StartUpSignals.install()  # from here a signal stops at once (status 0); the event loop takes over
