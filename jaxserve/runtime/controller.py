@@ -132,7 +132,7 @@ log = logging.getLogger(__name__)
 class Controller:
     """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
 
-    The choices are made elsewhere (`routing.Router`, `recovery`, `warmup`, `instance_set.InstanceSet`); this
+    The choices are made elsewhere (`routing.Router`, `recovery`, `compilation.deployment`, `instance_set.InstanceSet`); this
     class owns the request table (`_live`: request id -> (LiveRequest, RequestStream)) and the lock that
     guards it together with the instance set.
     """
