@@ -132,9 +132,9 @@ log = logging.getLogger(__name__)
 class Controller:
     """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
 
-    The choices are made elsewhere (`routing.Router`, `recovery`, `compilation.deployment`, `instance_set.InstanceSet`); this
-    class owns the request table (`_live`: request id -> (LiveRequest, RequestStream)) and the lock that
-    guards it together with the instance set.
+    The choices are made elsewhere (`routing.Router`, `recovery`, `compilation.deployment`,
+    `instance_set.InstanceSet`); this class owns the request table (`_live`: request id -> (LiveRequest,
+    RequestStream)) and the lock that guards it together with the instance set.
     """
 
     def __init__(
