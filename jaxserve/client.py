@@ -245,8 +245,11 @@ class Stream:
         self.cancel()
 
 
-class Client:
-    """Blocking client; thread-safe (one channel, many concurrent calls)."""
+class _Channel:
+    """What `Client` and `AsyncClient` share: the channel (`grpc` or `grpc.aio`: `_CHANNELS`), its credentials and
+    key, and the stubs over it. The calls themselves stay twins: one blocks, the other awaits."""
+
+    _CHANNELS: Any = grpc
 
     def __init__(
         self,
@@ -263,11 +266,18 @@ class Client:
         self._metadata = s.metadata
         self.timeout_s = timeout_s
         if s.credentials is not None:
-            self._channel = grpc.secure_channel(target, s.credentials, options=s.options)
+            self._channel = self._CHANNELS.secure_channel(target, s.credentials, options=s.options)
         else:
-            self._channel = grpc.insecure_channel(target, options=s.options)
+            self._channel = self._CHANNELS.insecure_channel(target, options=s.options)
         self._stub = pb_grpc.JaxServeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call_options(self, timeout_s: float | None) -> dict[str, Any]:
+        return {"timeout": timeout_s or self.timeout_s, "metadata": self._metadata}
+
+
+class Client(_Channel):
+    """Blocking client; thread-safe (one channel, many concurrent calls)."""
 
     def stream(
         self,
@@ -277,7 +287,7 @@ class Client:
         **params: Unpack[RequestParams],
     ) -> Stream:
         request = _request(prompt, params)
-        call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        call = self._stub.Generate(request, **self._call_options(timeout_s))
         return Stream(call)
 
     def generate(
@@ -292,18 +302,14 @@ class Client:
 
     def model_info(self, timeout_s: float | None = None) -> ModelInfo:
         try:
-            m = self._stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-            )
+            m = self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
         return wire.model_info_from_proto(m)
 
     def deployment(self, timeout_s: float | None = None) -> DeploymentPlan:
         try:
-            m = self._stub.GetDeployment(
-                pb.GetDeploymentRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-            )
+            m = self._stub.GetDeployment(pb.GetDeploymentRequest(), **self._call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
         return wire.deployment_from_proto(m)
@@ -329,29 +335,10 @@ class Client:
 # ---------------------------------------------------------------------------------------
 # asyncio client
 # ---------------------------------------------------------------------------------------
-class AsyncClient:
+class AsyncClient(_Channel):
     """asyncio client over `grpc.aio`; create and use it inside one event loop."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        api_key: str | None = None,
-        tls: bool = False,
-        root_certificates: bytes | str | Path | None = None,
-        tls_server_name: str | None = None,
-        timeout_s: float | None = None,
-        max_message_bytes: int = 16 << 20,
-    ) -> None:
-        s = _setup(target, api_key, tls, root_certificates, tls_server_name, max_message_bytes)
-        self._metadata = s.metadata
-        self.timeout_s = timeout_s
-        if s.credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, s.credentials, options=s.options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=s.options)
-        self._stub = pb_grpc.JaxServeStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _CHANNELS = grpc.aio
 
     async def stream(
         self,
@@ -362,7 +349,7 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; leaving the loop or cancelling the task cancels the call."""
         request = _request(prompt, params)
-        call = self._stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        call = self._stub.Generate(request, **self._call_options(timeout_s))
         num_tokens: dict[int, int] = {}  # per sample index
         try:
             async for message in call:
@@ -387,18 +374,14 @@ class AsyncClient:
 
     async def model_info(self, timeout_s: float | None = None) -> ModelInfo:
         try:
-            m = await self._stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-            )
+            m = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
         return wire.model_info_from_proto(m)
 
     async def deployment(self, timeout_s: float | None = None) -> DeploymentPlan:
         try:
-            m = await self._stub.GetDeployment(
-                pb.GetDeploymentRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-            )
+            m = await self._stub.GetDeployment(pb.GetDeploymentRequest(), **self._call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
         return wire.deployment_from_proto(m)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
-from jaxserve.core.model_registry import resolve_model_source
 from jaxserve.core.plan import DeploymentPlan, parse_deployment
 from jaxserve.core.request import (
     FinishReason,
@@ -29,6 +28,7 @@ from jaxserve.core.request import (
     TokenChunk,
     TokenLogprobs,
 )
+from jaxserve.model_registry import resolve_model_source
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.runtime.instances import EngineFactory
 from jaxserve.runtime.pool_sizing import DEFAULT_KV_MEMORY_FRACTION

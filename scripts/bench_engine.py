@@ -96,12 +96,13 @@ def _ours_decode_tps(path: Path, batch: int, prompt_len: int, steps: int) -> flo
     import jax
 
     from jaxserve.core.blocks import BlockAllocator
+    from jaxserve.core.limits import DEFAULT_LIMITS
     from jaxserve.core.request import SamplingParams
     from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
     from jaxserve.runtime.engines.model import ModelEngine
 
     engine = _ENGINES.setdefault(str(path), ModelEngine.load(str(path), jax.devices()[:1]))
-    block_size = 16
+    block_size = DEFAULT_LIMITS.block_size
     per_seq = -(-(prompt_len + steps + 8) // block_size)
     alloc = BlockAllocator(per_seq * batch, block_size)
     pages = engine.init_pages(per_seq * batch, block_size)

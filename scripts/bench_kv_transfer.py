@@ -40,7 +40,7 @@ def kv_shape(size_mb: float) -> tuple[int, int, int, int]:
 
 class Producer:
     def __init__(self) -> None:
-        from jaxserve.runtime.ray_backend.transfer import start_transfer_server
+        from jaxserve.runtime.kv_connectors.ray_pull import start_transfer_server
 
         self.server = start_transfer_server()
         self.kv: dict[int, tuple[object, object]] = {}
@@ -60,7 +60,7 @@ class Producer:
 
     def offer(self, key: int) -> tuple[str, int, tuple[int, ...]]:
         from jaxserve.runtime.engines.contract import StageKV
-        from jaxserve.runtime.ray_backend.transfer import stage_for_pull
+        from jaxserve.runtime.kv_connectors.ray_pull import stage_for_pull
 
         k, v = self.kv[key]
         arrays = stage_for_pull((StageKV(k=k, v=v),))  # type: ignore[arg-type]
@@ -71,7 +71,7 @@ class Producer:
 
 class Consumer:
     def __init__(self) -> None:
-        from jaxserve.runtime.ray_backend.transfer import start_transfer_server
+        from jaxserve.runtime.kv_connectors.ray_pull import start_transfer_server
 
         self.server = start_transfer_server()
 
@@ -88,7 +88,7 @@ class Consumer:
     def via_jax(self, producer: object, key: int) -> float:
         import ray
 
-        from jaxserve.runtime.ray_backend.transfer import ArraySpec, JaxTicket, pull_staged
+        from jaxserve.runtime.kv_connectors.ray_pull import ArraySpec, JaxTicket, pull_staged
 
         started = time.perf_counter()
         address, uuid, shape = ray.get(producer.offer.remote(key))  # type: ignore[attr-defined,assignment]
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.actor import ActorHandle
 
+    from jaxserve.runtime.kv_connectors.ray_pull import fetch
     from jaxserve.runtime.ray_backend.deployment import init_ray
-    from jaxserve.runtime.ray_backend.transfer import fetch
 
     init_ray(num_cpus=4)
     env = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}}

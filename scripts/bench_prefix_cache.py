@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from jaxserve.commands import bench as bench_cli
-from jaxserve.core.limits import ServingLimits
+from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.core.scheduling import NO_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig
@@ -168,18 +168,23 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--min-turns", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=6)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=256, help="every instance's pool (prefill and decode)")
-    ap.add_argument("--max-decode-batch", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=DEFAULT_LIMITS.block_size)
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=DEFAULT_LIMITS.num_kv_blocks,
+        help="every instance's pool (prefill and decode)",
+    )
+    ap.add_argument("--max-decode-batch", type=int, default=DEFAULT_LIMITS.max_decode_batch)
     ap.add_argument("--local", type=int, default=0, help="local-prefill threshold (tokens) for the 'on' arm")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (fresh trace each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every run here")
     ap.add_argument(
         "--engine",
-        choices=("opt", "timed"),
-        default="opt",
-        help="opt: the real model; timed: `TimedEngine`, every step sleeping the simulator's own step time "
+        choices=("model", "timed"),
+        default="model",
+        help="model: the real model; timed: `TimedEngine`, every step sleeping the simulator's own step time "
         "(the runtime's mechanism with the simulator's timing)",
     )
     ap.add_argument("--overhead", action="store_true", help="caching on vs off at 0 %% hit and multi-turn (above)")

@@ -41,7 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BLOCK_SIZE = 16
+from jaxserve.core.limits import DEFAULT_LIMITS
+
+BLOCK_SIZE = DEFAULT_LIMITS.block_size  # the server's KV page size (its default)
 
 
 def _parse() -> argparse.Namespace:

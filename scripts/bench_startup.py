@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from jaxserve.commands.common import DEFAULT_DEPLOYMENT
-from jaxserve.core.model_registry import model_cache_dir
+from jaxserve.model_registry import model_cache_dir
 from jaxserve.tools.bench.launch import ServeProcess
 from jaxserve.tools.bench.loadgen import Target, run_workload
 from placement.workload import Workload

@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from jaxserve.core.limits import DEFAULT_LIMITS  # noqa: E402
 from jaxserve.core.plan import DeploymentPlan, parse_deployment  # noqa: E402
 from jaxserve.tools.bench import launch, loadgen  # noqa: E402
 from jaxserve.tools.bench.records import RequestRecord, summarize  # noqa: E402
@@ -81,8 +82,8 @@ class CheckConfig:
     tpot_factor: float = 3.0  # TPOT SLO = factor × one batch-1 decode step (fitted)
     ttft_s: float | None = None
     tpot_s: float | None = None
-    max_decode_batch: int = 32
-    block_size: int = 16
+    max_decode_batch: int = DEFAULT_LIMITS.max_decode_batch
+    block_size: int = DEFAULT_LIMITS.block_size
     rates: dict[str, tuple[float, ...]] | None = None  # per deployment; default: chosen by prediction
     profile: str | None = None  # an existing profile instead of profiling now
     workdir: str | None = None

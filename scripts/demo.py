@@ -101,7 +101,7 @@ def main() -> int:
 
     chat = False
     if not args.tiny and "--model" not in args.serve_args:
-        from jaxserve.core.model_registry import ModelRegistryError, pull
+        from jaxserve.model_registry import ModelRegistryError, pull
 
         try:
             pull(CHAT_MODEL)  # fetched once into the model cache; later runs find it there

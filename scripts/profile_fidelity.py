@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus  # noqa: E402
 from jaxserve.commands.profile import SINGLE_CORE_FLAGS, engine_padding  # noqa: E402
+from jaxserve.core.limits import DEFAULT_LIMITS  # noqa: E402
 
 # The fit grid: what `jaxserve profile --prefill-lengths 16,32,64,128,256,512 --prefill-batches 1,2,4` times
 # for prefill; decode batches 1..32 over contexts 16..320, up to 8192 attended positions a step once
@@ -67,7 +68,7 @@ OFF_PREFILL = ((1, 48), (1, 100), (1, 200), (1, 384), (3, 40), (3, 96), (2, 160)
 OFF_DECODE = ((3, 40), (3, 250), (6, 100), (12, 30), (12, 200), (24, 100), (10, 300), (5, 600), (40, 50), (48, 64))
 
 
-BLOCK_SIZE = 16  # the server's KV page size
+BLOCK_SIZE = DEFAULT_LIMITS.block_size  # the server's KV page size (its default)
 # Many short passes rather than a few long ones. This shared core's speed wanders by 20-50 % over seconds
 # (a shape's passes, all on the process's CPU clock, spread that much), and a shape's runs within one pass
 # are milliseconds apart: they see one speed. On 2026-12-02, 3 passes of >= 5 runs (and 0.1 s) each put

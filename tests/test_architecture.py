@@ -6,7 +6,8 @@ included: a lazy import is still an arrow). The layers, bottom up:
 * the contract: `jaxserve.core` and `models.config`, pure Python; they import nothing else of ours;
 * the planner (`placement`) imports only the contract; the model (`models`) only itself and the contract;
 * the runtime (`jaxserve.runtime`) imports the contract and the model, never the planner;
-* the serving layer (`jaxserve.serving`, the client, `jaxserve.llm`) imports the runtime, never the planner;
+* the serving layer (`jaxserve.serving`, the wire schema `jaxserve.proto`, the client, `jaxserve.llm`, the model
+  registry) imports the runtime, never the planner;
 * the tools wing (`jaxserve.tools`) is the one library place that imports both the runtime and the planner;
 * the entry points (`jaxserve.cli`, `jaxserve.commands`) sit on top and may import anything.
 
@@ -47,9 +48,11 @@ def layer_of(module: str) -> str:
         return "model"
     parts = module.split(".")
     second = parts[1] if len(parts) > 1 else ""
-    if second in ("runtime", "proto"):
+    if second == "runtime":
         return "runtime"
-    if second in ("serving", "client", "llm", "assets"):
+    # the wire schema (`proto`) is the serving layer's boundary, read by the service and the client; the model
+    # registry resolves a model argument for `LLM` and the entry points
+    if second in ("serving", "client", "llm", "assets", "proto", "model_registry"):
         return "serving"
     if second == "testing":
         return "testing"

@@ -1,4 +1,4 @@
-"""`--cpus` (serve, profile): parsing, errors, and that the pin holds for the process and its threads."""
+"""`--cpus` (serve, profile): parsing, errors, and that the pin holds for the process and its threads; `--engine`'s names."""
 
 from __future__ import annotations
 
@@ -45,3 +45,15 @@ def test_serve_and_profile_refuse_a_cpu_that_does_not_exist(capsys) -> None:
     assert "--cpus" in capsys.readouterr().err
     assert main(["profile", "--model", "opt-tiny", "--quick", "--cpus", "0-", "-o", "/dev/null"]) == 2
     assert "bad CPU" in capsys.readouterr().err
+
+
+def test_serve_engine_model_and_its_deprecated_spelling(capsys) -> None:
+    """The family-blind engine is `--engine model` (the default); `--engine opt`, its old name, still parses to it
+    with a warning."""
+    from jaxserve.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).engine == "model"
+    assert build_parser().parse_args(["serve", "--engine", "opt"]).engine == "model"
+    assert "--engine opt is deprecated" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--engine", "nope"])

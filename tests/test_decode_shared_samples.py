@@ -25,7 +25,8 @@ from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import Engine, KVPages, PrefilledSequence
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
+from jaxserve.runtime.kv_connectors.base import TransferState
+from jaxserve.runtime.kv_connectors.in_process import InProcessHandle, InProcessTransfer
 from models.config import get_config
 
 CFG = get_config("opt-tiny")

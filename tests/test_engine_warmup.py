@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from jaxserve.core.request import SamplingParams
-from jaxserve.runtime.engines.background_warmup import CompileJob
+from jaxserve.runtime.compilation.background import CompileJob
+from jaxserve.runtime.compilation.cache import enable_compilation_cache
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow, WarmupSpec
 from jaxserve.runtime.engines.model import ModelEngine, _host_available_bytes
-from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
 from models.sharding import ShardedOPT
 
 GREEDY = SamplingParams(temperature=0.0)

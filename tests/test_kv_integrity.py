@@ -22,7 +22,7 @@ from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import Engine, SequenceKV, StageKV
 from jaxserve.runtime.engines.fake import fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.kv_transfer import InProcessTransfer
+from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from models.config import get_config
 
 pytestmark = pytest.mark.timeout(120)

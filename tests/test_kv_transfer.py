@@ -12,7 +12,8 @@ import pytest
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.engines.contract import PrefillItem, StageKV
 from jaxserve.runtime.engines.fake import FakeEngine
-from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferState, regroup_layers
+from jaxserve.runtime.kv_connectors.base import TransferState, regroup_layers
+from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from models.config import OPTConfig
 
 CFG = OPTConfig(name="kv-test", hidden_size=32, ffn_dim=64, num_layers=4, num_heads=4, vocab_size=300)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.core.model_registry import (
+from jaxserve.model_registry import (
     REGISTRY,
     ModelRegistryError,
     RegisteredModel,

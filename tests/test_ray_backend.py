@@ -35,6 +35,9 @@ from jaxserve.serving.metrics import ServingMetrics
 
 ray = pytest.importorskip("ray")
 
+from jaxserve.runtime.kv_connectors.base import PullFailureConfig  # noqa: E402
+from jaxserve.runtime.kv_connectors.ray import ObjectStoreTransfer  # noqa: E402
+from jaxserve.runtime.kv_connectors.ray_pull import ActorPulls, TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.actors import (  # noqa: E402
     DecodeActor,
     EngineSpec,
@@ -48,9 +51,8 @@ from jaxserve.runtime.ray_backend.deployment import (  # noqa: E402
     RayController,
     actor_env,
 )
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.remote_engine import RemotePrefillEngine  # noqa: E402
-from jaxserve.runtime.ray_backend.transfer import ObjectStoreTransfer, TransferConfig  # noqa: E402
 from jaxserve.runtime.switch import PlanSwitcher  # noqa: E402
 from jaxserve.runtime.worker import FaultCounters, LiveRequest  # noqa: E402
 
@@ -88,7 +90,7 @@ def cluster():
 
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=LEASE_S, pull_timeout_s=20.0),
-    placement=PlacementConfig(num_cpus_per_actor=0.5),
+    resources=ResourceConfig(num_cpus_per_actor=0.5),
 )
 
 
@@ -388,7 +390,7 @@ def test_low_affinity_plan_pairs_stages_on_one_node(cluster) -> None:
     )
     rc = RayConfig(
         transfer=TransferConfig(lease_s=LEASE_S),
-        placement=PlacementConfig(num_cpus_per_actor=0.5, node_resource_prefix="node"),
+        resources=ResourceConfig(num_cpus_per_actor=0.5, node_resource_prefix="node"),
         engine="fake",
         fake_config=FAKE,
     )
@@ -425,12 +427,14 @@ def test_object_store_transfer_conformance(cluster, monkeypatch, src, dst) -> No
 @pytest.fixture(scope="module")
 def transfer_pair(cluster):
     """A fake prefill actor (tp2) and a fake decode actor (tp1 pp2), both with transfer servers."""
-    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0, num_retries=0, on_failure="fail")
+    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0)
+    fail = PullFailureConfig(num_retries=0, on_failure="fail")
     pspec = EngineSpec(role="prefill", tp=2, pp=1, model_source="fake", engine="fake", fake_config=FAKE)
     dspec = EngineSpec(role="decode", tp=1, pp=2, model_source="fake", engine="fake", fake_config=FAKE)
     p = ray.remote(PrefillActor).options(runtime_env=actor_env(pspec, False), num_cpus=0.5, max_concurrency=4)
     d = ray.remote(DecodeActor).options(runtime_env=actor_env(dspec, False), num_cpus=0.5, max_concurrency=2)
-    pa, da = p.remote("prefill-t", pspec, tc), d.remote("decode-t", dspec, tc)
+    pulls = ActorPulls(tc, fail)
+    pa, da = p.remote("prefill-t", pspec, pulls), d.remote("decode-t", dspec, pulls)
     yield pa, da
     ray.kill(pa)
     ray.kill(da)
@@ -467,7 +471,7 @@ def test_cross_process_pull_lands_in_decode_layout(transfer_pair, mechanism) -> 
 def _faulty_prefill_actor_class() -> type:
     """A `PrefillActor` whose next pull's arrays are damaged after they were described (in transit), or whose
     KV is short at the source (its description agrees). Defined in a function so that Ray ships it by value."""
-    from jaxserve.runtime.ray_backend.transfer import HostShipment, fingerprint_of, manifest, stage_for_pull
+    from jaxserve.runtime.kv_connectors.ray_pull import HostShipment, fingerprint_of, manifest, stage_for_pull
 
     damage = {
         "truncated": lambda a: a[:, :2],
@@ -502,7 +506,7 @@ def _faulty_prefill_actor_class() -> type:
             )  # fmt: skip
 
         def offer_jax(self, request_id: str, start: int = 0, num_tokens: int = 0):  # type: ignore[no-untyped-def]
-            from jaxserve.runtime.ray_backend.transfer import JaxTicket
+            from jaxserve.runtime.kv_connectors.ray_pull import JaxTicket
 
             kv = self._lend(request_id, start, num_tokens)
             if kv is None:
@@ -520,10 +524,12 @@ def _faulty_prefill_actor_class() -> type:
 @pytest.fixture(scope="module")
 def faulty_prefill(transfer_pair):
     """A fake-model prefill actor (tp1) with the checksum on, next to `transfer_pair`'s decode actor."""
-    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0, checksum=True)
+    tc = TransferConfig(mechanism="jax", lease_s=30.0, pull_timeout_s=10.0)
     spec = EngineSpec(role="prefill", tp=1, pp=1, model_source="fake", engine="fake", fake_config=FAKE)
     cls = ray.remote(_faulty_prefill_actor_class())
-    actor = cls.options(runtime_env=actor_env(spec, False), num_cpus=0.5, max_concurrency=4).remote("faulty", spec, tc)
+    actor = cls.options(runtime_env=actor_env(spec, False), num_cpus=0.5, max_concurrency=4).remote(
+        "faulty", spec, ActorPulls(tc, checksum=True)
+    )
     yield actor
     ray.kill(actor)
 

@@ -40,9 +40,9 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
+from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.deployment import RayConfig, RayController  # noqa: E402
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -59,10 +59,10 @@ def cluster():
         yield c
 
 
-def _ray_config(engine: str = "opt") -> RayConfig:
+def _ray_config(engine: str = "model") -> RayConfig:
     return RayConfig(
         transfer=TransferConfig(lease_s=LEASE_S, pull_timeout_s=20.0),
-        placement=PlacementConfig(num_cpus_per_actor=0.5),
+        resources=ResourceConfig(num_cpus_per_actor=0.5),
         engine=engine,  # type: ignore[arg-type]
         fake_config=CFG if engine == "fake" else None,
     )

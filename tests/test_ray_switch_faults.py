@@ -65,9 +65,9 @@ from models.config import get_config
 
 ray = pytest.importorskip("ray")
 
+from jaxserve.runtime.kv_connectors.ray_pull import TransferConfig  # noqa: E402
 from jaxserve.runtime.ray_backend.deployment import RayActors, RayConfig, RayController  # noqa: E402
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig  # noqa: E402
-from jaxserve.runtime.ray_backend.transfer import TransferConfig  # noqa: E402
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -80,7 +80,7 @@ CPUS_PER_ACTOR = 0.5
 CONFIG = ControllerConfig(limits=ServingLimits(block_size=8, num_kv_blocks=512, max_decode_batch=32))
 RAY_CONFIG = RayConfig(
     transfer=TransferConfig(lease_s=5.0, pull_timeout_s=20.0),
-    placement=PlacementConfig(num_cpus_per_actor=CPUS_PER_ACTOR),
+    resources=ResourceConfig(num_cpus_per_actor=CPUS_PER_ACTOR),
     max_restarts=1,
     restart_timeout_s=60.0,
     engine="fake",

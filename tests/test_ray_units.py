@@ -14,11 +14,8 @@ import pytest
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.contract import StageKV
-from jaxserve.runtime.kv_transfer import KVIntegrityError
-from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
-from jaxserve.runtime.ray_backend.deployment import RayConfig, with_kv_checksum
-from jaxserve.runtime.ray_backend.placement_groups import PlacementConfig, bundle, group_by_node
-from jaxserve.runtime.ray_backend.transfer import (
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, PullFailureConfig
+from jaxserve.runtime.kv_connectors.ray_pull import (
     LeasedKVBuffer,
     PullError,
     check_arrival,
@@ -27,6 +24,9 @@ from jaxserve.runtime.ray_backend.transfer import (
     manifest,
     run_with_watchdog,
 )
+from jaxserve.runtime.ray_backend.actors import IncompatiblePeerError, ModelSignature, check_compatible
+from jaxserve.runtime.ray_backend.deployment import LaunchInputs, RayConfig
+from jaxserve.runtime.ray_backend.placement_groups import ResourceConfig, bundle, group_by_node
 from models.config import get_config
 
 
@@ -79,7 +79,7 @@ def test_low_affinity_plan_groups_pairs_by_node() -> None:
         )
     )
     assert group_by_node(plan) == {0: [0, 2], 1: [1, 3]}
-    cfg = PlacementConfig(num_cpus_per_actor=0.5, use_gpus=True, node_resource_prefix="node")
+    cfg = ResourceConfig(num_cpus_per_actor=0.5, use_gpus=True, node_resource_prefix="node")
     assert bundle(plan.instances[1], cfg) == {"CPU": 0.5, "GPU": 2.0, "node1": 0.001}
     assert group_by_node(DeploymentPlan(instances=(InstanceSpec("prefill"), InstanceSpec("decode")))) == {}
 
@@ -102,8 +102,8 @@ def test_watchdog_frees_the_caller_from_a_stuck_pull() -> None:
 
 _NEVER_REGISTERED = """
 import os, time
-from jaxserve.runtime.ray_backend.transfer import ArraySpec, JaxTicket, PullError, pull_staged, run_with_watchdog
-from jaxserve.runtime.ray_backend.transfer import start_transfer_server
+from jaxserve.runtime.kv_connectors.ray_pull import ArraySpec, JaxTicket, PullError, pull_staged, run_with_watchdog
+from jaxserve.runtime.kv_connectors.ray_pull import start_transfer_server
 producer, consumer = start_transfer_server(), start_transfer_server()
 ticket = JaxTicket(producer.address(), 12345, (ArraySpec((4, 4), "float32"),))  # never registered
 started = time.monotonic()
@@ -153,6 +153,10 @@ def test_a_pulled_kv_is_checked_against_what_was_sent() -> None:
         check_positions(sent, 9, "r")  # the sender's KV itself is short
 
 
-def test_kv_checksum_turns_on_the_actors_checksum() -> None:
-    assert with_kv_checksum(RayConfig(), ControllerConfig()).transfer.checksum is False
-    assert with_kv_checksum(RayConfig(), ControllerConfig(kv_checksum=True)).transfer.checksum is True
+def test_the_actors_read_the_controllers_pull_knobs() -> None:
+    """One knob for both backends: the actors get the controller's checksum and pull-failure policy."""
+    default = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig()).pulls
+    assert (default.checksum, default.failure) == (False, PullFailureConfig(1, "recompute"))
+    policy = PullFailureConfig(num_retries=0, on_failure="fail")
+    pulls = LaunchInputs.of("m", "float32", RayConfig(), ControllerConfig(kv_checksum=True, pull_failure=policy)).pulls
+    assert (pulls.checksum, pulls.failure) == (True, policy)

@@ -22,7 +22,6 @@ from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings,
 from jaxserve.core.scheduling import PrefillLoad
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
 from jaxserve.runtime.controller import Controller, ControllerConfig
-from jaxserve.runtime.decode_instance import PullFailureConfig
 from jaxserve.runtime.engines.contract import (
     Engine,
     KVPages,
@@ -33,7 +32,8 @@ from jaxserve.runtime.engines.contract import (
 )
 from jaxserve.runtime.engines.fake import FakeEngine, fake_engine_factory, reference_tokens
 from jaxserve.runtime.instances import build_engines
-from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, KVTransferError, TransferState
+from jaxserve.runtime.kv_connectors.base import KVTransferError, PullFailureConfig, TransferState
+from jaxserve.runtime.kv_connectors.in_process import InProcessHandle, InProcessTransfer
 from jaxserve.runtime.worker import FaultKind, LiveRequest, Worker
 from models.config import get_config
 
@@ -166,7 +166,7 @@ def test_a_failed_pull_costs_one_request_never_the_decode_instance(retries: int,
     c = _controller(
         "disagg:prefill=tp1,decode=tp1",
         transfer=make,
-        pull_failure=PullFailureConfig(num_pull_retries=retries, on_pull_failure=policy),
+        pull_failure=PullFailureConfig(num_retries=retries, on_failure=policy),
     )
     try:
         long_prompt, victim_prompt, other_prompt = (5, 6, 7), (8, 9, 10, 11), (12, 13)
@@ -214,13 +214,13 @@ class _LosingTransfer(_GatedTransfer):
 
 def test_a_pull_from_a_prefill_instance_retired_by_force_is_prefilled_again_whatever_the_policy() -> None:
     # A switch retires a prefill instance by force (its drain timed out) while a decode instance still pulls a
-    # KV it held: the pull fails. Under on_pull_failure="fail" that failed the stream, though the request did
+    # KV it held: the pull fails. Under on_failure="fail" that failed the stream, though the request did
     # nothing wrong and a live prefill instance remains; now it is prefilled again there, as when the holder dies.
     gate = threading.Event()
     c = _controller(
         "disagg:prefill=2xtp1,decode=tp1",
         transfer=lambda engine: _LosingTransfer(engine, {"held"}, gate),
-        pull_failure=PullFailureConfig(num_pull_retries=0, on_pull_failure="fail"),
+        pull_failure=PullFailureConfig(num_retries=0, on_failure="fail"),
     )
     try:
         held = c.submit(_req("held", (5, 6, 7), max_tokens=10))

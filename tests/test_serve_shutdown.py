@@ -153,7 +153,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
+from jaxserve.runtime.compilation.background import BackgroundWarmup, CompileJob
 
 logging.basicConfig(level=logging.INFO)
 out = Path(sys.argv[1])

@@ -12,7 +12,8 @@ import httpx
 from serving_helpers import fake_controller, running_server
 
 from jaxserve.cli import build_parser
-from jaxserve.commands.serve import compile_cache_dir, default_compile_cache_dir
+from jaxserve.commands.serve import compile_cache_dir
+from jaxserve.runtime.compilation.cache import default_cache_dir
 
 
 def test_server_calls_controller_warmup_before_ready_and_logs_time_to_ready(caplog):
@@ -54,7 +55,7 @@ def test_compile_cache_flag(tmp_path: Path, monkeypatch):
     parser = build_parser()
     args = parser.parse_args(["serve"])
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert compile_cache_dir(args.compile_cache) == default_compile_cache_dir() == tmp_path / "xdg" / "jaxserve" / "xla"
+    assert compile_cache_dir(args.compile_cache) == default_cache_dir() == tmp_path / "xdg" / "jaxserve" / "xla"
     assert compile_cache_dir(parser.parse_args(["serve", "--compile-cache", "off"]).compile_cache) is None
     chosen = parser.parse_args(["serve", "--compile-cache", str(tmp_path / "c")]).compile_cache
     assert compile_cache_dir(chosen) == tmp_path / "c"
@@ -64,8 +65,8 @@ def test_enable_compile_cache_writes_compiled_programs(tmp_path: Path):
     # A fresh process: the cache is process-global JAX configuration.
     code = (
         "import sys; from pathlib import Path\n"
-        "from jaxserve.commands.serve import enable_compile_cache\n"
-        "enable_compile_cache(Path(sys.argv[1]), min_compile_time_s=0.0)\n"
+        "from jaxserve.runtime.compilation.cache import enable_private_compilation_cache\n"
+        "enable_private_compilation_cache(Path(sys.argv[1]), min_compile_time_s=0.0)\n"
         "import jax, jax.numpy as jnp\n"
         "print(float(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(7)).sum()))\n"
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from jaxserve.core.limits import ServingLimits
-from jaxserve.core.model_registry import REGISTRY, ModelRegistryError, pull
 from jaxserve.core.plan import parse_deployment
+from jaxserve.model_registry import REGISTRY, ModelRegistryError, pull
 from jaxserve.runtime.controller import Controller, ControllerConfig
 
 NAME = "smollm2-135m-instruct"

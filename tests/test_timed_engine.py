@@ -8,8 +8,9 @@ import pytest
 from jaxserve.core.request import SamplingParams
 from jaxserve.core.step_cost import LinkCost
 from jaxserve.runtime.engines.contract import PrefillItem, StepBatch, StepRow
-from jaxserve.runtime.engines.timed import MIN_TOKEN, TimedEngine, TimedTransfer, random_token
-from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.runtime.engines.timed import MIN_TOKEN, TimedEngine, random_token
+from jaxserve.runtime.kv_connectors.base import TransferState
+from jaxserve.runtime.kv_connectors.timed import TimedTransfer
 from models.config import get_config
 from placement.hardware import get_device
 from placement.latency import LatencyProvider, StepOverhead, load_profile
@@ -148,3 +149,23 @@ def test_timed_transfer_charges_the_link_from_the_pulls_start_not_the_decode_dev
     assert clock.now == pytest.approx(t0 + 2e-3 + 1e-3 + 300 * 1e-5) and second.seconds == pytest.approx(4e-3)
     with pytest.raises(TypeError, match="TimedEngine"):
         TimedTransfer(object())  # type: ignore[arg-type]
+
+
+def test_the_timed_engine_lays_its_kv_as_the_fake_engine_does() -> None:
+    """Both hand-computable engines build one `StageGrid`: the same stage layers, devices and head sharding for the
+    same grid (so the runtime's transfer regroups their KV alike), and the same refusal of a wrong device count."""
+    from jaxserve.runtime.engines.fake import FakeEngine
+
+    devices = jax.devices()[:4]
+    cost = ModelStepCost(LP.instance("disagg", 2, 2), OVERHEAD)  # type: ignore[arg-type]
+    timed, fake = (
+        TimedEngine(CFG, devices, cost, tp=2, pp=2).kv_layout(),
+        FakeEngine(CFG, devices, tp=2, pp=2).kv_layout(),
+    )
+    assert timed.stage_layers == fake.stage_layers == (CFG.num_layers // 2, CFG.num_layers // 2)
+    for t, f in zip(timed.shardings, fake.shardings, strict=True):
+        assert t.mesh.devices.tolist() == f.mesh.devices.tolist() and t.spec == f.spec  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="tp2pp2 needs 4 devices, got 3"):
+        TimedEngine(CFG, devices[:3], cost, tp=2, pp=2)
+    with pytest.raises(ValueError, match="tp2pp2 needs 4 devices, got 3"):
+        FakeEngine(CFG, devices[:3], tp=2, pp=2)

@@ -116,3 +116,33 @@ def pin_to_cpus(cpus: set[int]) -> None:
         os.sched_setaffinity(0, cpus)
     except OSError as e:  # e.g. outside this container's cpuset
         raise ValueError(f"cannot run on CPUs {sorted(cpus)}: {e.strerror}") from None
+
+
+def pin_to_cpus_flag(cpus: str | None, error_prefix: str = "") -> bool:
+    """`--cpus` (serve, profile): pin to those CPUs when given; False when the list is bad, with the error printed
+    as `{error_prefix}error: --cpus: ...`."""
+    if cpus is None:
+        return True
+    try:
+        pin_to_cpus(parse_cpus(cpus))
+    except ValueError as e:
+        print(f"{error_prefix}error: --cpus: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def configure_logging(level_name: str) -> None:
+    """jaxserve's loggers (`jaxserve`, `models`, `placement`) at `level_name`; everything else (absl's Orbax chatter, JAX's backend probes, Ray) at
+    WARNING unless `level_name` is debug. The handler sits on the root logger, so both reach stderr."""
+    import logging
+
+    level = getattr(logging, level_name.upper())
+    logging.basicConfig(
+        level=logging.DEBUG if level <= logging.DEBUG else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for ours in ("jaxserve", "models", "placement"):
+        logging.getLogger(ours).setLevel(level)
+    if level > logging.DEBUG:
+        for name in ("absl", "jax", "orbax", "ray"):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -15,6 +15,7 @@ from jaxserve.commands.common import (
     limits_from_args,
 )
 from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.request import DEFAULT_MAX_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs a tokenizer; presets fall back to bytes)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 2,100,31")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.commands.common import ensure_host_devices, parse_cpus, pin_to_cpus
+from jaxserve.commands.common import ensure_host_devices, pin_to_cpus_flag
 from jaxserve.core.limits import DEFAULT_LIMITS
 
 SINGLE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -185,12 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if not tps or any(tp < 1 for tp in tps) or not engines or any(e not in ("disagg", "colocated") for e in engines):
         print("jaxserve profile: error: need tp >= 1 and engines from disagg,colocated", file=sys.stderr)
         return 2
-    if args.cpus is not None:
-        try:
-            pin_to_cpus(parse_cpus(args.cpus))
-        except ValueError as e:
-            print(f"jaxserve profile: error: --cpus: {e}", file=sys.stderr)
-            return 2
+    if not pin_to_cpus_flag(args.cpus, "jaxserve profile: "):
+        return 2
     ensure_host_devices(
         (2 if args.busy_neighbour else 1) * max(tps), "" if args.cpu_multi_thread else SINGLE_CORE_FLAGS
     )

@@ -1,4 +1,4 @@
-"""`jaxserve pull NAME`: fetch a registered model into the local model cache (`jaxserve.core.model_registry`)."""
+"""`jaxserve pull NAME`: fetch a registered model into the local model cache (`jaxserve.model_registry`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.core.model_registry import REGISTRY
+    from jaxserve.model_registry import REGISTRY
 
     parser.add_argument("name", nargs="?", help=f"model name: one of {', '.join(sorted(REGISTRY))}")
     parser.add_argument(
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.core.model_registry import REGISTRY, ModelRegistryError, cached_model_path, pull
+    from jaxserve.model_registry import REGISTRY, ModelRegistryError, cached_model_path, pull
 
     if args.list or not args.name:
         for model in REGISTRY.values():

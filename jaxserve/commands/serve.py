@@ -17,67 +17,41 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.commands.common import (
     DEFAULT_DEPLOYMENT,
     add_serving_limit_flags,
+    configure_logging,
     default_model,
     ensure_host_devices,
     limits_from_args,
-    parse_cpus,
-    pin_to_cpus,
+    pin_to_cpus_flag,
 )
+from jaxserve.commands.engine_backends import ENGINE_BACKENDS, engine_name
+from jaxserve.commands.server_keys import ADMIN_KEY_ENV, API_KEY_ENV, server_keys
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from jaxserve.core.plan import DeploymentPlan
     from jaxserve.runtime.instances import EngineFactory
-    from jaxserve.runtime.kv_transfer import TransferFactory
 
-if TYPE_CHECKING:
-    from jaxserve.tools.replan_loop import ReplanLoop
-    from placement.search import SearchContext
-
-API_KEY_ENV = "JAXSERVE_API_KEY"
-ADMIN_KEY_ENV = "JAXSERVE_ADMIN_KEY"  # jaxserve.serving.admin.ADMIN_KEY_ENV (this module imports no server code)
 # Store every program: a warm start loads a KV insert in ~10 ms where compiling it again took ~60 ms (six of
 # them, and the padding programs, before ready): 0.0 against 0.1 made warm starts ~0.4 s faster (docs/performance.md).
 COMPILE_CACHE_MIN_COMPILE_S = 0.0
 
 
-def default_compile_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/jaxserve/xla` (default `~/.cache/jaxserve/xla`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "jaxserve" / "xla"
-
-
 def compile_cache_dir(value: str | None) -> Path | None:
     """The `--compile-cache` value as a directory; None when it is `off`."""
+    from jaxserve.runtime.compilation.cache import default_cache_dir
+
     if value is None:
-        return default_compile_cache_dir()
+        return default_cache_dir()
     if value.lower() == "off":
         return None
     return Path(value).expanduser()
-
-
-def enable_compile_cache(directory: Path, min_compile_time_s: float = COMPILE_CACHE_MIN_COMPILE_S) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (the engine's switch; imports JAX).
-
-    The directory must be this user's alone (`models.kernels.trust.ensure_private_dir`: created 0700 when
-    missing; UntrustedDirectoryError, an OSError, when another user owns it or its group or others may write it):
-    the cache holds compiled programs this process runs."""
-    from jaxserve.runtime.engines.model_warmup import enable_compilation_cache
-    from models.kernels.trust import ensure_private_dir
-
-    ensure_private_dir(directory, "the XLA compilation cache (--compile-cache)")
-    enable_compilation_cache(directory, min_compile_time_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,9 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="HTTP body / gRPC message limit")
     parser.add_argument(
         "--engine",
+        type=engine_name,
         choices=sorted(ENGINE_BACKENDS),
-        default="opt",
-        help="fake: the hand-computable test engine (no model); timed: sleeps --profile's step times (no model)",
+        default="model",
+        help="model: the real engine (any supported model family); fake: the hand-computable test engine (no model); "
+        "timed: sleeps --profile's step times (no model). `opt`, the old spelling of `model`, is still accepted",
     )
     parser.add_argument(
         "--profile",
@@ -252,92 +228,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineBackend:
-    """What `--engine NAME` serves with on the embedded backend: the engines (`jaxserve/runtime/engines/`), the
-    KV transfer into a decode instance's engine (None: the in-process one), and whether the KV pool is sized
-    from the memory the loaded weights leave (unless a number was given)."""
-
-    factory: EngineFactory
-    transfer: TransferFactory | None = None
-    pool_from_memory: bool = False
-
-
-def _opt_backend(model: str, args: argparse.Namespace) -> EngineBackend:
-    from jaxserve.runtime.engines.model import model_engine_factory
-
-    return EngineBackend(model_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
-
-
-def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:
-    from jaxserve.runtime.engines.fake import fake_engine_factory
-    from models.checkpoint import source_config
-
-    return EngineBackend(fake_engine_factory(source_config(model)))
-
-
-def _timed_backend(model: str, args: argparse.Namespace) -> EngineBackend:
-    """The timed engine on `--profile`'s latency model; each pull's link time runs from its start, as the
-    simulator charges it (`TimedTransfer`)."""
-    from jaxserve.runtime.engines.timed import TimedTransfer
-    from jaxserve.tools.timed_engine import timed_engine_factory
-    from models.checkpoint import source_config
-    from placement.hardware import get_device
-    from placement.latency import LatencyProvider, load_profile
-
-    if args.profile is None:
-        raise ValueError("--engine timed needs --profile")
-    cfg = source_config(model, "float16")
-    prof = load_profile(args.profile)
-    latency = LatencyProvider(cfg, get_device(prof.device or "cpu"), prof)
-    return EngineBackend(timed_engine_factory(cfg, latency), transfer=TimedTransfer)
-
-
-ENGINE_BACKENDS: dict[str, Callable[[str, argparse.Namespace], EngineBackend]] = {
-    "opt": _opt_backend,
-    "fake": _fake_backend,
-    "timed": _timed_backend,
-}
-
-
 def serving_limits(args: argparse.Namespace, plan: DeploymentPlan) -> ServingLimits:
     """The limits to serve with: each flag given on the command line, else the plan's, else the defaults.
 
     A limit's flag is its `ServingLimits` name (`--max-decode-batch` -> `max_decode_batch`); `chunk_size` has
     none here: a colocated instance's chunk comes with the deployment (`colocated:tp1,chunk=N`)."""
     return limits_from_args(args, plan.limits or DEFAULT_LIMITS)
-
-
-def server_keys(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
-    """(api_key, admin_key): each flag, else its environment variable, else None. A key that is set but empty
-    (or edged with whitespace) is a ValueError, never "no authentication"; so is an admin key equal to the API key."""
-    from jaxserve.serving.admin import check_key
-
-    env = os.environ if environ is None else environ
-    api_key = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
-    admin_key = args.admin_key if args.admin_key is not None else env.get(ADMIN_KEY_ENV)
-    check_key(api_key, f"--api-key / {API_KEY_ENV}")
-    check_key(admin_key, f"--admin-key / {ADMIN_KEY_ENV}")
-    if admin_key is not None and admin_key == api_key:
-        raise ValueError("the admin key must differ from the API key: an inference key never grants admin")
-    return api_key, admin_key
-
-
-def configure_logging(level_name: str) -> None:
-    """jaxserve's loggers (`jaxserve`, `models`, `placement`) at `level_name`; everything else (absl's Orbax chatter, JAX's backend probes, Ray) at
-    WARNING unless `level_name` is debug. The handler sits on the root logger, so both reach stderr."""
-    import logging
-
-    level = getattr(logging, level_name.upper())
-    logging.basicConfig(
-        level=logging.DEBUG if level <= logging.DEBUG else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for ours in ("jaxserve", "models", "placement"):
-        logging.getLogger(ours).setLevel(level)
-    if level > logging.DEBUG:
-        for name in ("absl", "jax", "orbax", "ray"):
-            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,34 +263,33 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    if args.cpus is not None:
-        try:
-            pin_to_cpus(parse_cpus(args.cpus))
-        except ValueError as e:
-            print(f"error: --cpus: {e}", file=sys.stderr)
-            return 2
+    if not pin_to_cpus_flag(args.cpus):
+        return 2
     from jaxserve.serving.start_up_signals import StartUpSignals
 
     start_up = StartUpSignals.install()  # from here a signal stops at once (status 0); the event loop takes over
     highest = max(d for inst in plan.instances for d in (inst.devices or (0,)))
     wanted = args.num_devices or (max(highest + 1, 8) if args.replan != "off" else highest + 1)
     ensure_host_devices(max(wanted, highest + 1))
-    if args.engine == "opt" and args.backend != "ray":
+    if args.engine == "model" and args.backend != "ray":
         from models.kernels import cpu as cpu_kernel
 
         if cpu_kernel.only_cpu_expected():  # a fresh machine's build runs beside the imports and weight loading
             cpu_kernel.start_build()  # the first paged step's trace waits for it
     cache_dir = compile_cache_dir(args.compile_cache)
     if cache_dir is not None:
+        from jaxserve.runtime.compilation.cache import enable_private_compilation_cache
+
         try:
-            enable_compile_cache(cache_dir)
+            enable_private_compilation_cache(cache_dir, COMPILE_CACHE_MIN_COMPILE_S)
         except OSError as e:
             print(f"error: --compile-cache: {e}", file=sys.stderr)
             return 2
         log.info("compilation cache: %s", cache_dir)
 
-    from jaxserve.core.model_registry import ModelRegistryError, resolve_model_source
+    from jaxserve.commands.replan import build_replan_loop
     from jaxserve.core.scheduling import PrefixPolicy
+    from jaxserve.model_registry import ModelRegistryError, resolve_model_source
     from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerConfig, WarmupConfig
     from jaxserve.runtime.instances import place
     from jaxserve.serving.server import ServerConfig, run_until_signal
@@ -517,53 +412,3 @@ def _non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty name")
     return text.strip()
-
-
-def build_replan_loop(
-    args: argparse.Namespace, controller: object, builder: object, weights_load_s: float
-) -> ReplanLoop:
-    """The replanning loop for `--replan` (monitor always; planner context for advise/auto). `builder`: where a
-    live switch's new instances come from (`InstanceBuilder`, or the embedded backend's engine factory)."""
-    import jax
-
-    from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
-    from jaxserve.runtime.controller import Controller
-    from jaxserve.runtime.switch import InstanceBuilder, PlanSwitcher
-    from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig
-
-    assert isinstance(controller, Controller)
-    monitor = MonitorConfig(window_s=args.window, slice_s=args.slice, ttft_slo_s=args.ttft, tpot_slo_s=args.tpot)
-    detector = DetectorConfig(sustain_s=args.sustain, cooldown_s=args.cooldown)
-    config = ReplanLoopConfig(mode=args.replan, monitor=monitor, detector=detector)
-    switcher = None
-    if builder is not None:
-        how: InstanceBuilder | EngineFactory = builder  # type: ignore[assignment]
-        switcher = PlanSwitcher(controller, how, drain_timeout_s=args.drain_timeout)
-    context = None
-    if args.replan != "off" or args.profile:  # off with a profile: the correction factors are still measured
-        context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),
-                                   args.ttft, args.tpot)  # fmt: skip
-    if args.replan == "off":
-        latency = context.latency if context is not None else None
-        return ReplanLoop(controller, config, switcher=switcher, latency=latency, weights_load_s=weights_load_s)
-    return ReplanLoop(controller, config, switcher=switcher, context=context, weights_load_s=weights_load_s)
-
-
-def planning_context(
-    model_config: object, device: str, profile: str | None, num_devices: int, ttft_s: float, tpot_s: float
-) -> SearchContext:
-    """The planner's fixed inputs for replanning this deployment (its workload comes from the window)."""
-    import numpy as np
-
-    from placement.hardware import ClusterSpec, get_device
-    from placement.latency import LatencyProvider, load_profile
-    from placement.search import SearchContext
-    from placement.slo import SloSpec
-    from placement.workload import Workload
-
-    spec = get_device(device)
-    latency = LatencyProvider(model_config, spec, load_profile(profile) if profile else None)  # type: ignore[arg-type]
-    cluster = ClusterSpec(spec, 1, num_devices)
-    one = np.ones(1, dtype=np.int64)
-    placeholder = Workload(np.zeros(1), one, one, 1.0)  # replaced by the window's in every round
-    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1)

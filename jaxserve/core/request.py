@@ -34,6 +34,9 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
 
 
+DEFAULT_MAX_TOKENS = 16  # a request that names no max_tokens (OpenAI's completions default too)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature == 0` means greedy.
@@ -42,7 +45,7 @@ class SamplingParams:
     requests share its batch; `None` draws a seed from the request id.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut

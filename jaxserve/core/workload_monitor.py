@@ -511,22 +511,21 @@ class ShiftDetector:
             ratio = window.rate / ref.rate
             if abs(ratio - 1) >= cfg.rate_change:
                 reasons.append(f"rate {window.rate:.3g} rps is {ratio:.2f}x the reference {ref.rate:.3g} rps")
-            in_ks = ks_distance(window.input_lengths, ref.input_lengths)
-            crit = ks_critical(window.input_lengths.total, ref.input_lengths.total, cfg.ks_alpha)
-            if in_ks >= max(cfg.min_ks, crit):
-                reasons.append(
-                    f"prompt lengths moved (KS {in_ks:.3f} >= {max(cfg.min_ks, crit):.3f}; "
-                    f"mean {ref.input_lengths.mean():.0f} -> {window.input_lengths.mean():.0f})"
-                )
+            in_ks = self._lengths_moved("prompt", window.input_lengths, ref.input_lengths, reasons)
         if window.num_finished >= cfg.min_requests and ref.num_finished >= cfg.min_requests:
-            out_ks = ks_distance(window.output_lengths, ref.output_lengths)
-            crit = ks_critical(window.output_lengths.total, ref.output_lengths.total, cfg.ks_alpha)
-            if out_ks >= max(cfg.min_ks, crit):
-                reasons.append(
-                    f"output lengths moved (KS {out_ks:.3f} >= {max(cfg.min_ks, crit):.3f}; "
-                    f"mean {ref.output_lengths.mean():.0f} -> {window.output_lengths.mean():.0f})"
-                )
+            out_ks = self._lengths_moved("output", window.output_lengths, ref.output_lengths, reasons)
         return reasons, ratio, in_ks, out_ks
+
+    def _lengths_moved(self, what: str, now: LengthHistogram, ref: LengthHistogram, reasons: list[str]) -> float:
+        """The KS distance of `now` from `ref`; a reason is appended when it clears the bar (the test's critical
+        value at `ks_alpha`, at least `min_ks`)."""
+        ks = ks_distance(now, ref)
+        bar = max(self.config.min_ks, ks_critical(now.total, ref.total, self.config.ks_alpha))
+        if ks >= bar:
+            reasons.append(
+                f"{what} lengths moved (KS {ks:.3f} >= {bar:.3f}; mean {ref.mean():.0f} -> {now.mean():.0f})"
+            )
+        return ks
 
     def check(self, window: WindowStats) -> ShiftCheck:
         cfg = self.config

@@ -38,7 +38,7 @@ import dataclasses
 
 from jaxserve.core.blocks import BlockAllocator
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
-from jaxserve.core.prefix_cache import PrefixCache, cache_stats
+from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import (
     NO_PREFIX_CACHING,
@@ -51,7 +51,7 @@ from jaxserve.core.scheduling import (
 from jaxserve.runtime.api import InstanceStats
 from jaxserve.runtime.engines.contract import Engine, StepRow
 from jaxserve.runtime.multi_step import decode_call, decode_records
-from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now, pooled_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +125,9 @@ class ColocatedInstance(Worker):
     def stats(self) -> InstanceStats:
         with self.cond:
             running = sum(1 for s in self._seqs.values() if s.block_table is not None)
-            return InstanceStats(
-                "colocated", self.name, self.error is None, len(self._seqs) - running, running,
-                num_kv_blocks_used=self.cache.num_blocks - self.cache.num_available,
-                num_kv_blocks_free=self.cache.num_available,
-                **cache_stats(self.cache),
-            )  # fmt: skip
+            return pooled_stats(
+                "colocated", self.name, self.error is None, len(self._seqs) - running, running, self.cache
+            )
 
     @property
     def num_waiting(self) -> int:

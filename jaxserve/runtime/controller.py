@@ -46,8 +46,8 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
 * `stats().faults` counts these events as they happen (`FaultCounters`).
 
 Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
-bucket and hand-off warm-up in `warmup.py`, the routed / staged / retiring instance set of the live
-switch in `switch.py` (`InstanceSet`). This file owns the request table (`_live`) and the one lock
+bucket and hand-off warm-up in `compilation/deployment.py`, the steps of a live switch in `switch.py`, the routed /
+staged / retiring instances in `instance_set.py`. This file owns the request table (`_live`) and the one lock
 that guards it with the instance set, and calls them.
 
 `shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
@@ -62,12 +62,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import jax
 
-from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
-from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.errors import InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.plan import DeploymentPlan
 from jaxserve.core.request import (
     FinishReason,
@@ -78,10 +77,18 @@ from jaxserve.core.request import (
     TokenChunk,
     validate_request,
 )
-from jaxserve.core.scheduling import DEFAULT_PREFIX_CACHING, PrefixPolicy
 from jaxserve.runtime.api import ControllerStats, FaultStats, InstanceStats, ServingController
 from jaxserve.runtime.colocated_instance import ColocatedConfig, ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance, PullFailureConfig
+from jaxserve.runtime.compilation.deployment import (
+    BucketWarmup,
+    WarmupConfig,
+    start_background_warmups,
+    warm_up_deployment,
+    warm_up_staged,
+)
+from jaxserve.runtime.config import AdmissionConfig, ControllerConfig, Observer, WorkloadHook
+from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.runtime.instance_set import InstanceSet
 from jaxserve.runtime.instances import (
     EngineFactory,
     Instance,
@@ -89,14 +96,14 @@ from jaxserve.runtime.instances import (
     build_engines,
     checkpoint_text_tools,
 )
-from jaxserve.runtime.kv_transfer import InProcessTransfer, TransferFactory
+from jaxserve.runtime.kv_connectors.base import TransferFactory
+from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
 from jaxserve.runtime.prefill_instance import PrefillConfig, PrefillInstance
 from jaxserve.runtime.recovery import move_error, needs_moving
 from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
-from jaxserve.runtime.switch import InstanceSet, SwitchableController
-from jaxserve.runtime.warmup import handoff_prompt, handoff_warmups, start_background_warmups, warm_buckets
+from jaxserve.runtime.switch import SwitchableController
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -105,99 +112,29 @@ if TYPE_CHECKING:
 
     from models.checkpoint import CheckpointChatTemplate
 
-__all__ = [
+__all__ = [  # the config types are `config.py`'s, named here too (where callers have always found them)
+    "AdmissionConfig",
     "Controller",
     "ControllerConfig",
     "ControllerStats",
     "FaultStats",
     "Instance",
     "InstanceStats",
+    "Observer",
     "RequestStream",
+    "WarmupConfig",
+    "WorkloadHook",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class Observer(Protocol):
-    """Metrics hook: called from worker threads; keep it quick."""
-
-    def on_request_finished(
-        self, timings: RequestTimings, num_prompt_tokens: int, num_output_tokens: int, finish_reason: FinishReason
-    ) -> None: ...
-
-    def on_kv_transfer(self, num_bytes: int, seconds: float) -> None: ...
-
-
-class WorkloadHook(Protocol):
-    """What the workload monitor hears (`jaxserve/tools/replan_loop.py`): admissions and finishes; keep it quick."""
-
-    def on_arrival(self, arrival_at: float, num_prompt_tokens: int) -> None: ...
-
-    def on_finish(self, timings: RequestTimings, num_output_tokens: int, finish_reason: FinishReason) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionConfig:
-    """What the front door accepts: request sizes (`Controller.check_fits`) and queue depth (`submit`)."""
-
-    max_queued_requests: int = 256  # over all prefill (or colocated) queues; beyond: OverloadedError
-    retry_after_s: float = 1.0  # the Retry-After an OverloadedError carries
-    max_tokens_limit: int | None = None  # largest max_tokens (default: the model's positions)
-    max_prompt_tokens: int | None = None  # longest prompt (default: the model's positions - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmupConfig:
-    """What `Controller.warmup()` compiles before the first client (and a live switch before routing)."""
-
-    buckets: bool = False  # every padded shape the limits allow (`serve` turns it on)
-    logprobs: bool = False  # with buckets: the logprob programs of those shapes too
-    # with buckets: compile the buckets that hold all others first, the rest on a background thread while work
-    # runs padded up to compiled buckets (`ModelEngine.warmup` with `background`; `serve` turns it on)
-    background: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerConfig:
-    """A deployment's knobs, one small config per concern (the knob table: docs/architecture.md): the serving
-    limits (block_size, num_kv_blocks, max_decode_batch, max_batch_tokens, prefill_buffer_slots;
-    jaxserve/core/limits.py, which the simulator and plan files share), what a failed KV pull does, admission,
-    warm-up, prefix caching."""
-
-    limits: ServingLimits = DEFAULT_LIMITS  # num_kv_blocks: per decode / colocated instance, must be a number here
-    pull_failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
-    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
-    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
-    # Prefix caching (docs/prefix_caching.md): `enabled` turns on content-addressed KV blocks on every instance and
-    # cache-aware routing (on by default; `NO_PREFIX_CACHING` turns it off); the routing weights and the
-    # local-prefill threshold. The simulator's too.
-    prefix_policy: PrefixPolicy = DEFAULT_PREFIX_CACHING
-    prefill_num_kv_blocks: int | None = None  # a caching prefill instance's pool (default: num_kv_blocks)
-    decode_steps_per_call: int = 1  # decode / colocated: up to N decode steps per engine call (multi-step)
-    drain_timeout_s: float = 30.0  # shutdown(): in-flight requests get this long before they are aborted
-    # The default (in-process) KV transfer also checks a checksum of each pulled KV's contents (one extra read of
-    # the KV per side); off by default. Shape, dtype and length are always checked (`kv_transfer.check_pulled_kv`).
-    kv_checksum: bool = False
-
-    def __post_init__(self) -> None:
-        self.limits.require_num_kv_blocks()
-        if self.decode_steps_per_call < 1:
-            raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
-
-    @property
-    def prefill_pool_blocks(self) -> int:
-        """A caching prefill instance's pool: `prefill_num_kv_blocks`, else the limits' `num_kv_blocks`."""
-        if self.prefill_num_kv_blocks is not None:
-            return self.prefill_num_kv_blocks
-        return self.limits.require_num_kv_blocks()
-
-
 class Controller:
     """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
 
-    The choices are made elsewhere (`routing.Router`, `recovery`, `warmup`, `switch.InstanceSet`); this
-    class owns the request table (`_live`: request id -> (LiveRequest, RequestStream)) and the lock that
-    guards it together with the instance set.
+    The choices are made elsewhere (`routing.Router`, `recovery`, `compilation.deployment`,
+    `instance_set.InstanceSet`); this class owns the request table (`_live`: request id -> (LiveRequest,
+    RequestStream)) and the lock that guards it together with the instance set.
     """
 
     def __init__(
@@ -346,44 +283,27 @@ class Controller:
             inst.start()
 
     def warmup(self, *, start_background: bool = True) -> float:
-        """Compile before the first client; seconds taken.
-
-        With `warmup.buckets`, every engine that can (`bucket_warmup`) first runs each padded shape its instance's limits
-        allow (`warmup.warm_buckets`), so no user waits on XLA. Then one short request goes through every
-        front instance, which also warms the hand-off path. The background compiles (`warmup.background`) start
-        after it, or with `start_background=False` at the caller's `start_background_compiles()` (the server: once
-        it listens, so that neither the warm-up request nor its own start waits on them for the cores and the GIL).
-        """
-        started = time.monotonic()
-        routed = self.instance_set.routed()
-        if self.config.warmup.buckets:
-            self._warm_buckets(routed, start_background=False)
+        """Compile before the first client; seconds taken. What and when: `compilation.deployment.warm_up_deployment`
+        (the bucket warm-up, one short request through every front instance, then the background compiles, or with
+        `start_background=False` at the caller's `start_background_compiles()`)."""
         front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
-        bos = self.model_config.filler_token_id
-        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
-        streams = [self.submit(GenerateRequest(f"warmup-{i}", (bos, bos), sampling)) for i in range(len(front))]
-        for stream in streams:
-            stream.collect(timeout_s=600)
-        if start_background:
-            self.start_background_compiles()
-        return time.monotonic() - started
+        return warm_up_deployment(
+            self.instance_set.routed(),
+            front,
+            self.submit,
+            self._bucket_warmup(),
+            self.model_config.filler_token_id,
+            start_background=start_background,
+        )
 
     def start_background_compiles(self) -> None:
         """Start the background compiles `warmup(start_background=False)` left waiting (none: nothing)."""
         start_background_warmups(self.instance_set.routed())
 
-    def _warm_buckets(self, instances: Sequence[Instance], *, start_background: bool = True) -> None:
-        """Compile every padded shape of `instances` (the routed ones at start; a live switch: the staged)."""
+    def _bucket_warmup(self) -> BucketWarmup:
+        """This deployment's bucket warm-up (the routed instances at start; a live switch: the staged)."""
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
-        warm_buckets(
-            instances,
-            block_size=self.config.limits.block_size,
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_seq_len=max_seq_len,
-            logprobs=self.config.warmup.logprobs,
-            background=self.config.warmup.background,
-            start_background=start_background,
-        )
+        return BucketWarmup(self.config.warmup, self.max_prompt_tokens, max_seq_len)
 
     def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, abort the rest, stop.
@@ -410,7 +330,7 @@ class Controller:
             inst.stop()
         # Every engine's background compiles are asked to stop first, so their programs in progress end together
         # (one 5 s wait in all, not one per engine); one still compiling then is joined at interpreter exit
-        # (background_warmup.py: a process must not finalize while a thread is inside XLA).
+        # (compilation/background.py: a process must not finalize while a thread is inside XLA).
         for inst in self.instances:
             inst.engine.stop_background_warmup(timeout_s=0.0)
         compiles_deadline = now() + 5.0
@@ -609,72 +529,56 @@ class Controller:
         return new
 
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
-        """Warm every staged instance before it is routed; seconds.
+        """Warm every staged instance before it is routed; seconds. What and in which order:
+        `compilation.deployment.warm_up_staged` (the bucket warm-up, then pinned hand-off requests), through the
+        controller's switch primitives below (`staged_and_routed`, `submit_pinned`, `end_pinned`,
+        `check_still_staged`)."""
+        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
+        return warm_up_staged(self, self._bucket_warmup(), longest, timeout_s)
 
-        With `warmup.buckets` (as `serve` runs): first the bucket warm-up `warmup()` runs, on the staged
-        instances (every padded shape their limits allow); then the hand-off path of every prefill ->
-        decode pair a staged instance is part of, for every padded prompt length (`warmup.handoff_warmups`):
-        requests pinned to the pair. Without it: one short request pinned through each staged instance.
-        A warm-up request lost with a routed instance that died (a retiring one the switch replaces anyway:
-        nothing routed was left to continue it) does not fail the switch; a staged instance that died, a
-        timeout or any other error does.
-        """
-        started = time.monotonic()
+    def staged_and_routed(self) -> tuple[list[Instance], list[PrefillInstance], list[DecodeInstance]]:
+        """The staged instances, and the live routed prefill and decode instances (one consistent view)."""
         with self._lock:
             staged = list(self.instance_set.staged)
             routed_prefills = [p for p in self.prefill_instances if p.error is None]
             routed_decodes = [d for d in self.decode_instances if d.error is None]
-        if self.config.warmup.buckets:
-            self._warm_buckets(staged)
-        self._check_still_staged(staged)
-        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
-        warmups = handoff_warmups(
-            staged, routed_prefills, routed_decodes, every_length=self.config.warmup.buckets, longest_prompt=longest
-        )
-        bos = self.model_config.filler_token_id
-        streams: list[RequestStream] = []
-        routes: list[tuple[Instance, ...]] = []  # the instances each warm-up request goes through
-        for k, (front, decode, n) in enumerate(warmups):
-            rid = f"switch-warmup-{front.name}-{k}-{time.monotonic_ns()}"
-            prompt = handoff_prompt(k, n, bos, self.model_config.vocab_size)  # no warm-up hits another's prefix
-            request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-            live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
-            stream = RequestStream(rid, self.cancel)
-            with self._lock:
-                if self._shutting_down:
-                    raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
-                self._live[rid] = (live, stream)
-                self._internal.add(rid)
-                if decode is not None:
-                    self._pinned[rid] = decode
-                error = enqueue(front, live)
-            if error is not None:
-                self.fail(live, error)
-            streams.append(stream)
-            routes.append((front,) if decode is None else (front, decode))
-        deadline = time.monotonic() + timeout_s
-        lost: list[str] = []
-        for stream, route in zip(streams, routes, strict=True):  # an error leaves them to `discard_staged`
-            try:
-                stream.collect(timeout_s=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError as e:
-                raise TimeoutError(_warmup_timeout_message(stream.request_id, route, staged, timeout_s)) from e
-            except EngineDeadError as e:
-                # An instance it went through died and nothing could continue it: a routed one (e.g. a retiring
-                # instance that the switch would replace anyway) costs the switch nothing; a staged one fails it
-                # just below.
-                lost.append(f"{stream.request_id}: {e}")
-        self._check_still_staged(staged)
-        if lost:
-            log.warning("switch warm-up: %d of %d warm-up requests lost with a routed instance (%s)",
-                        len(lost), len(streams), lost[0])  # fmt: skip
-        with self._lock:
-            for s in streams:  # one that failed before its hand-off never reached `_on_prefilled`: its pin goes too
-                self._internal.discard(s.request_id)
-                self._pinned.pop(s.request_id, None)
-        return time.monotonic() - started
+        return staged, routed_prefills, routed_decodes
 
-    def _check_still_staged(self, staged: Sequence[Instance]) -> None:
+    def submit_pinned(
+        self,
+        index: int,
+        prompt: tuple[int, ...],
+        front: PrefillInstance | ColocatedInstance,
+        decode: DecodeInstance | None,
+    ) -> RequestStream:
+        """A switch's own request (a warm-up): 2 tokens of `prompt` through `front` and, after its hand-off,
+        exactly `decode`; internal (not the workload's, invisible to the monitor; a staged instance may take it).
+        ShuttingDownError once `shutdown()` has begun."""
+        rid = f"switch-warmup-{front.name}-{index}-{time.monotonic_ns()}"
+        request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
+        stream = RequestStream(rid, self.cancel)
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
+            self._live[rid] = (live, stream)
+            self._internal.add(rid)
+            if decode is not None:
+                self._pinned[rid] = decode
+            error = enqueue(front, live)
+        if error is not None:
+            self.fail(live, error)
+        return stream
+
+    def end_pinned(self, request_ids: Sequence[str]) -> None:
+        """The switch is done with these requests: one that failed before its hand-off never reached
+        `_on_prefilled`, so its pin goes here too."""
+        with self._lock:
+            for rid in request_ids:
+                self._internal.discard(rid)
+                self._pinned.pop(rid, None)
+
+    def check_still_staged(self, staged: Sequence[Instance]) -> None:
         """Raise when the warm-up of `staged` cannot lead to routing them: one died (its warm-up requests
         were moved on and may have finished, but it cannot serve), or shutdown discarded them."""
         dead = [i for i in staged if i.error is not None]
@@ -791,20 +695,6 @@ class Controller:
     def fault_stats(self) -> FaultStats:
         """The fault counters alone (what `stats().faults` holds)."""
         return self.faults.snapshot()
-
-
-def _warmup_timeout_message(
-    request_id: str, route: Sequence[Instance], staged: Sequence[Instance], timeout_s: float
-) -> str:
-    """What a switch's warm-up timeout tells the operator: which new instance did not answer, and what to do."""
-    new = [i.name for i in route if i in staged] or [i.name for i in route]
-    through = " -> ".join(i.name for i in route)
-    return (
-        f"the new instance {' / '.join(new)} gave no token for its warm-up request ({through}, {request_id!r}) within "
-        f"the switch's warm-up timeout of {timeout_s:g} s: it may still be compiling or it hangs. If its compile is "
-        f"slow (a large model, bucket warm-up), raise the warm-up timeout (`PlanSwitcher(warmup_timeout_s=...)`); "
-        f"otherwise check {' / '.join(new)}'s log (and its device) for a stuck step"
-    )
 
 
 def _is_a_serving_controller(controller: Controller) -> ServingController:

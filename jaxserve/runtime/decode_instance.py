@@ -16,9 +16,9 @@ Loop (one thread, `Worker` shell), each `step()`:
    finished are written into the pool (`handle.insert`) and join the running
    batch now, at the step boundary; their prefill buffer slots are freed. A
    pull that FAILED costs only its own request: its blocks go back at once and,
-   per `DecodeConfig`, the pull is retried (`num_pull_retries`, while the
+   per `DecodeConfig.pull_failure`, the pull is retried (`num_retries`, while the
    prefill instance still holds the KV), then the request is recomputed
-   (`on_pull_failure="recompute"`: the controller prefills it again on a live
+   (`on_failure="recompute"`: the controller prefills it again on a live
    prefill instance and it comes back here or elsewhere) or fails alone with
    `KVTransferError` (`"fail"`). A pull whose prefill instance died, or was
    retired by a switch meanwhile, is recomputed whatever the policy: the request
@@ -70,7 +70,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from jaxserve.core.blocks import BlockAllocator
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
-from jaxserve.core.prefix_cache import PrefixCache, cache_stats
+from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.request import FinishReason
 from jaxserve.core.scheduling import NO_PREFIX_CACHING, DecodeLoad, PendingDecode, PrefixPolicy, admit_decodes
 from jaxserve.runtime.api import InstanceStats
@@ -83,22 +83,21 @@ from jaxserve.runtime.engines.contract import (
     StepRow,
     bucket,
 )
-from jaxserve.runtime.kv_pool import slice_sequence
-from jaxserve.runtime.kv_transfer import (
-    InProcessTransfer,
+from jaxserve.runtime.kv_connectors.base import (
     KVIntegrityError,
     KVTransfer,
     KVTransferError,
+    PullFailureConfig,
     TransferHandle,
     TransferState,
 )
+from jaxserve.runtime.kv_connectors.in_process import InProcessTransfer
+from jaxserve.runtime.kv_pool import slice_sequence
 from jaxserve.runtime.multi_step import decode_call, decode_records
 from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET, PrefillInstance
-from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now
+from jaxserve.runtime.worker import Emitter, LiveRequest, StepRecord, Worker, now, pooled_stats
 
 log = logging.getLogger(__name__)
-
-PullFailurePolicy = Literal["recompute", "fail"]
 
 
 @runtime_checkable
@@ -107,20 +106,6 @@ class DiscardableHandle(Protocol):
     request ends before the pull is inserted (an in-process pull's arrays are simply dropped)."""
 
     def discard(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class PullFailureConfig:
-    """What a decode instance does when a KV pull fails (`ControllerConfig.pull_failure`)."""
-
-    num_pull_retries: int = 1  # pull attempts after the first (while the prefill instance still holds the KV)
-    on_pull_failure: PullFailurePolicy = "recompute"  # then: re-prefill on a live prefill instance, or fail it
-
-    def __post_init__(self) -> None:
-        if self.num_pull_retries < 0:
-            raise ValueError(f"num_pull_retries must be >= 0, got {self.num_pull_retries}")
-        if self.on_pull_failure not in ("recompute", "fail"):
-            raise ValueError(f"on_pull_failure must be 'recompute' or 'fail', got {self.on_pull_failure!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,12 +232,8 @@ class DecodeInstance(Worker):
 
     def stats(self) -> InstanceStats:
         with self.cond:
-            return InstanceStats(
-                "decode", self.name, self.error is None, len(self._pending), len(self._running) + len(self._pulling),
-                num_kv_blocks_used=self.cache.num_blocks - self.cache.num_available,
-                num_kv_blocks_free=self.cache.num_available,
-                **cache_stats(self.cache),
-            )  # fmt: skip
+            running = len(self._running) + len(self._pulling)
+            return pooled_stats("decode", self.name, self.error is None, len(self._pending), running, self.cache)
 
     @property
     def num_waiting(self) -> int:
@@ -542,11 +523,7 @@ class DecodeInstance(Worker):
         self.emitter.count_fault("failed_pull")
         pull.num_failures += 1
         pull.handle = None
-        if (
-            retry
-            and pull.num_failures <= self.config.pull_failure.num_pull_retries
-            and pull.source.get(rid) is not None
-        ):
+        if retry and pull.num_failures <= self.config.pull_failure.num_retries and pull.source.get(rid) is not None:
             log.warning("KV pull of %s failed (%s); retry %d", rid, why, pull.num_failures)
             self.emitter.count_fault("pull_retry")
             self._start_pull(pull)
@@ -568,7 +545,7 @@ class DecodeInstance(Worker):
             log.warning("KV of %s lost: %s %s; prefilling it again", rid, pull.source.name, how)
             self.emitter.count_fault("rerouted")
             self.emitter.recompute(pull.live)
-        elif self.config.pull_failure.on_pull_failure == "recompute":
+        elif self.config.pull_failure.on_failure == "recompute":
             log.warning("KV pull of %s failed (%s); recomputing it", rid, why)
             self.emitter.count_fault("recomputed")
             self.emitter.recompute(pull.live)

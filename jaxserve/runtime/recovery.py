@@ -7,7 +7,7 @@ Both backends end in the controller's worker hooks (`Emitter`), which call in he
   (e.g. one whose KV a decode instance already pulled) stays there (`needs_moving` is False); a
   cancelled or finished one is dropped; every other one is *moved*.
 * a KV pull fails beyond its retries (`decode_instance.py`) under the "recompute" policy
-  (`ControllerConfig.pull_failure.on_pull_failure`; "fail" fails it alone there), or whatever the policy
+  (`ControllerConfig.pull_failure.on_failure`; "fail" fails it alone there), or whatever the policy
   when the KV's prefill instance died or a switch retired it: the request is moved (`Controller.recompute`).
 
 A move (`move_error`) queues the request on the live front instance the router chooses: a request not

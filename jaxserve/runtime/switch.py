@@ -16,7 +16,8 @@
 3. build: `InstanceBuilder.build` loads each added instance's weights straight into its own
    sharding (embedded: `engine_factory(spec, devices)` on consecutive free devices; Ray: an actor);
    `Controller.add_instances` starts them *staged* (no traffic), and
-   `Controller.warm_up_staged` warms them before they are routed: with the controller's
+   `Controller.warm_up_staged` warms them before they are routed (`compilation/deployment.py`'s
+   `warm_up_staged`, through the controller's switch primitives): with the controller's
    `warmup_buckets` (serve's default) the bucket warm-up `serve` runs (every padded shape the
    instance's limits allow) and every new prefill -> decode pair's hand-off at every padded prompt
    length; otherwise one pinned request through each. `SwitchReport.warmup_s` is what it took.
@@ -33,10 +34,10 @@
    `drain_timeout_s` whatever they still hold
    moves to routed instances through the re-route path (resumed, token for token).
 
-The controller's side of it is `InstanceSet` (below): its instances by state, routed, *staged* (built
-and started, taking no traffic) or *retiring* (routed away, finishing what they hold), with the
-staging (`stage`), routing (`route`) and discarding (`discard_staged`, `forget`) the steps above call
-through the controller, under its lock. `PlanSwitcher` drives any `SwitchableController` (the embedded
+The controller's side of it is its `InstanceSet` (`instance_set.py`, the controller's: it owns the
+instances): its instances by state, routed, *staged* (built and started, taking no traffic) or *retiring*
+(routed away, finishing what they hold), with the staging (`stage`), routing (`route`) and discarding
+(`discard_staged`, `forget`) the steps above call through the controller, under its lock. `PlanSwitcher` drives any `SwitchableController` (the embedded
 `Controller`, `RayController`) and imports neither.
 
 Nothing here imports the planner: the replanning loop above (`jaxserve/tools/replan_loop.py`) decides
@@ -57,10 +58,7 @@ import jax
 from jaxserve.core.errors import JaxServeError, ShuttingDownError
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
-from jaxserve.runtime.colocated_instance import ColocatedInstance
-from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance
-from jaxserve.runtime.prefill_instance import PrefillInstance
 
 log = logging.getLogger(__name__)
 
@@ -107,102 +105,6 @@ class SwitchReport:
         out = dataclasses.asdict(self)
         out["retired"] = [dataclasses.asdict(s) for s in self.retired]
         return out
-
-
-class InstanceSet:
-    """A deployment's instances by state: routed (per role, in routing order), staged and retiring.
-
-    Not thread-safe on its own: the controller calls it under its lock (every enqueue happens under that
-    lock too, so an instance routed away takes nothing new). `placed_of` names every instance that holds
-    devices (routed, staged or retiring) and what it was placed as.
-    """
-
-    def __init__(self) -> None:
-        self.prefill: list[PrefillInstance] = []
-        self.decode: list[DecodeInstance] = []
-        self.colocated: list[ColocatedInstance] = []
-        self.staged: list[Instance] = []
-        self.retiring: list[Instance] = []
-        self.placed_of: dict[str, PlacedInstance] = {}
-
-    def add_routed(self, inst: Instance) -> None:
-        if isinstance(inst, PrefillInstance):
-            self.prefill.append(inst)
-        elif isinstance(inst, DecodeInstance):
-            self.decode.append(inst)
-        else:
-            self.colocated.append(inst)
-
-    def routed(self) -> list[Instance]:
-        return [*self.prefill, *self.decode, *self.colocated]
-
-    def serving(self) -> list[Instance]:
-        """The instances the serving path may touch: routed and retiring (staged ones are invisible to it
-        until routed; a staged instance may hold its lock across a compile)."""
-        return [*self.prefill, *self.decode, *self.colocated, *self.retiring]
-
-    def all(self) -> list[Instance]:
-        return [*self.prefill, *self.decode, *self.colocated, *self.staged, *self.retiring]
-
-    def name_clash(self, names: Sequence[str]) -> list[str]:
-        """The names of `names` an instance holds already."""
-        return sorted(set(names) & set(self.placed_of))
-
-    def stage(self, new: Sequence[Instance]) -> None:
-        """Hold `new` staged: running, taking no traffic until `route` names them."""
-        self.staged.extend(new)
-
-    def discard_staged(self) -> list[Instance]:
-        """Drop every staged instance (a switch that failed before routing to them); the caller stops them."""
-        staged, self.staged = self.staged, []
-        for inst in staged:
-            self.placed_of.pop(inst.name, None)
-        return staged
-
-    def route(self, names: Sequence[str]) -> list[Instance]:
-        """Make the routed instances exactly the live ones of `names` (routed or staged ones), in that order; the
-        routed ones left out retire (returned), and so does a named instance that is dead (its worker already
-        handed what it held on: it cannot serve, and a dead staged one is not routed either). Raises ValueError
-        (nothing changed) for an unknown name, a mix that is neither prefill + decode nor colocated only, or
-        one whose live part is not (a role whose named instances are all dead)."""
-        routed = self.routed()
-        pool: dict[str, Instance] = {i.name: i for i in [*routed, *self.staged]}
-        missing = [n for n in names if n not in pool]
-        if missing:
-            raise ValueError(f"no routed or staged instance named {missing}")
-        chosen = [pool[n] for n in names]
-        if not _routable(chosen):
-            raise ValueError("route either prefill and decode instances, or colocated ones only")
-        dead = [i for i in chosen if i.error is not None]
-        if dead:
-            chosen = [i for i in chosen if i.error is None]
-            if not _routable(chosen):
-                raise ValueError(
-                    f"{', '.join(i.name for i in dead)} died ({dead[0].error!r}): no live instance of "
-                    f"{'its role' if len(dead) == 1 else 'their roles'} would be left to route"
-                )
-        kept = {i.name for i in chosen}
-        retired = [i for i in routed if i.name not in kept]
-        self.prefill[:] = [i for i in chosen if isinstance(i, PrefillInstance)]
-        self.decode[:] = [i for i in chosen if isinstance(i, DecodeInstance)]
-        self.colocated[:] = [i for i in chosen if isinstance(i, ColocatedInstance)]
-        retired += [i for i in self.staged if i in dead]  # a dead staged instance: stopped and freed like the rest
-        self.staged = [i for i in self.staged if i.name not in names]
-        self.retiring.extend(retired)
-        return retired
-
-    def forget(self, inst: Instance) -> None:
-        """A retiring instance is stopped and gone."""
-        self.retiring.remove(inst)
-        self.placed_of.pop(inst.name, None)
-
-
-def _routable(instances: Sequence[Instance]) -> bool:
-    """Prefill and decode instances, or colocated ones only."""
-    prefills = any(isinstance(i, PrefillInstance) for i in instances)
-    decodes = any(isinstance(i, DecodeInstance) for i in instances)
-    colocated = any(isinstance(i, ColocatedInstance) for i in instances)
-    return prefills == decodes and prefills != colocated
 
 
 class SwitchableController(Protocol):
@@ -527,7 +429,6 @@ def _fresh_name(role: str, taken: set[str]) -> str:
 
 __all__ = [
     "InstanceBuilder",
-    "InstanceSet",
     "LocalDevices",
     "PlanError",
     "PlanSwitcher",

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from typing import ClassVar, Literal, Protocol
 
 from jaxserve.core.errors import EngineDeadError
-from jaxserve.core.prefix_cache import block_hashes
+from jaxserve.core.prefix_cache import PrefixCache, block_hashes, cache_stats
 from jaxserve.core.request import FinishReason, GenerateRequest, RequestTimings, TokenLogprobs, finish_reason
-from jaxserve.runtime.api import FaultStats, InstanceStats
+from jaxserve.runtime.api import FaultStats, InstanceRole, InstanceStats
 
 log = logging.getLogger(__name__)
 
@@ -311,3 +311,15 @@ class Worker:
 
 def now() -> float:
     return time.monotonic()
+
+
+def pooled_stats(
+    role: InstanceRole, name: str, alive: bool, num_waiting: int, num_running: int, cache: PrefixCache
+) -> InstanceStats:
+    """The stats of an instance that keeps a paged KV pool (decode, colocated): its queue, its batch, its pool."""
+    return InstanceStats(
+        role, name, alive, num_waiting, num_running,
+        num_kv_blocks_used=cache.num_blocks - cache.num_available,
+        num_kv_blocks_free=cache.num_available,
+        **cache_stats(cache),
+    )  # fmt: skip

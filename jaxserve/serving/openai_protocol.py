@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import SamplingParams
+from jaxserve.core.request import DEFAULT_MAX_TOKENS, SamplingParams
 from jaxserve.serving import chat_template
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
@@ -79,7 +79,7 @@ class CompletionRequest(_SamplingFields):
     """OpenAI's completion request (`POST /v1/completions`)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None

@@ -19,7 +19,7 @@ exits at once too: nothing has been served). Before it runs, `serve` holds both 
 with `start_up_signals.StartUpSignals` (loading, building: exit at once as well), which
 `run_until_signal` takes over from once its own handlers are in place; after the stop, a
 further signal leaves at once too (the exit may still wait for a background compile in
-progress, `background_warmup.py`). `ServerThread` runs the same server on a background
+progress, `runtime/compilation/background.py`). `ServerThread` runs the same server on a background
 thread (tests, notebooks).
 """
 
@@ -271,7 +271,7 @@ def _exit_during_start_up(controller: ServingController, timeout_s: float) -> No
     instances (in a daemon thread, for `timeout_s` at most), then leave the process with status 0, as a stop
     does. A warm-up compile in progress holds its instance's lock until it ends (seconds; minutes for a big
     model), and it need not be waited for: `os._exit` does not finalize the interpreter, so a thread left
-    inside XLA is no hazard (an exit that finalized would have to join it, `background_warmup.py`)."""
+    inside XLA is no hazard (an exit that finalized would have to join it, `runtime/compilation/background.py`)."""
     log.warning("signal during start-up (warm-up): stopping without serving; no request was accepted")
     done = threading.Event()
 

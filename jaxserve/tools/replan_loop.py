@@ -382,3 +382,23 @@ class ReplanLoop:
             plan_id=plan_id(self.controller.plan),
             plan=self.controller.plan.describe(),
         )
+
+
+def planning_context(
+    model_config: object, device: str, profile: str | None, num_devices: int, ttft_s: float, tpot_s: float
+) -> SearchContext:
+    """The planner's fixed inputs for replanning this deployment (its workload comes from the window)."""
+    import numpy as np
+
+    from placement.hardware import ClusterSpec, get_device
+    from placement.latency import LatencyProvider, load_profile
+    from placement.search import SearchContext
+    from placement.slo import SloSpec
+    from placement.workload import Workload
+
+    spec = get_device(device)
+    latency = LatencyProvider(model_config, spec, load_profile(profile) if profile else None)  # type: ignore[arg-type]
+    cluster = ClusterSpec(spec, 1, num_devices)
+    one = np.ones(1, dtype=np.int64)
+    placeholder = Workload(np.zeros(1), one, one, 1.0)  # replaced by the window's in every round
+    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1)

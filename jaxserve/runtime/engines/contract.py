@@ -238,7 +238,7 @@ class WarmupSpec:
     """What `Engine.warmup` compiles: the serving limits its buckets come from, and which programs.
 
     One value for every engine, the Ray proxy (which sends it to its actor and repeats it after a restart) and the
-    controller's warm-up (`runtime/warmup.py`), so the limits a warm-up honours are named once."""
+    controller's warm-up (`runtime/compilation/deployment.py`), so the limits a warm-up honours are named once."""
 
     num_blocks: int  # the pool a warm-up without the instance's `pages` makes (and drops)
     block_size: int

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.runtime.engines.contract import (
@@ -39,6 +38,7 @@ from jaxserve.runtime.engines.contract import (
     StepBatch,
     bucket,
 )
+from jaxserve.runtime.engines.stage_grid import StageGrid
 from jaxserve.runtime.kv_pool import dense_sharding, write_sequence
 from models.config import ModelConfig
 
@@ -61,10 +61,6 @@ def reference_tokens(prompt: Sequence[int], num_tokens: int, vocab_size: int) ->
     return out
 
 
-def _split_layers(num_layers: int, pp: int) -> tuple[int, ...]:
-    return tuple(len(a) for a in np.array_split(np.arange(num_layers), pp))
-
-
 @functools.partial(jax.jit, static_argnums=(3,))
 def _context_sums(pages: StagePages, tables: jax.Array, lengths: jax.Array, block_size: int) -> jax.Array:
     k = pages.k[:, tables]  # [L_s, B, M, BS, H, 1]
@@ -80,15 +76,14 @@ class FakeEngine(Engine):
     capabilities = EngineCapabilities(prefill=True, decode=True, dense_insert=True)
 
     def __init__(self, config: ModelConfig, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1) -> None:
-        if len(devices) != tp * pp:
-            raise ValueError(f"tp{tp}pp{pp} needs {tp * pp} devices, got {len(devices)}")
+        grid = StageGrid.of(devices, config.num_layers, tp, pp)
         if config.kv_heads % tp:
             raise ValueError(f"{config.kv_heads} K/V heads do not split over tp={tp}")
         self._config = config
         self._devices = tuple(devices)
         self.tp, self.pp = tp, pp
-        self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
-        self._stage_layers = _split_layers(config.num_layers, pp)
+        self._grid = grid
+        self.meshes, self._stage_layers = grid.meshes, grid.stage_layers
         self._layer_offsets = tuple(int(x) for x in np.cumsum((0, *self._stage_layers))[:-1])
         heads = np.arange(config.kv_heads) + 1
         self._norm = float(np.sum(np.arange(1, config.num_layers + 1)) * np.sum(heads))
@@ -104,10 +99,7 @@ class FakeEngine(Engine):
         return self._devices
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(
-            stage_layers=self._stage_layers,
-            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, "tp", None)) for m in self.meshes),
-        )
+        return self._grid.kv_layout()
 
     def _kv_values(self, stage: int, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         layers = np.arange(self._stage_layers[stage]) + self._layer_offsets[stage] + 1  # [L_s]
@@ -135,9 +127,9 @@ class FakeEngine(Engine):
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         pages = []
-        for s, mesh in enumerate(self.meshes):
+        for s in range(self.pp):
             shape = (self._stage_layers[s], num_blocks, block_size, self._config.kv_heads, 1)
-            sharding = NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None))
+            sharding = self._grid.page_sharding(s)
             zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
             pages.append(StagePages(k=zeros, v=zeros.copy()))
         return tuple(pages)

@@ -9,7 +9,7 @@ request: prefill batches to (next power of two rows) x (next power of two >= 16
 tokens); paged steps to (power-of-two rows) x (1 token for pure decode steps, a
 power of two >= 16 with prompt chunks) x (power-of-two block-table width).
 Padding rows have length 0, so they write no KV. Compiling those programs before traffic (`warmup`) is
-`ModelWarmup` (model_warmup.py), a mixin this engine inherits (with `BackgroundWarmup`'s covering of the
+`ModelWarmup` (compilation/model_engine.py), a mixin this engine inherits (with `BackgroundWarmup`'s covering of the
 buckets still compiling); this file is the engine's steps.
 
 Pipeline parallelism: `ShardedModel` dispatches stage by stage without waiting,
@@ -36,6 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from jaxserve.runtime.compilation.model_engine import ModelWarmup
+from jaxserve.runtime.compilation.plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -53,8 +55,6 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.engines.model_warmup import ModelWarmup
-from jaxserve.runtime.engines.warmup_plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
 from jaxserve.runtime.kv_pool import model_caches, pool_pages, write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
@@ -100,7 +100,7 @@ class ModelEngine(ModelWarmup, Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
-        self._init_model_warmup()  # the ready sets of what `warmup` compiled (model_warmup.py)
+        self._init_model_warmup()  # the ready sets of what `warmup` compiled (compilation/model_engine.py)
 
     @classmethod
     def load(

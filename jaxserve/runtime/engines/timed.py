@@ -3,7 +3,7 @@
 `TimedEngine` implements the engine methods the runtime calls (`kv_layout`, `prefill`, `init_pages`, `insert`,
 `decode_step`) like `FakeEngine` and `ModelEngine`, but each call sleeps for what its step-cost contract
 (`jaxserve.core.step_cost.StepCost`) charges that step's real shape — on a server, the simulator's own step
-formulas (`placement.step_cost.ModelStepCost`, bound by `jaxserve.tools.timed_engine.timed_engine_factory`):
+formulas (`placement.step_time.ModelStepCost`, bound by `jaxserve.tools.timed_engine.timed_engine_factory`):
 
 * `prefill(items)`: the prefill batch of those prompt lengths through the whole pipe; `prefill_async(items)`
   (`async_prefill`) schedules it on per-stage timelines, so with pp > 1 batches overlap in the pipe:
@@ -15,8 +15,9 @@ formulas (`placement.step_cost.ModelStepCost`, bound by `jaxserve.tools.timed_en
   rows run — step k over the rows still going, each one position further — in one sleep;
 * `insert(kv, n)`: the KV transfer of `n` tokens of the modelled model at the profile's device link, as the
   simulator charges a pull between two instances on one node — on the decode device, at the join, when the
-  pull came through a transfer that does not model the link (`InProcessTransfer`, Ray). `TimedTransfer`
-  charges it where the simulator does instead: on the link, from the pull's start, overlapping decode steps.
+  pull came through a transfer that does not model the link (`InProcessTransfer`, Ray). The timed connector
+  (`kv_connectors/timed.py`, `TimedTransfer`) charges it where the simulator does instead: on the link, from
+  the pull's start, overlapping decode steps.
 
 The sleep is a deadline from the call's start, so the Python around the (empty) computation is hidden; a
 sleeping device does not compete for the host's cores, as an accelerator would not. Tokens are random
@@ -31,14 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.core.request import finish_reason
 from jaxserve.core.step_cost import LinkCost, StepCost
@@ -56,7 +55,7 @@ from jaxserve.runtime.engines.contract import (
     StepBatch,
     bucket,
 )
-from jaxserve.runtime.kv_transfer import InProcessHandle, InProcessTransfer, TransferState
+from jaxserve.runtime.engines.stage_grid import StageGrid
 from models.config import ModelConfig
 
 MIN_TOKEN = 4  # OPT's special tokens are 0..3
@@ -89,8 +88,7 @@ class TimedEngine(Engine):
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if len(devices) != tp * pp:
-            raise ValueError(f"tp{tp}pp{pp} needs {tp * pp} devices, got {len(devices)}")
+        grid = StageGrid.of(devices, config.num_layers, tp, pp)
         if cost.pp != pp:
             raise ValueError(f"a step cost of pp={cost.pp} for an engine of pp={pp}")
         self._config = config
@@ -101,8 +99,8 @@ class TimedEngine(Engine):
         self.host_slack_s = host_slack_s
         self._device_free_at: float | None = None
         self._stage_free_at = [-math.inf] * pp  # prefill: when each stage finishes its last batch
-        self.meshes = tuple(Mesh(np.array(devices[s * tp : (s + 1) * tp]), ("tp",)) for s in range(pp))
-        self._stage_layers = tuple(len(a) for a in np.array_split(np.arange(config.num_layers), pp))
+        self._grid = grid
+        self.meshes, self._stage_layers = grid.meshes, grid.stage_layers
         self.charged_s: list[tuple[str, float]] = []  # (kind, seconds) of every call, for tests
 
     @property
@@ -114,10 +112,7 @@ class TimedEngine(Engine):
         return self._devices
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(
-            stage_layers=self._stage_layers,
-            shardings=tuple(NamedSharding(m, PartitionSpec(None, None, "tp", None)) for m in self.meshes),
-        )
+        return self._grid.kv_layout()
 
     def _wait(self, kind: str, started: float, seconds: float) -> None:
         """Sleep until the step's end. Back-to-back steps run back to back on the device: a call that comes
@@ -172,8 +167,8 @@ class TimedEngine(Engine):
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
         pages = []
-        for layers, mesh in zip(self._stage_layers, self.meshes, strict=True):
-            sharding = NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None))
+        for s, layers in enumerate(self._stage_layers):
+            sharding = self._grid.page_sharding(s)
             shape = (layers, num_blocks, block_size, self.tp, 1)
             zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
             pages.append(StagePages(k=zeros, v=zeros))
@@ -224,79 +219,6 @@ class TimedEngine(Engine):
             ]
         self._wait("decode", started, seconds)
         return out, pages
-
-
-class TimedTransfer:
-    """`KVTransfer` into a `TimedEngine` that charges each pull where the simulator does: on the link into the
-    decode instance, from the moment the pull starts (its prefill's hand-off, `DecodeInstance.start_pulls`),
-    while the decode instance keeps stepping. A pull is DONE once its link time has passed (and its arrays
-    landed); inserting it then costs the decode device nothing, and the request joins at the next step
-    boundary, as `placement/simulator.py` has it. Pulls into one instance share its link: each starts when the
-    one before it has crossed (the simulator serializes per prefill-decode pair; pulls from two prefill
-    instances overlapping on the link is the difference, a link time of ~1 ms against steps of tens).
-    `serve --engine timed` uses it; thread-safe (pulls start on the prefill instances' threads)."""
-
-    def __init__(self, target: Engine) -> None:
-        if not isinstance(target, TimedEngine):
-            raise TypeError(f"a timed transfer pulls into a TimedEngine; {type(target).__name__} is not one")
-        self.target = target
-        self._inner = InProcessTransfer(target)
-        self._lock = threading.Lock()
-        self._link_free_at = -math.inf
-
-    def start(self, seq: PrefilledSequence) -> TimedHandle:
-        handle = self._inner.start(seq)
-        clock = self.target._clock
-        with self._lock:
-            begin = max(clock(), self._link_free_at)
-            self._link_free_at = ready_at = begin + self.target.transfer_s(seq.num_tokens)
-        return TimedHandle(handle, begin, ready_at, clock, self.target._sleep)
-
-
-class TimedHandle:
-    """A `TimedTransfer` pull: PENDING until its link time has passed, then the in-process copy's state."""
-
-    def __init__(
-        self,
-        inner: InProcessHandle,
-        started_at: float,
-        ready_at: float,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self._inner = inner
-        self._started_at, self._ready_at = started_at, ready_at
-        self._clock, self._sleep = clock, sleep
-
-    @property
-    def request_id(self) -> str:
-        return self._inner.request_id
-
-    @property
-    def num_bytes(self) -> int:
-        return self._inner.num_bytes
-
-    @property
-    def seconds(self) -> float | None:
-        """The modelled link time (the copy itself is a few tiny arrays)."""
-        return self._ready_at - self._started_at if self._inner.seconds is not None else None
-
-    def poll(self) -> TransferState:
-        if self._clock() < self._ready_at:
-            return TransferState.PENDING
-        return self._inner.poll()
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        left = self._ready_at - self._clock()
-        if left > 0:
-            self._sleep(left)
-        return self._inner.wait(timeout_s)
-
-    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        """The KV crossed the link on its own time: nothing left to charge on the decode device."""
-        if self.wait() is not TransferState.DONE:
-            raise RuntimeError(f"KV transfer of {self.request_id!r} failed")
-        return pages
 
 
 class TimedPrefill:

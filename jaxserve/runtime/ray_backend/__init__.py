@@ -12,10 +12,10 @@ Files:
   engine per process; the model-signature check between peers.
 * `remote_engine.py` — the engine proxies the unchanged runtime loops drive
   (`RemotePrefillEngine` plays the prefill role, `RemoteDecodeEngine` the
-  decode role), lease renewal, restart recovery, `RayKVTransfer` (pulls that
-  run in the decode actor while the decode loop keeps stepping).
-* `transfer.py` — the leased KV buffer, object-store and
-  `jax.experimental.transfer` pulls, the pull watchdog.
+  decode role), lease renewal, restart recovery.
+* The KV connector lives with the others in `jaxserve/runtime/kv_connectors/`: `ray.py` (`RayKVTransfer`:
+  pulls that run in the decode actor while the decode loop keeps stepping) and `ray_pull.py` (the leased KV
+  buffer, object-store and `jax.experimental.transfer` pulls, the pull watchdog).
 * `placement_groups.py` — Ray placement groups from the plan's node assignment.
 
 What happens on failure: a dead actor is restarted by Ray (`max_restarts`);
@@ -27,9 +27,9 @@ then moves each of its requests to live instances (resumed from prompt +
 streamed tokens at the same sample positions), so the client's stream
 continues, token-identical, seeded sampling included. A KV the decode actor
 cannot pull is retried while the prefill actor still holds it (a pull only
-lends it), then recomputed on the decode actor (`TransferConfig.on_failure=
+lends it), then recomputed on the decode actor (`ControllerConfig.pull_failure.on_failure=
 "recompute"`, the default) or the pull fails (`"fail"`), which costs only that
-request (the controller's `on_pull_failure` policy applies).
+request (the controller applies the same policy then).
 
 Prefix caching (`ControllerConfig.prefix_policy.enabled`): the caches stay in the controller's process
 with the instance loops; a prefill actor keeps a paged pool and runs only uncached suffixes

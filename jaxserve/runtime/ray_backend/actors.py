@@ -27,9 +27,9 @@ nothing. A restarted incarnation is cold: a call that expects a warmed actor (`p
 warm=True)`) raises `ActorRestartedError` there, so the controller warms it again first.
 
 `DecodeActor`: `pull(order)` fetches one KV from the prefill actor named in
-the order (retries, then recompute or fail per `TransferConfig`), checks the
+the order (retries, then recompute or fail per the controller's `PullFailureConfig`), checks the
 peer's model signature at first contact, checks what arrived (the sender's
-manifest and, with `TransferConfig.checksum`, fingerprint; the positions the
+manifest and, with the checksum on (`ControllerConfig.kv_checksum`), fingerprint; the positions the
 request needs; the pool's shapes: a KV that fails is recomputed here, whatever
 the policy), and stages the KV in this actor's layout; `insert` writes a staged
 KV into the paged pool (checked against it once more); `decode_step` runs one
@@ -65,10 +65,9 @@ from jaxserve.runtime.engines.contract import (
     bucket,
     step_tokens,
 )
-from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
-from jaxserve.runtime.kv_transfer import KVIntegrityError, check_pulled_kv
-from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
-from jaxserve.runtime.ray_backend.transfer import (
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, check_pulled_kv, move_kv
+from jaxserve.runtime.kv_connectors.ray_pull import (
+    ActorPulls,
     ArraySpec,
     HostKV,
     HostShipment,
@@ -76,7 +75,6 @@ from jaxserve.runtime.ray_backend.transfer import (
     LeasedKVBuffer,
     Mechanism,
     PullError,
-    TransferConfig,
     check_arrival,
     check_positions,
     fetch,
@@ -88,8 +86,9 @@ from jaxserve.runtime.ray_backend.transfer import (
     stage_for_pull,
     start_transfer_server,
     to_host,
-    to_layout,
 )
+from jaxserve.runtime.kv_pool import read_sequence, slice_sequence
+from jaxserve.runtime.prefill_instance import MIN_PROMPT_BUCKET
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -97,7 +96,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EngineKind = Literal["opt", "fake"]
+EngineKind = Literal["model", "fake"]  # the real engine (any family), or the hand-computable one
 
 
 class ActorRestartedError(RuntimeError):
@@ -119,7 +118,7 @@ class EngineSpec:
     model_source: str
     dtype: str = "float32"
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
-    engine: EngineKind = "opt"
+    engine: EngineKind = "model"
     fake_config: ModelConfig | None = None
 
     @property
@@ -261,15 +260,17 @@ class _CompileCounter:
 
 
 class _ActorBase:
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
         self._compiles = _CompileCounter()
         self.name = name
         self.spec = spec
-        self.transfer = transfer
+        self.transfer = pulls.transfer
+        self.pull_failure = pulls.failure
+        self.checksum = pulls.checksum
         self.engine = build_engine(spec)
         self._signature = ModelSignature.of(self.engine.model_config, spec.dtype, spec.block_size)
         self._stage_layers = self.engine.kv_layout().stage_layers
-        self._server = start_transfer_server() if transfer.mechanism == "jax" else None
+        self._server = start_transfer_server() if self.transfer.mechanism == "jax" else None
         self.warmed = False  # this incarnation ran `warmup` (a restart starts cold again)
         self.pages: KVPages | None = None  # the paged pool (decode; prefill with prefix caching)
 
@@ -329,9 +330,9 @@ class _ActorBase:
 
 
 class PrefillActor(_ActorBase):
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
-        super().__init__(name, spec, transfer)
-        self.buffer = LeasedKVBuffer(transfer.lease_s)
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
+        super().__init__(name, spec, pulls)
+        self.buffer = LeasedKVBuffer(self.transfer.lease_s)
         self._uuids = itertools.count((os.getpid() << 20) + 1)
         reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         reaper.start()
@@ -386,7 +387,7 @@ class PrefillActor(_ActorBase):
         return None if kv is None else suffix(kv, start, num_tokens)
 
     def _fingerprint(self, kv: SequenceKV) -> int | None:
-        return fingerprint_of(kv) if self.transfer.checksum else None
+        return fingerprint_of(kv) if self.checksum else None
 
     def take_host(self, request_id: str, start: int = 0, num_tokens: int = 0) -> HostShipment | None:
         """Object-store pull: the KV (positions `start` .. `start + num_tokens` when `start` > 0) as host arrays,
@@ -415,8 +416,8 @@ class PrefillActor(_ActorBase):
 
 
 class DecodeActor(_ActorBase):
-    def __init__(self, name: str, spec: EngineSpec, transfer: TransferConfig) -> None:
-        super().__init__(name, spec, transfer)
+    def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
+        super().__init__(name, spec, pulls)
         self.layout = self.engine.kv_layout()
         self._staged: dict[str, SequenceKV] = {}
         self._discarded: set[str] = set()  # pulls whose request ended while they ran: dropped when they land
@@ -454,7 +455,7 @@ class DecodeActor(_ActorBase):
             server = self._server
             kv = run_with_watchdog(lambda: pull_staged(server, ticket, timeout), timeout + 1.0, f"pull {rid!r}")
             self._check_arrival(order, kv, ticket.specs, ticket.fingerprint)
-            return to_layout(kv, self.layout), ticket.num_bytes
+            return move_kv(kv, self.layout), ticket.num_bytes
         shipment = cast(
             HostShipment | None, fetch(order.source.take_host.remote(rid, order.start, order.num_tokens), timeout)
         )
@@ -462,7 +463,7 @@ class DecodeActor(_ActorBase):
             raise PullError(f"{order.source_name} no longer holds the KV of {rid!r} (pulled, expired or lost)")
         kv = from_host(shipment.kv)
         self._check_arrival(order, kv, shipment.specs, shipment.fingerprint)
-        return to_layout(kv, self.layout), shipment.num_bytes
+        return move_kv(kv, self.layout), shipment.num_bytes
 
     def _check_arrival(
         self, order: PullOrder, kv: SequenceKV, specs: Sequence[ArraySpec], fingerprint: int | None
@@ -482,7 +483,7 @@ class DecodeActor(_ActorBase):
         started_at = time.monotonic()
         failures: list[str] = []
         damaged = False
-        for _ in range(1 + self.transfer.num_retries):
+        for _ in range(1 + self.pull_failure.num_retries):
             try:
                 kv, num_bytes = self._fetch(order)
                 if self.pages is not None:  # a pool to write it into: the KV must fit it
@@ -504,7 +505,7 @@ class DecodeActor(_ActorBase):
             self.num_pulls += 1
             seconds = time.monotonic() - started_at
             return PullReport(order.request_id, num_bytes, seconds, len(failures), False)
-        if self.transfer.on_failure == "fail" and not damaged:
+        if self.pull_failure.on_failure == "fail" and not damaged:
             raise PullError(f"KV pull of {order.request_id!r} from {order.source_name} failed: {failures[-1]}")
         kv = self.engine.prefill([order.item]).sequences[0].dense_kv  # the prompt again, on this actor's devices
         kv = suffix(kv, order.start, order.num_tokens)

@@ -3,7 +3,7 @@
 `RayController.launch(model, plan, ...)`:
 
 1. joins the cluster at `RayConfig.address`, or starts a local one on loopback;
-2. places the plan (`placement.py`: placement groups per plan node);
+2. reserves the plan's room (`placement_groups.py`: Ray placement groups per plan node);
 3. starts a `PrefillActor` / `DecodeActor` per instance, each with its own
    JAX runtime (`runtime_env` gives a CPU actor `tp * pp` virtual devices) and
    `max_restarts`, and waits for each to report its `ActorInfo`;
@@ -42,6 +42,8 @@ from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
 from jaxserve.runtime.instances import Instance, PlacedInstance, checkpoint_text_tools, instance_names
+from jaxserve.runtime.kv_connectors.ray import RayKVTransfer
+from jaxserve.runtime.kv_connectors.ray_pull import ActorPulls, TransferConfig, fetch
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -53,14 +55,8 @@ from jaxserve.runtime.ray_backend.actors import (
     PrefillActor,
     check_compatible,
 )
-from jaxserve.runtime.ray_backend.placement_groups import Placement, PlacementConfig, place_on_cluster
-from jaxserve.runtime.ray_backend.remote_engine import (
-    FaultCounters,
-    RayKVTransfer,
-    RemoteDecodeEngine,
-    RemotePrefillEngine,
-)
-from jaxserve.runtime.ray_backend.transfer import TransferConfig, fetch
+from jaxserve.runtime.ray_backend.placement_groups import ReservedGroups, ResourceConfig, reserve_groups
+from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemoteDecodeEngine, RemotePrefillEngine
 from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
 from models.config import ModelConfig
 
@@ -75,20 +71,12 @@ log = logging.getLogger(__name__)
 class RayConfig:
     address: str | None = None  # join this cluster; None: start a local one on 127.0.0.1
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
-    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    resources: ResourceConfig = dataclasses.field(default_factory=ResourceConfig)
     max_restarts: int = 4  # per actor; a dead actor comes back this many times and rejoins
     restart_timeout_s: float = 180.0
     start_timeout_s: float = 300.0
-    engine: EngineKind = "opt"
+    engine: EngineKind = "model"
     fake_config: ModelConfig | None = None  # engine "fake": the hand-computable test engine
-
-
-def with_kv_checksum(rc: RayConfig, config: ControllerConfig) -> RayConfig:
-    """`rc`, with the actors' pull checksum on when the controller's is (`ControllerConfig.kv_checksum`, serve's
-    `--kv-checksum`): one knob for both backends."""
-    if config.kv_checksum and not rc.transfer.checksum:
-        return dataclasses.replace(rc, transfer=dataclasses.replace(rc.transfer, checksum=True))
-    return rc
 
 
 def loopback_only() -> None:
@@ -143,11 +131,11 @@ class RayController(Controller):
         *,
         actors: dict[str, ActorHandle],
         infos: dict[str, ActorInfo],
-        placement: Placement,
+        groups: ReservedGroups,
         counters: FaultCounters,
         observer: Observer | None = None,
         tokenizer: Tokenizer | None = None,
-        launch: _LaunchInputs | None = None,
+        launch: LaunchInputs | None = None,
     ) -> None:
         # Every decode instance's transfer looks prefill actors up here: a live switch adds to it.
         self._holders: dict[str, ActorHandle] = {p.name: actors[p.name] for p in placed if p.spec.role == "prefill"}
@@ -160,13 +148,13 @@ class RayController(Controller):
         )
         self.actors = actors
         self.actor_infos = infos
-        self.placement = placement
+        self.groups = groups
         self.launch_inputs = launch
         self.counters = counters
         # Instances whose bundle sits in a placement group shared with others (the launch's, per plan
         # node): retiring one frees nothing until shutdown. Instances a switch adds get their own group.
-        self._shared_group = {p.name for p in placed} if placement.groups else set()
-        self._own_placement: dict[str, Placement] = {}
+        self._shared_group = {p.name for p in placed} if groups.groups else set()
+        self._own_groups: dict[str, ReservedGroups] = {}
         for inst in self.prefill_instances:
             engine = inst.engine
             assert isinstance(engine, RemotePrefillEngine)
@@ -188,17 +176,17 @@ class RayController(Controller):
     ) -> RayController:
 
         config = config or ControllerConfig()
-        rc = with_kv_checksum(ray_config or RayConfig(), config)
+        rc = ray_config or RayConfig()
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
-        inputs = _LaunchInputs(model_source, dtype, rc, config.limits.block_size)
-        placement = place_on_cluster(plan, rc.placement)
+        inputs = LaunchInputs.of(model_source, dtype, rc, config)
+        groups = reserve_groups(plan, rc.resources)
         names = instance_names(plan)
         try:
-            actors, infos = _start_actors(inputs, names, plan.instances, placement.options)
+            actors, infos = _start_actors(inputs, names, plan.instances, groups.options)
         except BaseException:
-            placement.remove()
+            groups.remove()
             raise
         counters = FaultCounters()
         model_config = infos[names[0]].model_config
@@ -208,7 +196,7 @@ class RayController(Controller):
         ]
         tokenizer, chat_template = checkpoint_text_tools(model_source)
         controller = cls(
-            placed, plan, config, actors=actors, infos=infos, placement=placement, counters=counters,
+            placed, plan, config, actors=actors, infos=infos, groups=groups, counters=counters,
             observer=observer, tokenizer=tokenizer, launch=inputs,
         )  # fmt: skip
         controller.chat_template = chat_template
@@ -224,10 +212,10 @@ class RayController(Controller):
         started: list[str] = []
         try:
             for name, spec in zip(names, specs, strict=True):
-                placement = place_on_cluster([spec], inputs.ray.placement)
-                self._own_placement[name] = placement
+                groups = reserve_groups([spec], inputs.ray.resources)
+                self._own_groups[name] = groups
                 started.append(name)
-                actors, infos = _start_actors(inputs, [name], [spec], placement.options)
+                actors, infos = _start_actors(inputs, [name], [spec], groups.options)
                 reference = next(iter(self.actor_infos))
                 reference_info = self.actor_infos[reference]
                 self.actors.update(actors)  # before the check: one that fails it is killed with the others below
@@ -286,9 +274,9 @@ class RayController(Controller):
             if actor is not None:
                 with contextlib.suppress(Exception):  # already gone
                     ray.kill(actor, no_restart=True)
-            placement = self._own_placement.pop(name, None)
-            if placement is not None:
-                placement.remove()
+            groups = self._own_groups.pop(name, None)
+            if groups is not None:
+                groups.remove()
 
     def freed_resources(self, names: Sequence[str]) -> dict[str, float]:
         """The Ray resources killing these instances' actors gives back (none for a shared launch group)."""
@@ -324,10 +312,10 @@ class RayController(Controller):
         for a in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
-        self.placement.remove()
-        for placement in list(self._own_placement.values()):
-            placement.remove()
-        self._own_placement.clear()
+        self.groups.remove()
+        for groups in list(self._own_groups.values()):
+            groups.remove()
+        self._own_groups.clear()
 
 
 class RayActors:
@@ -401,24 +389,30 @@ def _forget_pool_on_restart(inst: PrefillInstance | DecodeInstance) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchInputs:
+class LaunchInputs:
     """What a deployment's actors are started from (kept for the actors a live switch adds)."""
 
     model_source: str
     dtype: str
     ray: RayConfig
     block_size: int
+    pulls: ActorPulls  # the Ray connector's knobs and the controller's (one name each for both backends)
+
+    @classmethod
+    def of(cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig) -> LaunchInputs:
+        pulls = ActorPulls(rc.transfer, config.pull_failure, config.kv_checksum)
+        return cls(model_source, dtype, rc, config.limits.block_size, pulls)
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
-    out = {"CPU": rc.placement.num_cpus_per_actor}
-    if rc.placement.use_gpus:
+    out = {"CPU": rc.resources.num_cpus_per_actor}
+    if rc.resources.use_gpus:
         out["GPU"] = float(spec.num_devices)
     return out
 
 
 def _start_actors(
-    inputs: _LaunchInputs,
+    inputs: LaunchInputs,
     names: Sequence[str],
     specs: Sequence[InstanceSpec],
     options: Sequence[dict[str, object]],
@@ -440,9 +434,9 @@ def _start_actors(
             actors[name] = remote_cls.options(  # type: ignore[attr-defined,assignment]
                 max_restarts=rc.max_restarts,
                 max_concurrency=4,  # decode: a step and pulls in flight at once
-                runtime_env=actor_env(spec, rc.placement.use_gpus),
+                runtime_env=actor_env(spec, rc.resources.use_gpus),
                 **opts,
-            ).remote(name, spec, rc.transfer)
+            ).remote(name, spec, inputs.pulls)
         refs: dict[str, object] = {name: a.info.remote() for name, a in actors.items()}
         infos: dict[str, ActorInfo] = {}
         for name, ref in refs.items():
@@ -458,7 +452,7 @@ def _start_actors(
 
 
 def _placed(
-    inputs: _LaunchInputs,
+    inputs: LaunchInputs,
     name: str,
     inst: InstanceSpec,
     actor: ActorHandle,
@@ -488,8 +482,6 @@ def launch_from_args(
     model: str, plan: DeploymentPlan, config: ControllerConfig, args: argparse.Namespace
 ) -> Controller:
     """`jaxserve serve --backend ray`: the Ray deployment the command-line flags describe."""
-    from jaxserve.runtime.ray_backend.transfer import TransferConfig
-
     fake_config = None
     if args.engine == "fake":
         from models.checkpoint import source_config

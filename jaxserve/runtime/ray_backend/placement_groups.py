@@ -1,4 +1,7 @@
-"""Placing a `DeploymentPlan`'s instances on a Ray cluster.
+"""Reserving a `DeploymentPlan`'s instances their room on a Ray cluster (Ray's placement groups).
+
+(The planner places instances on devices and nodes: that is `placement/`. This module only turns the plan's node
+assignment into Ray resource requests: `ResourceConfig`, `ReservedGroups`, `reserve_groups`.)
 
 One actor per instance, so an instance lives on one node. When the plan names
 nodes (`InstanceSpec.nodes`, written by the planner), every instance on plan
@@ -25,7 +28,9 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlacementConfig:
+class ResourceConfig:
+    """What each actor asks the Ray cluster for (`RayConfig.resources`)."""
+
     num_cpus_per_actor: float = 1.0
     use_gpus: bool = False  # GPUs: num_gpus = tp * pp per actor; CPU: virtual devices in the actor's env
     node_resource_prefix: str | None = None
@@ -44,7 +49,7 @@ def instance_node(spec: InstanceSpec) -> int | None:
     return spec.nodes[0]
 
 
-def bundle(spec: InstanceSpec, config: PlacementConfig) -> dict[str, float]:
+def bundle(spec: InstanceSpec, config: ResourceConfig) -> dict[str, float]:
     out: dict[str, float] = {"CPU": config.num_cpus_per_actor}
     if config.use_gpus:
         out["GPU"] = float(spec.num_devices)
@@ -68,7 +73,7 @@ def group_by_node(plan: DeploymentPlan | Sequence[InstanceSpec]) -> dict[int, li
 
 
 @dataclasses.dataclass
-class Placement:
+class ReservedGroups:
     """Per instance (plan order): the Ray actor options that place it; plus the groups to remove at shutdown."""
 
     options: list[dict[str, object]]
@@ -82,7 +87,7 @@ class Placement:
         self.groups = []
 
 
-def place_on_cluster(plan: DeploymentPlan | Sequence[InstanceSpec], config: PlacementConfig) -> Placement:
+def reserve_groups(plan: DeploymentPlan | Sequence[InstanceSpec], config: ResourceConfig) -> ReservedGroups:
     """Create the placement groups a plan (or some instances: a live switch's) needs, waiting until they are
     ready, and each actor's options."""
     import ray
@@ -111,4 +116,4 @@ def place_on_cluster(plan: DeploymentPlan | Sequence[InstanceSpec], config: Plac
             options[i]["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=b
             )
-    return Placement(options, groups)
+    return ReservedGroups(options, groups)

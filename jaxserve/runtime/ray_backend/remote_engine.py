@@ -12,7 +12,7 @@ of `scheduling.py`) drive these proxies exactly as they drive a local engine:
   its running batch to its buffer under one lock, so the keeper never sees a KV
   in between and never cancels one that is about to be buffered.
 * `RemoteDecodeEngine` (the decode role) keeps the paged pool inside the decode
-  actor. `RayKVTransfer` (bound to it) starts each pull as an actor call that
+  actor. `RayKVTransfer` (the Ray KV connector, `kv_connectors/ray.py`, bound to it) starts each pull as an actor call that
   returns at once (the handle's `poll()` asks Ray whether it finished, so pulls
   overlap decode steps); the decode actor fetches the KV straight from the
   prefill actor named by `HeldKV.holder` and stages it; `handle.insert` writes
@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import jax
@@ -61,7 +61,7 @@ from jaxserve.runtime.engines.contract import (
     StepBatch,
     WarmupSpec,
 )
-from jaxserve.runtime.kv_transfer import TransferState
+from jaxserve.runtime.kv_connectors.ray_pull import fetch
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
     ActorRestartedError,
@@ -70,7 +70,6 @@ from jaxserve.runtime.ray_backend.actors import (
     PullReport,
     RebuildItem,
 )
-from jaxserve.runtime.ray_backend.transfer import fetch
 from jaxserve.runtime.worker import FaultCounters
 from models.config import ModelConfig
 
@@ -485,89 +484,3 @@ class RemoteDecodeEngine(_RemoteBase):
     @property
     def num_tracked(self) -> int:
         return len(self._tracked)
-
-
-# ---- the transfer the decode loop drives -------------------------------------------------------
-
-
-class RemoteHandle:
-    """A pull running in the decode actor, started at once; `poll()` never blocks."""
-
-    def __init__(self, order: PullOrder, engine: RemoteDecodeEngine, prefix_blocks: Sequence[int] = ()) -> None:
-        self._order = order
-        self._engine = engine
-        self._prefix_blocks = tuple(prefix_blocks)  # the decode blocks of positions ..order.start
-        self._num_pools_lost = engine.num_pools_lost
-        self._ref = engine.start_pull(order)
-        self._report: PullReport | None = None
-        self._error: BaseException | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._order.request_id
-
-    @property
-    def num_bytes(self) -> int:
-        return self._report.num_bytes if self._report is not None else 0
-
-    @property
-    def seconds(self) -> float | None:
-        return self._report.seconds if self._report is not None else None
-
-    def _collect(self) -> None:
-        """The pull's report, or its error. EngineDeadError (the decode actor is gone for good) propagates:
-        that is the instance dying, not this pull failing, and a failed pull would be recomputed and routed
-        straight back to the dead instance."""
-        import ray
-
-        try:
-            self._report = self._engine.finish_pull(self._ref, self._order)
-        except ray.exceptions.RayError as e:
-            log.error("KV pull of %s failed: %r", self.request_id, e)
-            self._error = e
-
-    def poll(self) -> TransferState:
-        if self._report is None and self._error is None and self._engine.pull_done(self._ref):
-            self._collect()
-        if self._report is not None:
-            return TransferState.DONE
-        return TransferState.FAILED if self._error is not None else TransferState.PENDING
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        del timeout_s  # the actor bounds each attempt (pull_timeout_s, watchdog)
-        if self._report is None and self._error is None:
-            self._collect()
-        return self.poll()
-
-    def discard(self) -> None:
-        """The request ended while this pull ran: the decode actor drops its KV (now, or when it lands)."""
-        self._engine.actor.discard.remote(self.request_id)
-
-    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        if self.wait() is not TransferState.DONE:
-            raise RuntimeError(f"KV transfer of {self.request_id!r} failed: {self._error!r}")
-        self._engine.insert_staged(
-            self.request_id, self._order.item, num_tokens, block_table, self._order.start, self._prefix_blocks,
-            self._num_pools_lost,
-        )  # fmt: skip
-        return pages
-
-
-class RayKVTransfer:
-    """`KVTransfer` into one decode actor: it pulls each `HeldKV` straight from the prefill actor holding it."""
-
-    def __init__(self, target: Engine, holders: Mapping[str, ActorHandle]) -> None:
-        if not isinstance(target, RemoteDecodeEngine):
-            raise TypeError(f"RayKVTransfer pulls into a decode actor; {type(target).__name__} is not one")
-        self.target = target
-        self.holders = holders
-
-    def start(self, seq: PrefilledSequence) -> RemoteHandle:
-        if not isinstance(seq.kv, HeldKV):
-            raise TypeError(f"RayKVTransfer moves KV held by Ray actors; {seq.request_id!r} is in this process")
-        held = seq.kv
-        order = PullOrder(
-            seq.request_id, self.holders[held.holder], held.holder, held.item, start=held.start,
-            num_tokens=seq.num_tokens if held.start else 0,
-        )  # fmt: skip
-        return RemoteHandle(order, self.target, held.prefix_blocks)

@@ -101,9 +101,7 @@ async def _send_grpc(client: object, rec: RequestRecord, prompt: list[int], t0: 
             prompt_ids=prompt, max_tokens=rec.output_len, temperature=0.0, ignore_eos=True
         ):
             at = time.perf_counter() - t0
-            if chunk.token_ids:
-                rec.chunk_at.append(at)
-                rec.chunk_tokens.append(len(chunk.token_ids))
+            rec.record_chunk(at, len(chunk.token_ids))
             if chunk.finished:
                 rec.finished_at = at
                 if chunk.finish_reason == "abort":
@@ -152,9 +150,7 @@ async def _send_http(client: object, target: Target, rec: RequestRecord, prompt:
                 for choice in event.get("choices") or []:
                     ids = choice.get("token_ids")
                     n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
-                    if n:
-                        rec.chunk_at.append(time.perf_counter() - t0)
-                        rec.chunk_tokens.append(n)
+                    rec.record_chunk(time.perf_counter() - t0, n)
                     if choice.get("finish_reason") == "abort":
                         rec.error = "aborted by the server"
     except (httpx.HTTPError, json.JSONDecodeError) as e:

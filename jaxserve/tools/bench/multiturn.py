@@ -89,10 +89,8 @@ def grpc_sender(client: object) -> Send:
                 prompt_ids=prompt, max_tokens=rec.output_len, temperature=0.0, ignore_eos=True
             ):
                 at = time.perf_counter() - t0
-                if chunk.token_ids:
-                    out.extend(chunk.token_ids)
-                    rec.chunk_at.append(at)
-                    rec.chunk_tokens.append(len(chunk.token_ids))
+                out.extend(chunk.token_ids)
+                rec.record_chunk(at, len(chunk.token_ids))
                 if chunk.finished:
                     rec.finished_at = at
                     rec.cached_tokens = chunk.num_cached_tokens
@@ -126,10 +124,8 @@ def controller_sender(controller: object) -> Send:
                 GenerateRequest(f"turn-{rec.index}", tuple(prompt), sampling)
             ).async_chunks():
                 at = time.perf_counter() - t0
-                if chunk.token_ids:
-                    out.extend(chunk.token_ids)
-                    rec.chunk_at.append(at)
-                    rec.chunk_tokens.append(len(chunk.token_ids))
+                out.extend(chunk.token_ids)
+                rec.record_chunk(at, len(chunk.token_ids))
                 if chunk.finished:
                     rec.finished_at = at
                     if chunk.finish_reason == "abort":

@@ -53,6 +53,13 @@ class RequestRecord:
     conversation: int | None = None  # multi-turn workloads: which conversation, which turn
     turn: int | None = None
 
+    def record_chunk(self, at: float, num_tokens: int) -> None:
+        """A chunk carrying `num_tokens` new tokens arrived `at` (seconds on the run's clock); one with none counts
+        nothing (the final chunk may carry only the finish reason)."""
+        if num_tokens:
+            self.chunk_at.append(at)
+            self.chunk_tokens.append(num_tokens)
+
     @property
     def ok(self) -> bool:
         return self.error is None and bool(self.chunk_at) and not math.isnan(self.finished_at)

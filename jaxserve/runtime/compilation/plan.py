@@ -1,8 +1,8 @@
 """The warm-up plan of a model engine: which padded shapes `ModelEngine.warmup` compiles, which of them before it
 returns, and in which order the rest compile on the background thread.
 
-Pure functions of the limits (no JAX, nothing compiled here): `model_warmup.py` compiles what the plan names,
-and `background_warmup.py` runs the background part. A shape is a bucket: prefill (rows, tokens), paged step
+Pure functions of the limits (no JAX, nothing compiled here): `model_engine.py` compiles what the plan names,
+and `background.py` runs the background part. A shape is a bucket: prefill (rows, tokens), paged step
 (rows, tokens, table width). With a background warm-up, only the buckets that hold all others of at most twice
 the token budget compile first (`frontier`), plus a lone short prompt's and a lone stream's own bucket; work of
 any other bucket runs padded up to a compiled one until its own is in.

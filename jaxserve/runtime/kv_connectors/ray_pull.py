@@ -1,4 +1,6 @@
-"""KV transfer between processes: leases on the prefill side, two pull mechanisms, a watchdog.
+"""The Ray connector's mechanics between processes: leases on the prefill side, two pull mechanisms, a watchdog.
+
+The actors (`ray_backend/actors.py`) use these; the controller side of the connector is `ray.py`.
 
 Prefill side (`LeasedKVBuffer`, used inside the prefill actor): a finished
 prefill's KV is held only under a lease (`lease_s`, default a few seconds). The
@@ -26,58 +28,55 @@ mechanisms (`TransferConfig.mechanism`):
   the puller asked for a different PartitionSpec, and aborted the process for a
   different device count, so the prefill side stages each stage's arrays on
   ONE device and the decode side pulls into one device of its own, then
-  re-shards locally (`to_layout`). A pull whose producer never registers the id
+  re-shards locally (`base.move_kv`). A pull whose producer never registers the id
   can block past its own timeout: `run_with_watchdog` bounds it.
 
+The retries and the failure policy are the controller's (`PullFailureConfig`, `ControllerConfig.pull_failure`),
+handed to every actor at launch.
+
 Integrity (issue 27): what leaves the prefill actor is described by a manifest (each array's shape and
-dtype: `ArraySpec`s) and, with `TransferConfig.checksum` (`ControllerConfig.kv_checksum`, serve's
-`--kv-checksum`), a fingerprint of its contents (`kv_transfer.kv_fingerprint`). The decode actor
+dtype: `ArraySpec`s) and, with the checksum on (`ControllerConfig.kv_checksum`, serve's `--kv-checksum`,
+handed to every actor at launch), a fingerprint of its contents (`base.kv_fingerprint`). The decode actor
 compares what arrived with both (`check_arrival`), and with what its pool and the request need
-(`kv_transfer.check_pulled_kv`: stages, layers, heads, head size, dtype, positions), before anything is
+(`base.check_pulled_kv`: stages, layers, heads, head size, dtype, positions), before anything is
 staged. A KV that fails costs that request a recompute on the decode actor (whatever `on_failure` says:
 the KV was there and moved, it is only wrong), never wrong tokens and never the decode actor.
-
-`ObjectStoreTransfer` is the object-store path as a plain `KVTransfer` (one
-process, `ray.put`/`ray.get` round trip), so the shared conformance test can
-run it next to `InProcessTransfer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.engines.contract import (
-    Engine,
-    KVLayout,
-    KVPages,
-    PrefilledSequence,
-    SequenceKV,
-    StageKV,
-)
-from jaxserve.runtime.kv_transfer import KVIntegrityError, TransferState, kv_fingerprint, regroup_layers
+from jaxserve.runtime.engines.contract import SequenceKV, StageKV
+from jaxserve.runtime.kv_connectors.base import KVIntegrityError, PullFailureConfig, kv_fingerprint
 
 Mechanism = Literal["object_store", "jax"]
-FailurePolicy = Literal["recompute", "fail"]
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:
+    """The Ray connector's own knobs (`RayConfig.transfer`); the retries, the failure policy and the checksum are
+    the controller's (`ControllerConfig.pull_failure`, `.kv_checksum`)."""
+
     mechanism: Mechanism = "object_store"
     lease_s: float = 5.0  # a prefilled KV nobody renews is freed after this long
     pull_timeout_s: float = 30.0  # one pull attempt; the watchdog fires after this
-    num_retries: int = 1  # pull attempts after the first, before the failure policy applies
-    on_failure: FailurePolicy = "recompute"  # recompute: the decode actor re-prefills the prompt itself
-    # The prefill actor sends a fingerprint of each KV's contents and the decode actor compares what arrived
-    # (one extra read of the KV per side); shapes, dtypes and lengths are always checked.
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorPulls:
+    """What every actor of a deployment reads of pulls: the Ray connector's knobs (`transfer`) and the controller's
+    (`failure`, `checksum`: `ControllerConfig.pull_failure` / `.kv_checksum`, one knob each for both backends)."""
+
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    failure: PullFailureConfig = dataclasses.field(default_factory=PullFailureConfig)
     checksum: bool = False
 
 
@@ -218,7 +217,7 @@ HostKV = tuple[tuple[np.ndarray, np.ndarray], ...]  # per prefill stage: (k, v),
 @dataclasses.dataclass(frozen=True)
 class HostShipment:
     """An object-store pull's answer: the KV as host arrays, what was sent (`manifest`) and its fingerprint
-    (with `TransferConfig.checksum`)."""
+    (with the checksum on)."""
 
     kv: HostKV
     specs: tuple[ArraySpec, ...]
@@ -237,20 +236,6 @@ def host_num_bytes(host: HostKV) -> int:
     return sum(int(k.nbytes + v.nbytes) for k, v in host)
 
 
-def to_layout(kv: SequenceKV, target: KVLayout) -> SequenceKV:
-    """Regroup `kv` (host or device arrays, any placement) into `target`'s stages and shardings."""
-    out = []
-    for pieces, sharding in zip(regroup_layers(kv, target.stage_layers), target.shardings, strict=True):
-        moved = [StageKV(k=jax.device_put(p.k, sharding), v=jax.device_put(p.v, sharding)) for p in pieces]
-        if len(moved) == 1:
-            out.append(moved[0])
-        else:
-            k = jnp.concatenate([m.k for m in moved], axis=0)  # [L_s, T, H, D]
-            v = jnp.concatenate([m.v for m in moved], axis=0)
-            out.append(StageKV(k=k, v=v))
-    return tuple(out)
-
-
 def from_host(host: HostKV) -> SequenceKV:
     return tuple(StageKV(k=k, v=v) for k, v in host)  # type: ignore[arg-type]  # numpy in, device_put later
 
@@ -265,7 +250,7 @@ class JaxTicket:
     address: str
     uuid: int
     specs: tuple[ArraySpec, ...]  # flat: stage0 k, stage0 v, stage1 k, ... (the pull asks for exactly these)
-    fingerprint: int | None = None  # of the KV's contents (`TransferConfig.checksum`)
+    fingerprint: int | None = None  # of the KV's contents (the checksum on)
 
     @property
     def num_bytes(self) -> int:
@@ -330,60 +315,3 @@ def fetch(ref: object, timeout_s: float | None = None) -> object:
     import ray
 
     return ray.get(ref, timeout=timeout_s)  # type: ignore[call-overload]
-
-
-# ---- the object-store path as an in-process KVTransfer (conformance) ---------------------
-
-
-class ObjectStoreHandle:
-    target: Engine
-
-    def __init__(self, request_id: str, arrays: SequenceKV, num_bytes: int, seconds: float) -> None:
-        self._request_id, self._arrays, self._num_bytes, self._seconds = request_id, arrays, num_bytes, seconds
-
-    @property
-    def request_id(self) -> str:
-        return self._request_id
-
-    @property
-    def num_bytes(self) -> int:
-        return self._num_bytes
-
-    @property
-    def seconds(self) -> float | None:
-        return self._seconds
-
-    def poll(self) -> TransferState:
-        return TransferState.DONE
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        del timeout_s
-        return TransferState.DONE
-
-    def result(self) -> SequenceKV:
-        return self._arrays
-
-    def insert(self, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
-        return self.target.insert(self._arrays, num_tokens, pages, block_table)
-
-
-class ObjectStoreTransfer:
-    """Host copy -> `ray.put` -> `ray.get` -> `device_put` into the target's layout (needs `ray.init`)."""
-
-    def __init__(self, target: Engine) -> None:
-        if not target.capabilities.dense_insert:
-            raise TypeError(f"an object-store transfer writes into a local engine; {type(target).__name__} is not one")
-        self.target = target
-        self.layout = target.kv_layout()
-
-    def start(self, seq: PrefilledSequence) -> ObjectStoreHandle:
-        import ray
-
-        started_at = time.monotonic()
-        host = to_host(seq.dense_kv)
-        fetched: HostKV = ray.get(ray.put(host))
-        arrays = to_layout(from_host(fetched), self.layout)
-        jax.block_until_ready(arrays)
-        handle = ObjectStoreHandle(seq.request_id, arrays, host_num_bytes(host), time.monotonic() - started_at)
-        handle.target = self.target
-        return handle

@@ -1,11 +1,11 @@
 """The warm-up of the real engine: `ModelEngine.warmup` compiles every padded shape the serving limits allow.
 
-A mixin (`ModelWarmup`) that `ModelEngine` inherits: which shapes is the plan's (`warmup_plan.py`, pure
+A mixin (`ModelWarmup`) that `ModelEngine` inherits: which shapes is the plan's (`plan.py`, pure
 functions of the limits); this module runs it. Before `warmup` returns it compiles, by running the engine's own
 programs once on padding that writes no KV, every prefill bucket (and its rows' KV cuts), paged step bucket,
 multi-step program, KV insert and sampler; with `background=True` only the buckets that hold all others (and the
 inserts and multi-step programs), handing the rest as `CompileJob`s to the compile thread of `BackgroundWarmup`
-(`background_warmup.py`). A job compiles ahead of time in `compile` (nothing read or written) and adds its
+(`background.py`). A job compiles ahead of time in `compile` (nothing read or written) and adds its
 programs to the engine's ready sets in `publish` only. The ready sets (replaced, never mutated) tell the
 serving side what runs compiled now: its prefill and step buckets (`BackgroundWarmup`), KV copies
 (`kv_copy_compiled`) and random samplers (`_sampling_rows`: a batch is sampled on logits padded up to a
@@ -22,16 +22,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxserve.core.request import SamplingParams
-from jaxserve.runtime.engines.background_warmup import BackgroundWarmup, CompileJob
-from jaxserve.runtime.engines.contract import KVCopy, KVLayout, KVPages, PrefillItem, SequenceKV, StageKV, WarmupSpec
-from jaxserve.runtime.engines.warmup_plan import (
+from jaxserve.runtime.compilation.background import BackgroundWarmup, CompileJob
+from jaxserve.runtime.compilation.plan import (
     MIN_STOP_WIDTH,
     compile_order,
     foreground_prefill,
@@ -42,6 +40,7 @@ from jaxserve.runtime.engines.warmup_plan import (
     prompt_buckets,
     step_buckets,
 )
+from jaxserve.runtime.engines.contract import KVCopy, KVLayout, KVPages, PrefillItem, SequenceKV, StageKV, WarmupSpec
 from jaxserve.runtime.kv_pool import (
     model_caches,
     pool_pages,
@@ -72,23 +71,6 @@ class WarmupReport:
     @property
     def num_programs(self) -> int:
         return len(self.prefill_shapes) + len(self.step_shapes) + len(self.multi_step_shapes)
-
-
-def enable_compilation_cache(cache_dir: str | Path | None = None, min_compile_time_s: float = 0.2) -> Path:
-    """Turn on JAX's persistent compilation cache so a restarted server skips its compiles.
-
-    Default directory: `$XDG_CACHE_HOME/jaxserve/xla` (or `~/.cache/jaxserve/xla`), never the repo.
-    Programs that compiled in under `min_compile_time_s` are not stored. Returns the directory.
-    """
-    if cache_dir is None:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        cache_dir = base / "jaxserve" / "xla"  # the same default as `jaxserve serve --compile-cache`
-    path = Path(cache_dir).expanduser().absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
 
 
 class ModelWarmup(BackgroundWarmup):
@@ -124,7 +106,7 @@ class ModelWarmup(BackgroundWarmup):
         ) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]: ...
 
     def _init_model_warmup(self) -> None:
-        self._init_background_warmup()  # shape covering and the background compile thread (background_warmup.py)
+        self._init_background_warmup()  # shape covering and the background compile thread (background.py)
         # The KV copies compiled so far (read only while covering is on, `kv_copy_compiled`): inserts and gathers
         # by padded length, slices by (padded length of the KV, padded length cut out). Replaced, never mutated.
         self._ready_inserts: frozenset[int] = frozenset()
@@ -186,7 +168,7 @@ class ModelWarmup(BackgroundWarmup):
         max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
         rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if spec.logprobs else None)
-        # the plan (warmup_plan.py): every bucket the limits allow, and with `spec.background` those compiled first
+        # the plan (plan.py): every bucket the limits allow, and with `spec.background` those compiled first
         prefill_shapes = (
             prefill_buckets(max_len, cfg.max_position_embeddings, spec.max_batch_tokens, spec.max_prefill_rows)
             if spec.prefill

@@ -7,7 +7,7 @@ written: the serving threads keep their pools) and then publishes it (`publish`:
 a ready set that is replaced, never mutated, so a serving thread reads it without a lock). Until a program is
 published its work takes a fallback that compiles nothing:
 * a step or prefill batch runs padded up to the cheapest compiled bucket that holds it (`_covering`; which
-  buckets and in which order: `warmup_plan.py`), or, when none holds it whole, as consecutive sub-batches
+  buckets and in which order: `plan.py`), or, when none holds it whole, as consecutive sub-batches
   that each one holds (`_held_runs`);
 * a prefix-caching prefill batch with a hit is prefilled densely, its KV not kept in the pool while the insert
   of its length compiles;
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.runtime.engines.warmup_plan import is_held
+from jaxserve.runtime.compilation.plan import is_held
 
 log = logging.getLogger("jaxserve.runtime.engines.model")  # the engine's log: one logger for its warm-up lines
 
