@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.core.model_registry import REGISTRY, ModelRegistryError, pull
+from jaxserve.model_registry import REGISTRY, ModelRegistryError, pull
 
 NAME = "smollm2-135m-instruct"
 MAX_NEW = 24

@@ -11,7 +11,7 @@ entries of a parent can move the cache away and put a directory of theirs in its
 ancestor of the cache (on the path as named and on its real path, links resolved) must be owned by root
 or this user, and one that its group or others may write must have the sticky bit (as /tmp has: only an
 entry's owner may then rename or delete it); a symbolic link on the way must be root's or this user's.
-Pure standard library, in the contract layer: the model registry (`jaxserve.core.model_registry`) and the
+Pure standard library, in the contract layer: the model registry (`jaxserve.model_registry`) and the
 kernels (`models.kernels.trust` re-exports it) share it.
 """
 
