@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -81,6 +82,19 @@ def shift_plan(plan: DeploymentPlan, node_offset: int, devices_per_node: int) ->
     )
 
 
+class SearchKnobs(TypedDict, total=False):
+    """How each search runs: `choose_plan`'s keywords that `plan_cluster` hands on as they are."""
+
+    workers: int
+    verify: bool
+    compare_colocated: bool
+    ratio_devices: int  # the unit's search only
+    progress: Callable[[int, int], None] | None
+    reseed: Callable[[int], Workload] | None  # the unit's search only (the ranges over seeds)
+    seeds: int
+    interval_top: int
+
+
 def plan_cluster(
     ctx: SearchContext,
     *,
@@ -88,25 +102,21 @@ def plan_cluster(
     affinity: Affinity = "high",
     rate: float | None = None,
     unit_nodes: int = DEFAULT_UNIT_NODES,
-    workers: int = 1,
-    verify: bool = True,
-    compare_colocated: bool = False,
-    ratio_devices: int = 0,
-    progress: Callable[[int, int], None] | None = None,
-    reseed: Callable[[int], Workload] | None = None,
-    seeds: int = 2,
-    interval_top: int = 3,
     check_units: int = DEFAULT_CHECK_UNITS,
+    **knobs: Unpack[SearchKnobs],
 ) -> ClusterPlanReport:
     """The deployment for the whole of `ctx.cluster`: the unit's plan replicated (module doc).
 
     `unit_nodes` >= the cluster's nodes (or 0) searches the whole cluster at once, as `choose_plan` alone
     does. A unit too small for any plan doubles until one fits (at most the whole cluster). With
-    `check_units` > 0 a replicated plan's goodput is predicted by the bounded check (`bounded_check`)."""
+    `check_units` > 0 a replicated plan's goodput is predicted by the bounded check (`bounded_check`).
+    `knobs` go to every search (`choose_plan`)."""
     if unit_nodes < 0:
         raise ValueError("unit_nodes must be >= 0")
     cluster = ctx.cluster
     cache: Evaluated = {}
+    # the leftover nodes' and the rate's rest searches: no ratio search, no ranges over seeds
+    rest_knobs: SearchKnobs = {**knobs, "ratio_devices": 0, "reseed": None}
 
     def search(nodes: int, plan_kind: PlanKind, plan_rate: float | None, samples: bool) -> PlanReport:
         return choose_plan(
@@ -114,15 +124,8 @@ def plan_cluster(
             kind=plan_kind,
             affinity=affinity,
             rate=plan_rate,
-            workers=workers,
-            verify=verify,
-            compare_colocated=compare_colocated,
-            ratio_devices=ratio_devices if samples else 0,
-            progress=progress,
-            reseed=reseed if samples else None,
-            seeds=seeds,
-            interval_top=interval_top,
             cache=cache,
+            **(knobs if samples else rest_knobs),
         )
 
     nodes = cluster.num_nodes if unit_nodes == 0 else min(unit_nodes, cluster.num_nodes)

@@ -16,27 +16,29 @@ from typing import Literal
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, PlanError
-from placement.latency import kv_capacity_tokens
-from placement.search import (
+from placement.candidates import (
     Candidate,
     Evaluated,
     Job,
     Key,
     SearchContext,
     SearchResult,
+    candidate_samples,
+    job_key,
+    plan_job,
+)
+from placement.latency import kv_capacity_tokens
+from placement.search import (
     algorithm1,
     algorithm1_jobs,
     algorithm2,
     algorithm2_jobs,
     algorithm2_phase_jobs,
     assign_nodes,
-    candidate_samples,
     choose_deployment,
     colocated_jobs,
     colocated_search,
     evaluate_all,
-    job_key,
-    plan_job,
     ratio_search,
     replicate_colocated,
 )
