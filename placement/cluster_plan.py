@@ -12,12 +12,16 @@ search already ran: `evaluate_all`'s cache), or stay idle when none fits; the re
 Why a unit, and what it costs: a search over the whole cluster simulates every candidate at the cluster's
 total rate (instances × requests) and enumerates instance shapes spanning all its nodes, so its time grows
 faster than the cluster (2.3 s at 4 × 8, 23.6 s at 16 × 8, no plan after 400 s at 64 × 8 for OPT-175B).
-Instances of a replicated plan share nothing but the dispatcher, so the cluster's goodput is the units'
-sum to within what pooling the queues across units adds (`tests/test_cluster_plan.py` bounds the gap
-against a full-cluster simulation at 16 × 8); instances never span more nodes than a unit holds.
+Instances of a replicated plan share nothing but the dispatcher, so the cluster serves at least the units'
+sum, and more by what one dispatcher over more instances absorbs. The plan's goodput is therefore the
+bounded check's (`bounded_check`): two units simulated together, their goodput per device times the plan's
+devices, a cost that does not grow with the cluster (`tests/test_cluster_plan.py` compares it with a
+full-cluster simulation at 16 × 8). Instances never span more nodes than a unit holds.
 
 With a target rate, whole units serve ⌊rate / unit goodput⌋ of it and one more search sizes a plan for
-what remains within one unit's nodes (again sharing the unit's simulations).
+what remains within one unit's nodes (again sharing the unit's simulations; a whole unit when nothing
+smaller fits). `plan_unit` and `replicated_workload` let the replanner judge a running plan of repeated
+units the same way (`placement.replan_decision.estimate`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from placement.planner import Affinity, PlanKind, PlanReport, choose_plan, plann
 from placement.search import instance_shapes
 from placement.workload import Workload, arrival_times
 
-DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~2 s on 2 cores
+DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~3 s on 2 quiet cores
 DEFAULT_CHECK_UNITS = 2  # units the bounded check simulates together (`bounded_check`)
 
 
