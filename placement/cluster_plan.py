@@ -12,12 +12,16 @@ search already ran: `evaluate_all`'s cache), or stay idle when none fits; the re
 Why a unit, and what it costs: a search over the whole cluster simulates every candidate at the cluster's
 total rate (instances × requests) and enumerates instance shapes spanning all its nodes, so its time grows
 faster than the cluster (2.3 s at 4 × 8, 23.6 s at 16 × 8, no plan after 400 s at 64 × 8 for OPT-175B).
-Instances of a replicated plan share nothing but the dispatcher, so the cluster's goodput is the units'
-sum to within what pooling the queues across units adds (`tests/test_cluster_plan.py` bounds the gap
-against a full-cluster simulation at 16 × 8); instances never span more nodes than a unit holds.
+Instances of a replicated plan share nothing but the dispatcher, so the cluster serves at least the units'
+sum, and more by what one dispatcher over more instances absorbs. The plan's goodput is therefore the
+bounded check's (`bounded_check`): two units simulated together, their goodput per device times the plan's
+devices, a cost that does not grow with the cluster (`tests/test_cluster_plan.py` compares it with a
+full-cluster simulation at 16 × 8). Instances never span more nodes than a unit holds.
 
 With a target rate, whole units serve ⌊rate / unit goodput⌋ of it and one more search sizes a plan for
-what remains within one unit's nodes (again sharing the unit's simulations).
+what remains within one unit's nodes (again sharing the unit's simulations; a whole unit when nothing
+smaller fits). `plan_unit` and `replicated_workload` let the replanner judge a running plan of repeated
+units the same way (`placement.replan_decision.estimate`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -35,7 +40,7 @@ from placement.planner import Affinity, PlanKind, PlanReport, choose_plan, plann
 from placement.search import instance_shapes
 from placement.workload import Workload, arrival_times
 
-DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~2 s on 2 cores
+DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~3 s on 2 quiet cores
 DEFAULT_CHECK_UNITS = 2  # units the bounded check simulates together (`bounded_check`)
 
 
@@ -81,6 +86,19 @@ def shift_plan(plan: DeploymentPlan, node_offset: int, devices_per_node: int) ->
     )
 
 
+class SearchKnobs(TypedDict, total=False):
+    """How each search runs: `choose_plan`'s keywords that `plan_cluster` hands on as they are."""
+
+    workers: int
+    verify: bool
+    compare_colocated: bool
+    ratio_devices: int  # the unit's search only
+    progress: Callable[[int, int], None] | None
+    reseed: Callable[[int], Workload] | None  # the unit's search only (the ranges over seeds)
+    seeds: int
+    interval_top: int
+
+
 def plan_cluster(
     ctx: SearchContext,
     *,
@@ -88,25 +106,21 @@ def plan_cluster(
     affinity: Affinity = "high",
     rate: float | None = None,
     unit_nodes: int = DEFAULT_UNIT_NODES,
-    workers: int = 1,
-    verify: bool = True,
-    compare_colocated: bool = False,
-    ratio_devices: int = 0,
-    progress: Callable[[int, int], None] | None = None,
-    reseed: Callable[[int], Workload] | None = None,
-    seeds: int = 2,
-    interval_top: int = 3,
     check_units: int = DEFAULT_CHECK_UNITS,
+    **knobs: Unpack[SearchKnobs],
 ) -> ClusterPlanReport:
     """The deployment for the whole of `ctx.cluster`: the unit's plan replicated (module doc).
 
     `unit_nodes` >= the cluster's nodes (or 0) searches the whole cluster at once, as `choose_plan` alone
     does. A unit too small for any plan doubles until one fits (at most the whole cluster). With
-    `check_units` > 0 a replicated plan's goodput is predicted by the bounded check (`bounded_check`)."""
+    `check_units` > 0 a replicated plan's goodput is predicted by the bounded check (`bounded_check`).
+    `knobs` go to every search (`choose_plan`)."""
     if unit_nodes < 0:
         raise ValueError("unit_nodes must be >= 0")
     cluster = ctx.cluster
     cache: Evaluated = {}
+    # the leftover nodes' and the rate's rest searches: no ratio search, no ranges over seeds
+    rest_knobs: SearchKnobs = {**knobs, "ratio_devices": 0, "reseed": None}
 
     def search(nodes: int, plan_kind: PlanKind, plan_rate: float | None, samples: bool) -> PlanReport:
         return choose_plan(
@@ -114,15 +128,8 @@ def plan_cluster(
             kind=plan_kind,
             affinity=affinity,
             rate=plan_rate,
-            workers=workers,
-            verify=verify,
-            compare_colocated=compare_colocated,
-            ratio_devices=ratio_devices if samples else 0,
-            progress=progress,
-            reseed=reseed if samples else None,
-            seeds=seeds,
-            interval_top=interval_top,
             cache=cache,
+            **(knobs if samples else rest_knobs),
         )
 
     nodes = cluster.num_nodes if unit_nodes == 0 else min(unit_nodes, cluster.num_nodes)

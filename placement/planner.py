@@ -16,27 +16,29 @@ from typing import Literal
 
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import DeploymentPlan, PlanError
-from placement.latency import kv_capacity_tokens
-from placement.search import (
+from placement.candidates import (
     Candidate,
     Evaluated,
     Job,
     Key,
     SearchContext,
     SearchResult,
+    candidate_samples,
+    job_key,
+    plan_job,
+)
+from placement.latency import kv_capacity_tokens
+from placement.search import (
     algorithm1,
     algorithm1_jobs,
     algorithm2,
     algorithm2_jobs,
     algorithm2_phase_jobs,
     assign_nodes,
-    candidate_samples,
     choose_deployment,
     colocated_jobs,
     colocated_search,
     evaluate_all,
-    job_key,
-    plan_job,
     ratio_search,
     replicate_colocated,
 )
@@ -221,12 +223,9 @@ def choose_plan(
     if rate is not None:
         expected["target_rate_rps"] = rate
     plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
-    runner_up: DeploymentPlan | None = None
-    runner_rps = 0.0  # what the search expects of the runner-up
-    if chosen == "disagg" and colocated is not None:
-        replicated = replicate_colocated(ctx, colocated, rate)
-        runner_up, runner_rps = assign_nodes(replicated.plan, cluster), replicated.goodput_rps
-    elif chosen == "colocated" and disagg_plan is not None:
+    if chosen == "disagg":
+        runner_up, runner_rps = _colocated_runner_up(ctx, colocated, rate)
+    else:
         runner_up, runner_rps = disagg_plan, disagg_rps
     chosen_samples: tuple[float, ...] = ()
     runner_samples: tuple[float, ...] = ()
@@ -310,6 +309,16 @@ def _node_local_beats(
     prior = f"{disagg_pd:.3g} rps/device jointly" if disagg_plan is not None else "no plan"
     reason = f"{local.reason}; beats Algorithm 1's phase-wise pairing ({prior}) once KV transfers count"
     return dataclasses.replace(local, reason=reason), local_plan
+
+
+def _colocated_runner_up(
+    ctx: SearchContext, colocated: SearchResult | None, rate: float | None
+) -> tuple[DeploymentPlan | None, float]:
+    """The colocated search's plan as the runner-up of a disaggregated choice, placed, and its goodput."""
+    if colocated is None:
+        return None, 0.0
+    replicated = replicate_colocated(ctx, colocated, rate)
+    return assign_nodes(replicated.plan, ctx.cluster), replicated.goodput_rps
 
 
 def _resampled(

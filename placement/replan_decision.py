@@ -221,12 +221,15 @@ class ReplanConfig:
     probe_s: float = 60.0  # ... this many seconds of traffic at the required rate (see `sample_size`)
     rate_z: float = 1.64  # plan for the rate's one-sided upper confidence bound at this z (`required_rate`)
     seed: int = 0
+    workers: int = 1  # processes evaluating a round's candidates (`choose_plan`'s pool)
 
     def __post_init__(self) -> None:
         if self.headroom < 1 or self.min_gain < 0 or self.horizon_s <= 0 or self.num_requests < 10:
             raise ValueError("headroom >= 1, min_gain >= 0, horizon_s > 0 and num_requests >= 10 required")
         if self.weights_load_s < 0 or self.drain_s < 0 or self.probe_s < 0 or self.rate_z < 0:
             raise ValueError("weights_load_s, drain_s, probe_s and rate_z must be >= 0")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
 
     def required_rate(self, num_arrivals: int, span_s: float) -> float:
         """The rate a plan must serve, from `num_arrivals` seen in `span_s` seconds: the Poisson count's
@@ -386,7 +389,7 @@ def replan(job: ReplanJob) -> ReplanOutcome:
         ctx = dataclasses.replace(
             job.context, workload=workload, latency=CorrectedLatency.from_window(job.context.latency, window)
         )
-        candidate = plan_for_rate(ctx, required, kind=job.current.kind)
+        candidate = plan_for_rate(ctx, required, kind=job.current.kind, workers=cfg.workers)
         current = estimate(ctx, job.current)
     except (PlanError, ValueError) as e:
         return ReplanOutcome(job, None, f"{type(e).__name__}: {e}", n)

@@ -213,11 +213,12 @@ def scale(args: argparse.Namespace) -> None:
             f"{n} x 8 {100 * (pd / base - 1):+.1f} %" for n, pd in per_device.items()
         ))  # fmt: skip
     if 64 in plans:
-        print(f"replan decision on the 64 x 8 plan: {_timed_replan(plans[64]):.2f} s")
+        took = _timed_replan(plans[64], args.workers)
+        print(f"replan decision on the 64 x 8 plan (--workers {args.workers}): {took:.2f} s")
     print(f"load average now {os.getloadavg()[0]:.2f}")
 
 
-def _timed_replan(plan_json: dict[str, object]) -> float:
+def _timed_replan(plan_json: dict[str, object], workers: int) -> float:
     """Seconds of one replan round (search a candidate, estimate the current plan, decide) on the 64 x 8 plan,
     the window a minute of ShareGPT at 60 % of the plan's goodput."""
     from jaxserve.core.plan import DeploymentPlan
@@ -235,7 +236,8 @@ def _timed_replan(plan_json: dict[str, object]) -> float:
     for at, n_in, n_out in zip(w.arrival_at, w.input_lens, w.output_lens, strict=True):
         monitor.record_arrival(float(at), int(n_in))
         monitor.record_finish(float(at), int(n_out), None, None)
-    job = ReplanJob(current, monitor.window(float(seconds)), ctx, ReplanConfig(), requested_at=float(seconds))
+    config = ReplanConfig(workers=workers)
+    job = ReplanJob(current, monitor.window(float(seconds)), ctx, config, requested_at=float(seconds))
     start = time.perf_counter()
     out = replan(job)
     took = time.perf_counter() - start

@@ -118,3 +118,23 @@ def test_slos_no_unit_meets_fail_at_once_and_a_model_too_large_for_a_unit_gets_a
     small = SearchContext(OPT175, ClusterSpec(A100, 8, 2), base_workload("sharegpt", 100, 0), SloSpec(8, 0.4))
     report = plan_cluster(small, kind="disagg", unit_nodes=1, check_units=0)
     assert report.unit_nodes > 1 and report.plan.num_devices <= 16
+
+
+def test_the_plan_command_replicates_the_unit_and_writes_every_instance(capsys, tmp_path) -> None:
+    from jaxserve.cli import main
+
+    argv = ["plan", "--model", "opt-175b", "--device", "a100-80gb", "--devices-per-node", "8", "--workload"]
+    argv += ["sharegpt", "--ttft", "4", "--tpot", "0.2", "--kind", "disagg", "--affinity", "low", "--seeds", "0"]
+    argv += ["--workers", "1", "--no-progress", "--check-units", "0"]
+    out = tmp_path / "plan.json"
+    assert main([*argv, "--nodes", "8", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "searched one unit of 4 node(s)" in printed and "over the cluster: 2 unit(s) of 4 node(s)" in printed
+    plan = DeploymentPlan.from_json(out.read_text())
+    unit = choose_plan(unit_context(_ctx(8), 4), kind="disagg", affinity="low").plan
+    assert len(plan.instances) == 2 * len(unit.instances) and plan.expected["num_units"] == 2
+    assert max(n for i in plan.instances for n in i.nodes or ()) == 7
+    # --unit-nodes 0: the whole cluster searched at once, as before units
+    assert main([*argv, "--nodes", "8", "--unit-nodes", "0", "--json"]) == 0
+    whole = DeploymentPlan.from_json(capsys.readouterr().out)
+    assert "num_units" not in whole.expected
