@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.core.request import SamplingParams
+from jaxserve.core.errors import InvalidRequestError
+from jaxserve.core.request import MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxserve.runtime.compilation.background import CompileJob
 from jaxserve.runtime.compilation.cache import enable_compilation_cache
 from jaxserve.runtime.engines.contract import KVPages, PrefillItem, StepBatch, StepRow, WarmupSpec
@@ -300,3 +302,29 @@ def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_on
         {"_ready_random": {4}, "_ready_prefill": {(4, 16)}},  # the bucket with its rows' random sampler
         {"_ready_steps": {(2, 1, 1)}},  # two rows' random sampler was in before (the foreground's steps)
     ]
+
+
+def test_multi_step_programs_hold_every_stop_id_count_a_request_may_send_and_compile_nothing_after_warmup() -> None:
+    """A multi-step program checks each row's stop ids on the device at one padded width: the model's EOS ids plus
+    the most stop ids a request may name (`MAX_STOP_TOKEN_IDS`). A client that varies the count (0, 5, 64 ids,
+    EOS honoured or ignored) runs the warmed program every time: no compile on the request path. One more id than
+    the limit is refused by the request's own checks, before any engine sees it."""
+    eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[:1]))
+    pages = eng.init_pages(8, 4)
+    report = eng.warmup(
+        WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=2, max_seq_len=8, prefill=False, decode_steps=3),
+        pages,
+    )
+    assert report.pages is not None
+    pages = report.pages
+    counts = (0, 5, MAX_STOP_TOKEN_IDS)
+    with _compiles() as compiled:
+        for n, ignore_eos in itertools.product(counts, (False, True)):
+            stops = tuple(range(1000, 1000 + n))  # ids the random model is not going to draw in 3 steps
+            sampling = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=stops, ignore_eos=ignore_eos)
+            rows = (StepRow("a", (5,), 1, (0,), sampling, 0, 1), StepRow("b", (7,), 2, (1,), GREEDY, 0, 1))
+            _, pages = eng.decode_steps(StepBatch(rows), pages, num_steps=3)
+    assert compiled == []
+    too_many = SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_TOKEN_IDS} stop token ids"):
+        too_many.check_ranges(max_tokens_limit=16)

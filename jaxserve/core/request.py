@@ -19,6 +19,9 @@ FinishReason = Literal["stop", "length", "abort"]
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
+# Most stop token ids one request may name. Multi-step decode checks a row's stop ids on the device in a program
+# compiled for one width (`runtime.compilation.plan.stop_width`): this bound, plus the model's EOS ids, is it.
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", field="logprobs"
             )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", field="stop_token_ids")
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {tok!r}", field="stop_token_ids")

@@ -26,14 +26,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import DEFAULT_MAX_TOKENS, SamplingParams
+from jaxserve.core.request import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxserve.serving import chat_template
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
     CompletionParams,
 )
 

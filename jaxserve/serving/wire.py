@@ -20,7 +20,7 @@ from google.protobuf import unknown_fields
 
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.plan import DeploymentPlan
-from jaxserve.core.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
+from jaxserve.core.request import MAX_STOP_TOKEN_IDS, FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.serving.chat_template import JinjaChatTemplate, render_chat
 
@@ -36,7 +36,6 @@ _FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_T
 # before any tokenizer or model work (the gRPC message size limit caps the rest).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 256
 MAX_N = 16  # samples per prompt
 

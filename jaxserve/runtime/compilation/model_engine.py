@@ -30,7 +30,6 @@ import numpy as np
 from jaxserve.core.request import SamplingParams
 from jaxserve.runtime.compilation.background import BackgroundWarmup, CompileJob
 from jaxserve.runtime.compilation.plan import (
-    MIN_STOP_WIDTH,
     compile_order,
     foreground_prefill,
     foreground_steps,
@@ -39,6 +38,7 @@ from jaxserve.runtime.compilation.plan import (
     prefill_buckets,
     prompt_buckets,
     step_buckets,
+    stop_width,
 )
 from jaxserve.runtime.engines.contract import KVCopy, KVLayout, KVPages, PrefillItem, SequenceKV, StageKV, WarmupSpec
 from jaxserve.runtime.kv_pool import (
@@ -251,7 +251,7 @@ class ModelWarmup(BackgroundWarmup):
                                 caches[0],
                                 np.zeros((b, m), np.int32),
                                 sampling_inputs([], [], [], b),
-                                np.full((b, MIN_STOP_WIDTH), -1, np.int32),
+                                np.full((b, stop_width(len(self._cfg.eos_token_ids))), -1, np.int32),
                                 spec.decode_steps,
                                 all_greedy,
                                 with_lp,

@@ -13,13 +13,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from jaxserve.core.request import MAX_STOP_TOKEN_IDS
 from jaxserve.runtime.engines.contract import bucket
 
 MIN_PROMPT_BUCKET = 16
-MIN_STOP_WIDTH = 4  # stop ids per row in a multi-step program, padded (EOS + up to 3 stop ids: one program)
 SHORT_PROMPT_BUCKET = 128  # background warm-up: a single prompt of up to this many tokens has its own bucket at once
 
 PrefillShape = tuple[int, int]  # (rows, tokens)
+
+
+def stop_width(num_eos_ids: int) -> int:
+    """Stop ids per row in a multi-step decode program: every row is padded to this one width, the most any
+    admitted request can need (`MAX_STOP_TOKEN_IDS` of its own plus the model's EOS ids), so no count of stop ids
+    a client sends compiles another program after ready. A row's check is one compare per padded id per step."""
+    return MAX_STOP_TOKEN_IDS + num_eos_ids
+
+
 StepShape = tuple[int, int, int]  # (rows, tokens, table width)
 
 

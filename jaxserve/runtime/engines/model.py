@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from jaxserve.runtime.compilation.model_engine import ModelWarmup
-from jaxserve.runtime.compilation.plan import MIN_PROMPT_BUCKET, MIN_STOP_WIDTH
+from jaxserve.runtime.compilation.plan import MIN_PROMPT_BUCKET, stop_width
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
@@ -328,7 +328,7 @@ class ModelEngine(ModelWarmup, Engine):
         remaining = np.zeros(b, np.int32)
         tables = np.zeros((b, m), np.int32)
         stops = [row_stops(r, self._cfg.eos_token_ids) for r in rows]
-        stop_ids = np.full((b, bucket(max(len(x) for x in stops), MIN_STOP_WIDTH)), -1, np.int32)
+        stop_ids = np.full((b, stop_width(len(self._cfg.eos_token_ids))), -1, np.int32)
         for i, r in enumerate(rows):
             tokens[i], starts[i], active[i] = r.token_ids[0], r.start_position, True
             remaining[i] = r.sampling.max_tokens - r.sample_index
