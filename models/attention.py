@@ -1,9 +1,10 @@
 """The attention and KV layer every decoder family shares: caches, attention math, the layer loop.
 
-A family (`models.opt`, `models.llama`) writes one function: its decoder layer body, which projects
+A family's decoder layer (`models.opt.OPTLayer`, `models.llama.LlamaLayer`: `flax.nnx` modules) projects
 q/k/v, calls `attend(i, q, k, v, cache)` and finishes the layer. This module owns everything about
 K/V: the cache pytrees, how a step writes its new K/V and reads the cache back, and the softmax
-over the parts. So a third family is one file of layers plus a config mapping.
+over the parts (the paged decode step calls `models.paged_attention`'s XLA, Pallas and C++ forms). So a
+third family is one file with one model class plus a config mapping.
 
 KV shapes are `[kv_heads, head_dim]` per position. Query heads come in groups of
 `G = num_heads // kv_heads` that share one K/V head (GQA; G = 1 is MHA, kv_heads = 1 is MQA);
@@ -24,13 +25,12 @@ tokens per row into a block pool: a paged decode step or a chunked prefill).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models.paged_attention import BlockLayout, Impl, paged_decode_attention
 from models.pytree import pytree_dataclass, static_field
@@ -159,10 +159,10 @@ def paged_cache_shape(
 # It writes the layer's new K/V into the cache first, then reads that layer back: each read comes
 # after its layer's write and before the next layer's, so XLA updates the donated cache in place.
 Attend = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-# Stacked layer leaves [L, ...] (checkpoints, scan) or one dict per layer (`unstack_layers`, serving).
-Layers = Mapping[str, Any] | Sequence[Mapping[str, Any]]
-# A family's decoder layer: (layer params, x [B,T,h], layer index, attend, cache) -> (x, cache, (k, v)).
-LayerFn = Callable[[Mapping[str, Any], jax.Array, Any, Attend, Any], tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]]
+# The decoder layers of a step: a family's layer modules, run in order (`run_layers`).
+Layers = Sequence[Any]
+# A family's decoder layer: (layer, x [B,T,h], layer index, attend, cache) -> (x, cache, (k, v)).
+LayerFn = Callable[[Any, jax.Array, Any, Attend, Any], tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]]
 # One attention part: (k [B,S,KVH,D], v [B,S,KVH,D], mask [B,T,S]).
 Part = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -282,88 +282,6 @@ def head_major_attention(q1: jax.Array, parts: Sequence[Part], scale: float, gro
 # --------------------------------------------------------------------------------------------
 
 
-def num_layers_of(layers: Layers) -> int:
-    """Layer count of a stacked layer dict or a per-layer list."""
-    if isinstance(layers, Sequence):
-        return len(layers)
-    return int(jax.tree.leaves(dict(layers))[0].shape[0])
-
-
-def unstack_layers(layers: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Stacked layer leaves [L, ...] -> one dict of [...] leaves per layer (the serving layout).
-
-    Why two layouts: stacked leaves are what checkpoints hold and what a `lax.scan` walks, but
-    every per-layer slice of a stacked weight that feeds a dot is a copy on XLA:CPU (a scan
-    over the 12 MLP weights of opt-125m at batch 1: 13.4 ms; the same over separate arrays: 8.6 ms).
-    """
-    n = num_layers_of(layers)
-    return [jax.tree.map(lambda x, i=i: x[i], dict(layers)) for i in range(n)]
-
-
-def stack_layers(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The inverse of `unstack_layers`: per-layer dicts -> stacked leaves [L, ...]."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *[dict(lp) for lp in layers])
-
-
-# Projections that read the same input, fused into one matmul in the serving layout: fused name -> its parts.
-Fusions = Mapping[str, Sequence[str]]
-
-
-def fuse_projections(layer: Mapping[str, Any], fusions: Fusions) -> dict[str, Any]:
-    """One layer's params with each group of `fusions` concatenated into one `[in, sum(out)]` kernel (and bias).
-
-    Why: on CPU each dot is one library call, and three narrow ones (k/v are `[h, kv_heads * D]`, a third
-    of q's width under GQA) run slower than one wide one over the same input; the fused product's
-    columns are the parts' columns, in order. Only for a stage on one device: a tp split of the fused
-    kernel's columns would not give each device its own part of every projection. `unfuse_projections`
-    undoes it. A layer without a group's parts (or with the group already fused) keeps it as it is.
-    """
-    out = dict(layer)
-    for fused, parts in fusions.items():
-        if fused in out or not all(p in out for p in parts):
-            continue
-        biased = ["bias" in out[p] for p in parts]
-        if any(biased) and not all(biased):
-            continue  # mixed biases: leave separate (no family has them)
-        group = {"kernel": jnp.concatenate([out[p]["kernel"] for p in parts], axis=-1)}
-        if all(biased):
-            group["bias"] = jnp.concatenate([out[p]["bias"] for p in parts], axis=-1)
-        for p in parts:
-            del out[p]
-        out[fused] = group
-    return out
-
-
-def unfuse_projections(layer: Mapping[str, Any], fusions: Fusions, widths: Mapping[str, int]) -> dict[str, Any]:
-    """The inverse of `fuse_projections`: each fused group split back into its parts (`widths`: each part's out width)."""
-    out = dict(layer)
-    for fused, parts in fusions.items():
-        if fused not in out:
-            continue
-        group = out.pop(fused)
-        offsets = np.cumsum([widths[p] for p in parts])[:-1].tolist()
-        for key, whole in group.items():
-            for p, piece in zip(parts, jnp.split(whole, offsets, axis=-1), strict=True):
-                out.setdefault(p, {})[key] = piece
-    return out
-
-
-def projections(
-    x: jax.Array, layer: Mapping[str, Any], fused: str, parts: Sequence[tuple[str, int]]
-) -> list[jax.Array]:
-    """`x @ kernel (+ bias)` of each (name, out width) in `parts`: one matmul split by column when the layer holds
-    them fused as `fused` (`fuse_projections`), else one per part."""
-
-    def linear(p: Mapping[str, Any]) -> jax.Array:
-        y = jnp.dot(x, p["kernel"])
-        return y + p["bias"] if "bias" in p else y
-
-    if fused in layer:
-        offsets = np.cumsum([w for _, w in parts])[:-1].tolist()
-        return list(jnp.split(linear(layer[fused]), offsets, axis=-1))
-    return [linear(layer[name]) for name, _ in parts]
-
-
 def select_last(x: jax.Array, lengths: jax.Array) -> jax.Array:
     """Hidden state at position `lengths - 1` of each row: [B, T, ...] -> [B, ...] (0 for empty rows)."""
     idx = jnp.maximum(lengths - 1, 0)
@@ -375,29 +293,17 @@ def run_layers(
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
     """Run the decoder layers over x [B,T,h]. Returns (x, new k [L,B,T,KVH,D], new v, cache).
 
-    Per-layer dicts (`unstack_layers`, what the sharded model serves from) run as an unrolled Python
-    loop and `attend` gets the layer index as a Python int; stacked leaves run as a `lax.scan`
-    (compact programs for tests and tools) with the cache in the carry and a traced index.
+    An unrolled Python loop (`attend` gets the layer index as a Python int): each layer's weights are its own
+    arrays, read in place. (A `lax.scan` over stacked weights would slice them per layer, and every such slice
+    that feeds a dot is a copy on XLA:CPU: a scan over the 12 MLP weights of opt-125m at batch 1 took 13.4 ms,
+    the same over separate arrays 8.6 ms.)
     """
-
-    def body(
-        carry: tuple[jax.Array, Any], xs: tuple[Any, Any]
-    ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, jax.Array]]:
-        h, c = carry
-        i, lp = xs
-        h, c, kv = layer(lp, h, i, attend, c)
-        return (h, c), kv
-
-    if isinstance(layers, Sequence):
-        ks, vs = [], []
-        carry = (x, cache)
-        for i, lp in enumerate(layers):
-            carry, (k, v) = body(carry, (i, lp))
-            ks.append(k)
-            vs.append(v)
-        return carry[0], jnp.stack(ks), jnp.stack(vs), carry[1]
-    (x, cache), (kst, vst) = jax.lax.scan(body, (x, cache), (jnp.arange(num_layers_of(layers)), dict(layers)))
-    return x, kst, vst, cache
+    ks, vs = [], []
+    for i, lp in enumerate(layers):
+        x, cache, (k, v) = layer(lp, x, i, attend, cache)
+        ks.append(k)
+        vs.append(v)
+    return x, jnp.stack(ks), jnp.stack(vs), cache
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,14 +355,13 @@ def layers_decode(
 def _layers_decode_head_major(
     layers: Layers, layer: LayerFn, x: jax.Array, positions: jax.Array, cache: DecodeCache, scale: float
 ) -> tuple[jax.Array, DecodeCache]:
-    """`layers_decode` over a `DecodeCache`: unrolled over layers (stacked leaves are sliced per layer)."""
+    """`layers_decode` over a `DecodeCache` (one head-major buffer per layer)."""
     b = x.shape[0]
     n, s = cache.k[0].shape[0], cache.k[0].shape[1]  # n = B * KVH lines
     kvh = n // b
     pos = jnp.repeat(positions, kvh)  # [B*KVH]: each (row, KV head) line's write position
     old = jnp.arange(s)[None, :] < pos[:, None]  # [B*KVH, S]
     lines = jnp.arange(n)
-    per_layer = layers if isinstance(layers, Sequence) else unstack_layers(layers)
 
     def attend(i: Any, q: jax.Array, k: jax.Array, v: jax.Array, c: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         hd = q.shape[-1]
@@ -471,7 +376,7 @@ def _layers_decode_head_major(
         o = head_major_attention(q1, [(ki, vi, old), new], scale, grouped=group > 1)
         return o.reshape(q.shape).astype(q.dtype), c
 
-    x, _, _, cache = run_layers(per_layer, layer, x, attend, cache)
+    x, _, _, cache = run_layers(layers, layer, x, attend, cache)
     return x, cache
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 OPT_VOCAB_SIZE = 50272
 OPT_MAX_POSITIONS = 2048
@@ -20,8 +20,63 @@ OPT_POSITION_OFFSET = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class DecoderConfig:
+    """What every family's config is: a frozen, hashable dataclass (a static jit argument) of a decoder's shape.
+
+    The shared members live here once; a family's config (`OPTConfig`, `LlamaConfig`) adds its fields, its
+    per-layer and embedding parameter counts, its KV bytes and FLOPs per token, and its Hugging Face mapping.
+    """
+
+    name: str
+    num_layers: int
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+
+    @property
+    def head_dim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads per layer."""
+        raise NotImplementedError
+
+    @property
+    def num_layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        raise NotImplementedError
+
+    @property
+    def num_embedding_params(self) -> int:
+        """Parameters outside the decoder layers (embeddings, final norm, an untied head)."""
+        raise NotImplementedError
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    def with_dtype(self, dtype: str) -> Self:
+        return dataclasses.replace(self, dtype=dtype)  # type: ignore[type-var]
+
+    def _dtype_problems(self) -> list[str]:
+        return (
+            [] if self.dtype in _DTYPE_BYTES else [f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}"]
+        )
+
+    # ---- sizes the planner needs ----------------------------------------
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.num_layer_params + self.num_embedding_params
+
+    @property
+    def param_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+
 @dataclasses.dataclass(frozen=True)
-class OPTConfig:
+class OPTConfig(DecoderConfig):
     """Shape of an OPT decoder (the fields Hugging Face's OPTConfig uses)."""
 
     name: str
@@ -44,8 +99,8 @@ class OPTConfig:
             raise ValueError(
                 f"{self.name}: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
             )
-        if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"{self.name}: dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self._dtype_problems():
+            raise ValueError(f"{self.name}: " + "; ".join(self._dtype_problems()))
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -81,13 +136,6 @@ class OPTConfig:
         # Hugging Face builds final_layer_norm only for the pre-LN variant.
         return self.do_layer_norm_before
 
-    @property
-    def dtype_bytes(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
-
-    def with_dtype(self, dtype: str) -> OPTConfig:
-        return dataclasses.replace(self, dtype=dtype)
-
     # ---- sizes the planner needs ----------------------------------------
     @property
     def num_layer_params(self) -> int:
@@ -106,14 +154,6 @@ class OPTConfig:
         projections = 2 * self.embed_dim * self.hidden_size if self.has_projections else 0
         final_ln = 2 * self.hidden_size if self.has_final_layer_norm else 0
         return tokens + positions + projections + final_ln
-
-    @property
-    def num_params(self) -> int:
-        return self.num_layers * self.num_layer_params + self.num_embedding_params
-
-    @property
-    def param_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -298,7 +338,7 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """Shape of a Llama-style decoder; `from_hf_config` maps Llama, Qwen2 and Mistral `config.json`s onto it.
 
     Hashable (frozen, tuples only): the model functions take it as a static jit argument.
@@ -334,8 +374,7 @@ class LlamaConfig:
             problems.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.head_dim % 2:
             problems.append(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
-        if self.dtype not in _DTYPE_BYTES:
-            problems.append(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        problems += self._dtype_problems()
         if problems:
             raise ValueError(f"{self.name}: " + "; ".join(problems))
 
@@ -371,10 +410,6 @@ class LlamaConfig:
         return self.hidden_size
 
     @property
-    def dtype_bytes(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
-
-    @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
@@ -385,9 +420,6 @@ class LlamaConfig:
             if token is not None:
                 return token
         return 0
-
-    def with_dtype(self, dtype: str) -> LlamaConfig:
-        return dataclasses.replace(self, dtype=dtype)
 
     # ---- sizes the planner needs ----------------------------------------
     @property
@@ -404,14 +436,6 @@ class LlamaConfig:
         """Token table, final RMSNorm and an untied LM head (RoPE has no parameters)."""
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.vocab_size * self.hidden_size + self.hidden_size + head
-
-    @property
-    def num_params(self) -> int:
-        return self.num_layers * self.num_layer_params + self.num_embedding_params
-
-    @property
-    def param_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,165 +1,48 @@
-"""Llama-style decoders (Llama, Qwen2, Mistral) as pure JAX functions, equal to Hugging Face's `*ForCausalLM`.
+"""Llama-style decoders (Llama 3 with RoPE scaling, Qwen2's biases, Mistral; GQA / MQA / MHA; tied or untied
+head) as `flax.nnx` modules, equal to Hugging Face's `*ForCausalLM`.
 
-The family's layers only: RMSNorm, RoPE, the SwiGLU MLP and a layer body that projects q/k/v and
-hands them to the shared KV layer (`models.attention`), which owns the caches, how a step writes
-and reads K/V, and grouped-query attention. The config mapping is `models.config.LlamaConfig`.
-The functions have `models.opt`'s signatures, so whatever drives OPT (a pipeline stage, an engine)
-drives these the same way.
+`Llama` is the model, or a pipeline stage of it; `LlamaLayer` one pre-norm decoder layer: RMSNorm, q/k/v
+projections, RoPE, the shared KV layer's attention (`models.attention`: caches, grouped-query attention), o,
+and the SwiGLU MLP. The config mapping is `models.config.LlamaConfig`; everything else (the step kinds, the
+sharding, the loaders) is shared with `models.opt`.
 
-Param tree (`h` hidden, `f` intermediate, `q = num_heads * head_dim`, `k = kv_heads * head_dim`)::
+Module state (`h` hidden, `f` intermediate, `q = num_heads * head_dim`, `k = kv_heads * head_dim`; the
+checkpoint layout of `models.params` stacks the layer leaves `[L, ...]` and stores the one-weight modules bare)::
 
-    embed_tokens      [V, h]
-    lm_head           [V, h]          only when the head is untied (else embed_tokens is the head)
+    embed_tokens      {embedding [V, h]}
+    lm_head           {embedding [V, h]}  only when the head is untied (else embed_tokens is the head)
     norm              {scale [h]}     final RMSNorm
-    layers:
-      input_layernorm          {scale [L, h]}
-      q_proj {kernel [L, h, q], bias [L, q]}    biases only with cfg.qkv_bias (Qwen2)
-      k_proj {kernel [L, h, k], bias [L, k]}
-      v_proj {kernel [L, h, k], bias [L, k]}
-      o_proj {kernel [L, q, h], bias [L, h]}    bias only with cfg.o_bias
-      post_attention_layernorm {scale [L, h]}
-      gate_proj / up_proj {kernel [L, h, f]}
-      down_proj           {kernel [L, f, h]}
+    layers/N:
+      input_layernorm          {scale [h]}
+      q_proj {kernel [h, q], bias [q]}    biases only with cfg.qkv_bias (Qwen2)
+      k_proj {kernel [h, k], bias [k]}    (q/k/v one `qkv_proj` on a one-device stage)
+      v_proj {kernel [h, k], bias [k]}
+      o_proj {kernel [q, h], bias [h]}    bias only with cfg.o_bias
+      post_attention_layernorm {scale [h]}
+      gate_proj / up_proj {kernel [h, f]}  (one `gate_up_proj` on a one-device stage)
+      down_proj           {kernel [f, h]}
 
-Kernels are `[in, out]` (Hugging Face Linear weights transposed); the LM head stays `[V, h]` as
-the embedding is, so both heads are read by the same product.
-
-The forward passes are the shared skeleton's (`models.decoder`) bound to this file's `embed`,
-`layer` and `lm_head`, as in `models.opt`: `prefill`, `decode` (contiguous `KVCache` or
-`DecodeCache`), `extend_paged` (a `PagedKVCache` block pool; T == 1 decode, T > 1 chunked prefill); stage
-pieces `embed`, `run_layers_prefill`, `run_layers_decode`,
-`run_layers_paged`, `lm_head`, `stage_params`.
+Kernels are `[in, out]` (Hugging Face Linear weights transposed); the LM head stays `[V, h]` as the embedding
+is, so both heads are read by the same product.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from flax import nnx
 
 from models import attention as kv
-from models import decoder
+from models import decoder, layers
 from models.config import LlamaConfig
-from models.decoder import COLUMN_BIAS, COLUMN_KERNEL, ROW_KERNEL, Params
 
 # --------------------------------------------------------------------------------------------
-# Parameters
+# RoPE
 # --------------------------------------------------------------------------------------------
-
-
-def param_shapes(cfg: LlamaConfig, num_layers: int | None = None) -> dict[str, Any]:
-    """The param tree with a shape tuple at every leaf (the layout `init_params` and loaders produce)."""
-    h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers if num_layers is None else num_layers
-
-    def linear(i: int, o: int, bias: bool) -> dict[str, tuple[int, ...]]:
-        return {"kernel": (n, i, o), "bias": (n, o)} if bias else {"kernel": (n, i, o)}
-
-    shapes: dict[str, Any] = {
-        "embed_tokens": (cfg.vocab_size, h),
-        "norm": {"scale": (h,)},
-        "layers": {
-            "input_layernorm": {"scale": (n, h)},
-            "q_proj": linear(h, cfg.q_dim, cfg.qkv_bias),
-            "k_proj": linear(h, cfg.kv_dim, cfg.qkv_bias),
-            "v_proj": linear(h, cfg.kv_dim, cfg.qkv_bias),
-            "o_proj": linear(cfg.q_dim, h, cfg.o_bias),
-            "post_attention_layernorm": {"scale": (n, h)},
-            "gate_proj": linear(h, f, False),
-            "up_proj": linear(h, f, False),
-            "down_proj": linear(f, h, False),
-        },
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, h)
-    return shapes
-
-
-def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Random weights (normal(0, 0.02) matrices, small random biases, unit RMSNorm scales)."""
-    dtype = jnp.dtype(dtype)
-    leaves, treedef = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, shape), k in zip(leaves, keys, strict=True):
-        if "scale" in jax.tree_util.keystr(path):
-            out.append(jnp.ones(shape, dtype))
-        else:
-            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-def param_specs(cfg: LlamaConfig, first: bool, last: bool, kv_split: bool) -> dict[str, Any]:
-    """PartitionSpecs of a stage's param tree (the structure of `stage_params`; `models.sharding` places by it).
-
-    q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel, RMSNorm scales and the head
-    replicated; k/v replicated too when `kv_split` is false (tp a multiple of the K/V heads).
-    """
-    col, row = {"kernel": COLUMN_KERNEL, "bias": COLUMN_BIAS}, {"kernel": ROW_KERNEL}
-    kv_spec = col if kv_split else {"kernel": P(), "bias": P()}
-
-    def keep(spec: dict[str, P], bias: bool) -> dict[str, P]:
-        return spec if bias else {"kernel": spec["kernel"]}
-
-    specs: dict[str, Any] = {
-        "layers": {
-            "input_layernorm": {"scale": P()},
-            "q_proj": keep(col, cfg.qkv_bias),
-            "k_proj": keep(kv_spec, cfg.qkv_bias),
-            "v_proj": keep(kv_spec, cfg.qkv_bias),
-            "o_proj": {**row, "bias": P()} if cfg.o_bias else row,
-            "post_attention_layernorm": {"scale": P()},
-            "gate_proj": keep(col, False),
-            "up_proj": keep(col, False),
-            "down_proj": row,
-        }
-    }
-    if first or (last and cfg.tie_word_embeddings):
-        specs["embed_tokens"] = P()
-    if last:
-        specs["norm"] = {"scale": P()}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head"] = P()
-    return specs
-
-
-def stage_params(params: Params, cfg: LlamaConfig, start: int, end: int) -> Params:
-    """The part of `params` a pipeline stage holding layers `[start, end)` needs.
-
-    The first stage keeps `embed_tokens`; the last the final norm and the LM head (`embed_tokens`
-    itself when the head is tied).
-    """
-    first, last = start == 0, end == cfg.num_layers
-    out: Params = {"layers": jax.tree.map(lambda x: x[start:end], params["layers"])}
-    if first or (last and cfg.tie_word_embeddings):
-        out["embed_tokens"] = params["embed_tokens"]
-    if last:
-        out["norm"] = params["norm"]
-        if not cfg.tie_word_embeddings:
-            out["lm_head"] = params["lm_head"]
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: jax.Array, p: Mapping[str, Any], eps: float) -> jax.Array:
-    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale (in that order)."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
-    return p["scale"] * y.astype(x.dtype)
-
-
-def _linear(x: jax.Array, p: Mapping[str, Any]) -> jax.Array:
-    y = jnp.dot(x, p["kernel"])
-    return y + p["bias"] if "bias" in p else y
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -202,93 +85,96 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def embed(params: Params, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-    """Token embeddings (first pipeline stage; RoPE acts inside attention). tokens [B, T] -> [B, T, h].
+# --------------------------------------------------------------------------------------------
+# The model: Llama-style layers as `flax.nnx` modules (attention and the KV cache are `models.attention`'s)
+# --------------------------------------------------------------------------------------------
 
-    `positions` is unused: taken so a stage calls `embed` of either family the same way.
+
+class LlamaLayer(nnx.Module):
+    """One pre-norm decoder layer: RMSNorm, q/k/v (GQA), RoPE, the shared KV layer's `attend`, o, SwiGLU MLP."""
+
+    def __init__(self, cfg: LlamaConfig, *, fused: bool, dtype: Any, rngs: nnx.Rngs) -> None:
+        h, f, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        self.cfg = cfg
+        self.input_layernorm = layers.RMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        layers.add_projections(
+            self, h, _qkv_parts(cfg), "qkv_proj", bias=cfg.qkv_bias, fused=fused, dtype=dtype, rngs=rngs
+        )
+        self.o_proj = layers.linear(cfg.q_dim, h, ("heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = layers.RMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        layers.add_projections(
+            self, h, _gate_up_parts(cfg), "gate_up_proj", bias=False, fused=fused, dtype=dtype, rngs=rngs
+        )
+        self.down_proj = layers.linear(f, h, ("mlp", "embed"), bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, h: jax.Array, i: Any, attend: kv.Attend, c: Any, rope: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]:
+        """h [B,T,h] -> (h, cache, (k, v) [B,T,KVH,D]); K is cached after RoPE (as Hugging Face caches it)."""
+        b, t, _ = h.shape
+        nh, kvh, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        cos, sin = rope
+        y = self.input_layernorm(h)
+        q, k, v = layers.project(self, y, _qkv_parts(self.cfg), "qkv_proj")  # one matmul where fused
+        q = apply_rope(q.reshape(b, t, nh, hd), cos, sin)  # [B, T, H, D]
+        k = apply_rope(k.reshape(b, t, kvh, hd), cos, sin)  # [B, T, KVH, D]
+        v = v.reshape(b, t, kvh, hd)
+        o, c = attend(i, q, k, v, c)
+        h = h + self.o_proj(o.reshape(b, t, nh * hd))
+        y = self.post_attention_layernorm(h)
+        gate, up = layers.project(self, y, _gate_up_parts(self.cfg), "gate_up_proj")
+        return h + self.down_proj(jax.nn.silu(gate) * up), c, (k, v)  # SwiGLU
+
+
+class Llama(nnx.Module):
+    """A Llama-style model (Llama, Qwen2, Mistral), or a pipeline stage of it: `num_layers` decoder layers,
+    `embed_tokens` on the first stage, the final RMSNorm and the head on the last (`embed_tokens` itself when
+    the head is tied, `lm_head` [V, h] when not). The shared skeleton (`models.decoder`) runs it.
     """
-    del positions
-    return jnp.take(params["embed_tokens"], tokens, axis=0)
+
+    HF_NAMING: ClassVar[decoder.HFNaming]
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        stage: layers.Stage = layers.WHOLE,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        h = cfg.hidden_size
+        first, last, fused = stage.first, stage.last, stage.fused
+        self.cfg, self.first, self.last = cfg, first, last
+        if first or (last and cfg.tie_word_embeddings):
+            self.embed_tokens = layers.embed(cfg.vocab_size, h, ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        n = cfg.num_layers if stage.num_layers is None else stage.num_layers
+        self.layers = nnx.List([LlamaLayer(cfg, fused=fused, dtype=dtype, rngs=rngs) for _ in range(n)])
+        if last:
+            self.norm = layers.RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            if not cfg.tie_word_embeddings:  # [V, h] as the embedding is, so both heads are read by one product
+                self.lm_head = layers.embed(cfg.vocab_size, h, ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Token embeddings (first stage; RoPE acts inside attention). tokens [B, T] -> [B, T, h]."""
+        del positions
+        return self.embed_tokens(tokens)
+
+    def layer_context(self, positions: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+        """The RoPE tables of a step whose new tokens sit at `positions` [B, T]: built once, read by every layer."""
+        return rope_tables(self.cfg, positions, dtype)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final RMSNorm and the LM head (last stage): [..., h] -> float32 logits [..., V]."""
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        return layers.tied_logits(head.embedding[...], self.norm(x))
 
 
-def lm_head(params: Params, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
-    """Final RMSNorm and the LM head (last pipeline stage): [..., h] -> float32 logits [..., V]."""
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, h]
-    flat = x.reshape(-1, x.shape[-1])  # [N, h]; [V, h] @ [h, N] so XLA:CPU does not materialise head.T
-    logits = jnp.dot(head, flat.T, preferred_element_type=jnp.float32).T  # [N, V]
-    return logits.reshape(*x.shape[:-1], logits.shape[-1])
+def _qkv_parts(cfg: LlamaConfig) -> tuple[tuple[str, int, str], ...]:
+    return (("q_proj", cfg.q_dim, "heads"), ("k_proj", cfg.kv_dim, "kv_heads"), ("v_proj", cfg.kv_dim, "kv_heads"))
 
 
-# --------------------------------------------------------------------------------------------
-# The decoder layer (attention and the KV cache are `models.attention`'s)
-# --------------------------------------------------------------------------------------------
-
-
-def _layer(
-    lp: Mapping[str, Any],
-    h: jax.Array,
-    i: Any,
-    attend: kv.Attend,
-    c: Any,
-    *,
-    cfg: LlamaConfig,
-    rope: tuple[jax.Array, jax.Array],
-) -> tuple[jax.Array, Any, tuple[jax.Array, jax.Array]]:
-    """One pre-norm decoder layer over h [B,T,h]; K is cached after RoPE (as Hugging Face caches it)."""
-    b, t, _ = h.shape
-    nh, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    cos, sin = rope
-    y = rms_norm(h, lp["input_layernorm"], eps)
-    q, k, v = kv.projections(y, lp, "qkv_proj", _qkv_parts(cfg))  # one matmul where fused (`fuse_layer`)
-    q = apply_rope(q.reshape(b, t, nh, hd), cos, sin)  # [B, T, H, D]
-    k = apply_rope(k.reshape(b, t, kvh, hd), cos, sin)  # [B, T, KVH, D]
-    v = v.reshape(b, t, kvh, hd)
-    o, c = attend(i, q, k, v, c)
-    h = h + _linear(o.reshape(b, t, nh * hd), lp["o_proj"])
-    y = rms_norm(h, lp["post_attention_layernorm"], eps)
-    gate, up = kv.projections(y, lp, "gate_up_proj", _gate_up_parts(cfg))
-    y = jax.nn.silu(gate) * up  # SwiGLU
-    return h + _linear(y, lp["down_proj"]), c, (k, v)
-
-
-def layer(cfg: LlamaConfig, positions: jax.Array, dtype: Any) -> kv.LayerFn:
-    """The layer body of a step whose new tokens sit at `positions` [B, T]: RoPE tables built once for all layers."""
-    return partial(_layer, cfg=cfg, rope=rope_tables(cfg, positions, dtype))
-
-
-# Projections of one input, fused into one matmul in the serving layout of a one-device stage (`fuse_layer`).
-FUSIONS: kv.Fusions = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def _qkv_parts(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
-    return (("q_proj", cfg.q_dim), ("k_proj", cfg.kv_dim), ("v_proj", cfg.kv_dim))
-
-
-def _gate_up_parts(cfg: LlamaConfig) -> tuple[tuple[str, int], ...]:
-    return (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))
-
-
-def fuse_layer(lp: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
-    """One layer's params with q/k/v and gate/up each as one matmul (`attention.fuse_projections`)."""
-    del cfg
-    return kv.fuse_projections(lp, FUSIONS)
-
-
-def unfuse_layer(lp: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
-    """The inverse of `fuse_layer` (the layout checkpoints hold)."""
-    return kv.unfuse_projections(lp, FUSIONS, dict(_qkv_parts(cfg) + _gate_up_parts(cfg)))
-
-
-# --------------------------------------------------------------------------------------------
-# Forward passes: the shared skeleton (`models.decoder`) over this file's embed, layer and head
-# --------------------------------------------------------------------------------------------
-
-DECODER = decoder.Decoder(embed=embed, layer=layer, lm_head=lm_head)
-run_layers_prefill = DECODER.run_layers_prefill
-run_layers_decode = DECODER.run_layers_decode
-run_layers_paged = DECODER.run_layers_paged
-prefill, decode, extend_paged = decoder.jit_entry_points(DECODER)
+def _gate_up_parts(cfg: LlamaConfig) -> tuple[tuple[str, int, str], ...]:
+    return (("gate_proj", cfg.intermediate_size, "mlp"), ("up_proj", cfg.intermediate_size, "mlp"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,4 +192,4 @@ _HF_TOP: dict[tuple[str, ...], tuple[str, bool]] = {
     ("norm", "scale"): ("norm.weight", False),
     ("lm_head",): ("lm_head.weight", False),  # [V, h] as our head is: no transpose
 }
-HF_NAMING = decoder.HFNaming(("model.", ""), _HF_LAYER, _HF_TOP, frozenset({("lm_head",)}))
+Llama.HF_NAMING = HF_NAMING = decoder.HFNaming(("model.", ""), _HF_LAYER, _HF_TOP, frozenset({("lm_head",)}))

@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.core.limits import ServingLimits
-from models.attention import DecodeCache, KVCache, init_paged_cache, insert_into_pages, unstack_layers
+from models.attention import DecodeCache, KVCache, init_paged_cache, insert_into_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,6 +158,13 @@ def _parse() -> argparse.Namespace:
         action="store_true",
         help="only contiguous decode: the stacked KVCache [L,B,T,H,D] (old) vs the per-layer DecodeCache, interleaved",
     )
+    ap.add_argument(
+        "--tree-ab",
+        default="",
+        metavar="OLD_ROOT",
+        help="the serving model (ShardedModel: prefill of each --prompt-len, paged decode steps of each --batches at "
+        "--context) of the tree at OLD_ROOT against this tree's, in two worker processes, interleaved",
+    )
     ap.add_argument("--json", default="", help="write all samples here")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="'' for no plot")
     args = ap.parse_args()
@@ -237,6 +244,8 @@ def stats(xs: list[float]) -> tuple[float, float]:
 def main() -> int:
     args = _parse()
     pin_threads(args.threads)
+    if args.tree_ab:
+        return _tree_ab(args)
     sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
@@ -244,10 +253,9 @@ def main() -> int:
 
     from models.checkpoint import params_from_hf_tensors
     from models.config import get_model_config
-    from models.sharding import family
+    from models.params import fuse_layer, init_params, unstack_layers
 
     cfg = get_model_config(args.model)
-    fam = family(cfg)
     dtype = jnp.dtype(args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     use_torch = not args.no_torch
@@ -267,10 +275,10 @@ def main() -> int:
         hf = hf.to(args.torch_device)
         host = params_from_hf_tensors(tensors, cfg, source="in-memory HF model")
     else:
-        host = jax.tree.map(np.asarray, fam.init_params(cfg, jax.random.key(0), jnp.float32))
+        host = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), jnp.float32))
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), host)
     # the serving layout of a one-device stage (what ShardedModel runs): one dict per layer, projections fused
-    params["layers"] = [fam.fuse_layer(lp, cfg) for lp in unstack_layers(params["layers"])]
+    params["layers"] = [fuse_layer(lp) for lp in unstack_layers(params["layers"])]
     del host
     load_before = load_avg()
     print(
@@ -365,6 +373,59 @@ def main() -> int:
     return _finish(args, record, load_before)
 
 
+def _tree_ab(args: argparse.Namespace) -> int:
+    """`--tree-ab OLD_ROOT`: old tree vs this tree, each in its own worker (scripts/bench_tree_worker.py, which
+    imports `models` from its tree only), timed in turns (old, new, old, new, ...) after one warm-up round."""
+    import subprocess
+
+    trees = {"old": Path(args.tree_ab).resolve(), "new": ROOT}
+    workers = {}
+    for name, root in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_tree_worker.py"), args.model, args.dtype]
+        workers[name] = subprocess.Popen(
+            cmd, env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+    for name, w in workers.items():
+        print(f"{name}: models from {json.loads(w.stdout.readline())['ready']}", flush=True)  # type: ignore[union-attr]
+
+    def ask(name: str, line: str) -> float:
+        w = workers[name]
+        w.stdin.write(line + "\n")  # type: ignore[union-attr]
+        w.stdin.flush()  # type: ignore[union-attr]
+        return float(json.loads(w.stdout.readline())["seconds"])  # type: ignore[union-attr]
+
+    jobs = [] if args.no_prefill else [(f"prefill {t}", f"prefill {t}", 1) for t in args.prompt_len.split(",")]
+    if not args.no_decode:
+        jobs += [
+            (f"decode b={b} ctx={args.context}", f"decode {b} {args.context} {args.decode_steps}", args.decode_steps)
+            for b in args.batches.split(",")
+        ]
+    print(f"{args.model} {args.dtype}, ms per step (min / median of {args.reps}), load {load_avg():.2f}")
+    rows = []
+    for label, line, per in jobs:
+        for name in workers:  # warm-up: compiles
+            ask(name, line)
+        ms: dict[str, list[float]] = {name: [] for name in workers}
+        load = load_avg()
+        for _ in range(args.reps):
+            for name in workers:
+                ms[name].append(ask(name, line) / per * 1e3)
+        (o_min, o_med), (n_min, n_med) = stats(ms["old"]), stats(ms["new"])
+        print(
+            f"  {label:<24} old {o_min:8.2f} / {o_med:8.2f}   new {n_min:8.2f} / {n_med:8.2f}   "
+            f"new/old {n_min / o_min:.3f} (median {n_med / o_med:.3f})   load {load:.2f} -> {load_avg():.2f}",
+            flush=True,
+        )
+        rows.append({"job": label, **{f"{k}_ms": v for k, v in ms.items()}})
+    for w in workers.values():
+        w.stdin.close()  # type: ignore[union-attr]
+        w.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tree_ab": rows, "model": args.model}, indent=1))
+    return 0
+
+
 def _finish(args: argparse.Namespace, record: dict[str, Any], load_before: float) -> int:
     load_after = load_avg()
     record["load_before"], record["load_after"] = load_before, load_after
@@ -392,9 +453,7 @@ def _prefill(args: argparse.Namespace, t: int, cfg: Any, params: Any, hf: Any, t
     import jax.numpy as jnp
     import numpy as np
 
-    from models.sharding import family
-
-    fam = family(cfg)
+    from models import steps as model_steps  # the whole-model steps of every family
 
     prompt = rng.integers(3, cfg.vocab_size, (1, t)).astype(np.int32)
     lengths = np.array([t], np.int32)
@@ -404,7 +463,7 @@ def _prefill(args: argparse.Namespace, t: int, cfg: Any, params: Any, hf: Any, t
     b = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
     dot = jax.jit(jnp.dot)
     contenders: dict[str, Callable[[], Any]] = {
-        "jax": lambda: jax.block_until_ready(fam.prefill(params, cfg, prompt, lengths)),
+        "jax": lambda: jax.block_until_ready(model_steps.prefill(params, cfg, prompt, lengths)),
         "dot": lambda: dot(a, b).block_until_ready(),
     }
     if hf is not None:
@@ -465,13 +524,11 @@ def _jax_decode_contenders(
     import jax.numpy as jnp
     import numpy as np
 
-    from models.sharding import family
-
-    fam = family(cfg)
+    from models import steps as model_steps  # the whole-model steps of every family
 
     bsz, ctx = prompts.shape
     cap = ctx + steps + 1
-    _, kv = fam.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
+    _, kv = model_steps.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
     state: dict[str, Any] = {"cache": DecodeCache.from_kv(kv, cap)}  # the per-layer head-major decode layout
     tok = jnp.asarray(prompts[:, -1])
     positions = [jnp.full((bsz,), ctx + i, jnp.int32) for i in range(steps)]
@@ -479,7 +536,7 @@ def _jax_decode_contenders(
     def run_contiguous() -> None:
         cache = state["cache"]
         for pos in positions:
-            logits, cache = fam.decode(params, cfg, tok, pos, cache)
+            logits, cache = model_steps.decode(params, cfg, tok, pos, cache)
         jax.block_until_ready(logits)
         state["cache"] = cache
 
@@ -503,7 +560,7 @@ def _jax_decode_contenders(
         def run_paged(name: str = name, impl: str = impl, layout: str = layout) -> None:
             cache = state["pages", name]
             for pos in positions:
-                logits, cache = fam.extend_paged(
+                logits, cache = model_steps.extend_paged(
                     params, cfg, tok[:, None], pos, ones, cache, tables, attention=impl, block_layout=layout
                 )
             jax.block_until_ready(logits)
@@ -619,9 +676,7 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
     import jax.numpy as jnp
     import numpy as np
 
-    from models.sharding import family
-
-    fam = family(cfg)
+    from models import steps as model_steps  # the whole-model steps of every family
 
     ctx, steps = args.context, args.decode_steps
     print(f"contiguous decode A/B at context {ctx}, {steps} steps per sample; ms per step (min/median)")
@@ -630,7 +685,7 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
     rows = []
     for bsz in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(3, cfg.vocab_size, (bsz, ctx)).astype(np.int32)
-        _, kv = fam.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
+        _, kv = model_steps.prefill(params, cfg, prompts, np.full(bsz, ctx, np.int32))
         cap = ctx + steps + 1
         pad = ((0, 0), (0, 0), (0, cap - ctx), (0, 0), (0, 0))
         state: dict[str, Any] = {
@@ -644,7 +699,7 @@ def _decode_ab(args: argparse.Namespace, cfg: Any, params: Any, rng: Any) -> dic
         def run(name: str, state: dict[str, Any] = state, tok: Any = tok, positions: list[Any] = positions) -> None:
             cache = state[name]
             for pos in positions:
-                logits, cache = fam.decode(params, cfg, tok, pos, cache)
+                logits, cache = model_steps.decode(params, cfg, tok, pos, cache)
             jax.block_until_ready(logits)
             state[name] = cache
 

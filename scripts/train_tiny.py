@@ -13,8 +13,9 @@ makes them on a laptop-class CPU in about ten minutes:
    post-processor puts `</s>` in front of every encoded text, like OPT's GPT-2 tokenizer does.
 3. Data: each file becomes `</s>` + its tokens; the files are concatenated into one stream and
    training windows are cut at random offsets (the model sees file starts at every position).
-4. Model and loss: `models.opt.prefill(..., all_logits=True)` — the serving forward pass itself —
-   under next-token cross-entropy; AdamW with warm-up and cosine decay. Most steps use windows of
+4. Model and loss: the `models.opt.OPT` module (`flax.nnx`), its serving prefill with all-position logits
+   (`models.decoder.stage_prefill`) under next-token cross-entropy; AdamW (optax) with warm-up and cosine
+   decay, applied by `nnx.Optimizer`. Most steps use windows of
    `--seq-len` tokens; the last `--long-frac` of steps use `max_position_embeddings` (512) so every
    position row the server can read has been trained.
 5. Output (`--out`, default `jaxserve/assets/opt-code-tiny/`): a Hugging Face directory written by
@@ -209,24 +210,29 @@ def _decay_mask(params: Any) -> Any:
     import jax
 
     def wants_decay(path: tuple[Any, ...], _: Any) -> bool:
-        last = jax.tree_util.keystr(path[-1:])
-        return "kernel" in last or "embed_tokens" in last or "embed_positions" in last
+        name = jax.tree_util.keystr(path)  # the module-state path: ...['fc1']['kernel'], ['embed_tokens']['embedding']
+        return "'kernel'" in name or "'embedding'" in name
 
     return jax.tree_util.tree_map_with_path(wants_decay, params)
 
 
 def make_train_fns(cfg: Any, s: TrainSettings) -> tuple[Any, Any, Any]:
-    """(optimizer, jitted train step, jitted mean loss) around the serving forward pass."""
+    """(optax transform, jitted train step, jitted loss) around the serving forward pass of the NNX model.
+
+    The train step takes the model and its `nnx.Optimizer` and updates both in place; the loss is the
+    serving prefill's all-position logits (`models.decoder.stage_prefill`) against the next tokens.
+    """
     import jax
     import jax.numpy as jnp
     import optax
+    from flax import nnx
 
-    from models import opt
+    from models import decoder
 
-    def loss_fn(params: Any, windows: jax.Array) -> jax.Array:
+    def loss_fn(model: Any, windows: jax.Array) -> jax.Array:
         inputs, targets = windows[:, :-1], windows[:, 1:]  # [B, T]
         lengths = jnp.full((inputs.shape[0],), inputs.shape[1], jnp.int32)
-        logits, _ = opt.prefill(params, cfg, inputs, lengths, all_logits=True)  # [B, T, V] float32
+        logits, _ = decoder.stage_prefill(model, inputs, lengths, all_logits=True)  # [B, T, V] float32
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     schedule = optax.warmup_cosine_decay_schedule(
@@ -237,20 +243,20 @@ def make_train_fns(cfg: Any, s: TrainSettings) -> tuple[Any, Any, Any]:
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=s.weight_decay, mask=_decay_mask),
     )
 
-    @jax.jit
-    def train_step(params: Any, opt_state: Any, windows: jax.Array) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    @nnx.jit
+    def train_step(model: Any, optimizer: Any, windows: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(loss_fn)(model, windows)
+        optimizer.update(model, grads)
+        return loss
 
-    return tx, train_step, jax.jit(loss_fn)
+    return tx, train_step, nnx.jit(loss_fn)
 
 
-def mean_loss(loss_fn: Any, params: Any, windows: np.ndarray, batch: int = 8) -> float:
+def mean_loss(loss_fn: Any, model: Any, windows: np.ndarray, batch: int = 8) -> float:
     """Token-weighted mean loss over fixed windows (equal-size chunks; the ragged tail is dropped)."""
     n = (len(windows) // batch) * batch or len(windows)
     chunks = [windows[i : i + batch] for i in range(0, n, batch)]
-    return float(np.mean([float(loss_fn(params, c)) for c in chunks]))
+    return float(np.mean([float(loss_fn(model, c)) for c in chunks]))
 
 
 def batch_schedule(s: TrainSettings) -> Iterator[tuple[int, int]]:
@@ -280,8 +286,10 @@ def greedy_complete(model: Any, tok: Any, prompt: str, max_new_tokens: int, widt
 def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from models import opt
+    from models import params as module_params
     from models.checkpoint import load_tokenizer, save_hf_checkpoint
     from models.config import OPTConfig
     from models.sharding import ShardedOPT
@@ -326,14 +334,15 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
         eos_token_id=BOS_ID,
         dtype="float32",
     )
-    params = opt.init_params(cfg, jax.random.key(s.seed), jnp.float32)
+    model = opt.OPT(cfg, rngs=nnx.Rngs(s.seed))  # normal(0.02) matrices, zero biases, unit LayerNorm scales
+    num_params = opt.num_params(nnx.state(model, nnx.Param))
     print(
         f"model: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads, ffn {cfg.ffn_dim}, "
-        f"vocab {cfg.vocab_size}, positions {cfg.max_position_embeddings}: {opt.num_params(params) / 1e6:.2f} M params",
+        f"vocab {cfg.vocab_size}, positions {cfg.max_position_embeddings}: {num_params / 1e6:.2f} M params",
         flush=True,
     )
     tx, train_step, loss_fn = make_train_fns(cfg, s)
-    opt_state = tx.init(params)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = np.random.default_rng(s.seed)
     val_windows = fixed_windows(val_stream, s.seq_len, max_windows=48)
 
@@ -343,12 +352,12 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     t_train = time.perf_counter()
     for step, (batch, seq) in enumerate(batch_schedule(s), start=1):
         windows = random_windows(train_stream, batch, seq, rng)
-        params, opt_state, loss = train_step(params, opt_state, jnp.asarray(windows))
+        loss = train_step(model, optimizer, jnp.asarray(windows))
         tokens_seen += batch * seq
         loss_f = float(loss)
         ema = loss_f if ema is None else 0.9 * ema + 0.1 * loss_f
         if step % s.eval_every == 0 or step == s.steps:
-            val = mean_loss(loss_fn, params, val_windows)
+            val = mean_loss(loss_fn, model, val_windows)
             elapsed = time.perf_counter() - t_train
             curve.append(
                 {"step": step, "train_loss": round(ema, 4), "val_loss": round(val, 4), "elapsed_s": round(elapsed, 1)}
@@ -364,6 +373,7 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     # Save through the serving checkpoint code, then read it back the way the server will.
     device = jax.devices()[0]
     save_cfg = cfg.with_dtype(s.save_dtype)
+    params = module_params.params_from_state(cfg, nnx.state(model, nnx.Param))  # the checkpoint layout
     save_params = jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(s.save_dtype)), params)
     if out.exists():
         shutil.rmtree(out)
@@ -372,15 +382,14 @@ def train(s: TrainSettings, out: Path, log_every: int = 10) -> dict[str, Any]:
     restored = ShardedOPT.load(out, tp=1, pp=1, devices=[device], dtype="float32")
     tok2 = load_tokenizer(out)
     assert tok2 is not None
-    restored_params = restored.stage_params[0]
-    val_restored = mean_loss(loss_fn, restored_params, val_windows)
+    val_restored = mean_loss(loss_fn, nnx.merge(restored.graphdefs[0], restored.run_params[0]), val_windows)
     prompts = ["def ", "import ", "class "] if s.sample_tokens else []
     width = min(cfg.max_position_embeddings, 128)
     samples = {p: greedy_complete(restored, tok2, p, s.sample_tokens, width) for p in prompts}
 
     info = {
         "model": dataclasses.asdict(save_cfg),
-        "num_params": opt.num_params(params),
+        "num_params": num_params,
         "settings": dataclasses.asdict(s),
         "corpus": {
             "python": platform.python_version(),

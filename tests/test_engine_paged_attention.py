@@ -174,11 +174,12 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     """A decode step of opt-tiny through the kernel (interpreted on CPU) gives XLA's logits and pool."""
     import jax
 
-    from models import opt
+    from models import steps
     from models.config import get_config
+    from models.params import init_params
 
     cfg = get_config("opt-tiny")
-    params = opt.init_params(cfg, jax.random.key(0))
+    params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(1)
     b, bs, m = 2, 4, 4
     tables = jnp.asarray([[5, 2, 7, 0], [1, 3, 4, 6]], jnp.int32)
@@ -192,9 +193,11 @@ def test_extend_paged_decode_with_the_pallas_kernel_equals_xla() -> None:
     ]  # fmt: skip
     for impl, layout in cases:
         pool = init_paged_cache(cfg, 8, bs, block_layout=layout)
-        _, pool = opt.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
+        _, pool = steps.extend_paged(params, cfg, prompt, jnp.zeros(b, jnp.int32), lengths, pool, tables)
         tok = jnp.asarray([[11], [12]], jnp.int32)
-        logits, pool = opt.extend_paged(params, cfg, tok, lengths, jnp.ones(b, jnp.int32), pool, tables, attention=impl)
+        logits, pool = steps.extend_paged(
+            params, cfg, tok, lengths, jnp.ones(b, jnp.int32), pool, tables, attention=impl
+        )
         k = np.asarray(pool.k)
         results[impl if layout == "tokens" else f"{impl}:heads"] = (
             np.asarray(logits),

@@ -29,7 +29,10 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
 from jaxserve.testing.hf import randomize_llama  # noqa: E402
-from models import checkpoint, llama  # noqa: E402
+from models import (  # noqa: E402
+    checkpoint,
+    steps,
+)
 from models.attention import DecodeCache  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError  # noqa: E402
@@ -215,13 +218,13 @@ def _hf_from_gguf(path: Path) -> Any:
 
 def _greedy_ours(params: Any, cfg: LlamaConfig, prompt: np.ndarray, num_new: int) -> list[int]:
     """Prefill, then cached decode steps (fixed shapes: compiled once)."""
-    logits, kv = llama.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
+    logits, kv = steps.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
     cache = DecodeCache.from_kv(kv, len(prompt) + num_new)
     out, pos = [], jnp.asarray([len(prompt)], jnp.int32)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     for _ in range(num_new):
         out.append(int(tok[0]))
-        logits, cache = llama.decode(params, cfg, tok, pos, cache)
+        logits, cache = steps.decode(params, cfg, tok, pos, cache)
         tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
     return out
 
@@ -267,7 +270,7 @@ def test_logits_and_greedy_tokens_match_transformers_reading_the_same_file(
     hf = _hf_from_gguf(path)
 
     ids = jnp.asarray(PROMPT[None])
-    ours, _ = llama.prefill(params, cfg, ids, jnp.asarray([len(PROMPT)], jnp.int32), all_logits=True)
+    ours, _ = steps.prefill(params, cfg, ids, jnp.asarray([len(PROMPT)], jnp.int32), all_logits=True)
     with torch.inference_mode():
         ref = hf(torch.from_numpy(PROMPT[None]).long()).logits.numpy()
     assert np.abs(ref).max() > 0.1
@@ -284,7 +287,7 @@ def test_llama_q_k_biases_are_unpermuted_like_the_weights(tmp_path: Path) -> Non
     cfg = checkpoint.source_config(path)
     assert isinstance(cfg, LlamaConfig) and cfg.qkv_bias and cfg.o_bias
     params = checkpoint.load_gguf_params(path, cfg)
-    ours, _ = llama.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)], jnp.int32),
+    ours, _ = steps.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)], jnp.int32),
                             all_logits=True)  # fmt: skip
     with torch.inference_mode():
         ref = hf(torch.from_numpy(PROMPT[None]).long()).logits.numpy()
@@ -362,7 +365,7 @@ def test_k_quant_tensors_dequantize_like_transformers(tmp_path: Path) -> None:
         np.testing.assert_allclose(np.asarray(params["layers"]["down_proj"]["kernel"][i]).T, ref, atol=1e-6)
     with torch.inference_mode():
         ref_logits = hf(torch.from_numpy(PROMPT[None]).long()).logits.numpy()
-    ours, _ = llama.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)]), all_logits=True)
+    ours, _ = steps.prefill(params, cfg, jnp.asarray(PROMPT[None]), jnp.asarray([len(PROMPT)]), all_logits=True)
     np.testing.assert_allclose(np.asarray(ours), ref_logits, atol=2e-4)
 
 
@@ -380,7 +383,7 @@ def test_tp2_loading_gives_the_same_logits(llama_q8: Path) -> None:
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, cfg.vocab_size, (2, 10)).astype(np.int32)
     lengths = np.array([10, 6], np.int32)
-    ref, _ = llama.prefill(params, cfg, tokens, lengths)
+    ref, _ = steps.prefill(params, cfg, tokens, lengths)
     got, _ = model.prefill(tokens, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
 

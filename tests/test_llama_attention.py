@@ -118,16 +118,17 @@ def test_llama_paged_decode_cpu_kernel_equals_xla(heads: int, kv_heads: int, hea
     "xla_heads_flat") over the same head-major pool: the same logits and the same pool every step."""
     import jax
 
-    from models import llama
+    from models import steps
     from models.config import get_llama_config
     from models.kernels import cpu as cpu_kernel
+    from models.params import init_params
 
     if cpu_kernel.paged_attention_target() is None:
         pytest.skip(f"no CPU kernel here: {cpu_kernel.build_error()}")
     cfg = dataclasses.replace(
         get_llama_config("llama-tiny"), num_heads=heads, num_kv_heads=kv_heads, head_dim_=head_dim
     )
-    params = llama.init_params(cfg, jax.random.key(0))
+    params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(7)
     b, bs = 3, 4
     tables = jnp.asarray(rng.permutation(15)[:12].reshape(b, 4), jnp.int32)  # shuffled, 16 positions a row
@@ -136,8 +137,8 @@ def test_llama_paged_decode_cpu_kernel_equals_xla(heads: int, kv_heads: int, hea
     pool = init_paged_cache(cfg, 16, bs, block_layout="heads")
     zeros = jnp.zeros(b, jnp.int32)
     first = np.minimum(lengths, 5)  # chunk 1: up to 5 tokens; chunk 2: the rest, attending to chunk 1's pages
-    _, pool = llama.extend_paged(params, cfg, prompt[:, :5], zeros, jnp.asarray(first), pool, tables)
-    _, pool = llama.extend_paged(params, cfg, prompt[:, 5:], jnp.asarray(first), jnp.asarray(lengths - first), pool,
+    _, pool = steps.extend_paged(params, cfg, prompt[:, :5], zeros, jnp.asarray(first), pool, tables)
+    _, pool = steps.extend_paged(params, cfg, prompt[:, 5:], jnp.asarray(first), jnp.asarray(lengths - first), pool,
                                  tables)  # fmt: skip
     pools = {impl: jax.tree.map(jnp.copy, pool) for impl in ("xla", "xla_heads_flat", "cpu_kernel")}  # donated
     positions = lengths.copy()
@@ -145,7 +146,7 @@ def test_llama_paged_decode_cpu_kernel_equals_xla(heads: int, kv_heads: int, hea
         tok = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 1)), jnp.int32)
         logits = {}
         for impl in pools:
-            logits[impl], pools[impl] = llama.extend_paged(
+            logits[impl], pools[impl] = steps.extend_paged(
                 params, cfg, tok, jnp.asarray(positions), jnp.ones(b, jnp.int32), pools[impl], tables, attention=impl
             )
         for impl in ("xla_heads_flat", "cpu_kernel"):

@@ -17,7 +17,10 @@ pytest.importorskip("transformers")
 
 from llama_hf import hf_config, make_hf_llama, save_hf_llama  # noqa: E402
 
-from models import checkpoint, llama  # noqa: E402
+from models import (  # noqa: E402
+    checkpoint,
+    steps,
+)
 from models.attention import init_paged_cache  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError, config_from_hf  # noqa: E402
@@ -221,7 +224,7 @@ def test_hf_dir_loads_into_a_tp_pp_layout_and_runs_like_the_unsharded_model(
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, cfg.vocab_size, (2, 10)).astype(np.int32)
     lengths = np.array([10, 6], np.int32)
-    ref, _ = llama.prefill(params, cfg, tokens, lengths)
+    ref, _ = steps.prefill(params, cfg, tokens, lengths)
     got, _ = model.prefill(tokens, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
 
@@ -231,13 +234,13 @@ def test_hf_dir_loads_into_a_tp_pp_layout_and_runs_like_the_unsharded_model(
     pool = init_paged_cache(cfg, 11, 4)
     zeros, ones = np.zeros(2, np.int32), np.ones(2, np.int32)
     got, caches = model.extend_paged(tokens, zeros, lengths, caches, tables)
-    ref, pool = llama.extend_paged(params, cfg, tokens, zeros, lengths, pool, tables)
+    ref, pool = steps.extend_paged(params, cfg, tokens, zeros, lengths, pool, tables)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
     pos = lengths.copy()
     for _ in range(4):
         tok = np.asarray(ref).argmax(-1).astype(np.int32)[:, None]
         got, caches = model.extend_paged(tok, pos, ones, caches, tables)
-        ref, pool = llama.extend_paged(params, cfg, tok, pos, ones, pool, tables)
+        ref, pool = steps.extend_paged(params, cfg, tok, pos, ones, pool, tables)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
         pos = pos + 1
 

@@ -24,16 +24,10 @@ pytest.importorskip("transformers")
 
 from llama_hf import KINDS, make_hf_llama, save_hf_llama  # noqa: E402
 
-from models import checkpoint, llama  # noqa: E402
-from models.attention import (  # noqa: E402
-    DecodeCache,
-    KVCache,
-    init_cache,
-    init_paged_cache,
-    insert_into_pages,
-    unstack_layers,
-)
+from models import checkpoint, steps  # noqa: E402
+from models.attention import DecodeCache, KVCache, init_cache, init_paged_cache, insert_into_pages  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
+from models.params import fuse_layer, unstack_layers  # noqa: E402
 
 PROMPT_LENS = (5, 13, 9)
 NUM_NEW = 24
@@ -84,13 +78,13 @@ def test_config_maps_the_family(setup: tuple[LlamaConfig, Any, Any]) -> None:
 def test_full_logits_match_hf_with_padding(setup: tuple[LlamaConfig, Any, Any]) -> None:
     cfg, hf, params = setup
     tokens, lengths = _right_pad(_prompts(cfg), max(PROMPT_LENS))
-    ours, _ = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), all_logits=True)
+    ours, _ = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), all_logits=True)
     ref = _hf_logits(hf, tokens, lengths)
     ours = np.asarray(ours)
     for b, n in enumerate(lengths):
         assert np.abs(ours[b, :n] - ref[b, :n]).max() <= 1e-4, f"row {b}"
         assert np.abs(ref[b, :n]).max() > 1e-1  # the comparison is not between two near-zero tensors
-    last, _ = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    last, _ = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     np.testing.assert_allclose(np.asarray(last), ours[np.arange(3), lengths - 1], atol=1e-5)
 
 
@@ -117,14 +111,14 @@ def test_greedy_tokens_match_hf_generate_contiguous_and_paged(setup: tuple[Llama
 
     width = max(PROMPT_LENS)
     tokens, lengths = _right_pad(prompts, width)
-    logits, kv = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    logits, kv = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     assert kv.k.shape == (cfg.num_layers, 3, width, cfg.kv_heads, cfg.head_dim)  # K/V stored at kv_heads
     cache = DecodeCache.from_kv(kv, width + NUM_NEW)
     ours = []
     tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(lengths)
     for _ in range(NUM_NEW):
         ours.append(tok)
-        logits, cache = llama.decode(params, cfg, tok, pos, cache)
+        logits, cache = steps.decode(params, cfg, tok, pos, cache)
         tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
     np.testing.assert_array_equal(np.stack(ours, 1), expected)
 
@@ -133,12 +127,12 @@ def test_greedy_tokens_match_hf_generate_contiguous_and_paged(setup: tuple[Llama
     tables = jnp.asarray(np.random.default_rng(0).permutation(3 * per_seq).reshape(3, per_seq).astype(np.int32))
     for layout in ("tokens", "heads"):
         pool = init_paged_cache(cfg, 3 * per_seq + 1, block_size, block_layout=layout)
-        logits, kv = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+        logits, kv = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
         pool = insert_into_pages(pool, kv, tables, jnp.asarray(lengths))
         tok, pos, paged = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(lengths), []
         for _ in range(NUM_NEW):
             paged.append(np.asarray(tok))
-            logits, pool = llama.extend_paged(params, cfg, tok[:, None], pos, jnp.ones(3, jnp.int32), pool, tables)
+            logits, pool = steps.extend_paged(params, cfg, tok[:, None], pos, jnp.ones(3, jnp.int32), pool, tables)
             tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
         np.testing.assert_array_equal(np.stack(paged, 1), expected, err_msg=layout)
 
@@ -150,26 +144,26 @@ def test_cached_steps_equal_the_uncached_forward(setup: tuple[LlamaConfig, Any, 
     rng = np.random.default_rng(11)
     seq = rng.integers(3, cfg.vocab_size, (2, 20)).astype(np.int32)
     full_lengths = np.full(2, 20, np.int32)
-    full, _ = llama.prefill(params, cfg, jnp.asarray(seq), jnp.asarray(full_lengths), all_logits=True)
+    full, _ = steps.prefill(params, cfg, jnp.asarray(seq), jnp.asarray(full_lengths), all_logits=True)
     full = np.asarray(full)
     np.testing.assert_allclose(full, _hf_logits(hf, seq, full_lengths), atol=1e-4)
 
     # contiguous: prefill 8 tokens, then 12 single-token steps over a stacked KVCache
-    first, kv = llama.prefill(params, cfg, jnp.asarray(seq[:, :8]), jnp.full(2, 8, jnp.int32), all_logits=True)
+    first, kv = steps.prefill(params, cfg, jnp.asarray(seq[:, :8]), jnp.full(2, 8, jnp.int32), all_logits=True)
     cache = init_cache(cfg, 2, 20)
     cache = KVCache(k=cache.k.at[:, :, :8].set(kv.k), v=cache.v.at[:, :, :8].set(kv.v))
-    steps = [np.asarray(first)]
+    outs = [np.asarray(first)]
     for p in range(8, 20):
-        logits, cache = llama.decode(params, cfg, jnp.asarray(seq[:, p]), jnp.full(2, p, jnp.int32), cache)
-        steps.append(np.asarray(logits)[:, None])
-    np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
+        logits, cache = steps.decode(params, cfg, jnp.asarray(seq[:, p]), jnp.full(2, p, jnp.int32), cache)
+        outs.append(np.asarray(logits)[:, None])
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=2e-5)
 
     # paged: three chunks of 7 / 7 / 6 tokens appended into scattered blocks (chunked prefill)
     tables = jnp.asarray(np.array([[5, 0, 3, 7, 1], [2, 6, 4, 9, 8]], np.int32))
     pool = init_paged_cache(cfg, 10, 4)
     chunks = []
     for start, end in ((0, 7), (7, 14), (14, 20)):
-        logits, pool = llama.extend_paged(
+        logits, pool = steps.extend_paged(
             params, cfg, jnp.asarray(seq[:, start:end]), jnp.full(2, start, jnp.int32),
             jnp.full(2, end - start, jnp.int32), pool, tables, all_logits=True,
         )  # fmt: skip
@@ -177,15 +171,17 @@ def test_cached_steps_equal_the_uncached_forward(setup: tuple[LlamaConfig, Any, 
     np.testing.assert_allclose(np.concatenate(chunks, 1), full, atol=2e-5)
 
 
-def test_stacked_scan_and_per_layer_loop_agree(setup: tuple[LlamaConfig, Any, Any]) -> None:
-    """The serving layout (one dict per layer, an unrolled loop) gives the stacked scan's logits."""
+def test_stacked_per_layer_and_fused_layouts_agree(setup: tuple[LlamaConfig, Any, Any]) -> None:
+    """The model built from stacked layer leaves, from one dict per layer, and from fused q/k/v and gate/up
+    projections (a one-device stage's serving layout) gives the same logits and K/V."""
     cfg, _, params = setup
     tokens, lengths = _right_pad(_prompts(cfg), max(PROMPT_LENS))
-    per_layer = {**params, "layers": unstack_layers(params["layers"])}
-    a, kv_a = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    b, kv_b = llama.prefill(per_layer, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv_a.k), np.asarray(kv_b.k), atol=1e-5)
+    per_layer = unstack_layers(params["layers"])
+    a, kv_a = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    for layers in (per_layer, [fuse_layer(lp) for lp in per_layer]):
+        b, kv_b = steps.prefill({**params, "layers": layers}, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(kv_a.k), np.asarray(kv_b.k), atol=1e-5)
 
 
 def test_bf16_weights_run_and_stay_close(setup: tuple[LlamaConfig, Any, Any]) -> None:
@@ -193,7 +189,7 @@ def test_bf16_weights_run_and_stay_close(setup: tuple[LlamaConfig, Any, Any]) ->
     cfg, _, params = setup
     tokens, lengths = _right_pad(_prompts(cfg), max(PROMPT_LENS))
     half = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
-    ref, _ = llama.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    got, kv = llama.prefill(half, cfg.with_dtype("bfloat16"), jnp.asarray(tokens), jnp.asarray(lengths))
+    ref, _ = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    got, kv = steps.prefill(half, cfg.with_dtype("bfloat16"), jnp.asarray(tokens), jnp.asarray(lengths))
     assert kv.k.dtype == jnp.bfloat16 and got.dtype == jnp.float32
     assert np.abs(np.asarray(got) - np.asarray(ref)).max() < 0.1 * np.abs(np.asarray(ref)).max()

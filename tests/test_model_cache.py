@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import opt
+from models import opt, steps
 from models.attention import DecodeCache, KVCache, PagedKVCache, init_paged_cache, insert_into_pages
 from models.config import OPTConfig, get_config
 from models.paged_attention import BlockLayout
+from models.params import init_params
 
 N, M = 9, 7  # prompt tokens, then decoded one by one
 B = 3
@@ -20,9 +21,9 @@ BLOCK = 4
 @pytest.fixture(scope="module", params=["opt-tiny", "opt-tiny-postln"])
 def setup(request: pytest.FixtureRequest) -> tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]:
     cfg = get_config(request.param)
-    params = opt.init_params(cfg, jax.random.key(1))
+    params = init_params(cfg, jax.random.key(1))
     tokens = np.random.default_rng(2).integers(3, cfg.vocab_size, (B, N + M)).astype(np.int32)
-    full, _ = opt.prefill(params, cfg, tokens, np.full(B, N + M, np.int32), all_logits=True)
+    full, _ = steps.prefill(params, cfg, tokens, np.full(B, N + M, np.int32), all_logits=True)
     return cfg, params, tokens, np.asarray(full)
 
 
@@ -44,12 +45,12 @@ def test_prefill_then_decode_equals_full_forward(
     setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray], layout: str
 ) -> None:
     cfg, params, tokens, full = setup
-    logits, kv = opt.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
+    logits, kv = steps.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
     np.testing.assert_allclose(np.asarray(logits), full[:, N - 1], atol=1e-5)
     cache = _decode_cache(kv, M, layout)
     for j in range(M):
         pos = np.full(B, N + j, np.int32)
-        logits, cache = opt.decode(params, cfg, tokens[:, N + j], pos, cache)
+        logits, cache = steps.decode(params, cfg, tokens[:, N + j], pos, cache)
         np.testing.assert_allclose(np.asarray(logits), full[:, N + j], atol=1e-5)
 
 
@@ -60,11 +61,11 @@ def test_decode_rows_at_different_positions(
     """Right-padded prompts of different lengths, then each row decodes at its own position."""
     cfg, params, tokens, full = setup
     lengths = np.array([4, 9, 6], np.int32)
-    _, kv = opt.prefill(params, cfg, tokens[:, :N], lengths)
+    _, kv = steps.prefill(params, cfg, tokens[:, :N], lengths)
     cache = _decode_cache(kv, M, layout)
     pos = lengths.copy()
     for _ in range(3):
-        logits, cache = opt.decode(params, cfg, tokens[np.arange(B), pos], pos, cache)
+        logits, cache = steps.decode(params, cfg, tokens[np.arange(B), pos], pos, cache)
         # row b continues its own sequence: the uncached forward of tokens[b, :pos+1] is the reference
         np.testing.assert_allclose(np.asarray(logits), full[np.arange(B), pos], atol=1e-5)
         pos = pos + 1
@@ -82,7 +83,7 @@ def _decode_rest_and_check(
     """Paged decode of tokens N..N+M-1, one at a time; each step's logits equal the full forward's."""
     for j in range(M):
         start = np.full(B, N + j, np.int32)
-        logits, cache = opt.extend_paged(
+        logits, cache = steps.extend_paged(
             params,
             cfg,
             tokens[:, N + j : N + j + 1],
@@ -104,7 +105,7 @@ def test_paged_decode_with_shuffled_blocks(
     tables = _shuffled_tables(4 * per_seq, per_seq)
     cache = init_paged_cache(cfg, 4 * per_seq, BLOCK, block_layout=block_layout)
     # prefill into pages with the paged path, then decode token by token
-    logits, cache = opt.extend_paged(
+    logits, cache = steps.extend_paged(
         params,
         cfg,
         tokens[:, :N],
@@ -126,7 +127,7 @@ def test_insert_contiguous_kv_into_pages(
     cfg, params, tokens, full = setup
     per_seq = (N + M + BLOCK - 1) // BLOCK
     tables = _shuffled_tables(3 * per_seq, per_seq, seed=5)
-    _, kv = opt.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
+    _, kv = steps.prefill(params, cfg, tokens[:, :N], np.full(B, N, np.int32))
     cache = insert_into_pages(
         init_paged_cache(cfg, 3 * per_seq, BLOCK, block_layout=block_layout),
         kv,
@@ -154,7 +155,7 @@ def test_chunked_prefill_into_pages(
         chunk = np.zeros((B, width), np.int32)
         for b in range(B):
             chunk[b, : lens[b]] = tokens[b, done[b] : done[b] + lens[b]]
-        logits, cache = opt.extend_paged(
+        logits, cache = steps.extend_paged(
             params, cfg, chunk, done, lens_a, cache, tables, all_logits=True, block_layout=block_layout
         )
         logits = np.asarray(logits)
@@ -170,7 +171,7 @@ def test_padding_rows_write_nothing(setup: tuple[OPTConfig, opt.Params, np.ndarr
     tables = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
     cache = init_paged_cache(cfg, 6, BLOCK)
     lengths = np.array([3, 0, 2], np.int32)
-    _, cache = opt.extend_paged(params, cfg, tokens[:, :4], np.zeros(B, np.int32), lengths, cache, tables)
+    _, cache = steps.extend_paged(params, cfg, tokens[:, :4], np.zeros(B, np.int32), lengths, cache, tables)
     k = np.asarray(cache.k)
     written = np.abs(k).sum(axis=(0, 3, 4)) > 0  # [num_blocks, block_size]
     expected = np.zeros_like(written)
@@ -182,13 +183,15 @@ def test_padding_rows_write_nothing(setup: tuple[OPTConfig, opt.Params, np.ndarr
 def test_bfloat16_close_to_float32(setup: tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray]) -> None:
     cfg, params, tokens, full = setup
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    logits, kv = opt.prefill(p16, cfg, tokens, np.full(B, N + M, np.int32), all_logits=True)
+    logits, kv = steps.prefill(p16, cfg, tokens, np.full(B, N + M, np.int32), all_logits=True)
     assert kv.k.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
     err = np.abs(np.asarray(logits) - full).max()
     assert err < 0.05 * np.abs(full).max(), err
     # bf16 paged decode runs too and agrees with f32 on the argmax of most rows
     cache = init_paged_cache(cfg, 8, BLOCK, jnp.bfloat16)
     tables = np.arange(6, dtype=np.int32).reshape(3, 2)
-    lg, cache = opt.extend_paged(p16, cfg, tokens[:, :5], np.zeros(B, np.int32), np.full(B, 5, np.int32), cache, tables)
+    lg, cache = steps.extend_paged(
+        p16, cfg, tokens[:, :5], np.zeros(B, np.int32), np.full(B, 5, np.int32), cache, tables
+    )
     assert cache.k.dtype == jnp.bfloat16
     assert np.abs(np.asarray(lg) - full[:, 4]).max() < 0.05 * np.abs(full).max()

@@ -207,7 +207,7 @@ def test_real_pull_of_smollm2_runs_like_transformers(tmp_path: Path, monkeypatch
     import jax.numpy as jnp
 
     from jaxserve.serving.chat_template import render_chat
-    from models import checkpoint, llama
+    from models import checkpoint, steps
 
     cache = tmp_path / "cache"
     try:
@@ -242,13 +242,13 @@ def test_real_pull_of_smollm2_runs_like_transformers(tmp_path: Path, monkeypatch
                 max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=cfg.pad_token_id,
             )  # fmt: skip
         expected = out[0, len(prompt) :].tolist()
-        logits, kv = llama.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
+        logits, kv = steps.prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], jnp.int32))
         decode_cache = DecodeCache.from_kv(kv, len(prompt) + NUM_NEW)
         ours, pos = [], jnp.asarray([len(prompt)], jnp.int32)
         next_tok = jnp.argmax(logits, -1).astype(jnp.int32)
         for _ in range(len(expected)):
             ours.append(int(next_tok[0]))
-            logits, decode_cache = llama.decode(params, cfg, next_tok, pos, decode_cache)
+            logits, decode_cache = steps.decode(params, cfg, next_tok, pos, decode_cache)
             next_tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
         assert ours == expected, (chat, tok.decode(ours), tok.decode(expected))
         assert len(expected) >= 4  # a real answer, not an immediate end of turn

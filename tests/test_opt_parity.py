@@ -19,7 +19,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.testing.hf import make_hf_checkpoint, make_hf_model  # noqa: E402
-from models import checkpoint, opt  # noqa: E402
+from models import (  # noqa: E402
+    checkpoint,
+    steps,
+)
 from models.attention import DecodeCache  # noqa: E402
 from models.config import OPTConfig, get_config  # noqa: E402
 from models.sharding import ShardedOPT  # noqa: E402
@@ -61,7 +64,7 @@ def test_config_from_saved_hf_dir_matches(setup: tuple[OPTConfig, Any, Any], tmp
 def test_full_logits_match_hf_with_padding(setup: tuple[OPTConfig, Any, Any]) -> None:
     cfg, hf, params = setup
     tokens, lengths = _right_pad(_prompts(cfg), max(PROMPT_LENS), cfg.pad_token_id)
-    ours, _ = opt.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), all_logits=True)
+    ours, _ = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), all_logits=True)
     mask = (np.arange(tokens.shape[1])[None] < lengths[:, None]).astype(np.int64)
     with torch.inference_mode():
         ref = hf(input_ids=torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask)).logits.numpy()
@@ -70,7 +73,7 @@ def test_full_logits_match_hf_with_padding(setup: tuple[OPTConfig, Any, Any]) ->
         assert np.abs(ours[b, :n] - ref[b, :n]).max() <= 1e-4, f"row {b}"
         assert np.abs(ref[b, :n]).max() > 1e-2  # the comparison is not between two near-zero tensors
     # last-position logits (the default) are the same rows
-    last, _ = opt.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    last, _ = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     np.testing.assert_allclose(np.asarray(last), ours[np.arange(3), lengths - 1], atol=1e-5)
 
 
@@ -96,14 +99,14 @@ def test_greedy_tokens_match_hf_generate(setup: tuple[OPTConfig, Any, Any]) -> N
 
     width = max(PROMPT_LENS)
     tokens, lengths = _right_pad(prompts, width, cfg.pad_token_id)
-    logits, kv = opt.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
+    logits, kv = steps.prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
     cache = DecodeCache.from_kv(kv, width + NUM_NEW)  # the per-layer head-major decode layout
     ours = []
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     pos = jnp.asarray(lengths)
     for _ in range(NUM_NEW):
         ours.append(tok)
-        logits, cache = opt.decode(params, cfg, tok, pos, cache)
+        logits, cache = steps.decode(params, cfg, tok, pos, cache)
         tok, pos = jnp.argmax(logits, -1).astype(jnp.int32), pos + 1
     np.testing.assert_array_equal(np.stack(ours, 1), expected)
 

@@ -8,9 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import opt
+from models import opt, steps
 from models.config import OPTConfig, get_config
 from models.paged_attention import BlockLayout
+from models.params import init_params
 from models.sharding import ShardedOPT, shardings_for, stage_layer_ranges, validate_parallelism
 
 B, T = 2, 7
@@ -19,11 +20,11 @@ B, T = 2, 7
 @pytest.fixture(scope="module")
 def setup() -> tuple[OPTConfig, opt.Params, np.ndarray, np.ndarray, np.ndarray]:
     cfg = get_config("opt-tiny-postln")
-    params = jax.device_get(opt.init_params(cfg, jax.random.key(4)))
+    params = jax.device_get(init_params(cfg, jax.random.key(4)))
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     lengths = np.array([T, 5], np.int32)
-    full, _ = opt.prefill(params, cfg, tokens[:, :T], lengths, all_logits=True)
-    nxt, _ = opt.prefill(params, cfg, tokens, np.full(B, T + 1, np.int32), all_logits=True)
+    full, _ = steps.prefill(params, cfg, tokens[:, :T], lengths, all_logits=True)
+    nxt, _ = steps.prefill(params, cfg, tokens, np.full(B, T + 1, np.int32), all_logits=True)
     return cfg, params, tokens, np.asarray(full), np.asarray(nxt)
 
 

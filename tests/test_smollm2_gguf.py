@@ -38,7 +38,7 @@ def test_smollm2_gguf_answers_a_chat_question_as_transformers_does() -> None:
     from pathlib import Path
 
     from jaxserve.serving.chat_template import render_chat
-    from models import checkpoint, llama
+    from models import checkpoint, steps
     from models.attention import DecodeCache
 
     path = Path(_pulled())
@@ -66,7 +66,7 @@ def test_smollm2_gguf_answers_a_chat_question_as_transformers_does() -> None:
 
     params = checkpoint.load_gguf_params(path, cfg)
     prompt = jnp.asarray([ids], jnp.int32)
-    logits, kv = llama.prefill(params, cfg, prompt, jnp.asarray([len(ids)], jnp.int32))
+    logits, kv = steps.prefill(params, cfg, prompt, jnp.asarray([len(ids)], jnp.int32))
     cache = DecodeCache.from_kv(kv, len(ids) + MAX_NEW)
     ours: list[int] = []
     position = jnp.asarray([len(ids)], jnp.int32)
@@ -75,7 +75,7 @@ def test_smollm2_gguf_answers_a_chat_question_as_transformers_does() -> None:
         ours.append(int(token[0]))
         if ours[-1] in cfg.eos_token_ids:  # the runtime's stop set: every end the file declares
             break
-        logits, cache = llama.decode(params, cfg, token, position, cache)
+        logits, cache = steps.decode(params, cfg, token, position, cache)
         token, position = jnp.argmax(logits, -1).astype(jnp.int32), position + 1
     answer = tok.decode(ours, skip_special_tokens=True)
     assert ours == expected, (answer, tok.decode(expected))

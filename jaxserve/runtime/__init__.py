@@ -1,7 +1,7 @@
 """The runtime layer: request in, tokens out, on devices.
 
 * `engines/` — the engine contract the instance loops drive (`contract.py`: one `Engine`, its abilities as
-  `EngineCapabilities`) and its backends side by side: `model.py` (any `models` family), `fake.py` (hand-computable),
+  `EngineCapabilities`) and its backends side by side: `model.py` (any `models` family, Flax NNX), `fake.py` (hand-computable),
   `timed.py` (sleeps a step-cost model); `kv_pool.py` the paged KV pool; `sampling.py` sampling.
 * `prefill_instance.py`, `decode_instance.py`, `colocated_instance.py` — one role each,
   each a thin loop (`worker.py`) around a `step()` that applies `jaxserve/core/scheduling.py`.

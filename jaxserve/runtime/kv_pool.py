@@ -14,8 +14,8 @@ shapes and shardings alone (`jax.ShapeDtypeStruct`s: nothing is read or written,
 compile them while the pool serves); a later call with arrays of those shapes and shardings runs the compiled
 program.
 
-`model_caches` / `pool_pages` convert between the pool as engines hand it around (`KVPages`) and as the
-model's paged forward passes take it (`PagedKVCache`s): the same arrays, the same block layout.
+`model_caches` / `pool_pages` turn the pool as engines hand it around (`KVPages`, a tuple) into the list the
+model's paged steps take and back: `StagePages` is the model's `PagedKVCache`, so nothing is converted.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from models.attention import PagedKVCache
 
 def model_caches(pages: KVPages) -> list[PagedKVCache]:
     """An engine's pool as the model's block pools (same arrays, same block layout)."""
-    return [PagedKVCache(k=p.k, v=p.v, block_layout=p.block_layout) for p in pages]
+    return list(pages)  # one type (`StagePages` is `PagedKVCache`): nothing to convert
 
 
 def pool_pages(caches: Sequence[PagedKVCache]) -> KVPages:
     """The model's block pools as an engine's pool (same arrays, same block layout)."""
-    return tuple(StagePages(k=c.k, v=c.v, block_layout=c.block_layout) for c in caches)
+    return tuple(caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -46,9 +46,9 @@ from jax.sharding import NamedSharding
 
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs, finish_reason, stop_token_ids
+from models.attention import PagedKVCache
 from models.config import ModelConfig
-from models.paged_attention import BlockLayout
-from models.pytree import pytree_dataclass, static_field
+from models.pytree import pytree_dataclass
 
 
 @pytree_dataclass
@@ -63,27 +63,13 @@ class StageKV:
         return int(self.k.nbytes + self.v.nbytes)
 
 
-@pytree_dataclass
-class StagePages:
-    """One pipeline stage's paged KV pool.
-
-    `block_layout` says how a block holds its positions: "tokens" `[block_size, H, D]` or "heads"
-    `[H, block_size, D]` (what `ModelEngine` uses where its decode attention reads head-major blocks
-    best; `models.paged_attention.block_layout_for`). It is the engine's own choice: instances
-    exchange dense `StageKV`, and `kv_pool` reads and writes blocks in the pool's layout.
-    """
-
-    k: jax.Array  # [L_s, num_blocks, block_size, H, D]; "heads": [L_s, num_blocks, H, block_size, D]
-    v: jax.Array
-    block_layout: BlockLayout = static_field(default="tokens")
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.k.shape[1])
-
-    @property
-    def block_size(self) -> int:
-        return int(self.k.shape[3 if self.block_layout == "heads" else 2])
+# One pipeline stage's paged KV pool: the model's own block pool (`models.attention.PagedKVCache`), one type from
+# the model to the engines, the pool bookkeeping and KV transfer, never converted. Its `block_layout` says how
+# a block holds its positions: "tokens" `[block_size, H, D]` or "heads" `[H, block_size, D]` (what `ModelEngine`
+# uses where its decode attention reads head-major blocks best; `models.paged_attention.block_layout_for`). It
+# is the engine's own choice: instances exchange dense `StageKV`, and `kv_pool` reads and writes blocks in the
+# pool's layout. k, v: [L_s, num_blocks, block_size, H, D]; "heads": [L_s, num_blocks, H, block_size, D].
+StagePages = PagedKVCache
 
 
 SequenceKV = tuple[StageKV, ...]

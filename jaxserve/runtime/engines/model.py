@@ -1,8 +1,9 @@
 """The real engine: `Engine` over a `ShardedModel` (OPT or Llama-style) on one instance's tp x pp grid.
 
-The engine is family-blind: the sharded model runs the forward passes, `models.sharding.family`
-gives the functions its multi-step loop traces, and KV sizes follow `cfg.kv_heads` (a K/V head
-split over tp, or replicated where tp is a multiple of them).
+The engine is family-blind: the sharded model runs the forward passes, its stage's split module
+(`ShardedModel.graphdefs` / `run_params`: graph static, state a pytree) is what the multi-step loop
+traces, and KV sizes follow `cfg.kv_heads` (a K/V head split over tp, or replicated where tp is a
+multiple of them).
 
 Shapes are padded to buckets so XLA compiles a handful of programs, not one per
 request: prefill batches to (next power of two rows) x (next power of two >= 16
@@ -32,6 +33,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
@@ -55,7 +57,7 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
-from jaxserve.runtime.kv_pool import model_caches, pool_pages, write_sequence
+from jaxserve.runtime.kv_pool import write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
     StepLogprobs,
@@ -70,9 +72,9 @@ from jaxserve.runtime.sampling import (
 )
 from models.attention import KVCache, PagedKVCache
 from models.config import ModelConfig, kv_heads_per_device, kv_heads_split
-from models.opt import Params
+from models.decoder import stage_paged
 from models.paged_attention import IMPLS, BlockLayout, Impl
-from models.sharding import ShardedModel, family, sharded_class
+from models.sharding import ShardedModel, sharded_class
 
 
 class ModelEngine(ModelWarmup, Engine):
@@ -228,7 +230,7 @@ class ModelEngine(ModelWarmup, Engine):
 
     # ---- decode side -----------------------------------------------------------
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
-        return pool_pages(self.model.init_paged_caches(num_blocks, block_size))  # in the model's block_layout
+        return tuple(self.model.init_paged_caches(num_blocks, block_size))  # in the model's block_layout
 
     def insert(self, kv: SequenceKV, num_tokens: int, pages: KVPages, block_table: Sequence[int]) -> KVPages:
         return write_sequence(pages, kv, num_tokens, block_table)
@@ -254,7 +256,7 @@ class ModelEngine(ModelWarmup, Engine):
         self, batch: StepBatch, pages: KVPages, *, with_logprobs: bool
     ) -> tuple[list[int], list[TokenLogprobs | None], KVPages]:
         rows = batch.rows
-        caches = model_caches(pages)
+        caches = list(pages)
         block_size = pages[0].block_size
         decode_ids = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         chunk_ids = [i for i, r in enumerate(rows) if len(r.token_ids) != 1]
@@ -285,7 +287,7 @@ class ModelEngine(ModelWarmup, Engine):
                 out[i] = int(tok)
             for i, row_lp in zip(g, _host_logprobs(lp, [rows[i].sampling for i in g]), strict=True):
                 out_lp[i] = row_lp
-        return out, out_lp, pool_pages(caches)
+        return out, out_lp, tuple(caches)
 
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
         """Up to `num_steps` decode steps of one-token rows in one dispatch (multi-step decoding).
@@ -338,7 +340,7 @@ class ModelEngine(ModelWarmup, Engine):
         inputs = sampling_inputs([r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], b)
         greedy = all(r.sampling.is_greedy for r in rows)
         asks = with_logprobs and any(r.sampling.logprobs is not None for r in rows)
-        cache = model_caches(pages)[0]
+        cache = pages[0]
         out, cache, lp = self._run_loop(
             tokens, starts, active, remaining, cache, tables, inputs, stop_ids, num_steps, greedy, asks
         )
@@ -356,7 +358,7 @@ class ModelEngine(ModelWarmup, Engine):
                 n = len(result[i])
                 per_step = logprobs_rows(chosen[i, :n], top_ids[i, :n], top_lp[i, :n], [r.sampling] * n)
                 row_lps[i] = tuple(x for x in per_step if x is not None)
-        return result, row_lps, pool_pages([cache])
+        return result, row_lps, (cache,)
 
     def _run_loop(
         self,
@@ -380,7 +382,7 @@ class ModelEngine(ModelWarmup, Engine):
             jax.device_put(tables, put),
             SamplingInputs(*(jax.device_put(a, put) for a in inputs)),
             jax.device_put(stop_ids, put),
-            cfg=self._cfg,
+            graphdef=self.model.graphdefs[0],
             num_steps=num_steps,
             greedy=greedy,
             logprobs=with_logprobs,
@@ -438,9 +440,11 @@ class ModelEngine(ModelWarmup, Engine):
         return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_steps", "greedy", "logprobs", "attention"), donate_argnames=("cache",))
+@partial(
+    jax.jit, static_argnames=("graphdef", "num_steps", "greedy", "logprobs", "attention"), donate_argnames=("cache",)
+)
 def _decode_loop(
-    params: Params,
+    state: dict[Any, Any],  # the stage's module state (`ShardedModel.run_params[0]`)
     tokens: jax.Array,  # [B] the last token of each row
     starts: jax.Array,  # [B] its position
     active: jax.Array,  # [B] bool
@@ -450,7 +454,7 @@ def _decode_loop(
     inputs: SamplingInputs,
     stop_ids: jax.Array,  # [B, K] (-1 padding)
     *,
-    cfg: ModelConfig,
+    graphdef: nnx.GraphDef[Any],
     num_steps: int,
     greedy: bool,
     logprobs: bool = False,
@@ -464,7 +468,8 @@ def _decode_loop(
     logprob [B, num_steps] and top `MAX_LOGPROBS` [B, num_steps, K] (else None).
     """
 
-    fam = family(cfg)
+    model = nnx.merge(graphdef, state)  # the one-stage model (trace-time only)
+    cfg = model.cfg
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
         k, _, _, act, *_ = carry
@@ -473,9 +478,7 @@ def _decode_loop(
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         k, tok, pos, act, rem, c, out, lp = carry
         lengths = act.astype(jnp.int32)
-        x = fam.embed(params, cfg, tok[:, None], pos[:, None])
-        x, c = fam.run_layers_paged(params["layers"], cfg, x, pos, lengths, c, tables, attention=attention)
-        logits = fam.lm_head(params, cfg, x[:, 0])  # [B, V]
+        logits, c = stage_paged(model, tok[:, None], pos, lengths, c, tables, all_logits=False, attention=attention)
         new = argmax_rows(logits) if greedy else sample_traced(logits, inputs, k)
         out = out.at[:, k].set(jnp.where(act, new, -1))
         if logprobs:
