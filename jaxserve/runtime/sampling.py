@@ -213,6 +213,8 @@ def logprobs_rows(
             out.append(None)
             continue
         k = p.logprobs
-        top = tuple((int(i), float(v)) for i, v in zip(top_ids[r, :k], top_logprobs[r, :k], strict=True))
+        # A guided row's masked tokens have logprob -inf: impossible, so no alternative (and no JSON infinity).
+        pairs = zip(top_ids[r, :k], top_logprobs[r, :k], strict=True)
+        top = tuple((int(i), float(v)) for i, v in pairs if v != -np.inf)
         out.append(TokenLogprobs(float(chosen[r]), top))
     return out
