@@ -21,12 +21,13 @@ does not compute.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import SamplingParams
+from jaxserve.core.request import GuidedSpec, SamplingParams
 from jaxserve.serving import chat_template
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
@@ -51,6 +52,38 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the output must be valid against (`strict`: and nothing beyond)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guided(self) -> GuidedSpec | None:
+        """The constraint this asks for (None: free text)."""
+        if self.type == "text":
+            if self.json_schema is not None:
+                raise _bad("response_format", "json_schema is only allowed with type json_schema")
+            return None
+        if self.type == "json_object":
+            if self.json_schema is not None:
+                raise _bad("response_format", "json_schema is only allowed with type json_schema")
+            return GuidedSpec("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise _bad("response_format", "type json_schema needs json_schema.schema")
+        # Sorted keys: one canonical text per schema, so the compiled-grammar cache hits across clients.
+        schema = json.dumps(self.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+        return GuidedSpec("json_schema", schema, strict=bool(self.json_schema.strict))
+
+
 class _SamplingFields(_Strict):
     """The fields completions and chat share."""
 
@@ -73,6 +106,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with requests of the same salt
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM takes it
 
 
 class CompletionRequest(_SamplingFields):
@@ -166,6 +200,7 @@ def _sampling(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> S
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        guided=None if body.response_format is None else body.response_format.guided(),
     )
 
 
