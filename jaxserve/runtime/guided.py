@@ -147,6 +147,7 @@ class GrammarCache:
         def work() -> None:
             try:
                 if spec.kind == "json_object":
+                    # Compact JSON (no free whitespace): a small model cannot pad its output with spaces forever.
                     result["grammar"] = self._compiler.compile_json_schema(
                         '{"type": "object"}', strict_mode=False, any_whitespace=False
                     )
@@ -218,6 +219,7 @@ class GuidedDecoder:
             stop_token_ids=list(eos_token_ids),
         )
         self.grammars = GrammarCache(xgr.GrammarCompiler(info, max_threads=1), self.limits)
+        self._no_control = _packed_without_control_bytes(info.decoded_vocab, vocab_size, eos_token_ids)
         self._tracks: collections.OrderedDict[str, _Track] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -239,6 +241,7 @@ class GuidedDecoder:
                 matcher = self._advance(row)
                 if matcher is not None:
                     matcher.fill_next_token_bitmask(mask, i)
+                    mask[i] &= self._no_control
         return mask
 
     def _advance(self, row: GuidedRow) -> Any:
@@ -279,6 +282,21 @@ class GuidedDecoder:
             del self._tracks[row.request_id]
             return None
         return track.matcher
+
+
+def _packed_without_control_bytes(
+    decoded_vocab: Sequence[bytes], vocab_size: int, stop_token_ids: Sequence[int]
+) -> np.ndarray:
+    """Packed int32 bitmask [ceil(V / 32)]: the tokens with no byte below 0x20, and the stop tokens.
+
+    JSON forbids raw control characters in strings, but xgrammar's JSON strings let them through (a byte-level
+    vocabulary has a token per control byte): `json.loads` of such an output fails. The outputs are compact
+    (`any_whitespace=False`), so no JSON token ever needs one: they are masked out of every guided row."""
+    bits = np.zeros(32 * ((vocab_size + 31) // 32), np.uint8)
+    for t in range(min(vocab_size, len(decoded_vocab))):
+        bits[t] = not any(b < 0x20 for b in decoded_vocab[t])
+    bits[[t for t in stop_token_ids if 0 <= t < vocab_size]] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 @jax.jit
