@@ -6,7 +6,9 @@ bad schemas are a 400 and the server goes on."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import jax
 import pytest
@@ -15,6 +17,8 @@ from serving_helpers import running_server, tiny_tokenizer
 from jaxserve.core.limits import ServingLimits
 from jaxserve.core.plan import parse_deployment
 from jaxserve.runtime.controller import Controller, ControllerConfig
+from jaxserve.testing.hf import make_hf_checkpoint
+from models.config import get_config
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -64,20 +68,27 @@ SCHEMAS = {
 DEPLOYMENTS = {"colocated": ("colocated:tp1", 4), "disagg": ("disagg:prefill=tp1,decode=tp1", 5)}
 
 
-def _controller(spec: str, first_device: int) -> Controller:
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """Random opt-tiny weights with 1024 positions (a tools system message takes ~400 of the tiny BPE's tokens)."""
+    cfg = dataclasses.replace(get_config("opt-tiny"), max_position_embeddings=1024)
+    return str(make_hf_checkpoint(tmp_path_factory.mktemp("guided") / "opt-tiny-1k", cfg, seed=11))
+
+
+def _controller(checkpoint: str, spec: str, first_device: int) -> Controller:
     plan = parse_deployment(spec)
     devices = jax.devices()[first_device : first_device + plan.num_devices]
-    config = ControllerConfig(limits=ServingLimits(block_size=16, num_kv_blocks=64))
-    controller = Controller.from_plan("opt-tiny", plan, devices=devices, config=config)  # random weights
-    controller.tokenizer = tiny_tokenizer()
+    config = ControllerConfig(limits=ServingLimits(block_size=16, num_kv_blocks=128))
+    controller = Controller.from_plan(checkpoint, plan, devices=devices, config=config)
+    controller.tokenizer = tiny_tokenizer()  # the checkpoint has none; its 512 ids are the model's
     return controller
 
 
 @pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
-def client(request):
+def client(request, checkpoint):
     spec, first = DEPLOYMENTS[request.param]
     with (
-        running_server(_controller(spec, first)) as server,
+        running_server(_controller(checkpoint, spec, first), model_name="opt-tiny") as server,
         openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c,
     ):
         yield c
@@ -152,9 +163,12 @@ def test_logprobs_are_of_the_masked_distribution(client):
     )
     content = out.choices[0].logprobs.content
     first = content[0]
-    # The grammar allows only an opening brace first: every alternative is one, and they hold all the mass.
-    assert first.top_logprobs and all(alt.token.startswith("{") for alt in first.top_logprobs)
-    assert sum(2.718281828459045**alt.logprob for alt in first.top_logprobs) == pytest.approx(1.0, abs=1e-3)
+    # The grammar allows only an opening brace first: every possible alternative is one, and they hold all the
+    # mass; the masked tokens have probability 0 (reported as vLLM does, at the JSON floor -9999).
+    possible = [alt for alt in first.top_logprobs if alt.logprob > -9999.0]
+    assert possible and all(alt.token.startswith("{") for alt in possible)
+    assert all(alt.logprob == -9999.0 for alt in first.top_logprobs if alt not in possible)
+    assert sum(math.exp(alt.logprob) for alt in possible) == pytest.approx(1.0, abs=1e-3)
     _valid(out.choices[0].message.content, SCHEMAS["enum"])
 
 
@@ -181,3 +195,125 @@ def test_bad_schemas_are_400_and_the_server_goes_on(client, response_format, say
         response_format=_schema_format("enum"),
     )  # fmt: skip
     _valid(out.choices[0].message.content, SCHEMAS["enum"])
+
+
+# ---- forced tool calls (the generic format: tools in a system message, the output constrained to the call) ----
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 9},
+                "b": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, names=("get_weather", "add")) -> None:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_a_named_tool_choice_forces_that_call(client):
+    out = client.chat.completions.create(
+        model="opt-tiny",
+        messages=ASK,
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0], names=("add",))
+
+
+def test_required_calls_one_of_the_tools_sampled_and_streamed(client):
+    out = client.chat.completions.create(
+        model="opt-tiny", messages=ASK, max_tokens=80, temperature=1.0, seed=5, n=3,
+        tools=[WEATHER, ADD], tool_choice="required",
+    )  # fmt: skip
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls"
+        _check_call(choice.message.tool_calls[0])
+    stream = client.chat.completions.create(
+        model="opt-tiny", messages=ASK, max_tokens=80, temperature=0, stream=True,
+        tools=[WEATHER, ADD], tool_choice="required",
+    )  # fmt: skip
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or ():  # accumulated as OpenAI's clients do
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0]["name"] in PARAMS
+    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
+
+
+def test_a_tool_result_follow_up_renders_and_answers(client):
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    plain = client.chat.completions.create(
+        model="opt-tiny", messages=messages, max_tokens=5, temperature=0, tools=[WEATHER], tool_choice="none"
+    )
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    again = client.chat.completions.create(
+        model="opt-tiny", messages=messages, max_tokens=80, temperature=0, tools=[WEATHER], tool_choice="required"
+    )
+    _check_call(again.choices[0].message.tool_calls[0], names=("get_weather",))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"tools": [WEATHER]}, "auto"),  # tool_choice defaults to auto with tools
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "auto"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+          "tool_choice": "required"}, "'not'"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400(client, kwargs, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="opt-tiny", messages=ASK, max_tokens=8, **kwargs)
+    assert says in str(e.value)

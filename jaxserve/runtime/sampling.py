@@ -213,8 +213,6 @@ def logprobs_rows(
             out.append(None)
             continue
         k = p.logprobs
-        # A guided row's masked tokens have logprob -inf: impossible, so no alternative (and no JSON infinity).
-        pairs = zip(top_ids[r, :k], top_logprobs[r, :k], strict=True)
-        top = tuple((int(i), float(v)) for i, v in pairs if v != -np.inf)
+        top = tuple((int(i), float(v)) for i, v in zip(top_ids[r, :k], top_logprobs[r, :k], strict=True))
         out.append(TokenLogprobs(float(chosen[r]), top))
     return out
