@@ -171,3 +171,21 @@ def test_a_guided_request_whose_instance_dies_goes_on_with_identical_output(tmp_
         text = tok.decode([t for t in ids if t not in CFG.eos_token_ids])
         value = json.loads(text)
         assert set(value) == {"id", "kind", "tags"} and 0 <= value["id"] <= 50 and value["kind"] in ("x", "yy", "zzz")
+
+
+def test_llm_generate_takes_a_guided_spec_and_a_fake_deployment_refuses_it() -> None:
+    import jaxserve
+    from jaxserve.assets import default_model_path
+    from jaxserve.runtime.engines.fake import fake_engine_factory
+
+    spec = jaxserve.GuidedSpec("json_schema", json.dumps(SCHEMA), strict=True)
+    with jaxserve.LLM(model=str(default_model_path()), deployment="colocated:tp1") as llm:
+        outs = llm.generate(["import os\n", "def f():"], jaxserve.SamplingParams(max_tokens=80, guided=spec))
+        tok = llm.controller.tokenizer
+        for out in outs:
+            assert out.finish_reason == "stop"
+            value = json.loads(tok.decode(list(out.token_ids)))
+            assert set(value) == {"id", "kind", "tags"} and value["kind"] in ("x", "yy", "zzz")
+    fake = jaxserve.LLM(model="opt-tiny", deployment="colocated:tp1", engine_factory=fake_engine_factory(CFG))
+    with fake, pytest.raises(InvalidRequestError, match="engines that mask logits"):
+        fake.generate([2, 7], jaxserve.SamplingParams(max_tokens=4, guided=spec))

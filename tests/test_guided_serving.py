@@ -85,12 +85,15 @@ def _controller(checkpoint: str, spec: str, first_device: int) -> Controller:
 
 
 @pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
-def client(request, checkpoint):
+def server(request, checkpoint):
     spec, first = DEPLOYMENTS[request.param]
-    with (
-        running_server(_controller(checkpoint, spec, first), model_name="opt-tiny") as server,
-        openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c,
-    ):
+    with running_server(_controller(checkpoint, spec, first), model_name="opt-tiny") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c:
         yield c
 
 
@@ -317,3 +320,23 @@ def test_bad_tool_requests_are_400(client, kwargs, says):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="opt-tiny", messages=ASK, max_tokens=8, **kwargs)
     assert says in str(e.value)
+
+
+# ---- the same option on gRPC (proto field), through the Python client ----
+
+
+def test_grpc_client_response_format(server):
+    from jaxserve.client import Client, InvalidArgumentError
+
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMAS["nested"], "strict": True}}
+    with Client(server.grpc_address) as c:
+        out = c.generate(prompt="def f(x):", max_tokens=120, temperature=0.8, seed=2, response_format=fmt)
+        assert out.finish_reason == "stop"
+        _valid(out.text, SCHEMAS["nested"])
+        streamed = "".join(ch.text for ch in c.stream(prompt="def f(x):", max_tokens=120, temperature=0.8, seed=2,
+                                                        response_format=fmt))  # fmt: skip
+        assert streamed == out.text
+        with pytest.raises(InvalidArgumentError, match="'uniqueItems'") as e:
+            c.generate(prompt="x", max_tokens=4, response_format={"type": "json_schema", "json_schema": {
+                "schema": {"type": "array", "uniqueItems": True}}})  # fmt: skip
+        assert e.value.field == "response_format"

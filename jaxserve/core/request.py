@@ -69,6 +69,27 @@ class GuidedSpec:
             )
 
 
+def guided_spec(kind: str, schema: object = None, *, strict: bool = False) -> GuidedSpec | None:
+    """The `GuidedSpec` of a `response_format` as the fronts receive it (`kind` "text", "json_object" or
+    "json_schema"; `schema` a parsed JSON Schema); None for free text. The schema is kept as its canonical JSON
+    text (sorted keys, no spaces), so equal schemas share one compiled grammar."""
+    import json
+
+    if kind == "text":
+        if schema is not None:
+            raise InvalidRequestError("a text response_format takes no schema", field="response_format")
+        return None
+    if kind == "json_object":
+        if schema is not None:
+            raise InvalidRequestError("a json_object response_format takes no schema", field="response_format")
+        return GuidedSpec("json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(f"unknown response_format type {kind!r}", field="response_format")
+    if schema is None:
+        raise InvalidRequestError("type json_schema needs json_schema.schema", field="response_format")
+    return GuidedSpec("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict=strict)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature == 0` means greedy.

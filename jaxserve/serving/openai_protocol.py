@@ -21,13 +21,12 @@ does not compute.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import GuidedSpec, SamplingParams
+from jaxserve.core.request import GuidedSpec, SamplingParams, guided_spec
 from jaxserve.serving import chat_template, tool_calls
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
@@ -69,19 +68,10 @@ class ResponseFormat(_Strict):
 
     def guided(self) -> GuidedSpec | None:
         """The constraint this asks for (None: free text)."""
-        if self.type == "text":
-            if self.json_schema is not None:
-                raise _bad("response_format", "json_schema is only allowed with type json_schema")
-            return None
-        if self.type == "json_object":
-            if self.json_schema is not None:
-                raise _bad("response_format", "json_schema is only allowed with type json_schema")
-            return GuidedSpec("json_object")
-        if self.json_schema is None or self.json_schema.schema_ is None:
-            raise _bad("response_format", "type json_schema needs json_schema.schema")
-        # Sorted keys: one canonical text per schema, so the compiled-grammar cache hits across clients.
-        schema = json.dumps(self.json_schema.schema_, sort_keys=True, separators=(",", ":"))
-        return GuidedSpec("json_schema", schema, strict=bool(self.json_schema.strict))
+        if self.json_schema is not None and self.type != "json_schema":
+            raise _bad("response_format", "json_schema is only allowed with type json_schema")
+        schema = None if self.json_schema is None else self.json_schema.schema_
+        return guided_spec(self.type, schema, strict=bool(self.json_schema and self.json_schema.strict))
 
 
 class _SamplingFields(_Strict):
