@@ -189,3 +189,17 @@ def test_llm_generate_takes_a_guided_spec_and_a_fake_deployment_refuses_it() -> 
     fake = jaxserve.LLM(model="opt-tiny", deployment="colocated:tp1", engine_factory=fake_engine_factory(CFG))
     with fake, pytest.raises(InvalidRequestError, match="engines that mask logits"):
         fake.generate([2, 7], jaxserve.SamplingParams(max_tokens=4, guided=spec))
+
+
+def test_after_the_grammar_ends_ignore_eos_tokens_go_unconstrained_quietly(caplog) -> None:
+    decoder = _decoder()
+    spec = GuidedSpec("json_schema", json.dumps({"type": "integer", "minimum": 0, "maximum": 5}))
+    first = _allowed(decoder.bitmask([GuidedRow("r", spec, (2, 7), 0)])[0])
+    assert first and len(first) < CFG.vocab_size
+    ends = _allowed(decoder.bitmask([GuidedRow("r", spec, (first[0],), 1)])[0])
+    eos = CFG.eos_token_ids[0]
+    assert eos in ends
+    after = decoder.bitmask([GuidedRow("r", spec, (eos,), 2)])[0]  # the stop token accepted: the grammar ended
+    assert len(_allowed(after)) == CFG.vocab_size
+    later = decoder.bitmask([GuidedRow("r", spec, (9,), 3)])[0]  # ignore_eos: the request goes on, unconstrained
+    assert len(_allowed(later)) == CFG.vocab_size and "unconstrained" not in caplog.text

@@ -271,6 +271,8 @@ class GuidedDecoder:
             track.matcher.reset()
             track.accepted = 0
         for tok in output[track.accepted :]:
+            if track.matcher.is_terminated():  # it ended (its stop token); later tokens (ignore_eos) are free
+                break
             if not track.matcher.accept_token(tok):
                 log.error(
                     "guided request %s: token %d breaks its grammar; its step is unconstrained", row.request_id, tok
@@ -278,8 +280,7 @@ class GuidedDecoder:
                 del self._tracks[row.request_id]
                 return None
             track.accepted += 1
-        if track.matcher.is_terminated():  # it ended (a stop token): nothing more to mask
-            del self._tracks[row.request_id]
+        if track.matcher.is_terminated():  # nothing more to mask (kept: a step taken again replays it)
             return None
         return track.matcher
 
