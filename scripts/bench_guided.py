@@ -110,10 +110,11 @@ def bench_device(vocab: int, batch: int, repeats: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 
-def bench_decode_step(source: str, tokenizer, batch: int, repeats: int) -> tuple[float, float]:
-    """Median ms of `ModelEngine.decode_step` at `batch` one-token rows (context 1: the cheapest step, so the
-    mask's share is the largest it gets), unconstrained vs every row constrained to a JSON object (the
-    host mask and its device application included)."""
+def bench_decode_step(source: str, tokenizer, batch: int, repeats: int, steps: int = 8) -> dict[str, float]:
+    """Median ms per token of `ModelEngine.decode_step` at `batch` one-token rows (context 1: the cheapest step,
+    so the mask's share is the largest it gets), unconstrained vs every row constrained by a JSON schema (the host
+    mask and its device application included), interleaved; and of `decode_steps(..., steps)` (multi-step
+    decoding: one on-device loop unconstrained; guided rows fall back to single steps)."""
     import jax
 
     from jaxserve.core.request import GuidedSpec, SamplingParams
@@ -125,21 +126,29 @@ def bench_decode_step(source: str, tokenizer, batch: int, repeats: int) -> tuple
     cfg = engine.model_config
     engine.guided = GuidedDecoder(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
     pages = engine.init_pages(batch * 2, 16)
-    times = {}
-    for name, guided in (("plain", None), ("guided", GuidedSpec("json_object"))):
-        sampling = SamplingParams(max_tokens=8, guided=guided)
-        rows = tuple(
-            StepRow(f"r{i}", (100 + i,), 0, (2 * i, 2 * i + 1), sampling, seed=i, sample_index=0) for i in range(batch)
+    batches = {}
+    # a string of at least 64 characters: the grammar cannot end within the measured steps
+    long_text = '{"type":"object","properties":{"text":{"type":"string","minLength":64}},"required":["text"]}'
+    for name, guided in (("plain", None), ("guided", GuidedSpec("json_schema", long_text))):
+        sampling = SamplingParams(max_tokens=64, ignore_eos=True, guided=guided)
+        batches[name] = StepBatch(
+            tuple(
+                StepRow(f"r{i}", (100 + i,), 0, (2 * i, 2 * i + 1), sampling, seed=i, sample_index=0)
+                for i in range(batch)
+            )
         )
-        for _ in range(3):  # compile
-            _, pages = engine.decode_step(StepBatch(rows), pages)
-        samples = []
-        for _ in range(repeats):
+    samples: dict[str, list[float]] = {}
+    for rnd in range(3 + repeats):  # the first 3 rounds compile
+        for name, b in batches.items():
             t0 = time.perf_counter()
-            _, pages = engine.decode_step(StepBatch(rows), pages)
-            samples.append(time.perf_counter() - t0)
-        times[name] = 1e3 * statistics.median(samples)
-    return times["plain"], times["guided"]
+            _, pages = engine.decode_step(b, pages)
+            t1 = time.perf_counter()
+            _, pages = engine.decode_steps(b, pages, steps)
+            t2 = time.perf_counter()
+            if rnd >= 3:
+                samples.setdefault(f"{name} step", []).append(t1 - t0)
+                samples.setdefault(f"{name} multi-step", []).append((t2 - t1) / steps)
+    return {k: 1e3 * statistics.median(v) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -171,11 +180,13 @@ def main() -> None:
         )
     print(f"device: put + apply the bitmask [B, V/32] to logits [B, V]: {bench_device(vocab, args.batch):.2f} ms")
     if args.decode_step:
-        plain, guided = bench_decode_step(str(path), tok, args.batch, args.repeats)
-        print(
-            f"decode step (batch {args.batch}, context 1): plain {plain:.1f} ms, every row guided {guided:.1f} ms "
-            f"(+{100 * (guided - plain) / plain:.1f} %)"
-        )
+        t = bench_decode_step(str(path), tok, args.batch, args.repeats)
+        for kind in ("step", "multi-step"):
+            plain, guided = t[f"plain {kind}"], t[f"guided {kind}"]
+            print(
+                f"decode {kind} (batch {args.batch}, context 1), ms per token: plain {plain:.1f}, every row guided "
+                f"{guided:.1f} (+{100 * (guided - plain) / plain:.1f} %)"
+            )
 
 
 if __name__ == "__main__":
