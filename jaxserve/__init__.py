@@ -13,10 +13,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "jaxserve.llm",
     "SamplingParams": "jaxserve.core.request",
+    "GuidedSpec": "jaxserve.core.request",
 }
 
 if TYPE_CHECKING:
-    from jaxserve.core.request import SamplingParams
+    from jaxserve.core.request import GuidedSpec, SamplingParams
     from jaxserve.llm import LLM
 
 
@@ -28,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "GuidedSpec", "SamplingParams", "__version__"]

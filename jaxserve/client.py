@@ -172,7 +172,9 @@ class RequestParams(TypedDict, total=False):
     `prompt_ids` instead of a text prompt, `messages` (role / content mappings) for a chat request; sampling:
     `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`; stopping: `stop` (strings), `stop_token_ids`,
     `ignore_eos`, `include_stop_str_in_output`; `n` samples (`stream` only), `echo` the prompt, `logprobs` (0..20
-    alternatives per token), `cache_salt` (prefix-cache blocks shared only with requests of the same salt)."""
+    alternatives per token), `cache_salt` (prefix-cache blocks shared only with requests of the same salt),
+    `response_format` (OpenAI's mapping: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+    {"schema": {...}, "strict": True}}`; the output is constrained to it)."""
 
     prompt_ids: Sequence[int] | None
     max_tokens: int | None
@@ -189,6 +191,7 @@ class RequestParams(TypedDict, total=False):
     messages: Sequence[Mapping[str, str]] | None
     logprobs: int | None
     cache_salt: str | None
+    response_format: Mapping[str, Any] | None
 
 
 def _request(prompt: str | None, params: RequestParams) -> pb.GenerateRequest:

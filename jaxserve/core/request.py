@@ -38,6 +38,60 @@ class TokenLogprobs:
 
 
 DEFAULT_MAX_TOKENS = 16  # a request that names no max_tokens (OpenAI's completions default too)
+GuidedKind = Literal["json_object", "json_schema"]
+MAX_SCHEMA_BYTES = 64 * 1024  # the largest JSON schema a request may constrain its output by (its JSON text)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedSpec:
+    """A constraint on a request's output (OpenAI's `response_format`): any JSON object (`json_object`), or JSON
+    valid against `schema` (`json_schema`, the schema's JSON text; `strict`: no properties beyond the schema's).
+
+    The runtime compiles it to a grammar (`jaxserve.runtime.guided`) and masks each sampled token by it; the
+    matcher's state is never sent anywhere: whichever instance holds the request rebuilds it from the
+    request's output tokens."""
+
+    kind: GuidedKind
+    schema: str | None = None
+    strict: bool = False
+
+    def check(self) -> None:
+        """Raise `InvalidRequestError` (field `response_format`) for a spec that is malformed on its face (the
+        schema's keywords are checked where it is compiled)."""
+        if self.kind not in ("json_object", "json_schema"):
+            raise InvalidRequestError(f"unknown response_format type {self.kind!r}", field="response_format")
+        if self.kind == "json_object":
+            if self.schema is not None:
+                raise InvalidRequestError("a json_object response_format takes no schema", field="response_format")
+            return
+        if not isinstance(self.schema, str) or not self.schema:
+            raise InvalidRequestError("a json_schema response_format needs a schema", field="response_format")
+        if len(self.schema.encode()) > MAX_SCHEMA_BYTES:
+            raise InvalidRequestError(
+                f"the schema ({len(self.schema.encode())} bytes) exceeds the limit of {MAX_SCHEMA_BYTES} bytes",
+                field="response_format",
+            )
+
+
+def guided_spec(kind: str, schema: object = None, *, strict: bool = False) -> GuidedSpec | None:
+    """The `GuidedSpec` of a `response_format` as the fronts receive it (`kind` "text", "json_object" or
+    "json_schema"; `schema` a parsed JSON Schema); None for free text. The schema is kept as its canonical JSON
+    text (sorted keys, no spaces), so equal schemas share one compiled grammar."""
+    import json
+
+    if kind == "text":
+        if schema is not None:
+            raise InvalidRequestError("a text response_format takes no schema", field="response_format")
+        return None
+    if kind == "json_object":
+        if schema is not None:
+            raise InvalidRequestError("a json_object response_format takes no schema", field="response_format")
+        return GuidedSpec("json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(f"unknown response_format type {kind!r}", field="response_format")
+    if schema is None:
+        raise InvalidRequestError("type json_schema needs json_schema.schema", field="response_format")
+    return GuidedSpec("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict=strict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +110,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each token's logprob and its k most likely alternatives
+    guided: GuidedSpec | None = None  # a grammar every output token must follow (logprobs: of the masked logits)
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +148,8 @@ class SamplingParams:
             )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", field="stop_token_ids")
+        if self.guided is not None:
+            self.guided.check()
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {tok!r}", field="stop_token_ids")

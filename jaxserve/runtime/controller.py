@@ -88,6 +88,7 @@ from jaxserve.runtime.compilation.deployment import (
 )
 from jaxserve.runtime.config import AdmissionConfig, ControllerConfig, Observer, WorkloadHook
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
+from jaxserve.runtime.guided import GuidedDecoder
 from jaxserve.runtime.instance_set import InstanceSet
 from jaxserve.runtime.instances import (
     EngineFactory,
@@ -157,6 +158,8 @@ class Controller:
         self.model_config: ModelConfig = placed[0].engine.model_config
         self.faults = faults or FaultCounters()
         self._lock = threading.Lock()
+        self._guided: GuidedDecoder | None = None  # built on the first guided request (`guided_decoder`)
+        self._guided_lock = threading.Lock()
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
         self._shutting_down = False
         self._started = False
@@ -348,6 +351,28 @@ class Controller:
     def check_fits(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError naming the first bad field (`core.request.validate_request`)."""
         validate_request(request, self.request_limits(probe_logprobs=request.sampling.logprobs is not None))
+        if request.sampling.guided is not None:  # compiles its grammar (cached; bounded in time): a 400 if it fails
+            self.guided_decoder().check(request.sampling.guided)
+
+    def guided_decoder(self) -> GuidedDecoder:
+        """The masks of guided requests (`runtime/guided.py`), built on first use from the tokenizer and handed to
+        every engine; `InvalidRequestError` where there is no tokenizer or an engine cannot mask its logits."""
+        engines = [inst.engine for inst in self.instances]
+        if not all(hasattr(e, "guided") for e in engines):
+            names = sorted({type(e).__name__ for e in engines if not hasattr(e, "guided")})
+            raise InvalidRequestError(
+                f"response_format needs engines that mask logits; this deployment runs {', '.join(names)}",
+                field="response_format",
+            )
+        with self._guided_lock:
+            if self._guided is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("response_format needs the model's tokenizer", field="response_format")
+                mc = self.model_config
+                self._guided = GuidedDecoder(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
+            for e in engines:  # every call: a switch may have added engines
+                e.guided = self._guided  # type: ignore[attr-defined]
+            return self._guided
 
     def request_limits(self, *, probe_logprobs: bool = True) -> RequestLimits:
         """What this deployment accepts now. `probe_logprobs`: ask every instance's engine whether it computes

@@ -141,11 +141,13 @@ class Frontend:
     async def prepare(self, params: CompletionParams, arrival_at: float | None = None) -> PreparedRequest:
         """Tokenize (off the event loop) and check a request; raise `InvalidRequestError` naming the wire field."""
         arrival = time.monotonic() if arrival_at is None else arrival_at
-        if params.prompt_token_ids is not None:
+        if params.prompt_token_ids is not None and params.sampling.guided is None:
             request = self.check(params, tuple(params.prompt_token_ids))
         else:
+            # off the event loop: tokenizing, and compiling a guided request's grammar (bounded in time)
+            ids = None if params.prompt_token_ids is None else tuple(params.prompt_token_ids)
             loop = asyncio.get_running_loop()
-            request = await loop.run_in_executor(None, self.check, params, None)
+            request = await loop.run_in_executor(None, self.check, params, ids)
         return PreparedRequest(request, arrival, params.stop, params.include_stop_str_in_output)
 
     def check(self, params: CompletionParams, ids: tuple[int, ...] | None) -> GenerateRequest:

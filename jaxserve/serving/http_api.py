@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -43,6 +44,7 @@ from jaxserve.core.errors import EngineDeadError, InvalidRequestError, Overloade
 from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchAbortedError, SwitchError, SwitchInProgressError, SwitchUnsupportedError
+from jaxserve.serving import tool_calls
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
 from jaxserve.serving.browser_guard import BrowserGuard, BrowserPolicy
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
@@ -356,6 +358,7 @@ class _Render:
         self.chat = chat
         self.token_text = token_text
         self._text_offsets: dict[int, int] = {}  # completions logprobs: each choice's text offset so far
+        self._held: dict[int, list[Chunk]] = {}  # a forced tool call's chunks, held until the call is whole
 
     def logprobs(
         self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
@@ -429,22 +432,54 @@ class _Render:
             out["token_ids"] = token_ids
         return out
 
+    def _tool_call(self, text: str, reason: str | None) -> dict[str, Any] | None:
+        """OpenAI's tool call of a forced call's finished output (None: not a forced call, or cut short)."""
+        return tool_calls.parse_call(text) if self.job.tool_calls and reason == "stop" else None
+
     def body(self, choices: list[Choice], collected: list[list[Chunk]]) -> dict[str, Any]:
         out = self._envelope(chunk_object=False)
-        out["choices"] = [
-            self._choice(
+        out["choices"] = []
+        for c, chunks in zip(choices, collected, strict=True):
+            text = c.echo + "".join(ch.text for ch in chunks)
+            reason = chunks[-1].finish_reason
+            choice = self._choice(
                 c.index,
-                c.echo + "".join(ch.text for ch in chunks),
+                text,
                 [t for ch in chunks for t in ch.token_ids],
-                chunks[-1].finish_reason,
+                reason,
                 delta=False,
                 logprobs=Completion.from_chunks(chunks).logprobs,
             )
-            for c, chunks in zip(choices, collected, strict=True)
-        ]
+            call = self._tool_call(text, reason)
+            if call is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                choice["finish_reason"] = "tool_calls"
+            out["choices"].append(choice)
         out["usage"] = self.usage(choices, [chunks[-1] for chunks in collected])
         out["system_fingerprint"] = None
         return out
+
+    def events(self, choice: Choice, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        """The stream events of one chunk. A forced tool call's chunks are held until it ends, then sent as
+        OpenAI sends a call: the call (id, name, whole arguments) in one delta, then `finish_reason: "tool_calls"`
+        (an output cut short goes out as the text it is)."""
+        if not self.job.tool_calls:
+            return [self.event(choice, chunk, first)]
+        held = self._held.setdefault(choice.index, [])
+        held.append(chunk)
+        if not chunk.finished:
+            return []
+        whole = Completion.from_chunks(held)
+        merged = dataclasses.replace(chunk, token_ids=whole.token_ids, text=whole.text, logprobs=whole.logprobs)
+        call = self._tool_call(whole.text, chunk.finish_reason)
+        if call is None:
+            return [self.event(choice, merged, True)]
+        call_event = self.event(choice, dataclasses.replace(merged, finish_reason=None), True)
+        call_event["choices"][0]["delta"] = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
+        end = self.event(choice, dataclasses.replace(merged, token_ids=(), text="", logprobs=None), False)
+        end["choices"][0]["delta"] = {}
+        end["choices"][0]["finish_reason"] = "tool_calls"
+        return [call_event, end]
 
     def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
         out = self._envelope(chunk_object=True)
@@ -480,7 +515,8 @@ async def _sse_events(
     lasts: list[Chunk | None] = [None] * len(choices)
     try:
         async for i, chunk in merge_streams(streams, firsts):
-            yield event(render.event(choices[i], chunk, first=lasts[i] is None))
+            for payload in render.events(choices[i], chunk, first=lasts[i] is None):
+                yield event(payload)
             lasts[i] = chunk
     except Exception as e:  # after the 200 header: report in-band, as OpenAI-compatible servers do
         yield event(_error_for(e).body)

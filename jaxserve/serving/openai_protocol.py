@@ -21,13 +21,13 @@ does not compute.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
-from jaxserve.core.request import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS, SamplingParams
-from jaxserve.serving import chat_template
+from jaxserve.core.request import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS, GuidedSpec, SamplingParams, guided_spec
+from jaxserve.serving import chat_template, tool_calls
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
     MAX_N,
@@ -48,6 +48,29 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the output must be valid against (`strict`: and nothing beyond)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guided(self) -> GuidedSpec | None:
+        """The constraint this asks for (None: free text)."""
+        if self.json_schema is not None and self.type != "json_schema":
+            raise _bad("response_format", "json_schema is only allowed with type json_schema")
+        schema = None if self.json_schema is None else self.json_schema.schema_
+        return guided_spec(self.type, schema, strict=bool(self.json_schema and self.json_schema.strict))
 
 
 class _SamplingFields(_Strict):
@@ -72,6 +95,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with requests of the same salt
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM takes it
 
 
 class CompletionRequest(_SamplingFields):
@@ -90,17 +114,59 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+            text = self.content
+        else:
+            text = "".join(p.text for p in self.content or ())
+        if self.role == "tool" or self.tool_calls:  # tool follow-ups, in the generic words (tool_calls.py)
+            calls = [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
+            return tool_calls.followup_text(self.role, text, calls, self.tool_call_id)
+        return text
+
+    @property
+    def template_role(self) -> str:
+        """The role the template renders: a tool result is the user's turn in the generic format."""
+        return "user" if self.role == "tool" else self.role
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -110,11 +176,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
 
 
 def render_chat(messages: list[ChatMessage], template: chat_template.JinjaChatTemplate | None = None) -> str:
     """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one)."""
-    return chat_template.render_chat(((m.role, m.text()) for m in messages), template)
+    return chat_template.render_chat(((m.template_role, m.text()) for m in messages), template)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +197,7 @@ class OpenAIJob:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None = None  # alternatives per token when the client asked for logprobs, else None
+    tool_calls: bool = False  # the output is a forced tool call (tool_calls.py): rendered as OpenAI's `tool_calls`
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -165,6 +235,7 @@ def _sampling(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> S
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        guided=None if body.response_format is None else body.response_format.guided(),
     )
 
 
@@ -234,10 +305,14 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
     if not body.messages:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    messages, call = _forced_tool_call(body)
+    sampling = _sampling(body, max_tokens or 1, logprobs)
+    if call is not None:
+        sampling = dataclasses.replace(sampling, guided=call)
     params = CompletionParams(
-        prompt_text=render_chat(body.messages, template),
+        prompt_text=render_chat(messages, template),
         prompt_token_ids=None,
-        sampling=_sampling(body, max_tokens or 1, logprobs),
+        sampling=sampling,
         stop=stop,
         prompt_field="messages",
         include_stop_str_in_output=body.include_stop_str_in_output,
@@ -245,4 +320,36 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         cache_salt=_salt(body.cache_salt),
         add_special_tokens=template is None,
     )
-    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs)
+    return OpenAIJob(
+        (params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, call is not None
+    )
+
+
+def _forced_tool_call(body: ChatCompletionRequest) -> tuple[list[ChatMessage], GuidedSpec | None]:
+    """The messages to render and the grammar of the call the output must be (None: no forced call)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise _bad("tool_choice", "tool_choice needs tools")
+        return body.messages, None
+    if choice == "none":
+        return body.messages, None
+    if choice is None or choice == "auto":
+        raise _bad("tool_choice", tool_calls.AUTO_UNSUPPORTED)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise _bad("response_format", "response_format and a forced tool call both constrain the output: send one")
+    tools = [
+        tool_calls.FunctionTool(
+            t.function.name, t.function.description, t.function.parameters or {"type": "object", "properties": {}}
+        )
+        for t in body.tools
+    ]
+    forced = None if choice == "required" else choice.function.name
+    spec = tool_calls.call_spec(tools, forced)
+    described = tool_calls.tools_system_message(tools, forced)
+    messages = list(body.messages)
+    if messages[0].role in ("system", "developer"):  # one system turn: some templates allow no second one
+        messages[0] = ChatMessage(role=messages[0].role, content=f"{messages[0].text()}\n\n{described}")
+    else:
+        messages.insert(0, ChatMessage(role="system", content=described))
+    return messages, spec

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import unknown_fields
 
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.plan import DeploymentPlan
-from jaxserve.core.request import MAX_STOP_TOKEN_IDS, FinishReason, RequestTimings, SamplingParams, TokenLogprobs
+from jaxserve.core.request import (
+    MAX_STOP_TOKEN_IDS,
+    FinishReason,
+    GuidedSpec,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprobs,
+    guided_spec,
+)
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.serving.chat_template import JinjaChatTemplate, render_chat
 
@@ -254,6 +263,7 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
+        guided=_guided_from_proto(req.response_format) if req.HasField("response_format") else None,
     )
     return CompletionParams(
         prompt_text=text,
@@ -264,6 +274,30 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         include_stop_str_in_output=req.include_stop_str_in_output,
         cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
         add_special_tokens=add_special_tokens,
+    )
+
+
+def _guided_from_proto(fmt: pb.ResponseFormat) -> GuidedSpec | None:
+    schema = None
+    if fmt.json_schema:
+        try:
+            schema = json.loads(fmt.json_schema)
+        except ValueError as e:
+            raise InvalidRequestError(
+                f"response_format.json_schema is not JSON: {e}", field="response_format"
+            ) from None
+    return guided_spec(fmt.type or "text", schema, strict=fmt.strict)
+
+
+def response_format_to_proto(fmt: Mapping[str, Any]) -> pb.ResponseFormat:
+    """OpenAI's `response_format` mapping (`{"type": "json_schema", "json_schema": {"schema": ..., "strict": ...}}`)
+    as the proto message."""
+    spec = fmt.get("json_schema") or {}
+    schema = spec.get("schema")
+    return pb.ResponseFormat(
+        type=str(fmt.get("type", "text")),
+        json_schema="" if schema is None else json.dumps(schema),
+        strict=bool(spec.get("strict", False)),
     )
 
 
@@ -285,6 +319,7 @@ def request_to_proto(
     messages: Sequence[tuple[str, str]] = (),
     logprobs: int | None = None,
     cache_salt: str | None = None,
+    response_format: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """Build a request message (client side). Unset optional fields take the server's defaults."""
     req = pb.GenerateRequest(
@@ -313,6 +348,8 @@ def request_to_proto(
         req.logprobs = logprobs
     if cache_salt is not None:
         req.cache_salt = cache_salt
+    if response_format is not None:
+        req.response_format.CopyFrom(response_format_to_proto(response_format))
     return req
 
 

@@ -57,6 +57,7 @@ from jaxserve.runtime.engines.contract import (
     decode_steps_one_by_one,
     row_stops,
 )
+from jaxserve.runtime.guided import GuidedDecoder, GuidedRow, apply_bitmask, padded_bitmask
 from jaxserve.runtime.kv_pool import write_sequence
 from jaxserve.runtime.sampling import (
     SamplingInputs,
@@ -93,6 +94,7 @@ class ModelEngine(ModelWarmup, Engine):
 
     def __init__(self, model: ShardedModel) -> None:
         self.model = model
+        self.guided: GuidedDecoder | None = None  # the masks of guided requests (set by the controller)
         self._cfg = model.cfg
         self._pad = model.cfg.filler_token_id
         # A sequence's dense KV [L, T, kv_heads, D]: split over K/V heads, or replicated where tp is a multiple of them.
@@ -163,13 +165,27 @@ class ModelEngine(ModelWarmup, Engine):
 
     # ---- sampling --------------------------------------------------------------
     def _sample(
-        self, logits: jax.Array, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+        self,
+        logits: jax.Array,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        indices: Sequence[int],
+        guided: Sequence[GuidedRow] = (),
     ) -> tuple[jax.Array, jax.Array]:
         """`sample` on `logits` [B, V] padded up to `_sampling_rows` (each row's token depends only on its seed and
-        index, so padding changes none). -> tokens [B'] (the first B are the batch's) and the logits [B', V] drawn from."""
+        index, so padding changes none), masked first by the grammar of each guided row (`guided`: one per row).
+        -> tokens [B'] (the first B are the batch's) and the logits [B', V] drawn from (masked: logprobs are the
+        masked distribution's, as vLLM reports them)."""
         rows = self._sampling_rows(logits.shape[0], params)
         if rows != logits.shape[0]:
             logits = pad_rows(logits, rows)  # [rows, V]: the added rows are sampled greedily and read by no one
+        if any(p.guided is not None for p in params):
+            if self.guided is None:
+                raise RuntimeError(
+                    "a guided request reached an engine with no GuidedDecoder (Controller.guided_decoder)"
+                )
+            mask = self.guided.bitmask(guided)  # [B, ceil(V / 32)] int32, on the host
+            logits = apply_bitmask(logits, padded_bitmask(mask, rows))  # [rows, V]
         return sample(logits, params, seeds, indices), logits
 
     # ---- prefill ---------------------------------------------------------------
@@ -204,7 +220,10 @@ class ModelEngine(ModelWarmup, Engine):
             tokens[r, : len(item.token_ids)] = item.token_ids
             lengths[r] = len(item.token_ids)
         logits, caches = self.model.prefill(tokens, lengths)  # [B, V]
-        first, logits = self._sample(logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items))
+        guided = [GuidedRow(i.request_id, i.sampling.guided, i.token_ids, 0) for i in items]
+        first, logits = self._sample(
+            logits, [i.sampling for i in items], [i.seed for i in items], [0] * len(items), guided
+        )
         lp = token_logprobs(logits, first) if any(i.sampling.logprobs is not None for i in items) else None
         return first, lp, caches
 
@@ -297,7 +316,7 @@ class ModelEngine(ModelWarmup, Engine):
         `token_ids[0]` at `start_position`, and stops after its EOS (unless `ignore_eos`), a stop
         token id, or `sampling.max_tokens - sample_index` tokens; its list ends there. Its block table
         must cover the positions it may reach. Tokens equal `num_steps` calls of `decode_step` (same
-        seeds and indices: step k samples index `sample_index + k`). With pp > 1: single steps.
+        seeds and indices: step k samples index `sample_index + k`). With pp > 1, or a guided row: single steps.
         """
         lists, _, pages = self._steps(batch, pages, num_steps, with_logprobs=False)
         return lists, pages
@@ -316,7 +335,8 @@ class ModelEngine(ModelWarmup, Engine):
         rows = batch.rows
         if any(len(r.token_ids) != 1 or r.is_prompt for r in rows):
             raise ValueError("multi-step decoding takes one-token (decode) rows only")
-        if self.model.pp != 1:
+        # pp > 1 dispatches stage by stage; a guided row's next mask needs this step's token on the host
+        if self.model.pp != 1 or any(r.sampling.guided is not None for r in rows):
             if with_logprobs:
                 return decode_steps_one_by_one(self, batch, pages, num_steps)
             lists, _, pages = decode_steps_one_by_one(self, StepBatch(_without_logprobs(rows)), pages, num_steps)
@@ -434,8 +454,9 @@ class ModelEngine(ModelWarmup, Engine):
             lengths[i] = len(r.token_ids)
             tables[i, : len(filled)] = filled
         logits, caches = self.model.extend_paged(tokens, starts, lengths, caches, tables)  # [B, V]
+        guided = [GuidedRow(r.request_id, r.sampling.guided, r.token_ids, r.sample_index) for r in rows]
         sampled, logits = self._sample(
-            logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows]
+            logits, [r.sampling for r in rows], [r.seed for r in rows], [r.sample_index for r in rows], guided
         )
         return sampled, token_logprobs(logits, sampled) if with_logprobs else None, caches
 
