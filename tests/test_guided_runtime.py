@@ -5,6 +5,7 @@ whose decode instance dies going on, token for token, on the other one."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -19,7 +20,7 @@ from jaxserve.core.plan import InstanceSpec, parse_deployment
 from jaxserve.core.request import GenerateRequest, GuidedSpec, SamplingParams
 from jaxserve.runtime.controller import Controller, ControllerConfig
 from jaxserve.runtime.engines.contract import KVPages, StepBatch
-from jaxserve.runtime.guided import GuidedDecoder, GuidedLimits, GuidedRow, apply_bitmask
+from jaxserve.runtime.guided import GrammarCache, GuidedDecoder, GuidedLimits, GuidedRow, apply_bitmask
 from jaxserve.runtime.instances import build_engines
 from models.config import get_config
 
@@ -46,13 +47,32 @@ def _allowed(mask_row: np.ndarray) -> list[int]:
     return [int(t) for t in np.flatnonzero(bits[: CFG.vocab_size])]
 
 
+class _StuckCompiler:
+    """A grammar compiler whose compile does not finish until the test releases it: the compile the time bound
+    is for, deterministically (a real compile's time depends on the machine and on when the library frees the GIL)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def compile_json_schema(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        self.release.wait(60)
+        raise RuntimeError("released by the test")
+
+
 def test_a_compile_past_its_time_bound_is_a_400_and_the_same_spec_is_refused_at_once() -> None:
-    decoder = _decoder(GuidedLimits(compile_timeout_s=1e-6))
-    with pytest.raises(InvalidRequestError, match="within") as e:
-        decoder.check(SPEC)
-    assert e.value.field == "response_format"
-    with pytest.raises(InvalidRequestError, match="within"):
-        decoder.check(SPEC)  # remembered: no second compile thread
+    stuck = _StuckCompiler()
+    grammars = GrammarCache(stuck, GuidedLimits(compile_timeout_s=0.05))
+    try:
+        with pytest.raises(InvalidRequestError, match="within") as e:
+            grammars.get(SPEC)
+        assert e.value.field == "response_format"
+        with pytest.raises(InvalidRequestError, match="within"):
+            grammars.get(SPEC)  # remembered: no second compile thread
+        assert stuck.calls == 1
+    finally:
+        stuck.release.set()
 
 
 @pytest.mark.parametrize(
