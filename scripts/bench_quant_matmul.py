@@ -4,7 +4,8 @@ Per model (opt-125m, SmolLM2-135M), two groups of a decode step's weights, rando
 * `layers`: every linear layer of every layer, as the serving path fuses them (opt-125m: qkv 768x2304, out
   768x768, fc1 768x3072, fc2 3072x768, x 12 layers; SmolLM2: qkv 576x960, o 576x576, gate|up 576x3072, down
   1536x576, x 30 layers), one jitted call running them all: the weights stream from memory as in a step;
-* `lm_head`: the vocabulary projection (768x50272; 576x49152).
+* `lm_head`: the vocabulary projection (768x50272; 576x49152);
+* `step` (ask for it with `--groups`): both, a decode step's every matmul.
 Per scheme (Q4_1 and Q8_0 as a GGUF file stores them, int8 per-channel, int4 group 64) and batch, three
 contenders run interleaved (A B C A B C ...) `--reps` >= 5 times after a warm-up round, each sample `--inner`
 calls: `fp32` (x @ W over float32 weights, XLA's dot), `xla` (`quant_matmul(impl="xla")`: dequantize in the
@@ -13,7 +14,12 @@ shared machine the min is the run least disturbed by others; the kernel's speed-
 medians), the speed-up over fp32, the bytes of weights each call reads and the GB/s that makes (min). The
 load average is printed before and after each model; read ratios within a row (interleaved), not across runs.
 
+`--clock cpu` times the process's CPU time instead of the wall clock: with `--threads 1` that is the compute
+time of each call however many other processes share the core (a loaded machine), though not their effect
+on the caches and the memory bus.
+
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --threads 2
+    PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --clock cpu --groups step --batches 1
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --models smollm2-135m --batches 1 --reps 5  # smoke
 """
 
@@ -47,6 +53,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=3, help="calls per sample")
     ap.add_argument("--threads", type=int, default=0, help="pin to N cores and size XLA's pool to N (0: as is)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
     args = ap.parse_args()
     if args.reps < 5:
         ap.error("--reps must be >= 5")
@@ -68,14 +75,23 @@ def _quantize(w: Any, scheme: str) -> Any:
     return quant.from_gguf(raw, scheme.upper(), w.shape[0])
 
 
-def _timed(fn: Callable[..., Any], args: tuple[Any, ...], inner: int) -> Callable[[], float]:
+def _timed(fn: Callable[..., Any], args: tuple[Any, ...], inner: int, clock: str) -> Callable[[], float]:
+    """A sample of `fn`: `inner` calls, then one tiny jitted call, all timed. The tiny call takes what the runtime
+    defers to the next execution (freeing the XLA form's hundreds of MB of float32 weights): untimed, it landed
+    on whichever contender ran next (a kernel call after the XLA form: 20.2 ms CPU, else 12.6)."""
     import jax
+    import jax.numpy as jnp
+
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    settle = jax.jit(lambda a: a + 1)
+    one = jnp.zeros((1,), jnp.float32)
 
     def run() -> float:
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(inner):
             jax.block_until_ready(fn(*args))
-        return (time.perf_counter() - t0) / inner
+        jax.block_until_ready(settle(one))
+        return (now() - t0) / inner
 
     return run
 
@@ -113,9 +129,13 @@ def main() -> int:
     )
     for model in args.models.split(","):
         spec = MODELS[model]
-        print(f"# {model}: load average {load_avg():.2f}")
+        print(f"# {model}: load average {load_avg():.2f}, {args.clock} clock")
         for group in args.groups.split(","):
-            shapes = spec["shapes"] * spec["layers"] if group == "layers" else [spec["head"]]
+            shapes = {
+                "layers": spec["shapes"] * spec["layers"],
+                "lm_head": [spec["head"]],
+                "step": spec["shapes"] * spec["layers"] + [spec["head"]],
+            }[group]
             ws = [(rng.standard_normal(s, np.float32) * np.float32(0.02)) for s in shapes]  # [in, out]
             ws_dev = [jnp.asarray(w) for w in ws]
             fp32_bytes = sum(w.nbytes for w in ws)
@@ -127,9 +147,9 @@ def main() -> int:
                     xs = [jnp.asarray(rng.standard_normal((batch, s[0]), np.float32)) for s in shapes]
                     samples = interleaved(
                         {
-                            "fp32": _timed(dense, (xs, ws_dev), args.inner),
-                            "xla": _timed(quantized("xla"), (xs, qs), args.inner),
-                            "kernel": _timed(quantized("cpu_kernel"), (xs, qs), args.inner),
+                            "fp32": _timed(dense, (xs, ws_dev), args.inner, args.clock),
+                            "xla": _timed(quantized("xla"), (xs, qs), args.inner, args.clock),
+                            "kernel": _timed(quantized("cpu_kernel"), (xs, qs), args.inner, args.clock),
                         },
                         args.reps,
                     )

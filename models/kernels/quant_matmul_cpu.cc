@@ -85,6 +85,10 @@ inline void Pin(V16& a) { asm volatile("" : "+v"(a.v)); }
 inline V16 Fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float Sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 Add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+// 16 int8 -> floats
+inline V16 ConvertI8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 // 16 int8 -> floats, times s plus m
 inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
   const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -118,6 +122,10 @@ inline float Sum(V16 x) {
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
+}
+inline V16 ConvertI8(const int8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)))};
 }
 inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -167,6 +175,11 @@ inline float Sum(V16 a) {
   for (int i = 0; i < 16; ++i) s += a.v[i];
   return s;
 }
+inline V16 ConvertI8(const int8_t* p) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
 inline V16 DequantI8(const int8_t* p, V16 s, V16 m) {
   V16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = __builtin_fmaf(static_cast<float>(p[i]), s.v[i], m.v[i]);
@@ -186,6 +199,7 @@ struct Problem {
   const uint8_t* values;  // [out, in_pad * bits / 8]
   int64_t row_bytes;
   float* y;  // [batch, out]
+  bool row_scale;  // 8-bit, one block per row, no mins (int8 per channel): scale the row's sum, not each weight
   int64_t blocks() const { return in_pad / block; }
 };
 
@@ -267,7 +281,10 @@ inline void PrefetchShare(const uint8_t* ahead, int64_t k) {
 // R output rows x BT batch rows over all inputs, the rows `rows[r]` dequantized step by step in registers
 // (scales `sc`, mins `mn`: R lines of `blocks()`); S accumulators per (row, batch row) (2 at BT = 1, for 8
 // independent fma chains). The last group's rows may repeat its last row; only the first `live` are stored.
-template <int BITS, int R, int BT, int S>
+// ROW_SCALE (`Problem::row_scale`): the integers are multiplied as they are and each row's sum is scaled once
+// (two of the nine vector ops a row's step took, at batch 1); the result then differs from the XLA form's by
+// the order of one multiplication, s (sum q x) against sum (s q) x, within the same rounding bound.
+template <int BITS, int R, int BT, int S, bool ROW_SCALE = false>
 void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const float* sc, const float* mn,
           const uint8_t* ahead) {
   V16 acc[R][BT][S];
@@ -303,9 +320,16 @@ void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const flo
       PrefetchShare<BITS>(ahead, k);
       V16 w[R][2];
       JAXSERVE_UNROLL
-      for (int r = 0; r < R; ++r)
-        DequantStep<BITS>(rp[r], k, sc[r * nb + k0], mn[r * nb + k0], sc[r * nb + k1], mn[r * nb + k1], &w[r][0],
-                          &w[r][1]);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (ROW_SCALE) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(rp[r]) + kStep * k;
+          w[r][0] = ConvertI8(q);
+          w[r][1] = ConvertI8(q + 16);
+        } else {
+          DequantStep<BITS>(rp[r], k, sc[r * nb + k0], mn[r * nb + k0], sc[r * nb + k1], mn[r * nb + k1], &w[r][0],
+                            &w[r][1]);
+        }
+      }
       multiply(k, w);
     });
   }
@@ -316,7 +340,7 @@ void Tile(const Problem& p, const int64_t* rows, int live, int64_t b0, const flo
     for (int b = 0; b < BT; ++b) {
       V16 a = acc[r][b][0];
       if constexpr (S == 2) a = Add(a, acc[r][b][1]);
-      p.y[(b0 + b) * p.out + rows[r]] = Sum(a);
+      p.y[(b0 + b) * p.out + rows[r]] = ROW_SCALE ? Sum(a) * sc[r * p.blocks()] : Sum(a);
     }
   }
 }
@@ -370,6 +394,17 @@ void Group(const Problem& p, int64_t group, const float* sc, const float* mn, fl
   // the group to prefetch; near the end, the last whole group again (cheaper than a test per step)
   const int64_t later = std::max<int64_t>(std::min(first + kPrefetchGroups * kGroup, p.out - kGroup), 0);
   const uint8_t* ahead = p.values + (p.out >= kGroup ? later : 0) * p.row_bytes;
+  if constexpr (BITS == 8) {
+    if (p.row_scale) {
+      switch (p.batch) {
+        case 1: return Tile<8, kGroup, 1, 2, true>(p, rows, live, 0, sc, mn, ahead);
+        case 2: return Tile<8, kGroup, 2, 1, true>(p, rows, live, 0, sc, mn, ahead);
+        case 3: return Tile<8, kGroup, 3, 1, true>(p, rows, live, 0, sc, mn, ahead);
+        case 4: return Tile<8, kGroup, 4, 1, true>(p, rows, live, 0, sc, mn, ahead);
+        default: break;
+      }
+    }
+  }
   switch (p.batch) {
     case 1: return Tile<BITS, kGroup, 1, 2>(p, rows, live, 0, sc, mn, ahead);
     case 2: return Tile<BITS, kGroup, 2, 1>(p, rows, live, 0, sc, mn, ahead);
@@ -502,6 +537,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.x = xpad.data();
   p.values = static_cast<const uint8_t*>(values.untyped_data());
   p.y = y->typed_data();
+  p.row_scale = bits == 8 && !has_mins && p.in_pad == block;
   if (st == ffi::F16) {
     const auto* s = static_cast<const uint16_t*>(scales.untyped_data());
     const auto* m = static_cast<const uint16_t*>(mins.untyped_data());
