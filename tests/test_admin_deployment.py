@@ -31,7 +31,7 @@ PLAN = "disagg:prefill=tp1,decode=tp1"
 NEW = "disagg:prefill=tp1,decode=tp2"
 KEY = "secret"
 ADMIN_KEY = "admin-secret"
-AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"}  # admin bodies: JSON only
 
 
 def _controller(factory) -> Controller:  # type: ignore[no-untyped-def]
@@ -168,7 +168,12 @@ def test_a_backend_without_a_switcher_refuses_live_switches() -> None:
             ReplanLoop(c, ReplanLoopConfig(mode="auto"), switcher=None, context=object())  # type: ignore[arg-type]
         loop = ReplanLoop(c, ReplanLoopConfig(mode="off"), switcher=None)
         with ServerThread(c, ServerConfig(grpc_port=0, http_port=0), admin=loop) as server:
-            r = httpx.post(f"{server.http_url}/admin/deployment", content=NEW, timeout=30)
+            r = httpx.post(
+                f"{server.http_url}/admin/deployment",
+                content=NEW,
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+            )
             assert r.status_code == 501 and "cannot switch" in r.json()["error"]["message"]
     finally:
         c.shutdown()
