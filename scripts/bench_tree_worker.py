@@ -78,13 +78,18 @@ def main() -> int:
 
 
 def _digest(compiled_text: str) -> str:
-    """A digest of an optimized HLO text with instruction names, ids and metadata normalized away: two trees
-    that build the same program give the same digest."""
-    text = re.sub(r"metadata=\{[^}]*\}", "", compiled_text)
-    text = re.sub(r"%[\w.\-]+", "%x", text)
-    text = re.sub(r"\b[\w.\-]+(\.\d+)+\b", "N", text)
-    lines = sorted(line.strip() for line in text.splitlines() if "=" in line)
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    """A digest of an optimized HLO text's instructions, with names, ids, metadata and sharding annotations
+    normalized away (the debug tables of source lines and a one-device mesh's axis names are not the program):
+    two trees that build the same program give the same digest."""
+    lines = []
+    for line in compiled_text.splitlines():
+        line = line.strip()
+        if not line.startswith(("%", "ROOT")):
+            continue
+        line = re.sub(r",? *(metadata|sharding|frontend_attributes)=.*", "", line)
+        line = re.sub(r"%[\w.\-]+", "%x", line)
+        lines.append(re.sub(r"\b[\w.\-]+(\.\d+)+\b", "N", line))
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":
