@@ -8,8 +8,8 @@ Two layouts of the same weights:
   (`qkv_proj`, `gate_up_proj`: `models.layers.add_projections`);
 * the **checkpoint layout** (a nested dict, `Params`): what checkpoints hold and the loaders place shard by
   shard (`models.checkpoint`): each decoder leaf stacked `[L, ...]` under `"layers"`, projections unfused, and
-  a top-level module with one weight (an embedding table, a bias-free projection) stored as that one array
-  under the module's name (`embed_tokens`, `project_in`, `lm_head`).
+  a top-level module's `embedding` or `kernel` (an embedding table, a bias-free projection) stored as a bare
+  array under the module's name (`embed_tokens`, `project_in`, `lm_head`).
 
 Parameter paths are the same in both apart from the layer index and those one-weight modules, so this
 module maps one to the other for every family without a table per family.

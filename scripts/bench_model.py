@@ -375,7 +375,8 @@ def main() -> int:
 
 def _tree_ab(args: argparse.Namespace) -> int:
     """`--tree-ab OLD_ROOT`: old tree vs this tree, each in its own worker (scripts/bench_tree_worker.py, which
-    imports `models` from its tree only), timed in turns (old, new, old, new, ...) after one warm-up round."""
+    imports `models` from its tree only), timed in turns (old, new, old, new, ...) after one warm-up round; each
+    row also says whether the two trees compiled the same optimized program (names and metadata aside)."""
     import subprocess
 
     trees = {"old": Path(args.tree_ab).resolve(), "new": ROOT}
@@ -395,6 +396,12 @@ def _tree_ab(args: argparse.Namespace) -> int:
         w.stdin.flush()  # type: ignore[union-attr]
         return float(json.loads(w.stdout.readline())["seconds"])  # type: ignore[union-attr]
 
+    def hlo(name: str) -> str:
+        w = workers[name]
+        w.stdin.write("hlo\n")  # type: ignore[union-attr]
+        w.stdin.flush()  # type: ignore[union-attr]
+        return str(json.loads(w.stdout.readline())["hlo"])  # type: ignore[union-attr]
+
     jobs = [] if args.no_prefill else [(f"prefill {t}", f"prefill {t}", 1) for t in args.prompt_len.split(",")]
     if not args.no_decode:
         jobs += [
@@ -412,9 +419,11 @@ def _tree_ab(args: argparse.Namespace) -> int:
             for name in workers:
                 ms[name].append(ask(name, line) / per * 1e3)
         (o_min, o_med), (n_min, n_med) = stats(ms["old"]), stats(ms["new"])
+        digests = {name: hlo(name) for name in workers}  # the optimized program each tree ran
+        same = "same program" if digests["old"] == digests["new"] else "programs differ"
         print(
             f"  {label:<24} old {o_min:8.2f} / {o_med:8.2f}   new {n_min:8.2f} / {n_med:8.2f}   "
-            f"new/old {n_min / o_min:.3f} (median {n_med / o_med:.3f})   load {load:.2f} -> {load_avg():.2f}",
+            f"new/old {n_min / o_min:.3f} (median {n_med / o_med:.3f})   {same}   load {load:.2f} -> {load_avg():.2f}",
             flush=True,
         )
         rows.append({"job": label, **{f"{k}_ms": v for k, v in ms.items()}})

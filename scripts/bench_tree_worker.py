@@ -4,12 +4,16 @@ Run with `PYTHONPATH=<tree root>`: it imports `models` from that tree only (no p
 `ShardedModel` calls both the tree before the NNX models and after them have (`sharded_class(cfg).load`,
 `prefill`, `init_paged_caches`, `extend_paged`), so the same worker times either tree. Commands, one per line:
 `prefill T` (one prompt of T tokens), `decode B C N` (N paged decode steps of B rows at context C); the answer
-is one JSON line with the seconds the command's timed part took.
+is one JSON line with the seconds the command's timed part took. After a command, `hlo` answers with a digest
+of the optimized programs it ran (names and metadata left out), so two trees can be shown to compile the same
+program, which a timing on a loaded machine cannot show.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -27,6 +31,7 @@ def main() -> int:
     model = sharded_class(cfg).load(model_name, tp=1, pp=1, devices=jax.devices()[:1], dtype=dtype, seed=0)
     rng = np.random.default_rng(0)
     pools: dict[tuple[int, int], Any] = {}
+    last: tuple[Any, ...] = ()  # the last command's jitted step and arguments (for `hlo`)
     print(json.dumps({"ready": str(sys.modules["models"].__file__)}), flush=True)
     for line in sys.stdin:
         cmd, *nums = line.split()
@@ -37,6 +42,7 @@ def main() -> int:
             t0 = time.perf_counter()
             jax.block_until_ready(model.prefill(tokens, lengths)[0])
             seconds = time.perf_counter() - t0
+            last = (model._fn("prefill", 0, all_logits=False), tokens, lengths)
         elif cmd == "decode":
             b, ctx, steps = n
             bs = 16
@@ -59,10 +65,31 @@ def main() -> int:
             jax.block_until_ready(logits)
             seconds = time.perf_counter() - t0
             pools[b, ctx] = caches
+            step = model._fn("paged", 0, all_logits=False, block_layout=caches[0].block_layout)
+            last = (step, tok, np.full(b, ctx, np.int32), ones, caches[0], tables)
+        elif cmd == "hlo":
+            fn, *args = last
+            print(json.dumps({"hlo": _digest(fn.lower(model.run_params[0], *args).compile().as_text())}), flush=True)
+            continue
         else:
             raise SystemExit(f"unknown command {line!r}")
         print(json.dumps({"seconds": seconds}), flush=True)
     return 0
+
+
+def _digest(compiled_text: str) -> str:
+    """A digest of an optimized HLO text's instructions, with names, ids, metadata and sharding annotations
+    normalized away (the debug tables of source lines and a one-device mesh's axis names are not the program):
+    two trees that build the same program give the same digest."""
+    lines = []
+    for line in compiled_text.splitlines():
+        line = line.strip()
+        if not line.startswith(("%", "ROOT")):
+            continue
+        line = re.sub(r",? *(metadata|sharding|frontend_attributes)=.*", "", line)
+        line = re.sub(r"%[\w.\-]+", "%x", line)
+        lines.append(re.sub(r"\b[\w.\-]+(\.\d+)+\b", "N", line))
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

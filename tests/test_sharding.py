@@ -128,3 +128,28 @@ def test_bad_parallelism_is_a_clear_error(tp: int, pp: int, ndev: int, message: 
         validate_parallelism(cfg, tp, pp, ndev)
     with pytest.raises(ValueError, match=re.escape(message)):
         shardings_for(cfg, tp, pp, jax.devices()[:ndev])
+
+
+@pytest.mark.parametrize("name", ["opt-350m", "opt-tiny-postln", "llama-tiny", "qwen2-7b", "llama-3.1-8b"])
+def test_every_parameter_carries_logical_axes_the_rules_name(name: str) -> None:
+    """Each parameter of each family (and of a fused one-device stage) names one logical axis per dimension, every
+    name has a row in the one rule table, and the specs it gives split what tensor parallelism splits."""
+    from flax import nnx
+
+    from models.config import get_model_config
+    from models.layers import Stage
+    from models.params import abstract, logical_axes
+    from models.sharding import LOGICAL_AXIS_RULES, TP_AXIS, param_specs
+
+    cfg = get_model_config(name)
+    for fused in (False, True):
+        _, state = abstract(cfg, Stage(num_layers=1, fused=fused))
+        axes = logical_axes(state)
+        assert len(axes) == len(list(nnx.to_flat_state(state)))
+        for path, var in nnx.to_flat_state(state):
+            assert len(axes[path]) == len(var.shape), path
+            assert all(a in LOGICAL_AXIS_RULES for a in axes[path]), (path, axes[path])
+    specs = param_specs(cfg, tp=2)["layers"]
+    q, down = ("q_proj", "fc2") if name.startswith("opt") else ("q_proj", "down_proj")
+    assert specs[q]["kernel"] == jax.sharding.PartitionSpec(None, None, TP_AXIS)  # [L, in, out]: columns split
+    assert specs[down]["kernel"] == jax.sharding.PartitionSpec(None, TP_AXIS, None)  # rows split
