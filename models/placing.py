@@ -53,22 +53,6 @@ class Placement(Protocol):
     def stages(self) -> Sequence[StagePlacement]: ...
 
 
-class PlacedModel(Protocol):
-    """What saving needs of a placed model (`models.sharding.ShardedOPT` is one)."""
-
-    @property
-    def cfg(self) -> ModelConfig: ...
-
-    @property
-    def layout(self) -> Placement: ...
-
-    @property
-    def stage_params(self) -> list[Params]: ...
-
-    @property
-    def dtype(self) -> jnp.dtype: ...
-
-
 class TensorLike(Protocol):
     """A tensor read by slices: a numpy array (memory-mapped or not) or a lazily dequantized GGUF tensor."""
 
