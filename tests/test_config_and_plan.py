@@ -115,6 +115,21 @@ def test_device_assignment_and_json_round_trip(tmp_path: Path) -> None:
         parse_deployment("disagg:prefill=tp2,decode=tp2").assign_devices(num_available=3)
 
 
+def test_per_phase_quantization_round_trips_and_is_checked(tmp_path: Path) -> None:
+    plan = DeploymentPlan(
+        instances=(InstanceSpec("prefill", quantization="w8a8"), InstanceSpec("decode", quantization="int4"))
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    again = parse_deployment(str(path))
+    assert [i.quantization for i in again.instances] == ["w8a8", "int4"]
+    assert "quantization" not in InstanceSpec("colocated").to_dict()  # the checkpoint's own precision
+    with pytest.raises(PlanError, match="unknown quantization 'int3'"):
+        DeploymentPlan.from_dict({"instances": [{"role": "colocated", "quantization": "int3"}]})
+    with pytest.raises(PlanError, match="unknown quantization 8"):
+        DeploymentPlan.from_dict({"instances": [{"role": "colocated", "quantization": 8}]})
+
+
 def test_plan_validation() -> None:
     with pytest.raises(PlanError, match="disjoint"):
         DeploymentPlan(

@@ -34,6 +34,12 @@ MAX_PLAN_DEVICES = 4096  # the parsers' absolute cap on a deployment's devices (
 _MAX_DIGITS = 7  # a count or degree longer than this is over any cap; int() never sees it
 _MAX_CHUNK_SIZE = 10**9 - 1  # chunk=N in a spec: at most 9 digits
 
+# The weight precisions an instance can be asked to serve at (`InstanceSpec.quantization`; `serve --quantization`):
+# int8 per-channel weight-only, int4 group-wise weight-only, w8a8 (int8 weights, dynamic int8 activations), fp8
+# (where the device has it). None: the checkpoint's own precision (a GGUF as stored, an HF checkpoint in its dtype).
+# Each phase of a disaggregated plan may name its own (prefill w8a8, decode int4).
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4", "w8a8", "fp8")
+
 
 class PlanError(ValueError):
     """A deployment spec or plan file that cannot be used; the message says why."""
@@ -54,6 +60,7 @@ class InstanceSpec:
     devices: tuple[int, ...] | None = None
     nodes: tuple[int, ...] | None = None
     chunk_size: int | None = None  # colocated only: chunked prefill with piggybacked decodes
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's own precision
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,6 +76,8 @@ class InstanceSpec:
             raise PlanError(f"{self.role} instance has {self.pp} stages but {len(self.nodes)} node entries")
         if self.chunk_size is not None and (self.role != "colocated" or self.chunk_size < 1):
             raise PlanError("chunk_size is a positive integer and only for colocated instances")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise PlanError(f"unknown quantization {_shown(self.quantization)}; expected one of {QUANTIZATIONS}")
 
     @property
     def num_devices(self) -> int:
@@ -91,6 +100,8 @@ class InstanceSpec:
             out["nodes"] = list(self.nodes)
         if self.chunk_size is not None:
             out["chunk_size"] = self.chunk_size
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
         return out
 
     @classmethod
@@ -98,7 +109,7 @@ class InstanceSpec:
         """One `instances` entry of a plan file; a PlanError for anything else (see the module docstring)."""
         if not isinstance(raw, dict):
             raise PlanError(f"an instance entry is a JSON object, got {_shown(raw)}")
-        unknown = set(raw) - {"role", "tp", "pp", "devices", "nodes", "chunk_size"}
+        unknown = set(raw) - {"role", "tp", "pp", "devices", "nodes", "chunk_size", "quantization"}
         if unknown:
             raise PlanError(f"unknown instance fields: {sorted(map(str, unknown))}")
         if "role" not in raw:
@@ -118,6 +129,7 @@ class InstanceSpec:
             chunk_size=_int_field(raw["chunk_size"], "chunk_size", 1, _MAX_CHUNK_SIZE)
             if raw.get("chunk_size") is not None
             else None,
+            quantization=_quantization_field(raw.get("quantization")),
         )
 
 
@@ -125,6 +137,14 @@ def _shown(value: object, limit: int = 40) -> str:
     """A value for an error message, cut short (a hostile body can be a megabyte)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _quantization_field(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise PlanError(f"unknown quantization {_shown(value)}; expected one of {QUANTIZATIONS}")
+    return value
 
 
 def _int_field(value: object, name: str, low: int, high: int | None = None) -> int:
