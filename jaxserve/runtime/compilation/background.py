@@ -107,7 +107,9 @@ class BackgroundWarmup:
                 self._background = None
 
     def background_warmup_done(self, timeout_s: float | None = None) -> bool:
-        """Wait up to `timeout_s` for the background warm-up; whether none is running now."""
+        """Wait up to `timeout_s` for the background warm-up; whether none is running or held back now."""
+        if self._deferred:  # held (`hold_background_warmup`): nothing to wait for until it starts
+            return False
         compiling = self._background
         if compiling is not None:
             compiling.thread.join(timeout=timeout_s)
@@ -174,10 +176,12 @@ class _CompileThread:
                 if self.stop.is_set():
                     return
                 self.compiling = job.what
+                started = time.perf_counter()
                 job.compile()
                 job.publish()
                 self.compiling = None
                 done += 1
+                log.debug("background warm-up: %s in %.2f s", job.what, time.perf_counter() - started)
             log.info("background warm-up compiled %d more programs in %.1f s", done, time.perf_counter() - t0)
         except Exception:  # a failed background compile only leaves its work to the fallbacks
             log.exception("background warm-up stopped after %d programs (at %s)", done, self.jobs[done].what)

@@ -67,6 +67,7 @@ class WarmupReport:
     seconds: float
     pages: KVPages | None = None  # the pool passed in, after the warm-up steps (which write nothing)
     multi_step_shapes: tuple[tuple[int, int, int], ...] = ()  # (rows, steps, table width) of decode_steps
+    num_background: int = 0  # programs left to the background thread
 
     @property
     def num_programs(self) -> int:
@@ -334,14 +335,18 @@ class ModelWarmup(BackgroundWarmup):
             ]  # fmt: skip
             if jobs:
                 self._start_background(jobs)
+        num_later = (
+            len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)
+            if spec.background
+            else 0
+        )
         log.info(
             "warm-up compiled %d prefill, %d step and %d multi-step shapes in %.1f s (%s)%s",
             len(prefill_now), len(step_shapes), len(multi_step_shapes), seconds,
             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05),
-            f" ({len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)} "
-            "more programs compile in the background)" if spec.background else "",
+            f" ({num_later} more programs compile in the background)" if spec.background else "",
         )  # fmt: skip
-        return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes))
+        return WarmupReport(tuple(prefill_now), tuple(step_shapes), seconds, pages, tuple(multi_step_shapes), num_later)
 
     # ---- warm-up pieces ----------------------------------------------------------
     def _warm_prefill(self, b: int, t_pad: int, rand: SamplingParams, greedy: SamplingParams) -> None:

@@ -367,6 +367,11 @@ class Engine(Protocol):
         """Stop a `warmup` with `background` still compiling (after its current bucket); nothing to stop: no-op."""
         return None
 
+    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
+        """Wait up to `timeout_s` for a `warmup` with `background` to finish; whether none runs or waits to start
+        now (from then on every `*_compiled` answer is True). An engine without one: True."""
+        return True
+
 
 @dataclasses.dataclass(frozen=True)
 class ReadyPrefill:

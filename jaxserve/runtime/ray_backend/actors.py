@@ -20,8 +20,10 @@ sends only the uncached suffixes as prompt rows (`prefill_rows`): they run on th
 pool (`init_pages`) and each prompt's whole KV is read back from its blocks into the leased buffer;
 a pull then asks for positions `start ..` only (`PullOrder.start`), sliced here before it leaves.
 
-Both compile every padded shape before traffic when the controller asks (`warmup`, the same
-`Engine.warmup` the embedded controller runs; a decode actor warms on its own pool) and count
+Both compile before traffic when the controller asks (`warmup`, the same `Engine.warmup` with the same
+`WarmupSpec` the embedded controller runs, its background part included: the buckets that hold all others
+first, the rest on the actor's own compile thread; a decode actor warms on its own pool), into the driver's
+persistent compilation cache (`EngineSpec.compile_cache`, turned on before the engine is built), and count
 their XLA compilations (`num_compiles`), so a test can see that traffic after the warm-up compiles
 nothing. A restarted incarnation is cold: a call that expects a warmed actor (`prefill(items,
 warm=True)`) raises `ActorRestartedError` there, so the controller warms it again first.
@@ -55,12 +57,17 @@ import jax
 
 from jaxserve.core.limits import DEFAULT_LIMITS
 from jaxserve.core.request import SamplingParams, TokenLogprobs
+from jaxserve.runtime.compilation.cache import CompileCacheConfig
+from jaxserve.runtime.compilation.model_engine import WarmupReport
 from jaxserve.runtime.engines.contract import (
     Engine,
+    KVCopy,
     KVPages,
     PrefillItem,
     SequenceKV,
     StepBatch,
+    StepRow,
+    WarmedPages,
     WarmupSpec,
     bucket,
     step_tokens,
@@ -120,6 +127,9 @@ class EngineSpec:
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
     engine: EngineKind = "model"
     fake_config: ModelConfig | None = None
+    # the driver's persistent compilation cache (`CompileCacheConfig.current()`), turned on in the actor before its
+    # engine is built: without it every actor compiled every program again on every start (452 s for SmolLM2)
+    compile_cache: CompileCacheConfig | None = None
 
     @property
     def num_devices(self) -> int:
@@ -164,6 +174,16 @@ class ActorInfo:
     model_config: ModelConfig
     stage_layers: tuple[int, ...]
     computes_logprobs: bool = False  # the actor's engine has the `logprobs` capability
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorWarmed:
+    """What an actor's `warmup` compiled before it returned (the rest compiles on its background thread)."""
+
+    seconds: float
+    prefill_shapes: tuple[tuple[int, int], ...] = ()  # (rows, tokens)
+    step_shapes: tuple[tuple[int, int, int], ...] = ()  # (rows, tokens, table width)
+    num_background: int = 0  # programs left to the background thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +282,8 @@ class _CompileCounter:
 class _ActorBase:
     def __init__(self, name: str, spec: EngineSpec, pulls: ActorPulls) -> None:
         self._compiles = _CompileCounter()
+        if spec.compile_cache is not None:  # before the first compile: JAX reads the setting once
+            spec.compile_cache.enable()
         self.name = name
         self.spec = spec
         self.transfer = pulls.transfer
@@ -299,21 +321,53 @@ class _ActorBase:
         """XLA compilations in this process so far (a restarted actor counts from 0)."""
         return self._compiles.count
 
-    def warmup(self, spec: WarmupSpec, on_pool: bool) -> float:
-        """Compile every padded shape `spec` allows (`Engine.warmup`); seconds. An engine that cannot (the fake
-        one) does nothing. `on_pool`: warm on this actor's paged pool."""
+    def warmup(self, spec: WarmupSpec, on_pool: bool, hold: bool = False) -> ActorWarmed:
+        """Compile every padded shape `spec` allows (`Engine.warmup`; with `spec.background` the rest on this
+        process's compile thread); what it compiled before returning. An engine that cannot (the fake one) does
+        nothing. `on_pool`: warm on this actor's paged pool. `hold`: keep the background compiles until
+        `start_background_warmup` (the controller starts every instance's once all are ready)."""
         if not self.engine.capabilities.bucket_warmup:
             self.warmed = True
-            return 0.0
+            return ActorWarmed(0.0)
         started = time.monotonic()
+        if hold:
+            self.engine.hold_background_warmup()
         if on_pool and self.pages is not None:
-            warmed = self.engine.warmup(spec, self.pages)
-            if warmed.pages is not None:
-                self.pages = warmed.pages
+            report = self.engine.warmup(spec, self.pages)
+            if report.pages is not None:
+                self.pages = report.pages
         else:
-            self._warm(self.engine, spec)
+            report = self._warm(self.engine, spec)
         self.warmed = True
-        return time.monotonic() - started
+        seconds = time.monotonic() - started
+        if not isinstance(report, WarmupReport):  # an engine with bucket warm-ups that reports no shapes
+            return ActorWarmed(seconds)
+        return ActorWarmed(seconds, report.prefill_shapes, report.step_shapes, report.num_background)
+
+    def start_background_warmup(self) -> None:
+        self.engine.start_background_warmup()
+
+    def stop_background_warmup(self, timeout_s: float) -> None:
+        self.engine.stop_background_warmup(timeout_s)
+
+    def compile_cache_dir(self) -> str | None:
+        """The persistent compilation cache this process reads and fills (None: none)."""
+        cache = CompileCacheConfig.current()
+        return cache.directory if cache is not None else None
+
+    def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> tuple[bool, bool]:
+        """`Engine.step_compiled`, and whether the background warm-up is done (`background_warmup_done`)."""
+        done = self.background_warmup_done()
+        return done or self.engine.step_compiled(rows, block_size), done
+
+    def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> tuple[bool, bool]:
+        """`Engine.kv_copy_compiled`, and whether the background warm-up is done (`background_warmup_done`)."""
+        done = self.background_warmup_done()
+        return done or self.engine.kv_copy_compiled(kind, padded, from_padded), done
+
+    def background_warmup_done(self) -> bool:
+        """Whether no background compile runs or waits now (then every `*_compiled` answer is True for good)."""
+        return self.engine.background_warmup_done(0.0)
 
     def is_warm(self) -> bool:
         return self.warmed
@@ -322,8 +376,8 @@ class _ActorBase:
         if warm and not self.warmed:  # the controller warmed an earlier incarnation: Ray restarted this one
             raise ActorRestartedError(f"{self.name} (pid {os.getpid()}) is cold: restarted, not warmed again")
 
-    def _warm(self, engine: Engine, spec: WarmupSpec) -> None:
-        engine.warmup(spec)
+    def _warm(self, engine: Engine, spec: WarmupSpec) -> WarmedPages:
+        return engine.warmup(spec)
 
     def signature(self) -> ModelSignature:
         return self._signature
@@ -557,10 +611,11 @@ class DecodeActor(_ActorBase):
         self.pages = self.engine.insert(kv, num_tokens, pages, block_table)
         return True
 
-    def _warm(self, engine: Engine, spec: WarmupSpec) -> None:
+    def _warm(self, engine: Engine, spec: WarmupSpec) -> WarmedPages:
         warmed = engine.warmup(spec, self._require_pages())
         if warmed.pages is not None:
             self.pages = warmed.pages
+        return warmed
 
     def decode_step(self, batch: StepBatch) -> list[int]:
         tokens, self.pages = self.engine.decode_step(batch, self._require_pages())

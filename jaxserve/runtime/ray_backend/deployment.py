@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, cast
 
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.compilation.cache import CompileCacheConfig
 from jaxserve.runtime.controller import Controller, ControllerConfig, Observer
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import Engine
@@ -428,6 +429,7 @@ def _start_actors(
             spec = EngineSpec(
                 role=inst.role, tp=inst.tp, pp=inst.pp, model_source=inputs.model_source, dtype=inputs.dtype,
                 block_size=inputs.block_size, engine=rc.engine, fake_config=rc.fake_config,
+                compile_cache=CompileCacheConfig.current(),
             )  # fmt: skip
             actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
             remote_cls = ray.remote(actor_cls)

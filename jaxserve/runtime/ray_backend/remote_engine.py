@@ -53,18 +53,21 @@ from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
     HeldKV,
+    KVCopy,
     KVLayout,
     KVPages,
     PrefilledSequence,
     PrefillItem,
     PrefillResult,
     StepBatch,
+    StepRow,
     WarmupSpec,
 )
 from jaxserve.runtime.kv_connectors.ray_pull import fetch
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
     ActorRestartedError,
+    ActorWarmed,
     PrefillMeta,
     PullOrder,
     PullReport,
@@ -105,9 +108,11 @@ def wait_until_alive(actor: ActorHandle, name: str, timeout_s: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Warmed:
-    """`WarmedPages` of a remote warm-up: the pool never leaves the actor, so the proxy's placeholder comes back."""
+    """`WarmedPages` of a remote warm-up: the pool never leaves the actor, so the proxy's placeholder comes back;
+    with what the actor compiled before it returned."""
 
     pages: KVPages | None
+    actor: ActorWarmed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,11 @@ class _RemoteBase(Engine):
         self.restart_timeout_s = restart_timeout_s
         self.counters = counters
         self._warmups: list[_ActorWarmup] = []  # every warm-up it ran (a restart repeats them, in order)
+        self._hold = False  # `hold_background_warmup`: the next warm-up keeps its background compiles waiting
+        # Whether the actor may still be compiling in the background: then `step_compiled` / `kv_copy_compiled`
+        # ask it (one call each) until it says it is done; afterwards the answer is True without a call.
+        self._compiling = False
+        self.last_warmed: ActorWarmed | None = None  # what the actor's latest warm-up compiled before it returned
         self._pool_shape: tuple[int, int] | None = None  # (blocks, block size) of the actor's paged pool, if any
         # Prefix caching: called after a restart lost the pool (the instance forgets the cached blocks no one pins).
         self.on_pool_lost: Callable[[], None] | None = None
@@ -146,15 +156,68 @@ class _RemoteBase(Engine):
         """`Engine.warmup` in the actor (a decode actor on its own pool: `pages` stays the proxy's; an actor
         whose engine cannot warm does nothing). A remote decode engine runs one step per call (no
         `multi_step_decode`), so its warm-up compiles single steps only: the loop programs would never run.
-        Actors warm every bucket before they take traffic (no background part)."""
+        Otherwise the embedded warm-up's plan: with `spec.background` the buckets that hold all others before
+        it returns, the rest on the actor's compile thread (held until `start_background_warmup` after
+        `hold_background_warmup`), while the actor's engine runs work padded up to compiled buckets."""
         import ray
 
-        warmup = _ActorWarmup(dataclasses.replace(spec, decode_steps=1, background=False), on_pool=pages is not None)
-        seconds = self._call(lambda: cast(float, ray.get(self.actor.warmup.remote(warmup.spec, warmup.on_pool))))
+        warmup = _ActorWarmup(dataclasses.replace(spec, decode_steps=1), on_pool=pages is not None)
+        hold, self._hold = self._hold, False
+        self._compiling = self._compiling or spec.background
+        warmed = self._call(
+            lambda: cast(ActorWarmed, ray.get(self.actor.warmup.remote(warmup.spec, warmup.on_pool, hold)))
+        )
         if warmup not in self._warmups:
             self._warmups.append(warmup)
-        log.info("%s warmed its buckets in %.1f s", self.name, seconds)
-        return _Warmed(pages)
+        self.last_warmed = warmed
+        log.info(
+            "%s warmed its buckets in %.1f s%s", self.name, warmed.seconds,
+            f" ({warmed.num_background} more programs compile in the background)" if warmed.num_background else "",
+        )  # fmt: skip
+        return _Warmed(pages, warmed)
+
+    def hold_background_warmup(self) -> None:
+        self._hold = True
+
+    def start_background_warmup(self) -> None:
+        import ray
+
+        self._call(lambda: ray.get(self.actor.start_background_warmup.remote()))
+
+    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):  # a dead actor compiles nothing
+            ray.get(self.actor.stop_background_warmup.remote(timeout_s), timeout=timeout_s + 10)
+
+    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
+        import ray
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._compiling:
+            self._compiling = not self._call(lambda: cast(bool, ray.get(self.actor.background_warmup_done.remote())))
+            if self._compiling and deadline is not None and time.monotonic() >= deadline:
+                break
+            if self._compiling:
+                time.sleep(0.05 if deadline is None else min(0.05, max(deadline - time.monotonic(), 0.0)))
+        return not self._compiling
+
+    def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
+        return self._ask_compiled(lambda: self.actor.step_compiled.remote(list(rows), block_size))
+
+    def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> bool:
+        return self._ask_compiled(lambda: self.actor.kv_copy_compiled.remote(kind, padded, from_padded))
+
+    def _ask_compiled(self, query: Callable[[], object]) -> bool:
+        """The actor's answer to a `*_compiled` query while it may still compile in the background (one call,
+        which also says whether it is done: then no later query calls it); True afterwards."""
+        import ray
+
+        if not self._compiling:
+            return True
+        answer, done = self._call(lambda: cast(tuple[bool, bool], ray.get(query())))  # type: ignore[call-overload]
+        self._compiling = not done
+        return answer
 
     @property
     def warmed(self) -> bool:
@@ -167,7 +230,10 @@ class _RemoteBase(Engine):
 
         if not self._warmups:
             return
-        seconds = sum(cast(float, ray.get(self.actor.warmup.remote(w.spec, w.on_pool))) for w in self._warmups)
+        seconds = sum(
+            cast(ActorWarmed, ray.get(self.actor.warmup.remote(w.spec, w.on_pool))).seconds for w in self._warmups
+        )
+        self._compiling = any(w.spec.background for w in self._warmups)
         log.warning("%s restarted: warmed its buckets again in %.1f s", self.name, seconds)
 
     def init_pages(self, num_blocks: int, block_size: int) -> KVPages:
