@@ -67,10 +67,10 @@ def _burst(c: Controller, tag: str) -> list[list[int]]:
         pytest.param("colocated:tp1,chunk=16", 1, False, False, marks=pytest.mark.slow),
         pytest.param("colocated:tp1", 4, False, False, marks=pytest.mark.slow),
         # prefix caching: the prefill instance's insert, gather, slices and paged prompt-row programs (the second
-        # burst hits the first's blocks), all before ready; or the frontier first and the rest on the background
-        # thread, stopped right after ready (covering and every caching fallback alone: with no insert compiled
-        # nothing is kept, so nothing hits) or left to finish (every program compiled ahead of time is the one
-        # the requests run)
+        # burst hits the first's blocks), all before ready; or what caching needs first (inserts, gathers, the
+        # prompt-row steps that hold the others) and the rest on the background thread, stopped right after ready
+        # (covering and the slices' fallback alone: the second burst still hits, issue 41's first minute) or left
+        # to finish (every program compiled ahead of time is the one the requests run)
         pytest.param("disagg:prefill=tp1,decode=tp1", 1, True, False, marks=pytest.mark.slow),
         pytest.param("disagg:prefill=tp1,decode=tp1", 1, True, "stopped", marks=pytest.mark.slow),
         pytest.param("disagg:prefill=tp1,decode=tp1", 1, True, "done", marks=pytest.mark.slow),
@@ -106,7 +106,7 @@ def test_after_bucket_warmup_no_request_compiles(
         if caching:  # the same prompts: cached prefixes (paged step, or recomputed while its bucket compiles)
             assert _burst(c, "again") == first
             hits = sum(s.num_prefix_hit_tokens for s in c.stats().instances if s.role == "prefill")
-            assert hits > 0 or background == "stopped", "the second burst must hit the prefill instance's cache"
+            assert hits > 0, "the second burst must hit the prefill instance's cache"
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(handler)

@@ -155,10 +155,11 @@ class ModelWarmup(BackgroundWarmup):
         prefix pulls only the rest), and the prompt-row steps of `chunk_size` x `max_decode_batch` rows at the
         widest table only: a batch with a hit runs padded up to it (covering), so the row and token buckets are
         not multiplied by every table width (24 shapes at the default limits, not 6 x 24). With `background`
-        all of these compile on the background thread (ahead of time: `kv_pool.precompile_*`); until one is in
-        (`step_compiled`, `kv_copy_compiled`) the prefill instance takes a path without it: a hit batch is
-        prefilled densely, a prompt whose insert is not in is not kept in the pool, a partial pull whose slice
-        is not in moves the whole KV.
+        caching works from the first request after ready: the inserts and gathers (small copy programs) and the
+        prompt-row steps that hold all others of at most twice the budget compile before returning; the other
+        steps and the slices on the background thread (ahead of time: `kv_pool.precompile_*`). Until one is in
+        (`step_compiled`, `kv_copy_compiled`) the prefill instance takes a path without it: a hit batch runs
+        padded up to a compiled step, a partial pull whose slice is not in moves the whole KV.
 
         Every prefill bucket compiles with its rows' KV programs (`_row_kv`, and the cut of a row to each shorter
         padded length), so taking a dense prefill's result apart compiles nothing either.
@@ -220,12 +221,7 @@ class ModelWarmup(BackgroundWarmup):
             )
             steps_now = shapes
             if spec.background:
-                steps_now = foreground_steps(
-                    shapes,
-                    chunk_size=spec.chunk_size,
-                    max_decode_batch=spec.max_decode_batch,
-                    prefix_prefill=spec.prefix_prefill,
-                )
+                steps_now = foreground_steps(shapes, chunk_size=spec.chunk_size, max_decode_batch=spec.max_decode_batch)
             mark = time.perf_counter()
             if spec.background and steps_now:
                 random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
@@ -281,17 +277,19 @@ class ModelWarmup(BackgroundWarmup):
             pages = warmed if pages is not None else None
             phases["inserts"] = time.perf_counter() - mark
         # A prefix-caching prefill instance's KV copies on its own pool (`kv_copy_compiled` says which are in)
-        copies: list[CompileJob] = []
         slices: list[CompileJob] = []
         if spec.prefix_prefill and caches_like is not None:
             copies, slices = self._pool_copy_jobs(pool_pages(caches_like), max_len, skip=frozenset(direct_cuts))
-            if not spec.background:
-                mark = time.perf_counter()
-                for job in (*copies, *slices):
-                    job.compile()
-                    job.publish()
-                copies, slices = [], []
-                phases["kv copies"] = time.perf_counter() - mark
+            # What caching needs compiles before ready even with a background part (small copy programs): the
+            # insert that keeps a prompt's KV in the pool and the gather that hands a hit on. Only the slices of a
+            # partial pull wait for the background (until then a pull moves the whole KV).
+            now = copies if spec.background else [*copies, *slices]
+            slices = slices if spec.background else []
+            mark = time.perf_counter()
+            for job in now:
+                job.compile()
+                job.publish()
+            phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
         sampler_jobs: list[CompileJob] = []
         later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
@@ -328,15 +326,13 @@ class ModelWarmup(BackgroundWarmup):
             ]
             cut_jobs = [self._slice_job(t, n) for t, n in direct_cuts]
             unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
-            # what no compiled bucket holds (a long prompt), then caching's copies (a miss batch's KV is kept in
-            # the pool once its insert is in), the steps, the other prefill buckets, and the partial pulls' slices
-            jobs = [
-                *sampler_jobs, *prefill_jobs[:unheld], *copies, *cut_jobs, *step_jobs, *prefill_jobs[unheld:], *slices
-            ]  # fmt: skip
+            # what no compiled bucket holds (a long prompt), the rows' direct cuts, the steps, the other prefill
+            # buckets, and the partial pulls' slices (caching's inserts and gathers compiled before ready)
+            jobs = [*sampler_jobs, *prefill_jobs[:unheld], *cut_jobs, *step_jobs, *prefill_jobs[unheld:], *slices]
             if jobs:
                 self._start_background(jobs)
         num_later = (
-            len(later_prefill) + len(later_steps) + len(copies) + len(slices) + len(sampler_jobs) + len(direct_cuts)
+            len(later_prefill) + len(later_steps) + len(slices) + len(sampler_jobs) + len(direct_cuts)
             if spec.background
             else 0
         )

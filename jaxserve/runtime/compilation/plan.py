@@ -89,14 +89,13 @@ def step_buckets(
     return shapes
 
 
-def foreground_steps(
-    shapes: Sequence[StepShape], *, chunk_size: int | None, max_decode_batch: int, prefix_prefill: bool
-) -> list[StepShape]:
+def foreground_steps(shapes: Sequence[StepShape], *, chunk_size: int | None, max_decode_batch: int) -> list[StepShape]:
     """The step buckets a background warm-up compiles before returning: those holding all others of at most twice
     the budget (the chunk or the decode batch), and the smallest decode batch at full width (one stream pays no
-    wide batch); none for a prefix-caching prefill instance (a hit batch is prefilled densely until its bucket is
-    in)."""
-    if not shapes or prefix_prefill:
+    wide batch). A prefix-caching prefill instance's prompt-row steps too: a hit batch runs padded up to one of
+    them, so a second chat turn right after ready reads its cached prefix (it was prefilled in full, caching
+    nothing, while they compiled in the background)."""
+    if not shapes:
         return []
     budget = 2 * max(chunk_size or 0, max_decode_batch)
     held = frontier([x for x in shapes if bucket_area(x) <= budget])
