@@ -128,7 +128,7 @@ def test_background_warmup_serves_every_shape_padded_up_and_never_compiles_on_th
         WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
     )
     assert eng.background_warmup_done(timeout_s=300)
-    assert (2, 1, 1) in eng._ready_steps and {(1, 16), (32, 16)} <= eng._ready_prefill
+    assert (2, 1, 1) in eng.compilation.ready_steps and {(1, 16), (32, 16)} <= eng.compilation.ready_prefill
     assert eng.step_shape([StepRow("p", (5,), 3, (0, 1), GREEDY, 0, 0)], 4) == (2, 1, 1)  # its own bucket now
     assert run(eng) == run(plain)
     assert _paged_cache_size(eng) == compiled  # the precompiled executables ran, not the jitted step
@@ -175,7 +175,9 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
         WarmupSpec(num_blocks=8, block_size=4, max_decode_batch=4, max_batch_tokens=32, max_seq_len=16, background=True)
     )
     assert report.prefill_shapes == ((4, 16), (1, 16)) and report.step_shapes == ((4, 1, 4), (2, 1, 4))
-    assert eng._ready_random == {4}  # the lone prompt's (1 row) and the lone stream's (2 rows) are not compiled
+    assert eng.compilation.ready_random == {
+        4
+    }  # the lone prompt's (1 row) and the lone stream's (2 rows) are not compiled
 
     def run(engine: ModelEngine, pages: KVPages) -> list[int]:
         hot = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
@@ -194,10 +196,10 @@ def test_random_sampling_right_after_a_background_warmup_compiles_nothing_and_dr
         assert run(eng, pages) == want
     assert lines == [], f"{len(lines)} compilations on the request path, first: {lines[:2]}"
     eng.start_background_warmup()  # its first jobs: those two samplers; stopped once they are in
-    while not {1, 2} <= eng._ready_random and not eng.background_warmup_done(timeout_s=0.05):
+    while not {1, 2} <= eng.compilation.ready_random and not eng.background_warmup_done(timeout_s=0.05):
         pass
     eng.stop_background_warmup()
-    assert {1, 2} <= eng._ready_random
+    assert {1, 2} <= eng.compilation.ready_random
     pages = eng.init_pages(8, 4)  # the first run's was donated to its steps
     with _compiles() as lines:
         assert run(eng, pages) == want
@@ -239,7 +241,7 @@ def test_a_row_is_cut_through_each_shorter_length_until_its_direct_cut_is_in_and
     eng.warmup(
         WarmupSpec(num_blocks=8, block_size=4, max_batch_tokens=64, max_seq_len=64, decode=False, background=True)
     )
-    assert {(64, 32), (32, 16)} <= eng._ready_slices and (64, 16) not in eng._ready_slices
+    assert {(64, 32), (32, 16)} <= eng.compilation.ready_slices and (64, 16) not in eng.compilation.ready_slices
     prompts = [tuple(range(4, 44)), (7, 8, 9)]  # 40 and 3 tokens: one batch of 64 positions; rows of 64 and 16
     items = [PrefillItem(f"r{i}", p, GREEDY, 0) for i, p in enumerate(prompts)]
     with _compiles() as lines:  # first: the reference engine's own cut would compile that program for this one
@@ -253,17 +255,17 @@ def test_a_row_is_cut_through_each_shorter_length_until_its_direct_cut_is_in_and
         np.testing.assert_array_equal(np.asarray(g.kv[0].v), np.asarray(w.kv[0].v))
     eng.start_background_warmup()
     assert eng.background_warmup_done(timeout_s=300)
-    assert (64, 16) in eng._ready_slices
+    assert (64, 16) in eng.compilation.ready_slices
 
 
 _READY_SETS = (
-    "_ready_prefill",
-    "_ready_steps",
-    "_ready_random",
-    "_ready_pads",
-    "_ready_slices",
-    "_ready_inserts",
-    "_ready_gathers",
+    "ready_prefill",
+    "ready_steps",
+    "ready_random",
+    "ready_pads",
+    "ready_slices",
+    "ready_inserts",
+    "ready_gathers",
 )
 
 
@@ -276,7 +278,7 @@ def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_on
     puts its program in: the random sampler's row count, the prefill or step bucket."""
     eng = ModelEngine(ShardedOPT.load("opt-tiny", tp=1, pp=1, devices=jax.devices()[7:8]))
     jobs: list[CompileJob] = []
-    monkeypatch.setattr(eng, "_start_background", jobs.extend)  # the jobs themselves, run here in order
+    monkeypatch.setattr(eng.compilation, "_start_background", jobs.extend)  # the jobs themselves, run here in order
     eng.warmup(
         WarmupSpec(
             num_blocks=8,
@@ -291,16 +293,18 @@ def test_a_background_job_publishes_nothing_while_it_compiles_and_its_program_on
     assert [j.what for j in jobs] == ["random sampler (1 rows)", "prefill (4, 16)", "step (2, 1, 1)"]
     published: list[dict[str, set[object]]] = []
     for job in jobs:
-        before = {name: getattr(eng, name) for name in _READY_SETS}
+        before = {name: getattr(eng.compilation, name) for name in _READY_SETS}
         job.compile()
-        assert {name: getattr(eng, name) for name in _READY_SETS} == before, f"{job.what} published in compile"
+        assert {name: getattr(eng.compilation, name) for name in _READY_SETS} == before, (
+            f"{job.what} published in compile"
+        )
         job.publish()
-        gained = {name: set(getattr(eng, name) - before[name]) for name in _READY_SETS}
+        gained = {name: set(getattr(eng.compilation, name) - before[name]) for name in _READY_SETS}
         published.append({name: new for name, new in gained.items() if new})
     assert published == [
-        {"_ready_random": {1}},
-        {"_ready_random": {4}, "_ready_prefill": {(4, 16)}},  # the bucket with its rows' random sampler
-        {"_ready_steps": {(2, 1, 1)}},  # two rows' random sampler was in before (the foreground's steps)
+        {"ready_random": {1}},
+        {"ready_random": {4}, "ready_prefill": {(4, 16)}},  # the bucket with its rows' random sampler
+        {"ready_steps": {(2, 1, 1)}},  # two rows' random sampler was in before (the foreground's steps)
     ]
 
 

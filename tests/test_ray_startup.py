@@ -57,7 +57,7 @@ def _foreground(c: Controller) -> dict[str, tuple[set[tuple[int, ...]], set[tupl
     out = {}
     for inst in c.routed_instances():
         engine = inst.engine
-        out[inst.role] = (set(engine._ready_prefill), set(engine._ready_steps))  # type: ignore[attr-defined]
+        out[inst.role] = (set(engine.compilation.ready_prefill), set(engine.compilation.ready_steps))  # type: ignore[attr-defined]
     return out
 
 

@@ -1,14 +1,14 @@
 """Background warm-up of an engine: shape covering and the compile thread (`warmup` with `background`).
 
 `ModelEngine.warmup` with `background` compiles only what must be compiled before serving (the buckets that
-hold all others, the decode side's inserts) before it returns, and hands the rest to this mixin as an ordered
+hold all others, the decode side's inserts) before it returns, and hands the rest to this base class as an ordered
 list of `CompileJob`s, run on a niced daemon thread. A job compiles one program ahead of time (nothing read or
 written: the serving threads keep their pools) and then publishes it (`publish`: the engine adds its shape to
 a ready set that is replaced, never mutated, so a serving thread reads it without a lock). Until a program is
 published its work takes a fallback that compiles nothing:
 * a step or prefill batch runs padded up to the cheapest compiled bucket that holds it (`_covering`; which
   buckets and in which order: `plan.py`), or, when none holds it whole, as consecutive sub-batches
-  that each one holds (`_held_runs`);
+  that each one holds (`held_runs`);
 * a prefix-caching prefill batch with a hit is prefilled densely, its KV not kept in the pool while the insert
   of its length compiles;
 * a partial pull moves the whole KV.
@@ -52,15 +52,15 @@ class CompileJob:
 
 
 class BackgroundWarmup:
-    """Shape covering and the background compile thread of an engine (a mixin: the engine builds the jobs)."""
+    """Shape covering and the background compile thread of an engine (the base of `ModelCompilation`, which builds the jobs)."""
 
     def _init_background_warmup(self) -> None:
         # Shape covering (`warmup` with `background`): once on, a step or prefill batch whose own bucket is not
         # compiled yet runs padded up to the cheapest compiled bucket that holds it, so no request waits on XLA
         # while the remaining buckets compile on a background thread. Sets are replaced, never mutated.
-        self._cover = False
-        self._ready_prefill: frozenset[tuple[int, int]] = frozenset()
-        self._ready_steps: frozenset[tuple[int, int, int]] = frozenset()
+        self.cover = False
+        self.ready_prefill: frozenset[tuple[int, int]] = frozenset()
+        self.ready_steps: frozenset[tuple[int, int, int]] = frozenset()
         self._background: _CompileThread | None = None
         self._publishing = threading.Lock()  # `_publish` from several compile threads loses no key
         self._hold = False  # `hold_background_warmup`: the next jobs wait for `start_background_warmup`
@@ -116,17 +116,17 @@ class BackgroundWarmup:
             return not compiling.thread.is_alive()
         return True
 
-    def _covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
+    def covering(self, shape: tuple[int, ...], ready: frozenset[Any]) -> tuple[int, ...]:
         """`shape` if compiled (or covering is off), else the cheapest compiled bucket at least as large in
         every dimension (rows x tokens first, then table width); `shape` itself when none holds it."""
-        if not self._cover or shape in ready:
+        if not self.cover or shape in ready:
             return shape
         holders = [r for r in ready if all(x >= y for x, y in zip(r, shape, strict=True))]
         if not holders:
             return shape
         return min(holders, key=lambda r: (r[0] * r[1], r[2:], r[0]))
 
-    def _held_runs(
+    def held_runs(
         self, ids: Sequence[int], shape_of: Callable[[Sequence[int]], tuple[int, ...]], ready: frozenset[Any]
     ) -> list[list[int]]:
         """`ids` (a batch's rows) as one run, or, while covering and no compiled bucket holds the batch's
@@ -135,7 +135,7 @@ class BackgroundWarmup:
         compiled programs, never as a new one. Kept whole when some row alone is held by none (it compiles
         either way: one program, not one per row)."""
         whole = list(ids)
-        if not self._cover or len(whole) < 2 or is_held(shape_of(whole), ready):
+        if not self.cover or len(whole) < 2 or is_held(shape_of(whole), ready):
             return [whole]
         if not all(is_held(shape_of([i]), ready) for i in whole):
             return [whole]

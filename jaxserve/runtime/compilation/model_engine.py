@@ -1,14 +1,15 @@
 """The warm-up of the real engine: `ModelEngine.warmup` compiles every padded shape the serving limits allow.
 
-A mixin (`ModelWarmup`) that `ModelEngine` inherits: which shapes is the plan's (`plan.py`, pure
-functions of the limits); this module runs it. Before `warmup` returns it compiles, by running the engine's own
+`ModelCompilation`, an object each `ModelEngine` owns (`engine.compilation`) and that drives the engine through a
+narrow protocol (`WarmupHost`: the model, its KV layout and the engine's own programs), as tpu-inference's
+compilation manager does: which shapes is the plan's (`plan.py`, pure functions of the limits); this module runs it. Before `warmup` returns it compiles, by running the engine's own
 programs once on padding that writes no KV, every prefill bucket (and its rows' KV cuts), paged step bucket,
 multi-step program, KV insert and sampler; with `background=True` only the buckets that hold all others (and the
 inserts and multi-step programs), handing the rest as `CompileJob`s to the compile thread of `BackgroundWarmup`
 (`background.py`). A job compiles ahead of time in `compile` (nothing read or written) and adds its
 programs to the engine's ready sets in `publish` only. The ready sets (replaced, never mutated) tell the
 serving side what runs compiled now: its prefill and step buckets (`BackgroundWarmup`), KV copies
-(`kv_copy_compiled`) and random samplers (`_sampling_rows`: a batch is sampled on logits padded up to a
+(`kv_copy_compiled`) and random samplers (`sampling_rows`: a batch is sampled on logits padded up to a
 compiled one meanwhile).
 """
 
@@ -22,7 +23,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -74,50 +75,54 @@ class WarmupReport:
         return len(self.prefill_shapes) + len(self.step_shapes) + len(self.multi_step_shapes)
 
 
-class ModelWarmup(BackgroundWarmup):
-    """`warmup` of an engine over a `ShardedModel`, and the ready sets of what it compiled (a mixin)."""
+class WarmupHost(Protocol):
+    """What the warm-up drives of its engine (`engines/model.py`): the model and its layout, and the engine's own
+    programs, run once on padding that writes no KV."""
 
-    # What the engine (`model.py`) provides: its model and layout, and the programs the warm-up runs.
     model: ShardedModel
     _cfg: ModelConfig
     _pad: int  # the filler token id
     _layout: KVLayout
 
-    if TYPE_CHECKING:
+    def init_pages(self, num_blocks: int, block_size: int) -> KVPages: ...
 
-        def init_pages(self, num_blocks: int, block_size: int) -> KVPages: ...
+    def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None: ...
 
-        def _prefill_exact(self, items: Sequence[PrefillItem], b: int, t: int) -> None: ...
+    def _precompile_row_kv(self, b: int, t: int) -> None: ...
 
-        def _precompile_row_kv(self, b: int, t: int) -> None: ...
+    def _run_loop(
+        self,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        active: np.ndarray,
+        remaining: np.ndarray,
+        cache: PagedKVCache,
+        tables: np.ndarray,
+        inputs: SamplingInputs,
+        stop_ids: np.ndarray,
+        num_steps: int,
+        greedy: bool,
+        with_logprobs: bool = False,
+    ) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]: ...
 
-        def _run_loop(
-            self,
-            tokens: np.ndarray,
-            starts: np.ndarray,
-            active: np.ndarray,
-            remaining: np.ndarray,
-            cache: PagedKVCache,
-            tables: np.ndarray,
-            inputs: SamplingInputs,
-            stop_ids: np.ndarray,
-            num_steps: int,
-            greedy: bool,
-            with_logprobs: bool = False,
-        ) -> tuple[jax.Array, PagedKVCache, StepLogprobs | None]: ...
 
-    def _init_model_warmup(self) -> None:
+class ModelCompilation(BackgroundWarmup):
+    """The warm-up of one `ModelEngine` (which owns it as `engine.compilation`): `warmup` runs or compiles what the
+    plan names through the engine's own programs (`WarmupHost`), and the ready sets say what is compiled now."""
+
+    def __init__(self, engine: WarmupHost) -> None:
+        self._engine = engine
         self._init_background_warmup()  # shape covering and the background compile thread (background.py)
         # The KV copies compiled so far (read only while covering is on, `kv_copy_compiled`): inserts and gathers
         # by padded length, slices by (padded length of the KV, padded length cut out). Replaced, never mutated.
-        self._ready_inserts: frozenset[int] = frozenset()
-        self._ready_gathers: frozenset[int] = frozenset()
-        self._ready_slices: frozenset[tuple[int, int]] = frozenset()
+        self.ready_inserts: frozenset[int] = frozenset()
+        self.ready_gathers: frozenset[int] = frozenset()
+        self.ready_slices: frozenset[tuple[int, int]] = frozenset()
         # Row counts whose random sampler is compiled, and the pads (rows, up to rows) to one of them: a batch that
         # samples at random on a row count whose own sampler the background still compiles is sampled padded up
-        # (`_sampling_rows`; its rows' tokens are the same). Read only while covering is on. Replaced, never mutated.
-        self._ready_random: frozenset[int] = frozenset()
-        self._ready_pads: frozenset[tuple[int, int]] = frozenset()
+        # (`sampling_rows`; its rows' tokens are the same). Read only while covering is on. Replaced, never mutated.
+        self.ready_random: frozenset[int] = frozenset()
+        self.ready_pads: frozenset[tuple[int, int]] = frozenset()
 
     def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> WarmupReport:
         """Compile (by running once, on padding that writes no KV) every shape the limits allow.
@@ -166,7 +171,7 @@ class ModelWarmup(BackgroundWarmup):
         After `hold_background_warmup()` the background thread waits for `start_background_warmup()`.
         """
         t0 = time.perf_counter()
-        cfg = self._cfg
+        cfg = self._engine._cfg
         max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         greedy = SamplingParams(temperature=0.0)
         rand = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1 if spec.logprobs else None)
@@ -184,7 +189,7 @@ class ModelWarmup(BackgroundWarmup):
         if spec.background:  # compile only (running a long bucket costs a prefill of that length), a thread per core
             random_rows = max(b for b, _ in prefill_now) if prefill_now else None
             # each once, not per bucket; only each bucket to the next shorter one (a row is cut through them in
-            # turn, `_cut`), the direct cuts in the background
+            # turn, `cut`), the direct cuts in the background
             cuts = sorted({pair for _, t in prefill_now for pair in self._chain_cuts(t)})
             direct_cuts = sorted({(t, n) for _, t in prefill_now for n in self._cuts(t)} - set(cuts))
             with ThreadPoolExecutor(min(len(prefill_now), os.cpu_count() or 1) or 1) as threads:
@@ -199,18 +204,18 @@ class ModelWarmup(BackgroundWarmup):
                     done.result()
             for b, _ in prefill_now:
                 self._publish_sampler(b, random_rows)
-            self._ready_slices = self._ready_slices | frozenset(cuts)
+            self.ready_slices = self.ready_slices | frozenset(cuts)
         else:
             for b, t_pad in prefill_now:
                 self._warm_prefill(b, t_pad, rand, greedy)
-        self._ready_prefill = self._ready_prefill | frozenset(prefill_now)
+        self.ready_prefill = self.ready_prefill | frozenset(prefill_now)
         phases = {"prefill": time.perf_counter() - t0}  # seconds per part, for the log line
         step_shapes: list[tuple[int, int, int]] = []
         multi_step_shapes: list[tuple[int, int, int]] = []
         later_steps: list[tuple[int, int, int]] = []
         caches_like: list[PagedKVCache] | None = None
         if spec.decode or spec.chunk_size:
-            caches = model_caches(pages or self.init_pages(spec.num_blocks, spec.block_size))
+            caches = model_caches(pages or self._engine.init_pages(spec.num_blocks, spec.block_size))
             widths = powers_of_two(1, min(spec.num_blocks, -(-max_len // spec.block_size)))
             shapes = step_buckets(
                 decode=spec.decode,
@@ -226,29 +231,31 @@ class ModelWarmup(BackgroundWarmup):
             if spec.background and steps_now:
                 random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
             for b, t, m in steps_now:
-                tokens = np.full((b, t), self._pad, np.int32)
+                tokens = np.full((b, t), self._engine._pad, np.int32)
                 zeros = np.zeros(b, np.int32)  # length 0: nothing is written
-                logits, caches = self.model.extend_paged(tokens, zeros, zeros, caches, np.zeros((b, m), np.int32))
+                logits, caches = self._engine.model.extend_paged(
+                    tokens, zeros, zeros, caches, np.zeros((b, m), np.int32)
+                )
                 self._warm_sampling(logits, rand, greedy, spec.logprobs, random_rows)
                 self._publish_sampler(b, random_rows)
                 step_shapes.append((b, t, m))
-            self._ready_steps = self._ready_steps | frozenset(steps_now)
-            later_steps = [x for x in shapes if x not in self._ready_steps]
+            self.ready_steps = self.ready_steps | frozenset(steps_now)
+            later_steps = [x for x in shapes if x not in self.ready_steps]
             phases["steps"] = time.perf_counter() - mark
             mark = time.perf_counter()
-            if spec.decode and spec.decode_steps > 1 and self.model.pp == 1:
+            if spec.decode and spec.decode_steps > 1 and self._engine.model.pp == 1:
                 for b in powers_of_two(2, spec.max_decode_batch):
                     for m in widths:
                         for all_greedy, with_lp in itertools.product((True, False), (False, True)[: 1 + spec.logprobs]):
-                            caches[0] = self._run_loop(
-                                np.full(b, self._pad, np.int32),
+                            caches[0] = self._engine._run_loop(
+                                np.full(b, self._engine._pad, np.int32),
                                 np.zeros(b, np.int32),
                                 np.zeros(b, bool),  # no row active: nothing is written, the loop ends at once
                                 np.zeros(b, np.int32),
                                 caches[0],
                                 np.zeros((b, m), np.int32),
                                 sampling_inputs([], [], [], b),
-                                np.full((b, stop_width(len(self._cfg.eos_token_ids))), -1, np.int32),
+                                np.full((b, stop_width(len(self._engine._cfg.eos_token_ids))), -1, np.int32),
                                 spec.decode_steps,
                                 all_greedy,
                                 with_lp,
@@ -263,7 +270,7 @@ class ModelWarmup(BackgroundWarmup):
             phases["multi-step"] = time.perf_counter() - mark
             mark = time.perf_counter()
             if spec.decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
-                layout = self._layout
+                layout = self._engine._layout
                 for t_pad in prompt_buckets(max_len, cfg.max_position_embeddings):
                     kv = tuple(
                         StageKV(
@@ -273,7 +280,7 @@ class ModelWarmup(BackgroundWarmup):
                         for n, sharding, page in zip(layout.stage_layers, layout.shardings, warmed, strict=True)
                     )
                     warmed = write_sequence(warmed, kv, 0, [0])
-                    self._ready_inserts = self._ready_inserts | {t_pad}
+                    self.ready_inserts = self.ready_inserts | {t_pad}
             pages = warmed if pages is not None else None
             phases["inserts"] = time.perf_counter() - mark
         # A prefix-caching prefill instance's KV copies on its own pool (`kv_copy_compiled` says which are in)
@@ -292,13 +299,13 @@ class ModelWarmup(BackgroundWarmup):
             phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
         sampler_jobs: list[CompileJob] = []
-        later_prefill = [x for x in prefill_shapes if x not in self._ready_prefill]
+        later_prefill = [x for x in prefill_shapes if x not in self.ready_prefill]
         if spec.prefix_prefill:  # narrower prompt-row steps run padded up to the widest table
-            self._cover = True
+            self.cover = True
         if spec.background:
-            self._cover = True
+            self.cover = True
             # first the random samplers the foreground padded up: a lone prompt's or stream's bucket has its own then
-            foreground_rows = sorted({x[0] for x in (*prefill_now, *step_shapes)} - self._ready_random)
+            foreground_rows = sorted({x[0] for x in (*prefill_now, *step_shapes)} - self.ready_random)
             sampler_jobs = [
                 CompileJob(
                     f"random sampler ({b} rows)",
@@ -313,7 +320,7 @@ class ModelWarmup(BackgroundWarmup):
                     partial(self._precompile_prefill, *x, rand, greedy, spec.logprobs),
                     partial(self._publish_prefill, *x),
                 )
-                for x in compile_order(later_prefill, self._ready_prefill)
+                for x in compile_order(later_prefill, self.ready_prefill)
             ]
             step_jobs = [
                 CompileJob(
@@ -321,11 +328,11 @@ class ModelWarmup(BackgroundWarmup):
                     partial(self._precompile_step, *x, caches_like, rand, greedy, spec.logprobs),
                     partial(self._publish_step, *x),
                 )
-                for x in compile_order(later_steps, self._ready_steps)
+                for x in compile_order(later_steps, self.ready_steps)
                 if caches_like is not None
             ]
             cut_jobs = [self._slice_job(t, n) for t, n in direct_cuts]
-            unheld = sum(not is_held(x, self._ready_prefill) for x in later_prefill)
+            unheld = sum(not is_held(x, self.ready_prefill) for x in later_prefill)
             # what no compiled bucket holds (a long prompt), the rows' direct cuts, the steps, the other prefill
             # buckets, and the partial pulls' slices (caching's inserts and gathers compiled before ready)
             jobs = [*sampler_jobs, *prefill_jobs[:unheld], *cut_jobs, *step_jobs, *prefill_jobs[unheld:], *slices]
@@ -357,12 +364,13 @@ class ModelWarmup(BackgroundWarmup):
         )
         for k, lengths in enumerate(batches):
             items = [
-                PrefillItem(f"warm{i}", (self._pad,) * n, rand if i == 0 else greedy, 0) for i, n in enumerate(lengths)
+                PrefillItem(f"warm{i}", (self._engine._pad,) * n, rand if i == 0 else greedy, 0)
+                for i, n in enumerate(lengths)
             ]
-            self._prefill_exact(items, b, t_pad)
+            self._engine._prefill_exact(items, b, t_pad)
             if b > 1 and k == 0:  # the all-greedy sampler of this row count as well
-                self._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
-        self._ready_slices = self._ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
+                self._engine._prefill_exact([dataclasses.replace(it, sampling=greedy) for it in items], b, t_pad)
+        self.ready_slices = self.ready_slices | {(t_pad, n) for n in shorter}  # the rows' cuts ran too
         self._publish_sampler(b)  # row 0 sampled at random
 
     def _precompile_prefill(
@@ -380,8 +388,8 @@ class ModelWarmup(BackgroundWarmup):
         KV (`_row_kv`) and (`cuts`) its cut to every shorter padded length; run its samplers on placeholder logits
         (`_warm_sampling`: the random one padded up to `random_rows`, if given). Publishes nothing: the caller
         does (`_publish_prefill`, or `_publish_sampler` for the foreground's)."""
-        self.model.precompile_prefill(b, t)
-        self._precompile_row_kv(b, t)
+        self._engine.model.precompile_prefill(b, t)
+        self._engine._precompile_row_kv(b, t)
         for n in self._cuts(t) if cuts else []:
             self._precompile_slice(t, n)
         self._warm_sampling(self._logits_like(b), rand, greedy, logprobs, random_rows)
@@ -389,9 +397,9 @@ class ModelWarmup(BackgroundWarmup):
     def _publish_prefill(self, b: int, t: int) -> None:
         """A background prefill job's programs are in: its rows' cuts and random sampler, then the bucket."""
         for n in self._cuts(t):
-            self._publish("_ready_slices", (t, n))
+            self._publish("ready_slices", (t, n))
         self._publish_sampler(b)
-        self._publish("_ready_prefill", (b, t))
+        self._publish("ready_prefill", (b, t))
 
     def _pool_copy_jobs(
         self, pages: KVPages, max_len: int, skip: frozenset[tuple[int, int]] = frozenset()
@@ -401,18 +409,18 @@ class ModelWarmup(BackgroundWarmup):
         copy, and (second list) the slice of every shorter bucket out of it (a decode instance holding a prefix
         pulls only the rest; the rows' cuts of the prefill buckets are among them), but those in `skip` (queued
         already)."""
-        buckets = prompt_buckets(max_len, self._cfg.max_position_embeddings)
+        buckets = prompt_buckets(max_len, self._engine._cfg.max_position_embeddings)
         copies: list[CompileJob] = []
         for t in buckets:
             kv = self._dense_like(t)
             copies.append(
                 CompileJob(
-                    f"insert {t}", partial(precompile_write, pages, kv), partial(self._publish, "_ready_inserts", t)
+                    f"insert {t}", partial(precompile_write, pages, kv), partial(self._publish, "ready_inserts", t)
                 )
             )
             copies.append(
                 CompileJob(
-                    f"gather {t}", partial(precompile_read, pages, t), partial(self._publish, "_ready_gathers", t)
+                    f"gather {t}", partial(precompile_read, pages, t), partial(self._publish, "ready_gathers", t)
                 )
             )
         slices = [self._slice_job(t, n) for t in buckets for n in buckets if n <= t and (t, n) not in skip]
@@ -421,19 +429,19 @@ class ModelWarmup(BackgroundWarmup):
     def _slice_job(self, t: int, n: int) -> CompileJob:
         """The background job of the first `n` positions of a `t`-position dense KV (a row's cut, a pull's slice)."""
         return CompileJob(
-            f"slice {t} -> {n}", partial(self._precompile_slice, t, n), partial(self._publish, "_ready_slices", (t, n))
+            f"slice {t} -> {n}", partial(self._precompile_slice, t, n), partial(self._publish, "ready_slices", (t, n))
         )
 
     def _cuts(self, t: int) -> list[int]:
         """The shorter padded lengths a row of a t-token prefill bucket is cut to."""
-        return [n for n in prompt_buckets(t, self._cfg.max_position_embeddings) if n < t]
+        return [n for n in prompt_buckets(t, self._engine._cfg.max_position_embeddings) if n < t]
 
     def _chain_cuts(self, t: int) -> list[tuple[int, int]]:
         """Each padded length up to `t` cut to the next shorter one: (32, 16), (64, 32), ..., (t, t / 2)."""
         lengths = [*self._cuts(t), t]
         return list(zip(lengths[1:], lengths[:-1], strict=True))
 
-    def _cut(self, kv: SequenceKV, padded: int) -> SequenceKV:
+    def cut(self, kv: SequenceKV, padded: int) -> SequenceKV:
         """A prefill row's dense KV cut to its first `padded` positions (its own padded length).
 
         In one program once that cut is compiled. Until then (a background warm-up still compiling it) through
@@ -442,24 +450,24 @@ class ModelWarmup(BackgroundWarmup):
         one program, compiled at first use.
         """
         t = kv[0].k.shape[1]
-        while (t, padded) not in self._ready_slices:
+        while (t, padded) not in self.ready_slices:
             shorter = self._cuts(t)
-            if not shorter or shorter[-1] < padded or (t, shorter[-1]) not in self._ready_slices:
+            if not shorter or shorter[-1] < padded or (t, shorter[-1]) not in self.ready_slices:
                 break
             kv, t = slice_sequence(kv, 0, shorter[-1]), shorter[-1]
         return kv if t == padded else slice_sequence(kv, 0, padded)
 
     def _precompile_slice(self, t: int, n: int) -> None:
-        if (t, n) not in self._ready_slices:  # a prefill bucket's cuts compiled it already
+        if (t, n) not in self.ready_slices:  # a prefill bucket's cuts compiled it already
             precompile_slice(self._dense_like(t), n)
 
     def _dense_like(self, t: int) -> SequenceKV:
         """Shapes and shardings of a dense KV of `t` positions as this engine's prefill hands it out."""
-        cfg = self._cfg
+        cfg = self._engine._cfg
         return tuple(
-            StageKV(k=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self.model.dtype, sharding=sharding),  # type: ignore[arg-type]
-                    v=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self.model.dtype, sharding=sharding))  # type: ignore[arg-type]
-            for n, sharding in zip(self._layout.stage_layers, self._layout.shardings, strict=True)
+            StageKV(k=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self._engine.model.dtype, sharding=sharding),  # type: ignore[arg-type]
+                    v=jax.ShapeDtypeStruct((n, t, cfg.kv_heads, cfg.head_dim), self._engine.model.dtype, sharding=sharding))  # type: ignore[arg-type]
+            for n, sharding in zip(self._engine._layout.stage_layers, self._engine._layout.shardings, strict=True)
         )  # fmt: skip
 
     def _precompile_step(
@@ -474,18 +482,20 @@ class ModelWarmup(BackgroundWarmup):
     ) -> None:
         """Compile the paged step (b, t, m) over pools shaped like `caches` without running it, and run its
         samplers on placeholder logits (published by `_publish_step`)."""
-        self.model.precompile_paged(b, t, m, caches)
+        self._engine.model.precompile_paged(b, t, m, caches)
         self._warm_sampling(self._logits_like(b), rand, greedy, logprobs)
 
     def _publish_step(self, b: int, t: int, m: int) -> None:
         """A background step job's programs are in: its random sampler, then the bucket."""
         self._publish_sampler(b)
-        self._publish("_ready_steps", (b, t, m))
+        self._publish("ready_steps", (b, t, m))
 
     def _logits_like(self, b: int) -> jax.Array:
         """Placeholder logits [b, V] where the model leaves its logits (replicated on the last stage)."""
-        last = self.model.pp - 1
-        return jax.device_put(np.zeros((b, self._cfg.vocab_size), np.float32), self.model.replicated(last))
+        last = self._engine.model.pp - 1
+        return jax.device_put(
+            np.zeros((b, self._engine._cfg.vocab_size), np.float32), self._engine.model.replicated(last)
+        )
 
     def _warm_sampling(
         self,
@@ -513,9 +523,9 @@ class ModelWarmup(BackgroundWarmup):
         """`_warm_sampling` of `b` rows ran: its random sampler is in, or with `random_rows` (another row count)
         the pad of its logits up to that one."""
         if random_rows is not None and random_rows != b:
-            self._publish("_ready_pads", (b, random_rows))
+            self._publish("ready_pads", (b, random_rows))
         else:
-            self._publish("_ready_random", b)
+            self._publish("ready_random", b)
 
     def _compile_random_sampler(self, b: int, rand: SamplingParams, greedy: SamplingParams, logprobs: bool) -> None:
         """A background job: the random sampler of `b` rows (a foreground bucket's, padded up until it is in)."""
@@ -526,20 +536,20 @@ class ModelWarmup(BackgroundWarmup):
         """Whether a KV copy of `padded` positions runs a compiled program now: "insert" (a dense KV into the
         pool), "gather" (out of the pool, `kv_pool.read_sequence`) or "slice" (out of a prefilled KV of
         `from_padded` positions, `kv_pool.slice_sequence`). Always, unless a background warm-up still compiles it."""
-        if not self._cover:
+        if not self.cover:
             return True
         if kind == "insert":
-            return padded in self._ready_inserts
+            return padded in self.ready_inserts
         if kind == "gather":
-            return padded in self._ready_gathers
-        return (from_padded, padded) in self._ready_slices
+            return padded in self.ready_gathers
+        return (from_padded, padded) in self.ready_slices
 
-    def _sampling_rows(self, rows: int, params: Sequence[SamplingParams]) -> int:
+    def sampling_rows(self, rows: int, params: Sequence[SamplingParams]) -> int:
         """The rows a batch's `rows` logits are sampled on: its own, unless some row samples at random while the
         background still compiles that sampler; then the compiled random sampler its logits are padded up to."""
-        if not self._cover or rows in self._ready_random or all(p.is_greedy for p in params):
+        if not self.cover or rows in self.ready_random or all(p.is_greedy for p in params):
             return rows
-        return min((r for b, r in self._ready_pads if b == rows and r in self._ready_random), default=rows)
+        return min((r for b, r in self.ready_pads if b == rows and r in self.ready_random), default=rows)
 
 
 def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:

@@ -9,9 +9,9 @@ Shapes are padded to buckets so XLA compiles a handful of programs, not one per
 request: prefill batches to (next power of two rows) x (next power of two >= 16
 tokens); paged steps to (power-of-two rows) x (1 token for pure decode steps, a
 power of two >= 16 with prompt chunks) x (power-of-two block-table width).
-Padding rows have length 0, so they write no KV. Compiling those programs before traffic (`warmup`) is
-`ModelWarmup` (compilation/model_engine.py), a mixin this engine inherits (with `BackgroundWarmup`'s covering of the
-buckets still compiling); this file is the engine's steps.
+Padding rows have length 0, so they write no KV. Compiling those programs before traffic (`warmup`) is the
+engine's `compilation` (`ModelCompilation`, compilation/model_engine.py: it drives the programs here and says which
+buckets are compiled, and covers those still compiling); this file is the engine's steps.
 
 Pipeline parallelism: `ShardedModel` dispatches stage by stage without waiting,
 so `prefill` and `decode_step` split a batch into `pp` micro-batches and
@@ -38,11 +38,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.core.plan import InstanceSpec
 from jaxserve.core.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from jaxserve.runtime.compilation.model_engine import ModelWarmup
+from jaxserve.runtime.compilation.model_engine import ModelCompilation, WarmupReport
 from jaxserve.runtime.compilation.plan import MIN_PROMPT_BUCKET, stop_width
 from jaxserve.runtime.engines.contract import (
     Engine,
     EngineCapabilities,
+    KVCopy,
     KVLayout,
     KVPages,
     PrefilledSequence,
@@ -53,6 +54,7 @@ from jaxserve.runtime.engines.contract import (
     StageKV,
     StepBatch,
     StepRow,
+    WarmupSpec,
     bucket,
     decode_steps_one_by_one,
     row_stops,
@@ -78,7 +80,7 @@ from models.paged_attention import IMPLS, BlockLayout, Impl
 from models.sharding import ShardedModel, sharded_class
 
 
-class ModelEngine(ModelWarmup, Engine):
+class ModelEngine(Engine):
     """Prefill, insert and paged decode steps of a model (any `models` family) placed on one instance's devices."""
 
     capabilities = EngineCapabilities(
@@ -104,7 +106,8 @@ class ModelEngine(ModelWarmup, Engine):
             stage_layers=tuple(st.num_layers for st in model.layout.stages),
             shardings=tuple(NamedSharding(m, PartitionSpec(None, None, heads_axis, None)) for m in model.meshes),
         )
-        self._init_model_warmup()  # the ready sets of what `warmup` compiled (compilation/model_engine.py)
+        # what `warmup` compiled and the background compiles (compilation/model_engine.py)
+        self.compilation = ModelCompilation(self)
 
     @classmethod
     def load(
@@ -172,11 +175,11 @@ class ModelEngine(ModelWarmup, Engine):
         indices: Sequence[int],
         guided: Sequence[GuidedRow] = (),
     ) -> tuple[jax.Array, jax.Array]:
-        """`sample` on `logits` [B, V] padded up to `_sampling_rows` (each row's token depends only on its seed and
+        """`sample` on `logits` [B, V] padded up to `sampling_rows` (each row's token depends only on its seed and
         index, so padding changes none), masked first by the grammar of each guided row (`guided`: one per row).
         -> tokens [B'] (the first B are the batch's) and the logits [B', V] drawn from (masked: logprobs are the
         masked distribution's, as vLLM reports them)."""
-        rows = self._sampling_rows(logits.shape[0], params)
+        rows = self.compilation.sampling_rows(logits.shape[0], params)
         if rows != logits.shape[0]:
             logits = pad_rows(logits, rows)  # [rows, V]: the added rows are sampled greedily and read by no one
         if any(p.guided is not None for p in params):
@@ -200,19 +203,21 @@ class ModelEngine(ModelWarmup, Engine):
         groups = [  # while the background compiles, a batch no compiled bucket holds runs as held sub-batches
             run
             for g in micro
-            for run in self._held_runs(
-                g, lambda ids: self._prefill_bucket([items[i] for i in ids]), self._ready_prefill
+            for run in self.compilation.held_runs(
+                g, lambda ids: self._prefill_bucket([items[i] for i in ids]), self.compilation.ready_prefill
             )
         ]
         dispatched = [self._dispatch_prefill([items[i] for i in g]) for g in groups]  # no waiting in between
-        return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings, self._cut)
+        return ModelPrefill(tuple(items), groups, dispatched, self._layout.shardings, self.compilation.cut)
 
     def _dispatch_prefill(
         self, items: Sequence[PrefillItem], shape: tuple[int, int] | None = None
     ) -> tuple[jax.Array, StepLogprobs | None, list[KVCache]]:
         """Dispatch one prefill batch padded to `shape` (default: its bucket, or the compiled bucket covering it)."""
         if shape is None:
-            shape = cast(tuple[int, int], self._covering(self._prefill_bucket(items), self._ready_prefill))
+            shape = cast(
+                tuple[int, int], self.compilation.covering(self._prefill_bucket(items), self.compilation.ready_prefill)
+            )
         b, t = shape
         tokens = np.full((b, t), self._pad, dtype=np.int32)
         lengths = np.ones(b, dtype=np.int32)  # padding rows: one pad token, ignored
@@ -231,7 +236,9 @@ class ModelEngine(ModelWarmup, Engine):
         """Prefill `items` padded to exactly (b, t), and read the result back (its per-row KV slices compile too):
         how the warm-up runs a bucket."""
         dispatched = self._dispatch_prefill(items, shape=(b, t))
-        ModelPrefill(tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings, self._cut).result()
+        ModelPrefill(
+            tuple(items), [list(range(len(items)))], [dispatched], self._layout.shardings, self.compilation.cut
+        ).result()
 
     def _precompile_row_kv(self, b: int, t: int) -> None:
         """Compile, without running it, `_row_kv` of every stage of a (b, t) prefill batch's KV: taking the
@@ -290,8 +297,10 @@ class ModelEngine(ModelWarmup, Engine):
             groups = [  # while the background compiles, rows no compiled bucket holds run as held sub-batches
                 run
                 for g in micro
-                for run in self._held_runs(
-                    g, lambda ids: self._natural_step_shape([rows[i] for i in ids], block_size), self._ready_steps
+                for run in self.compilation.held_runs(
+                    g,
+                    lambda ids: self._natural_step_shape([rows[i] for i in ids], block_size),
+                    self.compilation.ready_steps,
                 )
             ]
             for g in groups:
@@ -409,17 +418,37 @@ class ModelEngine(ModelWarmup, Engine):
             attention=self.model.stage_attention(0),
         )
 
+    # ---- the warm-up: the engine's `compilation` (compilation/model_engine.py) ----------------------------------
+    def warmup(self, spec: WarmupSpec, pages: KVPages | None = None) -> WarmupReport:
+        """Compile every padded shape `spec`'s limits allow (`ModelCompilation.warmup`)."""
+        return self.compilation.warmup(spec, pages)
+
+    def kv_copy_compiled(self, kind: KVCopy, padded: int, from_padded: int = 0) -> bool:
+        return self.compilation.kv_copy_compiled(kind, padded, from_padded)
+
+    def hold_background_warmup(self) -> None:
+        self.compilation.hold_background_warmup()
+
+    def start_background_warmup(self) -> None:
+        self.compilation.start_background_warmup()
+
+    def stop_background_warmup(self, timeout_s: float = 60.0) -> None:
+        self.compilation.stop_background_warmup(timeout_s)
+
+    def background_warmup_done(self, timeout_s: float | None = None) -> bool:
+        return self.compilation.background_warmup_done(timeout_s)
+
     def step_compiled(self, rows: Sequence[StepRow], block_size: int) -> bool:
         """Whether a step of `rows` runs a compiled bucket now (always, unless a background warm-up is still
         compiling the bucket that would hold it)."""
-        if not self._cover:
+        if not self.compilation.cover:
             return True
-        runs = self._held_runs(
+        runs = self.compilation.held_runs(
             range(len(rows)),
             lambda ids: self._natural_step_shape([rows[i] for i in ids], block_size),
-            self._ready_steps,
+            self.compilation.ready_steps,
         )
-        return all(self.step_shape([rows[i] for i in run], block_size) in self._ready_steps for run in runs)
+        return all(self.step_shape([rows[i] for i in run], block_size) in self.compilation.ready_steps for run in runs)
 
     def step_shape(self, rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
         """The padded (rows, tokens, table width) a sub-batch of `rows` compiles to.
@@ -428,7 +457,10 @@ class ModelEngine(ModelWarmup, Engine):
         not the blocks they reserved for their whole output: attention reads `width * block_size`
         positions per row, so a reservation-wide table made the step's cost grow with `max_tokens`.
         """
-        return cast(tuple[int, int, int], self._covering(self._natural_step_shape(rows, block_size), self._ready_steps))
+        return cast(
+            tuple[int, int, int],
+            self.compilation.covering(self._natural_step_shape(rows, block_size), self.compilation.ready_steps),
+        )
 
     @staticmethod
     def _natural_step_shape(rows: Sequence[StepRow], block_size: int) -> tuple[int, int, int]:
@@ -532,7 +564,7 @@ class ModelPrefill:
         groups: list[list[int]],
         dispatched: list[tuple[jax.Array, StepLogprobs | None, list[KVCache]]],
         shardings: Sequence[NamedSharding],  # each stage's dense-KV sharding (`KVLayout.shardings`)
-        cut: Callable[[SequenceKV, int], SequenceKV],  # a row's KV to its padded length (`ModelWarmup._cut`)
+        cut: Callable[[SequenceKV, int], SequenceKV],  # a row's KV to its padded length (`ModelCompilation.cut`)
     ) -> None:
         self._items, self._groups, self._dispatched, self._shardings = items, groups, dispatched, shardings
         self._cut = cut
