@@ -293,8 +293,10 @@ class ModelCompilation(BackgroundWarmup):
             now = copies if spec.background else [*copies, *slices]
             slices = slices if spec.background else []
             mark = time.perf_counter()
+            with ThreadPoolExecutor(os.cpu_count() or 1) as threads:  # XLA compiles outside the GIL: a core each
+                for done in [threads.submit(job.compile) for job in now]:
+                    done.result()
             for job in now:
-                job.compile()
                 job.publish()
             phases["kv copies"] = time.perf_counter() - mark
         seconds = time.perf_counter() - t0
