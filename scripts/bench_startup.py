@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python scripts/bench_startup.py                 # the embedded tiny model
     PYTHONPATH=. .venv/bin/python scripts/bench_startup.py --model smollm2-135m-instruct
+    PYTHONPATH=. .venv/bin/python scripts/bench_startup.py --model smollm2-135m-instruct --backend ray
 
 Each run starts `jaxserve serve` (its defaults: background warm-up on, both cores) in a child process with
 a fresh `XDG_CACHE_HOME` shared by that run's two starts: the first start compiles into an empty
@@ -14,6 +15,12 @@ server logged (its own `ready in` seconds and each engine's warm-up line: second
 the background). The server's stderr goes to `--log-dir` (default: a temp folder) for the background compile
 log. `--log-compiles` (JAX_LOG_COMPILES=1 in the server: its own cost is small but not nil) adds the programs
 compiled before the last engine's foreground warm-up line, by name.
+
+Before the bursts, right after the ready line, one chat-like pair: a prompt, then the same prompt again (a second
+turn's shared prefix); `second_turn_cached` is the tokens the server reports cached for the second (usage's
+`cached_tokens`): caching works from the first minute when it is the prompt's full blocks, not 0 while the
+background still compiles. `--backend ray` starts the same deployment on Ray actors (serve's `--backend ray`):
+its ready time is Ray's own start-up plus the actors' warm-ups, which read the same compilation cache.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,7 +66,9 @@ def ttft_stats(run: object) -> dict[str, float | int]:
     }
 
 
-PHASE_MARKS = ("built the CPU paged-attention kernel", "warm-up compiled", "ready in", "background warm-up")
+PHASE_MARKS = (
+    "built the CPU paged-attention kernel", "warm-up compiled", "warmed its buckets", "ready in", "background warm-up"
+)  # fmt: skip
 
 
 def logged_phases(log_path: Path) -> list[str]:
@@ -84,12 +94,28 @@ def foreground_compiles(log_path: Path) -> dict[str, int]:
     return counts
 
 
+def second_turn_cached(http_address: str, prompt_tokens: int, vocab_size: int) -> list[int]:
+    """The cached tokens the server reports for a prompt sent twice, one request after the other (0 and the
+    prompt's full blocks when caching works)."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, vocab_size, size=prompt_tokens)]
+    body = json.dumps({"prompt": prompt, "max_tokens": 2, "ignore_eos": True}).encode()
+    out = []
+    for _ in range(2):
+        request = urllib.request.Request(
+            f"http://{http_address}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            usage = json.load(response)["usage"]
+        out.append(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+    return out
+
+
 def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Path) -> dict[str, object]:
     load = os.getloadavg()[0]
     server = ServeProcess(
         args.deployment,
         args.model,
-        extra_args=["--log-level", "info"],
+        extra_args=["--log-level", "info", *(["--backend", "ray"] if args.backend == "ray" else [])],
         single_core=False,
         startup_timeout_s=args.startup_timeout,
         log_path=log_dir / f"serve-{label}.log",
@@ -103,6 +129,7 @@ def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Pa
     started = time.perf_counter()
     with server:
         ready_s = time.perf_counter() - started
+        turns = second_turn_cached(server.http_address, args.turn_tokens, args.vocab_size)
         target = Target(server.http_address, http=True, timeout_s=600.0)
         work = burst(args.burst, args.longest_prompt, seed=1)
         cold = asyncio.run(run_workload(work, target, vocab_size=args.vocab_size, seed=2))
@@ -113,6 +140,7 @@ def one_start(args: argparse.Namespace, cache_home: str, label: str, log_dir: Pa
         **({"compiles_before_ready": sum(compiles.values()), "compiled": compiles} if args.log_compiles else {}),
         "load_1min": round(load, 2),
         "ready_s": round(ready_s, 2),
+        "second_turn_cached": turns[1],
         "cold_burst": ttft_stats(cold),
         "second_burst": ttft_stats(again),
         "server_log": logged_phases(log_dir / f"serve-{label}.log"),
@@ -127,6 +155,8 @@ def main() -> None:
     ap.add_argument("--longest-prompt", type=int, default=400, help="the burst's longest prompt (tokens)")
     ap.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn below this")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--backend", choices=("embedded", "ray"), default="embedded", help="serve's --backend")
+    ap.add_argument("--turn-tokens", type=int, default=100, help="the prompt sent twice right after ready")
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--log-compiles", action="store_true", help="count the programs compiled before ready")
     args = ap.parse_args()
