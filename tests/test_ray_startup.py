@@ -9,6 +9,10 @@ time is `scripts/bench_startup.py --backend ray` (docs/performance.md).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 # Ray reads this when it is imported: without it, it binds the machine's network address.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -100,3 +104,38 @@ def test_actors_fill_the_drivers_compile_cache_with_the_embedded_warmup_plan(clu
         assert len(list(cache.iterdir())) >= sum(len(p) + len(s) for p, s in got.values())
     finally:
         controller.shutdown(drain_timeout_s=5)
+
+
+_PRIORITY_OF_AN_ACTOR = """
+import os, sys
+import ray
+from jaxserve.runtime.ray_backend.deployment import init_ray
+
+init_ray(temp_dir=sys.argv[1], num_cpus=1)
+
+
+@ray.remote
+class Probe:
+    def niceness(self) -> list[int]:  # every thread's (Linux's nice is per thread)
+        return [int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]) for t in os.listdir("/proc/self/task")]
+
+
+print(sorted(set(ray.get(Probe.remote().niceness.remote()))), os.getpriority(os.PRIO_PROCESS, 0))
+ray.shutdown()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads threads' niceness from Linux's /proc")
+def test_a_local_cluster_runs_its_actors_at_the_drivers_priority(tmp_path: Path) -> None:
+    """Ray starts workers at niceness 15: on a busy machine an actor's warm-up waited behind every other process."""
+    root = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # Ray's socket paths must stay short
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _PRIORITY_OF_AN_ACTOR, root],
+            capture_output=True, text=True, timeout=300, check=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        ).stdout.strip().splitlines()[-1]  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    actor, driver = out.rsplit(" ", 1)
+    assert actor == f"[{driver}]"
