@@ -231,11 +231,15 @@ class ModelCompilation(BackgroundWarmup):
             if spec.background and steps_now:
                 random_rows = max(random_rows or 0, *(b for b, _, _ in steps_now))
             for b, t, m in steps_now:
-                tokens = np.full((b, t), self._engine._pad, np.int32)
-                zeros = np.zeros(b, np.int32)  # length 0: nothing is written
-                logits, caches = self._engine.model.extend_paged(
-                    tokens, zeros, zeros, caches, np.zeros((b, m), np.int32)
-                )
+                if spec.prefix_prefill:  # compiled, not run: a prompt-row step at the widest table runs for seconds
+                    self._engine.model.precompile_paged(b, t, m, [_abstract_cache(c) for c in caches])
+                    logits = self._logits_like(b)
+                else:
+                    tokens = np.full((b, t), self._engine._pad, np.int32)
+                    zeros = np.zeros(b, np.int32)  # length 0: nothing is written
+                    logits, caches = self._engine.model.extend_paged(
+                        tokens, zeros, zeros, caches, np.zeros((b, m), np.int32)
+                    )
                 self._warm_sampling(logits, rand, greedy, spec.logprobs, random_rows)
                 self._publish_sampler(b, random_rows)
                 step_shapes.append((b, t, m))
@@ -263,10 +267,7 @@ class ModelCompilation(BackgroundWarmup):
                         multi_step_shapes.append((b, spec.decode_steps, m))
                 jax.block_until_ready(caches[0].k)
             warmed = pool_pages(caches)
-            caches_like = [  # the pool's shapes and shardings, for compiles that must not touch it
-                PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
-                for c in caches
-            ]
+            caches_like = [_abstract_cache(c) for c in caches]  # for compiles that must not touch the pool
             phases["multi-step"] = time.perf_counter() - mark
             mark = time.perf_counter()
             if spec.decode:  # the insert of a pulled KV, one program per padded length (0 tokens: nothing written)
@@ -556,3 +557,8 @@ class ModelCompilation(BackgroundWarmup):
 
 def _abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+def _abstract_cache(c: PagedKVCache) -> PagedKVCache:
+    """A pool's shapes and shardings, for compiles that must not touch it."""
+    return PagedKVCache(k=_abstract(c.k), v=_abstract(c.v), block_layout=c.block_layout)  # type: ignore[arg-type]
