@@ -188,7 +188,7 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         for s in report.retired:
             assert s.num_kv_blocks_used == 0 and s.num_prefill_buffer_used == 0 and s.num_running == 0
             assert s.name not in c.instance_names
-        assert c.retiring == ()
+        assert c.switch_steps.retiring == ()
         assert "decode-0" in {s.name for s in report.retired}  # the tp2 decode instance, drained under load
         gc.collect()
         assert first_decode() is None  # the retired instance is gone, its KV pool with it

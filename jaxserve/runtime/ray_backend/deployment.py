@@ -57,7 +57,7 @@ from jaxserve.runtime.ray_backend.actors import (
 )
 from jaxserve.runtime.ray_backend.placement_groups import ReservedGroups, ResourceConfig, reserve_groups
 from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemoteDecodeEngine, RemotePrefillEngine
-from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
+from jaxserve.runtime.switch import SwitchableController, SwitchSteps, SwitchUnsupportedError
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -146,6 +146,7 @@ class RayController(Controller):
         super().__init__(
             placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer, faults=counters
         )
+        self.switch_steps = RaySwitchSteps(self)
         self.actors = actors
         self.actor_infos = infos
         self.groups = groups
@@ -229,40 +230,6 @@ class RayController(Controller):
             for name, spec in zip(names, specs, strict=True)
         ]
 
-    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
-        new = super().add_instances(placed)
-        for inst in new:
-            if isinstance(inst, PrefillInstance | DecodeInstance):
-                _forget_pool_on_restart(inst)
-            if isinstance(inst, PrefillInstance):
-                engine = inst.engine
-                assert isinstance(engine, RemotePrefillEngine)
-                self._holders[inst.name] = engine.actor
-                engine.start_lease_keeper(inst.holds_kv)
-        return new
-
-    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
-        """`Controller.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
-        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
-        with self._lock:
-            engines = [inst.engine for inst in self.instance_set.staged]
-        super().discard_staged(join_timeout_s)
-        for engine in engines:
-            if isinstance(engine, RemotePrefillEngine):
-                engine.stop_lease_keeper()
-
-    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
-        """`Controller.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
-        with self._lock:
-            engines = {inst.name: inst.engine for inst in self.instance_set.retiring}
-        retired = super().retire_drained(force)
-        for stats in retired:
-            engine = engines.get(stats.name)
-            if isinstance(engine, RemotePrefillEngine):
-                engine.stop_lease_keeper()
-        self.release_actors([s.name for s in retired])
-        return retired
-
     def release_actors(self, names: Sequence[str]) -> None:
         """Kill the actors of instances that are gone (retired, or built for a switch that failed)."""
         import ray
@@ -316,6 +283,49 @@ class RayController(Controller):
         for groups in list(self._own_groups.values()):
             groups.remove()
         self._own_groups.clear()
+
+
+class RaySwitchSteps(SwitchSteps):
+    """`SwitchSteps` on Ray actors: a staged prefill proxy keeps its actor's KV leases alive, a discarded or retired
+    one stops doing so, and a retired instance's actor is killed (and its group removed)."""
+
+    def __init__(self, host: RayController) -> None:
+        super().__init__(host)
+        self.controller = host
+
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
+        new = super().add_instances(placed)
+        for inst in new:
+            if isinstance(inst, PrefillInstance | DecodeInstance):
+                _forget_pool_on_restart(inst)
+            if isinstance(inst, PrefillInstance):
+                engine = inst.engine
+                assert isinstance(engine, RemotePrefillEngine)
+                self.controller._holders[inst.name] = engine.actor
+                engine.start_lease_keeper(inst.holds_kv)
+        return new
+
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """`SwitchSteps.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
+        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
+        with self.host.lock:
+            engines = [inst.engine for inst in self.host.instance_set.staged]
+        super().discard_staged(join_timeout_s)
+        for engine in engines:
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
+        """`SwitchSteps.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
+        with self.host.lock:
+            engines = {inst.name: inst.engine for inst in self.host.instance_set.retiring}
+        retired = super().retire_drained(force)
+        for stats in retired:
+            engine = engines.get(stats.name)
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+        self.controller.release_actors([s.name for s in retired])
+        return retired
 
 
 class RayActors:
