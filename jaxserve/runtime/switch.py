@@ -592,18 +592,18 @@ class PlanSwitcher:
 
     def _drain(self) -> tuple[list[InstanceStats], int]:
         """Wait for the retiring instances to finish what they hold; move the rest at the timeout."""
-        c = self.controller
+        steps = self.controller.switch_steps
         retired: list[InstanceStats] = []
         deadline = time.monotonic() + self.drain_timeout_s
-        while c.switch_steps.retiring and time.monotonic() < deadline:
-            retired.extend(c.switch_steps.retire_drained())
+        while steps.retiring and time.monotonic() < deadline:
+            retired.extend(steps.retire_drained())
             time.sleep(0.005)
         num_moved = 0
-        if c.switch_steps.retiring:
-            num_moved = c.switch_steps.num_held_by_retiring()
-            log.warning("switch: %d requests still on %s after %.0f s: moving them", num_moved, c.switch_steps.retiring,
+        if steps.retiring:
+            num_moved = steps.num_held_by_retiring()
+            log.warning("switch: %d requests still on %s after %.0f s: moving them", num_moved, steps.retiring,
                         self.drain_timeout_s)  # fmt: skip
-            retired.extend(c.switch_steps.retire_drained(force=True))
+            retired.extend(steps.retire_drained(force=True))
         return retired, num_moved
 
 
