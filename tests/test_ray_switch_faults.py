@@ -351,13 +351,13 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
     load = Load(controller, f"retiring-{role}")
     builder = LoadedBuilder(controller, load, load_at="built" if role == "decode" else None)
     if role == "prefill":  # the prompts must still be queued on it when it retires: submitted just before routing
-        route = controller.route
+        route = controller.switch_steps.route
 
         def loaded_route(names: Sequence[str]):  # type: ignore[no-untyped-def]
             load.start(wait=False)
             return route(names)
 
-        controller.route = loaded_route  # type: ignore[method-assign]
+        controller.switch_steps.route = loaded_route  # type: ignore[method-assign]
     killed = _before_first_call(  # (the retiring list read without the controller's lock: no lock order to mind)
         old.engine, DRAIN_CALLS[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
         lambda: any(i is old for i in controller.instance_set.retiring),
@@ -366,7 +366,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
     try:
         report = _switch(controller, builder, target)
     finally:
-        controller.__dict__.pop("route", None)
+        controller.switch_steps.__dict__.pop("route", None)
     assert killed, f"the retiring actor made no {DRAIN_CALLS[role]} call after routing (nothing to drain)"
     assert report.to_plan == target.describe() == controller.plan.describe()
     assert [s.name for s in report.retired] == [old.name]
@@ -395,7 +395,9 @@ def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) ->
     remains and serves 24 streams on the new one."""
     controller, server = served
     before, handles, pids = _snapshot(controller)
-    (old,) = [i for i in controller.switch_steps.routed_instances() if controller.placed_of[i.name].spec.role == "decode"]
+    (old,) = [
+        i for i in controller.switch_steps.routed_instances() if controller.placed_of[i.name].spec.role == "decode"
+    ]
     ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
     request = GenerateRequest("finds-it-dead", _prompt(0), SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(EngineDeadError):  # the only decode instance: nothing can continue it
@@ -455,14 +457,14 @@ class Gate:
 
 @contextlib.contextmanager
 def _around(
-    controller: SwitchSteps,
+    steps: SwitchSteps,
     method: str,
     before: Callable[..., None] = lambda *a, **k: None,
     after: Callable[[], None] = lambda: None,
 ) -> Iterator[None]:
-    """`before(*args)` ahead of and `after()` behind each call of `controller.<method>` (a switch step the switch
-    calls: an instance attribute over the method, gone on exit)."""
-    original = getattr(controller, method)
+    """`before(*args)` ahead of and `after()` behind each call of `steps.<method>` (a switch step the switch calls:
+    an instance attribute over the method, gone on exit)."""
+    original = getattr(steps, method)
 
     def hooked(*args: object, **kwargs: object) -> object:
         before(*args, **kwargs)
@@ -470,11 +472,11 @@ def _around(
         after()
         return out
 
-    setattr(controller, method, hooked)
+    setattr(steps, method, hooked)
     try:
         yield
     finally:
-        controller.__dict__.pop(method, None)
+        steps.__dict__.pop(method, None)
 
 
 def _routed(controller: RayController, role: str):  # type: ignore[no-untyped-def]
