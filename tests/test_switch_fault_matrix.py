@@ -635,6 +635,7 @@ def test_route_refuses_to_leave_a_role_with_no_live_instance() -> None:
         assert prefill.error is not None
         with pytest.raises(ValueError, match=r"prefill-0 died .*no live instance of its role would be left"):
             c.switch_steps.route(["prefill-0", "decode-0"])
-        assert [i.name for i in c.switch_steps.routed_instances()] == ["prefill-0", "decode-0"] and not c.switch_steps.retiring
+        steps = c.switch_steps
+        assert [i.name for i in steps.routed_instances()] == ["prefill-0", "decode-0"] and not steps.retiring
     finally:
         c.shutdown(drain_timeout_s=5)
