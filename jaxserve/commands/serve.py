@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     limits = serving_limits(args, plan)
-    if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (opt engine), else the default
+    if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (model engine), else the default
         limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
     if args.decode_steps_per_call < 1:
         print("error: --decode-steps-per-call must be >= 1", file=sys.stderr)
