@@ -44,7 +44,7 @@ from jaxserve.core.errors import EngineDeadError, InvalidRequestError, Overloade
 from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchAbortedError, SwitchError, SwitchInProgressError, SwitchUnsupportedError
-from jaxserve.serving import tool_calls
+from jaxserve.serving import tool_calls, tool_parsers
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
 from jaxserve.serving.browser_guard import BrowserGuard, BrowserPolicy
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
@@ -359,6 +359,7 @@ class _Render:
         self.token_text = token_text
         self._text_offsets: dict[int, int] = {}  # completions logprobs: each choice's text offset so far
         self._held: dict[int, list[Chunk]] = {}  # a forced tool call's chunks, held until the call is whole
+        self._readers: dict[int, tool_parsers.ToolCallStream] = {}  # tool_choice "auto": each choice's reader
 
     def logprobs(
         self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
@@ -454,6 +455,12 @@ class _Render:
             if call is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
                 choice["finish_reason"] = "tool_calls"
+            elif self.job.tool_format is not None:
+                content, calls = tool_parsers.parse_reply(self.job.tool_format, text)
+                if calls:
+                    calls = calls if self.job.parallel_tool_calls else calls[:1]
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls" if reason == "stop" else reason
             out["choices"].append(choice)
         out["usage"] = self.usage(choices, [chunks[-1] for chunks in collected])
         out["system_fingerprint"] = None
@@ -463,6 +470,8 @@ class _Render:
         """The stream events of one chunk. A forced tool call's chunks are held until it ends, then sent as
         OpenAI sends a call: the call (id, name, whole arguments) in one delta, then `finish_reason: "tool_calls"`
         (an output cut short goes out as the text it is)."""
+        if self.job.tool_format is not None:
+            return self._auto_events(choice, chunk, first)
         if not self.job.tool_calls:
             return [self.event(choice, chunk, first)]
         held = self._held.setdefault(choice.index, [])
@@ -480,6 +489,33 @@ class _Render:
         end["choices"][0]["delta"] = {}
         end["choices"][0]["finish_reason"] = "tool_calls"
         return [call_event, end]
+
+    def _auto_events(self, choice: Choice, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        """tool_choice "auto": the chunk's text read by the format's parser. Content goes out as it comes (held
+        only while it may be a marker's start); each call as OpenAI streams one: its id and name, then its
+        arguments in pieces; the last event's reason is "tool_calls" when the reply made calls and stopped."""
+        assert self.job.tool_format is not None
+        reader = self._readers.setdefault(choice.index, tool_parsers.ToolCallStream(self.job.tool_format))
+        pieces = reader.push(chunk.text) + (reader.finish() if chunk.finished else [])
+        content = "".join(p for kind, p in pieces if kind == tool_parsers.CONTENT)
+        deltas = [p for kind, p in pieces if kind != tool_parsers.CONTENT]
+        if not self.job.parallel_tool_calls:
+            deltas = [d for d in deltas if d["index"] == 0]
+        reason: str | None = chunk.finish_reason
+        if reason == "stop" and reader.calls:
+            reason = "tool_calls"
+        events = [self.event(choice, dataclasses.replace(chunk, text=content, finish_reason=None), first)]
+        for delta in deltas:
+            event = self.event(choice, dataclasses.replace(chunk, token_ids=(), text="", logprobs=None), False)
+            event["choices"][0]["delta"] = {"tool_calls": [delta]}
+            event["choices"][0]["finish_reason"] = None
+            if self.job.return_token_ids:
+                event["choices"][0]["token_ids"] = []
+            events.append(event)
+        events[-1]["choices"][0]["finish_reason"] = reason
+        if not content and len(events) > 1 and not first and not chunk.token_ids:
+            events.pop(0)  # nothing of its own to say
+        return events
 
     def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
         out = self._envelope(chunk_object=True)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.request import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS, GuidedSpec, SamplingParams, guided_spec
-from jaxserve.serving import chat_template, tool_calls
+from jaxserve.serving import chat_template, tool_calls, tool_parsers
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
     MAX_N,
@@ -142,6 +142,21 @@ class ChatMessage(_Strict):
             return tool_calls.followup_text(self.role, text, calls, self.tool_call_id)
         return text
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as `transformers`' `apply_chat_template` hands it to a template that renders tools: OpenAI's
+        fields as sent (developer turns as system ones), the content's text parts joined."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        out["content"] = None if self.content is None else (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )  # fmt: skip
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
     @property
     def template_role(self) -> str:
         """The role the template renders: a tool result is the user's turn in the generic format."""
@@ -178,11 +193,22 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
+    parallel_tool_calls: bool | None = None  # false: only the first call of an "auto" reply (a forced call is one)
 
 
-def render_chat(messages: list[ChatMessage], template: chat_template.JinjaChatTemplate | None = None) -> str:
-    """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one)."""
+def render_chat(
+    messages: list[ChatMessage],
+    template: chat_template.JinjaChatTemplate | None = None,
+    tools: list[Tool] | None = None,
+) -> str:
+    """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one).
+
+    A template with a tool-call format (`tool_parsers.detect_format`) gets the messages whole (tool calls,
+    tool results) and `tools`, as `transformers` hands them; any other renders each message's text, tool
+    follow-ups in the generic words (`tool_calls.followup_text`)."""
+    if template is not None and tool_parsers.detect_format(template.template) is not None:
+        tool_dicts = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+        return chat_template.render_structured([m.template_dict() for m in messages], template, tool_dicts)
     return chat_template.render_chat(((m.template_role, m.text()) for m in messages), template)
 
 
@@ -198,6 +224,8 @@ class OpenAIJob:
     return_token_ids: bool
     logprobs: int | None = None  # alternatives per token when the client asked for logprobs, else None
     tool_calls: bool = False  # the output is a forced tool call (tool_calls.py): rendered as OpenAI's `tool_calls`
+    tool_format: tool_parsers.ToolFormat | None = None  # tool_choice "auto": the output is parsed in this format
+    parallel_tool_calls: bool = True  # false: an "auto" reply's first call only
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -305,12 +333,13 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
     if not body.messages:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    messages, call = _forced_tool_call(body)
+    fmt = None if template is None else tool_parsers.detect_format(template.template)
+    messages, call, auto = _tool_choice(body, fmt)
     sampling = _sampling(body, max_tokens or 1, logprobs)
     if call is not None:
         sampling = dataclasses.replace(sampling, guided=call)
     params = CompletionParams(
-        prompt_text=render_chat(messages, template),
+        prompt_text=render_chat(messages, template, body.tools if auto else None),
         prompt_token_ids=None,
         sampling=sampling,
         stop=stop,
@@ -321,21 +350,27 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         add_special_tokens=template is None,
     )
     return OpenAIJob(
-        (params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, call is not None
-    )
+        (params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, call is not None,
+        tool_format=fmt if auto else None, parallel_tool_calls=body.parallel_tool_calls is not False,
+    )  # fmt: skip
 
 
-def _forced_tool_call(body: ChatCompletionRequest) -> tuple[list[ChatMessage], GuidedSpec | None]:
-    """The messages to render and the grammar of the call the output must be (None: no forced call)."""
+def _tool_choice(
+    body: ChatCompletionRequest, fmt: tool_parsers.ToolFormat | None
+) -> tuple[list[ChatMessage], GuidedSpec | None, bool]:
+    """The messages to render, the grammar of the call the output must be (None: no forced call), and whether
+    the model chooses ("auto": the tools go to the template, the output is parsed in its format `fmt`)."""
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
             raise _bad("tool_choice", "tool_choice needs tools")
-        return body.messages, None
-    if choice == "none":
-        return body.messages, None
+        return body.messages, None, False
+    if choice == "none":  # the tools stay out of the prompt: the model is not to call them
+        return body.messages, None, False
     if choice is None or choice == "auto":
-        raise _bad("tool_choice", tool_calls.AUTO_UNSUPPORTED)
+        if fmt is None:
+            raise _bad("tool_choice", tool_calls.AUTO_UNSUPPORTED)
+        return body.messages, None, True
     if body.response_format is not None and body.response_format.type != "text":
         raise _bad("response_format", "response_format and a forced tool call both constrain the output: send one")
     tools = [
@@ -352,4 +387,4 @@ def _forced_tool_call(body: ChatCompletionRequest) -> tuple[list[ChatMessage], G
         messages[0] = ChatMessage(role=messages[0].role, content=f"{messages[0].text()}\n\n{described}")
     else:
         messages.insert(0, ChatMessage(role="system", content=described))
-    return messages, spec
+    return messages, spec, False
