@@ -132,7 +132,15 @@ REPLIES = {  # what the model says, per family: a short text, then two calls in 
 }
 CONTENT = {"hermes": "Checking both.\n", "llama3": None, "mistral": None}
 PLAIN = "It is sunny in Paris, {no call here}."
-CORPUS = [HERMES_T, LLAMA3, MISTRAL_T, *REPLIES.values(), PLAIN, json.dumps([WEATHER, TIME]), "What is the weather?"]
+CORPUS = [
+    HERMES_T,
+    LLAMA3,
+    MISTRAL_T,
+    *REPLIES.values(),
+    PLAIN,
+    json.dumps([WEATHER, TIME]),
+    "What is the weather?",
+]
 SEED_CALLS, SEED_PLAIN = 1, 2  # a request's seed picks what the scripted model says
 
 
@@ -214,11 +222,14 @@ def family_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(family_dir):
-    with (
-        running_server(_controller(family_dir, "disagg:prefill=tp1,decode=tp1", 0), model_name="m") as server,
-        openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c,
-    ):
+def server(family_dir):
+    with running_server(_controller(family_dir, "disagg:prefill=tp1,decode=tp1", 0), model_name="m") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c:
         yield c
 
 
@@ -370,3 +381,45 @@ def test_format_detection():
     assert [detect_format(t) for t in (HERMES_T, LLAMA3, MISTRAL_T)] == [HERMES, LLAMA3_JSON, MISTRAL]
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None  # renders no tools
     assert detect_format("{% if tools %}{{ tools | tojson }}{% endif %}") is None  # tools, but no known format
+
+
+# ---- the same options on gRPC (proto fields, through the Python client) and in `LLM.chat` ----
+
+
+def test_grpc_client_auto_forced_and_follow_up(server, family_dir):
+    from jaxserve.client import Client, InvalidArgumentError
+
+    with Client(server.grpc_address) as c:
+        out = c.generate(messages=ASK, tools=[WEATHER, TIME], max_tokens=200, seed=SEED_CALLS)
+        assert out.finish_reason == "stop" and out.text == REPLIES[family_dir.name]  # the text as the model wrote it
+        assert [(t.name, t.arguments) for t in out.tool_calls] == [("get_weather", a) for a in ARGS]
+        assert all(t.id.startswith("call_") for t in out.tool_calls)
+        chunks = list(c.stream(messages=ASK, tools=[WEATHER], max_tokens=200, seed=SEED_CALLS))
+        assert "".join(ch.text for ch in chunks) == out.text and len(chunks[-1].tool_calls) == 2
+        plain = c.generate(messages=FOLLOW_UP, tools=[WEATHER], max_tokens=50, seed=SEED_PLAIN)
+        assert plain.text == PLAIN and plain.tool_calls == ()
+        with pytest.raises(InvalidArgumentError, match="'nope'") as e:
+            c.generate(messages=ASK, tools=[WEATHER], tool_choice="nope", max_tokens=5)
+        assert e.value.field == "tool_choice"
+
+
+def test_llm_chat_takes_tools(family_dir):
+    from jaxserve.core.limits import ServingLimits
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.llm import LLM
+
+    tokenizer = load_tokenizer(family_dir)
+    assert tokenizer is not None
+    script = list(tokenizer.encode(REPLIES[family_dir.name], add_special_tokens=False).ids)
+    config = dataclasses.replace(TINY, max_position_embeddings=2048)
+    with LLM(
+        "opt-tiny", "colocated:tp1", limits=ServingLimits(block_size=16, num_kv_blocks=64),
+        engine_factory=lambda inst, devices: ScriptedEngine({SEED_CALLS: script}, config, devices),
+    ) as llm:  # fmt: skip
+        llm.controller.tokenizer = tokenizer
+        llm.controller.chat_template = load_chat_template(family_dir)
+        out = llm.chat(ASK, SamplingParams(max_tokens=200, seed=SEED_CALLS), tools=[WEATHER, TIME])
+        assert out.text == REPLIES[family_dir.name] and out.finish_reason == "stop"
+        assert [(t.name, t.arguments) for t in out.tool_calls] == [("get_weather", a) for a in ARGS]
+        one = llm.chat(ASK, SamplingParams(max_tokens=200, seed=SEED_CALLS), tools=[WEATHER], parallel_tool_calls=False)
+        assert len(one.tool_calls) == 1

@@ -113,7 +113,7 @@ class Frontend:
         self.chat_template = controller.chat_template  # the checkpoint's (None: the built-in template)
         if self.chat_template is not None:  # a broken one stops the start, not every chat request (a 500 each)
             check_template(self.chat_template)
-        self.kept_tokens = _marker_tokens(self.tokenizer, self.chat_template)
+        self.kept_tokens = marker_tokens(self.tokenizer, self.chat_template)
 
     # ---- what the servers report ------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -344,7 +344,7 @@ async def merge_streams(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _marker_tokens(tokenizer: TextTokenizer | None, template: JinjaChatTemplate | None) -> dict[int, str]:
+def marker_tokens(tokenizer: TextTokenizer | None, template: JinjaChatTemplate | None) -> dict[int, str]:
     """The tool-call markers of the template's format that are special tokens of the vocabulary (Mistral's
     `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`): the detokenizer writes them, so the tool parser can see them."""
     fmt = None if template is None else detect_format(template.template)

@@ -213,6 +213,48 @@ def render_chat(
 
 
 @dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt, and what its tools make of the reply (HTTP's and gRPC's)."""
+
+    text: str
+    call: GuidedSpec | None = None  # a forced call (tool_calls.py): the grammar the reply must follow
+    tool_format: tool_parsers.ToolFormat | None = None  # tool_choice "auto": the reply is parsed in this format
+    parallel_tool_calls: bool = True  # false: an "auto" reply's first call only
+
+    @property
+    def streams_calls(self) -> bool:
+        """Whether the reply is read as it streams ("auto"); a forced call is held until it is whole."""
+        return self.tool_format is not None
+
+    def reply(self, text: str, reason: str | None) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """A finished reply's content and OpenAI `tool_calls` entries when it made calls (None: it is text, or a
+        forced call cut short)."""
+        if self.call is not None:
+            call = tool_calls.parse_call(text) if reason == "stop" else None
+            return None if call is None else (None, [call])
+        if self.tool_format is None:
+            return None
+        content, calls = tool_parsers.parse_reply(self.tool_format, text)
+        if not calls:
+            return None
+        return content, calls if self.parallel_tool_calls else calls[:1]
+
+
+def chat_prompt(body: ChatCompletionRequest, template: chat_template.JinjaChatTemplate | None) -> ChatPrompt:
+    """Render a chat request's messages (the checkpoint's `template`, if any) as its `tools` and `tool_choice`
+    ask: a forced call's tools in a system message and its grammar, "auto"'s tools to a template that knows a
+    tool-call format (a 400 if it knows none), "none" without tools."""
+    fmt = None if template is None else tool_parsers.detect_format(template.template)
+    messages, call, auto = _tool_choice(body, fmt)
+    return ChatPrompt(
+        render_chat(messages, template, body.tools if auto else None),
+        call,
+        fmt if auto else None,
+        body.parallel_tool_calls is not False,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class OpenAIJob:
     """What one OpenAI request asks for, transport-neutral."""
 
@@ -223,9 +265,7 @@ class OpenAIJob:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None = None  # alternatives per token when the client asked for logprobs, else None
-    tool_calls: bool = False  # the output is a forced tool call (tool_calls.py): rendered as OpenAI's `tool_calls`
-    tool_format: tool_parsers.ToolFormat | None = None  # tool_choice "auto": the output is parsed in this format
-    parallel_tool_calls: bool = True  # false: an "auto" reply's first call only
+    chat: ChatPrompt | None = None  # a chat request's: what its tools make of the reply
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -333,13 +373,12 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
     if not body.messages:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    fmt = None if template is None else tool_parsers.detect_format(template.template)
-    messages, call, auto = _tool_choice(body, fmt)
+    prompt = chat_prompt(body, template)
     sampling = _sampling(body, max_tokens or 1, logprobs)
-    if call is not None:
-        sampling = dataclasses.replace(sampling, guided=call)
+    if prompt.call is not None:
+        sampling = dataclasses.replace(sampling, guided=prompt.call)
     params = CompletionParams(
-        prompt_text=render_chat(messages, template, body.tools if auto else None),
+        prompt_text=prompt.text,
         prompt_token_ids=None,
         sampling=sampling,
         stop=stop,
@@ -349,10 +388,7 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         cache_salt=_salt(body.cache_salt),
         add_special_tokens=template is None,
     )
-    return OpenAIJob(
-        (params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, call is not None,
-        tool_format=fmt if auto else None, parallel_tool_calls=body.parallel_tool_calls is not False,
-    )  # fmt: skip
+    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, prompt)
 
 
 def _tool_choice(
