@@ -266,6 +266,7 @@ def test_auto_streams_calls_as_openai_does(client, family_dir):
             assert finish is None, "nothing after the finish reason"
             finish = c.finish_reason
             content += c.delta.content or ""
+            assert not (c.delta.tool_calls and c.delta.content), "a call's delta holds no content"
             for d in c.delta.tool_calls or ():
                 if d.index not in calls:  # a call's first delta: its id, type and name
                     assert d.id and d.type == "function" and d.function.name == "get_weather"

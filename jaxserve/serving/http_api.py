@@ -498,17 +498,16 @@ class _Render:
         reason: str | None = chunk.finish_reason
         if reason == "stop" and reader.calls:
             reason = "tool_calls"
-        events = [self.event(choice, dataclasses.replace(chunk, text=content, finish_reason=None), first)]
+        events = []
+        if content or first or not deltas:
+            events.append(self.event(choice, dataclasses.replace(chunk, text=content, finish_reason=None), first))
         for delta in deltas:
-            event = self.event(choice, dataclasses.replace(chunk, token_ids=(), text="", logprobs=None), False)
+            # the chunk's tokens (and logprobs) ride on its first event; a call's delta holds no content
+            source = chunk if not events else dataclasses.replace(chunk, token_ids=(), logprobs=None)
+            event = self.event(choice, dataclasses.replace(source, text="", finish_reason=None), False)
             event["choices"][0]["delta"] = {"tool_calls": [delta]}
-            event["choices"][0]["finish_reason"] = None
-            if self.job.return_token_ids:
-                event["choices"][0]["token_ids"] = []
             events.append(event)
         events[-1]["choices"][0]["finish_reason"] = reason
-        if not content and len(events) > 1 and not first and not chunk.token_ids:
-            events.pop(0)  # nothing of its own to say
         return events
 
     def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
