@@ -9,7 +9,9 @@ request may carry a list of prompts), `n` samples of each, and how to render the
 (echo, token ids, usage in the stream). Choice `i * n + j` is sample `j` of prompt `i`.
 
 Chat messages become one prompt through `jaxserve.serving.chat_template` (see
-docs/serving.md).
+docs/serving.md); `chat_prompt` renders them as the request's `tools` and `tool_choice` ask (a forced call's
+grammar, "auto"'s tools handed to a template with a tool-call format) and its `ChatPrompt` reads the reply's
+calls, for HTTP and gRPC alike.
 
 Logprobs: completions' `logprobs` (0..5, OpenAI's legacy limit) and chat's `logprobs` +
 `top_logprobs` (0..20) become `SamplingParams.logprobs`; the values are the log-softmax of the
