@@ -109,7 +109,11 @@ def render_structured(
     for index, message in enumerate(messages):
         texts = [message.get("content") or ""]
         for call in message.get("tool_calls") or ():
-            texts += [call["function"]["name"], call["function"]["arguments"]]
+            arguments = call["function"]["arguments"]  # a mapping (OpenAI's JSON text, decoded) or text
+            texts += [
+                call["function"]["name"],
+                arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+            ]
         for text in texts:
             _refuse_special_text(index, text, extra)
     return _render_jinja(template, list(messages), tools)

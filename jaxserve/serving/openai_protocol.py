@@ -23,6 +23,7 @@ does not compute.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -145,8 +146,10 @@ class ChatMessage(_Strict):
         return text
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as `transformers`' `apply_chat_template` hands it to a template that renders tools: OpenAI's
-        fields as sent (developer turns as system ones), the content's text parts joined."""
+        """The message as a template that renders tools takes it (`transformers`' chat format): OpenAI's fields
+        (developer turns as system ones, the content's text parts joined), an earlier call's arguments as the
+        mapping they encode (OpenAI sends JSON text; such templates write `arguments | tojson`, as vLLM hands
+        them)."""
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
         out["content"] = None if self.content is None else (
             self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -154,7 +157,10 @@ class ChatMessage(_Strict):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -163,6 +169,15 @@ class ChatMessage(_Strict):
     def template_role(self) -> str:
         """The role the template renders: a tool result is the user's turn in the generic format."""
         return "user" if self.role == "tool" else self.role
+
+
+def _arguments(call: AssistantToolCall) -> Any:
+    if not call.function.arguments.strip():
+        return {}
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequestError(f"tool call {call.id!r}: its arguments are not JSON", field="messages") from None
 
 
 class FunctionDefinition(_Strict):
