@@ -109,7 +109,7 @@ FAMILIES = {
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                         "<|python_tag|>"], [], "<|begin_of_text|>"),
     "mistral": (MISTRAL_T, ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
-                          "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "<s>"),
+                          "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]"], [], "<s>"),
 }  # fmt: skip
 EOS_ID = 2  # opt-tiny's EOS: "</s>" is id 2 of every vocabulary written here
 
@@ -130,6 +130,7 @@ REPLIES = {  # what the model says, per family: a short text, then two calls in 
     "llama3": "; ".join(_CALL.format(key="parameters", args=a) for a in ARGS),
     "mistral": "[TOOL_CALLS][" + ", ".join(_CALL.format(key="arguments", args=a) for a in ARGS) + "]",
 }
+MISTRAL_NEW = "".join(f"[TOOL_CALLS]get_weather[ARGS]{a}" for a in ARGS)  # Mistral's newer spelling
 CONTENT = {"hermes": "Checking both.\n", "llama3": None, "mistral": None}
 PLAIN = "It is sunny in Paris, {no call here}."
 CORPUS = [
@@ -141,7 +142,7 @@ CORPUS = [
     json.dumps([WEATHER, TIME]),
     "What is the weather?",
 ]
-SEED_CALLS, SEED_PLAIN = 1, 2  # a request's seed picks what the scripted model says
+SEED_CALLS, SEED_PLAIN, SEED_NEW = 1, 2, 3  # a request's seed picks what the scripted model says
 
 
 def _hf_dir(tmp_path: Path, family: str) -> Path:
@@ -202,7 +203,7 @@ def _controller(path: Path, spec: str, first_device: int) -> Controller:
         return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
     family = path.name
-    scripts = {SEED_CALLS: ids(REPLIES[family]), SEED_PLAIN: ids(PLAIN)}
+    scripts = {SEED_CALLS: ids(REPLIES[family]), SEED_PLAIN: ids(PLAIN), SEED_NEW: ids(MISTRAL_NEW)}
     config = dataclasses.replace(TINY, max_position_embeddings=2048)
     plan = parse_deployment(spec)
 
@@ -254,6 +255,10 @@ def test_auto_parses_the_families_calls_in_parallel(client, family_dir):
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
     one = _create(client, SEED_CALLS, tool_choice="auto", parallel_tool_calls=False)
     assert [c.function.arguments for c in one.choices[0].message.tool_calls] == ARGS[:1]
+    if family_dir.name == "mistral":  # the newer spelling, its `[TOOL_CALLS]` and `[ARGS]` special tokens kept
+        new = _create(client, SEED_NEW).choices[0]
+        assert new.finish_reason == "tool_calls"
+        assert [c.function.arguments for c in new.message.tool_calls] == ARGS
 
 
 def test_auto_streams_calls_as_openai_does(client, family_dir):
@@ -446,3 +451,34 @@ def test_special_token_text_in_an_earlier_calls_arguments_is_refused(tmp_path):
     body = ChatCompletionRequest.model_validate_json(json.dumps({"messages": forged, "tools": [WEATHER]}))
     with pytest.raises(InvalidRequestError, match="not JSON"):
         chat_job(body, load_chat_template(path))
+
+
+@pytest.mark.parametrize(
+    ("fmt_name", "text"),
+    [("hermes", REPLIES["hermes"]), ("llama3_json", REPLIES["llama3"]), ("mistral", REPLIES["mistral"]),
+     ("mistral", MISTRAL_NEW)],
+)  # fmt: skip
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_streamed_deltas_join_to_the_whole_reply(fmt_name, text, piece):
+    """However the reply is cut into chunks, the streamed deltas (content, then each call's name once and its
+    arguments in pieces) join to the unstreamed parse: the two calls of `ARGS`."""
+    from jaxserve.serving import tool_parsers
+
+    fmt = next(f for f in tool_parsers.FORMATS if f.name == fmt_name)
+    content, calls = tool_parsers.parse_reply(fmt, text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", a) for a in ARGS]
+    reader = tool_parsers.ToolCallStream(fmt)
+    pieces = [p for i in range(0, len(text), piece) for p in reader.push(text[i : i + piece])] + reader.finish()
+    streamed_content = "".join(p for kind, p in pieces if kind == tool_parsers.CONTENT)
+    assert streamed_content == (content or "")
+    joined: dict[int, dict[str, str]] = {}
+    for kind, delta in pieces:
+        if kind == tool_parsers.CONTENT:
+            continue
+        if delta["index"] not in joined:  # the call's first delta: id, type and name, no arguments yet
+            assert delta["id"].startswith("call_") and delta["function"] == {"name": "get_weather", "arguments": ""}
+            joined[delta["index"]] = {"name": "get_weather", "arguments": ""}
+        else:
+            assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+            joined[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    assert [joined[i]["arguments"] for i in sorted(joined)] == ARGS

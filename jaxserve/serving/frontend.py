@@ -346,12 +346,12 @@ async def merge_streams(
 
 def marker_tokens(tokenizer: TextTokenizer | None, template: JinjaChatTemplate | None) -> dict[int, str]:
     """The tool-call markers of the template's format that are special tokens of the vocabulary (Mistral's
-    `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`): the detokenizer writes them, so the tool parser can see them."""
+    `[TOOL_CALLS]` and `[ARGS]`, Llama 3's `<|python_tag|>`): the detokenizer writes them, so the tool parser can see them."""
     fmt = None if template is None else detect_format(template.template)
     token_to_id = getattr(tokenizer, "token_to_id", None)
     if fmt is None or token_to_id is None:
         return {}
-    ids = {marker: token_to_id(marker) for marker in fmt.markers}
+    ids = {text: token_to_id(text) for text in fmt.texts}
     return {int(i): marker for marker, i in ids.items() if i is not None}
 
 

@@ -6,7 +6,8 @@ source for it:
 
 * **Hermes / Qwen** (`<tool_call>` in the template): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   one block per call (parallel calls: several blocks);
-* **Mistral** (`[TOOL_CALLS]`): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (parallel: the array);
+* **Mistral** (`[TOOL_CALLS]`): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (parallel: the array),
+  or the newer spelling `[TOOL_CALLS]name[ARGS]{...}` (parallel: one after another);
 * **Llama 3 JSON** (the template tells the model to answer `{"name": function name, "parameters": ...}`, or
   has `<|python_tag|>`): the reply *is* a call, `{"name": ..., "parameters": {...}}`, several joined by `;`.
 
@@ -31,16 +32,23 @@ CONTENT = "content"
 
 @dataclasses.dataclass(frozen=True)
 class ToolFormat:
-    """A template's tool-call format: the texts that open the calls (any of them), and whether a reply that
-    *starts* with a JSON object is a call (Llama 3's bare JSON)."""
+    """A template's tool-call format: the texts that open the calls (any of them), whether a reply that *starts*
+    with a JSON object is a call (Llama 3's bare JSON), and the text that separates a call's name from its
+    arguments object where the name is written bare before it (Mistral's newer `name[ARGS]{...}`)."""
 
     name: str  # "hermes", "mistral", "llama3_json"
     markers: tuple[str, ...]
     bare_json: bool = False
+    args_marker: str | None = None
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """Every text of the format's syntax (the detokenizer keeps those that are special tokens)."""
+        return (*self.markers, *(() if self.args_marker is None else (self.args_marker,)))
 
 
 HERMES = ToolFormat("hermes", ("<tool_call>",))
-MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]",))
+MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]",), args_marker="[ARGS]")
 LLAMA3_JSON = ToolFormat("llama3_json", ("<|python_tag|>",), bare_json=True)
 FORMATS = (HERMES, MISTRAL, LLAMA3_JSON)
 
@@ -72,8 +80,9 @@ class _Call:
 
     index: int
     text: str = ""
-    name: str | None = None  # once read (the name is the object's first key)
+    name: str | None = None  # once read (the name is the object's first key, or came before `[ARGS]`)
     args_at: int | None = None  # where the arguments' value starts in `text`
+    bare_args: bool = False  # the object *is* the arguments (`name[ARGS]{...}`)
     args_sent: int = 0  # characters of the arguments value sent
     args_done: bool = False  # the value closed: what follows it in the object is not the arguments'
     id: str = dataclasses.field(default_factory=_new_id)
@@ -99,6 +108,8 @@ class ToolCallStream:
         self._in_string = False
         self._escaped = False
         self._call: _Call | None = None
+        self._between = ""  # text between calls, while it may name the next one (`name[ARGS]`)
+        self._named: str | None = None  # the name read before `[ARGS]`, for the object that follows
         self.calls: list[dict[str, Any]] = []  # the finished calls, as OpenAI's `tool_calls` entries
 
     def push(self, text: str) -> list[tuple[str, Any]]:
@@ -158,8 +169,14 @@ class ToolCallStream:
             call = self._call
             if call is None:
                 if ch == "{":
-                    self._call = _Call(len(self.calls), "{")
-                    self._depth = 1
+                    self._open_call(out)
+                elif self.fmt.args_marker is not None:
+                    self._between += ch
+                    if self._between.endswith(self.fmt.args_marker):
+                        named = self._between[: -len(self.fmt.args_marker)]
+                        for marker in self.fmt.markers:
+                            named = named.replace(marker, "")
+                        self._named, self._between = named.strip(" \n,"), ""
                 continue  # punctuation between calls
             call.text += ch
             if self._in_string:
@@ -180,7 +197,19 @@ class ToolCallStream:
                     continue
             self._progress(call, out)
 
+    def _open_call(self, out: list[tuple[str, Any]]) -> None:
+        call = _Call(len(self.calls), "{")
+        self._call, self._depth, self._between = call, 1, ""
+        if self._named is not None:  # `name[ARGS]{`: the object is the arguments, the name is known
+            call.name, call.args_at, call.bare_args, self._named = self._named, 0, True, None
+            out.append(("tool_call", self._opening(call)))
+            self._progress(call, out)
+
     def _progress(self, call: _Call, out: list[tuple[str, Any]]) -> None:
+        if call.bare_args:  # every character of the object is the arguments'
+            out.append(("tool_call", {"index": call.index, "function": {"arguments": call.text[call.args_sent :]}}))
+            call.args_sent = len(call.text)
+            return
         if call.args_at is None:
             m = _NAME_FIRST.match(call.text)
             if m is None or not m.group(2):
@@ -211,6 +240,13 @@ class ToolCallStream:
             value = json.loads(call.text)
         except ValueError:
             value = None
+        if call.bare_args and call.name is not None:
+            if len(call.text) > call.args_sent:
+                out.append(("tool_call", {"index": call.index, "function": {"arguments": call.text[call.args_sent :]}}))
+            self.calls.append(
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.text}}
+            )
+            return
         args_key = next((k for k in ("arguments", "parameters") if isinstance(value, dict) and k in value), None)
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or args_key is None:
             if call.name is None:  # not a call after all: its text is content
