@@ -94,6 +94,8 @@ from models.config import ModelConfig
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from jaxserve.runtime.guided import GuidedLimits
+
 log = logging.getLogger(__name__)
 
 EngineKind = Literal["model", "fake"]  # the real engine (any family), or the hand-computable one
@@ -294,6 +296,21 @@ class _ActorBase:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def set_guided(self, tokenizer_json: str, eos_token_ids: tuple[int, ...], limits: GuidedLimits) -> bool:
+        """Give this process's engine the masks of guided requests: a `GuidedDecoder` of its own, built from the
+        controller's tokenizer (a matcher is replayed from each row's tokens, so nothing else travels). False if the
+        engine cannot mask its logits."""
+        if not hasattr(self.engine, "guided"):
+            return False
+        import tokenizers
+
+        from jaxserve.runtime.guided import GuidedDecoder
+
+        tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+        vocab = self.engine.model_config.vocab_size
+        self.engine.guided = GuidedDecoder(tokenizer, vocab, eos_token_ids, limits)  # type: ignore[attr-defined]
+        return True
 
     def num_compiles(self) -> int:
         """XLA compilations in this process so far (a restarted actor counts from 0)."""
