@@ -91,6 +91,27 @@ def test_back_to_back_steps_hide_the_host_time_between_them() -> None:
     assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
 
 
+def test_a_step_that_continues_the_last_one_starts_at_its_end_however_late_the_host() -> None:
+    """Rows the previous step ran were ready when the device freed: a host late by more than the slack (this
+    machine's sleep wakes up to 17 ms late under load) must not push the step, up to the previous step's
+    length (the host prepares a step while the device runs the one before). New rows get the slack alone."""
+    engine, clock = _engine("colocated", slack=0.005)
+    pages = engine.init_pages(8, 16)
+    ab = StepBatch((_row("a", 1, 99, False), _row("b", 1, 9, False)))
+    engine.decode_step(ab, pages)
+    step = clock.slept[-1]
+    assert step > 0.020
+    clock.now += 0.020  # woke 20 ms late: beyond the slack, within the step's length
+    engine.decode_step(ab, pages)
+    assert clock.slept[-1] == pytest.approx(step - 0.020, rel=1e-9)
+    clock.now += 0.020  # the same lateness, but a batch of new rows only: the step starts at the call
+    engine.decode_step(StepBatch((_row("c", 1, 99, False), _row("d", 1, 9, False))), pages)
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+    clock.now += step + 0.001  # later than a whole step: a real device would have idled too
+    engine.decode_step(StepBatch((_row("c", 1, 99, False), _row("d", 1, 9, False))), pages)
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+
+
 def test_tokens_are_seeded_and_never_special() -> None:
     assert random_token(3, 5, 100) == random_token(3, 5, 100) != random_token(4, 5, 100)
     assert min(random_token(s, i, 10) for s in range(50) for i in range(20)) >= MIN_TOKEN
