@@ -248,7 +248,12 @@ def main() -> None:
             key = f"{name} {spec}"
             ours[key] = (name, spec, rate, search)
             public_cases[key] = public_case(
-                spec, search, rate or 0.1, args.nominal_outputs, args.public_decode_context_cap
+                spec,
+                search,
+                rate or 0.1,
+                args.nominal_outputs,
+                args.public_decode_context_cap,
+                args.public_route_by_tokens,
             )
             print(f"ours  {key}: {rate:.4f} rps", flush=True)
     ours_s = time.perf_counter() - start
