@@ -20,10 +20,11 @@ formulas (`placement.step_time.ModelStepCost`, bound by `jaxserve.tools.timed_en
   the pull's start, overlapping decode steps.
 
 The sleep is a deadline from the call's start, so the Python around the (empty) computation is hidden; a
-sleeping device does not compete for the host's cores, as an accelerator would not. A step whose rows the
-previous step already ran starts at that step's end even when the host comes late, by up to that step's
-length: its work was known when the device freed, and the modelled host prepares a step while the device
-runs the one before (asynchronous dispatch), as the simulator assumes. This host's lateness is not the
+sleeping device does not compete for the host's cores, as an accelerator would not. A decode / mixed step
+that follows one which left rows running starts at that step's end even when the host comes late, by up to
+that step's length: the instance had work when the device freed (those rows, or a prompt a colocated
+instance runs first), and the modelled host prepares a step while the device runs the one before
+(asynchronous dispatch), as the simulator assumes. This host's lateness is not the
 modelled system's: on this shared 2-core machine a 50 ms sleep wakes 2 ms late at the median, 9 ms at
 P90 and 17 ms at worst under load (load average 11), and a lateness of a tenth of a step, paid every step,
 was TPOT's error (docs/simulator-fidelity.md). Other calls (new work, a device idle in between) are
@@ -106,7 +107,7 @@ class TimedEngine(Engine):
         self.host_slack_s = host_slack_s
         self._device_free_at: float | None = None
         self._last_step_s = 0.0  # the length of the decode / mixed step that ends at `_device_free_at`
-        self._last_rows: frozenset[str] = frozenset()  # the request ids that step ran
+        self._rows_left = False  # whether that step left rows running (work waiting when the device freed)
         self._stage_free_at = [-math.inf] * pp  # prefill: when each stage finishes its last batch
         self._grid = grid
         self.meshes, self._stage_layers = grid.meshes, grid.stage_layers
@@ -127,8 +128,8 @@ class TimedEngine(Engine):
         """Sleep until the step's end. Back-to-back steps run back to back on the device: a call that comes
         within `host_slack_s` of the previous step's end starts at that end (the host prepared it while the
         device ran the previous step — asynchronous dispatch, as a fast real system has); a step that
-        `continues` the previous one's rows, within that step's length (the host had the whole step to
-        prepare it)."""
+        `continues` (the previous one left rows running), within that step's length (the host had the whole
+        step to prepare it)."""
         self.charged_s.append((kind, seconds))
         allowance = max(self.host_slack_s, self._last_step_s if continues else 0.0)
         if self._device_free_at is not None and started - self._device_free_at <= allowance:
@@ -139,12 +140,11 @@ class TimedEngine(Engine):
         if left > 0:
             self._sleep(left)
 
-    def _step(self, kind: str, started: float, seconds: float, batch: StepBatch) -> None:
-        """`_wait` for a decode / mixed step, which continues the previous step when it runs any of its rows."""
-        rows = frozenset(row.request_id for row in batch.rows)
-        continues = not rows.isdisjoint(self._last_rows)
-        self._wait(kind, started, seconds, continues)
-        self._last_step_s, self._last_rows = seconds, rows
+    def _step(self, kind: str, started: float, seconds: float, rows_left: bool) -> None:
+        """`_wait` for a decode / mixed step, which continues the previous one when that left rows running;
+        `rows_left`: whether this one does (a prompt chunk, or a row its token does not finish)."""
+        self._wait(kind, started, seconds, self._rows_left)
+        self._last_step_s, self._rows_left = seconds, rows_left
 
     def prefill(self, items: Sequence[PrefillItem]) -> PrefillResult:
         return self.prefill_async(items).result()
@@ -214,7 +214,12 @@ class TimedEngine(Engine):
                 decode_ctx += row.start_position + 1  # the new token attends over its cache and itself
         tokens = [random_token(row.seed, row.sample_index, self._config.vocab_size) for row in batch.rows]
         seconds = self.cost.mixed_s(chunks, priors, decode_batch, float(decode_ctx))
-        self._step("mixed" if chunks else "decode", started, seconds, batch)
+        eos = self._config.eos_token_ids
+        rows_left = any(
+            row.is_prompt or finish_reason(row.sampling, token, row.sample_index + 1, eos) is None
+            for row, token in zip(batch.rows, tokens, strict=True)
+        )
+        self._step("mixed" if chunks else "decode", started, seconds, rows_left)
         return tokens, pages
 
     def decode_steps(self, batch: StepBatch, pages: KVPages, num_steps: int) -> tuple[list[list[int]], KVPages]:
@@ -236,7 +241,7 @@ class TimedEngine(Engine):
                 for i in live
                 if finish_reason(rows[i].sampling, out[i][-1], rows[i].sample_index + len(out[i]), eos) is None
             ]
-        self._step("decode", started, seconds, batch)
+        self._step("decode", started, seconds, bool(live))
         return out, pages
 
 
