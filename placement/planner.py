@@ -28,6 +28,7 @@ from placement.candidates import (
     plan_job,
 )
 from placement.latency import kv_capacity_tokens
+from placement.precision import describe
 from placement.search import (
     algorithm1,
     algorithm1_jobs,
@@ -86,8 +87,8 @@ class PlanReport:
         mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
         wins = sum(x > y for x, y in zip(a, b, strict=True))
         return (
-            f"{self.plan.describe()} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
-            f"{self.runner_up.describe()} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
+            f"{describe(self.plan)} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
+            f"{describe(self.runner_up)} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
             f"lead {100 * (mean_a / mean_b - 1) if mean_b > 0 else float('inf'):+.1f} %, ahead on {wins} of {len(a)}"
         )
 
@@ -106,7 +107,7 @@ def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
     limits = opts.served_limits(token_cap=min(caps), decode_batch=decode_batch)
     if limits.num_kv_blocks is None:
         blocks = min(
-            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // limits.block_size
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp, i.quantization) // limits.block_size
             for i in plan.instances
             if i.role != "prefill"
         )

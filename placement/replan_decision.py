@@ -130,9 +130,14 @@ class CorrectedLatency(LatencyProvider):
     decode_factor: float = 1.0
 
     def instance(
-        self, engine: DeploymentKind, tp: int, pp: int, stage_link_bandwidth: float | None = None
+        self,
+        engine: DeploymentKind,
+        tp: int,
+        pp: int,
+        stage_link_bandwidth: float | None = None,
+        quantization: str | None = None,
     ) -> StageLatency:
-        base = super().instance(engine, tp, pp, stage_link_bandwidth)
+        base = super().instance(engine, tp, pp, stage_link_bandwidth, quantization)
         if self.prefill_factor == 1.0 and self.decode_factor == 1.0:
             return base
         return ScaledStage(base, self.prefill_factor, self.decode_factor)
