@@ -67,7 +67,7 @@ class GoodputSearch:
         tpot = np.full(len(w), np.inf)
         for inst in self.plan.instances:
             model = self.latency.instance(engine, inst.tp, inst.pp, quantization=inst.quantization)
-            overhead = self.latency.step_overhead(engine, inst.tp)
+            overhead = self.latency.step_overhead(engine, inst.tp, inst.quantization)
             if inst.role == "prefill":
                 ttft = np.minimum(ttft, [prefill_step_s(model, overhead, [int(n)]) for n in w.input_lens])
             elif inst.role == "colocated":  # a prompt step of the whole prompt, no decodes riding along
@@ -101,7 +101,7 @@ class GoodputSearch:
         prefill_rate = decode_rate = coloc_rate = 0.0
         for inst in self.plan.instances:
             model = self.latency.instance(engine, inst.tp, inst.pp, quantization=inst.quantization)
-            overhead = self.latency.step_overhead(engine, inst.tp)
+            overhead = self.latency.step_overhead(engine, inst.tp, inst.quantization)
             budget = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
             cap = opts.token_cap(self.latency.profile_token_cap(engine, inst.tp))
             capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step

@@ -71,6 +71,12 @@ JSON, one object::
 (colocated continuous-batching engine) or `any`. A lookup for (engine, model, tp) takes the exact engine
 first, then `any`. Missing (model, tp) pairs are simply unsupported by that profile.
 
+Precision. An entry is at the checkpoint's own precision unless it says `"quantization": "int8"` (one of
+`jaxserve.core.plan.QUANTIZATIONS`): then it was fitted with the weights at that precision and sits beside the
+checkpoint's entry of the same (engine, model, tp). An instance at a precision the profile has no entry for is
+the checkpoint's entry times the roofline's ratio for each step (`placement.precision.RooflineRatio`); without a
+profile the roofline itself takes the precision's weight bytes and matmul rate (`AppendixModel.gemm_*`).
+
 Memory model: `weight_bytes_per_device`, `kv_bytes_per_token_per_device` and `kv_capacity_tokens`
 (the KV slots an instance holds after its weights, with `DeviceSpec.usable_memory_fraction` of memory
 usable; K/V bytes count the K/V heads a device stores: `kv_heads/tp` when they split, all when replicated). With the default 0.925 it gives OPT-13B on A100-80GB 65,614 tokens at tp1 (artifact: 66,144,
@@ -445,14 +451,16 @@ class Profile:
     quantized: dict[tuple[str, str, int, str], FoldedCoefficients | AppendixCoefficients] = dataclasses.field(
         default_factory=dict
     )
+    quantized_padding: dict[tuple[str, str, int, str], EnginePadding] = dataclasses.field(default_factory=dict)
 
     def lookup_quantized(
         self, engine: DeploymentKind, model: str, tp: int, quantization: str
-    ) -> FoldedCoefficients | AppendixCoefficients | None:
-        """The coefficients fitted at `quantization` (exact engine first, then `any`); None: none fitted."""
+    ) -> tuple[FoldedCoefficients | AppendixCoefficients, EnginePadding | None] | None:
+        """The coefficients fitted at `quantization` (exact engine first, then `any`) and the engine padding they
+        were fitted in; None: none fitted."""
         for key in ((engine, model, tp, quantization), ("any", model, tp, quantization)):
             if key in self.quantized:
-                return self.quantized[key]
+                return self.quantized[key], self.quantized_padding.get(key)
         return None
 
     def max_decode_batch(self, engine: DeploymentKind) -> int | None:
@@ -486,6 +494,7 @@ class Profile:
         appendix: dict[tuple[str, str, int], AppendixCoefficients] = {}
         padding: dict[tuple[str, str, int], EnginePadding] = {}
         quantized: dict[tuple[str, str, int, str], FoldedCoefficients | AppendixCoefficients] = {}
+        quantized_padding: dict[tuple[str, str, int, str], EnginePadding] = {}
         for i, entry in enumerate(raw["entries"]):
             try:
                 engine = str(entry.get("engine", "any"))
@@ -545,22 +554,16 @@ class Profile:
                         raise ProfileError(
                             f"entry {i}: unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}"
                         )
-                    if entry.get("engine_padding") is not None:
-                        raise ProfileError(f"entry {i}: engine_padding is for entries at the checkpoint's precision")
                     quantized[(*key, quantization)] = coeffs
+                    if entry.get("engine_padding") is not None:
+                        quantized_padding[(*key, quantization)] = _engine_padding(i, entry["engine_padding"])
                     continue
                 if isinstance(coeffs, FoldedCoefficients):
                     folded[key] = coeffs
                 else:
                     appendix[key] = coeffs
                 if entry.get("engine_padding") is not None:
-                    pad = entry["engine_padding"]
-                    known = {f.name for f in dataclasses.fields(EnginePadding)}
-                    if not isinstance(pad, dict) or set(pad) - known:
-                        raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
-                    bools = {f.name for f in dataclasses.fields(EnginePadding) if f.type in ("bool", bool)}
-                    values: dict[str, Any] = {k: bool(v) if k in bools else int(v) for k, v in pad.items()}
-                    padding[key] = EnginePadding(**values)
+                    padding[key] = _engine_padding(i, entry["engine_padding"])
             except (KeyError, TypeError, ValueError) as e:
                 if isinstance(e, ProfileError):
                     raise
@@ -575,7 +578,17 @@ class Profile:
             decode_batch=decode_batch,
             limits_source=limits_source,
             quantized=quantized,
+            quantized_padding=quantized_padding,
         )
+
+
+def _engine_padding(i: int, pad: object) -> EnginePadding:
+    known = {f.name for f in dataclasses.fields(EnginePadding)}
+    if not isinstance(pad, dict) or set(pad) - known:
+        raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
+    bools = {f.name for f in dataclasses.fields(EnginePadding) if f.type in ("bool", bool)}
+    values: dict[str, Any] = {k: bool(v) if k in bools else int(v) for k, v in pad.items()}
+    return EnginePadding(**values)
 
 
 def _engine_limits(raw: object) -> tuple[dict[str, int], str | None]:
@@ -671,7 +684,8 @@ class LatencyProvider:
         if quantization is not None:
             fitted = self.profile.lookup_quantized(engine, self.model_name, tp, quantization)
             if fitted is not None:
-                return self._from_coeffs(fitted, tp, pp, link, stage_link)
+                model = self._from_coeffs(fitted[0], tp, pp, link, stage_link)
+                return model if fitted[1] is None else PaddedModel(model, fitted[1])
             return RooflineRatio(
                 self.instance(engine, tp, pp, stage_link_bandwidth),
                 self._roofline(tp, pp, link, stage_link, quantization),
@@ -737,10 +751,12 @@ class LatencyProvider:
                 return coeffs.max_batch_tokens
         return None
 
-    def step_overhead(self, engine: DeploymentKind, tp: int) -> StepOverhead:
-        """Host time per step (the profile's `step_overhead`; none without one)."""
+    def step_overhead(self, engine: DeploymentKind, tp: int, quantization: str | None = None) -> StepOverhead:
+        """Host time per step (the profile's `step_overhead`; none without one): the entry fitted at `quantization`
+        where the profile has one, else the checkpoint precision's (host work does not depend on the weights)."""
         if self.profile is not None:
-            coeffs = self.profile.lookup(engine, self.model_name, tp)
+            fitted = self.profile.lookup_quantized(engine, self.model_name, tp, quantization) if quantization else None
+            coeffs = fitted[0] if fitted is not None else self.profile.lookup(engine, self.model_name, tp)
             if coeffs is not None and coeffs.overhead is not None:
                 return coeffs.overhead
         return NO_OVERHEAD

@@ -162,7 +162,7 @@ class Simulator:
                     model=latency.instance(
                         "colocated", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
                     ),
-                    overhead=latency.step_overhead("colocated", i.tp),
+                    overhead=latency.step_overhead("colocated", i.tp, i.quantization),
                     free_blocks=self._kv_blocks(i),
                     chunk_size=i.chunk_size,
                     max_batch_tokens=self._token_cap("colocated", i.tp),
@@ -178,7 +178,7 @@ class Simulator:
                     model=latency.instance(
                         "disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
                     ),
-                    overhead=latency.step_overhead("disagg", i.tp),
+                    overhead=latency.step_overhead("disagg", i.tp, i.quantization),
                     max_batch_tokens=self._token_cap("disagg", i.tp),
                     capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp, i.quantization),
                     nodes=instance_nodes(i, cluster),
@@ -191,7 +191,7 @@ class Simulator:
                     model=latency.instance(
                         "disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
                     ),
-                    overhead=latency.step_overhead("disagg", i.tp),
+                    overhead=latency.step_overhead("disagg", i.tp, i.quantization),
                     free_blocks=self._kv_blocks(i),
                     nodes=instance_nodes(i, cluster),
                 )

@@ -172,3 +172,41 @@ def test_bad_precisions_exit_2_with_one_line(value: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error" in err
+
+
+def test_jaxserve_profile_entries_per_precision_reach_the_planner() -> None:
+    """`profile_entry(..., quantization=)` writes an entry the planner takes for instances at that precision:
+    samples of an engine whose weight reads cost half (an int8 engine) fit to its own C4."""
+    from placement.latency import AppendixCoefficients, AppendixModel, LatencyProvider
+    from placement.profile_fit import DecodeSample, PrefillSample, profile_entry
+    from placement.step_time import decode_step_s
+
+    cfg = get_model_config("opt-125m", "float16")
+    full = AppendixCoefficients(C1=2.0e-11, C2=3.0e-10, C3=1.5e-3, C4=4.0e-10, C5=6.0e-10, C6=8.0e-4)
+    int8 = AppendixCoefficients(C1=2.0e-11, C2=3.0e-10, C3=1.5e-3, C4=2.0e-10, C5=6.0e-10, C6=8.0e-4)
+
+    def samples(coeffs: AppendixCoefficients) -> tuple[list[PrefillSample], list[DecodeSample]]:
+        m = AppendixModel(cfg, coeffs, tp=1, pp=1, link_bandwidth=10e9, stage_link_bandwidth=10e9)
+        pre = [
+            PrefillSample((n,) * b, m.prefill_stage_s(b * n, b * n * n, b)) for b in (1, 2, 4) for n in (16, 64, 256)
+        ]
+        dec = [DecodeSample(b, b * c, m.decode_stage_s(b, b * c)) for b in (1, 2, 4, 8, 16, 32) for c in (16, 160, 320)]
+        return pre, dec
+
+    entries = [
+        profile_entry(cfg, 1, "disagg", *samples(full)),
+        profile_entry(cfg, 1, "disagg", *samples(int8), quantization="int8"),
+    ]
+    assert entries[1]["quantization"] == "int8" and "quantization" not in entries[0]
+    profile = Profile.from_dict({"name": "measured", "entries": entries})
+    latency = LatencyProvider(cfg, get_device("cpu"), profile)
+    fitted = latency.instance("disagg", 1, 1, quantization="int8")
+    assert not isinstance(fitted, RooflineRatio)
+    truth = AppendixModel(cfg, int8, tp=1, pp=1, link_bandwidth=10e9, stage_link_bandwidth=10e9)
+    overhead = latency.step_overhead("disagg", 1, "int8")
+    assert decode_step_s(fitted, overhead, 2, 200.0) == pytest.approx(truth.decode_stage_s(2, 200.0), rel=1e-3)
+    checkpoint = latency.instance("disagg", 1, 1)
+    assert decode_step_s(checkpoint, latency.step_overhead("disagg", 1), 2, 200.0) > 1.3 * truth.decode_stage_s(
+        2, 200.0
+    )
+    assert latency.precision_source("disagg", 1, "int8") == "profile measured, fitted at int8"

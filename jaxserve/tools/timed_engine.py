@@ -35,7 +35,7 @@ def timed_engine_factory(
         return TimedEngine(
             config,
             devices,
-            ModelStepCost(model, latency.step_overhead(kind, spec.tp)),
+            ModelStepCost(model, latency.step_overhead(kind, spec.tp, spec.quantization)),
             tp=spec.tp,
             pp=spec.pp,
             link=LinkCost(
