@@ -210,3 +210,18 @@ def test_jaxserve_profile_entries_per_precision_reach_the_planner() -> None:
         2, 200.0
     )
     assert latency.precision_source("disagg", 1, "int8") == "profile measured, fitted at int8"
+
+
+def test_simulate_refuses_a_plan_file_precision_the_device_lacks(capsys, tmp_path) -> None:
+    plan = {"kind": "disagg", "instances": [{"role": "prefill", "quantization": "fp8"}, {"role": "decode"}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    argv = ["simulate", "--model", "opt-13b", "--deployment", str(path), "--rate", "1", "--num-requests", "20"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "jaxserve simulate: error: prefill instance: fp8 needs fp8 matmul units (h100-80gb, h200); a100-80gb has none"
+    )
+    # on an H100 the same file simulates, each instance at its precision
+    assert main([*argv, "--device", "h100-80gb", "--json"]) == 0
