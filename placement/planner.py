@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar
 
 from jaxserve.core.limits import ServingLimits
-from jaxserve.core.plan import DeploymentPlan, PlanError
+from jaxserve.core.plan import DeploymentPlan, PlanError, Role
 from placement.candidates import (
     Candidate,
     Evaluated,
@@ -40,6 +40,7 @@ from placement.search import (
     colocated_jobs,
     colocated_search,
     evaluate_all,
+    phase_candidate,
     ratio_search,
     replicate_colocated,
 )
@@ -281,7 +282,66 @@ def _search(ctx: SearchContext, how: _How) -> _Searched:
             found.failures.append(f"colocated: {e}")
     if found.disagg_plan is not None and how.disagg_high and how.verify:
         found.joint = evaluated[("disagg", found.disagg_plan.instances)].goodput_rps
+        _best_joint_precisions(ctx, found)
     return found
+
+
+# Algorithm 1 gives each phase the precision that serves most alone; at the chosen shapes, the precisions within
+# this share of it are also simulated jointly (prefill bursts make decode batches larger than a decode instance
+# alone sees, and larger batches favour a faster matmul over fewer bytes: the best pair alone is not always the
+# best pair together).
+JOINT_PRECISION_MARGIN = 0.10
+
+
+def precision_variants(ctx: SearchContext, plan: DeploymentPlan, evaluated: Evaluated) -> list[DeploymentPlan]:
+    """`plan` (Algorithm 1's: one shape per role) with each role's precision replaced by those whose phase alone
+    at that shape serves within `JOINT_PRECISION_MARGIN` of the plan's own; the plan itself first."""
+    choices: dict[str, list[str | None]] = {}
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    for role in roles:
+        inst = plan.of_role(role)[0]
+        own = phase_candidate(ctx, evaluated, role, inst.tp, inst.pp, inst.quantization)
+        floor = (1 - JOINT_PRECISION_MARGIN) * own.goodput_rps if own is not None else float("inf")
+        near = [inst.quantization]
+        for q in ctx.precisions:
+            cand = phase_candidate(ctx, evaluated, role, inst.tp, inst.pp, q)
+            if q != inst.quantization and cand is not None and cand.goodput_rps > 0 and cand.goodput_rps >= floor:
+                near.append(q)
+        choices[role] = near
+    return [
+        dataclasses.replace(
+            plan,
+            instances=tuple(
+                dataclasses.replace(i, quantization=q_p if i.role == "prefill" else q_d) for i in plan.instances
+            ),
+        )
+        for q_p in choices["prefill"]
+        for q_d in choices["decode"]
+    ]
+
+
+def _best_joint_precisions(ctx: SearchContext, found: _Searched) -> None:
+    """Take the precision pair of `precision_variants` that serves most jointly (ties keep Algorithm 1's)."""
+    assert found.disagg is not None and found.disagg_plan is not None and found.joint is not None
+    best, best_rps = found.disagg_plan, found.joint
+    for variant in precision_variants(ctx, found.disagg_plan, found.evaluated)[1:]:
+        rps = found.evaluated[("disagg", variant.instances)].goodput_rps
+        if rps > best_rps * (1 + 1e-9):
+            best, best_rps = variant, rps
+    if best is found.disagg_plan:
+        return
+    before = describe(found.disagg_plan)
+    q = {i.role: i.quantization for i in best.instances}
+    unplaced = dataclasses.replace(
+        found.disagg.plan,
+        instances=tuple(dataclasses.replace(i, quantization=q[i.role]) for i in found.disagg.plan.instances),
+    )
+    reason = (
+        f"{found.disagg.reason}; jointly {describe(best)} serves {best_rps:.3g} rps against "
+        f"{found.joint:.3g} for {before} (the phases' precisions alone)"
+    )
+    found.disagg = dataclasses.replace(found.disagg, plan=unplaced, reason=reason)
+    found.disagg_plan, found.joint = best, best_rps
 
 
 _T = TypeVar("_T")
@@ -312,8 +372,9 @@ def _second_jobs(
             second += pairs
             prunable = _competing(pairs)
     if disagg_plan is not None and how.disagg_high and how.verify:
-        # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
-        second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
+        # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs (at the precisions
+        # near its phases' own too): the longest jobs of the map (cold searches), first
+        second[:0] = [plan_job(ctx, p) for p in precision_variants(ctx, disagg_plan, evaluated)]
     return second, prunable
 
 

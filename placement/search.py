@@ -221,6 +221,13 @@ def _phase_plan(ctx: SearchContext, tp: int, pp: int, quantization: str | None =
     )
 
 
+def phase_candidate(
+    ctx: SearchContext, evaluated: Evaluated, role: str, tp: int, pp: int, quantization: str | None
+) -> Candidate | None:
+    """The candidate of one phase alone at (tp, pp, quantization) among `evaluated` (None: not evaluated)."""
+    return evaluated.get((role, _phase_plan(ctx, tp, pp, quantization).instances))
+
+
 def _phase_jobs(ctx: SearchContext, shapes: Iterable[Shape]) -> list[Job]:
     jobs = []
     for tp, pp, q in shapes:
