@@ -2,7 +2,8 @@
 
 `choose_plan(ctx, ...)` runs the searches a plan needs — Algorithm 1 (high node affinity) or 2 (low) for the
 disaggregated kind, the colocated search, with `kind="auto"` both and the better goodput per device — verifies
-an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone), optionally searches
+an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone; with several allowed
+precisions, also at the precisions near each phase's own: `precision_variants`), optionally searches
 the prefill:decode ratio, and returns the placed `DeploymentPlan` (model, expected metrics and the serving
 limits it was planned with filled in) with a `PlanReport` of how it was chosen.
 """
