@@ -269,3 +269,14 @@ def test_a_single_precision_checks_only_the_plan_itself() -> None:
     ctx = SearchContext(latency, ClusterSpec(latency.device, 1, 8), None, SloSpec(0.4, 0.04))  # type: ignore[arg-type]
     plan = DeploymentPlan((InstanceSpec("prefill", 2), InstanceSpec("decode", 1)))
     assert precision_variants(ctx, plan, {}) == [plan]
+
+
+def test_a_replan_that_changes_a_precision_reloads_those_instances() -> None:
+    from placement.replan_decision import plan_delta
+
+    current = DeploymentPlan((InstanceSpec("prefill", 2), InstanceSpec("decode", 1), InstanceSpec("decode", 1)))
+    candidate = DeploymentPlan(
+        (InstanceSpec("prefill", 2), InstanceSpec("decode", 1), InstanceSpec("decode", 1, quantization="int4"))
+    )
+    assert plan_delta(current, candidate) == (1, 1)  # one decode device reloads at int4; the rest stay
+    assert plan_delta(current, current) == (0, 0)
