@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxserve.core.plan import QUANTIZATIONS, DeploymentPlan, InstanceSpec
-from placement.hardware import DeviceSpec
+from placement.hardware import DEVICES, DeviceSpec
 from placement.stage_latency import StageLatency
 
 CHECKPOINT = "checkpoint"  # the name `--precisions` gives the checkpoint's own precision (quantization None)
@@ -58,17 +58,12 @@ def matmul_speedup(quantization: str | None, device: DeviceSpec) -> float:
 
 
 def check_supported(quantization: str | None, device: DeviceSpec) -> None:
+    """Raise PrecisionError for an unknown precision or one `device` cannot run (fp8 without fp8 units)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise PrecisionError(f"unknown precision {quantization!r}; expected {CHECKPOINT} or one of {QUANTIZATIONS}")
     if quantization == "fp8" and device.fp8_flops is None:
-        have = ", ".join(name for name, spec in _devices().items() if spec.fp8_flops is not None)
+        have = ", ".join(name for name, spec in DEVICES.items() if spec.fp8_flops is not None)
         raise PrecisionError(f"fp8 needs fp8 matmul units ({have}); {device.name} has none")
-
-
-def _devices() -> dict[str, DeviceSpec]:
-    from placement.hardware import DEVICES
-
-    return DEVICES
 
 
 def parse_precisions(text: str, device: DeviceSpec) -> tuple[str | None, ...]:
