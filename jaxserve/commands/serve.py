@@ -364,11 +364,12 @@ def run(args: argparse.Namespace) -> int:
         loop = build_replan_loop(args, controller, builder, build_s)
         for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
-                "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
+                "instance %s: role=%s tp=%d x pp=%d precision=%s devices=[%s]",
                 name,
                 spec.role,
                 spec.tp,
                 spec.pp,
+                spec.quantization or "checkpoint",  # the plan's per-phase precision (`jaxserve plan --precisions`)
                 ", ".join(str(d) for d in devices),
             )
     except (PlanError, KeyError, ValueError, OSError) as e:
