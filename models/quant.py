@@ -83,6 +83,9 @@ class QuantizedWeight:
     bits: int = static_field()  # 4 or 8
     block: int = static_field()  # input elements per scale
     shape: tuple[int, int] = static_field()  # logical [in, out]
+    # Which matmul form `quant_matmul(impl="auto")` runs for this weight: "auto" picks per backend; a weight
+    # split over a tp mesh is marked "xla" (XLA partitions its dot; the C++ custom call it cannot split).
+    impl: str = static_field(default="auto")
 
     @property
     def in_pad(self) -> int:
@@ -420,7 +423,8 @@ def quant_matmul(x: jax.Array, w: QuantizedWeight, impl: Impl = "auto") -> jax.A
         raise QuantFormatError(f"{w.scheme}: x has {x.shape[-1]} inputs, the weight {w.shape[0]}")
     lead = x.shape[:-1]
     flat = x.reshape(-1, w.shape[0]).astype(jnp.float32)  # [B, in]
-    impl = default_impl() if impl == "auto" else impl
+    if impl == "auto":
+        impl = default_impl() if w.impl == "auto" else w.impl  # type: ignore[assignment]
     if impl == "cpu_kernel":
         out = matmul_cpu_kernel(flat, w)
     elif impl == "pallas":
