@@ -95,6 +95,19 @@ def check_quantization(quantization: str | None, *, gguf: bool, platform: str | 
         )
 
 
+def check_serving_dtype(dtype: str, platform: str | None = None) -> None:
+    """One clear `QuantizationError` for 16-bit weights on the CPU backend, instead of a silent slowdown: XLA:CPU
+    has no 16-bit matmul fast path, so a bfloat16 SmolLM2-135M decode step ran 9x slower than float32 (1121 ms
+    against 120 ms, loaded machine; issue 40 saw a small benchmark not finish in 10 minutes). Fewer bytes a
+    token on the CPU come from `--quantization int8 / int4` (or a quantized GGUF) instead."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu" and str(dtype) in ("bfloat16", "float16"):
+        raise QuantizationError(
+            f"dtype {dtype} on the CPU backend: XLA:CPU has no 16-bit matmul fast path (a {dtype} decode step runs "
+            "~10x slower than float32); serve float32, or --quantization int8 / int4 for fewer bytes a token"
+        )
+
+
 def stage_weights(source: str | Path, cfg: ModelConfig, quantization: str | None) -> StageWeights | None:
     """What each stage of a model from `source` quantizes (None: nothing, the float weights are served).
 

@@ -221,3 +221,40 @@ def test_a_corrupt_scale_tensor_is_one_clear_error(tmp_path: Path) -> None:
     path.write_bytes(bytes(raw))
     with pytest.raises(QuantFormatError, match=r"blk\.1\.ffn_up\.weight.*not finite"):
         ShardedLlama.load(path, tp=1, pp=1, devices=jax.devices()[:1])
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime: each instance at its plan's precision, the live switch tells precisions apart
+# --------------------------------------------------------------------------------------------
+
+
+def test_each_instance_loads_at_its_plans_precision_else_the_default() -> None:
+    """`model_engine_factory` (what the embedded backend, `LLM` and the live switch build instances with): an
+    `InstanceSpec.quantization` wins over the deployment's `--quantization`; the state the engine's jitted steps
+    take holds the quantized weights."""
+    from jaxserve.core.plan import InstanceSpec
+    from jaxserve.runtime.engines.model import model_engine_factory
+
+    factory = model_engine_factory(str(DEFAULT_MODEL_DIR), quantization="int8")
+    schemes = []
+    for spec in (InstanceSpec("decode"), InstanceSpec("prefill", quantization="int4")):
+        engine = factory(spec, jax.devices()[:1])
+        schemes.append({w.scheme for w in _kernels(engine.model)})
+    assert schemes == [{"int8"}, {"int4"}]
+
+
+def test_the_live_switch_reloads_an_instance_whose_precision_changes() -> None:
+    from jaxserve.core.plan import DeploymentPlan, InstanceSpec
+    from jaxserve.runtime.switch import match_instances
+
+    routed = [("d0", InstanceSpec("decode")), ("p0", InstanceSpec("prefill", quantization="int8"))]
+    plan = DeploymentPlan((InstanceSpec("prefill", quantization="int8"), InstanceSpec("decode", quantization="int4")))
+    pairs, retire = match_instances(routed, plan)
+    assert [kept for _, kept in pairs] == ["p0", None] and retire == ["d0"]
+
+
+def test_16_bit_weights_on_the_cpu_are_refused_with_the_reason() -> None:
+    from jaxserve.runtime.engines.model import ModelEngine
+
+    with pytest.raises(QuantizationError, match="no 16-bit matmul fast path"):
+        ModelEngine.load(str(DEFAULT_MODEL_DIR), jax.devices()[:1], dtype="bfloat16")

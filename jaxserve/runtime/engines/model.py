@@ -119,7 +119,9 @@ class ModelEngine(ModelWarmup, Engine):
         """`source` placed on `devices`; at weight precision `quantization` (`models.quantize.QUANTIZATIONS`; None:
         the source's own, a GGUF served as stored)."""
         from models.checkpoint import source_config
+        from models.quantize import check_serving_dtype
 
+        check_serving_dtype(dtype, devices[0].platform if devices else None)  # 16-bit on CPU: refused, with why
         sharded = sharded_class(source_config(source, dtype))
         return cls(sharded.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype, quantization=quantization))
 
