@@ -22,7 +22,8 @@ on the caches and the memory bus.
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --clock cpu --groups step --batches 1
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --models smollm2-135m --batches 1 --reps 5  # smoke
 
-`--model-steps`: the whole model's decode step instead (`ShardedModel.decode`, random weights of the preset,
+`--model-steps`: the whole model's decode step instead (`ShardedModel.extend_paged` with one token a row, as
+serving runs it; random weights of the preset,
 batch 1 and `--batches`, `--context` tokens cached) at each precision, `float32` / `int8` / `int4`
 (`ShardedModel.load(quantization=...)`), interleaved; printed per precision: the min ms a step, the speed-up
 over float32, the bytes a token reads (every weight the step multiplies by, plus the KV it attends over) and
@@ -153,18 +154,32 @@ def model_steps(args: argparse.Namespace) -> int:
             for q in (None, "int8", "int4")
         }
         for batch in [int(b) for b in args.batches.split(",")]:
-            tok = np.full((batch,), 5, np.int32)
+            # the paged step as serving runs it: one token a row at position context - 1, block tables as wide as
+            # the filled blocks, the pool's layout and attention the ones `ShardedModel` picks here
+            bs = 16
+            width = -(-args.context // bs)
+            tok = np.full((batch, 1), 5, np.int32)
             pos = np.full((batch,), args.context - 1, np.int32)
-            caches = {k: m.init_caches(batch, args.context) for k, m in models.items()}
+            ones = np.ones((batch,), np.int32)
+            tables = np.arange(batch * width, dtype=np.int32).reshape(batch, width)
+            caches = {k: m.init_paged_caches(batch * width, bs) for k, m in models.items()}
 
-            def step(key: str, tok: Any, pos: Any, caches: dict[str, Any], models: dict[str, Any]) -> float:
+            def step(
+                key: str,
+                tok: Any,
+                pos: Any,
+                tables: Any,
+                caches: dict[str, Any],
+                models: dict[str, Any],
+                ones: Any = ones,
+            ) -> float:
                 t0 = time.perf_counter()
                 for _ in range(args.inner):
-                    logits, caches[key] = models[key].decode(tok, pos, caches[key])
+                    logits, caches[key] = models[key].extend_paged(tok, pos, ones, caches[key], tables)
                 logits.block_until_ready()
                 return (time.perf_counter() - t0) / args.inner
 
-            contenders = {k: functools.partial(step, k, tok, pos, caches, models) for k in models}
+            contenders = {k: functools.partial(step, k, tok, pos, tables, caches, models) for k in models}
             samples = interleaved(contenders, args.reps)
             base = min(samples["float32"])
             for key, times in samples.items():
