@@ -258,3 +258,14 @@ def test_16_bit_weights_on_the_cpu_are_refused_with_the_reason() -> None:
 
     with pytest.raises(QuantizationError, match="no 16-bit matmul fast path"):
         ModelEngine.load(str(DEFAULT_MODEL_DIR), jax.devices()[:1], dtype="bfloat16")
+
+
+def test_serve_ends_on_quantization_of_a_gguf_with_one_line(llama_q4: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--model", str(llama_q4), "--quantization", "int8",
+           "--grpc-port", "0", "--http-port", "0", "--no-warmup", "--compile-cache", "off"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: --quantization int8 asks to re-quantize a GGUF file" in proc.stderr
