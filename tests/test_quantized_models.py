@@ -269,3 +269,11 @@ def test_serve_ends_on_quantization_of_a_gguf_with_one_line(llama_q4: Path) -> N
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "error: --quantization int8 asks to re-quantize a GGUF file" in proc.stderr
+
+
+def test_the_models_precisions_are_the_plans() -> None:
+    """`models` cannot import `jaxserve` (the dependency rule): its list of precisions is the contract's, kept equal."""
+    from jaxserve.core.plan import QUANTIZATIONS as PLAN_QUANTIZATIONS
+    from models.quantize import QUANTIZATIONS
+
+    assert QUANTIZATIONS == PLAN_QUANTIZATIONS
