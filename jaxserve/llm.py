@@ -113,6 +113,7 @@ class LLM:
         block_layout: BlockLayout | None = None,
         attention_impl: Impl | None = None,
         kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+        quantization: str | None = None,
     ) -> None:
         """`config`: the deployment's knobs (`ControllerConfig`); `limits`: just its serving limits (block_size,
         num_kv_blocks, max_decode_batch, ...), the rest default — not both. Without either: `OFFLINE_LIMITS`.
@@ -121,7 +122,8 @@ class LLM:
         the model's longest sequences). `attention_impl`: every instance's paged decode attention
         (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's
         block layout on every instance ("tokens" or "heads"); default: the one that attention reads best
-        (`models.paged_attention.block_layout_for`)."""
+        (`models.paged_attention.block_layout_for`). `quantization`: serve a float checkpoint's weights at this
+        precision ("int8", "int4": `models.quantize`); default: the checkpoint's own (a GGUF as stored)."""
         model = resolve_model_source(model)  # a pulled registry name -> its cached file
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         if limits is not None and config is not None:
@@ -129,17 +131,18 @@ class LLM:
         if config is None:
             limits = limits or OFFLINE_LIMITS
         self.controller: Controller
-        own_engines = block_layout is not None or attention_impl is not None
+        own_engines = block_layout is not None or attention_impl is not None or quantization is not None
         if own_engines and (engine_factory is not None or backend == "ray"):
             raise ValueError(
-                "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
+                "block_layout, attention_impl and quantization apply to the embedded backend's own engines "
+                "(no engine_factory)"
             )
         from_memory = config is None and limits is not None and limits.num_kv_blocks is None
         if (own_engines or from_memory) and engine_factory is None and backend == "embedded":
             from jaxserve.runtime.engines.model import model_engine_factory
 
             engine_factory = model_engine_factory(
-                model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl
+                model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl, quantization=quantization
             )
         if config is None:
             assert limits is not None

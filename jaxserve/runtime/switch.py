@@ -73,7 +73,7 @@ from models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-Shape = tuple[str, int, int, int | None]
+Shape = tuple[str, int, int, int | None, str | None]  # role, tp, pp, chunk size, weight precision
 
 
 class SwitchError(JaxServeError):
@@ -321,7 +321,8 @@ class SwitchableController(Protocol):
 
 
 def shape_of(spec: InstanceSpec) -> Shape:
-    return (spec.role, spec.tp, spec.pp, spec.chunk_size)
+    """What an instance must share with a plan's entry to be kept: its precision too (its weights differ)."""
+    return (spec.role, spec.tp, spec.pp, spec.chunk_size, spec.quantization)
 
 
 def match_instances(

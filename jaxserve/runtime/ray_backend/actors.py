@@ -122,6 +122,7 @@ class EngineSpec:
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
     engine: EngineKind = "model"
     fake_config: ModelConfig | None = None
+    quantization: str | None = None  # the weights' precision (`models.quantize`); None: the source's own
 
     @property
     def num_devices(self) -> int:
@@ -243,7 +244,9 @@ def build_engine(spec: EngineSpec) -> Engine:
         return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
     from jaxserve.runtime.engines.model import ModelEngine
 
-    return ModelEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
+    return ModelEngine.load(
+        spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype, quantization=spec.quantization
+    )
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile

@@ -174,6 +174,7 @@ class RayController(Controller):
         *,
         observer: Observer | None = None,
         dtype: str = "float32",
+        quantization: str | None = None,
     ) -> RayController:
 
         config = config or ControllerConfig()
@@ -181,7 +182,7 @@ class RayController(Controller):
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
-        inputs = LaunchInputs.of(model_source, dtype, rc, config)
+        inputs = LaunchInputs.of(model_source, dtype, rc, config, quantization)
         groups = reserve_groups(plan, rc.resources)
         names = instance_names(plan)
         try:
@@ -407,11 +408,14 @@ class LaunchInputs:
     ray: RayConfig
     block_size: int
     pulls: ActorPulls  # the Ray connector's knobs and the controller's (one name each for both backends)
+    quantization: str | None = None  # every instance's precision unless its plan entry names one
 
     @classmethod
-    def of(cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig) -> LaunchInputs:
+    def of(
+        cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig, quantization: str | None = None
+    ) -> LaunchInputs:
         pulls = ActorPulls(rc.transfer, config.pull_failure, config.kv_checksum)
-        return cls(model_source, dtype, rc, config.limits.block_size, pulls)
+        return cls(model_source, dtype, rc, config.limits.block_size, pulls, quantization)
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
@@ -438,6 +442,7 @@ def _start_actors(
             spec = EngineSpec(
                 role=inst.role, tp=inst.tp, pp=inst.pp, model_source=inputs.model_source, dtype=inputs.dtype,
                 block_size=inputs.block_size, engine=rc.engine, fake_config=rc.fake_config,
+                quantization=inst.quantization if inst.quantization is not None else inputs.quantization,
             )  # fmt: skip
             actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
             remote_cls = ray.remote(actor_cls)
@@ -503,4 +508,4 @@ def launch_from_args(
         engine=args.engine,
         fake_config=fake_config,
     )
-    return RayController.launch(model, plan, config, rc, dtype=args.dtype)
+    return RayController.launch(model, plan, config, rc, dtype=args.dtype, quantization=args.quantization)
