@@ -174,7 +174,9 @@ class RequestParams(TypedDict, total=False):
     `ignore_eos`, `include_stop_str_in_output`; `n` samples (`stream` only), `echo` the prompt, `logprobs` (0..20
     alternatives per token), `cache_salt` (prefix-cache blocks shared only with requests of the same salt),
     `response_format` (OpenAI's mapping: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
-    {"schema": {...}, "strict": True}}`; the output is constrained to it)."""
+    {"schema": {...}, "strict": True}}`; the output is constrained to it); `tools`, `tool_choice` and
+    `parallel_tool_calls` as OpenAI's chat request takes them (messages then may hold `tool_calls` and
+    `role: "tool"` results; the final chunk's `tool_calls` are the calls the reply made)."""
 
     prompt_ids: Sequence[int] | None
     max_tokens: int | None
@@ -188,10 +190,13 @@ class RequestParams(TypedDict, total=False):
     include_stop_str_in_output: bool
     n: int | None
     echo: bool
-    messages: Sequence[Mapping[str, str]] | None
+    messages: Sequence[Mapping[str, Any]] | None
     logprobs: int | None
     cache_salt: str | None
     response_format: Mapping[str, Any] | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
 
 
 def _request(prompt: str | None, params: RequestParams) -> pb.GenerateRequest:
@@ -199,8 +204,7 @@ def _request(prompt: str | None, params: RequestParams) -> pb.GenerateRequest:
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
     fields: dict[str, Any] = dict(params)
-    chat = [(m["role"], m["content"]) for m in fields.pop("messages", None) or ()]
-    return wire.request_to_proto(prompt=prompt, messages=chat, **fields)
+    return wire.request_to_proto(prompt=prompt, messages=fields.pop("messages", None) or (), **fields)
 
 
 def _one(params: RequestParams) -> RequestParams:

@@ -14,8 +14,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from jaxserve.core.errors import OverloadedError
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
@@ -32,6 +32,7 @@ from jaxserve.model_registry import resolve_model_source
 from jaxserve.runtime.controller import Controller, ControllerConfig, RequestStream
 from jaxserve.runtime.instances import EngineFactory
 from jaxserve.runtime.pool_sizing import DEFAULT_KV_MEMORY_FRACTION
+from jaxserve.serving.wire import ToolCall
 
 if TYPE_CHECKING:
     from jaxserve.runtime.ray_backend.deployment import RayConfig
@@ -92,6 +93,7 @@ class RequestOutput:
     timings: RequestTimings | None
     # With `SamplingParams(logprobs=k)`: one per output token (its log-softmax and the k most likely), else None.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # `chat` with tools: the calls the reply made (`text` is as written)
 
 
 class LLM:
@@ -111,6 +113,7 @@ class LLM:
         block_layout: BlockLayout | None = None,
         attention_impl: Impl | None = None,
         kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+        quantization: str | None = None,
     ) -> None:
         """`config`: the deployment's knobs (`ControllerConfig`); `limits`: just its serving limits (block_size,
         num_kv_blocks, max_decode_batch, ...), the rest default — not both. Without either: `OFFLINE_LIMITS`.
@@ -119,7 +122,8 @@ class LLM:
         the model's longest sequences). `attention_impl`: every instance's paged decode attention
         (`models.paged_attention.IMPLS`); default: the backend's (`default_impl`). `block_layout`: the KV pool's
         block layout on every instance ("tokens" or "heads"); default: the one that attention reads best
-        (`models.paged_attention.block_layout_for`)."""
+        (`models.paged_attention.block_layout_for`). `quantization`: serve a float checkpoint's weights at this
+        precision ("int8", "int4": `models.quantize`); default: the checkpoint's own (a GGUF as stored)."""
         model = resolve_model_source(model)  # a pulled registry name -> its cached file
         plan = parse_deployment(deployment) if isinstance(deployment, str) else deployment
         if limits is not None and config is not None:
@@ -127,17 +131,18 @@ class LLM:
         if config is None:
             limits = limits or OFFLINE_LIMITS
         self.controller: Controller
-        own_engines = block_layout is not None or attention_impl is not None
+        own_engines = block_layout is not None or attention_impl is not None or quantization is not None
         if own_engines and (engine_factory is not None or backend == "ray"):
             raise ValueError(
-                "block_layout and attention_impl apply to the embedded backend's own engines (no engine_factory)"
+                "block_layout, attention_impl and quantization apply to the embedded backend's own engines "
+                "(no engine_factory)"
             )
         from_memory = config is None and limits is not None and limits.num_kv_blocks is None
         if (own_engines or from_memory) and engine_factory is None and backend == "embedded":
             from jaxserve.runtime.engines.model import model_engine_factory
 
             engine_factory = model_engine_factory(
-                model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl
+                model, dtype=dtype, block_layout=block_layout, attention_impl=attention_impl, quantization=quantization
             )
         if config is None:
             assert limits is not None
@@ -211,6 +216,49 @@ class LLM:
                 )
             )
         return outputs
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        timeout_s: float = 600.0,
+    ) -> RequestOutput:
+        """One chat reply: OpenAI's `messages` (tool calls and `role: "tool"` results too), `tools` and
+        `tool_choice`, rendered and read as the HTTP server's chat completions are (docs/serving.md); the reply's
+        calls are its `tool_calls`. `InvalidRequestError` for a request the server would answer with a 400
+        (pydantic's ValidationError, a ValueError, for a message of the wrong shape)."""
+        from jaxserve.serving.frontend import Detokenizer, marker_tokens
+        from jaxserve.serving.openai_protocol import ChatCompletionRequest, chat_prompt
+
+        tokenizer = self.controller.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer")
+        body: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+        if tools is not None:
+            body["tools"] = [dict(t) for t in tools]
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = parallel_tool_calls
+        template = self.controller.chat_template
+        prompt = chat_prompt(ChatCompletionRequest.model_validate(body), template)
+        sampling = sampling or SamplingParams()
+        if prompt.call is not None:
+            if sampling.guided is not None:
+                raise ValueError("sampling.guided and a forced tool call both constrain the output: send one")
+            sampling = dataclasses.replace(sampling, guided=prompt.call)
+        # A checkpoint's template writes its own BOS; the built-in one relies on the tokenizer's.
+        ids = tokenizer.encode(prompt.text, add_special_tokens=template is None).ids
+        (out,) = self.generate([list(ids)], sampling, timeout_s=timeout_s)
+        text, _ = Detokenizer(tokenizer, keep=marker_tokens(tokenizer, template)).push(out.token_ids, final=True)
+        made = prompt.reply(text, out.finish_reason)
+        calls = () if made is None else tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                             for c in made[1])  # fmt: skip
+        return dataclasses.replace(out, text=text, tool_calls=calls)
 
     def shutdown(self) -> None:
         self.controller.shutdown()

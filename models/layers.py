@@ -10,7 +10,10 @@ here. The names:
 * `mlp` — the feed-forward width; `fused` — the columns of projections fused into one matmul (only on
   a one-device stage, so never split).
 
-Linear layers and embeddings are Flax's own (`nnx.Linear`, `nnx.Embed`; kernels `[in, out]`). The norms are
+Linear layers and embeddings are Flax's own (`nnx.Linear`, `nnx.Embed`; kernels `[in, out]`), each with one
+addition: its weight may be a `models.quant.QuantizedWeight` (a GGUF served as stored, `--quantization
+int8|int4`: `models.quantize`), which the layer multiplies with `quant_matmul` (dequantized in registers by the
+CPU kernel) or reads row by row (`embed_rows`), never materialising the float weight. The norms are
 ours: Flax's `LayerNorm` / `RMSNorm` apply scale and normalisation in another order (and `RMSNorm` scales
 before casting back), which moves logits by an ulp against Hugging Face's and against the shipped model's
 recorded outputs. `add_projections` / `project` give a layer several projections of one input, run as one
@@ -31,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.quant import QuantizedWeight, embed_rows, quant_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,25 +65,52 @@ def _tagged(init: Any, *axes: str | None) -> Any:
     return nnx.with_metadata(init, logical_axes=axes)
 
 
-def linear(num_in: int, num_out: int, axes: tuple[str, str], *, bias: bool, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+class Linear(nnx.Linear):
+    """`nnx.Linear` whose kernel may be a `QuantizedWeight` (logical `[in, out]`, stored output-major)."""
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        kernel = self.kernel.get_value()
+        if not isinstance(kernel, QuantizedWeight):
+            return super().__call__(inputs, out_sharding)
+        y = quant_matmul(inputs, kernel).astype(inputs.dtype)  # [..., out]
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class Embed(nnx.Embed):
+    """`nnx.Embed` whose table may be a `QuantizedWeight` (logical `[features, num]`: the tied head's form),
+    read row by row: only the rows asked for are dequantized."""
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        table = self.embedding.get_value()
+        if not isinstance(table, QuantizedWeight):
+            return super().__call__(inputs, out_sharding)
+        return embed_rows(table, inputs).astype(self.param_dtype)  # [..., features]
+
+
+def linear(num_in: int, num_out: int, axes: tuple[str, str], *, bias: bool, dtype: Any, rngs: nnx.Rngs) -> Linear:
     """`x @ kernel [in, out] (+ bias [out])` with logical `axes` (in, out); normal(0.02) kernel, zero bias."""
-    return nnx.Linear(
+    return Linear(
         num_in, num_out, use_bias=bias, param_dtype=dtype, rngs=rngs,
         kernel_init=_tagged(_normal, *axes), bias_init=_tagged(_zeros, axes[1]),
     )  # fmt: skip
 
 
-def embed(num: int, features: int, axes: tuple[str, str], *, dtype: Any, rngs: nnx.Rngs) -> nnx.Embed:
+def embed(num: int, features: int, axes: tuple[str, str], *, dtype: Any, rngs: nnx.Rngs) -> Embed:
     """A table [num, features] read by row (`jnp.take`), with logical `axes`."""
-    return nnx.Embed(num, features, param_dtype=dtype, rngs=rngs, embedding_init=_tagged(_normal, *axes))
+    return Embed(num, features, param_dtype=dtype, rngs=rngs, embedding_init=_tagged(_normal, *axes))
 
 
-def tied_logits(table: jax.Array, x: jax.Array) -> jax.Array:
-    """float32 logits [..., V] of x [..., E] against an embedding-shaped head `table` [V, E].
+def tied_logits(table: jax.Array | QuantizedWeight, x: jax.Array) -> jax.Array:
+    """float32 logits [..., V] of x [..., E] against an embedding-shaped head `table` [V, E] (or a quantized one,
+    logical `[E, V]`: one `quant_matmul`, the head's bytes read once).
 
     Written `[V, E] @ [E, N]`, not `x @ table.T`: the other way round XLA:CPU materialised table.T (a copy of
     the whole 154 MB table of opt-125m every step) before the product. (So not `nnx.Embed.attend`.)
     """
+    if isinstance(table, QuantizedWeight):
+        return quant_matmul(x.astype(jnp.float32), table)  # [..., V]
     flat = x.reshape(-1, x.shape[-1])  # [N, E]
     logits = jnp.dot(table, flat.T, preferred_element_type=jnp.float32).T  # [N, V]
     return logits.reshape(*x.shape[:-1], logits.shape[-1])

@@ -166,7 +166,7 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """Final RMSNorm and the LM head (last stage): [..., h] -> float32 logits [..., V]."""
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return layers.tied_logits(head.embedding[...], self.norm(x))
+        return layers.tied_logits(head.embedding.get_value(), self.norm(x))
 
 
 def _qkv_parts(cfg: LlamaConfig) -> tuple[tuple[str, int, str], ...]:

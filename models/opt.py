@@ -137,7 +137,7 @@ class OPT(nnx.Module):
             x = self.final_layer_norm(x)
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        return layers.tied_logits(self.embed_tokens.embedding[...], x)
+        return layers.tied_logits(self.embed_tokens.embedding.get_value(), x)
 
 
 def _qkv_parts(cfg: OPTConfig) -> tuple[tuple[str, int, str], ...]:

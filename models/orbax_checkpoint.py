@@ -66,11 +66,18 @@ def _global_spec(stage_sharding: NamedSharding, layer_leaf: bool) -> P:
 def save_checkpoint(path: str | Path, model: PlacedModel) -> Path:
     """Write `model`'s NNX state (Orbax, under `path/params`) and `config.json`; returns `path`.
 
-    Each stage's state goes in unfused, its layers under their global indices; a top-level module held by
+    A quantized model is refused (`models.quantize.QuantizationError`). Each stage's state goes in unfused, its layers under their global indices; a top-level module held by
     several stages (a tied head on the last stage beside the first's embedding) is written once.
     """
     import orbax.checkpoint as ocp
 
+    from models.quantize import QuantizationError, is_quantized
+
+    if any(is_quantized(state) for state in model.run_params):
+        raise QuantizationError(
+            "a jaxserve checkpoint holds float weights; this model serves quantized ones (save the float model, "
+            "and quantize again at load: the same --quantization gives the same weights)"
+        )
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     tree: dict[str, Any] = {}

@@ -62,6 +62,9 @@ Impl = Literal["auto", "xla", "cpu_kernel", "pallas"]
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SCHEMES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "int4")
 _STEP = 32  # the kernel's unit along the input: in_pad is a multiple of it
+# From this many rows of x on, the CPU path dequantizes the weight (C++, once) and lets XLA's float GEMM multiply:
+# the product is compute-bound there and the GEMM outruns the kernel's tiles (docs/performance.md).
+DEQUANTIZE_ROWS = 64
 
 
 class QuantFormatError(ValueError):
@@ -83,6 +86,9 @@ class QuantizedWeight:
     bits: int = static_field()  # 4 or 8
     block: int = static_field()  # input elements per scale
     shape: tuple[int, int] = static_field()  # logical [in, out]
+    # Which matmul form `quant_matmul(impl="auto")` runs for this weight: "auto" picks per backend; a weight
+    # split over a tp mesh is marked "xla" (XLA partitions its dot; the C++ custom call it cannot split).
+    impl: str = static_field(default="auto")
 
     @property
     def in_pad(self) -> int:
@@ -374,6 +380,27 @@ def _kernel_call(target: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     )
 
 
+def dequantize_cpu_kernel(w: QuantizedWeight) -> jax.Array:
+    """float32 `[out, in_pad]` of `w` through the C++ kernel's dequantizing handler (in registers, at memory
+    speed, threaded), the padding columns included; raises if the kernel is unavailable here."""
+    target = cpu_kernel.dequantize_target()
+    if target is None:
+        raise RuntimeError(f"the CPU quantized-matmul kernel is unavailable: {cpu_kernel.quant_build_error()}")
+    mins = w.mins if w.mins is not None else jnp.zeros((1,), w.scales.dtype)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((w.shape[1], w.in_pad), jnp.float32))
+    return call(  # type: ignore[no-any-return]
+        w.values, w.scales, mins, bits=np.int64(w.bits), block=np.int64(w.block), has_mins=w.mins is not None
+    )
+
+
+def matmul_dequantized(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [B, in] f32 @ W for many rows B (a prefill): the C++ kernel dequantizes W once, XLA's float GEMM
+    multiplies (compute-bound there, where the kernel's own tiles are slower; the float weight is a temporary)."""
+    rows = dequantize_cpu_kernel(w)  # [out, in_pad]
+    x_pad = jnp.pad(x, ((0, 0), (0, w.in_pad - w.shape[0])))  # [B, in_pad]: the padding meets zeros
+    return jax.lax.dot_general(x_pad, rows, _ROWS, preferred_element_type=jnp.float32)
+
+
 def _pallas_kernel(x_ref: Any, v_ref: Any, s_ref: Any, *rest: Any, w: QuantizedWeight, has_mins: bool) -> None:
     m_ref, o_ref = (rest[0], rest[1]) if has_mins else (None, rest[0])
     tile = dataclasses.replace(
@@ -420,8 +447,11 @@ def quant_matmul(x: jax.Array, w: QuantizedWeight, impl: Impl = "auto") -> jax.A
         raise QuantFormatError(f"{w.scheme}: x has {x.shape[-1]} inputs, the weight {w.shape[0]}")
     lead = x.shape[:-1]
     flat = x.reshape(-1, w.shape[0]).astype(jnp.float32)  # [B, in]
-    impl = default_impl() if impl == "auto" else impl
-    if impl == "cpu_kernel":
+    if impl == "auto":
+        impl = default_impl() if w.impl == "auto" else w.impl  # type: ignore[assignment]
+    if impl == "cpu_kernel" and flat.shape[0] >= DEQUANTIZE_ROWS:
+        out = matmul_dequantized(flat, w)
+    elif impl == "cpu_kernel":
         out = matmul_cpu_kernel(flat, w)
     elif impl == "pallas":
         out = matmul_pallas(flat, w)

@@ -46,6 +46,17 @@ from models.decoder import Params
 from models.families import FAMILIES
 from models.layers import Stage
 from models.paged_attention import BLOCK_LAYOUTS, BlockLayout, Impl, block_layout_for, default_impl, stage_impl
+from models.quant import QuantizedWeight
+from models.quantize import (
+    QuantizationError,
+    StageWeights,
+    WeightMaker,
+    check_quantization,
+    is_quantized,
+    quantize_state,
+    requantized_weights,
+    stage_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +231,13 @@ def fuses_projections(st: StageLayout) -> bool:
     return bool(st.mesh.devices.size == 1)
 
 
-def stage_module(cfg: ModelConfig, st: StageLayout, sp: Params) -> tuple[nnx.GraphDef[Any], StageState]:
+def stage_module(
+    cfg: ModelConfig, st: StageLayout, sp: Params, weights: WeightMaker | None = None
+) -> tuple[nnx.GraphDef[Any], StageState]:
     """A stage's model split into (graph, state): the state built from its checkpoint-layout params `sp` (already
     placed by the loaders) by one jitted program whose outputs land on the shardings the parameters' logical
     axes give under this stage's rules. The graph is static; the state is the pytree the jitted steps take.
+    With `weights` (`models.quantize`), the weights it quantizes are then swapped for their quantized form.
 
     The state is kept as a pure dict of arrays (`nnx.to_pure_dict`'s form; `nnx.merge` takes it as it is): a
     jitted call flattens its arguments every step, and an `nnx.State` of Variables flattens ~6x slower than
@@ -233,7 +247,10 @@ def stage_module(cfg: ModelConfig, st: StageLayout, sp: Params) -> tuple[nnx.Gra
     graphdef, state = module_params.abstract(cfg, stage, jax.tree.leaves(sp)[0].dtype)
     shardings = _state_shardings(state, st.mesh, mesh_rules(st.kv_split))
     build = jax.jit(partial(module_params.state_from_params, state), out_shardings=shardings)
-    return graphdef, build(sp)
+    built = build(sp)
+    if weights is not None:
+        built = quantize_state(built, shardings, weights)
+    return graphdef, built
 
 
 class ShardedModel:
@@ -255,14 +272,26 @@ class ShardedModel:
     # The configs this class serves (a subclass narrows it to its family).
     config_types: tuple[type, ...] = tuple(FAMILIES)
 
-    def __init__(self, cfg: ModelConfig, tp: int, pp: int, layout: ParallelLayout, stage_params: list[Params]) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: int,
+        pp: int,
+        layout: ParallelLayout,
+        stage_params: list[Params],
+        weights: StageWeights | None = None,
+    ) -> None:
         _check_config(type(self), cfg)
         self.cfg = cfg
         self.tp = tp
         self.pp = pp
         self.layout = layout
-        # Each stage's model split (`stage_module`): the graph static, the state what the jitted steps take.
-        split = [stage_module(cfg, st, sp) for sp, st in zip(stage_params, layout.stages, strict=True)]
+        # Each stage's model split (`stage_module`): the graph static, the state what the jitted steps take;
+        # `weights` (`models.quantize.stage_weights`) gives each stage's quantized weights, if any.
+        split = [
+            stage_module(cfg, st, sp, None if weights is None else weights(st.layers[0]))
+            for sp, st in zip(stage_params, layout.stages, strict=True)
+        ]
         self.graphdefs: list[nnx.GraphDef[Any]] = [graphdef for graphdef, _ in split]
         self.run_params: list[StageState] = [state for _, state in split]
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -281,7 +310,14 @@ class ShardedModel:
 
     @property
     def dtype(self) -> jnp.dtype:
-        return jnp.dtype(jax.tree.leaves(self.run_params[0])[0].dtype)
+        """The float dtype of the weights and activations (a quantized weight's integers are not it)."""
+        leaves = jax.tree.leaves(self.run_params[0], is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        return jnp.dtype(next(x for x in leaves if not isinstance(x, QuantizedWeight)).dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any stage serves quantized weights (`models.quantize`)."""
+        return any(is_quantized(rp) for rp in self.run_params)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -290,6 +326,11 @@ class ShardedModel:
     @property
     def stage_params(self) -> list[Params]:
         """Each stage's params with stacked layer leaves `[L_s, ...]` (a copy; the layout checkpoints use)."""
+        if self.quantized:
+            raise QuantizationError(
+                "the checkpoint layout holds float weights; this model serves quantized ones (load it again from "
+                "its source, at the same quantization)"
+            )
         out = []
         for rp, st in zip(self.run_params, self.layout.stages, strict=True):
             stack = jax.jit(partial(module_params.params_from_state, self.cfg), out_shardings=st.param_shardings)
@@ -298,13 +339,24 @@ class ShardedModel:
 
     @classmethod
     def from_params(
-        cls, cfg: ModelConfig, params: Params, tp: int, pp: int, devices: Sequence[jax.Device], dtype: Any = None
+        cls,
+        cfg: ModelConfig,
+        params: Params,
+        tp: int,
+        pp: int,
+        devices: Sequence[jax.Device],
+        dtype: Any = None,
+        quantization: str | None = None,
     ) -> Self:
-        """Place a full param tree (host numpy or jax arrays) stage by stage, shard by shard."""
+        """Place a full param tree (host numpy or jax arrays) stage by stage, shard by shard; at `quantization`
+        ("int8" / "int4", `models.quantize`) if given."""
         _check_config(cls, cfg)
+        check_quantization(quantization, gguf=False)
         layout = shardings_for(cfg, tp, pp, devices)
         dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(params["embed_tokens"].dtype)
-        return cls(cfg, tp, pp, layout, checkpoint.place_params(checkpoint.ParamTreeReader(params), cfg, layout, dt))
+        placed = checkpoint.place_params(checkpoint.ParamTreeReader(params), cfg, layout, dt)
+        weights = None if quantization is None else (lambda _start: requantized_weights(quantization))
+        return cls(cfg, tp, pp, layout, placed, weights)
 
     @classmethod
     def load(
@@ -315,12 +367,15 @@ class ShardedModel:
         devices: Sequence[jax.Device],
         dtype: Any = "float32",
         seed: int = 0,
+        quantization: str | None = None,
     ) -> Self:
-        """From a Hugging Face dir, a jaxserve (Orbax) checkpoint dir, or a preset name (random weights)."""
+        """From a Hugging Face dir, a jaxserve (Orbax) checkpoint dir, a GGUF file (served as stored), or a preset
+        name (random weights); at `quantization` (`models.quantize.QUANTIZATIONS`) if given."""
         cfg = checkpoint.source_config(source, dtype)
         _check_config(cls, cfg)  # before any weight is read
+        weights = stage_weights(source, cfg, quantization)  # a bad quantization: one error, nothing read yet
         layout = shardings_for(cfg, tp, pp, devices)
-        return cls(cfg, tp, pp, layout, checkpoint.load_stage_params(source, cfg, layout, dtype, seed=seed))
+        return cls(cfg, tp, pp, layout, checkpoint.load_stage_params(source, cfg, layout, dtype, seed=seed), weights)
 
     @property
     def block_layout(self) -> BlockLayout:

@@ -18,6 +18,7 @@ from models.config import ModelConfig
 from placement.goodput import GoodputSearch, max_rate
 from placement.hardware import ClusterSpec
 from placement.latency import LatencyProvider
+from placement.precision import describe as describe_precisions
 from placement.simulator import SimOptions
 from placement.slo import SloSpec
 from placement.worker_pool import pool_map
@@ -35,6 +36,9 @@ class SearchContext:
     options: SimOptions = dataclasses.field(default_factory=SimOptions)
     rel_tol: float = 0.03
     max_pp: int | None = None  # limit pipeline stages per instance (None: as many as devices allow)
+    # The weight precisions a search may give an instance (`InstanceSpec.quantization`; None: the checkpoint's
+    # own): an operator's choice of what is allowed, so by default plans serve the checkpoint as it is.
+    precisions: tuple[str | None, ...] = (None,)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -77,8 +81,9 @@ class Candidate:
     @property
     def label(self) -> str:
         if self.kind in ("prefill", "decode"):
-            return f"{self.kind} {self.instance.shape}"
-        return self.plan.describe()
+            q = self.instance.quantization
+            return f"{self.kind} {self.instance.shape}" + (f" {q}" if q is not None else "")
+        return describe_precisions(self.plan)
 
 
 @dataclasses.dataclass(frozen=True)

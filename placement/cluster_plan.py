@@ -37,7 +37,8 @@ from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from placement.candidates import Evaluated, SearchContext
 from placement.goodput import GoodputSearch, max_rate
 from placement.planner import Affinity, PlanKind, PlanReport, choose_plan, planned_limits
-from placement.search import instance_shapes
+from placement.precision import describe
+from placement.search import precision_shapes
 from placement.workload import Workload, arrival_times
 
 DEFAULT_UNIT_NODES = 4  # nodes a unit spans: the 4 × 8 search plans in ~3 s on 2 quiet cores
@@ -149,7 +150,7 @@ def plan_cluster(
 
     slots = cluster.num_nodes // nodes  # whole units the cluster holds
     g_unit = unit.goodput_rps
-    unit_desc = f"{unit.plan.describe()} ({unit.plan.num_devices} devices, {g_unit:.3g} rps)"
+    unit_desc = f"{describe(unit.plan)} ({unit.plan.num_devices} devices, {g_unit:.3g} rps)"
     rest: PlanReport | None = None
     if rate is None:
         copies = slots
@@ -158,7 +159,7 @@ def plan_cluster(
         if left:
             try:
                 rest = search(left, unit.plan.kind, None, samples=False)
-                why += f"; the {left} node(s) left over: {rest.plan.describe()} ({rest.goodput_rps:.3g} rps)"
+                why += f"; the {left} node(s) left over: {describe(rest.plan)} ({rest.goodput_rps:.3g} rps)"
             except PlanError as e:
                 why += f"; the {left} node(s) left over stay idle (no {unit.plan.kind} plan fits them: {e})"
     else:
@@ -173,7 +174,7 @@ def plan_cluster(
                 )
             try:
                 rest = search(nodes, unit.plan.kind, remaining, samples=False)
-                why += f"; the {remaining:.3g} rps left: {rest.plan.describe()} ({rest.goodput_rps:.3g} rps)"
+                why += f"; the {remaining:.3g} rps left: {describe(rest.plan)} ({rest.goodput_rps:.3g} rps)"
             except PlanError as e:  # nothing smaller fits one unit's nodes: a whole unit carries the rest
                 copies += 1
                 why += f"; one more whole unit for the {remaining:.3g} rps left (no smaller plan: {e})"
@@ -233,8 +234,8 @@ def _fits_unit(ctx: SearchContext, nodes: int) -> bool:
     """Whether a colocated instance or a prefill + decode pair of the model fits on `nodes` nodes."""
     unit = unit_context(ctx, nodes)
     devices = unit.cluster.num_devices
-    smallest = min((tp * pp for tp, pp in instance_shapes(unit, "disagg", devices)), default=devices + 1)
-    return 2 * smallest <= devices or bool(instance_shapes(unit, "colocated", ctx.cluster.devices_per_node))
+    smallest = min((tp * pp for tp, pp, _ in precision_shapes(unit, "disagg", devices)), default=devices + 1)
+    return 2 * smallest <= devices or bool(precision_shapes(unit, "colocated", ctx.cluster.devices_per_node))
 
 
 def plan_unit(plan: DeploymentPlan, units: int = 1) -> tuple[DeploymentPlan, int]:

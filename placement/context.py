@@ -10,6 +10,7 @@ from models.config import get_model_config
 from placement.goodput import base_workload
 from placement.hardware import ClusterSpec, get_device
 from placement.latency import LatencyProvider, ProfileError, load_profile
+from placement.precision import PrecisionError, parse_precisions
 from placement.sim_types import SimOptions
 from placement.slo import SloSpec
 from placement.workload import Workload
@@ -47,6 +48,14 @@ def build_latency(
     if prefill_tokens is not None and prefill_tokens < 1:
         raise UsageError("--prefill-tokens must be >= 1")
     return LatencyProvider(cfg, spec, profile, prefill_tokens=prefill_tokens)
+
+
+def build_precisions(text: str, latency: LatencyProvider) -> tuple[str | None, ...]:
+    """`--precisions`: the weight precisions a search may give an instance (None: the checkpoint's own)."""
+    try:
+        return parse_precisions(text, latency.device)
+    except PrecisionError as e:
+        raise UsageError(str(e)) from None
 
 
 def build_cluster(

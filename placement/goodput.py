@@ -66,8 +66,8 @@ class GoodputSearch:
         ttft = np.full(len(w), np.inf)
         tpot = np.full(len(w), np.inf)
         for inst in self.plan.instances:
-            model = self.latency.instance(engine, inst.tp, inst.pp)
-            overhead = self.latency.step_overhead(engine, inst.tp)
+            model = self.latency.instance(engine, inst.tp, inst.pp, quantization=inst.quantization)
+            overhead = self.latency.step_overhead(engine, inst.tp, inst.quantization)
             if inst.role == "prefill":
                 ttft = np.minimum(ttft, [prefill_step_s(model, overhead, [int(n)]) for n in w.input_lens])
             elif inst.role == "colocated":  # a prompt step of the whole prompt, no decodes riding along
@@ -100,13 +100,15 @@ class GoodputSearch:
         engine: DeploymentKind = "colocated" if self.plan.kind == "colocated" else "disagg"
         prefill_rate = decode_rate = coloc_rate = 0.0
         for inst in self.plan.instances:
-            model = self.latency.instance(engine, inst.tp, inst.pp)
-            overhead = self.latency.step_overhead(engine, inst.tp)
+            model = self.latency.instance(engine, inst.tp, inst.pp, quantization=inst.quantization)
+            overhead = self.latency.step_overhead(engine, inst.tp, inst.quantization)
             budget = max(1, round(self.latency.prefill_token_budget(engine, inst.tp) / mean_in))
             cap = opts.token_cap(self.latency.profile_token_cap(engine, inst.tp))
             capped = max(1, int(cap // mean_in))  # the simulator's token cap per prefill step
             prefill_s = min(prefill_stage0_s(model, overhead, b, mean_in) for b in (budget, capped))
-            blocks = kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp) / opts.limits.block_size
+            blocks = (
+                kv_capacity_tokens(cfg, cluster.device, inst.tp, inst.pp, inst.quantization) / opts.limits.block_size
+            )
             per_request_blocks = math.ceil((mean_in + mean_out) / opts.limits.block_size)
             decode_cap = opts.decode_batch_cap(self.latency.profile_decode_batch(engine))
             max_batch = max(1, min(decode_cap, int(blocks // per_request_blocks)))

@@ -16,7 +16,7 @@ GIB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator's roofline numbers (dense half precision)."""
+    """One accelerator's roofline numbers (dense half precision, and the lower precisions' matmul peaks)."""
 
     name: str
     peak_flops: float  # FLOP/s, dense bf16/fp16
@@ -32,10 +32,16 @@ class DeviceSpec:
     bandwidth_efficiency: float = 0.75
     # Fixed per-step overhead (launches, Python runtime, sampling), seconds.
     step_overhead_s: float = 0.010
+    # Dense matmul peaks of the lower precisions (placement/precision.py): int8 x int8 (w8a8) and fp8 x fp8.
+    # None for int8: its matmuls run at the 16-bit rate (no gain); None for fp8: the device has no fp8 units.
+    int8_flops: float | None = None  # OP/s
+    fp8_flops: float | None = None  # FLOP/s
 
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.mem_bandwidth <= 0 or self.memory_bytes <= 0 or self.link_bandwidth <= 0:
             raise ValueError(f"device {self.name}: peak_flops, bandwidths and memory must be positive")
+        if any(rate is not None and rate <= 0 for rate in (self.int8_flops, self.fp8_flops)):
+            raise ValueError(f"device {self.name}: int8_flops and fp8_flops are positive or None")
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -59,17 +65,46 @@ def _cpu_spec() -> DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {
     "a100-80gb": DeviceSpec(
-        "a100-80gb", peak_flops=312e12, mem_bandwidth=2.0e12, memory_bytes=80 * GIB, link_bandwidth=300e9
+        "a100-80gb",
+        peak_flops=312e12,
+        mem_bandwidth=2.0e12,
+        memory_bytes=80 * GIB,
+        link_bandwidth=300e9,
+        int8_flops=624e12,
     ),
     "a100-40gb": DeviceSpec(
-        "a100-40gb", peak_flops=312e12, mem_bandwidth=1.555e12, memory_bytes=40 * GIB, link_bandwidth=300e9
+        "a100-40gb",
+        peak_flops=312e12,
+        mem_bandwidth=1.555e12,
+        memory_bytes=40 * GIB,
+        link_bandwidth=300e9,
+        int8_flops=624e12,
     ),
     "h100-80gb": DeviceSpec(
-        "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GIB, link_bandwidth=450e9
+        "h100-80gb",
+        peak_flops=989e12,
+        mem_bandwidth=3.35e12,
+        memory_bytes=80 * GIB,
+        link_bandwidth=450e9,
+        int8_flops=1979e12,
+        fp8_flops=1979e12,
     ),
-    "h200": DeviceSpec("h200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141 * 10**9, link_bandwidth=450e9),
+    "h200": DeviceSpec(
+        "h200",
+        peak_flops=989e12,
+        mem_bandwidth=4.8e12,
+        memory_bytes=141 * 10**9,
+        link_bandwidth=450e9,
+        int8_flops=1979e12,
+        fp8_flops=1979e12,
+    ),
     "tpu-v5e": DeviceSpec(
-        "tpu-v5e", peak_flops=197e12, mem_bandwidth=0.819e12, memory_bytes=16 * GIB, link_bandwidth=100e9
+        "tpu-v5e",
+        peak_flops=197e12,
+        mem_bandwidth=0.819e12,
+        memory_bytes=16 * GIB,
+        link_bandwidth=100e9,
+        int8_flops=394e12,
     ),
 }
 

@@ -71,6 +71,12 @@ JSON, one object::
 (colocated continuous-batching engine) or `any`. A lookup for (engine, model, tp) takes the exact engine
 first, then `any`. Missing (model, tp) pairs are simply unsupported by that profile.
 
+Precision. An entry is at the checkpoint's own precision unless it says `"quantization": "int8"` (one of
+`jaxserve.core.plan.QUANTIZATIONS`): then it was fitted with the weights at that precision and sits beside the
+checkpoint's entry of the same (engine, model, tp). An instance at a precision the profile has no entry for is
+the checkpoint's entry times the roofline's ratio for each step (`placement.precision.RooflineRatio`); without a
+profile the roofline itself takes the precision's weight bytes and matmul rate (`AppendixModel.gemm_*`).
+
 Memory model: `weight_bytes_per_device`, `kv_bytes_per_token_per_device` and `kv_capacity_tokens`
 (the KV slots an instance holds after its weights, with `DeviceSpec.usable_memory_fraction` of memory
 usable; K/V bytes count the K/V heads a device stores: `kv_heads/tp` when they split, all when replicated). With the default 0.925 it gives OPT-13B on A100-80GB 65,614 tokens at tp1 (artifact: 66,144,
@@ -90,6 +96,7 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxserve.core.limits import DEFAULT_LIMITS
+from jaxserve.core.plan import QUANTIZATIONS
 from models.config import (
     ModelConfig,
     kv_heads_per_device,
@@ -101,6 +108,8 @@ from models.config import (
 from placement.bucket_latency import BucketCosts, BucketModel
 from placement.hardware import DeviceSpec
 from placement.padding import EnginePadding, PaddedModel
+from placement.precision import RooflineRatio, matmul_speedup
+from placement.precision import weight_bytes as precision_weight_bytes
 from placement.stage_latency import StageLatency
 
 DeploymentKind = Literal["disagg", "colocated"]  # the plan's kinds (`DeploymentPlan.kind`)
@@ -166,13 +175,18 @@ def allreduce_bytes_per_device(cfg: ModelConfig, tp: int, num_tokens: int) -> fl
 # ---------------------------------------------------------------------------------------------
 # Memory model
 # ---------------------------------------------------------------------------------------------
-def weight_bytes_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
+def weight_bytes_per_device(cfg: ModelConfig, tp: int, pp: int, quantization: str | None = None) -> float:
     """Weights on one device of the heaviest stage: ceil(L/pp) layers plus the embeddings, sharded tp ways
-    except the k/v projections a tp group replicates (tp a multiple of the K/V heads)."""
+    except the k/v projections a tp group replicates (tp a multiple of the K/V heads). At a `quantization`
+    the layers' matmul weights take its bytes (`placement/precision.py`), the rest stays at the dtype's."""
     layers = math.ceil(cfg.num_layers / pp)
     replicated = layers * replicated_layer_params(cfg, tp)
     params = layers * cfg.num_layer_params + cfg.num_embedding_params - replicated
-    return params * cfg.dtype_bytes / tp + replicated * cfg.dtype_bytes
+    full = params * cfg.dtype_bytes / tp + replicated * cfg.dtype_bytes
+    if quantization is None:
+        return full  # the same floating-point product as before precisions existed
+    saved_per_weight = cfg.dtype_bytes - precision_weight_bytes(quantization, cfg.dtype_bytes)
+    return full - layers * layer_gemm_macs(cfg, tp, 1) * saved_per_weight
 
 
 def kv_bytes_per_token_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
@@ -181,18 +195,26 @@ def kv_bytes_per_token_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
     return 2 * layers * kv_heads_per_device(cfg, tp) * cfg.head_dim * cfg.dtype_bytes
 
 
-def kv_capacity_tokens(cfg: ModelConfig, device: DeviceSpec, tp: int, pp: int) -> int:
-    """KV-cache slots (tokens) one instance holds; 0 when the weights do not fit."""
-    free = device.usable_memory_bytes - weight_bytes_per_device(cfg, tp, pp)
+def kv_capacity_tokens(cfg: ModelConfig, device: DeviceSpec, tp: int, pp: int, quantization: str | None = None) -> int:
+    """KV-cache slots (tokens) one instance holds; 0 when the weights do not fit. The KV stays at the dtype:
+    smaller weights (a `quantization`) leave it more room."""
+    free = device.usable_memory_bytes - weight_bytes_per_device(cfg, tp, pp, quantization)
     if free <= 0:
         return 0
     return int(free // kv_bytes_per_token_per_device(cfg, tp, pp))
 
 
-def fits(cfg: ModelConfig, device: DeviceSpec, tp: int, pp: int, min_kv_tokens: int | None = None) -> bool:
+def fits(
+    cfg: ModelConfig,
+    device: DeviceSpec,
+    tp: int,
+    pp: int,
+    min_kv_tokens: int | None = None,
+    quantization: str | None = None,
+) -> bool:
     """Whether the weights fit with room for at least one max-length sequence of KV cache."""
     need = cfg.max_position_embeddings if min_kv_tokens is None else min_kv_tokens
-    return kv_capacity_tokens(cfg, device, tp, pp) >= need
+    return kv_capacity_tokens(cfg, device, tp, pp, quantization) >= need
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +302,10 @@ class AppendixModel:
     link_bandwidth: float  # bytes/s for all-reduce inside the tp group
     stage_link_bandwidth: float  # bytes/s between adjacent stages
     link_latency_s: float = 10e-6
+    # The layer matmuls' precision (`placement/precision.py`): their rate over the coefficients' (C1 ÷ it) and
+    # their weight bytes over the coefficients' (C4 × it). The LM head, attention and all-reduces keep theirs.
+    gemm_speedup: float = 1.0
+    gemm_bytes_ratio: float = 1.0
     _layers: int = dataclasses.field(init=False, repr=False, compare=False)
     _weights: float = dataclasses.field(init=False, repr=False, compare=False)
     _ar_per_token: float = dataclasses.field(init=False, repr=False, compare=False)
@@ -289,6 +315,8 @@ class AppendixModel:
     _lm_head: float = dataclasses.field(init=False, repr=False, compare=False)
     _decode_overhead: float = dataclasses.field(init=False, repr=False, compare=False)
     _send_bytes_per_token: int = dataclasses.field(init=False, repr=False, compare=False)
+    _c1_gemm: float = dataclasses.field(init=False, repr=False, compare=False)
+    _c4_gemm: float = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Per-instance constants, computed once: the simulator calls the stage functions per step.
@@ -308,13 +336,18 @@ class AppendixModel:
         object.__setattr__(self, "_lm_head", cfg.vocab_size * cfg.embed_dim / tp / self.pp)
         object.__setattr__(self, "_decode_overhead", (c.C3 if c.C6 is None else c.C6) / self.pp)
         object.__setattr__(self, "_send_bytes_per_token", cfg.hidden_size * cfg.dtype_bytes)
+        # x / 1.0 and x * 1.0 are x: at the checkpoint's precision every term is the product it was before
+        object.__setattr__(self, "_c1_gemm", c.C1 / self.gemm_speedup)
+        object.__setattr__(self, "_c4_gemm", c.C4 * self.gemm_bytes_ratio)
 
     def _allreduce_s(self, num_tokens: float) -> float:
         return 2 * (self._ar_per_token * num_tokens + self._ar_fixed)  # two all-reduces a layer
 
     def prefill_stage_s(self, num_tokens: float, sum_sq: float, batch: int) -> float:
         c = self.coeffs
-        per_layer = c.C1 * self._weights * num_tokens + self._attn_prefill * sum_sq + self._allreduce_s(num_tokens)
+        per_layer = (
+            self._c1_gemm * self._weights * num_tokens + self._attn_prefill * sum_sq + self._allreduce_s(num_tokens)
+        )
         return self._layers * per_layer + c.C1 * self._lm_head * batch + c.C3 / self.pp
 
     def decode_stage_s(self, batch: int, ctx_sum: float) -> float:
@@ -323,9 +356,10 @@ class AppendixModel:
     def decode_stage_fn(self, batch: int) -> Callable[[float], float]:
         """`decode_stage_s(batch, ·)`: the terms that do not depend on the context computed once."""
         c = self.coeffs
-        per_elem = max(c.C4, c.C1 * batch)
+        per_elem = max(self._c4_gemm, self._c1_gemm * batch)  # reading a weight, or its multiply-adds
         layers = self._layers * (per_elem * self._weights + self._allreduce_s(batch))
-        attn, lm_head, overhead = self._attn_decode, per_elem * self._lm_head, self._decode_overhead
+        head = max(c.C4, c.C1 * batch)  # the LM head stays at the checkpoint's precision
+        attn, lm_head, overhead = self._attn_decode, head * self._lm_head, self._decode_overhead
         return lambda ctx_sum: layers + attn * ctx_sum + lm_head + overhead
 
     def chunk_stage_s(
@@ -412,6 +446,22 @@ class Profile:
     # colocated instance holds (`max_decode_batch`); what the measurements and the planning assume of them.
     decode_batch: dict[str, int] = dataclasses.field(default_factory=dict)
     limits_source: str | None = None  # where those limits come from (a script, a command line)
+    # Entries fitted at a precision (`"quantization": "int8"` in the entry), by (engine, model, tp, quantization);
+    # the entries above are the checkpoint's own precision, which the others are derived from where missing.
+    quantized: dict[tuple[str, str, int, str], FoldedCoefficients | AppendixCoefficients] = dataclasses.field(
+        default_factory=dict
+    )
+    quantized_padding: dict[tuple[str, str, int, str], EnginePadding] = dataclasses.field(default_factory=dict)
+
+    def lookup_quantized(
+        self, engine: DeploymentKind, model: str, tp: int, quantization: str
+    ) -> tuple[FoldedCoefficients | AppendixCoefficients, EnginePadding | None] | None:
+        """The coefficients fitted at `quantization` (exact engine first, then `any`) and the engine padding they
+        were fitted in; None: none fitted."""
+        for key in ((engine, model, tp, quantization), ("any", model, tp, quantization)):
+            if key in self.quantized:
+                return self.quantized[key], self.quantized_padding.get(key)
+        return None
 
     def max_decode_batch(self, engine: DeploymentKind) -> int | None:
         """The decode batch cap the profiled `engine` ran with (None: the profile does not say)."""
@@ -443,6 +493,8 @@ class Profile:
         folded: dict[tuple[str, str, int], FoldedCoefficients] = {}
         appendix: dict[tuple[str, str, int], AppendixCoefficients] = {}
         padding: dict[tuple[str, str, int], EnginePadding] = {}
+        quantized: dict[tuple[str, str, int, str], FoldedCoefficients | AppendixCoefficients] = {}
+        quantized_padding: dict[tuple[str, str, int, str], EnginePadding] = {}
         for i, entry in enumerate(raw["entries"]):
             try:
                 engine = str(entry.get("engine", "any"))
@@ -457,8 +509,9 @@ class Profile:
                     if entry.get("step_overhead") is not None
                     else None
                 )
+                coeffs: FoldedCoefficients | AppendixCoefficients
                 if "prefill" in entry:
-                    folded[key] = FoldedCoefficients(
+                    coeffs = FoldedCoefficients(
                         prefill=_triple(entry["prefill"]),
                         decode_small=_triple(entry["decode_small"]),
                         decode_large=_triple(entry.get("decode_large", entry["decode_small"])),
@@ -468,7 +521,7 @@ class Profile:
                         overhead=overhead,
                     )
                 elif "C1" in entry:
-                    appendix[key] = AppendixCoefficients(
+                    coeffs = AppendixCoefficients(
                         C1=float(entry["C1"]),
                         C2=float(entry["C2"]),
                         C3=float(entry["C3"]),
@@ -495,14 +548,22 @@ class Profile:
                     )
                 else:
                     raise ProfileError(f"entry {i}: needs either prefill/decode_small/decode_large or C1..C5")
+                quantization = entry.get("quantization")
+                if quantization is not None:  # fitted at a precision: beside the checkpoint's entry, not over it
+                    if quantization not in QUANTIZATIONS:
+                        raise ProfileError(
+                            f"entry {i}: unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}"
+                        )
+                    quantized[(*key, quantization)] = coeffs
+                    if entry.get("engine_padding") is not None:
+                        quantized_padding[(*key, quantization)] = _engine_padding(i, entry["engine_padding"])
+                    continue
+                if isinstance(coeffs, FoldedCoefficients):
+                    folded[key] = coeffs
+                else:
+                    appendix[key] = coeffs
                 if entry.get("engine_padding") is not None:
-                    pad = entry["engine_padding"]
-                    known = {f.name for f in dataclasses.fields(EnginePadding)}
-                    if not isinstance(pad, dict) or set(pad) - known:
-                        raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
-                    bools = {f.name for f in dataclasses.fields(EnginePadding) if f.type in ("bool", bool)}
-                    values: dict[str, Any] = {k: bool(v) if k in bools else int(v) for k, v in pad.items()}
-                    padding[key] = EnginePadding(**values)
+                    padding[key] = _engine_padding(i, entry["engine_padding"])
             except (KeyError, TypeError, ValueError) as e:
                 if isinstance(e, ProfileError):
                     raise
@@ -516,7 +577,18 @@ class Profile:
             padding=padding,
             decode_batch=decode_batch,
             limits_source=limits_source,
+            quantized=quantized,
+            quantized_padding=quantized_padding,
         )
+
+
+def _engine_padding(i: int, pad: object) -> EnginePadding:
+    known = {f.name for f in dataclasses.fields(EnginePadding)}
+    if not isinstance(pad, dict) or set(pad) - known:
+        raise ProfileError(f"entry {i}: engine_padding takes only {sorted(known)}")
+    bools = {f.name for f in dataclasses.fields(EnginePadding) if f.type in ("bool", bool)}
+    values: dict[str, Any] = {k: bool(v) if k in bools else int(v) for k, v in pad.items()}
+    return EnginePadding(**values)
 
 
 def _engine_limits(raw: object) -> tuple[dict[str, int], str | None]:
@@ -591,18 +663,33 @@ class LatencyProvider:
         return self.profile is None or self.profile.lookup(engine, self.model_name, tp) is not None
 
     def instance(
-        self, engine: DeploymentKind, tp: int, pp: int, stage_link_bandwidth: float | None = None
+        self,
+        engine: DeploymentKind,
+        tp: int,
+        pp: int,
+        stage_link_bandwidth: float | None = None,
+        quantization: str | None = None,
     ) -> StageLatency:
         """The latency model of one instance; `stage_link_bandwidth` is the link between adjacent stages.
 
         An entry fitted in the engine's padded shapes (`engine_padding`) gives a model that pads each
-        batch the way the engine does before applying the coefficients.
+        batch the way the engine does before applying the coefficients. At a `quantization` (None: the
+        checkpoint's precision) the roofline takes its bytes and matmul rate; a profile gives the entry fitted
+        at it, else its checkpoint entry carried over by the roofline (`precision_source` says which).
         """
         link = self.intra_node_bandwidth or self.device.link_bandwidth
         stage_link = stage_link_bandwidth or link
         if self.profile is None:
-            return AppendixModel(
-                self.cfg, AppendixCoefficients.roofline(self.device, self.cfg.dtype_bytes), tp, pp, link, stage_link
+            return self._roofline(tp, pp, link, stage_link, quantization)
+        if quantization is not None:
+            fitted = self.profile.lookup_quantized(engine, self.model_name, tp, quantization)
+            if fitted is not None:
+                model = self._from_coeffs(fitted[0], tp, pp, link, stage_link)
+                return model if fitted[1] is None else PaddedModel(model, fitted[1])
+            return RooflineRatio(
+                self.instance(engine, tp, pp, stage_link_bandwidth),
+                self._roofline(tp, pp, link, stage_link, quantization),
+                self._roofline(tp, pp, link, stage_link, None),
             )
         coeffs = self.profile.lookup(engine, self.model_name, tp)
         if coeffs is None:
@@ -610,20 +697,42 @@ class LatencyProvider:
                 f"profile {self.profile.name!r} has no {engine} coefficients for {self.model_name} tp{tp}; "
                 f"it has tp {self.profile.supported_tps(engine, self.model_name)}"
             )
-        base: AppendixModel | FoldedModel | BucketModel
-        if isinstance(coeffs, FoldedCoefficients):
-            base = FoldedModel(self.cfg, coeffs, pp, stage_link)
-        else:
-            base = AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
-            if coeffs.buckets is not None:
-                b = coeffs.buckets
-                cfg = self.cfg  # L·3(h/tp) for OPT, as the Appendix form
-                width = attention_factor(cfg, tp) * cfg.num_layers * (cfg.num_heads * cfg.head_dim) / tp
-                base = BucketModel(b, b.C2 * width / coeffs.attention_tile, b.C5 * width, base.send_s, pp)
+        base = self._from_coeffs(coeffs, tp, pp, link, stage_link)
         pad = self.profile.padding_of(engine, self.model_name, tp)
         if pad is None:
             return base
         return PaddedModel(base, pad)
+
+    def _roofline(self, tp: int, pp: int, link: float, stage_link: float, quantization: str | None) -> AppendixModel:
+        coeffs = AppendixCoefficients.roofline(self.device, self.cfg.dtype_bytes)
+        if quantization is None:
+            return AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+        speedup = matmul_speedup(quantization, self.device)
+        ratio = precision_weight_bytes(quantization, self.cfg.dtype_bytes) / self.cfg.dtype_bytes
+        return AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link, gemm_speedup=speedup, gemm_bytes_ratio=ratio)
+
+    def _from_coeffs(
+        self, coeffs: FoldedCoefficients | AppendixCoefficients, tp: int, pp: int, link: float, stage_link: float
+    ) -> AppendixModel | FoldedModel | BucketModel:
+        if isinstance(coeffs, FoldedCoefficients):
+            return FoldedModel(self.cfg, coeffs, pp, stage_link)
+        base = AppendixModel(self.cfg, coeffs, tp, pp, link, stage_link)
+        if coeffs.buckets is None:
+            return base
+        b = coeffs.buckets
+        cfg = self.cfg  # L·3(h/tp) for OPT, as the Appendix form
+        width = attention_factor(cfg, tp) * cfg.num_layers * (cfg.num_heads * cfg.head_dim) / tp
+        return BucketModel(b, b.C2 * width / coeffs.attention_tile, b.C5 * width, base.send_s, pp)
+
+    def precision_source(self, engine: DeploymentKind, tp: int, quantization: str | None) -> str:
+        """Where an instance's latency at `quantization` comes from, for the planner's report."""
+        if self.profile is None:
+            return "roofline"
+        if quantization is None:
+            return f"profile {self.profile.name}"
+        if self.profile.lookup_quantized(engine, self.model_name, tp, quantization) is not None:
+            return f"profile {self.profile.name}, fitted at {quantization}"
+        return f"profile {self.profile.name} at the checkpoint's precision x the roofline's {quantization} ratio"
 
     def engine_token_cap(self, engine: DeploymentKind, tp: int) -> int:
         """The most prompt tokens the engine batches in one prefill step: the profile's cap, else the default limit."""
@@ -642,10 +751,12 @@ class LatencyProvider:
                 return coeffs.max_batch_tokens
         return None
 
-    def step_overhead(self, engine: DeploymentKind, tp: int) -> StepOverhead:
-        """Host time per step (the profile's `step_overhead`; none without one)."""
+    def step_overhead(self, engine: DeploymentKind, tp: int, quantization: str | None = None) -> StepOverhead:
+        """Host time per step (the profile's `step_overhead`; none without one): the entry fitted at `quantization`
+        where the profile has one, else the checkpoint precision's (host work does not depend on the weights)."""
         if self.profile is not None:
-            coeffs = self.profile.lookup(engine, self.model_name, tp)
+            fitted = self.profile.lookup_quantized(engine, self.model_name, tp, quantization) if quantization else None
+            coeffs = fitted[0] if fitted is not None else self.profile.lookup(engine, self.model_name, tp)
             if coeffs is not None and coeffs.overhead is not None:
                 return coeffs.overhead
         return NO_OVERHEAD

@@ -2,7 +2,8 @@
 
 `choose_plan(ctx, ...)` runs the searches a plan needs — Algorithm 1 (high node affinity) or 2 (low) for the
 disaggregated kind, the colocated search, with `kind="auto"` both and the better goodput per device — verifies
-an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone), optionally searches
+an Algorithm-1 plan by a joint simulation (the per-phase searches judge each phase alone; with several allowed
+precisions, also at the precisions near each phase's own: `precision_variants`), optionally searches
 the prefill:decode ratio, and returns the placed `DeploymentPlan` (model, expected metrics and the serving
 limits it was planned with filled in) with a `PlanReport` of how it was chosen.
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 from jaxserve.core.limits import ServingLimits
-from jaxserve.core.plan import DeploymentPlan, PlanError
+from jaxserve.core.plan import DeploymentPlan, PlanError, Role
 from placement.candidates import (
     Candidate,
     Evaluated,
@@ -28,6 +29,7 @@ from placement.candidates import (
     plan_job,
 )
 from placement.latency import kv_capacity_tokens
+from placement.precision import describe
 from placement.search import (
     algorithm1,
     algorithm1_jobs,
@@ -39,6 +41,7 @@ from placement.search import (
     colocated_jobs,
     colocated_search,
     evaluate_all,
+    phase_candidate,
     ratio_search,
     replicate_colocated,
 )
@@ -86,8 +89,8 @@ class PlanReport:
         mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
         wins = sum(x > y for x, y in zip(a, b, strict=True))
         return (
-            f"{self.plan.describe()} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
-            f"{self.runner_up.describe()} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
+            f"{describe(self.plan)} {mean_a:.3g} rps/device [{min(a):.3g}, {max(a):.3g}] vs runner-up "
+            f"{describe(self.runner_up)} {mean_b:.3g} [{min(b):.3g}, {max(b):.3g}] over {len(a)} workload samples: "
             f"lead {100 * (mean_a / mean_b - 1) if mean_b > 0 else float('inf'):+.1f} %, ahead on {wins} of {len(a)}"
         )
 
@@ -106,7 +109,7 @@ def planned_limits(plan: DeploymentPlan, ctx: SearchContext) -> ServingLimits:
     limits = opts.served_limits(token_cap=min(caps), decode_batch=decode_batch)
     if limits.num_kv_blocks is None:
         blocks = min(
-            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp) // limits.block_size
+            kv_capacity_tokens(ctx.cfg, ctx.cluster.device, i.tp, i.pp, i.quantization) // limits.block_size
             for i in plan.instances
             if i.role != "prefill"
         )
@@ -135,124 +138,310 @@ def choose_plan(
 
     With `prune` candidates that provably cannot be picked (nor be among the `interval_top` leaders) are
     not simulated (`evaluate_all`): the same plan, faster; they show as `Candidate.pruned`. `cache` carries
-    simulated candidates between calls on the same workload, SLOs and options (`evaluate_all`)."""
+    simulated candidates between calls on the same workload, SLOs and options (`evaluate_all`).
+
+    Four steps: the searches generate and evaluate their candidates and each picks its best (`_search`), the
+    kinds are compared and the winner replicated (`_select`), the plan gets what it was planned with
+    (`_finish`), and with `reseed` the choice is re-simulated on more workload samples (`_resample_choice`)."""
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive")
-    cluster, latency = ctx.cluster, ctx.latency
-    disagg = colocated = ratio = None
-    joint = None
-    failures: list[str] = []
-    # The candidates of every search this call runs, in two parallel maps: first every phase alone and
-    # every colocated shape; then what starts from those results (Algorithm 2's pairs, from their phases)
-    # or needs them (the joint check of Algorithm 1's plan).
-    # A search needs its best few candidates exactly (its pick, the leaders given a range over seeds); the
-    # others may be skipped once their throughput bound shows they cannot be among them (`evaluate_all`).
-    local_search = kind != "colocated" and (affinity == "low" or verify)  # Algorithm 2 runs
-    first, prunable = _first_jobs(ctx, kind, affinity, local_search, compare_colocated)
-    keep = max(1, interval_top)
-    evaluated = evaluate_all(first, workers, progress, prunable if prune else None, keep, cluster, cache)
-    if kind != "colocated" and affinity == "high":
-        try:
-            disagg = algorithm1(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
-        except PlanError as e:
-            if kind == "disagg":
-                raise
-            failures.append(f"disaggregated: {e}")
-    second: list[Job] = []
-    prunable = {}
-    if local_search:
-        with contextlib.suppress(PlanError, KeyError):  # KeyError: no phase results (no pairs fit)
-            pairs = algorithm2_jobs(ctx, evaluated)
-            second += pairs
-            prunable = _competing(pairs)
-    disagg_plan = None
-    if disagg is not None:
-        disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=False)
-        if verify:  # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs
-            second.insert(0, plan_job(ctx, disagg_plan))  # the longest job of the map (a cold search): first
-    evaluated.update(evaluate_all(second, workers, progress, prunable if prune else None, keep, cache=cache))
-    if kind != "colocated" and affinity == "low":
-        try:
-            disagg = algorithm2(ctx, rate, workers=workers, progress=progress, evaluated=evaluated)
-            disagg_plan = assign_nodes(disagg.plan, cluster, pair_stages=True)
-        except PlanError as e:
-            if kind == "disagg":
-                raise
-            failures.append(f"disaggregated: {e}")
-    if kind != "disagg" or compare_colocated:
-        try:
-            colocated = colocated_search(ctx, workers=workers, progress=progress, evaluated=evaluated)
-        except PlanError as e:
-            if kind == "colocated" or disagg is None:
-                raise PlanError("; ".join([*failures, f"colocated: {e}"])) from None
-            failures.append(f"colocated: {e}")
-    if disagg_plan is not None and affinity == "high" and verify:
-        joint = evaluated[("disagg", disagg_plan.instances)].goodput_rps
-    disagg_rps = joint if joint is not None else (disagg.goodput_rps if disagg else 0.0)
-    disagg_pd = disagg_rps / disagg_plan.num_devices if disagg_plan is not None else 0.0
-    if kind != "colocated" and affinity == "high" and verify:
-        better = _node_local_beats(ctx, rate, workers, progress, evaluated, disagg_plan, disagg_pd)
-        if better is not None:
-            disagg, disagg_plan = better
-            joint = disagg_rps = disagg.goodput_rps
-            disagg_pd = disagg_rps / disagg_plan.num_devices
-            failures = [f for f in failures if not f.startswith("disaggregated")]
-    chosen, why = choose_deployment(disagg, disagg_pd, colocated if kind != "disagg" else None)
-    if chosen == "disagg":
-        assert disagg is not None and disagg_plan is not None
-        result, plan, goodput_rps = disagg, disagg_plan, disagg_rps
-        if ratio_devices:
-            shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
-            ratio = ratio_search(ctx, *shapes, max_devices=ratio_devices, workers=workers, progress=progress)
+    how = _How(kind, affinity, rate, workers, verify, compare_colocated, progress, interval_top, prune, cache)
+    searched = _search(ctx, how)
+    chosen = _select(ctx, searched, how, ratio_devices)
+    plan = _finish(ctx, searched, chosen, how)
+    if chosen.kind == "disagg":
+        runner_up, runner_rps = _colocated_runner_up(ctx, searched.colocated, rate)
     else:
-        assert colocated is not None
-        result = replicate_colocated(ctx, colocated, rate)
-        plan = assign_nodes(result.plan, cluster)
-        goodput_rps = result.goodput_rps
-    expected = {
-        "goodput_rps": goodput_rps,
-        "goodput_rps_per_device": goodput_rps / plan.num_devices,
-        "search_goodput_rps": result.goodput_rps,
-        "ttft_slo_s": ctx.slo.ttft_s,
-        "tpot_slo_s": ctx.slo.tpot_s,
-        "attainment": ctx.slo.attainment,
-    }
-    if disagg is not None and colocated is not None and kind == "auto":
-        expected["disagg_goodput_rps_per_device"] = disagg_pd
-        expected["colocated_goodput_rps_per_device"] = colocated.goodput_per_device
-    if rate is not None:
-        expected["target_rate_rps"] = rate
-    plan = dataclasses.replace(plan, model=latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
-    if chosen == "disagg":
-        runner_up, runner_rps = _colocated_runner_up(ctx, colocated, rate)
-    else:
-        runner_up, runner_rps = disagg_plan, disagg_rps
+        runner_up, runner_rps = searched.disagg_plan, searched.disagg_rps
     chosen_samples: tuple[float, ...] = ()
     runner_samples: tuple[float, ...] = ()
     intervals: tuple[tuple[Candidate, tuple[float, ...]], ...] = ()
     if reseed is not None and seeds > 0:
-        leaders = _leaders([r for r in (disagg, colocated) if r is not None], interval_top)
-        # with a runner-up, the chosen plan and it are re-simulated whole, on the search's workload too
-        pair = ((plan, goodput_rps), (runner_up, runner_rps)) if runner_up is not None else ()
-        intervals, whole = _resampled(ctx, leaders, pair, [reseed(1000 + i) for i in range(seeds)], workers)
-        if whole:
-            chosen_samples, runner_samples = whole
+        intervals, chosen_samples, runner_samples = _resample_choice(
+            ctx, searched, (plan, chosen.goodput_rps), (runner_up, runner_rps), reseed, seeds, how
+        )
     return PlanReport(
         plan=plan,
-        result=result,
-        goodput_rps=goodput_rps,
-        why=why,
-        disagg=disagg,
-        colocated=colocated,
-        joint_rps=joint,
-        disagg_per_device=disagg_pd,
-        ratio=ratio,
-        failures=tuple(failures),
+        result=chosen.result,
+        goodput_rps=chosen.goodput_rps,
+        why=chosen.why,
+        disagg=searched.disagg,
+        colocated=searched.colocated,
+        joint_rps=searched.joint,
+        disagg_per_device=searched.disagg_pd,
+        ratio=chosen.ratio,
+        failures=tuple(searched.failures),
         chosen_samples=chosen_samples,
         runner_up=runner_up,
         runner_up_samples=runner_samples,
         candidate_intervals=intervals,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _How:
+    """`choose_plan`'s options, as its steps read them."""
+
+    kind: PlanKind
+    affinity: Affinity
+    rate: float | None
+    workers: int
+    verify: bool
+    compare_colocated: bool
+    progress: Callable[[int, int], None] | None
+    interval_top: int  # the leaders per search and kind given a range over seeds
+    prune: bool
+    cache: Evaluated | None
+
+    @property
+    def keep(self) -> int:
+        """The leaders per search and kind that must be simulated (`evaluate_all`'s `keep`)."""
+        return max(1, self.interval_top)
+
+    @property
+    def disagg_high(self) -> bool:
+        """Algorithm 1 runs (and, with `verify`, its plan is checked jointly and against Algorithm 2's)."""
+        return self.kind != "colocated" and self.affinity == "high"
+
+    @property
+    def local_search(self) -> bool:
+        """Algorithm 2 runs: low affinity, or high affinity's check against the node-local placements."""
+        return self.kind != "colocated" and (self.affinity == "low" or self.verify)
+
+    @property
+    def colocated_search(self) -> bool:
+        return self.kind != "disagg" or self.compare_colocated
+
+
+@dataclasses.dataclass
+class _Searched:
+    """What the searches found, before the kinds are compared: each kind's best and the disaggregated plan placed."""
+
+    evaluated: Evaluated
+    disagg: SearchResult | None = None
+    disagg_plan: DeploymentPlan | None = None
+    colocated: SearchResult | None = None
+    joint: float | None = None  # the joint simulation of the disaggregated plan (verified Algorithm 1)
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def disagg_rps(self) -> float:
+        return self.joint if self.joint is not None else (self.disagg.goodput_rps if self.disagg else 0.0)
+
+    @property
+    def disagg_pd(self) -> float:
+        return self.disagg_rps / self.disagg_plan.num_devices if self.disagg_plan is not None else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    kind: str  # "disagg" | "colocated"
+    why: str
+    result: SearchResult  # the search whose plan was chosen (a colocated one replicated)
+    plan: DeploymentPlan  # placed
+    goodput_rps: float
+    ratio: SearchResult | None = None
+
+
+def _search(ctx: SearchContext, how: _How) -> _Searched:
+    """Candidate generation and evaluation, in two parallel maps — first every phase alone and every colocated
+    shape; then what starts from those results (Algorithm 2's pairs, from their phases) or needs them (the joint
+    check of Algorithm 1's plan) — and each search's pick from them.
+
+    A search needs its best few candidates exactly (its pick, the leaders given a range over seeds); the others
+    may be skipped once their throughput bound shows they cannot be among them (`evaluate_all`)."""
+    first, prunable = _first_jobs(ctx, how.kind, how.affinity, how.local_search, how.compare_colocated)
+    evaluated = evaluate_all(
+        first, how.workers, how.progress, prunable if how.prune else None, how.keep, ctx.cluster, how.cache
+    )
+    found = _Searched(evaluated)
+    if how.disagg_high:
+        found.disagg = _attempt(
+            how,
+            found.failures,
+            lambda: algorithm1(ctx, how.rate, workers=how.workers, progress=how.progress, evaluated=evaluated),
+        )
+    if found.disagg is not None:
+        found.disagg_plan = assign_nodes(found.disagg.plan, ctx.cluster, pair_stages=False)
+    second, prunable = _second_jobs(ctx, evaluated, found.disagg_plan, how)
+    evaluated.update(
+        evaluate_all(second, how.workers, how.progress, prunable if how.prune else None, how.keep, cache=how.cache)
+    )
+    if how.kind != "colocated" and how.affinity == "low":
+
+        def low() -> None:
+            found.disagg = algorithm2(ctx, how.rate, workers=how.workers, progress=how.progress, evaluated=evaluated)
+            found.disagg_plan = assign_nodes(found.disagg.plan, ctx.cluster, pair_stages=True)
+
+        _attempt(how, found.failures, low)
+    if how.colocated_search:
+        try:
+            found.colocated = colocated_search(ctx, workers=how.workers, progress=how.progress, evaluated=evaluated)
+        except PlanError as e:
+            if how.kind == "colocated" or found.disagg is None:
+                raise PlanError("; ".join([*found.failures, f"colocated: {e}"])) from None
+            found.failures.append(f"colocated: {e}")
+    if found.disagg_plan is not None and how.disagg_high and how.verify:
+        found.joint = evaluated[("disagg", found.disagg_plan.instances)].goodput_rps
+        _best_joint_precisions(ctx, found)
+    return found
+
+
+# Algorithm 1 gives each phase the precision that serves most alone; at the chosen shapes, the precisions within
+# this share of it are also simulated jointly (prefill bursts make decode batches larger than a decode instance
+# alone sees, and larger batches favour a faster matmul over fewer bytes: the best pair alone is not always the
+# best pair together).
+JOINT_PRECISION_MARGIN = 0.10
+
+
+def precision_variants(ctx: SearchContext, plan: DeploymentPlan, evaluated: Evaluated) -> list[DeploymentPlan]:
+    """`plan` (Algorithm 1's: one shape per role) with each role's precision replaced by those whose phase alone
+    at that shape serves within `JOINT_PRECISION_MARGIN` of the plan's own; the plan itself first."""
+    choices: dict[str, list[str | None]] = {}
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    for role in roles:
+        inst = plan.of_role(role)[0]
+        own = phase_candidate(ctx, evaluated, role, inst.tp, inst.pp, inst.quantization)
+        floor = (1 - JOINT_PRECISION_MARGIN) * own.goodput_rps if own is not None else float("inf")
+        near = [inst.quantization]
+        for q in ctx.precisions:
+            cand = phase_candidate(ctx, evaluated, role, inst.tp, inst.pp, q)
+            if q != inst.quantization and cand is not None and cand.goodput_rps > 0 and cand.goodput_rps >= floor:
+                near.append(q)
+        choices[role] = near
+    return [
+        dataclasses.replace(
+            plan,
+            instances=tuple(
+                dataclasses.replace(i, quantization=q_p if i.role == "prefill" else q_d) for i in plan.instances
+            ),
+        )
+        for q_p in choices["prefill"]
+        for q_d in choices["decode"]
+    ]
+
+
+def _best_joint_precisions(ctx: SearchContext, found: _Searched) -> None:
+    """Take the precision pair of `precision_variants` that serves most jointly (ties keep Algorithm 1's)."""
+    assert found.disagg is not None and found.disagg_plan is not None and found.joint is not None
+    best, best_rps = found.disagg_plan, found.joint
+    for variant in precision_variants(ctx, found.disagg_plan, found.evaluated)[1:]:
+        rps = found.evaluated[("disagg", variant.instances)].goodput_rps
+        if rps > best_rps * (1 + 1e-9):
+            best, best_rps = variant, rps
+    if best is found.disagg_plan:
+        return
+    before = describe(found.disagg_plan)
+    q = {i.role: i.quantization for i in best.instances}
+    unplaced = dataclasses.replace(
+        found.disagg.plan,
+        instances=tuple(dataclasses.replace(i, quantization=q[i.role]) for i in found.disagg.plan.instances),
+    )
+    reason = (
+        f"{found.disagg.reason}; jointly {describe(best)} serves {best_rps:.3g} rps against "
+        f"{found.joint:.3g} for {before} (the phases' precisions alone)"
+    )
+    found.disagg = dataclasses.replace(found.disagg, plan=unplaced, reason=reason)
+    found.disagg_plan, found.joint = best, best_rps
+
+
+_T = TypeVar("_T")
+
+
+def _attempt(how: _How, failures: list[str], search: Callable[[], _T]) -> _T | None:
+    """A disaggregated search's result; with kind auto a PlanError is noted in `failures` (the colocated kind
+    may still win) instead of raised."""
+    try:
+        return search()
+    except PlanError as e:
+        if how.kind == "disagg":
+            raise
+        failures.append(f"disaggregated: {e}")
+        return None
+
+
+def _second_jobs(
+    ctx: SearchContext, evaluated: Evaluated, disagg_plan: DeploymentPlan | None, how: _How
+) -> tuple[list[Job], dict[Key, frozenset[Key]]]:
+    """The second map's jobs — Algorithm 2's pairs (from their phases' results) and the joint check of Algorithm
+    1's plan — and which of them may be pruned (the pairs, among themselves)."""
+    second: list[Job] = []
+    prunable: dict[Key, frozenset[Key]] = {}
+    if how.local_search:
+        with contextlib.suppress(PlanError, KeyError):  # KeyError: no phase results (no pairs fit)
+            pairs = algorithm2_jobs(ctx, evaluated)
+            second += pairs
+            prunable = _competing(pairs)
+    if disagg_plan is not None and how.disagg_high and how.verify:
+        # Algorithm 1 judged each phase alone; check the whole deployment against both SLOs (at the precisions
+        # near its phases' own too): the longest jobs of the map (cold searches), first
+        second[:0] = [plan_job(ctx, p) for p in precision_variants(ctx, disagg_plan, evaluated)]
+    return second, prunable
+
+
+def _select(ctx: SearchContext, found: _Searched, how: _How, ratio_devices: int) -> _Chosen:
+    """Selection: Algorithm 2's node-local placement where it beats Algorithm 1's verified plan, then the kind with
+    more goodput per device, its plan replicated and placed (and the xPyD ratio of a disaggregated one)."""
+    if how.disagg_high and how.verify:
+        better = _node_local_beats(
+            ctx, how.rate, how.workers, how.progress, found.evaluated, found.disagg_plan, found.disagg_pd
+        )
+        if better is not None:
+            found.disagg, found.disagg_plan = better
+            found.joint = found.disagg.goodput_rps
+            found.failures = [f for f in found.failures if not f.startswith("disaggregated")]
+    disagg, colocated = found.disagg, found.colocated
+    kind, why = choose_deployment(disagg, found.disagg_pd, colocated if how.kind != "disagg" else None)
+    if kind == "colocated":
+        assert colocated is not None
+        result = replicate_colocated(ctx, colocated, how.rate)
+        return _Chosen(kind, why, result, assign_nodes(result.plan, ctx.cluster), result.goodput_rps)
+    assert disagg is not None and found.disagg_plan is not None
+    ratio = None
+    if ratio_devices:
+        shapes = (disagg.plan.of_role("prefill")[0], disagg.plan.of_role("decode")[0])
+        ratio = ratio_search(ctx, *shapes, max_devices=ratio_devices, workers=how.workers, progress=how.progress)
+    return _Chosen(kind, why, disagg, found.disagg_plan, found.disagg_rps, ratio)
+
+
+def _finish(ctx: SearchContext, found: _Searched, chosen: _Chosen, how: _How) -> DeploymentPlan:
+    """The chosen plan with its model, what it is expected to deliver and the limits it was planned with."""
+    plan, goodput_rps = chosen.plan, chosen.goodput_rps
+    expected = {
+        "goodput_rps": goodput_rps,
+        "goodput_rps_per_device": goodput_rps / plan.num_devices,
+        "search_goodput_rps": chosen.result.goodput_rps,
+        "ttft_slo_s": ctx.slo.ttft_s,
+        "tpot_slo_s": ctx.slo.tpot_s,
+        "attainment": ctx.slo.attainment,
+    }
+    if found.disagg is not None and found.colocated is not None and how.kind == "auto":
+        expected["disagg_goodput_rps_per_device"] = found.disagg_pd
+        expected["colocated_goodput_rps_per_device"] = found.colocated.goodput_per_device
+    if how.rate is not None:
+        expected["target_rate_rps"] = how.rate
+    return dataclasses.replace(plan, model=ctx.latency.cfg.name, expected=expected, limits=planned_limits(plan, ctx))
+
+
+def _resample_choice(
+    ctx: SearchContext,
+    found: _Searched,
+    chosen: tuple[DeploymentPlan, float],
+    runner_up: tuple[DeploymentPlan | None, float],
+    reseed: Callable[[int], Workload],
+    seeds: int,
+    how: _How,
+) -> tuple[tuple[tuple[Candidate, tuple[float, ...]], ...], tuple[float, ...], tuple[float, ...]]:
+    """Reporting how sure the choice is: the leading candidates of each search and (with a runner-up) the chosen
+    plan and the runner-up, re-simulated on `seeds` more workload samples."""
+    leaders = _leaders([r for r in (found.disagg, found.colocated) if r is not None], how.interval_top)
+    # with a runner-up, the chosen plan and it are re-simulated whole, on the search's workload too
+    other, other_rps = runner_up
+    pair: tuple[tuple[DeploymentPlan, float | None], ...] = (chosen, (other, other_rps)) if other is not None else ()
+    intervals, whole = _resampled(ctx, leaders, pair, [reseed(1000 + i) for i in range(seeds)], how.workers)
+    if whole:
+        return intervals, whole[0], whole[1]
+    return intervals, (), ()
 
 
 def _first_jobs(

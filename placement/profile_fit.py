@@ -352,9 +352,11 @@ def profile_entry(
     l_m: int | None = None,
     saturation: float = 0.9,
     padding: EnginePadding | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """One profile entry (the schema in `placement/latency.py`): C1..C6, `step_overhead`, L_m, and the fit
-    errors under `fit`.
+    errors under `fit`; with `quantization`, samples of an engine serving its weights at that precision (the
+    entry then sits beside the checkpoint precision's, and the planner takes it for instances at it).
 
     With `padding` the coefficients are per padded element; the entry says so under `engine_padding`
     and `LatencyProvider.instance` then charges padded shapes, from the `bucket_costs` fitted with them.
@@ -380,6 +382,8 @@ def profile_entry(
         "L_m": l_m if l_m is not None else detect_lm(prefill, saturation),
         "fit": errors,
     }
+    if quantization is not None:
+        entry["quantization"] = quantization
     if padding is not None:
         entry["engine_padding"] = dataclasses.asdict(padding)
     if buckets is not None:

@@ -55,6 +55,7 @@ from placement.cluster_plan import (
 from placement.goodput import GoodputSearch, max_rate
 from placement.latency import NO_OVERHEAD, DeploymentKind, LatencyProvider, StageLatency, StepOverhead
 from placement.planner import PlanKind
+from placement.precision import describe
 from placement.search import SearchContext
 from placement.step_time import decode_step_s, prefill_step_s
 from placement.workload import Workload, arrival_times
@@ -130,9 +131,14 @@ class CorrectedLatency(LatencyProvider):
     decode_factor: float = 1.0
 
     def instance(
-        self, engine: DeploymentKind, tp: int, pp: int, stage_link_bandwidth: float | None = None
+        self,
+        engine: DeploymentKind,
+        tp: int,
+        pp: int,
+        stage_link_bandwidth: float | None = None,
+        quantization: str | None = None,
     ) -> StageLatency:
-        base = super().instance(engine, tp, pp, stage_link_bandwidth)
+        base = super().instance(engine, tp, pp, stage_link_bandwidth, quantization)
         if self.prefill_factor == 1.0 and self.decode_factor == 1.0:
             return base
         return ScaledStage(base, self.prefill_factor, self.decode_factor)
@@ -268,12 +274,13 @@ class ReplanConfig:
 def plan_delta(current: DeploymentPlan, candidate: DeploymentPlan) -> tuple[int, int]:
     """(devices of instances to add, devices of instances to retire) to go from `current` to `candidate`.
 
-    Instances of the same role and shape in both plans are kept as they are (no reload, no drain).
+    Instances of the same role, shape and precision in both plans are kept as they are (no reload, no drain); one
+    whose weights change precision is reloaded.
     """
-    keep = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in current.instances)
-    want = Counter((i.role, i.tp, i.pp, i.chunk_size) for i in candidate.instances)
-    added = sum(n * tp * pp for (_, tp, pp, _), n in (want - keep).items())
-    removed = sum(n * tp * pp for (_, tp, pp, _), n in (keep - want).items())
+    keep = Counter((i.role, i.tp, i.pp, i.chunk_size, i.quantization) for i in current.instances)
+    want = Counter((i.role, i.tp, i.pp, i.chunk_size, i.quantization) for i in candidate.instances)
+    added = sum(n * tp * pp for (_, tp, pp, _, _), n in (want - keep).items())
+    removed = sum(n * tp * pp for (_, tp, pp, _, _), n in (keep - want).items())
     return added, removed
 
 
@@ -319,13 +326,13 @@ def decide(current: PlanEstimate, candidate: PlanEstimate, required_rps: float, 
     cur_ok = current.goodput_rps >= required_rps
     new_ok = candidate.goodput_rps >= required_rps
     reasons = [
-        f"required {required_rps:.3g} rps; current {current.plan.describe()} on {current.num_devices} devices "
-        f"serves {current.goodput_rps:.3g} rps, candidate {candidate.plan.describe()} on "
+        f"required {required_rps:.3g} rps; current {describe(current.plan)} on {current.num_devices} devices "
+        f"serves {current.goodput_rps:.3g} rps, candidate {describe(candidate.plan)} on "
         f"{candidate.num_devices} devices serves {candidate.goodput_rps:.3g} rps",
         f"delivered per device {cur:.4g} -> {new:.4g} (gain {gain:+.1%}); threshold {threshold:.1%} = "
         f"min gain {config.min_gain:.1%} + switch cost {cost:.1%} ({added} devices to load, {removed} to drain)",
     ]
-    if current.plan.describe() == candidate.plan.describe():
+    if describe(current.plan) == describe(candidate.plan):  # the same shapes at the same precisions
         switch = False
         reasons.append("keep: the candidate is the current plan")
     elif not cur_ok and new_ok:

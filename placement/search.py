@@ -49,6 +49,7 @@ from placement.candidates import (
 )
 from placement.hardware import ClusterSpec
 from placement.latency import DeploymentKind, fits
+from placement.precision import shape
 from placement.worker_pool import WorkerPool, pool_map
 
 # the names the searches' callers import from here (the candidates' module holds them)
@@ -77,17 +78,28 @@ def tp_degrees(cfg: ModelConfig, max_tp: int) -> list[int]:
     return [tp for tp in range(1, max_tp + 1) if supports_tp(cfg, tp)]
 
 
-def instance_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[tuple[int, int]]:
-    """Feasible (tp, pp): tp within a node, tp·pp ≤ max_devices, weights + one full sequence of KV fit."""
+def instance_shapes(
+    ctx: SearchContext, engine: DeploymentKind, max_devices: int, quantization: str | None = None
+) -> list[tuple[int, int]]:
+    """Feasible (tp, pp): tp within a node, tp·pp ≤ max_devices, weights (at `quantization`) + one full sequence
+    of KV fit."""
     cfg, cluster = ctx.cfg, ctx.cluster
     out = []
     for tp in tp_degrees(cfg, cluster.devices_per_node):
         if not ctx.latency.supports(engine, tp):
             continue
         for pp in range(1, min(cfg.num_layers, max_devices // tp, ctx.max_pp or cfg.num_layers) + 1):
-            if fits(cfg, cluster.device, tp, pp):
+            if fits(cfg, cluster.device, tp, pp, quantization=quantization):
                 out.append((tp, pp))
     return out
+
+
+Shape = tuple[int, int, str | None]  # (tp, pp, quantization) of an instance the search may propose
+
+
+def precision_shapes(ctx: SearchContext, engine: DeploymentKind, max_devices: int) -> list[Shape]:
+    """`instance_shapes` at each of the context's precisions, precision-major (the checkpoint's alone: as before)."""
+    return [(tp, pp, q) for q in ctx.precisions for tp, pp in instance_shapes(ctx, engine, max_devices, q)]
 
 
 def evaluate_all(
@@ -198,15 +210,28 @@ def _evaluate(
     return tuple(pool_map(evaluate_job, jobs, workers, progress))
 
 
-def _phase_plan(ctx: SearchContext, tp: int, pp: int) -> DeploymentPlan:
+def _phase_plan(ctx: SearchContext, tp: int, pp: int, quantization: str | None = None) -> DeploymentPlan:
     """A one-instance-per-phase plan: the other phase's instance is a placeholder the mode skips."""
-    return DeploymentPlan((InstanceSpec("prefill", tp, pp), InstanceSpec("decode", tp, pp)), model=ctx.cfg.name)
+    return DeploymentPlan(
+        (
+            InstanceSpec("prefill", tp, pp, quantization=quantization),
+            InstanceSpec("decode", tp, pp, quantization=quantization),
+        ),
+        model=ctx.cfg.name,
+    )
 
 
-def _phase_jobs(ctx: SearchContext, shapes: Iterable[tuple[int, int]]) -> list[Job]:
+def phase_candidate(
+    ctx: SearchContext, evaluated: Evaluated, role: str, tp: int, pp: int, quantization: str | None
+) -> Candidate | None:
+    """The candidate of one phase alone at (tp, pp, quantization) among `evaluated` (None: not evaluated)."""
+    return evaluated.get((role, _phase_plan(ctx, tp, pp, quantization).instances))
+
+
+def _phase_jobs(ctx: SearchContext, shapes: Iterable[Shape]) -> list[Job]:
     jobs = []
-    for tp, pp in shapes:
-        plan = _phase_plan(ctx, tp, pp)
+    for tp, pp, q in shapes:
+        plan = _phase_plan(ctx, tp, pp, q)
         jobs.append(make_job(ctx, "prefill", plan))
         jobs.append(make_job(ctx, "decode", plan))
     return jobs
@@ -219,7 +244,7 @@ def algorithm1_jobs(ctx: SearchContext, max_nodes_per_instance: int | None = Non
     """Every feasible (tp, pp), once as a prefill-only and once as a decode-only instance."""
     cluster = ctx.cluster
     nodes = max_nodes_per_instance or cluster.num_nodes
-    shapes = instance_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
+    shapes = precision_shapes(ctx, "disagg", nodes * cluster.devices_per_node)
     if not shapes:
         raise PlanError(f"{ctx.cfg.name} does not fit on any tp x pp of {cluster.device.name} within {nodes} node(s)")
     return _phase_jobs(ctx, shapes)
@@ -267,8 +292,8 @@ def algorithm1(
     plan = DeploymentPlan(tuple([p_inst] * n + [d_inst] * m), model=ctx.cfg.name)
     goodput = min(n * g_p, m * g_d)
     reason = (
-        f"best prefill {p_inst.shape} ({g_p / p_inst.num_devices:.3g} rps/device under TTFT), best decode "
-        f"{d_inst.shape} ({g_d / d_inst.num_devices:.3g} rps/device under TPOT); {why}"
+        f"best prefill {shape(p_inst)} ({g_p / p_inst.num_devices:.3g} rps/device under TTFT), best decode "
+        f"{shape(d_inst)} ({g_d / d_inst.num_devices:.3g} rps/device under TPOT); {why}"
     )
     return SearchResult(plan, goodput, cands, reason)
 
@@ -334,19 +359,23 @@ def _algorithm2_pairs(ctx: SearchContext) -> list[DeploymentPlan]:
     m_per_node = cluster.devices_per_node
     pairs = []
     for pp in range(1, min(cluster.num_nodes, ctx.cfg.num_layers, ctx.max_pp or cluster.num_nodes) + 1):
-        tps = [
-            tp
+        segments = [  # (tp, precision), precision-major (the checkpoint's alone: as before)
+            (tp, q)
+            for q in ctx.precisions
             for tp in tp_degrees(ctx.cfg, m_per_node)
-            if ctx.latency.supports("disagg", tp) and fits(ctx.cfg, cluster.device, tp, pp)
+            if ctx.latency.supports("disagg", tp) and fits(ctx.cfg, cluster.device, tp, pp, quantization=q)
         ]
-        for tp_p in tps:
-            for tp_d in tps:
+        for tp_p, q_p in segments:
+            for tp_d, q_d in segments:
                 if tp_p + tp_d > m_per_node:
                     continue
                 nodes = tuple(range(pp))  # stage s of both instances on node s
                 pairs.append(
                     DeploymentPlan(
-                        (InstanceSpec("prefill", tp_p, pp, nodes=nodes), InstanceSpec("decode", tp_d, pp, nodes=nodes)),
+                        (
+                            InstanceSpec("prefill", tp_p, pp, nodes=nodes, quantization=q_p),
+                            InstanceSpec("decode", tp_d, pp, nodes=nodes, quantization=q_d),
+                        ),
                         model=ctx.cfg.name,
                     )
                 )
@@ -358,8 +387,9 @@ def _algorithm2_pairs(ctx: SearchContext) -> list[DeploymentPlan]:
 def algorithm2_phase_jobs(ctx: SearchContext) -> list[Job]:
     """Each segment shape of Algorithm 2's pairs judged as one phase alone (the jobs Algorithm 1 runs for
     those shapes): the lesser of a pair's two phase goodputs is where its joint search starts."""
-    shapes = sorted({(i.tp, i.pp) for pair in _algorithm2_pairs(ctx) for i in pair.instances})
-    return _phase_jobs(ctx, shapes)
+    order = {q: n for n, q in enumerate(ctx.precisions)}
+    shapes = {(i.tp, i.pp, i.quantization) for pair in _algorithm2_pairs(ctx) for i in pair.instances}
+    return _phase_jobs(ctx, sorted(shapes, key=lambda s: (order[s[2]], s[0], s[1])))
 
 
 def algorithm2_jobs(ctx: SearchContext, phases: Evaluated) -> list[Job]:
@@ -370,8 +400,8 @@ def algorithm2_jobs(ctx: SearchContext, phases: Evaluated) -> list[Job]:
     for pair in _algorithm2_pairs(ctx):
         p, d = pair.instances
         alone = [
-            phases[("prefill", _phase_plan(ctx, p.tp, p.pp).instances)],
-            phases[("decode", _phase_plan(ctx, d.tp, d.pp).instances)],
+            phases[("prefill", _phase_plan(ctx, p.tp, p.pp, p.quantization).instances)],
+            phases[("decode", _phase_plan(ctx, d.tp, d.pp, d.quantization).instances)],
         ]
         hint = min(c.goodput_rps for c in alone)
         jobs.append(make_job(ctx, "disagg", pair, hint if hint > 0 else None))
@@ -407,7 +437,7 @@ def algorithm2(
     p_inst, d_inst = (dataclasses.replace(i, nodes=None) for i in best.plan.instances)
     plan = DeploymentPlan(tuple([p_inst, d_inst] * replicas), model=ctx.cfg.name)
     reason = (
-        f"best node-local pair prefill {p_inst.shape} + decode {d_inst.shape} (per stage on one node): "
+        f"best node-local pair prefill {shape(p_inst)} + decode {shape(d_inst)} (per stage on one node): "
         f"{best.per_device:.3g} rps/device jointly; {why}"
     )
     return SearchResult(plan, best.goodput_rps * replicas, cands, reason)
@@ -423,9 +453,11 @@ def colocated_jobs(ctx: SearchContext, max_devices: int | None = None, chunk_siz
         make_job(
             ctx,
             "colocated",
-            DeploymentPlan((InstanceSpec("colocated", tp, pp, chunk_size=chunk_size),), model=ctx.cfg.name),
+            DeploymentPlan(
+                (InstanceSpec("colocated", tp, pp, chunk_size=chunk_size, quantization=q),), model=ctx.cfg.name
+            ),
         )
-        for tp, pp in instance_shapes(ctx, "colocated", limit)
+        for tp, pp, q in precision_shapes(ctx, "colocated", limit)
     ]
     if not jobs:
         raise PlanError(f"{ctx.cfg.name} fits no colocated tp x pp within {limit} devices")
@@ -455,19 +487,19 @@ def replicate_colocated(ctx: SearchContext, best: SearchResult, rate: float | No
     g = best.goodput_rps
     if rate is not None:
         n = max(1, math.ceil(rate / g))
-        why = f"rate {rate:g} rps needs ceil({rate:g}/{g:.3g}) = {n} colocated {inst.shape} instance(s)"
+        why = f"rate {rate:g} rps needs ceil({rate:g}/{g:.3g}) = {n} colocated {shape(inst)} instance(s)"
     else:
         # Each stage's tp group stays inside one node (`assign_nodes`): count the tp groups the nodes hold.
         groups = ctx.cluster.num_nodes * (ctx.cluster.devices_per_node // inst.tp)
         n = groups // inst.pp
-        why = f"{n} colocated {inst.shape} instance(s) fit on {ctx.cluster.num_nodes} x {ctx.cluster.devices_per_node} devices"
+        why = f"{n} colocated {shape(inst)} instance(s) fit on {ctx.cluster.num_nodes} x {ctx.cluster.devices_per_node} devices"
     if n < 1:
         raise PlanError(
             f"colocated {inst.shape} needs {inst.num_devices} devices; the cluster has {ctx.cluster.num_devices}"
         )
     plan = DeploymentPlan(tuple([inst] * n), model=ctx.cfg.name)
     return SearchResult(
-        plan, g * n, best.candidates, f"best colocated {inst.shape} ({g / inst.num_devices:.3g} rps/device); {why}"
+        plan, g * n, best.candidates, f"best colocated {shape(inst)} ({g / inst.num_devices:.3g} rps/device); {why}"
     )
 
 

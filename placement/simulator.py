@@ -159,8 +159,10 @@ class Simulator:
         if self.plan.kind == "colocated":
             self.colocated = [
                 ColocatedState(
-                    model=latency.instance("colocated", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
-                    overhead=latency.step_overhead("colocated", i.tp),
+                    model=latency.instance(
+                        "colocated", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
+                    ),
+                    overhead=latency.step_overhead("colocated", i.tp, i.quantization),
                     free_blocks=self._kv_blocks(i),
                     chunk_size=i.chunk_size,
                     max_batch_tokens=self._token_cap("colocated", i.tp),
@@ -173,10 +175,12 @@ class Simulator:
             self.colocated = []
             self.prefills = [
                 PrefillState(
-                    model=latency.instance("disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
-                    overhead=latency.step_overhead("disagg", i.tp),
+                    model=latency.instance(
+                        "disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
+                    ),
+                    overhead=latency.step_overhead("disagg", i.tp, i.quantization),
                     max_batch_tokens=self._token_cap("disagg", i.tp),
-                    capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp),
+                    capacity_tokens=kv_capacity_tokens(self.cfg, cluster.device, i.tp, i.pp, i.quantization),
                     nodes=instance_nodes(i, cluster),
                     stage_free_at=[0.0] * i.pp,
                 )
@@ -184,8 +188,10 @@ class Simulator:
             ]
             self.decodes = [
                 DecodeState(
-                    model=latency.instance("disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster)),
-                    overhead=latency.step_overhead("disagg", i.tp),
+                    model=latency.instance(
+                        "disagg", i.tp, i.pp, stage_link(instance_nodes(i, cluster), cluster), i.quantization
+                    ),
+                    overhead=latency.step_overhead("disagg", i.tp, i.quantization),
                     free_blocks=self._kv_blocks(i),
                     nodes=instance_nodes(i, cluster),
                 )
@@ -207,7 +213,9 @@ class Simulator:
         limits = self.options.limits
         if limits.num_kv_blocks is not None:
             return limits.num_kv_blocks
-        return kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp) // limits.block_size
+        return (
+            kv_capacity_tokens(self.cfg, self.cluster.device, inst.tp, inst.pp, inst.quantization) // limits.block_size
+        )
 
     def _token_cap(self, kind: DeploymentKind, tp: int) -> int:
         """Most prompt tokens one prefill step batches: the profile's engine cap or the limit (`SimOptions.token_cap`)."""

@@ -31,11 +31,10 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
-from bench_model import pin_threads  # this script's folder is on sys.path when it runs
+from bench_model import interleaved, load_avg, pin_threads  # this script's folder is on sys.path when it runs
 
 
 def _parse() -> argparse.Namespace:
@@ -55,23 +54,6 @@ def _parse() -> argparse.Namespace:
     if args.heads % args.gqa_group:
         ap.error("--heads must be a multiple of --gqa-group")
     return args
-
-
-def load_avg() -> float:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-
-
-def interleaved(contenders: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds of each contender, run A B C A B C ... `reps` times after one warm-up round."""
-    for fn in contenders.values():
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(reps):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
 
 
 def build_baseline(source: str) -> str:

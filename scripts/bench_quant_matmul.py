@@ -21,11 +21,21 @@ on the caches and the memory bus.
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --threads 2
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --clock cpu --groups step --batches 1
     PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --models smollm2-135m --batches 1 --reps 5  # smoke
+
+`--model-steps`: the whole model's decode step instead (`ShardedModel.extend_paged` with one token a row, as
+serving runs it; random weights of the preset,
+batch 1 and `--batches`, `--context` tokens cached) at each precision, `float32` / `int8` / `int4`
+(`ShardedModel.load(quantization=...)`), interleaved; printed per precision: the min ms a step, the speed-up
+over float32, the bytes a token reads (every weight the step multiplies by, plus the KV it attends over) and
+the bandwidth share (those bytes / step time, over the bandwidth of a 154 MB float32 `v @ W` probe):
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_quant_matmul.py --model-steps --models opt-125m --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -54,6 +64,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--inner", type=int, default=3, help="calls per sample")
     ap.add_argument("--threads", type=int, default=0, help="pin to N cores and size XLA's pool to N (0: as is)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
+    ap.add_argument("--model-steps", action="store_true", help="time whole decode steps per precision instead")
+    ap.add_argument("--context", type=int, default=512, help="--model-steps: tokens cached")
     args = ap.parse_args()
     if args.reps < 5:
         ap.error("--reps must be >= 5")
@@ -96,9 +108,96 @@ def _timed(fn: Callable[..., Any], args: tuple[Any, ...], inner: int, clock: str
     return run
 
 
+def _step_bytes(model: Any, batch: int, context: int) -> int:
+    """Bytes a decode step reads: every weight (a quantized one's values, scales and mins; the tied head once, as
+    the head: the embedding reads one row) and the K/V of `context` tokens per row."""
+    import jax
+    import numpy as np
+
+    from models import quant
+
+    total = 0
+    for state in model.run_params:
+        leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+        for leaf in leaves:
+            total += leaf.nbytes() if isinstance(leaf, quant.QuantizedWeight) else int(leaf.size) * leaf.dtype.itemsize
+    cfg = model.cfg
+    kv = 2 * cfg.num_layers * context * cfg.kv_heads * cfg.head_dim * np.dtype(model.dtype).itemsize
+    return total + batch * kv
+
+
+def model_steps(args: argparse.Namespace) -> int:
+    """`--model-steps`: decode steps of the whole model per precision (see the module docstring)."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.checkpoint import source_config
+    from models.sharding import sharded_class
+
+    probe = jnp.ones((6144, 6144), jnp.float32)  # 151 MB: the bandwidth probe
+    vec = jnp.ones((1, 6144), jnp.float32)
+    dot = jax.jit(lambda v, w: v @ w)
+    dot(vec, probe).block_until_ready()
+    best = min(interleaved({"probe": lambda: dot(vec, probe).block_until_ready()}, max(args.reps, 5))["probe"])
+    gbs = probe.size * 4 / best / 1e9
+    print(f"bandwidth probe: {gbs:.1f} GB/s (154 MB fp32 v @ W, min of {max(args.reps, 5)}); load {load_avg():.1f}")
+    print(
+        f"{'model':13} {'B':>3} {'precision':9} {'ms/step':>8} {'x fp32':>7} {'MB/token':>9} {'GB/s':>6} {'share':>6}"
+    )
+    for name in args.models.split(","):
+        cfg = source_config(name)
+        models = {
+            q or "float32": sharded_class(cfg).load(name, 1, 1, jax.devices()[:1], quantization=q)
+            for q in (None, "int8", "int4")
+        }
+        for batch in [int(b) for b in args.batches.split(",")]:
+            # the paged step as serving runs it: one token a row at position context - 1, block tables as wide as
+            # the filled blocks, the pool's layout and attention the ones `ShardedModel` picks here
+            bs = 16
+            width = -(-args.context // bs)
+            tok = np.full((batch, 1), 5, np.int32)
+            pos = np.full((batch,), args.context - 1, np.int32)
+            ones = np.ones((batch,), np.int32)
+            tables = np.arange(batch * width, dtype=np.int32).reshape(batch, width)
+            caches = {k: m.init_paged_caches(batch * width, bs) for k, m in models.items()}
+
+            def step(
+                key: str,
+                tok: Any,
+                pos: Any,
+                tables: Any,
+                caches: dict[str, Any],
+                models: dict[str, Any],
+                ones: Any = ones,
+            ) -> float:
+                t0 = time.perf_counter()
+                for _ in range(args.inner):
+                    logits, caches[key] = models[key].extend_paged(tok, pos, ones, caches[key], tables)
+                logits.block_until_ready()
+                return (time.perf_counter() - t0) / args.inner
+
+            contenders = {k: functools.partial(step, k, tok, pos, tables, caches, models) for k in models}
+            samples = interleaved(contenders, args.reps)
+            base = min(samples["float32"])
+            for key, times in samples.items():
+                ms, nbytes = min(times), _step_bytes(models[key], batch, args.context)
+                rate = nbytes / ms / 1e9
+                print(
+                    f"{name:13} {batch:>3} {key:9} {ms * 1e3:8.2f} {base / ms:7.2f} {nbytes / 1e6:9.1f} {rate:6.1f} "
+                    f"{rate / gbs:6.0%}"
+                )
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} (LOADED if above the threads used)")
+    return 0
+
+
 def main() -> int:
     args = _parse()
     pin_threads(args.threads)
+    if args.model_steps:
+        return model_steps(args)
     import jax
     import jax.numpy as jnp
     import numpy as np

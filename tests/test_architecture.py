@@ -11,13 +11,15 @@ included: a lazy import is still an arrow). The layers, bottom up:
 * the tools wing (`jaxserve.tools`) is the one library place that imports both the runtime and the planner;
 * the entry points (`jaxserve.cli`, `jaxserve.commands`) sit on top and may import anything.
 
-No module imports a layer above its own, and the module graph has no circles.
+No module imports a layer above its own, and the module graph has no circles. The map itself is checked too:
+each module of the contract, the runtime, the commands and the tools is named in its part of the document.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +203,27 @@ def test_no_file_cites_a_document_outside_the_repository() -> None:
         if p.suffix in (".py", ".md", ".sh") and p != Path(__file__).resolve() and "DESIGN" + ".md" in p.read_text()
     ]
     assert hits == [], f"files citing DESIGN.md (not in this repository; the map is docs/architecture.md): {hits}"
+
+
+# The parts of docs/architecture.md that map a folder, by their headings.
+MAP_SECTIONS = {
+    "jaxserve/core": "### `jaxserve/core/`",
+    "jaxserve/runtime": "### `jaxserve/runtime/`",
+    "jaxserve/tools": "### `jaxserve/tools/`",
+    "jaxserve/commands": "### `jaxserve/cli.py`, `jaxserve/commands/`",
+}
+
+
+def test_the_map_names_every_module_of_the_contract_runtime_commands_and_tools() -> None:
+    """A module added (or moved) without its line in the map is a room a newcomer cannot find: each module of
+    these folders is named in its folder's part of docs/architecture.md (`name.py`, `name` or `name.attr`)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for folder, heading in MAP_SECTIONS.items():
+        start = doc.index(heading)
+        ends = [i for i in (doc.find("\n### ", start + 1), doc.find("\n## ", start + 1)) if i != -1]
+        section = doc[start : min(ends)]
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name != "__init__.py" and not re.search(rf"`{re.escape(path.stem)}[`.]", section):
+                missing.append(str(path.relative_to(ROOT)))
+    assert missing == [], f"modules docs/architecture.md does not name where their folder is mapped: {missing}"

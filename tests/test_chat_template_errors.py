@@ -8,8 +8,9 @@ loop, so other clients are answered meanwhile. Real HTTP and gRPC servers on loo
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
+from typing import Any
 
 import grpc
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from serving_helpers import fake_controller, running_server, tiny_tokenizer
 
 from jaxserve.client import Client, InvalidArgumentError
+from jaxserve.serving import chat_template
 from jaxserve.serving.server import JaxServeServer, ServerConfig
 from models.checkpoint import CheckpointChatTemplate
 
@@ -50,8 +52,11 @@ def test_a_template_that_does_not_parse_stops_the_start_naming_it() -> None:
 )
 def test_a_template_failing_on_a_request_is_that_requests_400(template: str, why: str) -> None:
     with running_server(_controller(template)) as s:
-        r = httpx.post(s.http_url + "/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
+        r = httpx.post(
+            s.http_url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "messages" and why in error["message"] and "chat template" in error["message"]
@@ -62,27 +67,47 @@ def test_a_template_failing_on_a_request_is_that_requests_400(template: str, why
         assert ok.status_code == 200  # the server goes on serving
 
 
-def test_rendering_runs_off_the_event_loop() -> None:
-    slow = "{% for i in range(100000) %}{% for j in range(900) %}{% endfor %}{% endfor %}" + ECHO  # ~3 s of Jinja quiet
-    with running_server(_controller(slow)) as s:
-        done: dict[str, float] = {}
+def test_rendering_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real template renders, held at its start until /health has answered: on the event loop, /health
+    could not answer (its timeout fails the test); and the render's thread runs no event loop."""
+    real_compile = chat_template._compile
+    rendering, release = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    class Held:  # the compiled template, its render held until the test releases it
+        def __init__(self, compiled: Any) -> None:
+            self._compiled = compiled
+
+        def render(self, **context: Any) -> str:
+            try:
+                asyncio.get_running_loop()
+                seen["on_a_loop"] = True
+            except RuntimeError:
+                seen["on_a_loop"] = False
+            rendering.set()
+            assert release.wait(60)
+            return str(self._compiled.render(**context))
+
+    monkeypatch.setattr(chat_template, "_compile", lambda source: Held(real_compile(source)))
+    with running_server(_controller(ECHO)) as s:
+        replies: list[httpx.Response] = []
 
         def chat() -> None:
-            started = time.monotonic()
-            r = httpx.post(s.http_url + "/v1/chat/completions", timeout=60,
-                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
-            assert r.status_code == 200, r.text
-            done["chat_s"] = time.monotonic() - started
+            replies.append(
+                httpx.post(
+                    s.http_url + "/v1/chat/completions",
+                    timeout=60,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                )
+            )
 
         t = threading.Thread(target=chat)
         t.start()
-        time.sleep(0.2)
-        waits = []
-        while t.is_alive() and len(waits) < 50:
-            started = time.monotonic()
-            assert httpx.get(s.http_url + "/health", timeout=30).status_code == 200
-            waits.append(time.monotonic() - started)
-            time.sleep(0.05)
-        t.join()
-        assert done["chat_s"] > 1.0 and len(waits) >= 3  # it rendered long enough to be asked meanwhile
-        assert max(waits) < done["chat_s"] / 2, (waits, done)  # on the loop, /health would wait for the render
+        try:
+            assert rendering.wait(30)
+            assert httpx.get(s.http_url + "/health", timeout=10).status_code == 200  # while the render is held
+        finally:
+            release.set()
+            t.join()
+        assert replies[0].status_code == 200, replies[0].text
+        assert seen == {"on_a_loop": False}

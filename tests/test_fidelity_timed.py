@@ -60,8 +60,9 @@ def _misses(points: list[fidelity.Point]) -> list[str]:
         "disagg:prefill=tp1,decode=tp1pp2",
         # Batches pipelined in the prefill pipe (runtime and simulator). Attainment and TTFT match (0 points,
         # TTFT within 5 % at load average 7-10); the decode side's TPOT ran 5-15 % over at the three highest rates
-        # (9.5-16 rps, 2P1D at the same load: 4-10 %): not yet isolated (docs/simulator-fidelity.md).
-        # Known miss, not isolated: a run by hand may fail here (was a non-strict xfail, which never fails).
+        # (9.5-16 rps, 2P1D at the same load: 4-10 %): the decode loop's late wake-ups, paid every step until the
+        # timed engine started a continuing step at the previous one's end (2026-12-08: TPOT within 0.9 % at load
+        # average 18; docs/simulator-fidelity.md).
         "disagg:prefill=tp1pp2,decode=tp1",
     ],
 )

@@ -36,6 +36,7 @@ from models import (  # noqa: E402
 from models.attention import DecodeCache  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.config import LlamaConfig, UnsupportedModelError  # noqa: E402
+from models.quant import QuantizedWeight  # noqa: E402
 from models.sharding import ShardedLlama  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -374,12 +375,21 @@ def llama_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(_hf_model("llama", seed=5), tmp_path_factory.mktemp("q8") / "model.gguf", Q.Q8_0)
 
 
-def test_tp2_loading_gives_the_same_logits(llama_q8: Path) -> None:
+@pytest.mark.parametrize("quantization", ["dequantized", None])
+def test_tp2_loading_gives_the_same_logits(llama_q8: Path, quantization: str | None) -> None:
+    """Dequantized at load (each device dequantizes its rows) or served as stored (each device holds its output
+    rows' values and scales)."""
     cfg = checkpoint.load_gguf_config(llama_q8)
     params = checkpoint.load_gguf_params(llama_q8, cfg)
-    model = ShardedLlama.load(llama_q8.parent, tp=2, pp=1, devices=jax.devices()[:2])  # the directory form
-    q = model.stage_params[0]["layers"]["q_proj"]["kernel"]
-    assert q.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size, cfg.q_dim // 2)
+    model = ShardedLlama.load(llama_q8.parent, tp=2, pp=1, devices=jax.devices()[:2], quantization=quantization)
+    if quantization is None:
+        q = model.run_params[0]["layers"][0]["q_proj"]["kernel"]
+        assert isinstance(q, QuantizedWeight) and q.scheme == "q8_0"
+        assert q.values.addressable_shards[0].data.shape == (cfg.q_dim // 2, cfg.hidden_size)
+        assert q.scales.addressable_shards[0].data.shape == (cfg.q_dim // 2, cfg.hidden_size // 32)
+    else:
+        q = model.stage_params[0]["layers"]["q_proj"]["kernel"]  # the directory form
+        assert q.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size, cfg.q_dim // 2)
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, cfg.vocab_size, (2, 10)).astype(np.int32)
     lengths = np.array([10, 6], np.int32)

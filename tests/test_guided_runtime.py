@@ -223,3 +223,43 @@ def test_after_the_grammar_ends_ignore_eos_tokens_go_unconstrained_quietly(caplo
     assert len(_allowed(after)) == CFG.vocab_size
     later = decoder.bitmask([GuidedRow("r", spec, (9,), 3)])[0]  # ignore_eos: the request goes on, unconstrained
     assert len(_allowed(later)) == CFG.vocab_size and "unconstrained" not in caplog.text
+
+
+@pytest.mark.parametrize("spec", ["colocated:tp1,chunk=8", "disagg:prefill=tp1,decode=tp1"])
+def test_guided_through_chunked_prefill_and_a_prefix_cache_hit(tmp_path, spec: str) -> None:
+    """The first token is sampled under the mask where the prompt's last chunk runs (a 45-token prompt in chunks of
+    8 on a colocated instance; whole on a prefill instance), and a second request for the same prompt, served from
+    the prefix cache, rebuilds its matcher from its own tokens: the same valid output as a run without chunks or
+    cache."""
+    from jaxserve.core.scheduling import NO_PREFIX_CACHING
+    from jaxserve.runtime.engines.model import model_engine_factory
+    from jaxserve.testing.hf import make_hf_checkpoint
+
+    factory = model_engine_factory(str(make_hf_checkpoint(tmp_path / "opt-tiny-hf", CFG, seed=5)))
+    limits = ServingLimits(block_size=4, num_kv_blocks=128, max_batch_tokens=64)
+    prompt = (2, *range(40, 84))  # 45 tokens: six chunks of 8, eleven whole blocks of 4
+    sampling = SamplingParams(max_tokens=60, temperature=0.0, guided=SPEC)
+
+    def run(plan_spec: str, config: ControllerConfig, times: int) -> list[tuple[list[int], int]]:
+        plan = parse_deployment(plan_spec)
+        c = Controller(build_engines(plan, factory), plan, config)  # type: ignore[arg-type]
+        c.tokenizer = tiny_tokenizer()
+        c.start()
+        try:
+            outs = []
+            for i in range(times):  # one after another: the second finds the first's blocks
+                ids, last = c.submit(GenerateRequest(f"r{i}", prompt, sampling)).collect(timeout_s=300)
+                assert last.timings is not None
+                outs.append((ids, last.timings.cached_prompt_tokens))
+            return outs
+        finally:
+            c.shutdown(drain_timeout_s=0)
+
+    (reference, _), = run(spec.split(",chunk")[0].replace("disagg:prefill=tp1,decode=tp1", "colocated:tp1"),
+                          ControllerConfig(limits=limits, prefix_policy=NO_PREFIX_CACHING), 1)  # fmt: skip
+    (first, first_cached), (again, again_cached) = run(spec, ControllerConfig(limits=limits), 2)
+    assert first_cached == 0 and again_cached > 0
+    assert first == reference and again == reference
+    text = tiny_tokenizer().decode([t for t in reference if t not in CFG.eos_token_ids])
+    value = json.loads(text)
+    assert set(value) == {"id", "kind", "tags"} and value["kind"] in ("x", "yy", "zzz")

@@ -340,3 +340,10 @@ def test_grpc_client_response_format(server):
             c.generate(prompt="x", max_tokens=4, response_format={"type": "json_schema", "json_schema": {
                 "schema": {"type": "array", "uniqueItems": True}}})  # fmt: skip
         assert e.value.field == "response_format"
+        # a forced tool call (proto fields `tools`, `tool_choice`): the reply is the call, parsed
+        forced = c.generate(messages=ASK, tools=[WEATHER, ADD], tool_choice="add", max_tokens=80, temperature=0)
+        assert forced.finish_reason == "stop" and [t.name for t in forced.tool_calls] == ["add"]
+        jsonschema.validate(json.loads(forced.tool_calls[0].arguments), PARAMS["add"])
+        with pytest.raises(InvalidArgumentError, match="auto") as e:
+            c.generate(messages=ASK, tools=[WEATHER], max_tokens=8)
+        assert e.value.field == "tool_choice"

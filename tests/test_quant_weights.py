@@ -128,6 +128,23 @@ def test_kernel_equals_xla_form_equals_numpy(kernel: str, batch: int) -> None:
         _check(y_kernel, x, w)
 
 
+def test_kernel_dequantizes_every_scheme_for_many_rows(kernel: str) -> None:
+    """The prefill path (x with >= `DEQUANTIZE_ROWS` rows): the kernel's dequantizing handler writes each weight
+    as the XLA form computes it (s q + m: at most one rounding apart, the kernel's is one fma), threaded on a
+    weight past its threshold, and XLA's GEMM multiplies."""
+    rng = np.random.default_rng(7)
+    big = quant.quantize_int4(rng.standard_normal((576, 1001)).astype(np.float32), group=64)  # threaded
+    for w in [*_weights(rng), big]:
+        got = np.asarray(jax.jit(quant.dequantize_cpu_kernel)(w))
+        ref = np.asarray(quant.dequantize_rows(w))
+        assert got.shape == ref.shape == (w.shape[1], w.in_pad)
+        # one rounding of s q + m apart (an fma against a multiply and an add): within an ulp of the weight's scale
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2**-22 * float(np.abs(ref).max()))
+        x = rng.standard_normal((quant.DEQUANTIZE_ROWS + 3, w.shape[0])).astype(np.float32)
+        y = np.asarray(jax.jit(quant.quant_matmul, static_argnames="impl")(jnp.asarray(x), w, impl="cpu_kernel"))
+        _check(y, x, w)
+
+
 def test_kernel_shares_rows_with_threads_and_keeps_leading_dims(kernel: str) -> None:
     """A weight large enough for the kernel's threaded path (>= 96 KiB), odd batch sizes around its tiles, and
     x with leading dims as a model passes it."""

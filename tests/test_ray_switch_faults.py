@@ -59,7 +59,7 @@ from jaxserve.core.request import GenerateRequest, SamplingParams
 from jaxserve.runtime.controller import ControllerConfig
 from jaxserve.runtime.engines.fake import reference_tokens
 from jaxserve.runtime.instances import PlacedInstance
-from jaxserve.runtime.switch import PlanSwitcher, SwitchableController, SwitchError
+from jaxserve.runtime.switch import PlanSwitcher, SwitchableController, SwitchError, SwitchSteps
 from jaxserve.serving.server import ServerConfig, ServerThread
 from models.config import get_config
 
@@ -247,10 +247,10 @@ def _snapshot(controller: RayController) -> tuple[DeploymentPlan, dict[str, Any]
 
 
 def _check_after(controller: RayController, server: ServerThread, seen: dict[str, Any], pids: dict[str, int]) -> None:
-    serving = [i.name for i in controller.routed_instances()]
+    serving = [i.name for i in controller.switch_steps.routed_instances()]
     plan = controller.plan
     assert [controller.placed_of[n].spec.shape for n in serving] == [i.shape for i in plan.instances]
-    assert not controller.retiring and set(controller.placed_of) == set(serving)
+    assert not controller.switch_steps.retiring and set(controller.placed_of) == set(serving)
     with Client(server.grpc_address, timeout_s=30) as client:
         assert client.deployment().describe() == plan.describe()
     # nothing held: controller-side blocks and buffer slots, actor-side leased and staged KVs
@@ -347,17 +347,17 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
     controller, server = served
     before, handles, pids = _snapshot(controller)
     target = _flipped(before, role)
-    (old,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == role]
+    (old,) = [i for i in controller.switch_steps.routed_instances() if controller.placed_of[i.name].spec.role == role]
     load = Load(controller, f"retiring-{role}")
     builder = LoadedBuilder(controller, load, load_at="built" if role == "decode" else None)
     if role == "prefill":  # the prompts must still be queued on it when it retires: submitted just before routing
-        route = controller.route
+        route = controller.switch_steps.route
 
         def loaded_route(names: Sequence[str]):  # type: ignore[no-untyped-def]
             load.start(wait=False)
             return route(names)
 
-        controller.route = loaded_route  # type: ignore[method-assign]
+        controller.switch_steps.route = loaded_route  # type: ignore[method-assign]
     killed = _before_first_call(  # (the retiring list read without the controller's lock: no lock order to mind)
         old.engine, DRAIN_CALLS[role], lambda: _kill(old.engine.actor, "ray.kill"),  # type: ignore[attr-defined]
         lambda: any(i is old for i in controller.instance_set.retiring),
@@ -366,7 +366,7 @@ def test_a_retiring_actor_killed_during_its_drain(served, role: str) -> None:
     try:
         report = _switch(controller, builder, target)
     finally:
-        controller.__dict__.pop("route", None)
+        controller.switch_steps.__dict__.pop("route", None)
     assert killed, f"the retiring actor made no {DRAIN_CALLS[role]} call after routing (nothing to drain)"
     assert report.to_plan == target.describe() == controller.plan.describe()
     assert [s.name for s in report.retired] == [old.name]
@@ -395,7 +395,9 @@ def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) ->
     remains and serves 24 streams on the new one."""
     controller, server = served
     before, handles, pids = _snapshot(controller)
-    (old,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == "decode"]
+    (old,) = [
+        i for i in controller.switch_steps.routed_instances() if controller.placed_of[i.name].spec.role == "decode"
+    ]
     ray.kill(old.engine.actor, no_restart=True)  # type: ignore[attr-defined]
     request = GenerateRequest("finds-it-dead", _prompt(0), SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(EngineDeadError):  # the only decode instance: nothing can continue it
@@ -406,7 +408,7 @@ def test_a_switch_does_not_keep_a_dead_actor_it_builds_its_shape_anew(served) ->
     assert old.name not in report.kept and len(report.added) == 1 and not report.lost
     assert [s.name for s in report.retired] == [old.name]
     assert report.to_plan == before.describe() == controller.plan.describe()
-    assert all(i.error is None for i in controller.routed_instances())
+    assert all(i.error is None for i in controller.switch_steps.routed_instances())
     load = Load(controller, "rebuilt")
     load.start()
     load.check()
@@ -455,14 +457,14 @@ class Gate:
 
 @contextlib.contextmanager
 def _around(
-    controller: RayController,
+    steps: SwitchSteps,
     method: str,
     before: Callable[..., None] = lambda *a, **k: None,
     after: Callable[[], None] = lambda: None,
 ) -> Iterator[None]:
-    """`before(*args)` ahead of and `after()` behind each call of `controller.<method>` (what the switch calls: an
-    instance attribute over the method, gone on exit)."""
-    original = getattr(controller, method)
+    """`before(*args)` ahead of and `after()` behind each call of `steps.<method>` (a switch step the switch calls:
+    an instance attribute over the method, gone on exit)."""
+    original = getattr(steps, method)
 
     def hooked(*args: object, **kwargs: object) -> object:
         before(*args, **kwargs)
@@ -470,15 +472,15 @@ def _around(
         after()
         return out
 
-    setattr(controller, method, hooked)
+    setattr(steps, method, hooked)
     try:
         yield
     finally:
-        controller.__dict__.pop(method, None)
+        steps.__dict__.pop(method, None)
 
 
 def _routed(controller: RayController, role: str):  # type: ignore[no-untyped-def]
-    (inst,) = [i for i in controller.routed_instances() if controller.placed_of[i.name].spec.role == role]
+    (inst,) = [i for i in controller.switch_steps.routed_instances() if controller.placed_of[i.name].spec.role == role]
     return inst
 
 
@@ -514,7 +516,7 @@ def test_a_retiring_decode_actor_killed_at_the_route_swap(served) -> None:
 
     rerouted = controller.fault_stats().num_rerouted_requests
     try:
-        with _around(controller, "route", before=at_swap, after=gate.open):
+        with _around(controller.switch_steps, "route", before=at_swap, after=gate.open):
             report = _switch(controller, builder, target)
     finally:
         gate.open()
@@ -543,7 +545,7 @@ def test_a_new_decode_actor_sigkilled_at_the_route_swap_is_recovered(served) -> 
         _wait(functools.partial(_gone, pid), f"the new actor's process {pid} ends", 30)
 
     restarts = controller.fault_stats().num_instance_restarts
-    with _around(controller, "route", before=at_swap, after=lambda: load.start(wait=False)):
+    with _around(controller.switch_steps, "route", before=at_swap, after=lambda: load.start(wait=False)):
         report = _switch(controller, builder, target)
     assert report.to_plan == target.describe() == controller.plan.describe() and not report.lost
     load.check()
@@ -589,8 +591,8 @@ def test_a_retiring_actor_held_past_the_drain_is_retired_by_force(served, role: 
     switcher = PlanSwitcher(controller, builder, drain_timeout_s=0.5, warmup_timeout_s=120)
     try:
         with (
-            _around(controller, "route", before=lambda names: _hold_requests(load, gate, role)),
-            _around(controller, "retire_drained", before=at_forced_retire),
+            _around(controller.switch_steps, "route", before=lambda names: _hold_requests(load, gate, role)),
+            _around(controller.switch_steps, "retire_drained", before=at_forced_retire),
         ):
             report = switcher.switch(target)
     finally:

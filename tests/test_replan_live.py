@@ -188,7 +188,7 @@ def test_shift_fires_once_replans_to_more_prefill_and_switches_under_load() -> N
         for s in report.retired:
             assert s.num_kv_blocks_used == 0 and s.num_prefill_buffer_used == 0 and s.num_running == 0
             assert s.name not in c.instance_names
-        assert c.retiring == ()
+        assert c.switch_steps.retiring == ()
         assert "decode-0" in {s.name for s in report.retired}  # the tp2 decode instance, drained under load
         gc.collect()
         assert first_decode() is None  # the retired instance is gone, its KV pool with it
@@ -365,3 +365,17 @@ def test_colocated_deployments_switch_too() -> None:
         assert c.plan.describe() == "colocated:tp2" and c.plan.instances[0].devices == (1, 2)
     finally:
         c.shutdown()
+
+
+def test_a_quantized_deployment_is_replanned_at_the_precisions_it_serves() -> None:
+    """Replanning searches what the deployment serves: a plan served at w8a8 / int4 is never replanned at the
+    checkpoint's precision (the planner's default), and a checkpoint-precision plan stays there."""
+    from jaxserve.tools.replan_loop import planning_context, served_precisions
+
+    served = DeploymentPlan(instances=(InstanceSpec("prefill", quantization="w8a8"),
+                                       InstanceSpec("decode", quantization="int4")))  # fmt: skip
+    assert served_precisions(served) == ("int4", "w8a8")
+    assert served_precisions(parse_deployment("disagg:prefill=tp1,decode=tp1")) == (None,)
+    ctx = planning_context(get_config("opt-13b"), "a100-80gb", "a100-80gb-distserve", 8, 0.25, 0.1,
+                           served_precisions(served))  # fmt: skip
+    assert ctx.precisions == ("int4", "w8a8")

@@ -227,8 +227,8 @@ def test_a_pull_from_a_prefill_instance_retired_by_force_is_prefilled_again_what
         _wait_for(lambda: c.decode_instances[0].num_pulling == 1)  # its pull is in flight, the gate shut
         (holder,) = [p for p in c.prefill_instances if p.get("held") is not None]
         (other,) = [p for p in c.prefill_instances if p is not holder]
-        c.route([other.name, c.decode_instances[0].name])  # what a switch does: the holder retires
-        c.retire_drained(force=True)  # its drain timed out: stopped, its buffer dropped
+        c.switch_steps.route([other.name, c.decode_instances[0].name])  # what a switch does: the holder retires
+        c.switch_steps.retire_drained(force=True)  # its drain timed out: stopped, its buffer dropped
         assert not holder.alive and holder.error is None
         gate.set()  # the pull now fails
         assert held.collect(timeout_s=30)[0] == reference_tokens((5, 6, 7), 10, V)

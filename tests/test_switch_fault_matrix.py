@@ -15,7 +15,7 @@ Participants: the new (staged) prefill and decode instances, the retiring prefil
 Faults (`FaultyEngine`): `fails` - the participant's next engine call raises once; `dies` - that call and
 every later one raise (a lost device). A new participant's `build` fault is the engine factory raising
 (`fails`, out of memory) or an engine that is dead from the start (`dies`). Stages, with the moment the
-fault is armed (the switch calls the real controller through `SwitchProbe`, which only observes):
+fault is armed (the switch runs the real steps through `SwitchProbe`, which only observes):
 
 * build: the switch's first engine-factory call;
 * warmup: `warm_up_staged` begins (the bucket warm-up, then the pinned hand-off warm-up requests);
@@ -61,10 +61,10 @@ from jaxserve.runtime.controller import AdmissionConfig, Controller, ControllerC
 from jaxserve.runtime.decode_instance import DecodeInstance
 from jaxserve.runtime.engines.contract import KVPages, SequenceKV, StepBatch, WarmupSpec
 from jaxserve.runtime.engines.fake import FakeEngine, reference_tokens
-from jaxserve.runtime.instances import Instance, PlacedInstance, build_engines
+from jaxserve.runtime.instances import Instance, build_engines
 from jaxserve.runtime.prefill_instance import PrefillInstance
 from jaxserve.runtime.streams import RequestStream
-from jaxserve.runtime.switch import PlanSwitcher, SwitchError, SwitchReport
+from jaxserve.runtime.switch import PlanSwitcher, SwitchError, SwitchReport, SwitchSteps
 from jaxserve.serving.grpc_service import current_deployment
 from jaxserve.serving.metrics import LiveStatsCollector
 from models.config import get_config
@@ -170,55 +170,28 @@ class Client:
     refused: BaseException | None = None  # submit raised (no live instance to take it)
 
 
-class SwitchProbe:
-    """The real controller as `PlanSwitcher` sees it (`SwitchableController`): every call goes through; the
-    case's hook runs at the steps (`before_warmup`, `after_warmup`, `before_route`, `before_drain_check`)."""
+class SwitchProbe(SwitchSteps):
+    """The real switch steps on the real controller (installed as its `switch_steps`): every step runs as it
+    would; the case's hook runs at the steps (`before_warmup`, `after_warmup`, `before_route`,
+    `before_drain_check`)."""
 
     def __init__(self, controller: Controller, case: Case) -> None:
-        self.c = controller
+        super().__init__(controller)
         self.case = case
-
-    @property
-    def plan(self) -> DeploymentPlan:
-        return self.c.plan
-
-    @plan.setter
-    def plan(self, value: DeploymentPlan) -> None:
-        self.c.plan = value
-
-    @property
-    def placed_of(self) -> dict[str, PlacedInstance]:
-        return self.c.placed_of
-
-    @property
-    def retiring(self) -> tuple[str, ...]:
-        return self.c.retiring
-
-    def routed_instances(self) -> list[Instance]:
-        return self.c.routed_instances()
-
-    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
-        return self.c.add_instances(placed)
 
     def warm_up_staged(self, timeout_s: float = 600.0) -> float:
         self.case.reach("warmup")
-        seconds = self.c.warm_up_staged(timeout_s)
+        seconds = super().warm_up_staged(timeout_s)
         self.case.after_warmup()
         return seconds
 
-    def discard_staged(self) -> None:
-        self.c.discard_staged()
-
     def route(self, names: Sequence[str]) -> list[Instance]:
         self.case.reach("route")
-        return self.c.route(names)
-
-    def num_held_by_retiring(self) -> int:
-        return self.c.num_held_by_retiring()
+        return super().route(names)
 
     def retire_drained(self, force: bool = False) -> list[InstanceStats]:
         self.case.reach("retire" if force else "drain")
-        return self.c.retire_drained(force)
+        return super().retire_drained(force)
 
 
 class Case:
@@ -403,7 +376,8 @@ class Case:
         self.send_wave("before")
         self.switching = True
         drain_timeout = 0.05 if self.stage == "retire" else DEADLINE_S  # retire: the drain times out, gates shut
-        switcher = PlanSwitcher(SwitchProbe(c, self), self.factory, drain_timeout_s=drain_timeout)
+        c.switch_steps = SwitchProbe(c, self)
+        switcher = PlanSwitcher(c, self.factory, drain_timeout_s=drain_timeout)
         report: SwitchReport | None = None
         error: SwitchError | None = None
         try:
@@ -457,7 +431,7 @@ class Case:
         assert error is None, error
         assert report is not None
         name = KEPT[self.participant]
-        routed = {i.name: i for i in c.routed_instances()}
+        routed = {i.name: i for i in c.switch_steps.routed_instances()}
         if self.stage in ("build", "warmup"):
             assert name not in routed, f"the dead kept instance {name} was routed (plan {c.plan.describe()})"
             assert name in report.lost, report
@@ -508,7 +482,7 @@ class Case:
 
     def check_nothing_leaked(self, c: Controller, report: SwitchReport | None) -> None:
         _wait(lambda: c.stats().num_live_requests == 0, "requests left in the controller")
-        assert not c.retiring and not c.instance_set.staged
+        assert not c.switch_steps.retiring and not c.instance_set.staged
         assert not c._pinned and not c._internal  # the switch's warm-up requests are all gone
         for inst in c.instances:
             with inst.cond:
@@ -522,7 +496,7 @@ class Case:
                 assert inst.buffer_used == 0
         for stats in report.retired if report is not None else ():
             assert stats.num_kv_blocks_used == 0 and stats.num_prefill_buffer_used == 0, stats
-        routed = {i.name for i in c.routed_instances()}
+        routed = {i.name for i in c.switch_steps.routed_instances()}
         assert set(c.placed_of) == routed, "an instance not serving still holds devices"
         devices = [d for p in c.placed_of.values() for d in p.devices]
         assert len(devices) == len(set(devices))
@@ -534,7 +508,7 @@ class Case:
         )
 
     def check_views(self, c: Controller) -> None:
-        routed = c.routed_instances()
+        routed = c.switch_steps.routed_instances()
         assert [c.placed_of[i.name].spec for i in routed] == list(c.plan.instances)
         plan, names = current_deployment(c)  # what GetDeployment answers
         assert plan == c.plan.assign_devices() and names == tuple(i.name for i in routed)
@@ -546,7 +520,7 @@ class Case:
         assert [r["name"] for r in c.step_records()] == [i.name for i in routed]  # what /debug/steps serves
 
     def check_serving_afterwards(self, c: Controller) -> None:
-        routed = {i.name for i in c.routed_instances()}
+        routed = {i.name for i in c.switch_steps.routed_instances()}
         for k in range(4):
             prompt = (7, 8, 9 + k)
             try:
@@ -556,7 +530,7 @@ class Case:
             except EngineDeadError:
                 # only when a role has no live instance left (sole: its only new one died after routing)
                 assert self.variant == "sole"
-                roles = {i.role for i in c.routed_instances() if i.error is None}
+                roles = {i.role for i in c.switch_steps.routed_instances() if i.error is None}
                 assert roles != {"prefill", "decode"}
                 continue
             assert ids == reference_tokens(prompt, 5, V)
@@ -636,7 +610,7 @@ def test_a_switch_never_keeps_a_dead_instance_it_builds_its_shape_anew() -> None
         report = PlanSwitcher(c, _faulty).switch(plan)
         assert report.kept == ("prefill-0", "prefill-1", "decode-1") and report.added == ("decode-2",)
         assert [s.name for s in report.retired] == ["decode-0"] and not report.lost
-        routed = c.routed_instances()
+        routed = c.switch_steps.routed_instances()
         assert [i.name for i in routed] == ["prefill-0", "prefill-1", "decode-1", "decode-2"]
         assert all(i.error is None for i in routed) and set(c.placed_of) == {i.name for i in routed}
         assert c.plan.describe() == plan.describe()
@@ -652,7 +626,7 @@ def test_route_refuses_to_leave_a_role_with_no_live_instance() -> None:
     """Routing a role's dead instances alone would leave it nothing to serve: a clear error, nothing changed."""
     c = _controller(DeploymentPlan((P1, D1)))
     try:
-        prefill = c.routed_instances()[0]
+        prefill = c.switch_steps.routed_instances()[0]
         assert isinstance(prefill.engine, FaultyEngine)
         prefill.engine.fault.armed = True
         request = GenerateRequest("killer", (5, 6, 7), SamplingParams(max_tokens=4))
@@ -660,7 +634,8 @@ def test_route_refuses_to_leave_a_role_with_no_live_instance() -> None:
             c.submit(request).collect(timeout_s=DEADLINE_S)
         assert prefill.error is not None
         with pytest.raises(ValueError, match=r"prefill-0 died .*no live instance of its role would be left"):
-            c.route(["prefill-0", "decode-0"])
-        assert [i.name for i in c.routed_instances()] == ["prefill-0", "decode-0"] and not c.retiring
+            c.switch_steps.route(["prefill-0", "decode-0"])
+        steps = c.switch_steps
+        assert [i.name for i in steps.routed_instances()] == ["prefill-0", "decode-0"] and not steps.retiring
     finally:
         c.shutdown(drain_timeout_s=5)

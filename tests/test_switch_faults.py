@@ -233,7 +233,7 @@ def test_a_staged_decode_dying_in_its_warm_up_fails_the_switch_and_frees_everyth
             PlanSwitcher(c, factory, warmup_timeout_s=60).switch(parse_deployment(NEW))
         assert factory.gates.entered.is_set()
         assert c.plan.describe() == OLD and set(c.placed_of) == {"prefill-0", "decode-0"}
-        assert [i.name for i in c.routed_instances()] == ["prefill-0", "decode-0"]
+        assert [i.name for i in c.switch_steps.routed_instances()] == ["prefill-0", "decode-0"]
         _wait(lambda: c.stats().num_live_requests == 0)
         for k in range(4):
             _completes(c, f"after-{k}", (9, 10, 11 + k))
@@ -309,9 +309,9 @@ def test_a_drain_first_switch_whose_build_fails_rebuilds_what_it_drained() -> No
         assert "prefill-1, decode-1 had been drained first" in message and "were rebuilt" in message
         assert "the deployment is as it was (disagg:prefill=2xtp2,decode=2xtp2)" in message
         assert c.plan.describe() == start
-        assert [i.name for i in c.routed_instances()] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+        assert [i.name for i in c.switch_steps.routed_instances()] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
         assert sorted(d for i in c.plan.instances for d in i.devices or ()) == list(range(8))
-        assert not c.retiring
+        assert not c.switch_steps.retiring
         for k in range(4):
             _completes(c, f"after-{k}", (9, 10, 11 + k))
     finally:

@@ -91,6 +91,36 @@ def test_back_to_back_steps_hide_the_host_time_between_them() -> None:
     assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
 
 
+def test_a_step_after_one_that_left_rows_running_starts_at_its_end_however_late_the_host() -> None:
+    """The instance had work when the device freed (rows still running): a host late by more than the slack
+    (this machine's sleep wakes up to 17 ms late under load) must not push the next step, up to the previous
+    step's length (the host prepares a step while the device runs the one before), whichever rows it runs (a
+    colocated instance's prompt step runs none of them). After a step that ended every row, the slack alone."""
+    engine, clock = _engine("colocated", slack=0.005)
+    pages = engine.init_pages(8, 16)
+    ab = StepBatch((_row("a", 1, 99, False), _row("b", 1, 9, False)))
+    engine.decode_step(ab, pages)
+    step = clock.slept[-1]
+    assert step > 0.020
+    clock.now += 0.020  # woke 20 ms late: beyond the slack, within the step's length
+    engine.decode_step(ab, pages)
+    assert clock.slept[-1] == pytest.approx(step - 0.020, rel=1e-9)
+    clock.now += 0.020  # a prompt step, a and b waiting: the device had work when it freed
+    engine.decode_step(StepBatch((_row("c", 32, 0, True),)), pages)
+    prompt_step = engine.charged_s[-1][1]
+    assert clock.slept[-1] == pytest.approx(prompt_step - 0.020, rel=1e-9)
+    # a step whose rows all end (max_tokens reached by the token sampled now): nothing left when it ends
+    last = SamplingParams(max_tokens=2)
+    ending = StepBatch(tuple(StepRow(r, (7,), 9, (0,), last, seed=1, sample_index=1) for r in ("a", "b")))
+    engine.decode_step(ending, pages)
+    clock.now += 0.020  # the same lateness, but the device was idle: new rows start at the call
+    engine.decode_step(StepBatch((_row("d", 1, 99, False), _row("e", 1, 9, False))), pages)
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+    clock.now += step + 0.001  # later than a whole step after one that left rows: a real device idled too
+    engine.decode_step(StepBatch((_row("d", 1, 99, False), _row("e", 1, 9, False))), pages)
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+
+
 def test_tokens_are_seeded_and_never_special() -> None:
     assert random_token(3, 5, 100) == random_token(3, 5, 100) != random_token(4, 5, 100)
     assert min(random_token(s, i, 10) for s in range(50) for i in range(20)) >= MIN_TOKEN

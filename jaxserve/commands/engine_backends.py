@@ -31,7 +31,8 @@ class EngineBackend:
 def _model_backend(model: str, args: argparse.Namespace) -> EngineBackend:
     from jaxserve.runtime.engines.model import model_engine_factory
 
-    return EngineBackend(model_engine_factory(model, dtype=args.dtype), pool_from_memory=True)
+    factory = model_engine_factory(model, dtype=args.dtype, quantization=args.quantization)
+    return EngineBackend(factory, pool_from_memory=True)
 
 
 def _fake_backend(model: str, args: argparse.Namespace) -> EngineBackend:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxserve.core.plan import DeploymentPlan
-    from placement.latency import LatencyProvider
+    from placement.latency import DeploymentKind, LatencyProvider
     from placement.search import SearchContext
 
 
@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes evaluating candidates")
     parser.add_argument(
         "--max-pp", type=int, default=None, help="most pipeline stages per instance (default: no limit)"
+    )
+    parser.add_argument(
+        "--precisions",
+        default="checkpoint",
+        help="weight precisions the search may give each instance, comma-separated: checkpoint (the model's own), "
+        "int8, int4 (weight-only), w8a8, fp8 (devices with fp8: h100-80gb, h200); each phase picks its own. Default: "
+        "checkpoint only, so a plan never quantizes unless asked (placement/precision.py)",
     )
     parser.add_argument(
         "--no-verify", action="store_true", help="skip the joint simulation of the chosen plan (Algorithm 1 only)"
@@ -100,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.planner_args import inputs_from_args
     from jaxserve.core.plan import PlanError
     from placement.cluster_plan import DEFAULT_CHECK_UNITS, DEFAULT_UNIT_NODES, plan_cluster
-    from placement.context import UsageError, build_base_workload
+    from placement.context import UsageError, build_base_workload, build_precisions
     from placement.latency import ProfileError
+    from placement.precision import describe, shape
     from placement.search import SearchContext
     from placement.workload import Workload
 
@@ -120,11 +128,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--seeds and --interval-top must be >= 0")
         if (args.unit_nodes or 0) < 0 or (args.check_units or 0) < 0:
             raise UsageError("--unit-nodes and --check-units must be >= 0")
+        precisions = build_precisions(args.precisions, latency)
     except UsageError as e:
         print(f"jaxserve plan: error: {e}", file=sys.stderr)
         return 2
 
-    ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp)
+    ctx = SearchContext(latency, cluster, workload, slo, options, max_pp=args.max_pp, precisions=precisions)
     if args.conversations is not None:
         return _run_conversations(args, ctx)
 
@@ -203,11 +212,13 @@ def run(args: argparse.Namespace) -> int:
                 f"joint simulation of it (both SLOs, KV transfers included): {simulated:.3f} rps, {disagg_pd:.3f} rps/device"
             )
     if colocated is not None:
-        print(f"best colocated: {colocated.plan.describe()} {colocated.goodput_per_device:.3f} rps/device")
+        print(f"best colocated: {describe(colocated.plan)} {colocated.goodput_per_device:.3f} rps/device")
     print(
-        f"\nchosen: {plan.describe()} on {plan.num_devices} device(s): {goodput_rps:.3f} rps, "
+        f"\nchosen: {describe(plan)} on {plan.num_devices} device(s): {goodput_rps:.3f} rps, "
         f"{goodput_rps / plan.num_devices:.3f} rps/device"
     )
+    if precisions != (None,):
+        print(_precision_line(plan, latency, precisions))
     print(f"why: {report.why}; {report.result.reason}")
     print(_assumed_limits(plan, latency, flagged=args.max_decode_batch is not None))
     if scaled.replicated:
@@ -226,10 +237,23 @@ def run(args: argparse.Namespace) -> int:
     if scaled.replicated:
         print(f"the unit's instances (copy k on nodes + {scaled.unit_nodes}·k; -o / --json hold every instance):")
     for inst in shown:
-        print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
+        print(f"  {inst.role:<8} {shape(inst):<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:
         print(f"plan written to {args.output}")
     return 0
+
+
+def _precision_line(plan: DeploymentPlan, latency: LatencyProvider, allowed: tuple[str | None, ...]) -> str:
+    """Which precisions were allowed, which each role got, and where their latency came from."""
+    from placement.precision import precision_name
+
+    kind: DeploymentKind = "colocated" if plan.kind == "colocated" else "disagg"
+    roles: dict[str, str] = {}
+    for inst in plan.instances:
+        q = inst.quantization
+        roles.setdefault(inst.role, f"{inst.role} {precision_name(q)} ({latency.precision_source(kind, inst.tp, q)})")
+    allowed_names = ", ".join(precision_name(q) for q in allowed)
+    return f"precision (allowed: {allowed_names}): {'; '.join(roles.values())}"
 
 
 def _assumed_limits(plan: DeploymentPlan, latency: LatencyProvider, flagged: bool) -> str:
@@ -265,6 +289,7 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
 
     from jaxserve.core.plan import PlanError
     from placement.conversations import ConversationSpec, generate_conversations
+    from placement.precision import shape
     from placement.prefix_plan import Kind, plan_for_conversations
 
     try:
@@ -331,7 +356,7 @@ def _run_conversations(args: argparse.Namespace, ctx: SearchContext) -> int:
     else:
         print("serve it with: --no-prefix-caching")
     for inst in plan.instances:
-        print(f"  {inst.role:<8} {inst.shape:<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
+        print(f"  {inst.role:<8} {shape(inst):<8} devices {list(inst.devices or ())} nodes {list(inst.nodes or ())}")
     if args.output:
         print(f"plan written to {args.output}")
     return 0

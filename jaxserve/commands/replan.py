@@ -20,7 +20,7 @@ def build_replan_loop(
     from jaxserve.core.workload_monitor import DetectorConfig, MonitorConfig
     from jaxserve.runtime.controller import Controller
     from jaxserve.runtime.switch import InstanceBuilder, PlanSwitcher
-    from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig, planning_context
+    from jaxserve.tools.replan_loop import ReplanLoop, ReplanLoopConfig, planning_context, served_precisions
 
     assert isinstance(controller, Controller)
     monitor = MonitorConfig(window_s=args.window, slice_s=args.slice, ttft_slo_s=args.ttft, tpot_slo_s=args.tpot)
@@ -33,7 +33,7 @@ def build_replan_loop(
     context = None
     if args.replan != "off" or args.profile:  # off with a profile: the correction factors are still measured
         context = planning_context(controller.model_config, args.device, args.profile, len(jax.devices()),
-                                   args.ttft, args.tpot)  # fmt: skip
+                                   args.ttft, args.tpot, served_precisions(controller.plan))  # fmt: skip
     if args.replan == "off":
         latency = context.latency if context is not None else None
         return ReplanLoop(controller, config, switcher=switcher, latency=latency, weights_load_s=weights_load_s)

@@ -33,6 +33,7 @@ from jaxserve.commands.common import (
 from jaxserve.commands.engine_backends import ENGINE_BACKENDS, engine_name
 from jaxserve.commands.server_keys import ADMIN_KEY_ENV, API_KEY_ENV, server_keys
 from jaxserve.core.limits import DEFAULT_LIMITS, ServingLimits
+from jaxserve.core.plan import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from jaxserve.core.plan import DeploymentPlan
@@ -65,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--served-model-name", help="the model name clients see (default: the model config's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="serve a float checkpoint's weights at this precision (int8: per-channel weight-only, int4: group-wise "
+        "weight-only); a plan entry's own quantization wins. Default: the checkpoint's own (a GGUF as stored)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument(
         "--log-level",
@@ -299,8 +306,17 @@ def run(args: argparse.Namespace) -> int:
     except ModelRegistryError as e:  # a registry name not pulled yet (it says what to run)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.engine == "model" and args.quantization is not None:  # one clear error before anything loads
+        from models.gguf import find_gguf
+        from models.quantize import QuantizationError, check_quantization
+
+        try:
+            check_quantization(args.quantization, gguf=find_gguf(model) is not None)
+        except QuantizationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     limits = serving_limits(args, plan)
-    if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (opt engine), else the default
+    if limits.num_kv_blocks is None:  # a plan's "what memory holds": sized below (model engine), else the default
         limits = dataclasses.replace(limits, num_kv_blocks=DEFAULT_LIMITS.num_kv_blocks)
     if args.decode_steps_per_call < 1:
         print("error: --decode-steps-per-call must be >= 1", file=sys.stderr)
@@ -364,11 +380,12 @@ def run(args: argparse.Namespace) -> int:
         loop = build_replan_loop(args, controller, builder, build_s)
         for name, spec, devices in [] if args.backend == "ray" else place(plan):
             log.info(
-                "instance %s: role=%s tp=%d x pp=%d devices=[%s]",
+                "instance %s: role=%s tp=%d x pp=%d precision=%s devices=[%s]",
                 name,
                 spec.role,
                 spec.tp,
                 spec.pp,
+                spec.quantization or "checkpoint",  # the plan's per-phase precision (`jaxserve plan --precisions`)
                 ", ".join(str(d) for d in devices),
             )
     except (PlanError, KeyError, ValueError, OSError) as e:

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from placement.context import UsageError
     from placement.goodput import GoodputSearch, max_rate
     from placement.latency import DeploymentKind, ProfileError
+    from placement.precision import PrecisionError, check_supported
     from placement.simulator import PHASES, simulate
 
     if args.timevarying:
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(
                     f"profile {args.profile} has no {engine} coefficients for {latency.cfg.name} tp{inst.tp}"
                 )
+            try:  # a plan file's precision the device cannot run (fp8 on an A100)
+                check_supported(inst.quantization, latency.device)
+            except PrecisionError as e:
+                raise UsageError(f"{inst.role} instance: {e}") from None
     except UsageError as e:
         print(f"jaxserve simulate: error: {e}", file=sys.stderr)
         return 2

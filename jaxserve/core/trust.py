@@ -35,6 +35,14 @@ def _writers(mode: int) -> str:
     return " and ".join(w for w, bit in (("its group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit)
 
 
+def _refuse_if(problems: list[str], fixes: list[str], subject: str, threat: str) -> None:
+    """Raise UntrustedDirectoryError when there are `problems`: "`subject` <problems>: `threat`. Fix it (<fixes>)"."""
+    if problems:
+        raise UntrustedDirectoryError(
+            f"{subject} {' and '.join(problems)}: {threat}. Fix it ({'; '.join(fixes)}) or use a directory of your own."
+        )
+
+
 def _check_parents(path: Path, what: str, cache: Path) -> None:
     """Raise UntrustedDirectoryError if a directory above `path` (itself excluded) lets another user swap it.
     `cache` is the cache directory the message names."""
@@ -60,11 +68,12 @@ def _check_parents(path: Path, what: str, cache: Path) -> None:
         if who and not info.st_mode & stat.S_ISVTX:
             problems.append(f"writable by {who} without the sticky bit (mode {stat.S_IMODE(info.st_mode):o})")
             fixes.append(f"chmod go-w {parent}, or chmod +t {parent}")
-        if problems:
-            raise UntrustedDirectoryError(
-                f"{what} {cache} sits under {parent}, which is {' and '.join(problems)}: another user could replace "
-                f"the cache with a directory of theirs. Fix it ({'; '.join(fixes)}) or use a directory of your own."
-            )
+        _refuse_if(
+            problems,
+            fixes,
+            f"{what} {cache} sits under {parent}, which is",
+            "another user could replace the cache with a directory of theirs",
+        )
 
 
 def ensure_private_dir(path: str | Path, what: str) -> Path:
@@ -97,11 +106,7 @@ def check_private_dir(path: str | Path, what: str) -> Path:
     if who:
         problems.append(f"writable by {who} (mode {stat.S_IMODE(info.st_mode):o})")
         fixes.append(f"chmod go-w {path}")
-    if problems:
-        raise UntrustedDirectoryError(
-            f"{what} {path} is {' and '.join(problems)}: another user could plant code this process would load. "
-            f"Fix it ({'; '.join(fixes)}) or use a directory of your own."
-        )
+    _refuse_if(problems, fixes, f"{what} {path} is", "another user could plant code this process would load")
     for chain in (path, path.resolve()):  # the way it is named, and where it really is
         _check_parents(chain, what, path)
     return path

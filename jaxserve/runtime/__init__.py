@@ -14,8 +14,10 @@
   when its instance or KV is lost), `compilation/` (what is compiled before traffic, when, and the fallbacks
   until a program is in) and `streams.py`
   (`RequestStream`, a request's tokens to its reader). `api.py` is the serving boundary's types.
-* `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain);
-  `instance_set.py` (`InstanceSet`) holds the controller's routed, staged and retiring instances.
+* `switch.py` — moves a running deployment to another plan (keep, build + warm up, route, drain:
+  `PlanSwitcher`), through its steps on the controller's instances (`SwitchSteps`: stage, warm up, route,
+  retire, discard); `instance_set.py` (`InstanceSet`) holds the controller's routed, staged and retiring
+  instances.
 * `instances.py` — from a `DeploymentPlan` to engines on disjoint device sets; `Instance`, the three roles.
 * `profiling.py` — times the real engine at a grid of shapes for `jaxserve profile` (the samples it hands
   to the planner's fit are `jaxserve/core/step_samples.py`).

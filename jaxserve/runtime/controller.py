@@ -46,9 +46,10 @@ Failures (both backends; the Ray backend's proxies end in the same hooks):
 * `stats().faults` counts these events as they happen (`FaultCounters`).
 
 Where each job lives: routing choices in `routing.py`, the move / re-prefill rules in `recovery.py`,
-bucket and hand-off warm-up in `compilation/deployment.py`, the steps of a live switch in `switch.py`, the routed /
-staged / retiring instances in `instance_set.py`. This file owns the request table (`_live`) and the one lock
-that guards it with the instance set, and calls them.
+bucket and hand-off warm-up in `compilation/deployment.py`, the steps of a live switch in `switch.py`
+(`SwitchSteps`, the controller's `switch_steps`), the routed / staged / retiring instances in `instance_set.py`.
+This file owns the request table (`_live`, with the switch's pinned warm-up requests) and the one lock that
+guards it with the instance set, and calls them.
 
 `shutdown()` stops new requests (ShuttingDownError), lets the in-flight ones
 drain for `drain_timeout_s`, aborts the rest and stops threads.
@@ -84,7 +85,6 @@ from jaxserve.runtime.compilation.deployment import (
     WarmupConfig,
     start_background_warmups,
     warm_up_deployment,
-    warm_up_staged,
 )
 from jaxserve.runtime.config import AdmissionConfig, ControllerConfig, Observer, WorkloadHook
 from jaxserve.runtime.decode_instance import DecodeConfig, DecodeInstance
@@ -104,7 +104,7 @@ from jaxserve.runtime.recovery import move_error, needs_moving
 from jaxserve.runtime.routing import Router, enqueue, live_fronts
 from jaxserve.runtime.sampling import default_seed
 from jaxserve.runtime.streams import RequestStream
-from jaxserve.runtime.switch import SwitchableController
+from jaxserve.runtime.switch import SwitchableController, SwitchHost, SwitchSteps
 from jaxserve.runtime.worker import FaultCounters, FaultKind, LiveRequest, Worker, now
 from models.config import ModelConfig
 
@@ -131,11 +131,11 @@ log = logging.getLogger(__name__)
 
 
 class Controller:
-    """Coordinates a deployment's instances: admission, streams, hand-offs, moves and the switch's steps.
+    """Coordinates a deployment's instances: admission, streams, hand-offs and moves.
 
     The choices are made elsewhere (`routing.Router`, `recovery`, `compilation.deployment`,
-    `instance_set.InstanceSet`); this class owns the request table (`_live`: request id -> (LiveRequest,
-    RequestStream)) and the lock that guards it together with the instance set.
+    `instance_set.InstanceSet`, a live switch's `switch.SwitchSteps`); this class owns the request table (`_live`:
+    request id -> (LiveRequest, RequestStream)) and the lock that guards it together with the instance set.
     """
 
     def __init__(
@@ -157,12 +157,12 @@ class Controller:
         self.chat_template: CheckpointChatTemplate | None = None
         self.model_config: ModelConfig = placed[0].engine.model_config
         self.faults = faults or FaultCounters()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the request table and the instance set together
         self._guided: GuidedDecoder | None = None  # built on the first guided request (`guided_decoder`)
         self._guided_lock = threading.Lock()
         self._live: dict[str, tuple[LiveRequest, RequestStream]] = {}
-        self._shutting_down = False
-        self._started = False
+        self.shutting_down = False
+        self.started = False
         cfg = self.config
         self.router = Router(cfg.limits.block_size, cfg.prefix_policy)
         # routed, staged and retiring instances (the live switch: `jaxserve/runtime/switch.py`)
@@ -173,14 +173,15 @@ class Controller:
         self._pinned: dict[str, DecodeInstance] = {}  # switch warm-up request -> the decode instance it must use
         self._internal: set[str] = set()  # switch warm-up request ids (not the workload's)
         self.workload_hook: WorkloadHook | None = None
+        self.switch_steps = SwitchSteps(self)  # a live switch's steps on these instances (`switch.py`)
         for p in placed:
-            self.instance_set.add_routed(self._make_instance(p))
+            self.instance_set.add_routed(self.make_instance(p))
             self.placed_of[p.name] = p
         mc = self.model_config
         self.max_prompt_tokens = cfg.admission.max_prompt_tokens or mc.max_position_embeddings - 1
         self.max_tokens_limit = cfg.admission.max_tokens_limit or mc.max_position_embeddings
 
-    def _make_instance(self, p: PlacedInstance) -> Instance:
+    def make_instance(self, p: PlacedInstance) -> Instance:
         """An instance (not started) for a placed engine. Records nothing: the caller adds it to `placed_of` once
         built, so a build that raises (e.g. a pool that does not fit in memory) leaves no trace."""
         cfg = self.config
@@ -265,7 +266,7 @@ class Controller:
         """The instances that may hold `request_id`: routed and retiring ones; the staged ones too for a
         switch's own warm-up request (the only kind a staged instance takes). So cancelling, failing or moving a
         client's request never waits on a staged instance's lock, which its bucket warm-up holds across a compile."""
-        with self._lock:
+        with self.lock:
             internal = request_id in self._internal
             return self.instance_set.all() if internal else self.instance_set.serving()
 
@@ -279,9 +280,9 @@ class Controller:
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        if self._started:
+        if self.started:
             return
-        self._started = True
+        self.started = True
         for inst in self.instances:
             inst.start()
 
@@ -294,7 +295,7 @@ class Controller:
             self.instance_set.routed(),
             front,
             self.submit,
-            self._bucket_warmup(),
+            self.bucket_warmup(),
             self.model_config.filler_token_id,
             start_background=start_background,
         )
@@ -303,7 +304,7 @@ class Controller:
         """Start the background compiles `warmup(start_background=False)` left waiting (none: nothing)."""
         start_background_warmups(self.instance_set.routed())
 
-    def _bucket_warmup(self) -> BucketWarmup:
+    def bucket_warmup(self) -> BucketWarmup:
         """This deployment's bucket warm-up (the routed instances at start; a live switch: the staged)."""
         max_seq_len = min(self.max_prompt_tokens + self.max_tokens_limit, self.model_config.max_position_embeddings)
         return BucketWarmup(self.config.warmup, self.max_prompt_tokens, max_seq_len)
@@ -315,17 +316,17 @@ class Controller:
         step (nothing of the new plan is routed after this); instances it already routed away drain with the rest.
         """
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        with self._lock:
-            self._shutting_down = True  # a live switch in progress stops at its next step (ShuttingDownError)
+        with self.lock:
+            self.shutting_down = True  # a live switch in progress stops at its next step (ShuttingDownError)
         # a switch's new instances, not routed yet: stopped (a compile holding one is left behind), warm-ups ended
-        self.discard_staged(join_timeout_s=2.0)
+        self.switch_steps.discard_staged(join_timeout_s=2.0)
         deadline = now() + timeout
         while now() < deadline:
-            with self._lock:
+            with self.lock:
                 if not self._live.keys() - self._internal:
                     break
             threading.Event().wait(0.01)
-        with self._lock:
+        with self.lock:
             remaining = list(self._live)
         for rid in remaining:
             self.cancel(rid)
@@ -395,18 +396,18 @@ class Controller:
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue a request; thread-safe. Raises InvalidRequestError, OverloadedError, ShuttingDownError."""
-        if self._shutting_down:
+        if self.shutting_down:
             raise ShuttingDownError("the server is shutting down")
-        if not self._started:
+        if not self.started:
             raise ShuttingDownError("the controller is not started; call start()")
         self.check_fits(request)
-        with self._lock:
+        with self.lock:
             front: Sequence[PrefillInstance | ColocatedInstance] = self.prefill_instances or self.colocated_instances
             alive = live_fronts(self.prefill_instances, self.decode_instances, self.colocated_instances)
             if not alive:
                 dead = next(inst for inst in self.instances if inst.error is not None)
                 raise dead.dead_error()
-            if self._shutting_down:
+            if self.shutting_down:
                 raise ShuttingDownError("the server is shutting down")
             if request.request_id in self._live:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", field="request_id")
@@ -436,7 +437,7 @@ class Controller:
 
     def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is; its blocks or buffer slot are freed now. Unknown ids are ignored."""
-        with self._lock:
+        with self.lock:
             entry = self._live.pop(request_id, None)
         if entry is None:
             return
@@ -450,7 +451,7 @@ class Controller:
 
     # ---- worker callbacks (Emitter) ---------------------------------------------
     def emit(self, live: LiveRequest, token_ids: tuple[int, ...], finish_reason: FinishReason | None) -> None:
-        with self._lock:
+        with self.lock:
             entry = self._live.get(live.request_id)
             if entry is None or entry[0] is not live:
                 return  # cancelled meanwhile
@@ -467,7 +468,7 @@ class Controller:
             stream.push(TokenChunk(live.request_id, token_ids, logprobs=logprobs))
 
     def fail(self, live: LiveRequest, error: BaseException) -> None:
-        with self._lock:
+        with self.lock:
             entry = self._live.get(live.request_id)
             if entry is None or entry[0] is not live:
                 return
@@ -491,7 +492,7 @@ class Controller:
             source.release(live.request_id)
             return
         target: DecodeInstance | None = None
-        with self._lock:
+        with self.lock:
             pinned = self._pinned.pop(live.request_id, None)
             if pinned is not None:
                 target, error = pinned, enqueue(pinned, live, source)
@@ -517,58 +518,32 @@ class Controller:
         streamed: see `recovery.py`).
         """
         log.error("instance %s died (%r); moving its %d requests", instance.name, instance.error, len(held))
+        self.move_held(held, f"instance {instance.name} died: {instance.error!r}", fault="rerouted")
+
+    def move_held(self, held: Sequence[LiveRequest], why: str, *, fault: FaultKind | None = None) -> None:
+        """Move each of `held` (requests a stopped or dead instance held) that no live instance holds to live
+        instances (`_move`), counting `fault` for each one moved."""
         for live in held:
             if not needs_moving(self._may_hold(live.request_id), live):
                 continue
-            self.faults.count("rerouted")
-            self._move(live, f"instance {instance.name} died: {instance.error!r}")
+            if fault is not None:
+                self.faults.count(fault)
+            self._move(live, why)
 
     def _move(self, live: LiveRequest, why: str) -> None:
         """Queue `live` on the live front instance with the shortest queue (resumed if tokens were streamed)."""
-        with self._lock:
+        with self.lock:
             entry = self._live.get(live.request_id)
             if entry is None or entry[0] is not live:
                 return  # finished or cancelled meanwhile
-        with self._lock:
+        with self.lock:
             error = move_error(
                 self.router, self.prefill_instances, self.decode_instances, self.colocated_instances, live, why
             )
         if error is not None:
             self.fail(live, error)
 
-    # ---- live switch (driven by jaxserve/runtime/switch.py) ------------------------
-    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
-        """Build and start instances for `placed`, *staged*: they take no traffic until `route()` names them."""
-        clash = self.instance_set.name_clash([p.name for p in placed])
-        if clash:
-            raise ValueError(f"instance names already in use: {clash}")
-        new = [self._make_instance(p) for p in placed]  # one raises: nothing recorded, the ones built are dropped
-        with self._lock:
-            if self._shutting_down:  # shutdown() stops the instances it sees: none may appear after it
-                raise ShuttingDownError("the server is shutting down: the switch stops before staging new instances")
-            self.placed_of.update((p.name, p) for p in placed)
-            self.instance_set.stage(new)
-            if self._started:  # under the lock: shutdown() sees these staged and stops them
-                for inst in new:
-                    inst.start()
-        return new
-
-    def warm_up_staged(self, timeout_s: float = 600.0) -> float:
-        """Warm every staged instance before it is routed; seconds. What and in which order:
-        `compilation.deployment.warm_up_staged` (the bucket warm-up, then pinned hand-off requests), through the
-        controller's switch primitives below (`staged_and_routed`, `submit_pinned`, `end_pinned`,
-        `check_still_staged`)."""
-        longest = min(self.max_prompt_tokens, self.model_config.max_position_embeddings - 2)  # + 2 tokens
-        return warm_up_staged(self, self._bucket_warmup(), longest, timeout_s)
-
-    def staged_and_routed(self) -> tuple[list[Instance], list[PrefillInstance], list[DecodeInstance]]:
-        """The staged instances, and the live routed prefill and decode instances (one consistent view)."""
-        with self._lock:
-            staged = list(self.instance_set.staged)
-            routed_prefills = [p for p in self.prefill_instances if p.error is None]
-            routed_decodes = [d for d in self.decode_instances if d.error is None]
-        return staged, routed_prefills, routed_decodes
-
+    # ---- the live switch's requests (its steps: `switch.SwitchSteps`) --------------------------
     def submit_pinned(
         self,
         index: int,
@@ -583,8 +558,8 @@ class Controller:
         request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         live = LiveRequest(request=request, seed=default_seed(rid), timings=RequestTimings(arrival_at=now()))
         stream = RequestStream(rid, self.cancel)
-        with self._lock:
-            if self._shutting_down:
+        with self.lock:
+            if self.shutting_down:
                 raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
             self._live[rid] = (live, stream)
             self._internal.add(rid)
@@ -598,114 +573,26 @@ class Controller:
     def end_pinned(self, request_ids: Sequence[str]) -> None:
         """The switch is done with these requests: one that failed before its hand-off never reached
         `_on_prefilled`, so its pin goes here too."""
-        with self._lock:
+        with self.lock:
             for rid in request_ids:
                 self._internal.discard(rid)
                 self._pinned.pop(rid, None)
 
-    def check_still_staged(self, staged: Sequence[Instance]) -> None:
-        """Raise when the warm-up of `staged` cannot lead to routing them: one died (its warm-up requests
-        were moved on and may have finished, but it cannot serve), or shutdown discarded them."""
-        dead = [i for i in staged if i.error is not None]
-        if dead:
-            raise RuntimeError(f"instance {dead[0].name} died during its warm-up: {dead[0].error!r}")
-        with self._lock:
-            if self._shutting_down:
-                raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
-            gone = [i.name for i in staged if i not in self.instance_set.staged]
-        if gone:
-            raise RuntimeError(f"staged instances {gone} were discarded during their warm-up")
-
-    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
-        """Stop and drop every staged instance (a switch that failed before routing to them), and end the
-        switch's warm-up requests still in flight (timed out, or on an instance that died or hangs).
-
-        Those requests may be queued on a routed prefill instance or held in its buffer waiting for a staged
-        decode instance's pull: cancelling them on the serving instances frees those buffer slots, so a
-        staged instance that hangs in its warm-up costs the routed ones nothing. A staged instance's own
-        lock is not needed (it may be held by a compile that never ends): it is out of the instance set first.
-        """
-        with self._lock:
-            staged = self.instance_set.discard_staged()
-            warmups = sorted(self._internal)
-            self._internal.clear()
-            for rid in warmups:
-                self._pinned.pop(rid, None)
-        for inst in staged:  # never waits on their locks: a compile may hold one
-            inst.request_stop()
+    def drop_pinned(self) -> list[str]:
+        """Under `lock` (the switch discarding its staged instances): every switch request is the workload's
+        like any other from here on (so cancelling it never waits on a staged instance) and loses its pin;
+        returns their ids, for the caller to cancel."""
+        warmups = sorted(self._internal)
+        self._internal.clear()
         for rid in warmups:
-            self.cancel(rid)  # no longer internal: only routed and retiring instances are asked
-        deadline = time.monotonic() + join_timeout_s
-        for inst in staged:
-            if not inst.join(max(deadline - time.monotonic(), 0.0)):
-                log.warning("discarded instance %s did not stop (stuck in a compile or a step): left behind", inst.name)
-
-    def route(self, names: Sequence[str]) -> list[Instance]:
-        """Atomically make the routed instances exactly the live ones of `names` (routed or staged ones), in that
-        order (`InstanceSet.route`).
-
-        New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
-        out *retire*: they finish what they hold (see `retire_drained`), and so does a named one that is dead.
-        Returns them. Raises ShuttingDownError (nothing changed) once `shutdown()` has begun, ValueError
-        (nothing changed) when a role would be left with no live instance.
-        """
-        with self._lock:
-            if self._shutting_down:
-                raise ShuttingDownError("the server is shutting down: the switch stops before routing")
-            return self.instance_set.route(names)
-
-    def routed_instances(self) -> list[Instance]:
-        """The instances taking new requests now (staged and retiring ones left out)."""
-        with self._lock:
-            return self.instance_set.routed()
-
-    @property
-    def retiring(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(i.name for i in self.instance_set.retiring)
-
-    def num_held_by_retiring(self) -> int:
-        with self._lock:
-            retiring = list(self.instance_set.retiring)
-        total = 0
-        for inst in retiring:
-            with inst.cond:
-                total += len(inst.held_requests())
-        return total
-
-    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
-        """Stop each retiring instance that holds nothing and let it go (engine, KV pool and buffers with it).
-
-        With `force`, a retiring instance still holding requests is stopped too and they move to routed
-        instances (the re-route path: resumed where their streams stand). Returns the stats each stopped
-        instance had last (its KV blocks and buffer slots in use then: 0 unless something leaked).
-        """
-        with self._lock:
-            candidates = list(self.instance_set.retiring)
-        done: list[InstanceStats] = []
-        for inst in candidates:
-            with self._lock, inst.cond:  # every enqueue happens under _lock: unrouted and empty stays empty
-                empty = not inst.held_requests()
-            if not empty and not force:
-                continue
-            inst.stop()
-            with inst.cond:
-                held = inst.held_requests()
-                inst.drop_all()
-            for live in held:
-                if needs_moving(self._may_hold(live.request_id), live):
-                    self._move(live, f"instance {inst.name} retired by a deployment switch")
-            stats = inst.stats()
-            with self._lock:
-                self.instance_set.forget(inst)
-            done.append(stats)
-        return done
+            self._pinned.pop(rid, None)
+        return warmups
 
     # ---- introspection -----------------------------------------------------------
     def stats(self) -> ControllerStats:
         """Every serving (routed or retiring) instance's own stats and the fault counters; only local locks, never a
         remote call, never a staged instance's (a live switch's new instance compiling under it)."""
-        with self._lock:
+        with self.lock:
             num_live = len(self._live)
             serving = self.instance_set.serving()  # staged instances are not serving (and may be compiling)
         return ControllerStats(
@@ -727,4 +614,8 @@ def _is_a_serving_controller(controller: Controller) -> ServingController:
 
 
 def _is_a_switchable_controller(controller: Controller) -> SwitchableController:
-    return controller  # mypy checks that Controller (and so RayController) implements the switch's Protocol
+    return controller  # mypy checks that Controller (and so RayController) implements the switch's Protocols
+
+
+def _is_a_switch_host(controller: Controller) -> SwitchHost:
+    return controller

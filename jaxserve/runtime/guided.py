@@ -211,7 +211,9 @@ class GuidedDecoder:
         from transformers import PreTrainedTokenizerFast
 
         self._xgr = xgr
+        self.tokenizer = tokenizer  # kept: a Ray actor builds its own decoder from it (`to_str()`)
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.limits = limits or GuidedLimits()
         info = xgr.TokenizerInfo.from_huggingface(
             PreTrainedTokenizerFast(tokenizer_object=tokenizer),

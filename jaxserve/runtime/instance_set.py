@@ -1,8 +1,8 @@
 """The instances a controller owns, by state: routed (per role, in routing order), staged and retiring.
 
 The controller keeps one `InstanceSet` and changes it only under its lock: at start every instance is routed;
-a live switch (`switch.py`) stages new ones through the controller (`Controller.add_instances`), routes a new
-set (`Controller.route`), and forgets the retiring ones once drained (`Controller.retire_drained`).
+a live switch's steps (`switch.SwitchSteps`, on the controller's instance set) stage new ones (`add_instances`),
+route a new set (`route`), and forget the retiring ones once drained (`retire_drained`).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@
    is refused (`SwitchError`) before anything changed.
 3. build: `InstanceBuilder.build` loads each added instance's weights straight into its own
    sharding (embedded: `engine_factory(spec, devices)` on consecutive free devices; Ray: an actor);
-   `Controller.add_instances` starts them *staged* (no traffic), and
-   `Controller.warm_up_staged` warms them before they are routed (`compilation/deployment.py`'s
-   `warm_up_staged`, through the controller's switch primitives): with the controller's
+   `SwitchSteps.add_instances` starts them *staged* (no traffic), and
+   `SwitchSteps.warm_up_staged` warms them before they are routed (`compilation/deployment.py`'s
+   `warm_up_staged`, with the controller's pinned requests): with the controller's
    `warmup_buckets` (serve's default) the bucket warm-up `serve` runs (every padded shape the
    instance's limits allow) and every new prefill -> decode pair's hand-off at every padded prompt
    length; otherwise one pinned request through each. `SwitchReport.warmup_s` is what it took.
-4. route: `Controller.route(kept + added)` switches new requests, hand-offs and re-routes to the
+4. route: `SwitchSteps.route(kept + added)` switches new requests, hand-offs and re-routes to the
    new instance set atomically (under the controller's lock); `controller.plan` becomes the new plan
    (device indices are those the instances really hold). A kept instance that died since the match
    (its worker moved its requests as it died) is left out and retires with the others: the plan and
@@ -30,15 +30,18 @@
    traffic, `instance_alive` 0, replaced by the next switch.)
 5. drain: retiring instances finish what they hold (queued prompts are prefilled, buffered KVs are
    pulled by decode instances, decodes run to completion) and are stopped and dropped, KV pool and
-   buffers with them (`Controller.retire_drained`; the Ray backend also kills their actors). After
+   buffers with them (`SwitchSteps.retire_drained`; the Ray backend also kills their actors). After
    `drain_timeout_s` whatever they still hold
    moves to routed instances through the re-route path (resumed, token for token).
 
-The controller's side of it is its `InstanceSet` (`instance_set.py`, the controller's: it owns the
-instances): its instances by state, routed, *staged* (built and started, taking no traffic) or *retiring*
-(routed away, finishing what they hold), with the staging (`stage`), routing (`route`) and discarding
-(`discard_staged`, `forget`) the steps above call through the controller, under its lock. `PlanSwitcher` drives any `SwitchableController` (the embedded
-`Controller`, `RayController`) and imports neither.
+The steps on the instances are `SwitchSteps` (one per controller, its `switch_steps`; the Ray backend's
+`RaySwitchSteps` also keeps leases and kills actors). They change the controller's `InstanceSet`
+(`instance_set.py`, the controller's: it makes the instances and routes requests to them): its instances by
+state, routed, *staged* (built and started, taking no traffic) or *retiring* (routed away, finishing what they
+hold), under the controller's lock, which also guards its request table. What they need of the controller is
+`SwitchHost`: the instance set and that lock, making an instance, the request table's pinned warm-up requests,
+cancelling and moving requests. `PlanSwitcher` drives any `SwitchableController` (the embedded `Controller`,
+`RayController`) through its `switch_steps` and imports neither.
 
 Nothing here imports the planner: the replanning loop above (`jaxserve/tools/replan_loop.py`) decides
 *what* to switch to; this module only knows how.
@@ -50,7 +53,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -58,11 +61,19 @@ import jax
 from jaxserve.core.errors import JaxServeError, ShuttingDownError
 from jaxserve.core.plan import DeploymentPlan, InstanceSpec, PlanError
 from jaxserve.runtime.api import InstanceStats
+from jaxserve.runtime.colocated_instance import ColocatedInstance
+from jaxserve.runtime.compilation.deployment import BucketWarmup, warm_up_staged
+from jaxserve.runtime.decode_instance import DecodeInstance
+from jaxserve.runtime.instance_set import InstanceSet
 from jaxserve.runtime.instances import EngineFactory, Instance, PlacedInstance
+from jaxserve.runtime.prefill_instance import PrefillInstance
+from jaxserve.runtime.streams import RequestStream
+from jaxserve.runtime.worker import LiveRequest
+from models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-Shape = tuple[str, int, int, int | None]
+Shape = tuple[str, int, int, int | None, str | None]  # role, tp, pp, chunk size, weight precision
 
 
 class SwitchError(JaxServeError):
@@ -97,7 +108,7 @@ class SwitchReport:
     drained_first: bool  # retiring instances were drained before the build, to free their devices
     num_moved: int  # requests moved off retiring instances at the drain timeout
     build_s: float  # loading the added instances' weights
-    warmup_s: float  # compiling them before routing (`Controller.warm_up_staged`)
+    warmup_s: float  # compiling them before routing (`SwitchSteps.warm_up_staged`)
     drain_s: float
     total_s: float
 
@@ -107,8 +118,198 @@ class SwitchReport:
         return out
 
 
+# `Controller.submit_pinned`: a switch's warm-up request (index, prompt, front instance, decode instance or None)
+PinnedSubmit = Callable[
+    [int, tuple[int, ...], PrefillInstance | ColocatedInstance, DecodeInstance | None], RequestStream
+]
+
+
+class SwitchHost(Protocol):
+    """The few things of a controller the switch's steps (`SwitchSteps`) need (`Controller` is one).
+
+    The instances (`instance_set`, the controller's: it makes them and routes requests to them) and the lock that
+    guards them together with the request table: every enqueue happens under it, so an instance routed away
+    takes nothing new. From the request table: the switch's own pinned warm-up requests, cancelling, and moving
+    the requests a retired instance still held.
+    """
+
+    instance_set: InstanceSet
+    lock: threading.Lock
+    started: bool
+    shutting_down: bool
+    max_prompt_tokens: int
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    def make_instance(self, p: PlacedInstance) -> Instance: ...
+
+    def bucket_warmup(self) -> BucketWarmup: ...
+
+    @property
+    def submit_pinned(self) -> PinnedSubmit: ...
+
+    @property
+    def end_pinned(self) -> Callable[[Sequence[str]], None]: ...
+
+    def drop_pinned(self) -> list[str]: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def move_held(self, held: Sequence[LiveRequest], why: str) -> None: ...
+
+
+class SwitchSteps:
+    """The steps of a live switch on one controller's instances: stage, warm up, route, retire, or discard.
+
+    `PlanSwitcher` calls them in order (`switch()`); the controller's `shutdown()` calls `discard_staged` (a
+    switch in progress stops at its next step). Each step changes the controller's `InstanceSet` under the
+    controller's lock. The Ray backend extends three of them (`RaySwitchSteps`: lease keepers, actors).
+    """
+
+    def __init__(self, host: SwitchHost) -> None:
+        self.host = host
+        # the pinned warm-up requests are the request table's (what `compilation.deployment.warm_up_staged` calls)
+        self.submit_pinned = host.submit_pinned
+        self.end_pinned = host.end_pinned
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.host.model_config
+
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
+        """Build and start instances for `placed`, *staged*: they take no traffic until `route()` names them."""
+        h, instances = self.host, self.host.instance_set
+        clash = instances.name_clash([p.name for p in placed])
+        if clash:
+            raise ValueError(f"instance names already in use: {clash}")
+        new = [h.make_instance(p) for p in placed]  # one raises: nothing recorded, the ones built are dropped
+        with h.lock:
+            if h.shutting_down:  # shutdown() stops the instances it sees: none may appear after it
+                raise ShuttingDownError("the server is shutting down: the switch stops before staging new instances")
+            instances.placed_of.update((p.name, p) for p in placed)
+            instances.stage(new)
+            if h.started:  # under the lock: shutdown() sees these staged and stops them
+                for inst in new:
+                    inst.start()
+        return new
+
+    def warm_up_staged(self, timeout_s: float = 600.0) -> float:
+        """Warm every staged instance before it is routed; seconds. What and in which order:
+        `compilation.deployment.warm_up_staged` (the bucket warm-up, then pinned hand-off requests), through
+        `staged_and_routed`, `check_still_staged` and the controller's `submit_pinned` / `end_pinned`."""
+        h = self.host
+        longest = min(h.max_prompt_tokens, h.model_config.max_position_embeddings - 2)  # + 2 tokens
+        return warm_up_staged(self, h.bucket_warmup(), longest, timeout_s)
+
+    def staged_and_routed(self) -> tuple[list[Instance], list[PrefillInstance], list[DecodeInstance]]:
+        """The staged instances, and the live routed prefill and decode instances (one consistent view)."""
+        instances = self.host.instance_set
+        with self.host.lock:
+            staged = list(instances.staged)
+            routed_prefills = [p for p in instances.prefill if p.error is None]
+            routed_decodes = [d for d in instances.decode if d.error is None]
+        return staged, routed_prefills, routed_decodes
+
+    def check_still_staged(self, staged: Sequence[Instance]) -> None:
+        """Raise when the warm-up of `staged` cannot lead to routing them: one died (its warm-up requests
+        were moved on and may have finished, but it cannot serve), or shutdown discarded them."""
+        dead = [i for i in staged if i.error is not None]
+        if dead:
+            raise RuntimeError(f"instance {dead[0].name} died during its warm-up: {dead[0].error!r}")
+        with self.host.lock:
+            if self.host.shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops during its warm-up")
+            gone = [i.name for i in staged if i not in self.host.instance_set.staged]
+        if gone:
+            raise RuntimeError(f"staged instances {gone} were discarded during their warm-up")
+
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """Stop and drop every staged instance (a switch that failed before routing to them), and end the
+        switch's warm-up requests still in flight (timed out, or on an instance that died or hangs).
+
+        Those requests may be queued on a routed prefill instance or held in its buffer waiting for a staged
+        decode instance's pull: cancelling them on the serving instances frees those buffer slots, so a
+        staged instance that hangs in its warm-up costs the routed ones nothing. A staged instance's own
+        lock is not needed (it may be held by a compile that never ends): it is out of the instance set first.
+        """
+        h = self.host
+        with h.lock:
+            staged = h.instance_set.discard_staged()
+            warmups = h.drop_pinned()
+        for inst in staged:  # never waits on their locks: a compile may hold one
+            inst.request_stop()
+        for rid in warmups:
+            h.cancel(rid)  # no longer internal: only routed and retiring instances are asked
+        deadline = time.monotonic() + join_timeout_s
+        for inst in staged:
+            if not inst.join(max(deadline - time.monotonic(), 0.0)):
+                log.warning("discarded instance %s did not stop (stuck in a compile or a step): left behind", inst.name)
+
+    def route(self, names: Sequence[str]) -> list[Instance]:
+        """Atomically make the routed instances exactly the live ones of `names` (routed or staged ones), in that
+        order (`InstanceSet.route`).
+
+        New requests (and hand-offs, re-routes) go only to routed instances from here on; the ones left
+        out *retire*: they finish what they hold (see `retire_drained`), and so does a named one that is dead.
+        Returns them. Raises ShuttingDownError (nothing changed) once `shutdown()` has begun, ValueError
+        (nothing changed) when a role would be left with no live instance.
+        """
+        with self.host.lock:
+            if self.host.shutting_down:
+                raise ShuttingDownError("the server is shutting down: the switch stops before routing")
+            return self.host.instance_set.route(names)
+
+    def routed_instances(self) -> list[Instance]:
+        """The instances taking new requests now (staged and retiring ones left out)."""
+        with self.host.lock:
+            return self.host.instance_set.routed()
+
+    @property
+    def retiring(self) -> tuple[str, ...]:
+        with self.host.lock:
+            return tuple(i.name for i in self.host.instance_set.retiring)
+
+    def num_held_by_retiring(self) -> int:
+        with self.host.lock:
+            retiring = list(self.host.instance_set.retiring)
+        total = 0
+        for inst in retiring:
+            with inst.cond:
+                total += len(inst.held_requests())
+        return total
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
+        """Stop each retiring instance that holds nothing and let it go (engine, KV pool and buffers with it).
+
+        With `force`, a retiring instance still holding requests is stopped too and they move to routed
+        instances (the re-route path: resumed where their streams stand). Returns the stats each stopped
+        instance had last (its KV blocks and buffer slots in use then: 0 unless something leaked).
+        """
+        h = self.host
+        with h.lock:
+            candidates = list(h.instance_set.retiring)
+        done: list[InstanceStats] = []
+        for inst in candidates:
+            with h.lock, inst.cond:  # every enqueue happens under the lock: unrouted and empty stays empty
+                empty = not inst.held_requests()
+            if not empty and not force:
+                continue
+            inst.stop()
+            with inst.cond:
+                held = inst.held_requests()
+                inst.drop_all()
+            h.move_held(held, f"instance {inst.name} retired by a deployment switch")
+            stats = inst.stats()
+            with h.lock:
+                h.instance_set.forget(inst)
+            done.append(stats)
+        return done
+
+
 class SwitchableController(Protocol):
-    """What a switch needs from the controller it switches (`Controller`, `RayController`)."""
+    """What `PlanSwitcher` needs of the controller it switches (`Controller`, `RayController`): its plan, where
+    each instance is placed (for the builder), and its `SwitchSteps`."""
 
     plan: DeploymentPlan
 
@@ -116,25 +317,12 @@ class SwitchableController(Protocol):
     def placed_of(self) -> dict[str, PlacedInstance]: ...
 
     @property
-    def retiring(self) -> tuple[str, ...]: ...
-
-    def routed_instances(self) -> list[Instance]: ...
-
-    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]: ...
-
-    def warm_up_staged(self, timeout_s: float = 600.0) -> float: ...
-
-    def discard_staged(self) -> None: ...
-
-    def route(self, names: Sequence[str]) -> list[Instance]: ...
-
-    def num_held_by_retiring(self) -> int: ...
-
-    def retire_drained(self, force: bool = False) -> list[InstanceStats]: ...
+    def switch_steps(self) -> SwitchSteps: ...
 
 
 def shape_of(spec: InstanceSpec) -> Shape:
-    return (spec.role, spec.tp, spec.pp, spec.chunk_size)
+    """What an instance must share with a plan's entry to be kept: its precision too (its weights differ)."""
+    return (spec.role, spec.tp, spec.pp, spec.chunk_size, spec.quantization)
 
 
 def match_instances(
@@ -264,7 +452,7 @@ class PlanSwitcher:
         old = c.plan
         if plan.kind != old.kind:
             raise SwitchError(f"cannot switch a {old.kind} deployment to a {plan.kind} one ({plan.describe()})")
-        routed = c.routed_instances()
+        routed = c.switch_steps.routed_instances()
         routed_specs = [(i.name, c.placed_of[i.name].spec) for i in routed]
         # A dead routed instance is never kept (it cannot serve): it retires, and its shape is built anew.
         dead = {i.name for i in routed if i.error is not None}
@@ -290,7 +478,7 @@ class PlanSwitcher:
                 )
             log.info("switch: draining %s first to free their devices", retiring)
             try:
-                c.route(kept_names)
+                c.switch_steps.route(kept_names)
             except ShuttingDownError as e:
                 raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
             except ValueError as e:  # the kept instances of a role died since the match: nothing changed
@@ -313,17 +501,17 @@ class PlanSwitcher:
         step = "building"
         try:
             placed = builder.build(c, to_add, names) if to_add else []
-            c.add_instances(placed)
+            c.switch_steps.add_instances(placed)
             build_s = time.monotonic() - t
             step = "warming up"
-            warmup_s = c.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
+            warmup_s = c.switch_steps.warm_up_staged(self.warmup_timeout_s) if placed else 0.0
             routed_at = time.monotonic()
             step = "routing"
             # (after a drain-first, the kept ones are routed already: this adds the built ones). An instance
             # of `new_names` that died meanwhile (a kept one) is left out and retires: see `InstanceSet.route`.
-            c.route(new_names)
+            c.switch_steps.route(new_names)
         except Exception as e:
-            c.discard_staged()
+            c.switch_steps.discard_staged()
             builder.discard(c, names)
             if isinstance(e, ShuttingDownError):
                 raise SwitchAbortedError(f"the switch to {plan.describe()} stopped: {e}") from e
@@ -333,7 +521,7 @@ class PlanSwitcher:
                 restored = self._restore(old, [name for name, _ in routed_specs], drained)
                 raise SwitchError(f"{what}; {restored}") from e
             raise SwitchError(f"{what}; the deployment is as it was ({old.describe()})") from e
-        serving = {i.name for i in c.routed_instances()}
+        serving = {i.name for i in c.switch_steps.routed_instances()}
         lost = [n for n in new_names if n not in serving]  # dead at routing: left out, retiring
         new_names = [n for n in new_names if n in serving]
         c.plan = DeploymentPlan(
@@ -381,13 +569,13 @@ class PlanSwitcher:
         names = [name for name, _ in drained]
         try:
             placed = self.builder.build(c, [spec for _, spec in drained], names)
-            c.add_instances(placed)
-            c.warm_up_staged(self.warmup_timeout_s)
-            c.route(routed_order)
+            c.switch_steps.add_instances(placed)
+            c.switch_steps.warm_up_staged(self.warmup_timeout_s)
+            c.switch_steps.route(routed_order)
         except Exception as e:
-            c.discard_staged()
+            c.switch_steps.discard_staged()
             self.builder.discard(c, names)
-            serving = [i.name for i in c.routed_instances()]
+            serving = [i.name for i in c.switch_steps.routed_instances()]
             c.plan = DeploymentPlan(tuple(c.placed_of[n].spec for n in serving), model=old.model)
             log.error("switch: rebuilding the drained instances %s failed too: %r", names, e)
             return (
@@ -405,18 +593,18 @@ class PlanSwitcher:
 
     def _drain(self) -> tuple[list[InstanceStats], int]:
         """Wait for the retiring instances to finish what they hold; move the rest at the timeout."""
-        c = self.controller
+        steps = self.controller.switch_steps
         retired: list[InstanceStats] = []
         deadline = time.monotonic() + self.drain_timeout_s
-        while c.retiring and time.monotonic() < deadline:
-            retired.extend(c.retire_drained())
+        while steps.retiring and time.monotonic() < deadline:
+            retired.extend(steps.retire_drained())
             time.sleep(0.005)
         num_moved = 0
-        if c.retiring:
-            num_moved = c.num_held_by_retiring()
-            log.warning("switch: %d requests still on %s after %.0f s: moving them", num_moved, c.retiring,
+        if steps.retiring:
+            num_moved = steps.num_held_by_retiring()
+            log.warning("switch: %d requests still on %s after %.0f s: moving them", num_moved, steps.retiring,
                         self.drain_timeout_s)  # fmt: skip
-            retired.extend(c.retire_drained(force=True))
+            retired.extend(steps.retire_drained(force=True))
         return retired, num_moved
 
 
@@ -434,8 +622,10 @@ __all__ = [
     "PlanSwitcher",
     "SwitchAbortedError",
     "SwitchError",
+    "SwitchHost",
     "SwitchInProgressError",
     "SwitchReport",
+    "SwitchSteps",
     "SwitchUnsupportedError",
     "SwitchableController",
     "match_instances",

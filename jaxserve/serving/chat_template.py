@@ -93,8 +93,30 @@ def render_chat(messages: Iterable[tuple[str, str]], template: JinjaChatTemplate
             raise ValueError(f"unknown chat role {role!r}; expected one of {sorted(ROLES)}")
         _refuse_special_text(index, content, extra)
     if template is not None:
-        return _render_jinja(template, pairs)
+        dicts = [{"role": "system" if role == "developer" else role, "content": content} for role, content in pairs]
+        return _render_jinja(template, dicts, None)
     return "".join(f"### {ROLES[role]}:\n{escape_content(content)}\n\n" for role, content in pairs) + GENERATION_PROMPT
+
+
+def render_structured(
+    messages: Sequence[dict[str, Any]], template: JinjaChatTemplate, tools: Sequence[dict[str, Any]] | None
+) -> str:
+    """OpenAI messages as dicts (tool calls, `role: "tool"` results and all) and `tools` through a checkpoint's
+    template, as `transformers`' `apply_chat_template(messages, tools=tools)` passes them: for a template that
+    renders tools (`jaxserve.serving.tool_parsers.detect_format`). The same refusals as `render_chat`, applied to
+    every text the client wrote: contents, and the names and arguments of earlier calls."""
+    extra = _template_specials(template)
+    for index, message in enumerate(messages):
+        texts = [message.get("content") or ""]
+        for call in message.get("tool_calls") or ():
+            arguments = call["function"]["arguments"]  # a mapping (OpenAI's JSON text, decoded) or text
+            texts += [
+                call["function"]["name"],
+                arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+            ]
+        for text in texts:
+            _refuse_special_text(index, text, extra)
+    return _render_jinja(template, list(messages), tools)
 
 
 def _template_specials(template: JinjaChatTemplate) -> tuple[str, ...]:
@@ -102,13 +124,15 @@ def _template_specials(template: JinjaChatTemplate) -> tuple[str, ...]:
     return tuple(sorted({t for t in texts if t}, key=len, reverse=True))
 
 
-def _render_jinja(template: JinjaChatTemplate, pairs: list[tuple[str, str]]) -> str:
+def _render_jinja(
+    template: JinjaChatTemplate, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> str:
     import jinja2
 
-    messages = [{"role": "system" if role == "developer" else role, "content": content} for role, content in pairs]
     try:
         return _compile(template.template).render(
             messages=messages,
+            tools=None if tools is None else list(tools),
             add_generation_prompt=True,
             bos_token=template.bos_token or "",
             eos_token=template.eos_token or "",

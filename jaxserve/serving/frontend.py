@@ -34,14 +34,15 @@ import dataclasses
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
 from jaxserve.core.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from jaxserve.core.request import MAX_SEED, FinishReason, GenerateRequest, RequestTimings, TokenChunk
 from jaxserve.runtime.api import ServingController
-from jaxserve.serving.chat_template import check_template
+from jaxserve.serving.chat_template import JinjaChatTemplate, check_template
 from jaxserve.serving.metrics import ServingMetrics
+from jaxserve.serving.tool_parsers import detect_format
 from jaxserve.serving.wire import Chunk, CompletionParams, ModelInfo, Timings
 
 # Internal field names -> what the client sent (the prompt field is per request).
@@ -112,6 +113,7 @@ class Frontend:
         self.chat_template = controller.chat_template  # the checkpoint's (None: the built-in template)
         if self.chat_template is not None:  # a broken one stops the start, not every chat request (a 500 each)
             check_template(self.chat_template)
+        self.kept_tokens = marker_tokens(self.tokenizer, self.chat_template)
 
     # ---- what the servers report ------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -232,7 +234,9 @@ class Frontend:
     async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[Chunk, None]:
         """Run the request; yield chunks with new token ids and new text; the last one has timings."""
         request = prepared.request
-        detok = Detokenizer(self.tokenizer, prepared.stop, include_stop=prepared.include_stop_str_in_output)
+        detok = Detokenizer(
+            self.tokenizer, prepared.stop, include_stop=prepared.include_stop_str_in_output, keep=self.kept_tokens
+        )
         num_out = 0
         finished = False
         gen = self.controller.submit(request).async_chunks()
@@ -340,6 +344,17 @@ async def merge_streams(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def marker_tokens(tokenizer: TextTokenizer | None, template: JinjaChatTemplate | None) -> dict[int, str]:
+    """The tool-call markers of the template's format that are special tokens of the vocabulary (Mistral's
+    `[TOOL_CALLS]` and `[ARGS]`, Llama 3's `<|python_tag|>`): the detokenizer writes them, so the tool parser can see them."""
+    fmt = None if template is None else detect_format(template.template)
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    if fmt is None or token_to_id is None:
+        return {}
+    ids = {text: token_to_id(text) for text in fmt.texts}
+    return {int(i): marker for marker, i in ids.items() if i is not None}
+
+
 def error_kind(exc: BaseException) -> str:
     """The `kind` label of `jaxserve:request_errors_total` for a runtime error."""
     if isinstance(exc, InvalidRequestError):
@@ -370,13 +385,20 @@ class Detokenizer:
     next tokens; text that could be the start of a stop string is held back from the
     client until the next tokens decide it. The emitted pieces concatenate to the
     whole output's decode, cut before the first stop string (after it with `include_stop`).
-    Special tokens (EOS and the like) are never rendered.
+    Special tokens (EOS and the like) are never rendered, except those in `keep` (id -> text: a tool-call
+    format's markers).
     """
 
     def __init__(
-        self, tokenizer: TextTokenizer | None, stop: tuple[str, ...] = (), *, include_stop: bool = False
+        self,
+        tokenizer: TextTokenizer | None,
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        keep: Mapping[int, str] | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._keep = keep or {}
         self._stop = stop
         self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -388,7 +410,17 @@ class Detokenizer:
 
     def _decode(self, ids: Sequence[int]) -> str:
         assert self._tok is not None
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        if not any(i in self._keep for i in ids):
+            return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:  # the kept tokens' texts between the decoded runs around them
+            if i in self._keep:
+                parts += [str(self._tok.decode(run, skip_special_tokens=True)), self._keep[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, str(self._tok.decode(run, skip_special_tokens=True))])
 
     def _settle(self, final: bool) -> None:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

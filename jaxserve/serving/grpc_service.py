@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pydantic
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -42,7 +43,9 @@ from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.runtime.api import ServingController
 from jaxserve.serving import wire
 from jaxserve.serving.admin import AdminAccess, bearer_ok
+from jaxserve.serving.chat_template import JinjaChatTemplate
 from jaxserve.serving.frontend import Frontend, error_kind, first_chunks, merge_streams
+from jaxserve.serving.openai_protocol import ChatCompletionRequest, ChatPrompt, chat_prompt
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.INTERNAL, f"engine failure: {exc}", ()
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
+
+
+def _chat_prompt(request: pb.GenerateRequest, template: JinjaChatTemplate | None) -> ChatPrompt:
+    """A request with tools rendered as HTTP's chat request is (the same checks, the same prompt)."""
+    try:
+        body = ChatCompletionRequest.model_validate(wire.chat_request_from_proto(request))
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "messages"
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequestError(f"{where}: {first.get('msg', 'invalid value')}", field=field) from None
+    return chat_prompt(body, template)
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -96,9 +111,17 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         arrival_at = time.monotonic()
         await self._authorize(context)
         try:
+            chat: ChatPrompt | None = None
             if len(request.messages):  # rendering runs the checkpoint's template (untrusted code): off the loop
                 loop = asyncio.get_running_loop()
-                params = await loop.run_in_executor(None, wire.params_from_proto, request, self._frontend.chat_template)
+                if wire.uses_tools(request):
+                    chat = await loop.run_in_executor(None, _chat_prompt, request, self._frontend.chat_template)
+                params = await loop.run_in_executor(
+                    None, wire.params_from_proto, request, self._frontend.chat_template,
+                    None if chat is None else (chat.text, chat.call),
+                )  # fmt: skip
+            elif wire.uses_tools(request):
+                raise InvalidRequestError("tools need a chat request (messages)", field="tools")
             else:
                 params = wire.params_from_proto(request, self._frontend.chat_template)
             n = request.n if request.HasField("n") else 1
@@ -107,11 +130,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 firsts = await first_chunks(streams)
                 started: set[int] = set()
+                texts = [""] * len(choices)  # each reply so far, for its tool calls at the end
                 async for i, chunk in merge_streams(streams, firsts):
                     echo = choices[i].echo if i not in started else ""
                     started.add(i)
+                    texts[i] += chunk.text
+                    made = None if chat is None or not chunk.finished else chat.reply(texts[i], chunk.finish_reason)
+                    calls = () if made is None else wire.tool_calls_of(made[1])
                     yield wire.chunk_to_proto(
-                        dataclasses.replace(chunk, text=echo + chunk.text, index=choices[i].index)
+                        dataclasses.replace(chunk, text=echo + chunk.text, index=choices[i].index, tool_calls=calls)
                     )
             finally:
                 for st in streams:

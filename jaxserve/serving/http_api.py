@@ -44,7 +44,7 @@ from jaxserve.core.errors import EngineDeadError, InvalidRequestError, Overloade
 from jaxserve.core.plan import PlanError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.switch import SwitchAbortedError, SwitchError, SwitchInProgressError, SwitchUnsupportedError
-from jaxserve.serving import tool_calls
+from jaxserve.serving import tool_parsers
 from jaxserve.serving.admin import AdminAccess, DeploymentAdmin, bearer_ok, parse_plan_body
 from jaxserve.serving.browser_guard import BrowserGuard, BrowserPolicy
 from jaxserve.serving.frontend import Choice, Frontend, error_kind, first_chunks, merge_streams
@@ -359,6 +359,7 @@ class _Render:
         self.token_text = token_text
         self._text_offsets: dict[int, int] = {}  # completions logprobs: each choice's text offset so far
         self._held: dict[int, list[Chunk]] = {}  # a forced tool call's chunks, held until the call is whole
+        self._readers: dict[int, tool_parsers.ToolCallStream] = {}  # tool_choice "auto": each choice's reader
 
     def logprobs(
         self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
@@ -432,10 +433,6 @@ class _Render:
             out["token_ids"] = token_ids
         return out
 
-    def _tool_call(self, text: str, reason: str | None) -> dict[str, Any] | None:
-        """OpenAI's tool call of a forced call's finished output (None: not a forced call, or cut short)."""
-        return tool_calls.parse_call(text) if self.job.tool_calls and reason == "stop" else None
-
     def body(self, choices: list[Choice], collected: list[list[Chunk]]) -> dict[str, Any]:
         out = self._envelope(chunk_object=False)
         out["choices"] = []
@@ -450,10 +447,10 @@ class _Render:
                 delta=False,
                 logprobs=Completion.from_chunks(chunks).logprobs,
             )
-            call = self._tool_call(text, reason)
-            if call is not None:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-                choice["finish_reason"] = "tool_calls"
+            made = None if self.job.chat is None else self.job.chat.reply(text, reason)
+            if made is not None:
+                choice["message"] = {"role": "assistant", "content": made[0], "tool_calls": made[1]}
+                choice["finish_reason"] = "tool_calls" if reason == "stop" else reason
             out["choices"].append(choice)
         out["usage"] = self.usage(choices, [chunks[-1] for chunks in collected])
         out["system_fingerprint"] = None
@@ -463,7 +460,10 @@ class _Render:
         """The stream events of one chunk. A forced tool call's chunks are held until it ends, then sent as
         OpenAI sends a call: the call (id, name, whole arguments) in one delta, then `finish_reason: "tool_calls"`
         (an output cut short goes out as the text it is)."""
-        if not self.job.tool_calls:
+        chat = self.job.chat
+        if chat is not None and chat.streams_calls:
+            return self._auto_events(choice, chunk, first)
+        if chat is None or chat.call is None:
             return [self.event(choice, chunk, first)]
         held = self._held.setdefault(choice.index, [])
         held.append(chunk)
@@ -471,15 +471,44 @@ class _Render:
             return []
         whole = Completion.from_chunks(held)
         merged = dataclasses.replace(chunk, token_ids=whole.token_ids, text=whole.text, logprobs=whole.logprobs)
-        call = self._tool_call(whole.text, chunk.finish_reason)
-        if call is None:
+        made = chat.reply(whole.text, chunk.finish_reason)
+        if made is None:
             return [self.event(choice, merged, True)]
         call_event = self.event(choice, dataclasses.replace(merged, finish_reason=None), True)
-        call_event["choices"][0]["delta"] = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
+        call_event["choices"][0]["delta"] = {
+            "role": "assistant", "content": None, "tool_calls": [{"index": 0, **made[1][0]}]
+        }  # fmt: skip
         end = self.event(choice, dataclasses.replace(merged, token_ids=(), text="", logprobs=None), False)
         end["choices"][0]["delta"] = {}
         end["choices"][0]["finish_reason"] = "tool_calls"
         return [call_event, end]
+
+    def _auto_events(self, choice: Choice, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        """tool_choice "auto": the chunk's text read by the format's parser. Content goes out as it comes (held
+        only while it may be a marker's start); each call as OpenAI streams one: its id and name, then its
+        arguments in pieces; the last event's reason is "tool_calls" when the reply made calls and stopped."""
+        chat = self.job.chat
+        assert chat is not None and chat.tool_format is not None
+        reader = self._readers.setdefault(choice.index, tool_parsers.ToolCallStream(chat.tool_format))
+        pieces = reader.push(chunk.text) + (reader.finish() if chunk.finished else [])
+        content = "".join(p for kind, p in pieces if kind == tool_parsers.CONTENT)
+        deltas = [p for kind, p in pieces if kind != tool_parsers.CONTENT]
+        if not chat.parallel_tool_calls:
+            deltas = [d for d in deltas if d["index"] == 0]
+        reason: str | None = chunk.finish_reason
+        if reason == "stop" and reader.calls:
+            reason = "tool_calls"
+        events = []
+        if content or first or not deltas:
+            events.append(self.event(choice, dataclasses.replace(chunk, text=content, finish_reason=None), first))
+        for delta in deltas:
+            # the chunk's tokens (and logprobs) ride on its first event; a call's delta holds no content
+            source = chunk if not events else dataclasses.replace(chunk, token_ids=(), logprobs=None)
+            event = self.event(choice, dataclasses.replace(source, text="", finish_reason=None), False)
+            event["choices"][0]["delta"] = {"tool_calls": [delta]}
+            events.append(event)
+        events[-1]["choices"][0]["finish_reason"] = reason
+        return events
 
     def event(self, choice: Choice, chunk: Chunk, first: bool) -> dict[str, Any]:
         out = self._envelope(chunk_object=True)

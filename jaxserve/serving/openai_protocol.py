@@ -9,7 +9,9 @@ request may carry a list of prompts), `n` samples of each, and how to render the
 (echo, token ids, usage in the stream). Choice `i * n + j` is sample `j` of prompt `i`.
 
 Chat messages become one prompt through `jaxserve.serving.chat_template` (see
-docs/serving.md).
+docs/serving.md); `chat_prompt` renders them as the request's `tools` and `tool_choice` ask (a forced call's
+grammar, "auto"'s tools handed to a template with a tool-call format) and its `ChatPrompt` reads the reply's
+calls, for HTTP and gRPC alike.
 
 Logprobs: completions' `logprobs` (0..5, OpenAI's legacy limit) and chat's `logprobs` +
 `top_logprobs` (0..20) become `SamplingParams.logprobs`; the values are the log-softmax of the
@@ -21,13 +23,14 @@ does not compute.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.request import DEFAULT_MAX_TOKENS, MAX_STOP_TOKEN_IDS, GuidedSpec, SamplingParams, guided_spec
-from jaxserve.serving import chat_template, tool_calls
+from jaxserve.serving import chat_template, tool_calls, tool_parsers
 from jaxserve.serving.wire import (
     MAX_CACHE_SALT_CHARS,
     MAX_N,
@@ -142,10 +145,39 @@ class ChatMessage(_Strict):
             return tool_calls.followup_text(self.role, text, calls, self.tool_call_id)
         return text
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a template that renders tools takes it (`transformers`' chat format): OpenAI's fields
+        (developer turns as system ones, the content's text parts joined), an earlier call's arguments as the
+        mapping they encode (OpenAI sends JSON text; such templates write `arguments | tojson`, as vLLM hands
+        them)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        out["content"] = None if self.content is None else (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )  # fmt: skip
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
     @property
     def template_role(self) -> str:
         """The role the template renders: a tool result is the user's turn in the generic format."""
         return "user" if self.role == "tool" else self.role
+
+
+def _arguments(call: AssistantToolCall) -> Any:
+    if not call.function.arguments.strip():
+        return {}
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequestError(f"tool call {call.id!r}: its arguments are not JSON", field="messages") from None
 
 
 class FunctionDefinition(_Strict):
@@ -178,12 +210,65 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
+    parallel_tool_calls: bool | None = None  # false: only the first call of an "auto" reply (a forced call is one)
 
 
-def render_chat(messages: list[ChatMessage], template: chat_template.JinjaChatTemplate | None = None) -> str:
-    """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one)."""
+def render_chat(
+    messages: list[ChatMessage],
+    template: chat_template.JinjaChatTemplate | None = None,
+    tools: list[Tool] | None = None,
+) -> str:
+    """OpenAI messages through the checkpoint's chat `template` (None: jaxserve's built-in one).
+
+    A template with a tool-call format (`tool_parsers.detect_format`) gets the messages whole (tool calls,
+    tool results) and `tools`, as `transformers` hands them; any other renders each message's text, tool
+    follow-ups in the generic words (`tool_calls.followup_text`)."""
+    if template is not None and tool_parsers.detect_format(template.template) is not None:
+        tool_dicts = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+        return chat_template.render_structured([m.template_dict() for m in messages], template, tool_dicts)
     return chat_template.render_chat(((m.template_role, m.text()) for m in messages), template)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt, and what its tools make of the reply (HTTP's and gRPC's)."""
+
+    text: str
+    call: GuidedSpec | None = None  # a forced call (tool_calls.py): the grammar the reply must follow
+    tool_format: tool_parsers.ToolFormat | None = None  # tool_choice "auto": the reply is parsed in this format
+    parallel_tool_calls: bool = True  # false: an "auto" reply's first call only
+
+    @property
+    def streams_calls(self) -> bool:
+        """Whether the reply is read as it streams ("auto"); a forced call is held until it is whole."""
+        return self.tool_format is not None
+
+    def reply(self, text: str, reason: str | None) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """A finished reply's content and OpenAI `tool_calls` entries when it made calls (None: it is text, or a
+        forced call cut short)."""
+        if self.call is not None:
+            call = tool_calls.parse_call(text) if reason == "stop" else None
+            return None if call is None else (None, [call])
+        if self.tool_format is None:
+            return None
+        content, calls = tool_parsers.parse_reply(self.tool_format, text)
+        if not calls:
+            return None
+        return content, calls if self.parallel_tool_calls else calls[:1]
+
+
+def chat_prompt(body: ChatCompletionRequest, template: chat_template.JinjaChatTemplate | None) -> ChatPrompt:
+    """Render a chat request's messages (the checkpoint's `template`, if any) as its `tools` and `tool_choice`
+    ask: a forced call's tools in a system message and its grammar, "auto"'s tools to a template that knows a
+    tool-call format (a 400 if it knows none), "none" without tools."""
+    fmt = None if template is None else tool_parsers.detect_format(template.template)
+    messages, call, auto = _tool_choice(body, fmt)
+    return ChatPrompt(
+        render_chat(messages, template, body.tools if auto else None),
+        call,
+        fmt if auto else None,
+        body.parallel_tool_calls is not False,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +282,7 @@ class OpenAIJob:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None = None  # alternatives per token when the client asked for logprobs, else None
-    tool_calls: bool = False  # the output is a forced tool call (tool_calls.py): rendered as OpenAI's `tool_calls`
+    chat: ChatPrompt | None = None  # a chat request's: what its tools make of the reply
 
 
 def _bad(field: str, message: str) -> InvalidRequestError:
@@ -305,12 +390,12 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
     if not body.messages:
         raise _bad("messages", "messages must not be empty")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    messages, call = _forced_tool_call(body)
+    prompt = chat_prompt(body, template)
     sampling = _sampling(body, max_tokens or 1, logprobs)
-    if call is not None:
-        sampling = dataclasses.replace(sampling, guided=call)
+    if prompt.call is not None:
+        sampling = dataclasses.replace(sampling, guided=prompt.call)
     params = CompletionParams(
-        prompt_text=render_chat(messages, template),
+        prompt_text=prompt.text,
         prompt_token_ids=None,
         sampling=sampling,
         stop=stop,
@@ -320,22 +405,25 @@ def chat_job(body: ChatCompletionRequest, template: chat_template.JinjaChatTempl
         cache_salt=_salt(body.cache_salt),
         add_special_tokens=template is None,
     )
-    return OpenAIJob(
-        (params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, call is not None
-    )
+    return OpenAIJob((params,), body.n, False, body.stream, include_usage, body.return_token_ids, logprobs, prompt)
 
 
-def _forced_tool_call(body: ChatCompletionRequest) -> tuple[list[ChatMessage], GuidedSpec | None]:
-    """The messages to render and the grammar of the call the output must be (None: no forced call)."""
+def _tool_choice(
+    body: ChatCompletionRequest, fmt: tool_parsers.ToolFormat | None
+) -> tuple[list[ChatMessage], GuidedSpec | None, bool]:
+    """The messages to render, the grammar of the call the output must be (None: no forced call), and whether
+    the model chooses ("auto": the tools go to the template, the output is parsed in its format `fmt`)."""
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
             raise _bad("tool_choice", "tool_choice needs tools")
-        return body.messages, None
-    if choice == "none":
-        return body.messages, None
+        return body.messages, None, False
+    if choice == "none":  # the tools stay out of the prompt: the model is not to call them
+        return body.messages, None, False
     if choice is None or choice == "auto":
-        raise _bad("tool_choice", tool_calls.AUTO_UNSUPPORTED)
+        if fmt is None:
+            raise _bad("tool_choice", tool_calls.AUTO_UNSUPPORTED)
+        return body.messages, None, True
     if body.response_format is not None and body.response_format.type != "text":
         raise _bad("response_format", "response_format and a forced tool call both constrain the output: send one")
     tools = [
@@ -352,4 +440,4 @@ def _forced_tool_call(body: ChatCompletionRequest) -> tuple[list[ChatMessage], G
         messages[0] = ChatMessage(role=messages[0].role, content=f"{messages[0].text()}\n\n{described}")
     else:
         messages.insert(0, ChatMessage(role="system", content=described))
-    return messages, spec
+    return messages, spec, False

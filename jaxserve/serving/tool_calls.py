@@ -7,8 +7,9 @@ for "required", any of the tools). The output therefore always parses (`parse_ca
 `role: tool` results) render in the same generic words (`followup_text`).
 
 `tool_choice: "auto"` needs the model to choose between text and a call, which only a chat template's own
-tool-call format (Hermes/Qwen `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`) lets it do; this server
-parses none of them yet, so "auto" is a 400 saying so (`AUTO_UNSUPPORTED`).
+tool-call format (Hermes/Qwen `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`) lets it do: those are parsed
+by `jaxserve.serving.tool_parsers`; a model whose template has none answers "auto" with a 400 saying so
+(`AUTO_UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from jaxserve.core.errors import InvalidRequestError
 from jaxserve.core.request import GuidedSpec
 
 AUTO_UNSUPPORTED = (
-    'tool_choice "auto" needs a chat template tool-call format to parse, and this server parses none yet: '
-    'use tool_choice "required" or {"type": "function", "function": {"name": ...}}, or "none"'
+    'tool_choice "auto" (the default with tools) needs a chat template with a tool-call format (Hermes/Qwen '
+    "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]), and this model's template has none: use tool_choice "
+    '"required" or {"type": "function", "function": {"name": ...}}, or "none"'
 )
 
 

@@ -40,6 +40,8 @@ _FINISH_TO_PROTO: dict[FinishReason | None, int] = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 _FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+# A reply of tool calls ended as a stop does; its chunk's `tool_calls` say what it called.
+_FINISH_FROM_PROTO[pb.FINISH_REASON_TOOL_CALLS] = "stop"
 
 # Bounds of the wire's free-form repeated fields; beyond these the request is refused
 # before any tokenizer or model work (the gRPC message size limit caps the rest).
@@ -126,6 +128,15 @@ def _diff(end: float | None, start: float | None) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: OpenAI's `tool_calls[i]`, the arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Chunk:
     """New output of one request: token ids, their text, and on the last chunk why it ended."""
 
@@ -139,6 +150,7 @@ class Chunk:
     num_cached_tokens: int = 0  # on the last chunk: prompt tokens served from a prefix cache
     index: int = 0  # which sample of the request (n > 1)
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
+    tool_calls: tuple[ToolCall, ...] = ()  # on the last chunk: the calls the reply made (its text is as written)
 
     @property
     def finished(self) -> bool:
@@ -157,6 +169,7 @@ class Completion:
     num_prompt_tokens: int
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the reply made (tools); its `text` is what the model wrote
 
     @property
     def num_output_tokens(self) -> int:
@@ -175,6 +188,7 @@ class Completion:
             timings=last.timings,
             num_prompt_tokens=last.num_prompt_tokens,
             num_cached_tokens=last.num_cached_tokens,
+            tool_calls=last.tool_calls,
             logprobs=None
             if all(c.logprobs is None for c in chunks)
             else tuple(lp for c in chunks for lp in c.logprobs or ()),
@@ -221,9 +235,14 @@ def reject_unknown_fields(message: Any, path: str = "") -> None:
                 reject_unknown_fields(v, f"{path}.{field.name}" if path else field.name)
 
 
-def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | None = None) -> CompletionParams:
+def params_from_proto(
+    req: pb.GenerateRequest,
+    template: JinjaChatTemplate | None = None,
+    chat: tuple[str, GuidedSpec | None] | None = None,
+) -> CompletionParams:
     """Check the request's shape (not its value ranges) and convert it; `messages` go through the checkpoint's
-    chat `template` (None: the built-in one)."""
+    chat `template` (None: the built-in one), or are `chat` already: the prompt a request with tools rendered to,
+    and its forced call's grammar (`jaxserve.serving.openai_protocol.chat_prompt`)."""
     reject_unknown_fields(req)
     has_text = bool(req.prompt)
     has_ids = len(req.prompt_token_ids) > 0
@@ -236,7 +255,9 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {req.n}", field="n")
     text = req.prompt if has_text else None
     add_special_tokens = not (has_messages and template is not None)
-    if has_messages:
+    if has_messages and chat is not None:
+        text = chat[0]
+    elif has_messages:
         try:
             text = render_chat(((m.role, m.content) for m in req.messages), template)
         except ValueError as e:
@@ -265,6 +286,12 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         guided=_guided_from_proto(req.response_format) if req.HasField("response_format") else None,
     )
+    if chat is not None and chat[1] is not None:
+        if sampling.guided is not None:
+            raise InvalidRequestError(
+                "response_format and a forced tool call both constrain the output: send one", field="response_format"
+            )
+        sampling = dataclasses.replace(sampling, guided=chat[1])
     return CompletionParams(
         prompt_text=text,
         prompt_token_ids=tuple(req.prompt_token_ids) if has_ids else None,
@@ -275,6 +302,60 @@ def params_from_proto(req: pb.GenerateRequest, template: JinjaChatTemplate | Non
         cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
         add_special_tokens=add_special_tokens,
     )
+
+
+def uses_tools(req: pb.GenerateRequest) -> bool:
+    """Whether a request's prompt depends on tools: tools or a tool_choice, or tool calls and results in its
+    messages (then `chat_request_from_proto` and the OpenAI path render it)."""
+    return bool(
+        len(req.tools)
+        or req.HasField("tool_choice")
+        or any(m.role == "tool" or len(m.tool_calls) or m.tool_call_id for m in req.messages)
+    )
+
+
+def chat_request_from_proto(req: pb.GenerateRequest) -> dict[str, Any]:
+    """A request's messages, tools and tool choice as OpenAI's chat request body holds them (JSON-shaped)."""
+    messages: list[dict[str, Any]] = []
+    for m in req.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content if m.content or not m.tool_calls else None}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    body: dict[str, Any] = {"messages": messages}
+    if len(req.tools):
+        body["tools"] = [{"type": "function", "function": _function_from_proto(i, t)} for i, t in enumerate(req.tools)]
+    if req.HasField("tool_choice"):
+        choice = req.tool_choice
+        named = {"type": "function", "function": {"name": choice}}
+        body["tool_choice"] = choice if choice in ("none", "auto", "required") else named
+    if req.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    return body
+
+
+def _function_from_proto(index: int, tool: pb.Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except ValueError as e:
+            raise InvalidRequestError(f"tools[{index}].parameters is not JSON: {e}", field="tools") from None
+    return function
+
+
+def tool_calls_of(calls: Sequence[Mapping[str, Any]]) -> tuple[ToolCall, ...]:
+    """OpenAI `tool_calls` entries (`{"id", "type", "function": {"name", "arguments"}}`) as `ToolCall`s."""
+    return tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls)
 
 
 def _guided_from_proto(fmt: pb.ResponseFormat) -> GuidedSpec | None:
@@ -316,12 +397,18 @@ def request_to_proto(
     include_stop_str_in_output: bool = False,
     n: int | None = None,
     echo: bool = False,
-    messages: Sequence[tuple[str, str]] = (),
+    messages: Sequence[tuple[str, str] | Mapping[str, Any]] = (),
     logprobs: int | None = None,
     cache_salt: str | None = None,
     response_format: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.GenerateRequest:
-    """Build a request message (client side). Unset optional fields take the server's defaults."""
+    """Build a request message (client side). Unset optional fields take the server's defaults.
+
+    `messages`: (role, content) pairs or OpenAI's message mappings (with `tool_calls` and `tool_call_id`);
+    `tools` and `tool_choice` as OpenAI's chat request takes them."""
     req = pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_ids or ()),
@@ -330,8 +417,13 @@ def request_to_proto(
         ignore_eos=ignore_eos,
         include_stop_str_in_output=include_stop_str_in_output,
         echo=echo,
-        messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
+        messages=[_message_to_proto(m) for m in messages],
+        tools=[_tool_to_proto(t) for t in tools or ()],
     )
+    if tool_choice is not None:
+        req.tool_choice = tool_choice if isinstance(tool_choice, str) else str(tool_choice["function"]["name"])
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     if n is not None:
         req.n = n
     if max_tokens is not None:
@@ -351,6 +443,28 @@ def request_to_proto(
     if response_format is not None:
         req.response_format.CopyFrom(response_format_to_proto(response_format))
     return req
+
+
+def _message_to_proto(m: tuple[str, str] | Mapping[str, Any]) -> pb.ChatMessage:
+    if isinstance(m, tuple):
+        return pb.ChatMessage(role=m[0], content=m[1])
+    calls = [
+        pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in m.get("tool_calls") or ()
+    ]
+    return pb.ChatMessage(
+        role=m["role"], content=m.get("content") or "", tool_calls=calls, tool_call_id=m.get("tool_call_id") or "",
+        name=m.get("name") or "",
+    )  # fmt: skip
+
+
+def _tool_to_proto(tool: Mapping[str, Any]) -> pb.Tool:
+    f = tool["function"]
+    parameters = f.get("parameters")
+    return pb.Tool(
+        name=f["name"], description=f.get("description") or "",
+        parameters="" if parameters is None else json.dumps(parameters),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,7 +511,10 @@ def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
         finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],  # type: ignore[arg-type]
         index=chunk.index,
         logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs or ()],
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in chunk.tool_calls],
     )
+    if chunk.tool_calls and chunk.finish_reason == "stop":
+        out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     if chunk.finished:
         if chunk.timings is not None:
             out.timings.CopyFrom(timings_to_proto(chunk.timings))
@@ -420,6 +537,7 @@ def chunk_from_proto(m: pb.GenerateResponse, num_output_tokens_before: int = 0) 
         num_cached_tokens=m.usage.cached_tokens if finished else 0,
         index=m.index,
         logprobs=tuple(logprobs_from_proto(lp) for lp in m.logprobs) if len(m.logprobs) else None,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
     )
 
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from jaxserve.core.plan import MAX_PLAN_DEVICES, DeploymentPlan
+from jaxserve.core.plan import MAX_PLAN_DEVICES, QUANTIZATIONS, DeploymentPlan
 from jaxserve.core.request import FinishReason, RequestTimings
 from jaxserve.core.workload_monitor import (
     DetectorConfig,
@@ -385,9 +385,18 @@ class ReplanLoop:
 
 
 def planning_context(
-    model_config: object, device: str, profile: str | None, num_devices: int, ttft_s: float, tpot_s: float
+    model_config: object,
+    device: str,
+    profile: str | None,
+    num_devices: int,
+    ttft_s: float,
+    tpot_s: float,
+    precisions: tuple[str | None, ...] = (None,),
 ) -> SearchContext:
-    """The planner's fixed inputs for replanning this deployment (its workload comes from the window)."""
+    """The planner's fixed inputs for replanning this deployment (its workload comes from the window).
+
+    `precisions`: the weight precisions a new plan may give an instance; `served_precisions(plan)` for a
+    deployment (what it serves now, so a quantized deployment is not replanned at the checkpoint's precision)."""
     import numpy as np
 
     from placement.hardware import ClusterSpec, get_device
@@ -401,4 +410,11 @@ def planning_context(
     cluster = ClusterSpec(spec, 1, num_devices)
     one = np.ones(1, dtype=np.int64)
     placeholder = Workload(np.zeros(1), one, one, 1.0)  # replaced by the window's in every round
-    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1)
+    return SearchContext(latency, cluster, placeholder, SloSpec(ttft_s, tpot_s), max_pp=1, precisions=precisions)
+
+
+def served_precisions(plan: DeploymentPlan) -> tuple[str | None, ...]:
+    """The precisions `plan`'s instances serve at (None: the checkpoint's own), in `QUANTIZATIONS` order after
+    None: the set a replan may choose from without changing what the operator chose to serve."""
+    served = {inst.quantization for inst in plan.instances}
+    return tuple(q for q in (None, *QUANTIZATIONS) if q in served)

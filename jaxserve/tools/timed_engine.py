@@ -28,14 +28,14 @@ def timed_engine_factory(
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> TimedEngine:
         kind: DeploymentKind = "colocated" if spec.role == "colocated" else "disagg"
-        model = latency.instance(kind, spec.tp, spec.pp, cluster.nvlink_bandwidth)
+        model = latency.instance(kind, spec.tp, spec.pp, cluster.nvlink_bandwidth, spec.quantization)
         # A pull inside a node: the min(#devices) device pairs move their shares in parallel (the simulator's
         # charge for a same-node pair; the decode side's devices stand in for the smaller side).
         pairs = spec.num_devices
         return TimedEngine(
             config,
             devices,
-            ModelStepCost(model, latency.step_overhead(kind, spec.tp)),
+            ModelStepCost(model, latency.step_overhead(kind, spec.tp, spec.quantization)),
             tp=spec.tp,
             pp=spec.pp,
             link=LinkCost(

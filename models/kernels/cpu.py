@@ -51,6 +51,9 @@ _SYMBOL = "JaxservePagedAttention"
 QUANT_SOURCE = Path(__file__).with_name("quant_matmul_cpu.cc")
 QUANT_TARGET = "jaxserve_quant_matmul_cpu"
 _QUANT_SYMBOL = "JaxserveQuantMatmul"
+# the same library's second handler: a quantized weight dequantized to float32 (what a prefill multiplies by)
+DEQUANT_TARGET = "jaxserve_quant_dequantize_cpu"
+_DEQUANT_SYMBOL = "JaxserveQuantDequantize"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 _NATIVE = ("-march=native",)
 _CHECKS = ("-DJAXSERVE_KERNEL_CHECKS=1",)
@@ -269,7 +272,9 @@ def quant_matmul_target() -> str | None:
             cxx, error = _compiler_or_why_not()
             if cxx is not None:
                 if QUANT_TARGET not in _registered:
-                    _register(QUANT_TARGET, _build(cxx, *_jaxlib(), source_path=QUANT_SOURCE), _QUANT_SYMBOL)
+                    lib_path = _build(cxx, *_jaxlib(), source_path=QUANT_SOURCE)
+                    _register(QUANT_TARGET, lib_path, _QUANT_SYMBOL)
+                    _register(DEQUANT_TARGET, lib_path, _DEQUANT_SYMBOL)
                 target = QUANT_TARGET
         except Exception as e:  # a speed-up that failed to build: the XLA form serves
             error = f"{type(e).__name__}: {e}"
@@ -277,6 +282,12 @@ def quant_matmul_target() -> str | None:
             log.warning("CPU quantized-matmul kernel unavailable, using the XLA form: %s", error)
         _quant_state.append((target, error))
         return target
+
+
+def dequantize_target() -> str | None:
+    """The FFI target that dequantizes a quantized weight to float32 (`quant_matmul_cpu.cc`'s second handler,
+    registered with the matmul's); None where the matmul kernel is unavailable."""
+    return DEQUANT_TARGET if quant_matmul_target() is not None else None
 
 
 def quant_build_error() -> str:

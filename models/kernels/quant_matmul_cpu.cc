@@ -500,34 +500,107 @@ void Run(ffi::ThreadPool& pool, const Problem& p, const S* scales, const S* mins
   }
 }
 
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
-                           ffi::AnyBuffer mins, int64_t bits, int64_t block, bool has_mins,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  const std::string where = "quantized matmul: ";
-  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument(where + "x [B, in], values [out, packed], scales [out, blocks] expected");
+// The whole weight dequantized, float32 [out, in_pad] (output-major, the padding columns included): what a
+// prefill multiplies by. Many batch rows make a matmul compute-bound, where XLA's own float GEMM beats the
+// tiles above; this writes its operand at memory speed (XLA's dequantizing fusion ran ~10x slower).
+template <int BITS, typename S>
+void Dequantize(ffi::ThreadPool& pool, const Problem& p, const S* scales, const S* mins, bool has_mins, float* w) {
+  const int64_t nb = p.blocks();
+  auto range = [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> buffer;
+    buffer.resize(static_cast<size_t>(2 * nb));
+    float* sc = buffer.data();
+    float* mn = sc + nb;
+    for (int64_t r = r0; r < r1; ++r) {
+      RowScales(p, r, scales, mins, has_mins, sc, mn);
+      const uint8_t* row = p.values + r * p.row_bytes;
+      float* dst = w + r * p.in_pad;
+      ForSteps(p, [&](int64_t k, int64_t i0, int64_t i1) {
+        V16 lo, hi;
+        DequantStep<BITS>(row, k, sc[i0], mn[i0], sc[i1], mn[i1], &lo, &hi);
+        Store(dst + kStep * k, lo);
+        Store(dst + kStep * k + 16, hi);
+      });
+    }
+  };
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (threads == 1 || p.out * p.row_bytes < kMinParallelBytes) {
+    range(0, p.out);
+  } else {
+    ParallelChunks(pool, p.out, threads, range);
+  }
+}
+
+// The weight's parts (values, scales, mins, bits, block) checked against each other and written into `p`
+// (out, row_bytes, in_pad, bits, block); what each handler shares. `where` names the handler in the error.
+ffi::Error WeightParts(const std::string& where, const ffi::AnyBuffer& values, const ffi::AnyBuffer& scales,
+                       const ffi::AnyBuffer& mins, int64_t bits, int64_t block, bool has_mins, Problem* p) {
+  const auto vd = values.dimensions(), sd = scales.dimensions();
+  if (vd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument(where + "values [out, packed] and scales [out, blocks] expected");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument(where + "bits must be 4 or 8");
   const auto vt = values.element_type(), st = scales.element_type();
   if ((bits == 8 && vt != ffi::S8) || (bits == 4 && vt != ffi::U8))
     return ffi::Error::InvalidArgument(where + "8-bit values must be int8, 4-bit values uint8");
   if (st != ffi::F16 && st != ffi::F32) return ffi::Error::InvalidArgument(where + "scales must be f16 or f32");
-  Problem p{};
-  p.batch = xd[0];
-  p.in = xd[1];
-  p.out = vd[0];
-  p.row_bytes = vd[1];
-  p.in_pad = vd[1] * 8 / bits;
-  p.bits = bits;
-  p.block = block;
-  if (block < 16 || block % (bits == 4 ? 32 : 16) || p.in_pad % block || p.in_pad % kStep || p.in > p.in_pad)
+  p->out = vd[0];
+  p->row_bytes = vd[1];
+  p->in_pad = vd[1] * 8 / bits;
+  p->bits = bits;
+  p->block = block;
+  if (block < 16 || block % (bits == 4 ? 32 : 16) || p->in_pad % block || p->in_pad % kStep)
     return ffi::Error::InvalidArgument(where + "block " + std::to_string(block) + " does not tile the padded input " +
-                                       std::to_string(p.in_pad) + " (in " + std::to_string(p.in) + ")");
-  if (sd[0] != p.out || sd[1] != p.in_pad / block || yd[0] != p.batch || yd[1] != p.out)
-    return ffi::Error::InvalidArgument(where + "values, scales and the output disagree");
+                                       std::to_string(p->in_pad));
+  if (sd[0] != p->out || sd[1] != p->in_pad / block)
+    return ffi::Error::InvalidArgument(where + "values and scales disagree");
   if (has_mins && (mins.element_type() != st || mins.dimensions().size() != 2 || mins.dimensions()[0] != sd[0] ||
                    mins.dimensions()[1] != sd[1]))
     return ffi::Error::InvalidArgument(where + "mins must match the scales' shape and dtype");
+  p->values = static_cast<const uint8_t*>(values.untyped_data());
+  return ffi::Error::Success();
+}
+
+// `fn(scales, mins)` with the pointers typed as the scales are stored (f16 as uint16_t bits, or f32).
+template <typename F>
+void WithScales(const ffi::AnyBuffer& scales, const ffi::AnyBuffer& mins, F fn) {
+  if (scales.element_type() == ffi::F16) {
+    fn(static_cast<const uint16_t*>(scales.untyped_data()), static_cast<const uint16_t*>(mins.untyped_data()));
+  } else {
+    fn(static_cast<const float*>(scales.untyped_data()), static_cast<const float*>(mins.untyped_data()));
+  }
+}
+
+ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                          int64_t bits, int64_t block, bool has_mins, ffi::Result<ffi::Buffer<ffi::F32>> w) {
+  Problem p{};
+  if (auto e = WeightParts("quantized dequantize: ", values, scales, mins, bits, block, has_mins, &p); e.failure())
+    return e;
+  p.in = p.in_pad;
+  const auto wd = w->dimensions();
+  if (wd.size() != 2 || wd[0] != p.out || wd[1] != p.in_pad)
+    return ffi::Error::InvalidArgument("quantized dequantize: the output must be float32 [out, in_pad]");
+  if (p.out == 0) return ffi::Error::Success();
+  float* out = w->typed_data();
+  WithScales(scales, mins, [&](const auto* s, const auto* m) {
+    bits == 4 ? Dequantize<4>(pool, p, s, m, has_mins, out) : Dequantize<8>(pool, p, s, m, has_mins, out);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer mins, int64_t bits, int64_t block, bool has_mins,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  const std::string where = "quantized matmul: ";
+  Problem p{};
+  if (auto e = WeightParts(where, values, scales, mins, bits, block, has_mins, &p); e.failure()) return e;
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument(where + "x [B, in], y [B, out] expected");
+  p.batch = xd[0];
+  p.in = xd[1];
+  if (p.in > p.in_pad)
+    return ffi::Error::InvalidArgument(where + "x has " + std::to_string(p.in) + " inputs, the weight " +
+                                       std::to_string(p.in_pad));
+  if (yd[0] != p.batch || yd[1] != p.out) return ffi::Error::InvalidArgument(where + "x, the weight and y disagree");
   if (p.batch == 0 || p.out == 0) return ffi::Error::Success();
   // x zero-padded to whole steps: padding values meet zeros, never data
   thread_local std::vector<float> xpad;
@@ -535,18 +608,11 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   for (int64_t b = 0; b < p.batch; ++b)
     std::memcpy(xpad.data() + b * p.in_pad, x.typed_data() + b * p.in, sizeof(float) * p.in);
   p.x = xpad.data();
-  p.values = static_cast<const uint8_t*>(values.untyped_data());
   p.y = y->typed_data();
   p.row_scale = bits == 8 && !has_mins && p.in_pad == block;
-  if (st == ffi::F16) {
-    const auto* s = static_cast<const uint16_t*>(scales.untyped_data());
-    const auto* m = static_cast<const uint16_t*>(mins.untyped_data());
+  WithScales(scales, mins, [&](const auto* s, const auto* m) {
     bits == 4 ? Run<4>(pool, p, s, m, has_mins) : Run<8>(pool, p, s, m, has_mins);
-  } else {
-    const auto* s = static_cast<const float*>(scales.untyped_data());
-    const auto* m = static_cast<const float*>(mins.untyped_data());
-    bits == 4 ? Run<4>(pool, p, s, m, has_mins) : Run<8>(pool, p, s, m, has_mins);
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -563,4 +629,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("block")
                                   .Attr<bool>("has_mins")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [B, out]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantDequantize, DequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // values [out, in_pad * bits / 8]
+                                  .Arg<ffi::AnyBuffer>()         // scales [out, in_pad / block]
+                                  .Arg<ffi::AnyBuffer>()         // mins, like scales (or a placeholder)
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("has_mins")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // w [out, in_pad]
 );

@@ -241,7 +241,7 @@ def handoff_prompt(index: int, num_tokens: int, filler_token_id: int, vocab_size
 
 
 class StagedWarmupHost(Protocol):
-    """What a live switch's warm-up needs of its controller (`Controller` is one): the switch primitives."""
+    """What a live switch's warm-up needs (`switch.SwitchSteps`): views of the staged instances, the pinned requests."""
 
     @property
     def model_config(self) -> ModelConfig: ...
@@ -262,7 +262,7 @@ class StagedWarmupHost(Protocol):
 
 
 def warm_up_staged(host: StagedWarmupHost, buckets: BucketWarmup, longest_prompt: int, timeout_s: float) -> float:
-    """Warm a switch's staged instances before they are routed; seconds (`Controller.warm_up_staged`).
+    """Warm a switch's staged instances before they are routed; seconds (`SwitchSteps.warm_up_staged`).
 
     With `buckets.config.buckets` (as `serve` runs): first the bucket warm-up `warm_up_deployment` runs, on the
     staged instances (every padded shape their limits allow); then the hand-off path of every prefill -> decode

@@ -111,12 +111,22 @@ class ModelEngine(Engine):
 
     @classmethod
     def load(
-        cls, source: str, devices: Sequence[jax.Device], tp: int = 1, pp: int = 1, dtype: str = "float32"
+        cls,
+        source: str,
+        devices: Sequence[jax.Device],
+        tp: int = 1,
+        pp: int = 1,
+        dtype: str = "float32",
+        quantization: str | None = None,
     ) -> ModelEngine:
+        """`source` placed on `devices`; at weight precision `quantization` (`models.quantize.QUANTIZATIONS`; None:
+        the source's own, a GGUF served as stored)."""
         from models.checkpoint import source_config
+        from models.quantize import check_serving_dtype
 
+        check_serving_dtype(dtype, devices[0].platform if devices else None)  # 16-bit on CPU: refused, with why
         sharded = sharded_class(source_config(source, dtype))
-        return cls(sharded.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype))
+        return cls(sharded.load(source, tp=tp, pp=pp, devices=devices, dtype=dtype, quantization=quantization))
 
     @property
     def model_config(self) -> ModelConfig:
@@ -660,8 +670,10 @@ def model_engine_factory(
     dtype: str = "float32",
     block_layout: BlockLayout | None = None,
     attention_impl: Impl | None = None,
+    quantization: str | None = None,
 ) -> Callable[[InstanceSpec, Sequence[jax.Device]], ModelEngine]:
-    """An engine factory: every instance loads `source` straight into its own sharding.
+    """An engine factory: every instance loads `source` straight into its own sharding, at its plan's
+    precision (`InstanceSpec.quantization`) if the plan names one, else at `quantization` (None: the source's).
 
     `attention_impl` sets every instance's paged decode attention (`models.paged_attention`; default:
     `default_impl()` for the backend), `block_layout` its KV pool layout (default: the one that impl
@@ -672,7 +684,8 @@ def model_engine_factory(
         raise ValueError(f"unknown paged attention implementation {attention_impl!r}; one of {', '.join(IMPLS)}")
 
     def factory(spec: InstanceSpec, devices: Sequence[jax.Device]) -> ModelEngine:
-        engine = ModelEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype)
+        precision = spec.quantization if spec.quantization is not None else quantization
+        engine = ModelEngine.load(source, devices, tp=spec.tp, pp=spec.pp, dtype=dtype, quantization=precision)
         if attention_impl is not None:  # before the first step compiles
             engine.model.attention_impl = attention_impl
         if block_layout is not None:

@@ -101,6 +101,8 @@ from models.config import ModelConfig
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from jaxserve.runtime.guided import GuidedLimits
+
 log = logging.getLogger(__name__)
 
 EngineKind = Literal["model", "fake"]  # the real engine (any family), or the hand-computable one
@@ -127,6 +129,7 @@ class EngineSpec:
     block_size: int = DEFAULT_LIMITS.block_size  # the deployment's `ServingLimits.block_size`
     engine: EngineKind = "model"
     fake_config: ModelConfig | None = None
+    quantization: str | None = None  # the weights' precision (`models.quantize`); None: the source's own
     # the driver's persistent compilation cache (`CompileCacheConfig.current()`), turned on in the actor before its
     # engine is built: without it every actor compiled every program again on every start (452 s for SmolLM2)
     compile_cache: CompileCacheConfig | None = None
@@ -261,7 +264,9 @@ def build_engine(spec: EngineSpec) -> Engine:
         return FakeEngine(spec.fake_config, devices, tp=spec.tp, pp=spec.pp)
     from jaxserve.runtime.engines.model import ModelEngine
 
-    return ModelEngine.load(spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype)
+    return ModelEngine.load(
+        spec.model_source, devices, tp=spec.tp, pp=spec.pp, dtype=spec.dtype, quantization=spec.quantization
+    )
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: one per XLA compile
@@ -316,6 +321,21 @@ class _ActorBase:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def set_guided(self, tokenizer_json: str, eos_token_ids: tuple[int, ...], limits: GuidedLimits) -> bool:
+        """Give this process's engine the masks of guided requests: a `GuidedDecoder` of its own, built from the
+        controller's tokenizer (a matcher is replayed from each row's tokens, so nothing else travels). False if the
+        engine cannot mask its logits."""
+        if not hasattr(self.engine, "guided"):
+            return False
+        import tokenizers
+
+        from jaxserve.runtime.guided import GuidedDecoder
+
+        tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+        vocab = self.engine.model_config.vocab_size
+        self.engine.guided = GuidedDecoder(tokenizer, vocab, eos_token_ids, limits)  # type: ignore[attr-defined]
+        return True
 
     def num_compiles(self) -> int:
         """XLA compilations in this process so far (a restarted actor counts from 0)."""

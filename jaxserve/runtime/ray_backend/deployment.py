@@ -58,7 +58,7 @@ from jaxserve.runtime.ray_backend.actors import (
 )
 from jaxserve.runtime.ray_backend.placement_groups import ReservedGroups, ResourceConfig, reserve_groups
 from jaxserve.runtime.ray_backend.remote_engine import FaultCounters, RemoteDecodeEngine, RemotePrefillEngine
-from jaxserve.runtime.switch import SwitchableController, SwitchUnsupportedError
+from jaxserve.runtime.switch import SwitchableController, SwitchSteps, SwitchUnsupportedError
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ class RayController(Controller):
         super().__init__(
             placed, plan, config, transfer=transfer, observer=observer, tokenizer=tokenizer, faults=counters
         )
+        self.switch_steps = RaySwitchSteps(self)
         self.actors = actors
         self.actor_infos = infos
         self.groups = groups
@@ -177,6 +178,7 @@ class RayController(Controller):
         *,
         observer: Observer | None = None,
         dtype: str = "float32",
+        quantization: str | None = None,
     ) -> RayController:
 
         config = config or ControllerConfig()
@@ -184,7 +186,7 @@ class RayController(Controller):
         if plan.kind != "disagg":
             raise PlanError("the Ray backend deploys disaggregated plans (prefill and decode instances)")
         init_ray(rc.address)
-        inputs = LaunchInputs.of(model_source, dtype, rc, config)
+        inputs = LaunchInputs.of(model_source, dtype, rc, config, quantization)
         groups = reserve_groups(plan, rc.resources)
         names = instance_names(plan)
         try:
@@ -232,40 +234,6 @@ class RayController(Controller):
             _placed(inputs, name, spec, self.actors[name], self.actor_infos[name], self.model_config, self.counters)
             for name, spec in zip(names, specs, strict=True)
         ]
-
-    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
-        new = super().add_instances(placed)
-        for inst in new:
-            if isinstance(inst, PrefillInstance | DecodeInstance):
-                _forget_pool_on_restart(inst)
-            if isinstance(inst, PrefillInstance):
-                engine = inst.engine
-                assert isinstance(engine, RemotePrefillEngine)
-                self._holders[inst.name] = engine.actor
-                engine.start_lease_keeper(inst.holds_kv)
-        return new
-
-    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
-        """`Controller.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
-        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
-        with self._lock:
-            engines = [inst.engine for inst in self.instance_set.staged]
-        super().discard_staged(join_timeout_s)
-        for engine in engines:
-            if isinstance(engine, RemotePrefillEngine):
-                engine.stop_lease_keeper()
-
-    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
-        """`Controller.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
-        with self._lock:
-            engines = {inst.name: inst.engine for inst in self.instance_set.retiring}
-        retired = super().retire_drained(force)
-        for stats in retired:
-            engine = engines.get(stats.name)
-            if isinstance(engine, RemotePrefillEngine):
-                engine.stop_lease_keeper()
-        self.release_actors([s.name for s in retired])
-        return retired
 
     def release_actors(self, names: Sequence[str]) -> None:
         """Kill the actors of instances that are gone (retired, or built for a switch that failed)."""
@@ -320,6 +288,49 @@ class RayController(Controller):
         for groups in list(self._own_groups.values()):
             groups.remove()
         self._own_groups.clear()
+
+
+class RaySwitchSteps(SwitchSteps):
+    """`SwitchSteps` on Ray actors: a staged prefill proxy keeps its actor's KV leases alive, a discarded or retired
+    one stops doing so, and a retired instance's actor is killed (and its group removed)."""
+
+    def __init__(self, host: RayController) -> None:
+        super().__init__(host)
+        self.controller = host
+
+    def add_instances(self, placed: Sequence[PlacedInstance]) -> list[Instance]:
+        new = super().add_instances(placed)
+        for inst in new:
+            if isinstance(inst, PrefillInstance | DecodeInstance):
+                _forget_pool_on_restart(inst)
+            if isinstance(inst, PrefillInstance):
+                engine = inst.engine
+                assert isinstance(engine, RemotePrefillEngine)
+                self.controller._holders[inst.name] = engine.actor
+                engine.start_lease_keeper(inst.holds_kv)
+        return new
+
+    def discard_staged(self, join_timeout_s: float = 10.0) -> None:
+        """`SwitchSteps.discard_staged` (a switch that failed before routing, or shutdown during one), and the new
+        prefill proxies' lease keepers stop; the switcher then kills the actors (`RayActors.discard`)."""
+        with self.host.lock:
+            engines = [inst.engine for inst in self.host.instance_set.staged]
+        super().discard_staged(join_timeout_s)
+        for engine in engines:
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+
+    def retire_drained(self, force: bool = False) -> list[InstanceStats]:
+        """`SwitchSteps.retire_drained`, then each retired instance's actor is killed (and its group removed)."""
+        with self.host.lock:
+            engines = {inst.name: inst.engine for inst in self.host.instance_set.retiring}
+        retired = super().retire_drained(force)
+        for stats in retired:
+            engine = engines.get(stats.name)
+            if isinstance(engine, RemotePrefillEngine):
+                engine.stop_lease_keeper()
+        self.controller.release_actors([s.name for s in retired])
+        return retired
 
 
 class RayActors:
@@ -401,11 +412,14 @@ class LaunchInputs:
     ray: RayConfig
     block_size: int
     pulls: ActorPulls  # the Ray connector's knobs and the controller's (one name each for both backends)
+    quantization: str | None = None  # every instance's precision unless its plan entry names one
 
     @classmethod
-    def of(cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig) -> LaunchInputs:
+    def of(
+        cls, model_source: str, dtype: str, rc: RayConfig, config: ControllerConfig, quantization: str | None = None
+    ) -> LaunchInputs:
         pulls = ActorPulls(rc.transfer, config.pull_failure, config.kv_checksum)
-        return cls(model_source, dtype, rc, config.limits.block_size, pulls)
+        return cls(model_source, dtype, rc, config.limits.block_size, pulls, quantization)
 
 
 def _actor_resources(spec: InstanceSpec, rc: RayConfig) -> dict[str, float]:
@@ -432,6 +446,7 @@ def _start_actors(
             spec = EngineSpec(
                 role=inst.role, tp=inst.tp, pp=inst.pp, model_source=inputs.model_source, dtype=inputs.dtype,
                 block_size=inputs.block_size, engine=rc.engine, fake_config=rc.fake_config,
+                quantization=inst.quantization if inst.quantization is not None else inputs.quantization,
                 compile_cache=CompileCacheConfig.current(),
             )  # fmt: skip
             actor_cls = PrefillActor if inst.role == "prefill" else DecodeActor
@@ -498,4 +513,4 @@ def launch_from_args(
         engine=args.engine,
         fake_config=fake_config,
     )
-    return RayController.launch(model, plan, config, rc, dtype=args.dtype)
+    return RayController.launch(model, plan, config, rc, dtype=args.dtype, quantization=args.quantization)

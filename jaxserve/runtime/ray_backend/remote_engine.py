@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import jax
 
-from jaxserve.core.errors import EngineDeadError
+from jaxserve.core.errors import EngineDeadError, InvalidRequestError
 from jaxserve.core.request import TokenLogprobs
 from jaxserve.runtime.engines.contract import (
     Engine,
@@ -63,6 +63,7 @@ from jaxserve.runtime.engines.contract import (
     StepRow,
     WarmupSpec,
 )
+from jaxserve.runtime.guided import GuidedDecoder
 from jaxserve.runtime.kv_connectors.ray_pull import fetch
 from jaxserve.runtime.ray_backend.actors import (
     ActorInfo,
@@ -143,6 +144,38 @@ class _RemoteBase(Engine):
         self._pool_shape: tuple[int, int] | None = None  # (blocks, block size) of the actor's paged pool, if any
         # Prefix caching: called after a restart lost the pool (the instance forgets the cached blocks no one pins).
         self.on_pool_lost: Callable[[], None] | None = None
+        self._guided: GuidedDecoder | None = None
+
+    @property
+    def guided(self) -> GuidedDecoder | None:
+        return self._guided
+
+    @guided.setter
+    def guided(self, decoder: GuidedDecoder | None) -> None:
+        """The controller's masks of guided requests (`Controller.guided_decoder` sets them on every engine): the
+        actor builds a decoder of its own from the same tokenizer; a matcher is replayed from the tokens each call
+        carries, so nothing more crosses the process boundary. `InvalidRequestError` if the actor cannot mask."""
+        if decoder is self._guided:
+            return
+        if decoder is not None:
+            self._call(lambda: self._send_guided(decoder))
+        self._guided = decoder
+
+    def _send_guided(self, decoder: GuidedDecoder) -> None:
+        import ray
+
+        to_str = getattr(decoder.tokenizer, "to_str", None)
+        if to_str is None:
+            raise InvalidRequestError(
+                f"response_format on Ray needs a `tokenizers` tokenizer to send to {self.name}",
+                field="response_format",
+            )
+        sent = cast(bool, ray.get(self.actor.set_guided.remote(to_str(), decoder.eos_token_ids, decoder.limits)))
+        if not sent:
+            raise InvalidRequestError(
+                f"response_format needs engines that mask logits; {self.name}'s engine does not",
+                field="response_format",
+            )
 
     @property
     def model_config(self) -> ModelConfig:
@@ -251,6 +284,8 @@ class _RemoteBase(Engine):
 
         if self._pool_shape is not None:
             ray.get(self.actor.init_pages.remote(*self._pool_shape))
+        if self._guided is not None:  # the new incarnation's engine has no decoder yet
+            self._send_guided(self._guided)
         self._rewarm()
         if self._pool_shape is not None and self.on_pool_lost is not None:
             self.on_pool_lost()

@@ -103,12 +103,7 @@ async def _send_grpc(client: object, rec: RequestRecord, prompt: list[int], t0: 
             at = time.perf_counter() - t0
             rec.record_chunk(at, len(chunk.token_ids))
             if chunk.finished:
-                rec.finished_at = at
-                if chunk.finish_reason == "abort":
-                    rec.error = "aborted by the server"
-                if chunk.timings is not None:
-                    rec.server_ttft_s = chunk.timings.ttft_s
-                    rec.server_tpot_s = chunk.timings.tpot_s
+                rec.record_end(at, chunk.finish_reason, chunk.timings)
     except ClientError as e:
         rec.error = str(e)
     if math.isnan(rec.finished_at) and rec.error is None:

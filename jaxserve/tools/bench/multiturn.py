@@ -92,13 +92,9 @@ def grpc_sender(client: object) -> Send:
                 out.extend(chunk.token_ids)
                 rec.record_chunk(at, len(chunk.token_ids))
                 if chunk.finished:
-                    rec.finished_at = at
+                    rec.record_end(at, chunk.finish_reason, chunk.timings)
                     rec.cached_tokens = chunk.num_cached_tokens
-                    if chunk.finish_reason == "abort":
-                        rec.error = "aborted by the server"
                     if chunk.timings is not None:
-                        rec.server_ttft_s = chunk.timings.ttft_s
-                        rec.server_tpot_s = chunk.timings.tpot_s
                         rec.kv_transfer_bytes = chunk.timings.kv_transfer_bytes
         except ClientError as e:
             rec.error = str(e)
@@ -127,15 +123,10 @@ def controller_sender(controller: object) -> Send:
                 out.extend(chunk.token_ids)
                 rec.record_chunk(at, len(chunk.token_ids))
                 if chunk.finished:
-                    rec.finished_at = at
-                    if chunk.finish_reason == "abort":
-                        rec.error = "aborted"
+                    rec.record_end(at, chunk.finish_reason, chunk.timings)
                     if chunk.timings is not None:
-                        t = chunk.timings
-                        rec.cached_tokens = t.cached_prompt_tokens
-                        rec.kv_transfer_bytes = t.kv_transfer_bytes
-                        rec.server_ttft_s = t.ttft_s
-                        rec.server_tpot_s = t.tpot_s
+                        rec.cached_tokens = chunk.timings.cached_prompt_tokens
+                        rec.kv_transfer_bytes = chunk.timings.kv_transfer_bytes
         except Exception as e:  # a failed request is a record with an error, not a crashed run
             rec.error = f"{type(e).__name__}: {e}"
         return out

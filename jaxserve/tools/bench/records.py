@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,16 @@ from placement.slo import SloSpec
 from placement.slo import attainment as slo_attainment
 
 PERCENTILES = (50, 90, 99)
+
+
+class ServerTimings(Protocol):
+    """A server's own view of one request's timing (`core.request.RequestTimings`, the client's `wire.Timings`)."""
+
+    @property
+    def ttft_s(self) -> float | None: ...
+
+    @property
+    def tpot_s(self) -> float | None: ...
 
 
 @dataclasses.dataclass
@@ -59,6 +69,16 @@ class RequestRecord:
         if num_tokens:
             self.chunk_at.append(at)
             self.chunk_tokens.append(num_tokens)
+
+    def record_end(self, at: float, finish_reason: str | None, timings: ServerTimings | None) -> None:
+        """The final chunk arrived `at` (seconds on the run's clock): an abort is this request's error; `timings`
+        are the server's own view of it (its TTFT and TPOT), when it reports them."""
+        self.finished_at = at
+        if finish_reason == "abort":
+            self.error = "aborted by the server"
+        if timings is not None:
+            self.server_ttft_s = timings.ttft_s
+            self.server_tpot_s = timings.tpot_s
 
     @property
     def ok(self) -> bool:
