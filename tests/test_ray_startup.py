@@ -59,7 +59,7 @@ def cluster():
 def _foreground(c: Controller) -> dict[str, tuple[set[tuple[int, ...]], set[tuple[int, ...]]]]:
     """Per role, the prefill and step buckets the embedded engines compiled before their warm-up returned."""
     out = {}
-    for inst in c.routed_instances():
+    for inst in c.instances:
         engine = inst.engine
         out[inst.role] = (set(engine.compilation.ready_prefill), set(engine.compilation.ready_steps))  # type: ignore[attr-defined]
     return out
@@ -89,7 +89,7 @@ def test_actors_fill_the_drivers_compile_cache_with_the_embedded_warmup_plan(clu
         )
         controller.warmup(start_background=False)
         got = {}
-        for inst in controller.routed_instances():
+        for inst in controller.instances:
             proxy = inst.engine
             assert isinstance(proxy, RemotePrefillEngine | RemoteDecodeEngine)
             assert proxy.last_warmed is not None
@@ -98,7 +98,7 @@ def test_actors_fill_the_drivers_compile_cache_with_the_embedded_warmup_plan(clu
             assert not proxy.background_warmup_done(0.0)  # held until the controller starts it
         assert got == want
         controller.start_background_compiles()
-        assert all(inst.engine.background_warmup_done(timeout_s=600) for inst in controller.routed_instances())
+        assert all(inst.engine.background_warmup_done(timeout_s=600) for inst in controller.instances)
         # every compiled program went into the driver's cache (the actors compile at XLA's default level, the
         # driver's test session at -O0: none of these entries are the driver's)
         assert len(list(cache.iterdir())) >= sum(len(p) + len(s) for p, s in got.values())
