@@ -176,7 +176,12 @@ class TimedEngine(Engine):
         pipe = self.cost.prefill_pipe(lengths)
         stage, send, host = pipe.stage_s, pipe.send_s, pipe.host_s
         free = self._stage_free_at
-        if started - free[0] <= self.host_slack_s:
+        arrivals = [i.arrived_at for i in items]
+        if items and None not in arrivals:
+            # The batch could have entered stage 0 once its last prompt had arrived and stage 0 was free: the
+            # host's wake-up after that (late under load, paid once per request) is not the modelled system's.
+            started = min(started, max(free[0], max(a for a in arrivals if a is not None)))
+        elif started - free[0] <= self.host_slack_s:
             started = max(free[0], started - self.host_slack_s)
         t = started
         for s in range(self.pp):
