@@ -6,7 +6,8 @@ path on the same 2 cores (4-11 ms p50) is printed beside them, not held against 
 
 Criteria (issue 12): attainment within 2 points median and 5 points max of the band the simulation gives with the
 SLO scaled by 0.98..1.02 (a request that close to its SLO is decided by host jitter: `fidelity.SLO_JITTER`);
-TTFT and TPOT P50/P90 within 10 %.
+TTFT and TPOT P50/P90 within 5 % (issue 44 item 4; 10 % until the timed engine started a prefill batch at its
+last prompt's arrival or its stage 0's end rather than at the host's late call, docs/simulator-fidelity.md).
 
 Marked `timing` (run by hand on a quiet machine: `pytest -m timing tests/test_fidelity_timed.py`; not in
 `.ci/run`): the measured side is the server's wall clock on whatever the machine is doing that hour. Three CI
@@ -39,7 +40,7 @@ def _misses(points: list[fidelity.Point]) -> list[str]:
     v = fidelity.verdict(points)
     eps = 1e-9  # attainment is a multiple of 100/60 points: 3 requests are 5.000000000000004
     bounds = {"attainment_pts_median": 2.0, "attainment_pts_max": 5.0}
-    bounds |= {f"{key}_max_rel": 0.10 for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")}
+    bounds |= {f"{key}_max_rel": 0.05 for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")}
     return [f"{name} {v[name]:.3f} > {bound}" for name, bound in bounds.items() if v[name] > bound + eps]
 
 

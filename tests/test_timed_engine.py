@@ -91,6 +91,36 @@ def test_back_to_back_steps_hide_the_host_time_between_them() -> None:
     assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
 
 
+def test_a_prefill_starts_at_its_last_prompts_arrival_or_stage_0s_end_not_at_the_late_call() -> None:
+    """A prompt that reached an idle instance starts its modelled time at its arrival, however late the host
+    woke to call the engine (the simulator starts it there); one that waited behind a batch starts when stage 0
+    freed. A batch starts no earlier than its last prompt's arrival, and never later than the call."""
+    engine, clock = _engine(slack=0.005)
+
+    def item(rid: str, arrived_at: float | None) -> PrefillItem:
+        return PrefillItem(rid, (5,) * 64, SamplingParams(), seed=0, arrived_at=arrived_at)
+
+    engine.prefill([item("a", clock.now)])
+    step = clock.slept[-1]
+    clock.now += 1.0  # idle; then a prompt arrives and the host calls 15 ms later
+    engine.prefill([item("b", clock.now - 0.015)])
+    assert clock.slept[-1] == pytest.approx(step - 0.015, rel=1e-9)
+    # Two prompts batched after the first arrived: the batch could not start before the second one.
+    clock.now += 1.0
+    engine.prefill([item("c", clock.now - 0.015), item("d", clock.now - 0.005)])
+    two = engine.charged_s[-1][1]
+    assert clock.slept[-1] == pytest.approx(two - 0.005, rel=1e-9)
+    # Both waited behind that batch: they start at its end, though the host calls 15 ms after it.
+    ended = clock.now
+    clock.now += 0.015
+    engine.prefill([item("e", ended - 0.050), item("f", ended - 0.040)])
+    assert clock.slept[-1] == pytest.approx(two - 0.015, rel=1e-9)
+    # An item without an arrival (a caller that does not say): the slack alone, as before.
+    clock.now += 0.020
+    engine.prefill([item("g", None)])
+    assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+
+
 def test_a_step_after_one_that_left_rows_running_starts_at_its_end_however_late_the_host() -> None:
     """The instance had work when the device freed (rows still running): a host late by more than the slack
     (this machine's sleep wakes up to 17 ms late under load) must not push the next step, up to the previous

@@ -305,7 +305,10 @@ class PrefillInstance(Worker):
             hits = self._acquire(batch)
             if not batch:
                 return False
-            items = [PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed) for r in batch]
+            items = [
+                PrefillItem(r.request_id, r.prefill_token_ids, r.request.sampling, r.seed, r.timings.arrival_at)
+                for r in batch
+            ]
             rows = self._suffix_rows(items, hits)
             dense = self._paged is None or (
                 self._dense_misses

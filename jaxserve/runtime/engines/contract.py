@@ -91,12 +91,17 @@ class KVLayout:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillItem:
-    """One prompt to prefill; `seed` is the request's sampling seed (drawn when the user gave none)."""
+    """One prompt to prefill; `seed` is the request's sampling seed (drawn when the user gave none).
+
+    `arrived_at`: when the request reached the server (`time.monotonic`). Engines that compute ignore it;
+    the timed engine starts a batch's modelled time no earlier than its last prompt's arrival, not at the
+    host's (late) wake-up after an idle gap."""
 
     request_id: str
     token_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int
+    arrived_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,10 @@ instance runs first), and the modelled host prepares a step while the device run
 (asynchronous dispatch), as the simulator assumes. This host's lateness is not the
 modelled system's: on this shared 2-core machine a 50 ms sleep wakes 2 ms late at the median, 9 ms at
 P90 and 17 ms at worst under load (load average 11), and a lateness of a tenth of a step, paid every step,
-was TPOT's error (docs/simulator-fidelity.md). Other calls (new work, a device idle in between) are
-backdated by `host_slack_s` at most. Tokens are random
+was TPOT's error (docs/simulator-fidelity.md). A prefill batch starts at
+its stage 0's last end or its last prompt's arrival (`PrefillItem.arrived_at`), whichever is later, however late
+the host calls: with a queue, the late wake-ups between batches otherwise pushed every batch after them. Other
+calls (new work, a device idle in between) are backdated by `host_slack_s` at most. Tokens are random
 (a seeded hash of the request's seed and token index, never below `MIN_TOKEN`, so never an OPT stop token).
 KV arrays hold one element per layer, tp shard and token (tiny), laid out per stage on the instance's real
 meshes like the model's, so the runtime's real transfer regroups layers between different pipeline splits.
@@ -154,9 +156,9 @@ class TimedEngine(Engine):
 
         Stage 0 runs the step's host work and its kernels, stage s > 0 starts when the batch has crossed the
         send from stage s − 1 and stage s has finished the batch before: alone a batch takes `cost.prefill_s`,
-        and the next one enters stage 0 as soon as it frees (the simulator's prefill pipe). A call within
-        `host_slack_s` of stage 0's last end starts at that end, as `_wait` does for a whole step.
-        """
+        and the next one enters stage 0 as soon as it frees (the simulator's prefill pipe). A batch starts when
+        stage 0 freed or its last prompt arrived, whichever is later (never after the call); one whose items do
+        not say when they arrived, within `host_slack_s` of stage 0's last end, at that end (as `_wait`)."""
         started = self._clock()
         layout = self.kv_layout()
         out = []
@@ -176,7 +178,12 @@ class TimedEngine(Engine):
         pipe = self.cost.prefill_pipe(lengths)
         stage, send, host = pipe.stage_s, pipe.send_s, pipe.host_s
         free = self._stage_free_at
-        if started - free[0] <= self.host_slack_s:
+        arrivals = [i.arrived_at for i in items]
+        if items and None not in arrivals:
+            # The batch could have entered stage 0 once its last prompt had arrived and stage 0 was free: the
+            # host's wake-up after that (late under load, paid once per request) is not the modelled system's.
+            started = min(started, max(free[0], max(a for a in arrivals if a is not None)))
+        elif started - free[0] <= self.host_slack_s:
             started = max(free[0], started - self.host_slack_s)
         t = started
         for s in range(self.pp):
