@@ -565,7 +565,8 @@ void QuantizeX(const Problem& p, QuantizedX* qx) {
 // kGroup output rows x BT batch rows (BT <= 4) over all inputs. `sc`, `mn`: kGroup lines of `nbp` floats (zero
 // past the blocks), `mn` the unsigned form's min (see above).
 template <int BITS, int BT>
-void TileI8(const Problem& p, const QuantizedX& qx, const int64_t* rows, int live, const float* sc, const float* mn) {
+void TileI8(const Problem& p, const QuantizedX& qx, const int64_t* rows, int live, const float* sc, const float* mn,
+            const uint8_t* ahead) {
   constexpr int R = kGroup;
   __m512 acc[R][BT];
   JAXSERVE_UNROLL
@@ -581,6 +582,10 @@ void TileI8(const Problem& p, const QuantizedX& qx, const int64_t* rows, int liv
   const int64_t nbp = qx.nbp;
   for (int64_t pp = 0; pp < qx.pairs; ++pp) {
     const bool half = 2 * pp + 1 == qx.nb;  // the last pair of an odd number of blocks: read one block only
+    if constexpr (BITS == 8) {  // 8-bit rows: the group kPrefetchGroups ahead, a pair's share (as `Tile` does)
+      JAXSERVE_UNROLL
+      for (int64_t off = 0; off < kGroup * 64; off += 64) asm volatile("prefetcht0 %0" : : "m"(ahead[pp * kGroup * 64 + off]));
+    }
     __m512i w[R];
     __m512 ws[R];
     JAXSERVE_UNROLL
@@ -637,6 +642,8 @@ void RunI8(ffi::ThreadPool& pool, const Problem& p, const QuantizedX& qx, const 
       const int64_t first = g * kGroup;
       const int live = static_cast<int>(std::min<int64_t>(kGroup, p.out - first));
       int64_t rows[kGroup];
+      const int64_t later = std::max<int64_t>(std::min(first + kPrefetchGroups * kGroup, p.out - kGroup), 0);
+      const uint8_t* ahead = p.values + (p.out >= kGroup ? later : 0) * p.row_bytes;
       for (int r = 0; r < kGroup; ++r) {
         rows[r] = std::min<int64_t>(first + r, p.out - 1);
         RowScales(p, rows[r], scales, mins, has_mins, sc + r * nbp, mn + r * nbp);
@@ -644,10 +651,10 @@ void RunI8(ffi::ThreadPool& pool, const Problem& p, const QuantizedX& qx, const 
           for (int64_t k = 0; k < nb; ++k) mn[r * nbp + k] -= 128.f * sc[r * nbp + k];
       }
       switch (p.batch) {
-        case 1: TileI8<BITS, 1>(p, qx, rows, live, sc, mn); break;
-        case 2: TileI8<BITS, 2>(p, qx, rows, live, sc, mn); break;
-        case 3: TileI8<BITS, 3>(p, qx, rows, live, sc, mn); break;
-        default: TileI8<BITS, 4>(p, qx, rows, live, sc, mn); break;
+        case 1: TileI8<BITS, 1>(p, qx, rows, live, sc, mn, ahead); break;
+        case 2: TileI8<BITS, 2>(p, qx, rows, live, sc, mn, ahead); break;
+        case 3: TileI8<BITS, 3>(p, qx, rows, live, sc, mn, ahead); break;
+        default: TileI8<BITS, 4>(p, qx, rows, live, sc, mn, ahead); break;
       }
     }
   };
