@@ -58,6 +58,10 @@ from models.kernels import cpu as cpu_kernel
 from models.pytree import pytree_dataclass, static_field
 
 Impl = Literal["auto", "xla", "cpu_kernel", "pallas"]
+# The C++ kernel's decode arithmetic (`QuantizedWeight.activations`): "float32" multiplies x as given; "int8"
+# quantizes x per 32-block to int8 (d = amax / 127, q = rint(x / d)) and sums integer products (AVX512-VNNI),
+# llama.cpp's form: each value of x moves by at most d / 2, so |y - y_f32| <= sum_blocks d_x / 2 * sum |w|.
+ACTIVATIONS = ("float32", "int8")
 # The GGUF tensor types kept quantized (by ggml's names); any other type is the loader's to dequantize.
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SCHEMES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "int4")
@@ -89,6 +93,10 @@ class QuantizedWeight:
     # Which matmul form `quant_matmul(impl="auto")` runs for this weight: "auto" picks per backend; a weight
     # split over a tp mesh is marked "xla" (XLA partitions its dot; the C++ custom call it cannot split).
     impl: str = static_field(default="auto")
+    # What the C++ kernel multiplies this weight by at decode (batch <= 4, block 32, an AVX512-VNNI CPU):
+    # "float32", x as given (exact parity with the dequantized weight), or "int8", x quantized per 32-block
+    # like llama.cpp's Q8 (integer dot products; see `ACTIVATIONS`). Elsewhere the float32 form runs.
+    activations: str = static_field(default="float32")
 
     @property
     def in_pad(self) -> int:
@@ -356,16 +364,20 @@ def matmul_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 # ------------------------------------------------------------------------------------------
 
 
-def matmul_cpu_kernel(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [B, in] f32 @ W -> [B, out] f32 through the C++ kernel (raises if it is not available here)."""
+def matmul_cpu_kernel(x: jax.Array, w: QuantizedWeight, activations: str | None = None) -> jax.Array:
+    """x [B, in] f32 @ W -> [B, out] f32 through the C++ kernel (raises if it is not available here);
+    `activations`: "float32" | "int8" (None: the weight's own, `QuantizedWeight.activations`)."""
     target = cpu_kernel.quant_matmul_target()
     if target is None:
         raise RuntimeError(f"the CPU quantized-matmul kernel is unavailable: {cpu_kernel.quant_build_error()}")
-    return _kernel_call(target, x, w)
+    return _kernel_call(target, x, w, activations)
 
 
-def _kernel_call(target: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def _kernel_call(target: str, x: jax.Array, w: QuantizedWeight, activations: str | None = None) -> jax.Array:
     """The FFI call of a registered build of the kernel (`target`: the default one, or a test's AVX2 build)."""
+    activations = w.activations if activations is None else activations
+    if activations not in ACTIVATIONS:
+        raise QuantFormatError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
     # No mins: a one-element placeholder (an FFI buffer cannot be absent); the kernel reads `has_mins`.
     mins = w.mins if w.mins is not None else jnp.zeros((1,), w.scales.dtype)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
@@ -377,6 +389,7 @@ def _kernel_call(target: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
         bits=np.int64(w.bits),
         block=np.int64(w.block),
         has_mins=w.mins is not None,
+        int8_activations=activations == "int8",
     )
 
 
@@ -441,8 +454,9 @@ def default_impl() -> Impl:
     return "xla"
 
 
-def quant_matmul(x: jax.Array, w: QuantizedWeight, impl: Impl = "auto") -> jax.Array:
-    """x [..., in] f32 @ W [in, out] -> [..., out] f32, W a `QuantizedWeight` (the forms: the module docstring)."""
+def quant_matmul(x: jax.Array, w: QuantizedWeight, impl: Impl = "auto", activations: str | None = None) -> jax.Array:
+    """x [..., in] f32 @ W [in, out] -> [..., out] f32, W a `QuantizedWeight` (the forms: the module docstring);
+    `activations` ("float32" | "int8"; None: the weight's own) is what the C++ kernel's decode multiplies by."""
     if x.shape[-1] != w.shape[0]:
         raise QuantFormatError(f"{w.scheme}: x has {x.shape[-1]} inputs, the weight {w.shape[0]}")
     lead = x.shape[:-1]
@@ -452,7 +466,7 @@ def quant_matmul(x: jax.Array, w: QuantizedWeight, impl: Impl = "auto") -> jax.A
     if impl == "cpu_kernel" and flat.shape[0] >= DEQUANTIZE_ROWS:
         out = matmul_dequantized(flat, w)
     elif impl == "cpu_kernel":
-        out = matmul_cpu_kernel(flat, w)
+        out = matmul_cpu_kernel(flat, w, activations)
     elif impl == "pallas":
         out = matmul_pallas(flat, w)
     elif impl == "xla":

@@ -9,7 +9,8 @@ Per model (opt-125m, SmolLM2-135M), two groups of a decode step's weights, rando
 Per scheme (Q4_1 and Q8_0 as a GGUF file stores them, int8 per-channel, int4 group 64) and batch, three
 contenders run interleaved (A B C A B C ...) `--reps` >= 5 times after a warm-up round, each sample `--inner`
 calls: `fp32` (x @ W over float32 weights, XLA's dot), `xla` (`quant_matmul(impl="xla")`: dequantize in the
-graph, then the dot), `kernel` (`impl="cpu_kernel"`). Printed: the min ms per call of the samples (on a
+graph, then the dot), `kernel` (`impl="cpu_kernel"`), `i8` (the kernel with int8 activations, llama.cpp's
+decode arithmetic: block-32 schemes at batch <= 4, else the same as `kernel`). Printed: the min ms per call of the samples (on a
 shared machine the min is the run least disturbed by others; the kernel's speed-up is also given from the
 medians), the speed-up over fp32, the bytes of weights each call reads and the GB/s that makes (min). The
 load average is printed before and after each model; read ratios within a row (interleaved), not across runs.
@@ -215,16 +216,16 @@ def main() -> int:
     def dense(xs: list[jax.Array], ws: list[jax.Array]) -> list[jax.Array]:
         return [x @ w for x, w in zip(xs, ws, strict=True)]
 
-    def quantized(impl: quant.Impl) -> Callable[..., Any]:
+    def quantized(impl: quant.Impl, activations: str = "float32") -> Callable[..., Any]:
         @jax.jit
         def run(xs: list[jax.Array], ws: list[quant.QuantizedWeight]) -> list[jax.Array]:
-            return [quant.quant_matmul(x, w, impl) for x, w in zip(xs, ws, strict=True)]
+            return [quant.quant_matmul(x, w, impl, activations) for x, w in zip(xs, ws, strict=True)]
 
         return run
 
     print(
-        f"{'model':13} {'group':8} {'scheme':6} {'B':>3}  {'fp32 ms':>8} {'xla ms':>8} {'kernel ms':>9}  "
-        f"{'xla x':>6} {'kern x':>6} {'(med)':>6}  {'fp32 MB':>8} {'q MB':>7}  {'fp32 GB/s':>9} {'kern GB/s':>9}"
+        f"{'model':13} {'group':8} {'scheme':6} {'B':>3}  {'fp32 ms':>8} {'xla ms':>8} {'kernel ms':>9} {'i8 ms':>8}  "
+        f"{'xla x':>6} {'kern x':>6} {'(med)':>6} {'i8 x':>6}  {'fp32 MB':>8} {'q MB':>7}  {'fp32 GB/s':>9} {'kern GB/s':>9}"
     )
     for model in args.models.split(","):
         spec = MODELS[model]
@@ -249,6 +250,7 @@ def main() -> int:
                             "fp32": _timed(dense, (xs, ws_dev), args.inner, args.clock),
                             "xla": _timed(quantized("xla"), (xs, qs), args.inner, args.clock),
                             "kernel": _timed(quantized("cpu_kernel"), (xs, qs), args.inner, args.clock),
+                            "i8": _timed(quantized("cpu_kernel", "int8"), (xs, qs), args.inner, args.clock),
                         },
                         args.reps,
                     )
@@ -256,8 +258,8 @@ def main() -> int:
                     med = {k: statistics.median(v) for k, v in samples.items()}
                     print(
                         f"{model:13} {group:8} {scheme:6} {batch:>3}  {t['fp32'] * 1e3:8.2f} {t['xla'] * 1e3:8.2f} "
-                        f"{t['kernel'] * 1e3:9.2f}  {t['fp32'] / t['xla']:6.2f} {t['fp32'] / t['kernel']:6.2f} "
-                        f"{med['fp32'] / med['kernel']:6.2f}  "
+                        f"{t['kernel'] * 1e3:9.2f} {t['i8'] * 1e3:8.2f}  {t['fp32'] / t['xla']:6.2f} "
+                        f"{t['fp32'] / t['kernel']:6.2f} {med['fp32'] / med['kernel']:6.2f} {t['fp32'] / t['i8']:6.2f}  "
                         f"{fp32_bytes / 1e6:8.1f} {q_bytes / 1e6:7.1f}  {fp32_bytes / t['fp32'] / 1e9:9.1f} "
                         f"{q_bytes / t['kernel'] / 1e9:9.1f}",
                         flush=True,

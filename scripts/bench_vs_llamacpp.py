@@ -72,6 +72,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llama", action="store_true", help="time jaxserve alone (no llama-bench)")
+    parser.add_argument(
+        "--activations",
+        choices=("float32", "int8"),
+        help="what the GGUF weights multiply at decode ($JAXSERVE_QUANT_ACTIVATIONS; default: the environment's)",
+    )
     args = parser.parse_args()
 
     from jaxserve import LLM
@@ -82,6 +87,8 @@ def main() -> int:
         print(f"error: no llama-bench at {args.llama_bench} (see this script's docstring to build one)")
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.activations:  # read where the weights load (models.quantize.gguf_activations)
+        os.environ["JAXSERVE_QUANT_ACTIVATIONS"] = args.activations
     llm = LLM(model=model)
     vocab = llm.controller.model_config.vocab_size
     ours(llm, vocab, -1)  # warm-up: compiles every step this benchmark takes
@@ -97,7 +104,9 @@ def main() -> int:
             line += f" | llama.cpp tg {theirs['tg'][-1]:.1f} pp {theirs['pp'][-1]:.1f}"
         print(line, f"| load {os.getloadavg()[0]:.1f}", flush=True)
     llm.shutdown()
+    activations = os.environ.get("JAXSERVE_QUANT_ACTIVATIONS", "float32")
     print(f"\nmodel {model}, {args.threads} threads, {args.reps} reps interleaved, medians (tok/s):")
+    print(f"activations {activations}")
     for kind, name in (("tg", f"decode (tg{DECODE_TOKENS})"), ("pp", f"prefill (pp{PROMPT_TOKENS})")):
         m = statistics.median(mine[kind])
         text = f"  {name:16s} jaxserve {m:7.1f}"

@@ -128,6 +128,72 @@ def test_kernel_equals_xla_form_equals_numpy(kernel: str, batch: int) -> None:
         _check(y_kernel, x, w)
 
 
+def _int8_x(x: np.ndarray) -> np.ndarray:
+    """x quantized as the kernel's int8 decode does (per 32-block: q = rint(x * 127 / amax), d = amax / 127, the
+    same float32 operations) and dequantized, float64 d q: the int8 form is exactly x_q @ W in real arithmetic."""
+    pad = -x.shape[1] % 32
+    xb = np.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    q = np.rint(xb * inv.astype(np.float32))
+    d = (amax / np.float32(127)).astype(np.float32)
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
+
+
+def _unsigned_term(w: quant.QuantizedWeight) -> np.ndarray:
+    """[in, out] |s u| + |m'| of the kernel's unsigned form w = s u + m' (u a nibble, or an int8 value + 128 with
+    m' = m - 128 s): the size of the terms its int8 form sums, which bounds its float rounding."""
+    s = np.repeat(np.asarray(w.scales, np.float64), w.block, axis=1)  # [out, in_pad]
+    m = 0.0 if w.mins is None else np.repeat(np.asarray(w.mins, np.float64), w.block, axis=1)
+    m = m - (128 if w.bits == 8 else 8 if w.mins is None else 0) * s
+    deq = np.asarray(w.dequantize(), np.float64).T  # [out, in]
+    u_term = np.abs(deq - m[:, : w.shape[0]])  # |s u|
+    return (u_term + np.abs(m[:, : w.shape[0]])).T
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_int8_activations_are_the_int8_arithmetic_within_rounding_of_float32(kernel: str, batch: int) -> None:
+    """`activations="int8"` (block-32 schemes, batch <= 4) is x quantized per 32-block times W: against float64
+    x_q @ W within float32 rounding of its terms (the integer dot products are exact), and against the float32
+    form within what rounding x moved: |x - x_q| <= d / 2 a value, so |y - y_f32| <= sum_i d_i / 2 |w_io|."""
+    if not cpu_kernel.int8_activations_supported():
+        pytest.skip("no AVX512-VNNI here: int8 activations run the float32 form")
+    rng = np.random.default_rng(20 + batch)
+    served = 0
+    for w in _weights(rng):
+        x = rng.standard_normal((batch, w.shape[0])).astype(np.float32)
+        x[0, : min(32, w.shape[0])] = 0.0  # an all-zero block: d = 0, no division by it
+        y8 = np.asarray(jax.jit(quant.matmul_cpu_kernel, static_argnums=2)(jnp.asarray(x), w, "int8"))
+        y32 = np.asarray(quant.matmul_cpu_kernel(jnp.asarray(x), w, "float32"))
+        if w.block != 32:  # other formats: the float32 form, whatever was asked
+            np.testing.assert_array_equal(y8, y32)
+            continue
+        served += 1
+        deq = np.asarray(w.dequantize(), np.float64)
+        xq = _int8_x(x)
+        ref = xq @ deq
+        bound = 2.0**-18 * (np.abs(xq) @ _unsigned_term(w))
+        assert np.all(np.abs(y8 - ref) <= bound + 1e-30), w.scheme
+        half_step = np.abs(x.astype(np.float64) - xq)  # <= d / 2 a value
+        assert np.all(half_step.reshape(batch, -1) <= np.abs(x).max() / 254 * (1 + 1e-6))
+        moved = half_step @ np.abs(deq)
+        assert np.all(np.abs(y8 - y32) <= moved + 2.0**-18 * (np.abs(xq) @ _unsigned_term(w)) + 1e-30), w.scheme
+        assert not np.array_equal(y8, y32)  # the int8 form ran
+    assert served >= 5  # Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and int4 group 32
+
+
+def test_int8_activations_fall_back_to_float32_past_four_rows(kernel: str) -> None:
+    rng = np.random.default_rng(30)
+    w = quant.from_gguf(_random_blocks(rng, "Q4_1", 37, 576), "Q4_1", 576)
+    x = jnp.asarray(rng.standard_normal((5, 576)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(quant.matmul_cpu_kernel(x, w, "int8")), np.asarray(quant.matmul_cpu_kernel(x, w, "float32"))
+    )
+    with pytest.raises(quant.QuantFormatError, match="activations"):
+        quant.matmul_cpu_kernel(x, w, "int4")
+
+
 def test_kernel_dequantizes_every_scheme_for_many_rows(kernel: str) -> None:
     """The prefill path (x with >= `DEQUANTIZE_ROWS` rows): the kernel's dequantizing handler writes each weight
     as the XLA form computes it (s q + m: at most one rounding apart, the kernel's is one fma), threaded on a

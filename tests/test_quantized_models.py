@@ -125,6 +125,41 @@ def test_tp_and_pp_splits_of_a_quantized_model_give_its_logits(llama_q4: Path, t
     assert _greedy(split, PROMPT, 4) == _greedy(one, PROMPT, 4)
 
 
+def _decode_logits(model: ShardedModel, steps: int) -> np.ndarray:
+    """Logits of `steps` teacher-forced decode steps (batch 1: the kernel's decode path) after PROMPT."""
+    _, kv = model.prefill(PROMPT[None], np.array([len(PROMPT)], np.int32))
+    caches = model.init_caches(1, len(PROMPT) + steps + 1)
+    caches = [
+        type(c)(k=c.k.at[:, :, : len(PROMPT)].set(s.k), v=c.v.at[:, :, : len(PROMPT)].set(s.v))
+        for c, s in zip(caches, kv, strict=True)
+    ]
+    out = []
+    for i in range(steps):
+        tok = np.array([int(PROMPT[i % len(PROMPT)])], np.int32)
+        logits, caches = model.decode(tok, np.array([len(PROMPT) + i], np.int32), caches)
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
+def test_int8_activations_are_selected_at_load_and_stay_close(llama_q4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$JAXSERVE_QUANT_ACTIVATIONS=int8: every GGUF weight decodes with int8 activations (llama.cpp's arithmetic),
+    tp splits included; decode logits stay within int8 rounding of x (~0.4 % of a block's largest value) of the
+    float32 form's; a bad value is one clear error."""
+    exact = ShardedLlama.load(llama_q4, tp=1, pp=1, devices=jax.devices()[:1])
+    assert {w.activations for w in _kernels(exact)} == {"float32"}  # the default: parity with the file's floats
+    monkeypatch.setenv("JAXSERVE_QUANT_ACTIVATIONS", "int8")
+    fast = ShardedLlama.load(llama_q4, tp=1, pp=1, devices=jax.devices()[:1])
+    assert {w.activations for w in _kernels(fast)} == {"int8"}
+    want, got = _decode_logits(exact, 4), _decode_logits(fast, 4)
+    assert not np.array_equal(got, want)  # the int8 form ran
+    np.testing.assert_allclose(got, want, atol=0.03 * np.abs(want).max())
+    split = ShardedLlama.load(llama_q4, tp=2, pp=1, devices=jax.devices()[:2])  # placed with the same structure
+    assert {w.activations for w in _kernels(split)} == {"int8"}
+    monkeypatch.setenv("JAXSERVE_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="JAXSERVE_QUANT_ACTIVATIONS must be one of float32, int8"):
+        ShardedLlama.load(llama_q4, tp=1, pp=1, devices=jax.devices()[:1])
+
+
 # --------------------------------------------------------------------------------------------
 # int8 / int4 of a float checkpoint: quality against the float model on a fixed text
 # --------------------------------------------------------------------------------------------

@@ -284,6 +284,13 @@ def quant_matmul_target() -> str | None:
         return target
 
 
+def int8_activations_supported() -> bool:
+    """True where the quantized-matmul kernel runs `activations="int8"` as asked (AVX512-VNNI + BW, which the
+    -march=native build then uses); elsewhere such a call runs the float32 form."""
+    flags = _cpu_features().split()
+    return quant_matmul_target() is not None and "avx512_vnni" in flags and "avx512bw" in flags
+
+
 def dequantize_target() -> str | None:
     """The FFI target that dequantizes a quantized weight to float32 (`quant_matmul_cpu.cc`'s second handler,
     registered with the matmul's); None where the matmul kernel is unavailable."""

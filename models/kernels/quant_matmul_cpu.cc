@@ -22,6 +22,7 @@
 // else plain loops.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -500,6 +501,172 @@ void Run(ffi::ThreadPool& pool, const Problem& p, const S* scales, const S* mins
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JAXSERVE_INT8_ACTIVATIONS 1
+// Decode with int8 activations (llama.cpp's Q8 x Q4 form): each batch row of x is quantized once per call per
+// 32-block to q_x = rint(x * 127 / amax) (int8) with d_x = amax / 127, and each 32-block's dot is an integer
+// one, vpdpbusd (u8 x s8 -> s32, exact): y = sum_blocks s_w d_x sum(u_w q_x) + m_w d_x sum(q_x), where u_w is
+// the stored weight as an unsigned byte: a nibble 0..15 (min m_w: Q4_1's, or -8 s_w for Q4_0), or an int8
+// value plus 128 (xor 0x80; min -128 s_w, plus the stored min if any). Against the float32 form this rounds x
+// to 8 bits a block (|error| <= d_x / 2 a value), the cost llama.cpp pays too; integer sums are exact.
+// One zmm holds a pair of blocks: 4-bit bytes come out as [lo k, lo k+1, hi k, hi k+1] (16 bytes each), so x
+// is quantized into that byte order once; 8-bit as [k, k+1] (32 each). `kLaneBlock` maps a dword lane to its
+// block of the pair; the per-lane scale s_w d_x is a permute of two floats times x's lane scales.
+struct QuantizedX {
+  int64_t nb, pairs, nbp;    // blocks, block pairs, blocks padded to 16 (the min term's vectors)
+  std::vector<int8_t> q;     // [batch, pairs * 64] in the weights' byte order (a missing last block: zeros)
+  std::vector<float> dxv;    // [batch, pairs, 16]: d_x of each dword lane's block
+  std::vector<float> sx;     // [batch, nbp]: d_x * sum(q_x) of each block (the min term's factor)
+};
+
+template <int BITS>
+inline int LaneBlock(int lane) {
+  return BITS == 4 ? (lane / 4) % 2 : lane / 8;
+}
+
+// Where input j of block `blk` goes in the pair's 64 bytes.
+template <int BITS>
+inline int64_t PairByte(int64_t blk, int64_t j) {
+  const int64_t h = blk % 2;
+  if constexpr (BITS == 4) return 16 * h + (j < 16 ? j : 32 + j - 16);
+  return 32 * h + j;
+}
+
+template <int BITS>
+void QuantizeX(const Problem& p, QuantizedX* qx) {
+  qx->nb = p.in_pad / 32;
+  qx->pairs = (qx->nb + 1) / 2;
+  qx->nbp = (qx->nb + 15) / 16 * 16;
+  qx->q.assign(static_cast<size_t>(p.batch * qx->pairs * 64), 0);
+  qx->dxv.assign(static_cast<size_t>(p.batch * qx->pairs * 16), 0.f);
+  qx->sx.assign(static_cast<size_t>(p.batch * qx->nbp), 0.f);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    int8_t* q = qx->q.data() + b * qx->pairs * 64;
+    float* dxv = qx->dxv.data() + b * qx->pairs * 16;
+    for (int64_t blk = 0; blk < qx->nb; ++blk) {
+      const float* xs = p.x + b * p.in_pad + 32 * blk;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xs[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+      int32_t sum = 0;
+      int8_t* pair = q + (blk / 2) * 64;
+      for (int j = 0; j < 32; ++j) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xs[j] * inv));
+        pair[PairByte<BITS>(blk, j)] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      for (int lane = 0; lane < 16; ++lane)
+        if (LaneBlock<BITS>(lane) == blk % 2) dxv[(blk / 2) * 16 + lane] = d;
+      qx->sx[b * qx->nbp + blk] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// kGroup output rows x BT batch rows (BT <= 4) over all inputs. `sc`, `mn`: kGroup lines of `nbp` floats (zero
+// past the blocks), `mn` the unsigned form's min (see above).
+template <int BITS, int BT>
+void TileI8(const Problem& p, const QuantizedX& qx, const int64_t* rows, int live, const float* sc, const float* mn,
+            const uint8_t* ahead) {
+  constexpr int R = kGroup;
+  __m512 acc[R][BT];
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint8_t* rp[R];
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r) rp[r] = p.values + rows[r] * p.row_bytes;
+  const __m512i idx = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t nbp = qx.nbp;
+  for (int64_t pp = 0; pp < qx.pairs; ++pp) {
+    const bool half = 2 * pp + 1 == qx.nb;  // the last pair of an odd number of blocks: read one block only
+    if constexpr (BITS == 8) {  // 8-bit rows: the group kPrefetchGroups ahead, a pair's share (as `Tile` does)
+      JAXSERVE_UNROLL
+      for (int64_t off = 0; off < kGroup * 64; off += 64) asm volatile("prefetcht0 %0" : : "m"(ahead[pp * kGroup * 64 + off]));
+    }
+    __m512i w[R];
+    __m512 ws[R];
+    JAXSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      if constexpr (BITS == 4) {
+        const uint8_t* src = rp[r] + 32 * pp;
+        const __m256i raw = half ? _mm256_maskz_loadu_epi8(0xFFFF, src)
+                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        w[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), nibble);
+      } else {
+        const uint8_t* src = rp[r] + 64 * pp;
+        const __m512i raw = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, src) : _mm512_loadu_si512(src);
+        w[r] = _mm512_xor_si512(raw, flip);
+      }
+      double two;  // the pair's two row scales
+      std::memcpy(&two, sc + r * nbp + 2 * pp, sizeof(two));
+      ws[r] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
+    }
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) {
+      const __m512i xq = _mm512_loadu_si512(qx.q.data() + (b * qx.pairs + pp) * 64);
+      const __m512 dx = _mm512_loadu_ps(qx.dxv.data() + (b * qx.pairs + pp) * 16);
+      JAXSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], xq));
+        acc[r][b] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[r], dx), acc[r][b]);
+      }
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    if (r >= live) break;
+    JAXSERVE_UNROLL
+    for (int b = 0; b < BT; ++b) {
+      __m512 a = acc[r][b];
+      for (int64_t j = 0; j < nbp; j += 16)  // the min term: sum_blocks m_w d_x sum(q_x)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(mn + r * nbp + j), _mm512_loadu_ps(qx.sx.data() + b * nbp + j), a);
+      p.y[b * p.out + rows[r]] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <int BITS, typename S>
+void RunI8(ffi::ThreadPool& pool, const Problem& p, const QuantizedX& qx, const S* scales, const S* mins,
+           bool has_mins) {
+  const int64_t groups = (p.out + kGroup - 1) / kGroup;
+  const int64_t nb = qx.nb, nbp = qx.nbp;
+  auto range = [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<float> buffer;
+    buffer.assign(static_cast<size_t>(2 * kGroup * nbp), 0.f);  // the padding stays zero
+    float* sc = buffer.data();
+    float* mn = sc + kGroup * nbp;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * kGroup;
+      const int live = static_cast<int>(std::min<int64_t>(kGroup, p.out - first));
+      int64_t rows[kGroup];
+      const int64_t later = std::max<int64_t>(std::min(first + kPrefetchGroups * kGroup, p.out - kGroup), 0);
+      const uint8_t* ahead = p.values + (p.out >= kGroup ? later : 0) * p.row_bytes;
+      for (int r = 0; r < kGroup; ++r) {
+        rows[r] = std::min<int64_t>(first + r, p.out - 1);
+        RowScales(p, rows[r], scales, mins, has_mins, sc + r * nbp, mn + r * nbp);
+        if constexpr (BITS == 8)  // the values stored signed, read as value + 128: min - 128 s
+          for (int64_t k = 0; k < nb; ++k) mn[r * nbp + k] -= 128.f * sc[r * nbp + k];
+      }
+      switch (p.batch) {
+        case 1: TileI8<BITS, 1>(p, qx, rows, live, sc, mn, ahead); break;
+        case 2: TileI8<BITS, 2>(p, qx, rows, live, sc, mn, ahead); break;
+        case 3: TileI8<BITS, 3>(p, qx, rows, live, sc, mn, ahead); break;
+        default: TileI8<BITS, 4>(p, qx, rows, live, sc, mn, ahead); break;
+      }
+    }
+  };
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (threads == 1 || p.out * p.row_bytes * p.batch < kMinParallelBytes) {
+    range(0, groups);
+  } else {
+    ParallelChunks(pool, groups, threads, range);
+  }
+}
+#endif
+
 // The whole weight dequantized, float32 [out, in_pad] (output-major, the padding columns included): what a
 // prefill multiplies by. Many batch rows make a matmul compute-bound, where XLA's own float GEMM beats the
 // tiles above; this writes its operand at memory speed (XLA's dequantizing fusion ran ~10x slower).
@@ -588,7 +755,7 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyB
 }
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
-                           ffi::AnyBuffer mins, int64_t bits, int64_t block, bool has_mins,
+                           ffi::AnyBuffer mins, int64_t bits, int64_t block, bool has_mins, bool int8_activations,
                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
   const std::string where = "quantized matmul: ";
   Problem p{};
@@ -610,6 +777,16 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.x = xpad.data();
   p.y = y->typed_data();
   p.row_scale = bits == 8 && !has_mins && p.in_pad == block;
+#if defined(JAXSERVE_INT8_ACTIVATIONS)
+  if (int8_activations && block == 32 && p.batch <= 4 && !p.row_scale) {
+    thread_local QuantizedX qx;
+    bits == 4 ? QuantizeX<4>(p, &qx) : QuantizeX<8>(p, &qx);
+    WithScales(scales, mins, [&](const auto* s, const auto* m) {
+      bits == 4 ? RunI8<4>(pool, p, qx, s, m, has_mins) : RunI8<8>(pool, p, qx, s, m, has_mins);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   WithScales(scales, mins, [&](const auto* s, const auto* m) {
     bits == 4 ? Run<4>(pool, p, s, m, has_mins) : Run<8>(pool, p, s, m, has_mins);
   });
@@ -628,6 +805,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("block")
                                   .Attr<bool>("has_mins")
+                                  // x quantized to int8 a 32-block (VNNI, block-32 weights, batch <= 4; else
+                                  // the float32 form): llama.cpp's decode arithmetic
+                                  .Attr<bool>("int8_activations")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [B, out]
 );
 
