@@ -14,6 +14,7 @@ One batch at a time (the runtime before this change) would give 90, 180, 270 ms.
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -118,7 +119,9 @@ def test_runtime_pipelines_prefill_batches_on_the_timed_engine() -> None:
         "p0", engine, PrefillConfig(limits=ServingLimits(max_batch_tokens=PROMPT)), sink, lambda src, live: None
     )
     lives = [
-        LiveRequest(GenerateRequest(f"r{i}", (7,) * PROMPT, SamplingParams(max_tokens=1)), i, RequestTimings(0.0))
+        LiveRequest(
+            GenerateRequest(f"r{i}", (7,) * PROMPT, SamplingParams(max_tokens=1)), i, RequestTimings(time.monotonic())
+        )
         for i in range(3)
     ]
     for live in lives:
@@ -253,7 +256,9 @@ def test_a_failure_reported_by_a_watcher_kills_the_instance_and_hands_its_reques
         "p0", BrokenEngine(), PrefillConfig(limits=ServingLimits(max_batch_tokens=4)), Sink(), lambda src, live: None
     )
     for i in range(3):
-        inst.enqueue(LiveRequest(GenerateRequest(f"r{i}", (7, 8, 9), SamplingParams()), i, RequestTimings(0.0)))
+        inst.enqueue(
+            LiveRequest(GenerateRequest(f"r{i}", (7, 8, 9), SamplingParams()), i, RequestTimings(time.monotonic()))
+        )
     inst.start()
     try:
         assert died.wait(10)

@@ -119,6 +119,11 @@ def test_a_prefill_starts_at_its_last_prompts_arrival_or_stage_0s_end_not_at_the
     clock.now += 0.020
     engine.prefill([item("g", None)])
     assert clock.slept[-1] == pytest.approx(step, rel=1e-9)
+    # An arrival long past (a request moved off a lost instance keeps its first arrival) moves the start back by
+    # at most the batch's own stage-0 time: its modelled end is the call, not 10 s ago.
+    clock.now += 1.0
+    engine.prefill([item("h", clock.now - 10.0)])
+    assert engine._stage_free_at[0] == pytest.approx(clock.now, rel=1e-12)
 
 
 def test_a_step_after_one_that_left_rows_running_starts_at_its_end_however_late_the_host() -> None:

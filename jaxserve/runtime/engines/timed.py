@@ -157,8 +157,9 @@ class TimedEngine(Engine):
         Stage 0 runs the step's host work and its kernels, stage s > 0 starts when the batch has crossed the
         send from stage s − 1 and stage s has finished the batch before: alone a batch takes `cost.prefill_s`,
         and the next one enters stage 0 as soon as it frees (the simulator's prefill pipe). A batch starts when
-        stage 0 freed or its last prompt arrived, whichever is later (never after the call); one whose items do
-        not say when they arrived, within `host_slack_s` of stage 0's last end, at that end (as `_wait`)."""
+        stage 0 freed or its last prompt arrived, whichever is later (never after the call, and at most the
+        batch's own stage-0 time before it); one whose items do not say when they arrived, within `host_slack_s`
+        of stage 0's last end, at that end (as `_wait`)."""
         started = self._clock()
         layout = self.kv_layout()
         out = []
@@ -182,7 +183,10 @@ class TimedEngine(Engine):
         if items and None not in arrivals:
             # The batch could have entered stage 0 once its last prompt had arrived and stage 0 was free: the
             # host's wake-up after that (late under load, paid once per request) is not the modelled system's.
-            started = min(started, max(free[0], max(a for a in arrivals if a is not None)))
+            # By at most one stage-0 time: an arrival long past (a request moved off a lost instance keeps its
+            # first arrival; one held at admission) is not a wake-up, and must not rewrite the timeline.
+            ready = max(free[0], max(a for a in arrivals if a is not None))
+            started = max(min(started, ready), started - stage - host)
         elif started - free[0] <= self.host_slack_s:
             started = max(free[0], started - self.host_slack_s)
         t = started
