@@ -140,8 +140,12 @@ def test_jaxserve_serve_subprocess_ready_serves_and_stops_on_sigterm(tmp_path: P
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0  # a hang guard; how fast it stops is measured by hand (docs/serving.md)
         stderr = proc.stderr.read() if proc.stderr else ""
-        assert re.search(r"instance prefill-0: role=prefill tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
-        assert re.search(r"instance decode-0: role=decode tp=1 x pp=1 devices=\[\S+\]", stderr), stderr
+        assert re.search(
+            r"instance prefill-0: role=prefill tp=1 x pp=1 precision=checkpoint devices=\[\S+\]", stderr
+        ), stderr
+        assert re.search(r"instance decode-0: role=decode tp=1 x pp=1 precision=checkpoint devices=\[\S+\]", stderr), (
+            stderr
+        )
         # No --num-kv-blocks: the pool is sized from the memory the weights leave, and the size is logged.
         assert re.search(
             r"KV pool: \d+ blocks x 16 tokens per decode / colocated instance \(--kv-memory-fraction 0.9\)", stderr
